@@ -1,0 +1,31 @@
+# make run: set up .venv (once) and replay the bundled sample.  make test: the whole suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+SAMPLE ?= samples/handmade.safetensors
+
+.PHONY: run test venv lint test-vllm bench
+
+venv: $(STAMP)
+
+# CPU torch first (the build on this machine's disk): a bare `torch` requirement in a fresh venv
+# would otherwise pull a multi-GB CUDA build. Any torch >= 2.4 already installed is kept.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/dcptool replay $(SAMPLE); rc=$$?; test $$rc -le 1
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+	@echo "--- kernel tests once more, under the Triton interpreter (TRITON_INTERPRET=1)"
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel

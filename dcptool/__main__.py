@@ -1,0 +1,5 @@
+"""`python -m dcptool`."""
+
+from dcptool.cli import main
+
+main()

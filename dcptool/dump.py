@@ -1,0 +1,671 @@
+"""Dump format v1: columnar observations in one safetensors file; validated reads, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = "1"
+# safetensors' own reader refuses headers past 100 MB; a dcptool header is a few kB plus the
+# `dcptool.injected` index lists, so this bound is generous and keeps hostile files cheap.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+INT32_MAX = 2**31 - 1
+
+_DTYPES = {"I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "U8": np.dtype("u1"), "I8": np.dtype("i1")}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_ALL_DTYPES = {"BOOL", "U8", "I8", "U16", "I16", "F16", "BF16", "U32", "I32", "F32", "U64", "I64", "F64",
+               "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"}
+
+# key -> (dtype, length kind): "n" per observation, "n+1" offsets, or the offsets key that sizes it.
+REQUIRED = {
+    "obs.step": ("I64", "n"),
+    "obs.site": ("I32", "n"),
+    "obs.rank": ("I32", "n"),
+    "obs.ubatch": ("I32", "n"),
+    "obs.num_reqs": ("I32", "n"),
+    "obs.num_reqs_padded": ("I32", "n"),
+    "obs.rows": ("I64", "n+1"),
+    "obs.has_dcp": ("U8", "n"),
+    "obs.dcp_rows": ("I64", "n+1"),
+    "rows.seq_lens": ("I32", "obs.rows"),
+    "rows.dcp_local_seq_lens": ("I32", "obs.dcp_rows"),
+}
+OPTIONAL = {
+    "obs.parent": ("I64", "n"),
+    "obs.req_start": ("I32", "n"),
+    "obs.tok_start": ("I32", "n"),
+    "obs.tok_stop": ("I32", "n"),
+    "obs.qsl": ("I64", "n+1"),
+    "rows.query_start_loc": ("I32", "obs.qsl"),
+    "obs.num_tokens_padded": ("I32", "n"),
+    "obs.buffer": ("I64", "n"),
+    "obs.graph": ("I8", "n"),
+    "rows.kv_pages": ("I32", "obs.rows"),
+}
+COLUMNS = {**REQUIRED, **OPTIONAL}
+# Optional columns come in groups: a key is only meaningful with its partners.
+_GROUPS = [("obs.qsl", "rows.query_start_loc")]
+
+GRAPH_MODES = ("eager", "piecewise", "full-capture", "full-replay")
+
+
+class DumpError(ValueError):
+    """A dump that cannot be used; the message names the file, the key and what is wrong."""
+
+
+@dataclass(frozen=True)
+class DumpConfig:
+    """`dcptool.config`: the DCP layout every observation of a dump shares."""
+
+    dcp_size: int
+    cp_interleave: int = 1
+    sites: tuple[str, ...] = ()
+    pcp_size: int = 1
+    page_size: int | None = None
+    engine: str | None = None
+    engine_version: str | None = None
+    note: str | None = None
+
+    def to_json(self) -> dict:
+        d = {"dcp_size": self.dcp_size, "cp_interleave": self.cp_interleave, "sites": list(self.sites)}
+        if self.pcp_size != 1:
+            d["pcp_size"] = self.pcp_size
+        for k in ("page_size", "engine", "engine_version", "note"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return d
+
+
+@dataclass
+class Observation:
+    """One attention-metadata build as an engine saw it (the row form of the columnar dump)."""
+
+    step: int
+    site: str
+    rank: int
+    num_reqs: int
+    num_reqs_padded: int
+    seq_lens: np.ndarray
+    dcp_local_seq_lens: np.ndarray | None
+    ubatch: int = -1
+    parent: int | None = None
+    req_start: int | None = None
+    tok_start: int | None = None
+    tok_stop: int | None = None
+    query_start_loc: np.ndarray | None = None
+    num_tokens_padded: int | None = None
+    buffer: int | None = None
+    graph: int | None = None
+    kv_pages: np.ndarray | None = None
+
+
+@dataclass
+class Dump:
+    """Observations of one or more files, merged in the order DESIGN §2 gives; columns are numpy."""
+
+    files: list[str]
+    config: DumpConfig
+    columns: dict[str, np.ndarray]
+    file_index: np.ndarray  # [n] int32: which file each observation came from
+    file_obs: np.ndarray  # [n] int64: the observation's index inside its file
+    injected: list[dict[str, list[int]] | None] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)  # bytes of each file
+
+    @property
+    def n(self) -> int:
+        return int(self.columns["obs.step"].shape[0])
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.columns[key]
+
+    def has(self, *keys: str) -> bool:
+        return all(k in self.columns for k in keys)
+
+    def seq_lens_of(self, i: int) -> np.ndarray:
+        r = self.columns["obs.rows"]
+        return self.columns["rows.seq_lens"][r[i] : r[i + 1]]
+
+    def dcp_of(self, i: int) -> np.ndarray | None:
+        if not self.columns["obs.has_dcp"][i]:
+            return None
+        r = self.columns["obs.dcp_rows"]
+        return self.columns["rows.dcp_local_seq_lens"][r[i] : r[i + 1]]
+
+    def qsl_of(self, i: int) -> np.ndarray | None:
+        if "obs.qsl" not in self.columns:
+            return None
+        q = self.columns["obs.qsl"]
+        return self.columns["rows.query_start_loc"][q[i] : q[i + 1]]
+
+    def kv_pages_of(self, i: int) -> np.ndarray | None:
+        if "rows.kv_pages" not in self.columns:
+            return None
+        r = self.columns["obs.rows"]
+        return self.columns["rows.kv_pages"][r[i] : r[i + 1]]
+
+    def site_name(self, i: int) -> str:
+        return self.config.sites[int(self.columns["obs.site"][i])]
+
+    def file_of(self, i: int) -> str:
+        return self.files[int(self.file_index[i])]
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+def _fail(path: str, key: str | None, what: str) -> DumpError:
+    return DumpError(f"{path}: {key}: {what}" if key else f"{path}: {what}")
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict, int, int]:
+    """Parse and check the safetensors header; returns (header, data start, file size)."""
+    p = str(path)
+    if os.path.isdir(p):
+        raise _fail(p, None, "is a directory, not a dump file")
+    try:
+        size = os.path.getsize(p)
+        with open(p, "rb") as f:
+            head = f.read(8)
+            if size < 8:
+                raise _fail(p, None, f"not a safetensors file ({size} bytes; a dump starts with an 8-byte "
+                                     "header length)")
+            if head.startswith(b"version "):
+                first = (head + f.read(64)).split(b"\n")[0]
+                if b"git-lfs" in first:
+                    raise _fail(p, None, "is a Git LFS pointer, not the dump itself (run `git lfs pull`)")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > MAX_HEADER_BYTES:
+                raise _fail(p, None, f"not a safetensors file, or header too large ({hlen} bytes > "
+                                     f"{MAX_HEADER_BYTES})")
+            if 8 + hlen > size:
+                raise _fail(p, None, f"truncated: header declares {hlen} bytes but the file has {size - 8}")
+            raw = f.read(hlen)
+    except OSError as e:
+        raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise _fail(p, None, "not a safetensors file (header is not UTF-8 JSON)") from None
+    if not isinstance(header, dict):
+        raise _fail(p, None, "not a safetensors file (header is not a JSON object)")
+    return header, 8 + hlen, size
+
+
+def _check_entries(p: str, header: dict, data_start: int, size: int) -> dict[str, tuple[str, list, int, int]]:
+    """Each tensor entry well-formed, in bounds, sized by its dtype and shape, not overlapping."""
+    data_len = size - data_start
+    entries = {}
+    for key, e in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or not isinstance(
+                e.get("shape"), list) or not isinstance(e.get("data_offsets"), list):
+            raise _fail(p, key, "malformed tensor entry (needs dtype, shape and data_offsets)")
+        dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+        if dt not in _ALL_DTYPES:
+            raise _fail(p, key, f"unknown dtype {dt!r}")
+        if not all(type(s) is int and s >= 0 for s in shape):
+            raise _fail(p, key, f"bad shape {shape!r}")
+        if len(offs) != 2 or not all(type(o) is int for o in offs) or not 0 <= offs[0] <= offs[1]:
+            raise _fail(p, key, f"bad data_offsets {offs!r}")
+        if offs[1] > data_len:
+            raise _fail(p, key, f"truncated: data runs to byte {offs[1]} but the file holds {data_len} "
+                                "bytes of data")
+        count = 1
+        for s in shape:
+            count *= s
+        if dt in _DTYPES and count * _DTYPES[dt].itemsize != offs[1] - offs[0]:
+            raise _fail(p, key, f"data_offsets span {offs[1] - offs[0]} bytes, but {dt}{shape} needs "
+                                f"{count * _DTYPES[dt].itemsize}")
+        entries[key] = (dt, shape, offs[0], offs[1])
+    spans = sorted((v[2], v[3], k) for k, v in entries.items() if v[3] > v[2])
+    for (_a0, a1, ka), (b0, _b1, kb) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise _fail(p, kb, f"data overlaps {ka}")
+    end = max((v[3] for v in entries.values()), default=0)
+    if end != data_len:
+        raise _fail(p, None, f"file size mismatch: tensors end at byte {end} of the data but the file "
+                             f"holds {data_len} (trailing bytes or a broken copy)")
+    return entries
+
+
+def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
+    fmt = meta.get("dcptool.format")
+    if fmt is None:
+        raise _fail(p, "__metadata__", "not a dcptool dump (no dcptool.format entry)")
+    if fmt != FORMAT_VERSION:
+        raise _fail(p, "dcptool.format", f"unknown format version {fmt!r} (this dcptool reads "
+                                         f"{FORMAT_VERSION!r}; upgrade dcptool)")
+    raw = meta.get("dcptool.config")
+    if raw is None:
+        raise _fail(p, "dcptool.config", "missing")
+    try:
+        c = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        raise _fail(p, "dcptool.config", "not valid JSON") from None
+    if not isinstance(c, dict):
+        raise _fail(p, "dcptool.config", "must be a JSON object")
+
+    def int_field(name: str, default: int | None, minimum: int = 1) -> int | None:
+        v = c.get(name, default)
+        if v is None:
+            return None
+        if type(v) is not int:
+            raise _fail(p, "dcptool.config", f"{name} must be an integer, got {v!r}")
+        if v < minimum:
+            raise _fail(p, "dcptool.config", f"{name} must be >= {minimum}, got {v}")
+        if v > INT32_MAX:
+            raise _fail(p, "dcptool.config", f"{name} = {v} overflows int32")
+        return v
+
+    if "dcp_size" not in c:
+        raise _fail(p, "dcptool.config", "dcp_size missing")
+    dcp = int_field("dcp_size", None)
+    il = int_field("cp_interleave", 1)
+    pcp = int_field("pcp_size", 1)
+    page = int_field("page_size", None)
+    if dcp * il > INT32_MAX:
+        raise _fail(p, "dcptool.config", f"dcp_size * cp_interleave = {dcp * il} overflows int32 arithmetic")
+    sites = c.get("sites")
+    if not isinstance(sites, list) or not sites or not all(isinstance(s, str) for s in sites):
+        raise _fail(p, "dcptool.config", "sites must be a non-empty list of strings")
+    strs = {}
+    for k in ("engine", "engine_version", "note"):
+        v = c.get(k)
+        if v is not None and not isinstance(v, str):
+            raise _fail(p, "dcptool.config", f"{k} must be a string")
+        strs[k] = v
+    injected = None
+    if "dcptool.injected" in meta:
+        try:
+            injected = json.loads(meta["dcptool.injected"])
+        except (json.JSONDecodeError, RecursionError):
+            raise _fail(p, "dcptool.injected", "not valid JSON") from None
+        if not isinstance(injected, dict) or not all(
+                isinstance(v, list) and all(type(i) is int for i in v) for v in injected.values()):
+            raise _fail(p, "dcptool.injected", "must map fault names to lists of observation indices")
+    cfg = DumpConfig(dcp_size=dcp, cp_interleave=il, sites=tuple(sites), pcp_size=pcp, page_size=page, **strs)
+    return cfg, injected
+
+
+def _check_offsets(p: str, key: str, offs: np.ndarray, total: int) -> None:
+    if offs[0] != 0:
+        raise _fail(p, key, f"offsets must start at 0, got {offs[0]}")
+    d = np.diff(offs)
+    if d.size and d.min() < 0:
+        i = int(np.argmax(d < 0))
+        raise _fail(p, key, f"offsets not monotone at observation {i} ({offs[i]} > {offs[i + 1]})")
+    if offs[-1] != total:
+        raise _fail(p, key, f"offsets end at {offs[-1]} but the rows hold {total} values")
+
+
+def _first_bad(p: str, key: str, bad: np.ndarray, values: np.ndarray, what: str) -> None:
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise _fail(p, key, f"{what} at observation {i} (value {values[i]})")
+
+
+def read_dump(path: str | os.PathLike) -> Dump:
+    """Open one dump zero-copy (numpy memmap, copy-on-write) after validating all of DESIGN §2."""
+    p = str(path)
+    header, data_start, size = read_header(p)
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise _fail(p, "__metadata__", "must map strings to strings")
+    entries = _check_entries(p, header, data_start, size)
+    cfg, injected = _parse_config(p, meta)
+    for key in REQUIRED:
+        if key not in entries:
+            raise _fail(p, key, "missing")
+    for group in _GROUPS:
+        present = [k for k in group if k in entries]
+        if present and len(present) != len(group):
+            raise _fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")
+    cols: dict[str, np.ndarray] = {}
+    for key, (dt, shape, a, _b) in entries.items():
+        if key not in COLUMNS:
+            continue  # unknown keys are allowed: a newer writer may add columns
+        want = COLUMNS[key][0]
+        if len(shape) != 1:
+            raise _fail(p, key, f"must be 1-D, got shape {shape}")
+        if dt != want:
+            raise _fail(p, key, f"dtype must be {want}, got {dt}")
+        if shape[0] == 0:
+            cols[key] = np.zeros(0, _DTYPES[dt])
+        else:
+            cols[key] = np.memmap(p, dtype=_DTYPES[dt], mode="c", offset=data_start + a, shape=(shape[0],))
+    validate_columns(p, cfg, cols, injected)
+    n = cols["obs.step"].shape[0]
+    return Dump(files=[p], config=cfg, columns=cols, file_index=np.zeros(n, np.int32),
+                file_obs=np.arange(n, dtype=np.int64), injected=[injected], sizes=[size])
+
+
+def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected: dict | None = None) -> None:
+    """Every structural and value rule of DESIGN §2 on in-memory columns (used on read and on write)."""
+    for key in REQUIRED:
+        if key not in c:
+            raise _fail(p, key, "missing")
+    n = c["obs.step"].shape[0]
+    for key, (_, kind) in COLUMNS.items():
+        if key not in c:
+            continue
+        if c[key].ndim != 1:
+            raise _fail(p, key, f"must be 1-D, got shape {list(c[key].shape)}")
+        if kind == "n" and c[key].shape[0] != n:
+            raise _fail(p, key, f"has {c[key].shape[0]} values but obs.step has {n} observations")
+        if kind == "n+1" and c[key].shape[0] != n + 1:
+            raise _fail(p, key, f"has {c[key].shape[0]} offsets, expected n+1 = {n + 1}")
+    for key, (_, kind) in COLUMNS.items():
+        if key in c and kind.startswith("obs."):
+            if kind not in c:
+                raise _fail(p, key, f"present without its offsets {kind}")
+            if key == "rows.kv_pages":
+                if c[key].shape[0] != c["rows.seq_lens"].shape[0]:
+                    raise _fail(p, key, f"has {c[key].shape[0]} rows but rows.seq_lens has "
+                                        f"{c['rows.seq_lens'].shape[0]}")
+                continue
+            _check_offsets(p, kind, c[kind], c[key].shape[0])
+    site, rank, ub = c["obs.site"], c["obs.rank"], c["obs.ubatch"]
+    nr, nrp, has = c["obs.num_reqs"], c["obs.num_reqs_padded"], c["obs.has_dcp"]
+    _first_bad(p, "obs.site", (site < 0) | (site >= len(cfg.sites)), site,
+               f"site index out of range (config lists {len(cfg.sites)} sites)")
+    _first_bad(p, "obs.rank", (rank < 0) | (rank >= cfg.dcp_size), rank,
+               f"rank out of range for dcp_size {cfg.dcp_size}")
+    _first_bad(p, "obs.ubatch", ub < -1, ub, "micro-batch index below -1")
+    _first_bad(p, "obs.num_reqs", nr < 0, nr, "negative length")
+    _first_bad(p, "obs.num_reqs_padded", nrp < 0, nrp, "negative length")
+    _first_bad(p, "obs.num_reqs_padded", nr > nrp, nr, "num_reqs > num_reqs_padded")
+    _first_bad(p, "obs.has_dcp", has > 1, has, "must be 0 or 1")
+    rows = np.diff(c["obs.rows"])
+    _first_bad(p, "obs.rows", rows < nr, rows, "fewer seq_lens rows than num_reqs")
+    dcp_rows = np.diff(c["obs.dcp_rows"])
+    _first_bad(p, "obs.dcp_rows", (has == 0) & (dcp_rows != 0), dcp_rows, "rows recorded for a None DCP view")
+    sl = c["rows.seq_lens"]
+    if sl.size and sl.min() < 0:
+        i = int(np.argmax(sl < 0))
+        raise _fail(p, "rows.seq_lens", f"negative length {sl[i]} at row {i}")
+    if "obs.parent" in c:
+        par = c["obs.parent"]
+        _first_bad(p, "obs.parent", (par < -1) | (par >= n) | (par == np.arange(n)), par,
+                   "parent index out of range")
+    for key in ("obs.req_start", "obs.tok_start", "obs.tok_stop", "obs.num_tokens_padded"):
+        if key in c:
+            _first_bad(p, key, c[key] < -1, c[key], "negative (use -1 for unknown)")
+    if "obs.qsl" in c:
+        q = np.diff(c["obs.qsl"])
+        _first_bad(p, "obs.qsl", (q != rows + 1) & (q != 0), q,
+                   "query_start_loc must hold seq_lens rows + 1 values (or 0 when unknown)")
+    if "obs.graph" in c:
+        g = c["obs.graph"]
+        _first_bad(p, "obs.graph", (g < 0) | (g > 3), g, "must be 0..3 (eager, piecewise, capture, replay)")
+    if "rows.kv_pages" in c and cfg.page_size is None:
+        raise _fail(p, "rows.kv_pages", "present but dcptool.config has no page_size")
+    if injected:
+        for fault, idx in injected.items():
+            if any(not 0 <= i < n for i in idx):
+                raise _fail(p, "dcptool.injected", f"{fault}: observation index out of range")
+
+
+def open_dumps(paths: list[str | os.PathLike]) -> Dump:
+    """Read several files as one run: ordered by step, then file order, then order within a file."""
+    if not paths:
+        raise DumpError("no dump files given")
+    dumps = [read_dump(p) for p in paths]
+    if len(dumps) == 1:
+        return dumps[0]
+    base = dumps[0].config
+    for d in dumps[1:]:
+        c = d.config
+        for k in ("dcp_size", "cp_interleave", "pcp_size", "page_size"):
+            if getattr(c, k) != getattr(base, k):
+                raise DumpError(f"{d.files[0]}: dcptool.config: {k} = {getattr(c, k)} but {dumps[0].files[0]} "
+                                f"has {getattr(base, k)}; these files are not one run")
+    sites = list(base.sites)
+    for d in dumps[1:]:
+        sites += [s for s in d.config.sites if s not in sites]
+    cfg = DumpConfig(**{**base.__dict__, "sites": tuple(sites)})
+    keys = [k for k in COLUMNS if all(k in d.columns for d in dumps)]
+    # Stable sort by (step, file): observations of one step keep file order, then in-file order.
+    step = np.concatenate([d["obs.step"] for d in dumps])
+    fidx = np.concatenate([np.full(d.n, i, np.int32) for i, d in enumerate(dumps)])
+    fobs = np.concatenate([np.arange(d.n, dtype=np.int64) for d in dumps])
+    order = np.lexsort((fobs, fidx, step))
+    starts = np.cumsum([0] + [d.n for d in dumps])
+    inv = np.empty_like(order)
+    inv[order] = np.arange(order.size)
+    cols: dict[str, np.ndarray] = {}
+    for key in keys:
+        kind = COLUMNS[key][1]
+        if kind == "n":
+            parts = []
+            for i, d in enumerate(dumps):
+                v = d[key]
+                if key == "obs.site":
+                    remap = np.array([sites.index(s) for s in d.config.sites], np.int32)
+                    v = remap[v]
+                elif key == "obs.parent":
+                    v = np.where(v >= 0, v + starts[i], -1)
+                parts.append(v)
+            v = np.concatenate(parts)
+            if key == "obs.parent":
+                v = np.where(v >= 0, inv[np.maximum(v, 0)], -1)
+            cols[key] = v[order]
+    for offs_key, row_keys in (("obs.rows", ["rows.seq_lens", "rows.kv_pages"]),
+                               ("obs.dcp_rows", ["rows.dcp_local_seq_lens"]),
+                               ("obs.qsl", ["rows.query_start_loc"])):
+        if offs_key not in keys:
+            continue
+        lens = np.concatenate([np.diff(d[offs_key]) for d in dumps])
+        starts_rows = np.concatenate([d[offs_key][:-1] + sum(dd[offs_key][-1] for dd in dumps[:i])
+                                      for i, d in enumerate(dumps)])
+        lens_o = lens[order]
+        new_offs = np.zeros(order.size + 1, np.int64)
+        np.cumsum(lens_o, out=new_offs[1:])
+        cols[offs_key] = new_offs
+        # gather every row run in the new order with one vectorised index build
+        src = np.repeat(starts_rows[order] - new_offs[:-1], lens_o) + np.arange(new_offs[-1])
+        for rk in row_keys:
+            if rk in keys:
+                cols[rk] = np.concatenate([d[rk] for d in dumps])[src]
+    return Dump(files=[f for d in dumps for f in d.files], config=cfg, columns=cols, file_index=fidx[order],
+                file_obs=fobs[order], injected=[d.injected[0] for d in dumps], sizes=[d.sizes[0] for d in dumps])
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfig, dict[str, np.ndarray]]:
+    """Row-form observations -> columns. Sites are added to the config in order of first use.
+
+    Optional columns are written when any observation knows them; the others get -1 ("unknown";
+    0 for obs.buffer, as DESIGN §2 says), so checks needing them skip those observations.
+    """
+    sites = list(config.sites)
+    for o in observations:
+        if o.site not in sites:
+            sites.append(o.site)
+    cfg = DumpConfig(**{**config.__dict__, "sites": tuple(sites)})
+    n = len(observations)
+
+    def col(attr: str, dtype: str, default: int = -1) -> np.ndarray:
+        return np.array([default if getattr(o, attr) is None else getattr(o, attr) for o in observations],
+                        dtype=dtype)
+
+    def offsets(lens: list[int]) -> np.ndarray:
+        out = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=out[1:])
+        return out
+
+    def cat(arrs: list, dtype: str) -> np.ndarray:
+        return np.concatenate([np.asarray(a, dtype=dtype).reshape(-1) for a in arrs]) if arrs else np.zeros(0, dtype)
+
+    site_idx = {s: i for i, s in enumerate(sites)}
+    seq = [np.asarray(o.seq_lens).reshape(-1) for o in observations]
+    dcp = [np.zeros(0) if o.dcp_local_seq_lens is None else np.asarray(o.dcp_local_seq_lens).reshape(-1)
+           for o in observations]
+    cols = {
+        "obs.step": col("step", "<i8"),
+        "obs.site": np.array([site_idx[o.site] for o in observations], "<i4"),
+        "obs.rank": col("rank", "<i4"),
+        "obs.ubatch": col("ubatch", "<i4"),
+        "obs.num_reqs": col("num_reqs", "<i4"),
+        "obs.num_reqs_padded": col("num_reqs_padded", "<i4"),
+        "obs.rows": offsets([s.size for s in seq]),
+        "obs.has_dcp": np.array([o.dcp_local_seq_lens is not None for o in observations], "u1"),
+        "obs.dcp_rows": offsets([d.size for d in dcp]),
+        "rows.seq_lens": cat(seq, "<i4"),
+        "rows.dcp_local_seq_lens": cat(dcp, "<i4"),
+    }
+    for attr, key, dtype, default in (("parent", "obs.parent", "<i8", -1), ("req_start", "obs.req_start", "<i4", -1),
+                                      ("tok_start", "obs.tok_start", "<i4", -1),
+                                      ("tok_stop", "obs.tok_stop", "<i4", -1),
+                                      ("num_tokens_padded", "obs.num_tokens_padded", "<i4", -1),
+                                      ("buffer", "obs.buffer", "<i8", 0), ("graph", "obs.graph", "i1", 0)):
+        if any(getattr(o, attr) is not None for o in observations):
+            cols[key] = col(attr, dtype, default)
+    if any(o.query_start_loc is not None for o in observations):
+        q = [np.zeros(0) if o.query_start_loc is None else np.asarray(o.query_start_loc).reshape(-1)
+             for o in observations]
+        cols["obs.qsl"] = offsets([a.size for a in q])
+        cols["rows.query_start_loc"] = cat(q, "<i4")
+    if any(o.kv_pages is not None for o in observations):
+        cols["rows.kv_pages"] = cat([np.full(s.size, -1) if o.kv_pages is None else o.kv_pages
+                                     for o, s in zip(observations, seq)], "<i4")
+    return cfg, cols
+
+
+def encode(config: DumpConfig, columns: dict[str, np.ndarray], injected: dict | None = None,
+           extra_metadata: dict[str, str] | None = None) -> tuple[bytes, list[tuple[str, np.ndarray]]]:
+    """The safetensors header and the tensors to follow it, in a fixed (sorted) order."""
+    meta = {"dcptool.format": FORMAT_VERSION, "dcptool.config": json.dumps(config.to_json(), sort_keys=True)}
+    if injected is not None:
+        meta["dcptool.injected"] = json.dumps({k: sorted(v) for k, v in sorted(injected.items())})
+    meta.update(extra_metadata or {})
+    header: dict = {"__metadata__": meta}
+    tensors = []
+    off = 0
+    for key in sorted(columns):
+        want = COLUMNS[key][0] if key in COLUMNS else None
+        arr = np.ascontiguousarray(columns[key])
+        if want is not None:
+            arr = arr.astype(_DTYPES[want], copy=False)
+        header[key] = {"dtype": _DTYPE_NAMES[arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype],
+                       "shape": [int(arr.shape[0])], "data_offsets": [off, off + arr.nbytes]}
+        off += arr.nbytes
+        tensors.append((key, arr))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes with spaces
+    return struct.pack("<Q", len(raw)) + raw, tensors
+
+
+def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True) -> None:
+    """Write chunks (bytes-like) to a temporary file beside `path`, fsync, then rename over it.
+
+    A crash leaves either the old file or the new one, never a torn one, and no temporary behind.
+    """
+    p = Path(path)
+    if not force and p.exists():
+        raise FileExistsError(f"{p}: exists (use --force to overwrite)")
+    d = p.parent if str(p.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass  # some filesystems refuse directory fsync; the rename itself is still atomic
+
+
+def write_dump(path: str | os.PathLike, config: DumpConfig, columns: dict[str, np.ndarray],
+               injected: dict | None = None, *, force: bool = True) -> None:
+    """Validate columns (so every dump we write reads back) and write them atomically."""
+    cols = {k: np.asarray(v).astype(_DTYPES[COLUMNS[k][0]], copy=False) if k in COLUMNS else np.asarray(v)
+            for k, v in columns.items()}
+    validate_columns(str(path), config, cols, injected)
+    header, tensors = encode(config, cols, injected)
+    atomic_write(path, [header] + [memoryview(a).cast("B") for _, a in tensors if a.nbytes], force=force)
+
+
+def write_observations(path: str | os.PathLike, observations: list[Observation], config: DumpConfig,
+                       injected: dict | None = None, *, force: bool = True) -> DumpConfig:
+    cfg, cols = pack(observations, config)
+    write_dump(path, cfg, cols, injected, force=force)
+    return cfg
+
+
+@dataclass
+class DumpInfo:
+    """What `dcptool inspect` shows: a dump's config, extent and which optional columns it holds."""
+
+    files: list[str]
+    format: str
+    bytes: int
+    config: DumpConfig
+    observations: int
+    with_view: int
+    without_view: int
+    steps: tuple[int, int] | None
+    distinct_steps: int
+    sites: dict[str, int]
+    ranks: dict[int, int]
+    ubatches: dict[int, int]
+    seq_rows: int
+    dcp_rows: int
+    max_num_reqs: int
+    max_num_reqs_padded: int
+    optional: list[str]
+    injected: dict[str, list[int]]
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["config"] = self.config.to_json()
+        d["steps"] = list(self.steps) if self.steps else None
+        d["ranks"] = {str(k): v for k, v in self.ranks.items()}
+        d["ubatches"] = {str(k): v for k, v in self.ubatches.items()}
+        return d
+
+
+def describe(d: Dump) -> DumpInfo:
+    def counts(a: np.ndarray) -> dict[int, int]:
+        v, n = np.unique(a, return_counts=True)
+        return {int(x): int(y) for x, y in zip(v, n)}
+
+    step = d["obs.step"]
+    has = int(d["obs.has_dcp"].sum())
+    injected: dict[str, list[int]] = {}
+    for inj in d.injected:
+        for k, v in (inj or {}).items():
+            injected.setdefault(k, []).extend(v)
+    return DumpInfo(files=d.files, format=FORMAT_VERSION, bytes=sum(d.sizes), config=d.config, observations=d.n,
+                    with_view=has, without_view=d.n - has,
+                    steps=(int(step.min()), int(step.max())) if d.n else None,
+                    distinct_steps=int(np.unique(step).size),
+                    sites={d.config.sites[k]: v for k, v in counts(d["obs.site"]).items()},
+                    ranks=counts(d["obs.rank"]), ubatches=counts(d["obs.ubatch"]),
+                    seq_rows=int(d["rows.seq_lens"].size), dcp_rows=int(d["rows.dcp_local_seq_lens"].size),
+                    max_num_reqs=int(d["obs.num_reqs"].max()) if d.n else 0,
+                    max_num_reqs_padded=int(d["obs.num_reqs_padded"].max()) if d.n else 0,
+                    optional=[k for k in OPTIONAL if k in d.columns], injected=injected)

@@ -1,0 +1,189 @@
+"""Triton kernels for DCP-local lengths: vLLM's per-batch kernel and fused whole-dump kernels.
+
+The only module that imports triton, and only on first use: `dcptool --help`, `inspect` and the
+torch backend never pay for it. Without a GPU the kernels run in Triton's interpreter, which must
+be switched on before triton is imported (TRITON_INTERPRET=1); `_triton()` does that.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+BLOCK_SIZE = 128  # vLLM's launch: BLOCK_SIZE 128, grid cdiv(max_num_reqs, 128)
+FUSED_BLOCK = 256  # rows per inner step of the fused kernels (observations hold ~64-512 rows)
+
+
+class BackendError(RuntimeError):
+    """The requested backend cannot run here (says why and what to use instead)."""
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def _triton() -> SimpleNamespace:
+    """Import triton (switching on the interpreter when there is no GPU) and define the kernels."""
+    if not torch.cuda.is_available():
+        if "triton" in sys.modules and not interpreted():
+            raise BackendError("triton was imported without TRITON_INTERPRET=1 and there is no GPU; "
+                               "set TRITON_INTERPRET=1 before starting, or use --backend torch")
+        os.environ["TRITON_INTERPRET"] = "1"
+    # Kernels resolve names through the module's globals, so triton, tl and the shared jitted
+    # helper are bound there (not as closure variables of this function).
+    global triton, tl, _local
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as e:  # pragma: no cover - triton is a Linux dependency
+        raise BackendError(f"triton is not installed ({e}); use --backend torch") from None
+
+    @triton.jit
+    def _dcp_local_seq_lens_kernel(out_ptr, seq_lens_ptr, dcp_size, dcp_rank, cp_interleave, num_reqs,
+                                   max_num_reqs, BLOCK_SIZE: tl.constexpr):
+        # vLLM's semantics: rows < num_reqs get the formula, every other row of the buffer is 0.
+        block = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        real = block < num_reqs
+        seq = tl.load(seq_lens_ptr + block, mask=real, other=0)
+        span = dcp_size * cp_interleave
+        rounds = seq // span
+        rem = seq - rounds * span
+        rem = tl.minimum(tl.maximum(rem - dcp_rank * cp_interleave, 0), cp_interleave)
+        local = tl.where(real, rounds * cp_interleave + rem, 0)
+        tl.store(out_ptr + block, local, mask=block < max_num_reqs)
+
+    @triton.jit
+    def _local_fn(seq, rank, span, cp_interleave):
+        rounds = seq // span
+        rem = seq - rounds * span
+        rem = tl.minimum(tl.maximum(rem - rank * cp_interleave, 0), cp_interleave)
+        return rounds * cp_interleave + rem
+
+    _local = _local_fn
+
+    @triton.jit
+    def _expected_rows_kernel(out_ptr, seq_lens_ptr, offsets_ptr, num_reqs_ptr, ranks_ptr, dcp_size,
+                              cp_interleave, BLOCK: tl.constexpr):
+        # One program per observation: its rows in BLOCK steps; real rows formula, the rest 0.
+        obs = tl.program_id(0).to(tl.int64)
+        start = tl.load(offsets_ptr + obs)
+        length = tl.load(offsets_ptr + obs + 1) - start
+        nreq = tl.load(num_reqs_ptr + obs)
+        rank = tl.load(ranks_ptr + obs)
+        span = dcp_size * cp_interleave
+        for j0 in range(0, length, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            inb = j < length
+            seq = tl.load(seq_lens_ptr + start + j, mask=inb, other=0)
+            local = tl.where(j < nreq, _local(seq, rank, span, cp_interleave), 0)
+            tl.store(out_ptr + start + j, local, mask=inb)
+
+    @triton.jit
+    def _check_rows_kernel(stats_ptr, n_obs, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr, num_reqs_ptr,
+                           num_reqs_padded_ptr, ranks_ptr, dcp_size, cp_interleave, BLOCK: tl.constexpr):
+        # Compare the recorded view with the expected rows without materialising them: per
+        # observation, [wrong real rows, first wrong real row, bad padded rows, first bad padded row].
+        obs = tl.program_id(0).to(tl.int64)
+        seq_start = tl.load(rows_ptr + obs)
+        dcp_start = tl.load(dcp_rows_ptr + obs)
+        dcp_len = (tl.load(dcp_rows_ptr + obs + 1) - dcp_start).to(tl.int32)
+        nreq = tl.load(num_reqs_ptr + obs)
+        npad = tl.load(num_reqs_padded_ptr + obs)
+        rank = tl.load(ranks_ptr + obs)
+        span = dcp_size * cp_interleave
+        m = tl.minimum(dcp_len, npad)
+        big = 2147483647
+        n_wrong = tl.zeros([BLOCK], dtype=tl.int32)
+        first_wrong = tl.full([BLOCK], big, dtype=tl.int32)
+        n_pad = tl.zeros([BLOCK], dtype=tl.int32)
+        first_pad = tl.full([BLOCK], big, dtype=tl.int32)
+        for j0 in range(0, m, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            inb = j < m
+            real = j < nreq
+            seq = tl.load(seq_lens_ptr + seq_start + j, mask=inb & real, other=0)
+            rec = tl.load(dcp_ptr + dcp_start + j, mask=inb, other=0)
+            exp = tl.where(real, _local(seq, rank, span, cp_interleave), 0)
+            bad = inb & (rec != exp)
+            bad_real = bad & real
+            bad_pad = bad & (j >= nreq)
+            n_wrong += bad_real.to(tl.int32)
+            first_wrong = tl.minimum(first_wrong, tl.where(bad_real, j, big))
+            n_pad += bad_pad.to(tl.int32)
+            first_pad = tl.minimum(first_pad, tl.where(bad_pad, j, big))
+        fw = tl.min(first_wrong, axis=0)
+        fp = tl.min(first_pad, axis=0)
+        tl.store(stats_ptr + obs, tl.sum(n_wrong, axis=0))
+        tl.store(stats_ptr + n_obs + obs, tl.where(fw == big, -1, fw))
+        tl.store(stats_ptr + 2 * n_obs + obs, tl.sum(n_pad, axis=0))
+        tl.store(stats_ptr + 3 * n_obs + obs, tl.where(fp == big, -1, fp))
+
+    return SimpleNamespace(triton=triton, dcp=_dcp_local_seq_lens_kernel, expected=_expected_rows_kernel,
+                           check=_check_rows_kernel)
+
+
+def device() -> torch.device:
+    """Where the Triton kernels run: the GPU when there is one, else the CPU (interpreter)."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def prepare_dcp_local_seq_lens(buf: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int, dcp_size: int,
+                               dcp_rank: int, cp_interleave: int = 1, *,
+                               num_reqs_padded: int | None = None) -> torch.Tensor:
+    """vLLM's helper: one launch over the whole persistent buffer; returns buf[:num_reqs_padded]."""
+    if buf.dtype != torch.int32 or buf.dim() != 1:
+        raise ValueError(f"buf must be a 1-D int32 buffer, got {buf.dtype} {tuple(buf.shape)}")
+    if dcp_size < 1 or cp_interleave < 1 or not 0 <= dcp_rank < dcp_size:
+        raise ValueError(f"need dcp_size >= 1, 0 <= dcp_rank < dcp_size, cp_interleave >= 1; got "
+                         f"{dcp_size}, {dcp_rank}, {cp_interleave}")
+    max_num_reqs = buf.shape[0]
+    if not 0 <= num_reqs <= max_num_reqs or seq_lens.shape[0] < num_reqs:
+        raise ValueError(f"num_reqs {num_reqs} must be <= buffer length {max_num_reqs} and <= seq_lens rows "
+                         f"{seq_lens.shape[0]}")
+    if num_reqs_padded is not None and not num_reqs <= num_reqs_padded <= max_num_reqs:
+        raise ValueError(f"num_reqs_padded {num_reqs_padded} must lie in [num_reqs, buffer length]")
+    if seq_lens.device != buf.device:
+        raise ValueError(f"seq_lens on {seq_lens.device} but buf on {buf.device}")
+    k = _triton()
+    seq = seq_lens.to(torch.int32).contiguous()
+    grid = (k.triton.cdiv(max_num_reqs, BLOCK_SIZE),)
+    if max_num_reqs:
+        k.dcp[grid](buf, seq, dcp_size, dcp_rank, cp_interleave, num_reqs, max_num_reqs, BLOCK_SIZE=BLOCK_SIZE)
+    return buf[:num_reqs_padded]
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    return t.to(device=dev, dtype=dtype).contiguous()
+
+
+def expected_rows(seq_lens: torch.Tensor, offsets: torch.Tensor, num_reqs: torch.Tensor, ranks: torch.Tensor,
+                  dcp_size: int, cp_interleave: int = 1) -> torch.Tensor:
+    """Fused: the expected rows of every observation in one launch (same contract as the reference)."""
+    dev = seq_lens.device
+    n = num_reqs.shape[0]
+    out = torch.empty(seq_lens.shape[0], dtype=torch.int32, device=dev)
+    if n and seq_lens.shape[0]:
+        _triton().expected[(n,)](out, _as(seq_lens, torch.int32, dev), _as(offsets, torch.int64, dev),
+                                 _as(num_reqs, torch.int32, dev), _as(ranks, torch.int32, dev), dcp_size,
+                                 cp_interleave, BLOCK=FUSED_BLOCK)
+    return out
+
+
+def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dcp_rows: torch.Tensor,
+               num_reqs: torch.Tensor, num_reqs_padded: torch.Tensor, ranks: torch.Tensor, dcp_size: int,
+               cp_interleave: int = 1) -> torch.Tensor:
+    """Fused check of recorded views against the formula; [4, n] int32 (see reference.check_rows)."""
+    dev = seq_lens.device
+    n = num_reqs.shape[0]
+    stats = torch.empty(4 * n, dtype=torch.int32, device=dev)
+    if n:
+        _triton().check[(n,)](stats, n, _as(seq_lens, torch.int32, dev), _as(rows, torch.int64, dev),
+                              _as(dcp, torch.int32, dev), _as(dcp_rows, torch.int64, dev),
+                              _as(num_reqs, torch.int32, dev), _as(num_reqs_padded, torch.int32, dev),
+                              _as(ranks, torch.int32, dev), dcp_size, cp_interleave, BLOCK=FUSED_BLOCK)
+    return stats.view(4, n)

@@ -1,0 +1,99 @@
+"""Triton kernels == the torch reference on seeded random inputs (interpreter on CPU, real on CUDA)."""
+
+import numpy as np
+import pytest
+import torch
+
+from dcptool import kernel, reference
+
+pytestmark = pytest.mark.kernel
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SIZES = [0, 1, 127, 128, 129, 1000, 1537]
+
+
+@pytest.fixture(params=DEVICES)
+def dev(request):
+    if request.param == "cpu" and torch.cuda.is_available():
+        pytest.skip("the Triton interpreter only runs without a GPU")
+    return torch.device(request.param)
+
+
+@pytest.mark.parametrize("max_num_reqs", SIZES)
+@pytest.mark.parametrize("N,I", [(2, 1), (4, 16), (8, 64), (3, 3)])
+def test_vllm_shaped_kernel_matches_reference(dev, max_num_reqs, N, I):
+    g = torch.Generator().manual_seed(max_num_reqs * 31 + N * 7 + I)
+    seq = torch.randint(0, 200_000, (max_num_reqs,), generator=g, dtype=torch.int32)
+    for num_reqs in sorted({0, max_num_reqs // 2, max_num_reqs}):
+        rank = int(torch.randint(0, N, (1,), generator=g))
+        nrp = min(max_num_reqs, num_reqs + 3)
+        buf = torch.full((max_num_reqs,), -7, dtype=torch.int32, device=dev)  # poisoned: every row must be written
+        ref = torch.full((max_num_reqs,), -7, dtype=torch.int32)
+        out = kernel.prepare_dcp_local_seq_lens(buf, seq.to(dev), num_reqs, N, rank, I, num_reqs_padded=nrp)
+        want = reference.prepare_dcp_local_seq_lens(ref, seq, num_reqs, N, rank, I, num_reqs_padded=nrp)
+        assert out.data_ptr() == buf.data_ptr() and out.shape == (nrp,)
+        assert torch.equal(buf.cpu(), ref), (num_reqs, rank)
+        assert torch.equal(out.cpu(), want)
+
+
+def test_vllm_kernel_validates(dev):
+    buf = torch.zeros(4, dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError):
+        kernel.prepare_dcp_local_seq_lens(buf, torch.zeros(8, dtype=torch.int32, device=dev), 5, 2, 0, 1)
+    with pytest.raises(ValueError):
+        kernel.prepare_dcp_local_seq_lens(buf, torch.zeros(4, dtype=torch.int32, device=dev), 2, 2, 2, 1)
+    with pytest.raises(ValueError):
+        kernel.prepare_dcp_local_seq_lens(buf.long(), torch.zeros(4, dtype=torch.int32, device=dev), 2, 2, 0, 1)
+
+
+def _random_dump(rng, n_obs, N, I, wrong_rate=0.1):
+    lens = rng.choice([0, 1, 127, 128, 129, 300, 513], size=n_obs)
+    nreq = np.array([rng.integers(0, l + 1) for l in lens])
+    rows = np.zeros(n_obs + 1, np.int64)
+    rows[1:] = np.cumsum(lens)
+    seq = rng.integers(0, 1 << 20, rows[-1]).astype(np.int32)
+    ranks = rng.integers(0, N, n_obs).astype(np.int32)
+    exp = reference.expected_rows(torch.from_numpy(seq), torch.from_numpy(rows), torch.from_numpy(nreq),
+                                  torch.from_numpy(ranks), N, I).numpy()
+    # recorded views: mostly right, some short/long, some wrong values in real and padded rows
+    dlen = np.where(rng.random(n_obs) < 0.1, np.maximum(lens + rng.integers(-3, 4, n_obs), 0), lens)
+    drows = np.zeros(n_obs + 1, np.int64)
+    drows[1:] = np.cumsum(dlen)
+    dcp = np.zeros(drows[-1], np.int32)
+    for i in range(n_obs):
+        m = min(dlen[i], lens[i])
+        dcp[drows[i]:drows[i] + m] = exp[rows[i]:rows[i] + m]
+    flip = rng.random(dcp.size) < wrong_rate / 50
+    dcp[flip] = rng.integers(-1, 5000, int(flip.sum()))
+    return seq, rows, dcp, drows, nreq.astype(np.int32), lens.astype(np.int32), ranks
+
+
+@pytest.mark.parametrize("n_obs", [1, 7, 200])
+@pytest.mark.parametrize("N,I", [(2, 1), (4, 16), (8, 2)])
+def test_fused_kernels_match_reference(dev, n_obs, N, I):
+    rng = np.random.default_rng(n_obs * 13 + N)
+    seq, rows, dcp, drows, nreq, nrp, ranks = _random_dump(rng, n_obs, N, I)
+    t = [torch.from_numpy(x) for x in (seq, rows, dcp, drows, nreq, nrp, ranks)]
+    ref = reference.check_rows(*t, N, I)
+    got = kernel.check_rows(*[x.to(dev) for x in t], N, I).cpu()
+    assert torch.equal(got, ref)
+    assert int(ref[0].sum() + ref[2].sum()) > 0 or n_obs == 1  # the planted errors are seen
+    exp_ref = reference.expected_rows(t[0], t[1], t[4], t[6], N, I)
+    exp = kernel.expected_rows(t[0].to(dev), t[1].to(dev), t[4].to(dev), t[6].to(dev), N, I).cpu()
+    assert torch.equal(exp, exp_ref)
+
+
+def test_check_rows_reports_first_wrong_row():
+    seq = torch.tensor([17, 25, 0, 0], dtype=torch.int32)
+    rows = torch.tensor([0, 4])
+    dcp = torch.tensor([9, 12, 0, -1], dtype=torch.int32)  # row 1 wrong (13), padded row 3 = -1
+    args = (seq, rows, dcp, torch.tensor([0, 4]), torch.tensor([2]), torch.tensor([4]), torch.tensor([0]), 2, 1)
+    want = [[1], [1], [1], [3]]
+    assert reference.check_rows(*args).tolist() == want
+    assert kernel.check_rows(*args).tolist() == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_backend_uses_triton_on_cuda():
+    from dcptool.replay import resolve_backend
+
+    assert resolve_backend("auto") == ("triton", "cuda")
