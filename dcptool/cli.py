@@ -15,6 +15,9 @@ app = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False, add
                   help="Replay and debug decode-context-parallel (DCP) metadata recorded from serving engines.")
 
 
+MAX_ROW_VIEW = 1 << 22  # cells (rows + real rows x ranks) that `replay --obs` will lay out
+
+
 class Trouble(Exception):
     """Bad usage or bad input: one line on stderr, exit code 2."""
 
@@ -47,7 +50,16 @@ def _obs_index(d, spec: str) -> int:
     if hit.size == 0:
         raise Trouble(f"--obs {spec!r}: {d.files[fi]} has no observation {k} "
                       f"(it has {int((d.file_index == fi).sum())})")
-    return int(hit[0])
+    i = int(hit[0])
+    # The row view lists max(num_reqs_padded, view length) rows and every rank's value for each real
+    # row; num_reqs_padded is only a recorded number, so bound the table before building it.
+    rows = max(int(d["obs.num_reqs_padded"][i]), int(d["obs.dcp_rows"][i + 1] - d["obs.dcp_rows"][i]))
+    cells = rows + int(d["obs.num_reqs"][i]) * d.config.dcp_size
+    if cells > MAX_ROW_VIEW:
+        raise Trouble(f"--obs {spec!r}: {d.files[fi]} observation {k} has {rows} rows and dcp_size "
+                      f"{d.config.dcp_size}: too large to show row by row (limit {MAX_ROW_VIEW:,} cells); "
+                      "use replay --json")
+    return i
 
 
 @app.command()
@@ -110,4 +122,9 @@ def inspect(
 
 
 def main() -> None:
+    # File names need not be UTF-8; Python hands them over surrogate-escaped and, outside the C
+    # locale, stdout is strict, so printing one in a report would crash: write its bytes back.
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+        utf8 = (sys.stdout.encoding or "").lower().replace("-", "") == "utf8"
+        sys.stdout.reconfigure(errors="surrogateescape" if utf8 else "backslashreplace")
     app()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import tempfile
 from dataclasses import dataclass, field
@@ -15,12 +16,18 @@ FORMAT_VERSION = "1"
 # safetensors' own reader refuses headers past 100 MB; a dcptool header is a few kB plus the
 # `dcptool.injected` index lists, so this bound is generous and keeps hostile files cheap.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# JSON values (outside strings) one header, config or injected index may hold. A dcptool header
+# has a few hundred; an injected index list holds one per touched observation. The bound keeps a
+# hostile 100 MB header of `[],[],...` from growing into gigabytes of Python objects.
+MAX_JSON_VALUES = 2_000_000
 INT32_MAX = 2**31 - 1
 
 _DTYPES = {"I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "U8": np.dtype("u1"), "I8": np.dtype("i1")}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_ALL_DTYPES = {"BOOL", "U8", "I8", "U16", "I16", "F16", "BF16", "U32", "I32", "F32", "U64", "I64", "F64",
-               "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"}
+# Every safetensors dtype with its size in bits (sub-byte types pack several values in a byte).
+_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "F16": 16, "BF16": 16, "U32": 32, "I32": 32,
+               "F32": 32, "U64": 64, "I64": 64, "F64": 64, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F4": 4,
+               "F6_E2M3": 6, "F6_E3M2": 6, "C64": 64}
 
 # key -> (dtype, length kind): "n" per observation, "n+1" offsets, or the offsets key that sizes it.
 REQUIRED = {
@@ -57,6 +64,14 @@ GRAPH_MODES = ("eager", "piecewise", "full-capture", "full-replay")
 
 class DumpError(ValueError):
     """A dump that cannot be used; the message names the file, the key and what is wrong."""
+
+
+class WriteError(DumpError, OSError):
+    """A dump that could not be written (disk full, no permission, ...); the old file is unchanged."""
+
+
+class OutputExistsError(WriteError, FileExistsError):
+    """The output exists and overwriting it was not asked for (--force)."""
 
 
 @dataclass(frozen=True)
@@ -160,22 +175,75 @@ class Dump:
 # Reading
 
 
+def _clean(s: object, limit: int = 200) -> str:
+    """Text from a file or a path, safe for a one-line message: escaped and clipped."""
+    s = str(s)
+    if not s.isprintable():
+        s = s.encode("unicode_escape", "backslashreplace").decode("ascii")
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
 def _fail(path: str, key: str | None, what: str) -> DumpError:
-    return DumpError(f"{path}: {key}: {what}" if key else f"{path}: {what}")
+    # Everything here may come from a hostile file (keys, values) or an odd file name: one line, short.
+    p, what = _clean(path, 400), _clean(what, 400)
+    return DumpError(f"{p}: {_clean(key)}: {what}" if key else f"{p}: {what}")
+
+
+def _json_values(raw: bytes) -> int:
+    """How many JSON values json.loads would build from raw, counted without building them.
+
+    Structural characters outside strings (`,` `[` `{`) bound the values; strings are found by
+    their quotes once escaped backslashes and quotes are dropped. Counted in chunks with numpy,
+    so a 100 MB header costs a fraction of a second and a few MB.
+    """
+    a = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    count, inside = 0, 0
+    for k in range(0, a.size, 1 << 22):
+        c = a[k : k + (1 << 22)]
+        quotes = c == 34
+        # parity of the quotes up to here: 1 inside a string (uint8 wraps, parity survives)
+        par = (np.cumsum(quotes, dtype=np.uint8) + inside) & 1
+        count += int(np.count_nonzero(((c == 44) | (c == 91) | (c == 123)) & (par == 0)))
+        inside = int(par[-1])
+    return count + 1
+
+
+def _loads(p: str, key: str | None, raw: bytes | str, what: str):
+    """json.loads of text from a file, bounded in the values it may build; DumpError if not JSON."""
+    b = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    n = _json_values(b)
+    if n > MAX_JSON_VALUES:
+        raise _fail(p, key, f"{what} holds {n} JSON values (limit {MAX_JSON_VALUES})")
+    try:
+        return json.loads(b.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: bad JSON, or a 5000-digit number
+        raise _fail(p, key, f"{what} is not valid UTF-8 JSON") from None
+
+
+def _text_ok(s: str) -> bool:
+    """Valid Unicode (no lone surrogates from a JSON escape), so it can be printed anywhere."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, int, int]:
     """Parse and check the safetensors header; returns (header, data start, file size)."""
-    p = str(path)
-    if os.path.isdir(p):
-        raise _fail(p, None, "is a directory, not a dump file")
+    p = os.fspath(path)
     try:
-        size = os.path.getsize(p)
+        st = os.stat(p)
+        if stat.S_ISDIR(st.st_mode):
+            raise _fail(p, None, "is a directory, not a dump file")
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
+            raise _fail(p, None, "is not a regular file (a pipe, socket or device); save the dump to a file first")
         with open(p, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
-            if size < 8:
+            if size < 8 or len(head) < 8:
                 raise _fail(p, None, f"not a safetensors file ({size} bytes; a dump starts with an 8-byte "
-                                     "header length)")
+                                     "header length)" if size else "empty file (0 bytes), not a dump")
             if head.startswith(b"version "):
                 first = (head + f.read(64)).split(b"\n")[0]
                 if b"git-lfs" in first:
@@ -187,14 +255,16 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int, int]:
             if 8 + hlen > size:
                 raise _fail(p, None, f"truncated: header declares {hlen} bytes but the file has {size - 8}")
             raw = f.read(hlen)
+            if len(raw) != hlen:
+                raise _fail(p, None, f"truncated while reading: header declares {hlen} bytes, read {len(raw)}")
     except OSError as e:
         raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise _fail(p, None, "not a safetensors file (header is not UTF-8 JSON)") from None
+    header = _loads(p, None, raw, "not a safetensors file: header")
     if not isinstance(header, dict):
         raise _fail(p, None, "not a safetensors file (header is not a JSON object)")
+    bad = next((k for k in header if not _text_ok(k)), None)
+    if bad is not None:
+        raise _fail(p, bad, "tensor name is not valid Unicode (a lone surrogate escape)")
     return header, 8 + hlen, size
 
 
@@ -209,7 +279,7 @@ def _check_entries(p: str, header: dict, data_start: int, size: int) -> dict[str
                 e.get("shape"), list) or not isinstance(e.get("data_offsets"), list):
             raise _fail(p, key, "malformed tensor entry (needs dtype, shape and data_offsets)")
         dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-        if dt not in _ALL_DTYPES:
+        if dt not in _DTYPE_BITS:
             raise _fail(p, key, f"unknown dtype {dt!r}")
         if not all(type(s) is int and s >= 0 for s in shape):
             raise _fail(p, key, f"bad shape {shape!r}")
@@ -218,17 +288,22 @@ def _check_entries(p: str, header: dict, data_start: int, size: int) -> dict[str
         if offs[1] > data_len:
             raise _fail(p, key, f"truncated: data runs to byte {offs[1]} but the file holds {data_len} "
                                 "bytes of data")
-        count = 1
+        # Declared element count, compared with the bytes the offsets span; stop multiplying once it
+        # cannot fit (a shape of a million 2**62 dims would otherwise cost minutes of bignum work).
+        bits = 0 if 0 in shape else _DTYPE_BITS[dt]
         for s in shape:
-            count *= s
-        if dt in _DTYPES and count * _DTYPES[dt].itemsize != offs[1] - offs[0]:
-            raise _fail(p, key, f"data_offsets span {offs[1] - offs[0]} bytes, but {dt}{shape} needs "
-                                f"{count * _DTYPES[dt].itemsize}")
+            bits *= s
+            if bits > 8 * data_len:
+                break
+        if bits != 8 * (offs[1] - offs[0]):
+            need = "more than the file holds" if bits > 8 * data_len else f"{bits / 8:g} bytes"
+            raise _fail(p, key, f"data_offsets span {offs[1] - offs[0]} bytes, but {dt} of shape "
+                                f"{_clean(shape, 60)} needs {need}")
         entries[key] = (dt, shape, offs[0], offs[1])
     spans = sorted((v[2], v[3], k) for k, v in entries.items() if v[3] > v[2])
     for (_a0, a1, ka), (b0, _b1, kb) in zip(spans, spans[1:]):
         if b0 < a1:
-            raise _fail(p, kb, f"data overlaps {ka}")
+            raise _fail(p, kb, f"data overlaps {_clean(ka)}")
     end = max((v[3] for v in entries.values()), default=0)
     if end != data_len:
         raise _fail(p, None, f"file size mismatch: tensors end at byte {end} of the data but the file "
@@ -246,10 +321,7 @@ def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
     raw = meta.get("dcptool.config")
     if raw is None:
         raise _fail(p, "dcptool.config", "missing")
-    try:
-        c = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError):
-        raise _fail(p, "dcptool.config", "not valid JSON") from None
+    c = _loads(p, "dcptool.config", raw, "value")
     if not isinstance(c, dict):
         raise _fail(p, "dcptool.config", "must be a JSON object")
 
@@ -274,22 +346,22 @@ def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
     if dcp * il > INT32_MAX:
         raise _fail(p, "dcptool.config", f"dcp_size * cp_interleave = {dcp * il} overflows int32 arithmetic")
     sites = c.get("sites")
-    if not isinstance(sites, list) or not sites or not all(isinstance(s, str) for s in sites):
-        raise _fail(p, "dcptool.config", "sites must be a non-empty list of strings")
+    # (empty only in a dump without observations: a site index would be out of range)
+    if not isinstance(sites, list) or not all(isinstance(s, str) and _text_ok(s) for s in sites):
+        raise _fail(p, "dcptool.config", "sites must be a list of (valid Unicode) strings")
+    if len(set(sites)) != len(sites):
+        raise _fail(p, "dcptool.config", "sites lists a name twice")
     strs = {}
     for k in ("engine", "engine_version", "note"):
         v = c.get(k)
-        if v is not None and not isinstance(v, str):
-            raise _fail(p, "dcptool.config", f"{k} must be a string")
+        if v is not None and not (isinstance(v, str) and _text_ok(v)):
+            raise _fail(p, "dcptool.config", f"{k} must be a (valid Unicode) string")
         strs[k] = v
     injected = None
     if "dcptool.injected" in meta:
-        try:
-            injected = json.loads(meta["dcptool.injected"])
-        except (json.JSONDecodeError, RecursionError):
-            raise _fail(p, "dcptool.injected", "not valid JSON") from None
+        injected = _loads(p, "dcptool.injected", meta["dcptool.injected"], "value")
         if not isinstance(injected, dict) or not all(
-                isinstance(v, list) and all(type(i) is int for i in v) for v in injected.values()):
+                _text_ok(k) and isinstance(v, list) and all(type(i) is int for i in v) for k, v in injected.items()):
             raise _fail(p, "dcptool.injected", "must map fault names to lists of observation indices")
     cfg = DumpConfig(dcp_size=dcp, cp_interleave=il, sites=tuple(sites), pcp_size=pcp, page_size=page, **strs)
     return cfg, injected
@@ -566,29 +638,65 @@ def encode(config: DumpConfig, columns: dict[str, np.ndarray], injected: dict | 
     return struct.pack("<Q", len(raw)) + raw, tensors
 
 
-def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True) -> None:
-    """Write chunks (bytes-like) to a temporary file beside `path`, fsync, then rename over it.
+def _link_no_clobber(tmp: str, p: Path) -> None:
+    """Move tmp to p unless p exists, atomically where the filesystem has hard links."""
+    try:
+        os.link(tmp, p)  # fails if p exists, even if another writer created it a moment ago
+    except FileExistsError:
+        raise OutputExistsError(f"{_clean(p)}: exists (use --force to overwrite)") from None
+    except OSError:  # no hard links here (some FUSE / SMB mounts): check, then rename
+        if os.path.lexists(p):
+            raise OutputExistsError(f"{_clean(p)}: exists (use --force to overwrite)") from None
+        os.replace(tmp, p)
+        return
+    os.unlink(tmp)
 
-    A crash leaves either the old file or the new one, never a torn one, and no temporary behind.
+
+def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True, inputs=()) -> None:
+    """Write chunks (bytes-like) to a temporary file beside `path`, fsync, then rename it into place.
+
+    A crash, a kill or a full disk leaves the old file (or none), never a torn one; on an error the
+    temporary is removed and WriteError names the file. force=False refuses an existing `path`
+    (OutputExistsError); `path` is never one of `inputs`, even with force.
     """
     p = Path(path)
-    if not force and p.exists():
-        raise FileExistsError(f"{p}: exists (use --force to overwrite)")
-    d = p.parent if str(p.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=d)
+    for q in inputs:
+        try:
+            same = os.path.samefile(p, q)
+        except OSError:  # either does not exist: not the same file
+            same = False
+        if same:
+            raise WriteError(f"{_clean(p)}: is also an input; write the output to another file")
+    existed = os.path.lexists(p)
+    if existed and not force:
+        raise OutputExistsError(f"{_clean(p)}: exists (use --force to overwrite)")
+    d = p.parent
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=d)
         with os.fdopen(fd, "wb") as f:
+            # mkstemp makes 0600 files; a dump is for sharing: keep the old file's mode, else rw-r--r--
+            os.fchmod(f.fileno(), (os.stat(p).st_mode & 0o777) if existed and p.is_file() else 0o644)
             for c in chunks:
                 f.write(c)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if force:
+            os.replace(tmp, p)
+        else:
+            _link_no_clobber(tmp, p)
+        tmp = None
+    except OutputExistsError:
         raise
+    except OSError as e:
+        keep = " (the previous file is unchanged)" if existed else ""
+        raise WriteError(f"{_clean(p)}: cannot write: {e.strerror or e}{keep}") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     try:
         dfd = os.open(d, os.O_RDONLY)
         try:
@@ -599,20 +707,46 @@ def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True) -> None
         pass  # some filesystems refuse directory fsync; the rename itself is still atomic
 
 
+def check_config(path: str | os.PathLike, config: DumpConfig, injected: dict | None = None) -> None:
+    """Raise the DumpError a reader would raise for this config (so nothing unreadable is written)."""
+    meta = {"dcptool.format": FORMAT_VERSION, "dcptool.config": json.dumps(config.to_json())}
+    if injected is not None:
+        meta["dcptool.injected"] = json.dumps(injected)
+    _parse_config(os.fspath(path), meta)
+
+
+def _column(p: str, key: str, v) -> np.ndarray:
+    """A column in its format dtype; values that the dtype cannot hold are an error, not wrapped."""
+    a = np.asarray(v)
+    if key not in COLUMNS:
+        return a
+    want = _DTYPES[COLUMNS[key][0]]
+    if a.size and a.dtype != want:
+        if a.dtype.kind not in "iub":
+            raise _fail(p, key, f"dtype {a.dtype} is not an integer type")
+        info = np.iinfo(want)
+        lo, hi = int(a.min()), int(a.max())
+        if lo < info.min or hi > info.max:
+            raise _fail(p, key, f"value {lo if lo < info.min else hi} does not fit {COLUMNS[key][0]}")
+    return a.astype(want, copy=False)
+
+
 def write_dump(path: str | os.PathLike, config: DumpConfig, columns: dict[str, np.ndarray],
-               injected: dict | None = None, *, force: bool = True) -> None:
-    """Validate columns (so every dump we write reads back) and write them atomically."""
-    cols = {k: np.asarray(v).astype(_DTYPES[COLUMNS[k][0]], copy=False) if k in COLUMNS else np.asarray(v)
-            for k, v in columns.items()}
-    validate_columns(str(path), config, cols, injected)
+               injected: dict | None = None, *, force: bool = True, inputs=()) -> None:
+    """Validate config and columns (so every dump we write reads back) and write them atomically."""
+    p = os.fspath(path)
+    check_config(p, config, injected)
+    cols = {k: _column(p, k, v) for k, v in columns.items()}
+    validate_columns(p, config, cols, injected)
     header, tensors = encode(config, cols, injected)
-    atomic_write(path, [header] + [memoryview(a).cast("B") for _, a in tensors if a.nbytes], force=force)
+    atomic_write(path, [header] + [memoryview(a).cast("B") for _, a in tensors if a.nbytes], force=force,
+                 inputs=inputs)
 
 
 def write_observations(path: str | os.PathLike, observations: list[Observation], config: DumpConfig,
-                       injected: dict | None = None, *, force: bool = True) -> DumpConfig:
+                       injected: dict | None = None, *, force: bool = True, inputs=()) -> DumpConfig:
     cfg, cols = pack(observations, config)
-    write_dump(path, cfg, cols, injected, force=force)
+    write_dump(path, cfg, cols, injected, force=force, inputs=inputs)
     return cfg
 
 

@@ -167,10 +167,13 @@ def local_np(seq: np.ndarray, dcp_size: int, rank, cp_interleave: int) -> np.nda
                                             0, cp_interleave)
 
 
-def expected_of(d: Dump, i: int) -> np.ndarray:
-    """Expected view of observation i: real rows by the formula, padded rows 0 (num_reqs_padded rows)."""
+def expected_of(d: Dump, i: int, rows: int | None = None) -> np.ndarray:
+    """Expected view of observation i: real rows by the formula, padded rows 0 (num_reqs_padded rows,
+    or the first `rows` of them: num_reqs_padded is a recorded number, not memory to allocate)."""
     c = d.config
     nr, nrp = int(d["obs.num_reqs"][i]), int(d["obs.num_reqs_padded"][i])
+    nrp = nrp if rows is None else min(nrp, rows)
+    nr = min(nr, nrp)
     out = np.zeros(nrp, np.int64)
     out[:nr] = local_np(d.seq_lens_of(i)[:nr], c.dcp_size, int(d["obs.rank"][i]), c.cp_interleave)
     return out
@@ -273,7 +276,7 @@ class _Provenance:
             return int(np.sum(rec.astype(np.int64).astype(np.uint64) * self._weights(rec.size), dtype=np.uint64))
 
     def _equal(self, src: int, rec: np.ndarray) -> bool:
-        e = expected_of(self.d, src)[: rec.size]
+        e = expected_of(self.d, src, rec.size)
         return e.size >= 0 and np.array_equal(np.pad(e, (0, rec.size - e.size)), rec)
 
     def explain(self, i: int, rec: np.ndarray) -> tuple[str, Source | None, dict]:
@@ -285,7 +288,7 @@ class _Provenance:
         if d.has("obs.parent", "obs.req_start"):
             p, rs = int(d["obs.parent"][i]), int(d["obs.req_start"][i])
             if p >= 0 and rs >= 0:
-                pe = expected_of(d, p)[rs : rs + rec.size]
+                pe = expected_of(d, p, rs + rec.size)[rs:]
                 if np.array_equal(np.pad(pe, (0, rec.size - pe.size)), rec):
                     return "stale", self._source(p, "parent-rows"), {}
         if rec.size == 0:
@@ -299,9 +302,9 @@ class _Provenance:
         # 3-5. the global lengths, another rank, another interleave
         if np.array_equal(rec, seq):
             return "global", None, {}
-        for r in range(c.dcp_size):
-            if r != rank and np.array_equal(rec, local_np(seq, c.dcp_size, r, c.cp_interleave)):
-                return "wrong-rank", None, {"rank": r}
+        r = _other_rank(seq, rec, c.dcp_size, c.cp_interleave, rank)
+        if r is not None:
+            return "wrong-rank", None, {"rank": r}
         extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
         for il in INTERLEAVES + extra:
             if il != c.cp_interleave and np.array_equal(rec, local_np(seq, c.dcp_size, rank, il)):
@@ -316,6 +319,27 @@ class _Provenance:
         d = self.d
         return Source(index=s, obs=int(d.file_obs[s]), file=d.file_of(s), relation=relation,
                       step=int(d["obs.step"][s]), site=d.site_name(s), ubatch=int(d["obs.ubatch"][s]))
+
+
+def _other_rank(seq: np.ndarray, rec: np.ndarray, N: int, il: int, rank: int) -> int | None:
+    """The lowest rank other than `rank` whose local lengths are rec, without a loop over N ranks.
+
+    For one row, local(L, r) is rounds*I + I for r < rem // I, rounds*I + rem % I at r = rem // I,
+    and rounds*I from cdiv(rem, I) on: the ranks giving a value form one interval; intersect them.
+    """
+    L, v = seq.astype(np.int64), rec.astype(np.int64)
+    rounds, rem = L // (N * il), L % (N * il)
+    base = rounds * il
+    lo = np.where(v == base + il, 0, np.where(v == base, -(-rem // il), rem // il))
+    hi = np.where(v == base + il, rem // il, np.where(v == base, N, rem // il + 1))
+    ok = (v == base + il) | (v == base) | ((v == base + rem % il) & (rem % il != 0))
+    if not ok.all():
+        return None
+    a, b = int(lo.max(initial=0)), int(hi.min(initial=N))
+    for r in (a, a + 1):  # the lowest in [a, b) that is not this rank
+        if r < b and r != rank:
+            return r
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,7 +375,7 @@ def _value_findings(d: Dump, prov: _Provenance, i: int, n_wrong: int, first: int
     nr = int(d["obs.num_reqs"][i])
     view = d.dcp_of(i)
     rec = np.asarray(view[: min(view.size, nr)], np.int64)
-    exp = expected_of(d, i)
+    exp = expected_of(d, i, nr)
     rule, src, detail = prov.explain(i, rec)
     kw = dict(row=first, recorded=rec[first], expected=exp[first], wrong_rows=n_wrong, source=src, detail=detail)
     w = _where(d, i)
@@ -595,7 +619,9 @@ def splits(d: Dump, k: int) -> list[Split]:
     c = d.config
     out = []
     ntp = d["obs.num_tokens_padded"] if d.has("obs.num_tokens_padded") else None
-    for i in np.flatnonzero((d["obs.ubatch"] == -1) & (d["obs.num_reqs"] >= 1) & (np.diff(d["obs.qsl"]) > 0)):
+    # (a batch whose query_start_loc does not cover num_reqs_padded rows cannot be re-split)
+    padded = d["obs.num_reqs_padded"].astype(np.int64)
+    for i in np.flatnonzero((d["obs.ubatch"] == -1) & (d["obs.num_reqs"] >= 1) & (np.diff(d["obs.qsl"]) > padded)):
         nr, nrp = int(d["obs.num_reqs"][i]), int(d["obs.num_reqs_padded"][i])
         for u, ub in enumerate(split_batch(d.qsl_of(i), d.seq_lens_of(i), nr, nrp,
                                            None if ntp is None else int(ntp[i]), k)):

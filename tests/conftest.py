@@ -47,3 +47,17 @@ def cli(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+# Fuzz cases run this session, by kind; printed as `fuzz: N cases` in the terminal summary (CI log).
+FUZZ_CASES: dict[str, int] = {}
+
+
+def count_fuzz(kind: str, n: int = 1) -> None:
+    FUZZ_CASES[kind] = FUZZ_CASES.get(kind, 0) + n
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if FUZZ_CASES:
+        detail = ", ".join(f"{k} {v}" for k, v in sorted(FUZZ_CASES.items()))
+        terminalreporter.write_line(f"fuzz: {sum(FUZZ_CASES.values())} cases ({detail})")

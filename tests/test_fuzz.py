@@ -1,0 +1,924 @@
+"""Fuzzing (issue 7): hostile and broken dumps through the reader and every command that takes a dump.
+
+Cases start from valid dumps (seeded random ones and the bundled samples) and mutate them:
+truncation in every region, bit flips, metadata of wrong types, huge/negative sizes and offsets,
+overlapping spans, wrong dtypes and ranks, inconsistent counts, non-UTF-8 and control-character
+names, plus special files (empty, a directory, a FIFO, a Git LFS pointer, ...). Every case must end
+in exit 2 with one line `dcptool: FILE: problem` (the reader's DumpError, word for word), or in a
+correct report -- never a traceback, a hang or a large allocation.
+
+    make test    # CI size (DCPTOOL_FUZZ=ci): a few thousand cases, derandomized
+    make fuzz    # DCPTOOL_FUZZ=long: 50k+ random cases
+
+The commands list (COMMANDS) is what to extend when a command that takes a dump appears.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import functools
+import gzip
+import json
+import os
+import resource
+import signal
+import struct
+import subprocess
+import sys
+import traceback
+import tracemalloc
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import typer
+from conftest import ROOT, cli, count_fuzz
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from dcptool.cli import app
+from dcptool.dump import MAX_HEADER_BYTES, DumpConfig, DumpError, Observation, open_dumps, write_observations
+from dcptool.replay import RULES, local_np, replay
+
+PROFILE = os.environ.get("DCPTOOL_FUZZ", "ci")
+# Examples per (test, command); CI: ~3000 cases in all. `make fuzz` sets DCPTOOL_FUZZ=long.
+EXAMPLES = {"smoke": 60, "ci": 500, "long": 10_000}[PROFILE]
+CASE_SECONDS = 30  # a case taking this long is a hang (a normal one takes milliseconds)
+MEMORY_BOUND = 256 << 20  # bytes one case of a few-kB file may map beyond what the process holds
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=PROFILE == "ci", database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.function_scoped_fixture], print_blob=True)
+VALUE_RULES = ("stale", "global", "wrong-rank", "wrong-interleave", "mismatch")
+
+
+# --------------------------------------------------------------------------------------------
+# Valid dumps to start from
+
+
+def _observations(rng: np.random.Generator, dcp: int, il: int, page: int | None) -> list[Observation]:
+    """A few observations with every kind of view (right, None, wrong, short, sentinel) and columns."""
+    out: list[Observation] = []
+    sizes = [0, 1, 2, 3, 5] * 5 + [127, 128, 129]
+    with_qsl, with_ub, with_buf = rng.random(3) < 0.5
+    for _ in range(int(rng.choice([0, 1, 2, 3, 4, 6, 9]))):
+        nr = int(rng.choice(sizes))
+        nrp = nr + int(rng.choice([0, 0, 1, 3]))
+        rows = nrp if rng.random() < 0.9 else nr
+        seq = rng.choice([0, 1, 7, 16, 17, 100, 1000, 4097, 2**31 - 1], size=rows, p=[.1, .1, .1, .1, .1, .2, .2,
+                                                                                       .09, .01]).astype(np.int32)
+        seq[nr:] = 0
+        rank = int(rng.integers(dcp))
+        view = np.zeros(nrp, np.int64)
+        view[:nr] = local_np(seq[:nr], dcp, rank, il)
+        kind = rng.choice(["ok"] * 6 + ["none", "wrong", "global", "short", "sentinel", "rank"])
+        if kind == "none":
+            view = None
+        elif kind == "wrong" and nr:
+            view[int(rng.integers(nr))] += 1
+        elif kind == "global":
+            view[:nr] = seq[:nr]
+        elif kind == "short":
+            view = view[:nr]
+        elif kind == "sentinel" and nrp > nr:
+            view[nr:] = -1
+        elif kind == "rank" and dcp > 1:
+            view[:nr] = local_np(seq[:nr], dcp, (rank + 1) % dcp, il)
+        kw: dict = {}
+        if with_qsl:
+            kw["query_start_loc"] = np.concatenate([[0], np.cumsum(rng.integers(0, 4, size=rows))]).astype(np.int32)
+            kw["num_tokens_padded"] = int(kw["query_start_loc"][-1]) + int(rng.integers(0, 3))
+        if with_ub and out and rng.random() < 0.5:
+            kw.update(parent=int(rng.integers(len(out))), req_start=0, tok_start=0, tok_stop=int(rng.integers(0, 9)))
+        if with_buf:
+            kw.update(buffer=int(rng.choice([0, 4096, 8192])), graph=int(rng.integers(4)))
+        if page:
+            kw["kv_pages"] = -(-local_np(seq, dcp, rank, il) // page) + (rng.random() < 0.1)
+        out.append(Observation(step=int(rng.integers(0, 4)), site=str(rng.choice(["attn_metadata", "ubatch", "dummy"])),
+                               rank=rank, num_reqs=nr, num_reqs_padded=nrp, seq_lens=seq,
+                               dcp_local_seq_lens=None if view is None else view.astype(np.int32),
+                               ubatch=int(rng.integers(-1, 2)) if with_ub else -1, **kw))
+    return out
+
+
+@functools.cache
+def base_bytes(seed: int) -> bytes:
+    """Seed < 0: a bundled sample; otherwise a random valid dump written through the real writer."""
+    samples = sorted((ROOT / "samples").glob("*.safetensors"))
+    if seed < 0:
+        return samples[seed % len(samples)].read_bytes()
+    rng = np.random.default_rng(seed)
+    dcp = int(rng.choice([1, 2, 2, 3, 4, 8]))
+    il = int(rng.choice([1, 1, 2, 16]))
+    page = int(rng.choice([16, 64])) if rng.random() < 0.3 else None
+    obs = _observations(rng, dcp, il, page)
+    injected = {"sentinel": [i for i in range(len(obs)) if rng.random() < 0.3]} if rng.random() < 0.3 else None
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"dcptool-fuzz-base-{os.getpid()}-{seed}.safetensors"
+    try:
+        write_observations(path, obs, DumpConfig(dcp_size=dcp, cp_interleave=il, page_size=page, engine="fuzz"),
+                           injected)
+        return path.read_bytes()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def split(raw: bytes) -> tuple[dict, bytearray]:
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n]), bytearray(raw[8 + n :])
+
+
+def join(header: dict, data: bytes, pad: bool = True) -> bytes:
+    h = json.dumps(header, separators=(",", ":")).encode()
+    if pad:
+        h += b" " * (-len(h) % 8)
+    return struct.pack("<Q", len(h)) + h + bytes(data)
+
+
+# --------------------------------------------------------------------------------------------
+# Mutations: structural ones edit the parsed header/data; byte-level ones the final bytes
+
+INTS = [-(2**63), -(2**31) - 1, -(2**31), -2, -1, 0, 1, 2, 3, 7, 127, 128, 129, 1024, 2**31 - 1, 2**31, 2**32,
+        2**53 + 1, 2**60, 2**63 - 1, 2**63, 2**64, 2**64 + 1]
+JUNK = [None, True, False, 1.5, float("inf"), "2", "", "x" * 5000, [], {}, [1], {"a": 1}, "\ud800", "a\nb",
+        "\x00", "é", "\U0001f600", 10**400]
+DTYPES = ["I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64", "F32", "F16", "BF16", "F64", "BOOL", "F4", "C64",
+          "XX", "", "i32", 5, None]
+TEXT = ["", "a", "\ud800", "\udcff", "a\nb", "\x1b[31mred", "é", "\u202e", "x" * 300, "a/b", "\U0001f600"]
+DT = {"I64": "<i8", "I32": "<i4", "U8": "u1", "I8": "i1", "I16": "<i2", "U16": "<u2", "U32": "<u4", "U64": "<u8",
+      "F32": "<f4", "F64": "<f8", "F16": "<f2"}
+
+
+def _tensors(h: dict) -> list[str]:
+    return sorted(k for k, v in h.items() if k != "__metadata__" and isinstance(v, dict))
+
+
+def _shift(h: dict, at: int, delta: int) -> None:
+    """Move every tensor that starts at or after byte `at` by delta (keeping the file consistent)."""
+    for k in _tensors(h):
+        o = h[k].get("data_offsets")
+        if isinstance(o, list) and len(o) == 2 and all(type(x) is int for x in o) and o[0] >= at:
+            h[k]["data_offsets"] = [o[0] + delta, o[1] + delta]
+
+
+def _span(h: dict, k: str) -> tuple[int, int] | None:
+    """A tensor's byte span when it is sane and a whole number of its elements."""
+    e = h[k]
+    o = e.get("data_offsets")
+    size = np.dtype(DT[e["dtype"]]).itemsize if e.get("dtype") in DT else 1
+    if isinstance(o, list) and len(o) == 2 and all(type(x) is int for x in o) and 0 <= o[0] <= o[1] \
+            and (o[1] - o[0]) % size == 0:
+        return o[0], o[1]
+    return None
+
+
+def _replace_span(h: dict, data: bytearray, k: str, new: bytes) -> bool:
+    s = _span(h, k)
+    if s is None or s[1] > len(data):
+        return False
+    a, b = s
+    data[a:b] = new
+    _shift(h, b, len(new) - (b - a))
+    h[k]["data_offsets"] = [a, a + len(new)]
+    return True
+
+
+@st.composite
+def structural(draw, h: dict, data: bytearray) -> str:
+    """Apply one structural mutation in place; returns a description (hypothesis notes it)."""
+    keys = _tensors(h)
+    kind = draw(st.sampled_from(["meta", "config", "entry", "drop", "add", "value", "resize", "retype", "rank",
+                                 "text", "swap", "injected"]))
+    meta = h.get("__metadata__")
+    if not isinstance(meta, dict):  # an earlier mutation broke it; this one starts a new one
+        meta = h["__metadata__"] = {}
+    if kind == "meta":
+        key = draw(st.sampled_from(["dcptool.format", "dcptool.config", "dcptool.injected", "other", None]))
+        if key is None:
+            h["__metadata__"] = draw(st.sampled_from(JUNK[:12]))
+            return f"__metadata__ = {h['__metadata__']!r}"[:200]
+        v = draw(st.sampled_from(["<del>", "2", "", "1 ", "01", "0", "{", "[]", "null", '"x"', "{}"] + JUNK[:10]))
+        if v == "<del>":
+            meta.pop(key, None)
+        else:
+            meta[key] = v
+        return f"meta {key} = {v!r}"[:200]
+    if kind == "config":
+        try:
+            c = json.loads(meta.get("dcptool.config", "{}"))
+        except (TypeError, ValueError):
+            c = {}
+        if not isinstance(c, dict):
+            c = {}
+        field = draw(st.sampled_from(["dcp_size", "cp_interleave", "pcp_size", "page_size", "sites", "engine",
+                                      "engine_version", "note", "unknown"]))
+        v = draw(st.sampled_from(["<del>"] + INTS + JUNK + [[s] for s in TEXT] + [["a"] * 3000]))
+        if v == "<del>":
+            c.pop(field, None)
+        else:
+            c[field] = v
+        meta["dcptool.config"] = json.dumps(c)
+        return f"config {field} = {v!r}"[:200]
+    if kind == "injected":
+        v = draw(st.sampled_from([{"f": [0]}, {"f": [-1]}, {"f": [10**6]}, {"f": "x"}, {"\ud800": []}, [],
+                                  {"f": [1.5]}, {"f": [[0]]}, {"f": list(range(5))}]))
+        meta["dcptool.injected"] = json.dumps(v)
+        return f"injected = {v!r}"
+    if not keys:
+        return "no tensors"
+    k = draw(st.sampled_from(keys))
+    e = h[k]
+    if kind == "entry":
+        field = draw(st.sampled_from(["dtype", "shape", "data_offsets", "<all>"]))
+        s = _span(h, k) or (0, 0)
+        n = e["shape"][0] if isinstance(e.get("shape"), list) and e["shape"] and type(e["shape"][0]) is int else 1
+        others = [_span(h, o) for o in keys if o != k and _span(h, o)]
+        pools = {
+            "dtype": DTYPES,
+            "shape": [[], [n, 1], [1, n], [-1], [2**60], [2**64], [1.5], "n", None, [n + 1], [max(n - 1, 0)], [0],
+                      [2**62] * 40, [n, 0], [0, 2**62], [True]],
+            "data_offsets": [[s[0], s[1] + 1], [s[0] - 1, s[1]], [-1, s[1]], [s[1], s[0]], [0, 2**60], [0, 2**64],
+                             [s[0]], [s[0], s[1], 0], [1.5, 2], None, [s[0] + 1, s[1] + 1], [2**63, 2**63 + 4]]
+            + [[a, a + s[1] - s[0]] for a, _ in others[:3]],
+            "<all>": [None, [], "x", 7],
+        }
+        v = draw(st.sampled_from(pools[field]))
+        if field == "<all>":
+            h[k] = v
+        else:
+            e[field] = v
+        return f"{k}.{field} = {v!r}"[:200]
+    if kind == "drop":
+        del h[k]
+        return f"drop {k}"
+    if kind == "add":
+        name = draw(st.sampled_from(["obs.extra", "obs.parent", "obs.qsl", "rows.kv_pages", "obs.graph",
+                                     "obs.buffer", "zzz"]))
+        if name in h:
+            return f"add {name}: exists"
+        n = draw(st.sampled_from([0, 1, 2, 5]))
+        dt = draw(st.sampled_from(["I64", "I32", "I8", "F32"]))
+        raw = np.zeros(n, DT[dt]).tobytes()
+        h[name] = {"dtype": dt, "shape": [n], "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+        return f"add {name} {dt}[{n}]"
+    if kind == "value":
+        s = _span(h, k)
+        dt = e.get("dtype")
+        if s is None or dt not in DT or s[1] > len(data) or s[1] == s[0]:
+            return f"value {k}: no data"
+        a = np.frombuffer(bytes(data[s[0] : s[1]]), DT[dt]).copy()
+        j = draw(st.integers(0, a.size - 1))
+        info = np.iinfo(a.dtype) if a.dtype.kind in "iu" else None
+        pool = [v for v in INTS + [int(a[j]) + 1, int(a[j]) - 1, a.size, a.size + 1]
+                if info is None or info.min <= v <= info.max]
+        v = draw(st.sampled_from(pool))
+        a[j] = v
+        data[s[0] : s[1]] = a.tobytes()
+        return f"{k}[{j}] = {v}"
+    if kind == "resize":
+        s = _span(h, k)
+        dt = e.get("dtype")
+        if s is None or dt not in DT or s[1] > len(data):
+            return f"resize {k}: no data"
+        a = np.frombuffer(bytes(data[s[0] : s[1]]), DT[dt])
+        delta = draw(st.sampled_from([-3, -1, 1, 2, 100]))
+        new = a[: max(a.size + delta, 0)] if delta < 0 else np.concatenate([a, np.repeat(a[-1:] if a.size else
+                                                                                          np.zeros(1, a.dtype), delta)])
+        _replace_span(h, data, k, new.astype(a.dtype).tobytes())
+        e["shape"] = [int(new.size)]
+        return f"resize {k} by {delta}"
+    if kind == "retype":
+        s = _span(h, k)
+        dt = e.get("dtype")
+        if s is None or dt not in DT or s[1] > len(data):
+            return f"retype {k}: no data"
+        to = draw(st.sampled_from(["I64", "I32", "I16", "U8", "I8", "U32", "F32", "F64"]))
+        a = np.frombuffer(bytes(data[s[0] : s[1]]), DT[dt])
+        _replace_span(h, data, k, a.astype(DT[to]).tobytes())
+        e["dtype"] = to
+        return f"retype {k} {dt} -> {to}"
+    if kind == "rank":
+        shape = e.get("shape")
+        n = shape[0] if isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int else None
+        if n is None:
+            return f"rank {k}: not 1-D"
+        e["shape"] = draw(st.sampled_from([[n, 1], [1, n], [1, 1, n]] + ([[]] if n == 1 else [])))
+        return f"{k}.shape = {e['shape']}"
+    if kind == "text":
+        t = draw(st.sampled_from(TEXT))
+        where = draw(st.sampled_from(["key", "site", "engine", "note", "fault"]))
+        if where == "key":
+            h[t] = h.pop(k)
+        elif where == "fault":
+            meta["dcptool.injected"] = json.dumps({t: []})
+        else:
+            try:
+                c = json.loads(meta.get("dcptool.config", "{}"))
+                c["sites" if where == "site" else where] = [t] * 3 if where == "site" else t
+                meta["dcptool.config"] = json.dumps(c)
+            except (TypeError, ValueError, AttributeError):
+                pass
+        return f"text {where} = {t!r}"[:200]
+    # swap: two spans of equal length trade places (a consistent file with crossed columns)
+    same = [o for o in keys if o != k and _span(h, o) and _span(h, k)
+            and _span(h, o)[1] - _span(h, o)[0] == _span(h, k)[1] - _span(h, k)[0]]
+    if not same:
+        return f"swap {k}: no partner"
+    o = draw(st.sampled_from(same))
+    h[k]["data_offsets"], h[o]["data_offsets"] = h[o]["data_offsets"], h[k]["data_offsets"]
+    return f"swap {k} <-> {o}"
+
+
+@st.composite
+def byte_level(draw, raw: bytes) -> tuple[bytes, str]:
+    (hlen,) = struct.unpack("<Q", raw[:8]) if len(raw) >= 8 else (0,)
+    regions = {"prefix": (0, 8), "header": (8, min(8 + hlen, len(raw))), "data": (min(8 + hlen, len(raw)), len(raw))}
+    kind = draw(st.sampled_from(["truncate", "flip", "length", "trailing", "header"]))
+    region = draw(st.sampled_from(sorted(regions)))
+    a, b = regions[region]
+    if kind == "truncate":
+        at = draw(st.integers(a, max(a, b - 1)))
+        return raw[:at], f"truncate at {at} ({region} {a}..{b})"
+    if kind == "flip":
+        out = bytearray(raw)
+        flips = draw(st.lists(st.integers(a, max(a, b - 1)), min_size=1, max_size=4))
+        bit = draw(st.integers(0, 7))
+        for i in flips:
+            if i < len(out):
+                out[i] ^= 1 << bit
+        return bytes(out), f"flip bit {bit} at {flips}"
+    if kind == "length":
+        v = draw(st.sampled_from([0, 1, 2, hlen - 1, hlen + 1, hlen + 8, hlen - 8, len(raw) - 8, len(raw), 2**60,
+                                  2**64 - 1, MAX_HEADER_BYTES, MAX_HEADER_BYTES + 1]))
+        return struct.pack("<Q", max(v, 0) % 2**64) + raw[8:], f"header length = {v}"
+    if kind == "trailing":
+        junk = draw(st.sampled_from([b"\x00", b"\x00" * 8, b"junk", b"\xff" * 100]))
+        return raw + junk, f"{len(junk)} trailing bytes"
+    h = raw[8 : 8 + hlen]
+    new = draw(st.sampled_from([b"\xff\xfe" + h[2:], h.replace(b'"', b"'", 1), b"[" * 100_000, b"[]", b"null",
+                                b'"x"', b"{}", h.rstrip(b" ") + b"\x00", b'{"a":' * 5000, h[: len(h) // 2],
+                                b"{" + b'"k":{},' * 2000 + b'"z":1}', b'{"__metadata__":{"dcptool.format":"1"}}']))
+    return struct.pack("<Q", len(new)) + new + raw[8 + hlen :], f"header bytes = {new[:40]!r}..."
+
+
+class Case(bytes):
+    """A mutated file's bytes, shown (in a failure report) as the steps that made it."""
+
+    steps: list[str]
+
+    def __repr__(self) -> str:
+        return " | ".join(self.steps)
+
+
+@st.composite
+def mutated(draw) -> Case:
+    """A valid dump, 1-3 structural mutations, then (sometimes) one byte-level mutation."""
+    seed = draw(st.integers(-4, 63))
+    h, data = split(base_bytes(seed))
+    steps = [f"base {seed}"]
+    for _ in range(draw(st.integers(0, 3))):
+        steps.append(draw(structural(h, data)))
+    raw = join(h, data, pad=draw(st.booleans()))
+    if len(steps) == 1 or draw(st.booleans()):
+        raw, what = draw(byte_level(raw))
+        steps.append(what)
+    case = Case(raw)
+    case.steps = steps
+    return case
+
+
+# --------------------------------------------------------------------------------------------
+# Special files: what people actually pass by mistake
+
+SPECIALS = ["empty", "directory", "fifo", "missing", "dangling-link", "link-loop", "lfs-pointer", "text", "png",
+            "gzip", "random", "zeros", "prefix-only", "plain-safetensors", "pickle", "newline-name",
+            "non-utf8-name", "dir-named-like-dump"]
+
+
+def make_special(kind: str, d: Path) -> Path:
+    p = d / f"{kind}.safetensors"
+    if kind == "empty":
+        p.write_bytes(b"")
+    elif kind in ("directory", "dir-named-like-dump"):
+        p.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "missing":
+        pass
+    elif kind == "dangling-link":
+        p.symlink_to(d / "nowhere")
+    elif kind == "link-loop":
+        p.symlink_to(p)
+    elif kind == "lfs-pointer":
+        p.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "ab" * 32 + "\nsize 12345\n")
+    elif kind == "text":
+        p.write_text("step,site,rank\n0,attn,0\n")
+    elif kind == "png":
+        p.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(200))
+    elif kind == "gzip":
+        p.write_bytes(gzip.compress(base_bytes(-1)))
+    elif kind == "random":
+        p.write_bytes(np.random.default_rng(7).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    elif kind == "zeros":
+        p.write_bytes(bytes(1024))
+    elif kind == "prefix-only":
+        p.write_bytes(struct.pack("<Q", 16))
+    elif kind == "plain-safetensors":  # a model checkpoint, not a dcptool dump
+        x = np.arange(6, dtype="<f4").tobytes()
+        p.write_bytes(join({"weight": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, len(x)]}}, x))
+    elif kind == "pickle":
+        p.write_bytes(b"\x80\x04\x95" + bytes(60))
+    elif kind == "newline-name":
+        p = d / "two\nlines.safetensors"
+        p.write_bytes(base_bytes(-1)[:100])
+    elif kind == "non-utf8-name":
+        p = Path(os.fsdecode(os.fsencode(str(d)) + b"/bad\xff\xfename.safetensors"))
+        p.write_bytes(base_bytes(-1)[:100])
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# The oracle: one reader verdict per file, and every command must agree with it
+
+
+class Hang(BaseException):
+    """A case ran past CASE_SECONDS (BaseException: no `except Exception` in the code may swallow it)."""
+
+
+def _vm_data() -> int:
+    """This process's data segment (what RLIMIT_DATA limits), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmData:"))
+
+
+@contextlib.contextmanager
+def bounded(memory: int = MEMORY_BOUND, seconds: int = CASE_SECONDS):
+    """Run a case under a deadline and a memory bound.
+
+    SIGALRM raises Hang between bytecodes; a hang inside C code that never returns is caught by
+    faulthandler, which dumps every thread's stack and ends the run. RLIMIT_DATA caps what the case
+    may map beyond what the process holds already: an allocation sized from a declared (not real)
+    size fails at once as MemoryError -- even one numpy would only reserve -- and fails the case.
+    """
+    old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(Hang(f"case ran past {seconds} s")))
+    limits = resource.getrlimit(resource.RLIMIT_DATA)
+    faulthandler.dump_traceback_later(seconds * 4, exit=True)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    resource.setrlimit(resource.RLIMIT_DATA, (_vm_data() + memory, limits[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, limits)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, old)
+
+
+@dataclass
+class Verdict:
+    """What the reader makes of a file: its DumpError message, or the opened dump."""
+
+    error: str | None
+    dump: object = None
+
+
+def one_line_error(msg: str, path: Path) -> None:
+    assert "\n" not in msg and "\r" not in msg, f"error message spans lines: {msg!r}"
+    assert 10 < len(msg) < 1200, f"error message too short or too long: {msg!r}"
+    name = path.name
+    shown = name if name.isprintable() else name.encode("unicode_escape", "backslashreplace").decode("ascii")
+    assert shown[:150] in msg, f"error message does not name the file {shown!r}: {msg!r}"
+    assert msg.split(": ", 1)[-1].strip(), f"error message does not say what is wrong: {msg!r}"
+
+
+def read(path: Path) -> Verdict:
+    try:
+        d = open_dumps([path])
+    except DumpError as e:
+        one_line_error(str(e), path)
+        return Verdict(error=str(e))
+    return Verdict(error=None, dump=d)
+
+
+def expected_findings(d) -> dict[tuple[int, str], dict]:
+    """An independent account of DESIGN §3's per-observation rules, in plain Python from the columns:
+    missing / one value rule (first wrong real row) / padding / shape / stray."""
+    c = d.config
+    want: dict[tuple[int, str], dict] = {}
+    nr_all, nrp_all, ranks = d["obs.num_reqs"], d["obs.num_reqs_padded"], d["obs.rank"]
+    span = c.dcp_size * c.cp_interleave
+    for i in range(d.n):
+        view = d.dcp_of(i)
+        nr, nrp = int(nr_all[i]), int(nrp_all[i])
+        if c.dcp_size == 1:
+            if view is not None:
+                want[(i, "stray")] = {}
+            continue
+        if view is None:
+            want[(i, "missing")] = {}
+            continue
+        seq = d.seq_lens_of(i)
+        r = int(ranks[i])
+        for j in range(min(view.size, nr)):
+            L = int(seq[j])
+            exp = (L // span) * c.cp_interleave + min(max(L % span - r * c.cp_interleave, 0), c.cp_interleave)
+            if int(view[j]) != exp:
+                want[(i, "value")] = {"row": j, "recorded": int(view[j]), "expected": exp}
+                break
+        bad_pad = [j for j in range(nr, min(view.size, nrp)) if view[j] != 0]
+        if bad_pad:
+            want[(i, "padding")] = {"row": bad_pad[0], "recorded": int(view[bad_pad[0]]), "expected": 0}
+        if view.size != nrp:
+            want[(i, "shape")] = {}
+    return want
+
+
+def check_report(d, findings: list[dict], summary: dict) -> None:
+    """Replay's findings (JSON form) against expected_findings, and the summary against the findings."""
+    got: dict[tuple[int, str], dict] = {}
+    for f in findings:
+        assert f["rule"] in RULES and 0 <= f["obs"] < d.n and f["severity"] in ("error", "warning")
+        assert f["message"] and "\n" not in f["message"]
+        kind = "value" if f["rule"] in VALUE_RULES else f["rule"]
+        if kind in ("value", "padding", "shape", "missing", "stray"):
+            assert (f["obs"], kind) not in got, f"two {kind} findings for observation {f['obs']}"
+            got[(f["obs"], kind)] = {k: f[k] for k in ("row", "recorded", "expected")} if kind in (
+                "value", "padding") else {}
+    want = expected_findings(d)
+    assert got == want, f"replay's value findings differ from the rules: got {got}, want {want}"
+    order = [(f["obs"], RULES.index(f["rule"])) for f in findings]
+    assert order == sorted(order), "findings are not in observation order, then table order"
+    assert summary["findings"] == len(findings) == summary["errors"] + summary["warnings"]
+    assert sum(summary["by_rule"].values()) == summary["findings"] and summary["observations"] == d.n
+    assert summary["errors"] == sum(f["severity"] == "error" for f in findings)
+
+
+def _library(path: Path, v: Verdict) -> None:
+    """The library route: replay() on the opened dump (torch backend: the CPU path CI has)."""
+    if v.error is None:
+        res = replay(v.dump, "torch")
+        check_report(v.dump, [f.to_json() for f in res.findings], json.loads(json.dumps(res.summary_json())))
+
+
+def _replay_json(out: str, v: Verdict, code: int) -> None:
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert lines and lines[-1]["type"] == "summary"
+    check_report(v.dump, [x for x in lines if x["type"] == "finding"], lines[-1])
+    assert code == (1 if lines[-1]["errors"] else 0)
+
+
+def _replay_split_obs(out: str, v: Verdict, code: int) -> None:
+    lines = [json.loads(x) for x in out.splitlines()]
+    rows = [x for x in lines if x["type"] == "rows"]
+    assert len(rows) == 1 and rows[0]["obs"] == 0 and lines[-1]["type"] == "summary"
+    assert len(rows[0]["verdict"]) >= int(v.dump["obs.num_reqs_padded"][0])
+    assert code == (1 if lines[-1]["errors"] else 0)
+
+
+def _inspect_json(out: str, v: Verdict, code: int) -> None:
+    (info,) = [json.loads(x) for x in out.splitlines()]
+    d = v.dump
+    assert code == 0 and info["observations"] == d.n and info["with_view"] + info["without_view"] == d.n
+    assert sum(info["sites"].values()) == d.n and sum(info["ranks"].values()) == d.n
+
+
+def _text(out: str, v: Verdict, code: int) -> None:
+    assert out.strip() and code in (0, 1)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A way to use a dump: CLI arguments (FILE is the dump) and what a good run must print.
+
+    `args` None is the library route. To fuzz a new command that takes a dump, add it here.
+    """
+
+    name: str
+    args: tuple[str, ...] | None
+    check: object
+
+
+COMMANDS = [
+    Command("library", None, _library),
+    Command("replay", ("replay", "FILE", "--json"), _replay_json),
+    Command("replay-text", ("replay", "FILE", "--max-findings", "3"), _text),
+    Command("replay-split-obs", ("replay", "FILE", "--split", "2", "--obs", "0", "--json"), _replay_split_obs),
+    Command("inspect", ("inspect", "FILE", "--json"), _inspect_json),
+    Command("inspect-text", ("inspect", "FILE"), _text),
+]
+RUNNER = CliRunner()
+CLICK = typer.main.get_command(app)  # built once: typer rebuilds it on every CliRunner.invoke
+
+
+def invoke(args: list[str]) -> tuple[int, str, str, BaseException | None]:
+    """`dcptool ARGS` in this process, as `python -m dcptool` runs it: (exit code, stdout, stderr, crash)."""
+    crash = None
+    with RUNNER.isolation() as (out, err, _):
+        try:
+            CLICK.main(args=args, prog_name="dcptool")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except Exception as e:
+            code, crash = 1, e
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        return code, out.getvalue().decode(), err.getvalue().decode(), crash
+
+
+def run_command(cmd: Command, path: Path, v: Verdict) -> None:
+    if cmd.args is None:
+        cmd.check(path, v)
+        return
+    code, out, err, crash = invoke([str(path) if a == "FILE" else a for a in cmd.args])
+    if crash is not None:
+        raise AssertionError(f"{cmd.name} raised:\n" + "".join(traceback.format_exception(crash)))
+    assert code in (0, 1, 2), code
+    if v.error is not None:
+        assert code == 2, f"{cmd.name} exit {code} on a file the reader rejects ({v.error})"
+        assert err == f"dcptool: {v.error}\n" and out == "", (out, err)
+        return
+    if code == 2:  # a usage problem on a readable file: --obs 0 of an empty dump, or of a huge batch
+        assert "--obs" in cmd.args and err.startswith("dcptool: --obs") and err.count("\n") == 1, err
+        assert ("has no observation 0" in err and v.dump.n == 0) or "too large to show row by row" in err, err
+        return
+    assert err == "", err
+    cmd.check(out, v, code)
+
+
+def run_case(path: Path, cmd: Command | None) -> Verdict:
+    """One case: the reader's verdict, then the command, under the deadline and memory bound."""
+    with bounded():
+        v = read(path)
+        if cmd is not None:
+            run_command(cmd, path, v)
+    return v
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """Run every command once first (imports are not a case's memory), torch single-threaded.
+
+    The cases are tiny; on a shared 2-core machine torch's thread pool hand-offs cost more than the work.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    p = tmp_path_factory.mktemp("warm") / "base.safetensors"
+    p.write_bytes(base_bytes(-1))
+    v = read(p)
+    for cmd in COMMANDS:
+        run_command(cmd, p, v)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------------------------
+# Tests
+
+
+@pytest.mark.parametrize("seed", range(-3, 16))
+def test_bases_are_valid_and_replay_correctly(seed, tmp_path):
+    """The starting points read, and replay reports exactly what the rules say (the oracle itself)."""
+    p = tmp_path / "base.safetensors"
+    p.write_bytes(base_bytes(seed))
+    v = read(p)
+    assert v.error is None
+    _library(p, v)
+
+
+def test_oracle_catches_a_wrong_report(tmp_path):
+    """check_report is not vacuous: a dropped finding, a wrong row or a wrong count is caught."""
+    p = tmp_path / "base.safetensors"
+    p.write_bytes(base_bytes(-1))
+    d = read(p).dump
+    res = replay(d, "torch")
+    good = [f.to_json() for f in res.findings]
+    summary = res.summary_json()
+    check_report(d, good, summary)
+    value = next(i for i, f in enumerate(good) if f["rule"] in VALUE_RULES)
+    for broken in (good[1:], [{**f, "row": f["row"] + 1} if i == value else f for i, f in enumerate(good)],
+                   good[::-1]):
+        with pytest.raises(AssertionError):
+            check_report(d, broken, {**summary, "findings": len(broken)})
+    with pytest.raises(AssertionError):
+        check_report(d, good, {**summary, "errors": summary["errors"] + 1})
+
+
+def test_bound_catches_a_large_allocation_and_a_hang():
+    """The harness's own guards work: a 1 GB allocation and a busy loop both fail the case."""
+    with pytest.raises(MemoryError), bounded():
+        np.ones(1 << 27)  # 1 GB of float64
+    with pytest.raises(Hang), bounded(seconds=1):
+        while True:
+            pass
+
+
+@pytest.fixture(scope="module")
+def case_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz")
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=[c.name for c in COMMANDS])
+@FUZZ
+@given(case=mutated())
+def test_fuzz_command(cmd, case, case_dir, warm):
+    p = case_dir / "case.safetensors"
+    p.write_bytes(case)
+    run_case(p, cmd)
+    count_fuzz(f"mutated/{cmd.name}")
+
+
+@pytest.mark.parametrize("kind", SPECIALS)
+def test_special_files(kind, tmp_path, warm):
+    p = make_special(kind, tmp_path)
+    v = run_case(p, None)
+    assert v.error is not None, f"{kind} was accepted"
+    for cmd in COMMANDS:
+        run_case(p, cmd)
+        count_fuzz(f"special/{cmd.name}")
+    if kind == "lfs-pointer":
+        assert "Git LFS pointer" in v.error
+    if kind in ("directory", "dir-named-like-dump"):
+        assert "is a directory" in v.error
+    if kind == "fifo":
+        assert "not a regular file" in v.error
+
+
+# --------------------------------------------------------------------------------------------
+# Memory: declared sizes are checked against the file before anything is allocated
+
+
+def traced_peak(fn, *args):
+    """(result, peak bytes numpy and Python allocated while fn ran), measured with tracemalloc."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        out = fn(*args)
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _declared(tmp_path: Path, name: str, header: dict, data: bytes = b"", hlen: int | None = None) -> Path:
+    p = tmp_path / name
+    raw = join(header, data)
+    if hlen is not None:
+        raw = struct.pack("<Q", hlen) + raw[8:]
+    p.write_bytes(raw)
+    return p
+
+
+@pytest.mark.parametrize("what", ["header-100MB", "header-2^63", "tensor-2^60-bytes", "shape-2^62-squared",
+                                  "offsets-past-end", "many-dims", "num_reqs_padded-int32-max",
+                                  "dcp_size-int32-max"])
+def test_declared_sizes_allocate_nothing(what, tmp_path, warm):
+    """A small file declaring huge sizes is rejected (or replayed) without allocating anything near them."""
+    h, data = split(base_bytes(-1))
+    hlen = None
+    if what == "header-100MB":
+        hlen = MAX_HEADER_BYTES
+    elif what == "header-2^63":
+        hlen = 2**63
+    elif what == "tensor-2^60-bytes":
+        h["obs.step"] = {"dtype": "I64", "shape": [2**57], "data_offsets": [0, 2**60]}
+    elif what == "shape-2^62-squared":
+        h["obs.step"]["shape"] = [2**62, 2**62]
+    elif what == "offsets-past-end":
+        h["rows.seq_lens"]["data_offsets"] = [0, 2**40]
+    elif what == "many-dims":
+        h["zz"] = {"dtype": "I32", "shape": [2**62] * 100_000, "data_offsets": [0, 0]}
+    elif what == "num_reqs_padded-int32-max":
+        s = _span(h, "obs.num_reqs_padded")
+        data[s[0] : s[1]] = np.full((s[1] - s[0]) // 4, 2**31 - 1, "<i4").tobytes()
+    elif what == "dcp_size-int32-max":
+        c = json.loads(h["__metadata__"]["dcptool.config"])
+        c["dcp_size"], c["cp_interleave"] = 2**31 - 1, 1
+        h["__metadata__"]["dcptool.config"] = json.dumps(c)
+    p = _declared(tmp_path, f"{what}.safetensors", h, data, hlen)
+    size = p.stat().st_size
+    assert size < 3_000_000
+    for cmd in COMMANDS:
+        v, peak = traced_peak(run_case, p, cmd)
+        assert peak < 16 * size + (8 << 20), f"{cmd.name}: a {size}-byte file cost {peak} bytes"
+    count_fuzz("declared-sizes", len(COMMANDS))
+    if what.startswith(("header", "tensor", "shape", "offsets", "many")):
+        assert v.error is not None
+
+
+@pytest.mark.parametrize("body", ["empty-lists", "empty-objects", "short-strings", "numbers", "nested"])
+def test_hostile_header_json_is_bounded(body, tmp_path):
+    """A real 20 MB header made of tiny JSON values is refused before json builds millions of objects."""
+    n = 20 << 20
+    unit = {"empty-lists": b"[],", "empty-objects": b"{},", "short-strings": b'"ab",', "numbers": b"1234567,",
+            "nested": b"["}[body]
+    inner = unit * (n // len(unit))
+    raw = b'{"__metadata__":{"dcptool.format":"1"},"x":[' + inner.rstrip(b",") + b"]}"
+    if body == "nested":
+        raw = inner
+    raw += b" " * (-len(raw) % 8)
+    p = tmp_path / "hostile.safetensors"
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    v, peak = traced_peak(run_case, p, None)
+    assert v.error is not None and ("JSON values" in v.error or "not valid UTF-8 JSON" in v.error), v.error
+    assert peak < 3 * len(raw), f"a {len(raw)}-byte header cost {peak} bytes"  # json.loads: 10-25x
+    count_fuzz("hostile-json")
+
+
+def test_large_legitimate_header_reads(tmp_path):
+    """The bound does not hurt a real dump with a long `dcptool.injected` index list (1M indices)."""
+    obs = [Observation(step=0, site="a", rank=0, num_reqs=1, num_reqs_padded=1, seq_lens=np.array([5]),
+                       dcp_local_seq_lens=np.array([3]))]
+    p = tmp_path / "big-header.safetensors"
+    write_observations(p, obs, DumpConfig(dcp_size=2), {"sentinel": [0] * 1_000_000})
+    d, peak = traced_peak(open_dumps, [p])
+    assert len(d.injected[0]["sentinel"]) == 1_000_000
+    assert peak < 10 * p.stat().st_size
+
+
+# --------------------------------------------------------------------------------------------
+# Real processes: no traceback escapes `python -m dcptool`
+
+SUBPROCESS_CASES = ["empty", "directory", "fifo", "lfs-pointer", "plain-safetensors", "non-utf8-name",
+                    "newline-name", "gzip"]
+
+
+@pytest.mark.parametrize("kind", SUBPROCESS_CASES)
+def test_cli_subprocess_special(kind, tmp_path):
+    p = make_special(kind, tmp_path)
+    for args in (("inspect", p), ("replay", p, "--json")):
+        r = cli(*args)
+        assert r.returncode == 2, r
+        assert r.stdout == "" and r.stderr.count("\n") == 1 and r.stderr.startswith("dcptool: "), r.stderr
+        assert "Traceback" not in r.stderr
+        count_fuzz("subprocess")
+
+
+def test_cli_subprocess_mutated(tmp_path):
+    """A handful of seeded mutated dumps (rejected and accepted ones) through real processes."""
+    rng = np.random.default_rng(11)
+    files = []
+    for k in range(40):
+        h, data = split(base_bytes(int(rng.integers(-3, 64))))
+        raw = join(h, data)
+        cut = int(rng.integers(0, len(raw)))
+        if k % 4 == 0:  # still valid: a flipped value in the data keeps the file readable
+            s = _span(h, "rows.seq_lens")
+            if s and s[1] > s[0]:
+                data[s[0]] ^= 0x10
+            raw = join(h, data)
+        elif k % 4 == 1:
+            raw = raw[:cut]
+        elif k % 4 == 2:
+            b = bytearray(raw)
+            b[8 + cut % max(len(raw) - 8, 1)] ^= 0x40
+            raw = bytes(b)
+        else:
+            raw = struct.pack("<Q", 2**40 + cut) + raw[8:]
+        p = tmp_path / f"m{k:02d}.safetensors"
+        p.write_bytes(raw)
+        files.append(p)
+    # One process per command over all files would stop at the first bad one; run each file alone
+    # for inspect (light: no torch) and a few for replay (each imports torch).
+    replayed = 0
+    for p in files:
+        try:
+            ok = open_dumps([p]) is not None
+        except DumpError:
+            ok = False
+        r = cli("inspect", p)
+        assert r.returncode in (0, 2) and "Traceback" not in r.stderr, r.stderr
+        assert (r.returncode == 0) == ok
+        if r.returncode == 2:
+            assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"dcptool: {p}"), r.stderr
+        if ok and replayed < 3:
+            r = cli("replay", p)
+            assert r.returncode in (0, 1) and r.stderr == "", r.stderr
+            replayed += 1
+        count_fuzz("subprocess")
+    assert replayed >= 1
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", None])
+def test_cli_subprocess_non_utf8_name_with_findings(encoding, tmp_path):
+    """A readable dump under a non-UTF-8 name: the text report prints the name's own bytes.
+
+    PYTHONIOENCODING=utf-8 makes stdout strict, as a UTF-8 locale other than C does."""
+    name = b"r\xffn.safetensors"
+    p = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/" + name))
+    p.write_bytes(base_bytes(-1))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env.pop("PYTHONIOENCODING", None)
+    if encoding:
+        env["PYTHONIOENCODING"] = encoding
+    for args, code in ((["replay", p], 1), (["inspect", p], 0)):
+        r = subprocess.run([sys.executable, "-m", "dcptool", *map(str, args)], capture_output=True, env=env,
+                           timeout=300)
+        assert r.returncode == code and b"Traceback" not in r.stderr, r.stderr.decode(errors="replace")
+        assert name in r.stdout
+        count_fuzz("subprocess")
+
