@@ -116,6 +116,7 @@ class Dump:
     file_obs: np.ndarray  # [n] int64: the observation's index inside its file
     injected: list[dict[str, list[int]] | None] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)  # bytes of each file
+    maps: dict[str, np.memmap] = field(default_factory=dict)  # the file mappings behind columns (one file)
 
     @property
     def n(self) -> int:
@@ -329,6 +330,7 @@ def read_dump(path: str | os.PathLike) -> Dump:
         if present and len(present) != len(group):
             raise _fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")
     cols: dict[str, np.ndarray] = {}
+    maps: dict[str, np.memmap] = {}
     for key, (dt, shape, a, _b) in entries.items():
         if key not in COLUMNS:
             continue  # unknown keys are allowed: a newer writer may add columns
@@ -340,11 +342,13 @@ def read_dump(path: str | os.PathLike) -> Dump:
         if shape[0] == 0:
             cols[key] = np.zeros(0, _DTYPES[dt])
         else:
-            cols[key] = np.memmap(p, dtype=_DTYPES[dt], mode="c", offset=data_start + a, shape=(shape[0],))
+            mm = np.memmap(p, dtype=_DTYPES[dt], mode="c", offset=data_start + a, shape=(shape[0],))
+            maps[key] = mm
+            cols[key] = mm.view(np.ndarray)  # plain arrays: memmap's __getitem__ is slow on hot paths
     validate_columns(p, cfg, cols, injected)
     n = cols["obs.step"].shape[0]
     return Dump(files=[p], config=cfg, columns=cols, file_index=np.zeros(n, np.int32),
-                file_obs=np.arange(n, dtype=np.int64), injected=[injected], sizes=[size])
+                file_obs=np.arange(n, dtype=np.int64), injected=[injected], sizes=[size], maps=maps)
 
 
 def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected: dict | None = None) -> None:
@@ -669,3 +673,29 @@ def describe(d: Dump) -> DumpInfo:
                     max_num_reqs=int(d["obs.num_reqs"].max()) if d.n else 0,
                     max_num_reqs_padded=int(d["obs.num_reqs_padded"].max()) if d.n else 0,
                     optional=[k for k in OPTIONAL if k in d.columns], injected=injected)
+
+
+def _release(arr: np.memmap, lo: int, hi: int) -> None:
+    """Drop the pages holding arr[lo:hi] from this process (the file is untouched)."""
+    mm = getattr(arr, "_mmap", None)
+    if mm is None or hi <= lo or not hasattr(mm, "madvise"):
+        return
+    import mmap
+
+    base = arr.offset - arr.offset % mmap.ALLOCATIONGRANULARITY  # where numpy's mapping starts
+    a = arr.offset - base + lo * arr.itemsize
+    b = arr.offset - base + hi * arr.itemsize
+    page = mmap.PAGESIZE
+    a = -(-a // page) * page
+    b = b // page * page
+    if b > a:
+        mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+
+
+def release(d: Dump, lo: int, hi: int) -> None:
+    """Forget the row pages of observations [lo, hi): bounded memory for scans of huge dumps."""
+    for key, offs in (("rows.seq_lens", "obs.rows"), ("rows.kv_pages", "obs.rows"),
+                      ("rows.dcp_local_seq_lens", "obs.dcp_rows"), ("rows.query_start_loc", "obs.qsl")):
+        if key in d.maps:
+            o = d.columns[offs]
+            _release(d.maps[key], int(o[lo]), int(o[hi]))

@@ -42,7 +42,7 @@ def test_round_trip_and_zero_copy(tmp_path):
     p = write(tmp_path / "a.safetensors", [obs(step=s, rank=r) for s in range(4) for r in range(2)])
     d = read_dump(p)
     assert d.n == 8 and d.config.dcp_size == 2 and d.config.sites == ("attn_metadata",)
-    assert isinstance(d["rows.seq_lens"], np.memmap)  # mapped, not read
+    assert isinstance(d.maps["rows.seq_lens"], np.memmap) and d["rows.seq_lens"].base is d.maps["rows.seq_lens"]
     assert d.seq_lens_of(3).tolist() == [17, 25, 0, 0]
     assert d.dcp_of(3).tolist() == [9, 13, 0, 0] if d["obs.rank"][3] == 0 else [8, 12, 0, 0]
 

@@ -259,12 +259,13 @@ def test_rows_view(tmp_path):
 
 
 def test_provenance_costs_nothing_on_clean_dumps(tmp_path, monkeypatch):
-    from dcptool import replay as rp
+    from dcptool.provenance import Provenance
 
     def boom(self):
-        raise AssertionError("hashes built for a clean dump")
+        raise AssertionError("provenance index built for a clean dump")
 
-    monkeypatch.setattr(rp._Provenance, "_build_prefix", boom)
+    monkeypatch.setattr(Provenance, "_signatures", boom)
+    monkeypatch.setattr(Provenance, "_rank_step_index", boom)
     assert run(tmp_path, worked_example(False)).findings == []
 
 
