@@ -12,6 +12,7 @@ from rich.console import Console
 from dcptool.dump import DumpError
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False, add_completion=False,
+                  rich_markup_mode=None,  # plain usage errors: one "Error:" line, no box
                   help="Replay and debug decode-context-parallel (DCP) metadata recorded from serving engines.")
 
 
@@ -85,9 +86,11 @@ def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
 
 @app.command()
 def replay(
-    dumps: Annotated[list[Path], typer.Argument(help="Dump files (one run: per-rank files or chunks).")],
-    split: Annotated[int | None, typer.Option("--split", min=1, help="Re-split every recorded full batch into "
-                                                                     "K micro-batches and show what each must carry.")] = None,
+    dumps: Annotated[list[Path], typer.Argument(metavar="DUMP",
+                                                help="Dump files (one run: per-rank files or chunks).")],
+    split: Annotated[int | None, typer.Option(
+        "--split", min=1, help="Re-split every recorded full batch into K micro-batches and show what each must "
+                               "carry.")] = None,
     backend: Annotated[str, typer.Option(help="auto (Triton on a GPU, torch on CPU), triton (the interpreter "
                                               "without a GPU) or torch.")] = "auto",
     obs: Annotated[str | None, typer.Option("--obs", help="Show one observation row by row: I or FILE:I.")] = None,
@@ -132,7 +135,7 @@ def replay(
 
 @app.command()
 def inspect(
-    dump: Annotated[list[Path], typer.Argument(help="Dump file(s) to summarise.")],
+    dump: Annotated[list[Path], typer.Argument(metavar="DUMP", help="Dump file(s) to summarise.")],
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
 ) -> None:
     """Summarise a dump: config, steps, sites, ranks, micro-batches, sizes, optional columns."""

@@ -426,7 +426,8 @@ def _check_alias(d: Dump) -> list[tuple[int, Finding]]:
             j = seen[key][0]
             msg = (f"{_where(d, i)}: micro-batch {int(ub[i])} reads the same DCP buffer as micro-batch "
                    f"{seen[key][1]} (obs {int(d.file_obs[j])}); each micro-batch needs its own buffer")
-            out.append((int(i), _mk(d, i, "alias", msg, detail={"buffer": int(buf[i]), "other_obs": int(d.file_obs[j])})))
+            detail = {"buffer": int(buf[i]), "other_obs": int(d.file_obs[j])}
+            out.append((int(i), _mk(d, i, "alias", msg, detail=detail)))
         else:
             seen.setdefault(key, (int(i), int(ub[i])))
     if "obs.graph" in d.columns:
@@ -651,9 +652,11 @@ def _merge_split_findings(d: Dump, res: ReplayResult) -> list[Finding]:
             got["seq_lens"], want["seq_lens"] = seq.tolist(), s.ub.seq_lens.tolist()
         if bad:
             f = bad[0]
-            msg = (f"{_where(d, i)}: recorded micro-batch disagrees with --split {max(x.ubatch for x in res.splits) + 1} "
-                   f"of its parent (obs {s.parent_obs}): {f} is {got[f]}, the split gives {want[f]}")
-            extra.append(_mk(d, i, "ubatch-slice", msg, detail={"field": f, "parent_obs": s.parent_obs, "split": True}))
+            k = max(x.ubatch for x in res.splits) + 1
+            msg = (f"{_where(d, i)}: recorded micro-batch disagrees with --split {k} of its parent "
+                   f"(obs {s.parent_obs}): {f} is {got[f]}, the split gives {want[f]}")
+            detail = {"field": f, "parent_obs": s.parent_obs, "split": True}
+            extra.append(_mk(d, i, "ubatch-slice", msg, detail=detail))
     if not extra:
         return res.findings
     return sorted(res.findings + extra, key=lambda f: (f.index, _RULE_ORDER[f.rule]))

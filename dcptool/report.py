@@ -286,7 +286,8 @@ def render_inspect(info, console: Console) -> None:
         if getattr(c, k):
             t.add_row(k, str(getattr(c, k)))
     t.add_row("observations", f"{info.observations:,} ({info.with_view:,} with a DCP view, {info.without_view:,} None)")
-    t.add_row("steps", "none" if info.steps is None else f"{info.steps[0]} .. {info.steps[1]} ({info.distinct_steps} distinct)")
+    steps = "none" if info.steps is None else f"{info.steps[0]} .. {info.steps[1]} ({info.distinct_steps} distinct)"
+    t.add_row("steps", steps)
     t.add_row("sites", ", ".join(f"{s} {n}" for s, n in info.sites.items()))
     t.add_row("ranks", ", ".join(f"{r}: {n}" for r, n in info.ranks.items()))
     t.add_row("micro-batches", ", ".join(("full" if u < 0 else f"ub{u}") + f": {n}" for u, n in info.ubatches.items()))
