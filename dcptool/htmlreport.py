@@ -1,4 +1,4 @@
-"""HTML renderer for replay: one self-contained page (inline CSS, SVG and script; nothing fetched) to attach to a bug."""
+"""HTML renderer for replay: one self-contained page (inline CSS, SVG, script; nothing fetched) for a bug report."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;
 color:#1f2328;background:#fff}
 h1{font-size:22px;margin:20px 0 4px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d0d7de}
 h3{font-size:14px;margin:18px 0 4px}code,td,.mono,svg text{font-family:ui-monospace,"DejaVu Sans Mono",monospace}
-.files{color:#57606a;margin:0}.kv{display:grid;grid-template-columns:max-content auto;gap:2px 16px;margin:8px 0}
+.files{color:#57606a;margin:0}.kv{display:grid;grid-template-columns:repeat(3,max-content minmax(10em,max-content));
+gap:2px 14px;margin:8px 0}
 .kv dt{font-weight:600}.kv dd{margin:0}.verdict{font-size:16px;font-weight:600}.verdict.err{color:#b42318}
 .verdict.ok{color:#1a7f37}.chip{display:inline-block;border-radius:4px;padding:1px 7px;margin:2px 4px 2px 0;
 background:#f6f8fa;border:1px solid #d0d7de}.code{display:inline-block;min-width:1.2em;text-align:center;
@@ -28,13 +29,14 @@ font-weight:700;border-radius:3px;margin-right:4px;font-family:ui-monospace,mono
 .code.ok,rect.ok{background:#8fd19e;fill:#8fd19e}.code.none,rect.none{background:#eef0f2;fill:#eef0f2}
 table{border-collapse:collapse;margin:6px 0}th,td{border:1px solid #d0d7de;padding:2px 6px;text-align:right;
 vertical-align:top}th{background:#f6f8fa;position:sticky;top:0}td.l,th.l{text-align:left}
-#ftable th{cursor:pointer;user-select:none}#ftable th[data-dir=asc]::after{content:" \\25B2"}
-#ftable th[data-dir=desc]::after{content:" \\25BC"}#ftable td.msg{white-space:normal;min-width:28em}
+#ftable{width:100%}#ftable th{cursor:pointer;user-select:none}td.rule{white-space:nowrap}
+#ftable th[data-dir=asc]::after{content:" \\25B2"}
+#ftable th[data-dir=desc]::after{content:" \\25BC"}#ftable td.msg{min-width:16em}
 tr.bad td{background:#ffebe9}td.rule.err{color:#b42318;font-weight:600}td.rule.warn{color:#9a6700;font-weight:600}
 :target{outline:2px solid #0969da;outline-offset:1px}.filters{display:flex;gap:14px;align-items:center;
 flex-wrap:wrap;margin:8px 0}.note{color:#57606a}.view{border-left:3px solid #d0d7de;padding-left:12px;margin:14px 0}
 svg .c{cursor:pointer}svg .c:hover rect{stroke:#0969da;stroke-width:2}svg text{font-size:11px}
-svg text.code{fill:#fff;font-weight:700;text-anchor:middle;pointer-events:none}svg text.code.warn{fill:#1f2328}
+svg text.cc{fill:#fff;font-weight:700;text-anchor:middle;pointer-events:none}svg text.cc.warn{fill:#1f2328}
 svg text.lab{fill:#1f2328}svg text.axis{fill:#57606a}svg line{stroke:#d0d7de}
 """
 
@@ -78,8 +80,6 @@ def _e(x) -> str:
 
 def render_html(res, max_findings: int | None = None) -> str:
     """The whole page as one string: configuration and summary, timeline, findings table, row views."""
-    from dcptool.replay import RULES
-
     shown = res.findings if max_findings is None else res.findings[:max_findings]
     pos = {id(f): k for k, f in enumerate(res.findings)}
     title = "dcptool replay: " + ", ".join(res.files)
@@ -87,13 +87,13 @@ def render_html(res, max_findings: int | None = None) -> str:
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
              f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
              "<h1>dcptool replay</h1>", f'<p class="files mono">{_e(", ".join(res.files))}</p>']
-    parts += _summary(res, pos)
+    parts += _summary(res, len(shown))
     tl = timeline(res, HTML_COLUMNS)
     parts.append('<section id="timeline"><h2>Timeline</h2>')
     if tl is None:
         parts.append('<p class="note">No observations.</p>')
     else:
-        per = "1 step" if tl.width == 1 else f"{tl.width} steps"
+        per = "step" if tl.width == 1 else f"{tl.width} steps"
         parts.append(f'<p class="note">One row per site and DCP rank (micro-batches folded in), one column per {per} '
                      f"(steps {tl.first_step}..{tl.last_step}); each cell shows its worst finding. Hover a cell for "
                      "details; click it to list its findings below.</p>")
@@ -101,18 +101,23 @@ def render_html(res, max_findings: int | None = None) -> str:
         parts.append(_legend(tl))
     parts.append("</section>")
     parts += _table(res, shown)
-    parts += _views(res, pos)
+    parts += _views(res, pos, len(shown))
     parts.append(f"<script>{_JS}</script></body></html>\n")
     return "\n".join(parts)
 
 
-def _summary(res, pos: dict) -> list[str]:
+def _finding_ref(k: int | None, text: str, shown: int) -> str:
+    """A link to row k of the findings table, or plain text when the table does not hold it (--max-findings)."""
+    return f'<a href="#f{k}">{text}</a>' if k is not None and k < shown else text
+
+
+def _summary(res, shown: int) -> list[str]:
     c = res.config
-    kv = [("dcptool", __version__), ("files", ", ".join(res.files)), ("observations", f"{res.observations:,}"),
+    kv = [("observations", f"{res.observations:,}"),
           ("dcp_size", c.dcp_size), ("cp_interleave", c.cp_interleave), ("pcp_size", c.pcp_size),
           ("page_size", c.page_size if c.page_size is not None else "not recorded"), ("sites", ", ".join(c.sites))]
     kv += [(k, getattr(c, k)) for k in ("engine", "engine_version", "note") if getattr(c, k)]
-    kv.append(("backend", f"{res.backend} on {res.device}, {res.seconds:.2f} s"))
+    kv += [("backend", f"{res.backend} on {res.device}, {res.seconds:.2f} s"), ("dcptool", __version__)]
     out = ['<section id="summary"><h2>Configuration and summary</h2><dl class="kv">']
     out += [f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in kv]
     out.append("</dl>")
@@ -132,7 +137,7 @@ def _summary(res, pos: dict) -> list[str]:
                        + "</tr>")
         out.append("</tbody></table>")
         f = res.findings[0]
-        out.append(f'<p>First finding: <a href="#f{pos[id(f)]}">{_e(f.file)} obs {f.obs}</a> {_code(f.rule)}'
+        out.append(f"<p>First finding: {_finding_ref(0, f'{_e(f.file)} obs {f.obs}', shown)} {_code(f.rule)}"
                    f"{_e(f.message)}</p>")
     if res.skipped:
         out.append('<p class="note">Skipped checks: '
@@ -180,9 +185,9 @@ def _svg(res, tl: Timeline) -> str:
                      + (f' data-first="{first}"' if first >= 0 else ""))
             x = left + int(c) * cw
             out.append(f'<g class="c" {attrs}><title>{_e(_tooltip(res, tl, r, int(c), RULES))}</title>'
-                       f'<rect class="{kind}" x="{x}" y="{y + 1}" width="{cw - (1 if cw > 5 else 0)}" height="{ch - 2}"/>')
+                       f'<rect class="{kind}" x="{x}" y="{y + 1}" width="{cw - (cw > 5)}" height="{ch - 2}"/>')
             if first >= 0 and cw >= 10:
-                out.append(f'<text class="code {kind}" x="{x + cw / 2:g}" y="{y + 13}">{_e(chars[r, c])}</text>')
+                out.append(f'<text class="cc {kind}" x="{x + cw / 2:g}" y="{y + 13}">{_e(chars[r, c])}</text>')
             out.append("</g>")
     out.append("</svg>")
     return "".join(out)
@@ -195,7 +200,8 @@ def _tooltip(res, tl: Timeline, r: int, c: int, rules) -> str:
     def by_ub(v: np.ndarray) -> str:
         return ", ".join(("full" if u == 0 else f"ub{u - 1}") + f" {int(n)}" for u, n in enumerate(v) if n)
 
-    lines = [f"{steps} · {tl.sites[r]} rank {tl.ranks[r]}", f"{int(tl.obs[r, c])} observations ({by_ub(tl.ub_obs[r, c])})"]
+    lines = [f"{steps} · {tl.sites[r]} rank {tl.ranks[r]}",
+             f"{int(tl.obs[r, c])} observations ({by_ub(tl.ub_obs[r, c])})"]
     counts = tl.rules[r, c]
     if counts.any():
         lines.append("findings: " + ", ".join(f"{rules[i]} {int(n)}" for i, n in enumerate(counts) if n)
@@ -263,7 +269,7 @@ def _table(res, shown) -> list[str]:
     return out
 
 
-def _views(res, pos: dict) -> list[str]:
+def _views(res, pos: dict, shown: int) -> list[str]:
     """Row views (as `--obs` shows them) of the observations whose views replay prepared."""
     out = ['<section id="rows"><h2>Row views</h2>']
     views = dict(res.views)
@@ -278,20 +284,19 @@ def _views(res, pos: dict) -> list[str]:
         if f.source is not None:
             cited.setdefault(f.source.index, []).append(k)
     for i in sorted(views):
-        out += _view(views[i], pos, cited.get(i, []), res)
+        out += _view(views[i], pos, cited.get(i, []), res, shown)
     out.append("</section>")
     return out
 
 
-def _view(v, pos: dict, cited: list[int], res) -> list[str]:
+def _view(v, pos: dict, cited: list[int], res, shown: int) -> list[str]:
     ub = f" ubatch {v.ubatch}" if v.ubatch >= 0 else ""
     out = [f'<div class="view" id="obs{v.index}"><h3>obs {v.obs} <span class="note">{_e(v.file)}</span>: step '
            f"{v.step} {_e(v.site)} rank {v.rank}{ub}, num_reqs {v.num_reqs}, num_reqs_padded {v.num_reqs_padded}</h3>"]
     if v.findings or cited:
         out.append("<ul>")
         for f in v.findings:
-            k = pos.get(id(f))
-            ref = f'<a href="#f{k}">{_e(f.rule)}</a>' if k is not None else _e(f.rule)
+            ref = _finding_ref(pos.get(id(f)), _e(f.rule), shown)
             src = ""
             if f.source is not None:
                 s = f.source
@@ -299,7 +304,7 @@ def _view(v, pos: dict, cited: list[int], res) -> list[str]:
                        f"{_e(s.site)})" + ("" if s.index in res.views else " (row view not shown)"))
             out.append(f"<li>{_code(f.rule)}{ref}: {_e(f.message)}{src}</li>")
         if cited:
-            links = ", ".join(f'<a href="#f{k}">obs {res.findings[k].obs} ({_e(res.findings[k].site)})</a>'
+            links = ", ".join(_finding_ref(k, f"obs {res.findings[k].obs} ({_e(res.findings[k].site)})", shown)
                               for k in cited[:20])
             more = f" and {len(cited) - 20} more" if len(cited) > 20 else ""
             out.append(f"<li>source of the stale finding(s) at {links}{more}</li>")

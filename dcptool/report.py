@@ -194,8 +194,8 @@ def render_timeline(res, console: Console) -> None:
     label_w = site_w + 1 + rank_w + 1
     tl = timeline(res, max(console.width - label_w, 8))
     per = "1 step" if tl.width == 1 else f"{tl.width} steps"
-    console.print(Text.assemble(("Timeline", "bold"), f" of steps {tl.first_step}..{tl.last_step} ({per} per column, "
-                                "micro-batches folded in)"))
+    _print_items(console, [Text.assemble(("Timeline", "bold"), f" of steps {tl.first_step}..{tl.last_step}"),
+                           Text(f"({per} per column,"), Text("micro-batches folded in)")], " ")
     console.print(Text("step".ljust(label_w) + _axis(tl), style="dim"), no_wrap=True, overflow="crop")
     chars, kinds = _cells(tl)
     for r, (site, rank) in enumerate(zip(tl.sites, tl.ranks)):
@@ -211,13 +211,26 @@ def render_timeline(res, console: Console) -> None:
             line.append("".join(chars[r, c:e]), style=CELL_STYLE.get(str(kinds[r, c]), ""))
             c = e
         console.print(line, no_wrap=True, overflow="crop")
-    present = [RULES[i] for i in np.unique(tl.worst()) if i >= 0]
-    legend = Text.assemble((CLEAN, CELL_STYLE["clean"]), " clean  ", ("(blank)", "dim"), " no observations")
-    for rule in present:
-        legend.append("  ")
-        legend.append(RULE_CODES[rule], CELL_STYLE[SEVERITY[rule]])
-        legend.append(f" {rule}" + (" (warning)" if SEVERITY[rule] == "warning" else ""))
-    console.print(legend)
+    items = [Text.assemble((CLEAN, CELL_STYLE["clean"]), " clean"),
+             Text.assemble(("(blank)", "dim"), " no observations")]
+    for i in np.unique(tl.worst()):
+        if i >= 0:
+            rule = RULES[i]
+            items.append(Text.assemble((RULE_CODES[rule], CELL_STYLE[SEVERITY[rule]]),
+                                       f" {rule}" + (" (warning)" if SEVERITY[rule] == "warning" else "")))
+    _print_items(console, items, "  ")
+
+
+def _print_items(console: Console, items: list[Text], sep: str) -> None:
+    """Print items joined by sep, wrapping between items and never inside one."""
+    line = items[0]
+    for item in items[1:]:
+        if len(line) + len(sep) + len(item) > console.width:
+            console.print(line, no_wrap=True, overflow="crop")
+            line = item
+        else:
+            line = Text.assemble(line, sep, item)
+    console.print(line, no_wrap=True, overflow="crop")
 
 
 def render_splits(splits, console: Console) -> None:
