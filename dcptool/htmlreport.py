@@ -31,7 +31,10 @@ table{border-collapse:collapse;margin:6px 0}th,td{border:1px solid #d0d7de;paddi
 vertical-align:top}th{background:#f6f8fa;position:sticky;top:0}td.l,th.l{text-align:left}
 #ftable{width:100%}#ftable th{cursor:pointer;user-select:none}td.rule{white-space:nowrap}
 #ftable th[data-dir=asc]::after{content:" \\25B2"}
-#ftable th[data-dir=desc]::after{content:" \\25BC"}#ftable td.msg{min-width:16em}
+#ftable th[data-dir=desc]::after{content:" \\25BC"}#ftable{font-size:13px}
+#ftable td,#ftable th{width:1%;white-space:nowrap}
+#ftable td.msg,#ftable th.msg{width:auto;white-space:normal;min-width:14em;font-family:inherit}
+#ftable td.src{white-space:normal;min-width:6em}
 tr.bad td{background:#ffebe9}td.rule.err{color:#b42318;font-weight:600}td.rule.warn{color:#9a6700;font-weight:600}
 :target{outline:2px solid #0969da;outline-offset:1px}.filters{display:flex;gap:14px;align-items:center;
 flex-wrap:wrap;margin:8px 0}.note{color:#57606a}.view{border-left:3px solid #d0d7de;padding-left:12px;margin:14px 0}
@@ -164,11 +167,9 @@ def _svg(res, tl: Timeline) -> str:
     chars, kinds = _cells(tl)
     out = [f'<svg id="timeline-svg" role="img" aria-label="findings timeline" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}">']
-    # axis labels every k columns, k from 1, 2, 5, 10, ... so that the labels do not touch
-    need = (len(str(tl.last_step)) * 7 + 6) / cw
-    k = next(m * 10**e for e in range(20) for m in (1, 2, 5) if m * 10**e >= need)
-    for c in range(0, tl.columns, k):
-        out.append(f'<text class="axis" x="{left + c * cw}" y="14">{tl.steps_of(c)[0]}</text>')
+    gap = (max(len(str(tl.first_step)), len(str(tl.last_step))) * 7 + 8) / cw  # label width in columns
+    for c, step in tl.ticks(gap):
+        out.append(f'<text class="axis" x="{left + c * cw}" y="14">{step}</text>')
     for r, (site, rank) in enumerate(zip(tl.sites, tl.ranks)):
         y = top + r * ch
         if r == 0 or tl.sites[r - 1] != site:
@@ -225,8 +226,8 @@ def _legend(tl: Timeline) -> str:
 def _table(res, shown) -> list[str]:
     multi = len(res.files) > 1
     cols = [("#", ""), ("obs", ""), *([("file", "l")] if multi else []), ("step", ""), ("site", "l"), ("rank", ""),
-            ("ub", ""), ("rule", "l"), ("row", ""), ("recorded", ""), ("expected", ""), ("wrong rows", ""),
-            ("source", "l"), ("message", "l")]
+            ("ub", ""), ("rule", "l"), ("row", ""), ("recorded", ""), ("expected", ""), ("wrong", ""),
+            ("source", "l"), ("message", "l msg")]
     out = [f'<section id="findings"><h2>Findings ({len(res.findings):,})</h2>']
     if len(shown) < len(res.findings):
         out.append(f'<p class="note">The first {len(shown):,} of {len(res.findings):,} findings (--max-findings); '
@@ -249,14 +250,14 @@ def _table(res, shown) -> list[str]:
         src = ""
         if f.source is not None:
             s = f.source
-            src = (f'<a href="#obs{s.index}">obs {s.obs}</a> {_e(s.relation)}, step {s.step} {_e(s.site)}'
-                   + (f" ub{s.ubatch}" if s.ubatch >= 0 else ""))
+            src = f'<a href="#obs{s.index}" title="step {s.step} {_e(s.site)}">obs {s.obs}</a> {_e(s.relation)}'
         obs = f'<a href="#obs{f.index}">{f.obs}</a>' if f.index in res.views else str(f.obs)
         sev = "err" if f.severity == "error" else "warn"
 
         def num(v) -> str:
             return '<td data-k="-1"></td>' if v is None else f"<td>{v}</td>"
 
+        # the message without its "step .. site rank ..:" prefix, which the row's own columns already say
         out.append(f'<tr id="f{k}" data-rule="{_e(f.rule)}" data-site="{_e(f.site)}" data-rank="{f.rank}" '
                    f'data-step="{f.step}"><td>{k}</td><td data-k="{f.index}">{obs}</td>'
                    + (f'<td class="l">{_e(f.file)}</td>' if multi else "")
@@ -264,7 +265,7 @@ def _table(res, shown) -> list[str]:
                    f'<td data-k="{f.ubatch}">{"-" if f.ubatch < 0 else f.ubatch}</td>'
                    f'<td class="l rule {sev}">{_e(f.rule)}{"/" + _e(f.source.relation) if f.source else ""}</td>'
                    + num(f.row) + num(f.recorded) + num(f.expected) + f"<td>{f.wrong_rows}</td>"
-                   f'<td class="l">{src}</td><td class="l msg">{_e(f.message)}</td></tr>')
+                   f'<td class="l src">{src}</td><td class="l msg">{_e(f.message.split(": ", 1)[-1])}</td></tr>')
     out.append("</tbody></table></section>")
     return out
 
@@ -278,7 +279,9 @@ def _views(res, pos: dict, shown: int) -> list[str]:
     with_findings = len({f.index for f in res.findings})
     out.append(f'<p class="note">What each observation holds row by row (as <code>--obs</code> shows it), for the '
                f"first {VIEW_FINDINGS} observations with findings (of {with_findings:,}) and the source observations "
-               f"of their stale findings; at most {VIEW_ROWS} rows each, starting near the first wrong row.</p>")
+               f"of their stale findings; at most {VIEW_ROWS} rows each, starting near the first wrong row. "
+               "Columns r0, r1, ...: the expected local length on each DCP rank (* marks the observation's own "
+               "rank).</p>")
     cited: dict[int, list[int]] = {}
     for k, f in enumerate(res.findings):
         if f.source is not None:

@@ -83,7 +83,7 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
 
 @dataclass(frozen=True)
 class Timeline:
-    """The replay as a picture: one row per (site, rank), one column per `width` consecutive steps."""
+    """The replay as a picture: one row per (site, rank), one column per `width` consecutive steps (from the first)."""
 
     sites: list[str]  # per row
     ranks: list[int]  # per row
@@ -104,6 +104,15 @@ class Timeline:
         lo = self.first_step + col * self.width
         return lo, min(lo + self.width - 1, self.last_step)
 
+    def ticks(self, gap: float) -> list[tuple[int, int]]:
+        """(column, step) axis labels: multiples of a round number of steps, at least `gap` columns apart."""
+        every = round_up(gap * self.width, (1, 2, 5))
+        first = -(-self.first_step // every) * every
+        out = [((s - self.first_step) // self.width, s) for s in range(first, self.last_step + 1, every)]
+        if not out or out[0][0] >= gap:
+            out.insert(0, (0, self.first_step))
+        return out
+
     def worst(self) -> np.ndarray:
         """[rows, cols] index into RULES of each cell's worst finding (errors first, then table order), -1 if none."""
         from dcptool.replay import RULES, SEVERITY
@@ -111,6 +120,16 @@ class Timeline:
         prio = np.array([i + (len(RULES) if SEVERITY[r] == "warning" else 0) for i, r in enumerate(RULES)])
         masked = np.where(self.rules > 0, prio, 10 * len(RULES))
         return np.where(self.rules.any(axis=2), masked.argmin(axis=2), -1)
+
+
+def round_up(x: float, mantissas=(1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8)) -> int:
+    """The smallest integer m * 10**e >= x (e >= 0): steps per column and label spacing people read at a glance."""
+    scale = 1
+    while True:
+        for m in mantissas:
+            if m * scale >= x and float(m * scale).is_integer():
+                return int(m * scale)
+        scale *= 10
 
 
 def timeline(res, max_columns: int) -> Timeline | None:
@@ -125,7 +144,7 @@ def timeline(res, max_columns: int) -> Timeline | None:
     keys = np.unique(pair)  # rows: site order of the config, then rank
     lo, hi = int(g.step.min()), int(g.step.max())
     span = hi - lo + 1
-    width = -(-span // max(max_columns, 1))
+    width = round_up(span / max(max_columns, 1))  # a round number of steps per column, for readable labels
     cols = -(-span // width)
     ubs = 1 + max(int(g.ubatch.max()), max((f.ubatch for f in res.findings), default=-1)) + 1
     row = np.searchsorted(keys, pair)
@@ -152,20 +171,11 @@ def timeline(res, max_columns: int) -> Timeline | None:
                     ub_find=ub_find, first=first)
 
 
-def _ticks(tl: Timeline) -> int:
-    """Label every k-th column: k the smallest of 1, 2, 5, 10, 20, 50, ... that leaves room for the labels."""
-    need, k = len(str(tl.last_step)) + 1, 1
-    while True:
-        for m in (1, 2, 5):
-            if m * k >= need:
-                return m * k
-        k *= 10
-
-
 def _axis(tl: Timeline) -> str:
     out = [" "] * tl.columns
-    for c in range(0, tl.columns, _ticks(tl)):
-        label = str(tl.steps_of(c)[0])
+    gap = max(len(str(tl.first_step)), len(str(tl.last_step))) + 1
+    for c, step in tl.ticks(gap):
+        label = str(step)
         if c + len(label) <= tl.columns:
             out[c : c + len(label)] = label
     return "".join(out)

@@ -125,6 +125,27 @@ def test_timeline_bins_steps_to_the_width(tmp_path):
     assert tl.obs.sum() == res.observations and tl.rules.sum() == len(res.findings)
 
 
+@pytest.mark.parametrize("x,want", [(0.1, 1), (1, 1), (1.74, 2), (2.1, 3), (6.1, 8), (8.5, 10), (11, 12), (13, 15),
+                                    (971.2, 1000), (2.6e6, 3_000_000)])
+def test_steps_per_column_are_round(x, want):
+    assert report.round_up(x) == want
+
+
+@pytest.mark.parametrize("first,last,width,gap,want", [
+    (0, 11, 1, 3, [(0, 0), (5, 5), (10, 10)]),
+    (3, 30, 1, 3, [(2, 5), (7, 10), (12, 15), (17, 20), (22, 25), (27, 30)]),  # 3 has no room before 5
+    (1, 30, 1, 3, [(0, 1), (4, 5), (9, 10), (14, 15), (19, 20), (24, 25), (29, 30)]),
+    (-7, 40, 2, 3, [(0, -7), (3, 0), (8, 10), (13, 20), (18, 30), (23, 40)]),
+    (1000, 99999, 1000, 6, [(0, 1000), (9, 10000), (19, 20000), (29, 30000), (39, 40000), (49, 50000),
+                            (59, 60000), (69, 70000), (79, 80000), (89, 90000)]),
+])
+def test_axis_labels_are_round_steps_in_their_columns(first, last, width, gap, want):
+    z = np.zeros((1, -(-(last - first + 1) // width)), np.int64)
+    tl = report.Timeline(["s"], [0], first, last, width, z, z[..., None], z[..., None], z[..., None], z)
+    assert tl.ticks(gap) == want
+    assert all(tl.steps_of(c)[0] <= s <= tl.steps_of(c)[1] for c, s in want)  # each label sits in its step's column
+
+
 @pytest.mark.parametrize("columns", [1, 7, 64, 1000])
 def test_timeline_cells_agree_with_a_direct_count(rng, tmp_path, columns):
     """Random run: per-cell observation counts, finding counts by rule, micro-batch counts and first findings match
@@ -139,7 +160,8 @@ def test_timeline_cells_agree_with_a_direct_count(rng, tmp_path, columns):
     d = open_dumps([write(tmp_path / "rnd.safetensors", o, dcp=4)])
     res = replay(d, "torch")
     tl = report.timeline(res, columns)
-    assert tl.columns <= columns and tl.width == -(-(tl.last_step - tl.first_step + 1) // columns)
+    span = tl.last_step - tl.first_step + 1
+    assert tl.columns == -(-span // tl.width) <= columns and tl.width == report.round_up(span / columns)
     row = {(s, r): k for k, (s, r) in enumerate(zip(tl.sites, tl.ranks))}
     assert list(row) == sorted(row, key=lambda t: (d.config.sites.index(t[0]), t[1]))  # config's site order
     want_obs, want_ub = Counter(), Counter()
