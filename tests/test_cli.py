@@ -1,6 +1,8 @@
 """The CLI as a user runs it: real subprocesses, exit codes 0/1/2, JSON Lines, one-line errors."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -144,3 +146,18 @@ def test_reading_never_modifies_the_dump(tmp_path):
     cli("replay", p)
     cli("inspect", p)
     assert open(p, "rb").read() == before
+
+
+def test_docs_format_examples_write_dumps_replay_reads(tmp_path):
+    """docs/format.md's two examples, run as written, give the dump the text promises."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "format.md").read_text(), re.S)
+    assert len(blocks) == 2
+    for k, code in enumerate(blocks):
+        d = tmp_path / str(k)
+        d.mkdir()
+        subprocess.run([sys.executable, "-c", code], cwd=d, check=True, env={"PYTHONPATH": str(ROOT)})
+        r = cli("replay", d / "run.safetensors", "--json")
+        found = [json.loads(x) for x in r.stdout.splitlines()][:-1]
+        assert r.returncode == 1 and [(f["obs"], f["rule"]) for f in found] == [(1, "missing")]
