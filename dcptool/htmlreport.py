@@ -202,7 +202,7 @@ def _tooltip(res, tl: Timeline, r: int, c: int, rules) -> str:
         return ", ".join(("full" if u == 0 else f"ub{u - 1}") + f" {int(n)}" for u, n in enumerate(v) if n)
 
     lines = [f"{steps} · {tl.sites[r]} rank {tl.ranks[r]}",
-             f"{int(tl.obs[r, c])} observations ({by_ub(tl.ub_obs[r, c])})"]
+             f"{int(tl.obs[r, c])} observation{'' if tl.obs[r, c] == 1 else 's'} ({by_ub(tl.ub_obs[r, c])})"]
     counts = tl.rules[r, c]
     if counts.any():
         lines.append("findings: " + ", ".join(f"{rules[i]} {int(n)}" for i, n in enumerate(counts) if n)

@@ -339,6 +339,25 @@ def test_html_caps_row_views_and_says_so(tmp_path):
     assert all(h[1:] in t.ids for h in t.hrefs)  # links to findings beyond --max-findings are plain text
 
 
+def test_html_per_rank_files_clean_runs_and_obs(tmp_path):
+    run = timeline_run()
+    files = [write(tmp_path / f"rank{r}.safetensors", [o for o in run if o.rank == r and o.site != "ubatch"])
+             for r in (0, 1)]
+    res = replay(open_dumps(files), "torch", obs=0, views=VIEW_FINDINGS)
+    html = render_html(res)
+    t = Tree(html)
+    assert len(t.rows) == len(res.findings) == 4 and '<th class="l">file</th>' in html  # padding, missing x2, shape
+    assert all(h[1:] in t.ids for h in t.hrefs) and all(n == 1 for n in t.ids.values())
+    assert "obs0" in t.ids and res.rows_view.index == 0 and 0 not in res.views  # --obs adds its own row view
+    clean = replay(open_dumps([write(tmp_path / "clean.safetensors", [obs(step=s) for s in range(5)])]), "torch")
+    html = render_html(clean)
+    t = Tree(html)
+    no_network(html, t)
+    assert "Clean: every observation" in html and len(t.titles) == 5 and t.tags["table"] == 0
+    assert t.titles[0] == "step 0 · attn_metadata rank 0\n1 observation (full 1)\nclean"
+    assert html.count('<rect class="ok"') == 5 and html.count('<rect class="err"') == 0
+
+
 def test_html_escapes_what_it_shows(tmp_path):
     p = write(tmp_path / "x.safetensors", [obs(site="<script>alert(1)</script>", view=None)],
               note='"><img src=x>')
