@@ -65,12 +65,6 @@ def _check_html_target(path: Path, dumps: list[Path], force: bool) -> None:
         raise Trouble(f"--html {path}: directory {parent} does not exist")
 
 
-def _html_views() -> int:
-    from dcptool.htmlreport import VIEW_FINDINGS
-
-    return VIEW_FINDINGS
-
-
 def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
     from dcptool.dump import atomic_write
     from dcptool.htmlreport import render_html
@@ -112,11 +106,12 @@ def replay(
             _check_html_target(html, dumps, force)
         d = open_dumps([str(p) for p in dumps])
         i = _obs_index(d, obs) if obs is not None else None
+        from dcptool.htmlreport import VIEW_FINDINGS
         from dcptool.kernel import BackendError
         from dcptool.replay import replay as run_replay
 
         try:
-            res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else _html_views())
+            res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS)
         except BackendError as e:
             raise Trouble(str(e)) from None
     except (DumpError, Trouble) as e:

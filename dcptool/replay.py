@@ -693,15 +693,12 @@ def rows_view(d: Dump, i: int, findings: list[Finding]) -> RowsView:
 def obs_grid(d: Dump) -> ObsGrid:
     """Count observations per distinct (site, rank, step, ubatch): one sort, no loop per observation."""
     site, rank, step, ub = d["obs.site"], d["obs.rank"], d["obs.step"], d["obs.ubatch"]
-    if d.n == 0:
-        z = np.zeros(0, np.int64)
-        return ObsGrid(site=z.astype(np.int32), rank=z.astype(np.int32), step=z, ubatch=z.astype(np.int32), count=z)
     order = np.lexsort((ub, step, rank, site))
     s, r, t, u = site[order], rank[order], step[order], ub[order]
     new = np.ones(order.size, bool)
     new[1:] = (s[1:] != s[:-1]) | (r[1:] != r[:-1]) | (t[1:] != t[:-1]) | (u[1:] != u[:-1])
     first = np.flatnonzero(new)
-    count = np.diff(np.append(first, order.size))
+    count = np.diff(np.append(first, order.size).astype(np.int64))
     return ObsGrid(site=s[first].astype(np.int32), rank=r[first].astype(np.int32), step=t[first].astype(np.int64),
                    ubatch=u[first].astype(np.int32), count=count.astype(np.int64))
 
