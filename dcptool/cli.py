@@ -51,6 +51,33 @@ def _obs_index(d, spec: str) -> int:
     return int(hit[0])
 
 
+def _check_html_target(path: Path, dumps: list[Path], force: bool) -> None:
+    """Fail before the replay runs: never clobber without --force, never overwrite an input dump."""
+    if path.is_dir():
+        raise Trouble(f"--html {path}: is a directory")
+    if path.exists():
+        if any(path.resolve() == p.resolve() for p in dumps if p.exists()):
+            raise Trouble(f"--html {path}: is one of the dumps being replayed; dcptool never modifies its input")
+        if not force:
+            raise Trouble(f"--html {path}: exists (use --force to overwrite)")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise Trouble(f"--html {path}: directory {parent} does not exist")
+
+
+def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
+    from dcptool.dump import atomic_write
+    from dcptool.htmlreport import render_html
+
+    try:
+        atomic_write(path, [render_html(res, max_findings).encode("utf-8")], force=force)
+    except FileExistsError:
+        raise _fail(f"--html {path}: exists (use --force to overwrite)") from None
+    except OSError as e:
+        raise _fail(f"--html {path}: cannot write: {e.strerror or e}") from None
+    typer.echo(f"dcptool: wrote {path}", err=True)
+
+
 @app.command()
 def replay(
     dumps: Annotated[list[Path], typer.Argument(metavar="DUMP",
@@ -65,6 +92,9 @@ def replay(
     max_findings: Annotated[int | None, typer.Option(min=0, help="Show at most M findings (the summary counts "
                                                                  "all). Text default 100, JSON all.")] = None,
     strict: Annotated[bool, typer.Option(help="Exit 1 on warnings too (e.g. `stray`).")] = False,
+    html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report (summary, "
+                                                             "timeline, findings table, row views) to PATH.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Let --html overwrite an existing file.")] = False,
 ) -> None:
     """Recompute every observation's DCP metadata and report what was missing, stale or wrong."""
     from dcptool.dump import open_dumps
@@ -72,13 +102,16 @@ def replay(
     if backend not in ("auto", "triton", "torch"):
         raise _fail(f"--backend {backend!r}: choose auto, triton or torch")
     try:
+        if html is not None:
+            _check_html_target(html, dumps, force)
         d = open_dumps([str(p) for p in dumps])
         i = _obs_index(d, obs) if obs is not None else None
+        from dcptool.htmlreport import VIEW_FINDINGS
         from dcptool.kernel import BackendError
         from dcptool.replay import replay as run_replay
 
         try:
-            res = run_replay(d, backend, split=split, obs=i)
+            res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS)
         except BackendError as e:
             raise Trouble(str(e)) from None
     except (DumpError, Trouble) as e:
@@ -90,6 +123,8 @@ def replay(
             sys.stdout.write(line + "\n")
     else:
         report.render_replay(res, _console(), max_findings)
+    if html is not None:
+        _write_html(html, res, max_findings, force)
     raise typer.Exit(1 if res.errors or (strict and res.warnings) else 0)
 
 

@@ -100,6 +100,17 @@ class RowsView:
                 "recorded": self.recorded, "expected_all_ranks": self.expected_all_ranks, "verdict": self.verdict}
 
 
+@dataclass(frozen=True)
+class ObsGrid:
+    """Where the observations are, for the timeline: one entry per distinct (site, rank, step, ubatch)."""
+
+    site: np.ndarray  # int32, index into config.sites
+    rank: np.ndarray  # int32
+    step: np.ndarray  # int64
+    ubatch: np.ndarray  # int32, -1 for a full batch
+    count: np.ndarray  # int64, observations with that key
+
+
 @dataclass
 class ReplayResult:
     files: list[str]
@@ -112,6 +123,8 @@ class ReplayResult:
     skipped: dict[str, str] = field(default_factory=dict)  # check -> why it did not run
     splits: list[Split] = field(default_factory=list)
     rows_view: RowsView | None = None
+    grid: ObsGrid | None = None
+    views: dict[int, RowsView] = field(default_factory=dict)  # merged index -> row view (for --html)
 
     @property
     def errors(self) -> int:
@@ -200,9 +213,11 @@ def _page_finding(d: Dump, i: int, n_bad: int, j: int) -> Finding:
 
 
 def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int | None = None,
-           bounded: bool = False, progress=None) -> ReplayResult:
+           views: int = 0, bounded: bool = False, progress=None) -> ReplayResult:
     """Check every observation of a dump; findings in observation order, then DESIGN §3 table order.
 
+    `views` > 0 adds row views of the first `views` observations with findings and of the sources
+    of their stale findings (the HTML report's row views).
     The row checks are one chunked scan (scan.py); everything else is per finding, or vectorised
     over observations (structure.py). `bounded` drops each chunk's pages after use (huge dumps);
     `progress(k)` is called as k more observations are scanned.
@@ -264,12 +279,14 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         skipped["pages"] = "needs rows.kv_pages and page_size"
     found.sort(key=lambda t: (t[0], _RULE_ORDER[t[1].rule]))
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=[f for _, f in found], backend=backend,
-                       device=device, seconds=0.0, skipped=skipped)
+                       device=device, seconds=0.0, skipped=skipped, grid=obs_grid(d))
     if split is not None:
         res.splits = splits(d, split)
         res.findings = _merge_split_findings(d, res)
     if obs is not None:
         res.rows_view = rows_view(d, obs, [f for f in res.findings if f.index == obs])
+    if views > 0:
+        res.views = finding_views(d, res.findings, views)
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -373,3 +390,26 @@ def rows_view(d: Dump, i: int, findings: list[Finding]) -> RowsView:
                     num_reqs_padded=nrp, seq_lens=seq.tolist(), expected=exp.tolist(),
                     recorded=None if view is None else view.tolist(), expected_all_ranks=allr.tolist(),
                     verdict=verdict, findings=findings)
+
+
+def obs_grid(d: Dump) -> ObsGrid:
+    """Count observations per distinct (site, rank, step, ubatch): one sort, no loop per observation."""
+    site, rank, step, ub = d["obs.site"], d["obs.rank"], d["obs.step"], d["obs.ubatch"]
+    order = np.lexsort((ub, step, rank, site))
+    s, r, t, u = site[order], rank[order], step[order], ub[order]
+    new = np.ones(order.size, bool)
+    new[1:] = (s[1:] != s[:-1]) | (r[1:] != r[:-1]) | (t[1:] != t[:-1]) | (u[1:] != u[:-1])
+    first = np.flatnonzero(new)
+    count = np.diff(np.append(first, order.size).astype(np.int64))
+    return ObsGrid(site=s[first].astype(np.int32), rank=r[first].astype(np.int32), step=t[first].astype(np.int64),
+                   ubatch=u[first].astype(np.int32), count=count.astype(np.int64))
+
+
+def finding_views(d: Dump, findings: list[Finding], limit: int) -> dict[int, RowsView]:
+    """Row views of the first `limit` observations with findings, plus the sources of their stale findings."""
+    by_obs: dict[int, list[Finding]] = defaultdict(list)
+    for f in findings:  # per finding, to hand each view its own findings
+        by_obs[f.index].append(f)
+    want = list(by_obs)[:limit]
+    sources = [f.source.index for i in want for f in by_obs[i] if f.source is not None]
+    return {i: rows_view(d, i, by_obs.get(i, [])) for i in sorted(set(want) | set(sources))}
