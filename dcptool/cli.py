@@ -12,10 +12,8 @@ from rich.console import Console
 from dcptool.dump import DumpError
 
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False, add_completion=False,
+                  rich_markup_mode=None,  # plain usage errors: one "Error:" line, no box
                   help="Replay and debug decode-context-parallel (DCP) metadata recorded from serving engines.")
-
-
-MAX_ROW_VIEW = 1 << 22  # cells (rows + real rows x ranks) that `replay --obs` will lay out
 
 
 class Trouble(Exception):
@@ -51,22 +49,47 @@ def _obs_index(d, spec: str) -> int:
         raise Trouble(f"--obs {spec!r}: {d.files[fi]} has no observation {k} "
                       f"(it has {int((d.file_index == fi).sum())})")
     i = int(hit[0])
-    # The row view lists max(num_reqs_padded, view length) rows and every rank's value for each real
-    # row; num_reqs_padded is only a recorded number, so bound the table before building it.
-    rows = max(int(d["obs.num_reqs_padded"][i]), int(d["obs.dcp_rows"][i + 1] - d["obs.dcp_rows"][i]))
-    cells = rows + int(d["obs.num_reqs"][i]) * d.config.dcp_size
-    if cells > MAX_ROW_VIEW:
-        raise Trouble(f"--obs {spec!r}: {d.files[fi]} observation {k} has {rows} rows and dcp_size "
-                      f"{d.config.dcp_size}: too large to show row by row (limit {MAX_ROW_VIEW:,} cells); "
-                      "use replay --json")
+    from dcptool.replay import MAX_VIEW_CELLS, view_cells
+
+    if view_cells(d, i) > MAX_VIEW_CELLS:
+        raise Trouble(f"--obs {spec!r}: {d.files[fi]} observation {k} has {int(d['obs.num_reqs_padded'][i])} "
+                      f"padded rows and dcp_size {d.config.dcp_size}: too large to show row by row "
+                      f"({view_cells(d, i):,} cells > {MAX_VIEW_CELLS:,}); use replay --json")
     return i
+
+
+def _check_html_target(path: Path, dumps: list[Path], force: bool) -> None:
+    """Fail before the replay runs: never clobber without --force, never overwrite an input dump."""
+    if path.is_dir():
+        raise Trouble(f"--html {path}: is a directory")
+    if path.exists():
+        if any(path.resolve() == p.resolve() for p in dumps if p.exists()):
+            raise Trouble(f"--html {path}: is one of the dumps being replayed; dcptool never modifies its input")
+        if not force:
+            raise Trouble(f"--html {path}: exists (use --force to overwrite)")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise Trouble(f"--html {path}: directory {parent} does not exist")
+
+
+def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
+    from dcptool.dump import atomic_write
+    from dcptool.htmlreport import render_html
+
+    try:  # WriteError names the file and the problem (disk full, ...), and the old file is unchanged
+        atomic_write(path, [render_html(res, max_findings).encode("utf-8")], force=force, inputs=res.files)
+    except DumpError as e:
+        raise _fail(f"--html {e}") from None
+    typer.echo(f"dcptool: wrote {path}", err=True)
 
 
 @app.command()
 def replay(
-    dumps: Annotated[list[Path], typer.Argument(help="Dump files (one run: per-rank files or chunks).")],
-    split: Annotated[int | None, typer.Option("--split", min=1, help="Re-split every recorded full batch into "
-                                                                     "K micro-batches and show what each must carry.")] = None,
+    dumps: Annotated[list[Path], typer.Argument(metavar="DUMP",
+                                                help="Dump files (one run: per-rank files or chunks).")],
+    split: Annotated[int | None, typer.Option(
+        "--split", min=1, help="Re-split every recorded full batch into K micro-batches and show what each must "
+                               "carry.")] = None,
     backend: Annotated[str, typer.Option(help="auto (Triton on a GPU, torch on CPU), triton (the interpreter "
                                               "without a GPU) or torch.")] = "auto",
     obs: Annotated[str | None, typer.Option("--obs", help="Show one observation row by row: I or FILE:I.")] = None,
@@ -74,6 +97,9 @@ def replay(
     max_findings: Annotated[int | None, typer.Option(min=0, help="Show at most M findings (the summary counts "
                                                                  "all). Text default 100, JSON all.")] = None,
     strict: Annotated[bool, typer.Option(help="Exit 1 on warnings too (e.g. `stray`).")] = False,
+    html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report (summary, "
+                                                             "timeline, findings table, row views) to PATH.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Let --html overwrite an existing file.")] = False,
 ) -> None:
     """Recompute every observation's DCP metadata and report what was missing, stale or wrong."""
     from dcptool.dump import open_dumps
@@ -81,13 +107,16 @@ def replay(
     if backend not in ("auto", "triton", "torch"):
         raise _fail(f"--backend {backend!r}: choose auto, triton or torch")
     try:
+        if html is not None:
+            _check_html_target(html, dumps, force)
         d = open_dumps([str(p) for p in dumps])
         i = _obs_index(d, obs) if obs is not None else None
+        from dcptool.htmlreport import VIEW_FINDINGS
         from dcptool.kernel import BackendError
         from dcptool.replay import replay as run_replay
 
         try:
-            res = run_replay(d, backend, split=split, obs=i)
+            res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS)
         except BackendError as e:
             raise Trouble(str(e)) from None
     except (DumpError, Trouble) as e:
@@ -99,12 +128,14 @@ def replay(
             sys.stdout.write(line + "\n")
     else:
         report.render_replay(res, _console(), max_findings)
+    if html is not None:
+        _write_html(html, res, max_findings, force)
     raise typer.Exit(1 if res.errors or (strict and res.warnings) else 0)
 
 
 @app.command()
 def inspect(
-    dump: Annotated[list[Path], typer.Argument(help="Dump file(s) to summarise.")],
+    dump: Annotated[list[Path], typer.Argument(metavar="DUMP", help="Dump file(s) to summarise.")],
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
 ) -> None:
     """Summarise a dump: config, steps, sites, ranks, micro-batches, sizes, optional columns."""

@@ -131,6 +131,7 @@ class Dump:
     file_obs: np.ndarray  # [n] int64: the observation's index inside its file
     injected: list[dict[str, list[int]] | None] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)  # bytes of each file
+    maps: dict[str, np.memmap] = field(default_factory=dict)  # the file mappings behind columns (one file)
 
     @property
     def n(self) -> int:
@@ -208,16 +209,16 @@ def _json_values(raw: bytes) -> int:
     return count + 1
 
 
-def _loads(p: str, key: str | None, raw: bytes | str, what: str):
-    """json.loads of text from a file, bounded in the values it may build; DumpError if not JSON."""
+def _loads(p: str, key: str | None, raw: bytes | str, invalid: str):
+    """json.loads of text from a file, bounded in the values it may build; DumpError(invalid) if not JSON."""
     b = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     n = _json_values(b)
     if n > MAX_JSON_VALUES:
-        raise _fail(p, key, f"{what} holds {n} JSON values (limit {MAX_JSON_VALUES})")
+        raise _fail(p, key, f"too many JSON values ({n} > {MAX_JSON_VALUES}): not a dcptool header")
     try:
         return json.loads(b.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: bad JSON, or a 5000-digit number
-        raise _fail(p, key, f"{what} is not valid UTF-8 JSON") from None
+        raise _fail(p, key, invalid) from None
 
 
 def _text_ok(s: str) -> bool:
@@ -227,6 +228,26 @@ def _text_ok(s: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+_MAGIC = ((b"\x1f\x8b", "gzip-compressed: gunzip it first"), (b"\x28\xb5\x2f\xfd", "zstd-compressed: unzstd it first"),
+          (b"\xfd7zXZ", "xz-compressed: unxz it first"), (b"BZh", "bzip2-compressed: bunzip2 it first"),
+          (b"PK\x03\x04", "a zip archive: unzip it first"), (b"\x89PNG", "a PNG image"),
+          (b"\x80", "a Python pickle, e.g. from torch.save; dcptool never unpickles"))
+
+
+def _sniff(start: bytes) -> str:
+    """What a file that is not safetensors seems to be, from its first bytes."""
+    for magic, what in _MAGIC:
+        if start.startswith(magic):
+            return what
+    try:
+        text = start.decode("utf-8")
+    except UnicodeDecodeError:
+        text = ""
+    if text and all(c.isprintable() or c in "\t\r\n" for c in text):
+        return f"it is text: {_clean(text.splitlines()[0] if text.strip() else text, 40)!r}"
+    return "no safetensors header: an 8-byte length, then a JSON object"
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, int, int]:
@@ -240,15 +261,16 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int, int]:
             raise _fail(p, None, "is not a regular file (a pipe, socket or device); save the dump to a file first")
         with open(p, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if size < 8 or len(head) < 8:
+            start = f.read(72)
+            if size < 8 or len(start) < 8:
                 raise _fail(p, None, f"not a safetensors file ({size} bytes; a dump starts with an 8-byte "
-                                     "header length)" if size else "empty file (0 bytes), not a dump")
-            if head.startswith(b"version "):
-                first = (head + f.read(64)).split(b"\n")[0]
-                if b"git-lfs" in first:
-                    raise _fail(p, None, "is a Git LFS pointer, not the dump itself (run `git lfs pull`)")
-            (hlen,) = struct.unpack("<Q", head)
+                                     "header length)" if size else "not a safetensors file (empty: 0 bytes)")
+            if start.startswith(b"version ") and b"git-lfs" in start.split(b"\n")[0]:
+                raise _fail(p, None, "is a Git LFS pointer, not the dump itself (run `git lfs pull`)")
+            if start[8:9] not in (b"", b"{"):  # a safetensors header is a JSON object
+                raise _fail(p, None, f"not a safetensors file ({_sniff(start)})")
+            (hlen,) = struct.unpack("<Q", start[:8])
+            f.seek(8)
             if hlen > MAX_HEADER_BYTES:
                 raise _fail(p, None, f"not a safetensors file, or header too large ({hlen} bytes > "
                                      f"{MAX_HEADER_BYTES})")
@@ -259,7 +281,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int, int]:
                 raise _fail(p, None, f"truncated while reading: header declares {hlen} bytes, read {len(raw)}")
     except OSError as e:
         raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
-    header = _loads(p, None, raw, "not a safetensors file: header")
+    header = _loads(p, None, raw, "not a safetensors file (header is not UTF-8 JSON)")
     if not isinstance(header, dict):
         raise _fail(p, None, "not a safetensors file (header is not a JSON object)")
     bad = next((k for k in header if not _text_ok(k)), None)
@@ -321,13 +343,15 @@ def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
     raw = meta.get("dcptool.config")
     if raw is None:
         raise _fail(p, "dcptool.config", "missing")
-    c = _loads(p, "dcptool.config", raw, "value")
+    c = _loads(p, "dcptool.config", raw, "not valid JSON")
     if not isinstance(c, dict):
         raise _fail(p, "dcptool.config", "must be a JSON object")
 
-    def int_field(name: str, default: int | None, minimum: int = 1) -> int | None:
-        v = c.get(name, default)
-        if v is None:
+    def int_field(name: str, default: int | None, minimum: int = 1, nullable: bool = False) -> int | None:
+        if name not in c:
+            return default
+        v = c[name]
+        if v is None and nullable:  # page_size may be written as null: no pages
             return None
         if type(v) is not int:
             raise _fail(p, "dcptool.config", f"{name} must be an integer, got {v!r}")
@@ -342,11 +366,11 @@ def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
     dcp = int_field("dcp_size", None)
     il = int_field("cp_interleave", 1)
     pcp = int_field("pcp_size", 1)
-    page = int_field("page_size", None)
+    page = int_field("page_size", None, nullable=True)
     if dcp * il > INT32_MAX:
         raise _fail(p, "dcptool.config", f"dcp_size * cp_interleave = {dcp * il} overflows int32 arithmetic")
     sites = c.get("sites")
-    # (empty only in a dump without observations: a site index would be out of range)
+    # (may be empty in a dump without observations: validate_columns checks that)
     if not isinstance(sites, list) or not all(isinstance(s, str) and _text_ok(s) for s in sites):
         raise _fail(p, "dcptool.config", "sites must be a list of (valid Unicode) strings")
     if len(set(sites)) != len(sites):
@@ -359,7 +383,7 @@ def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
         strs[k] = v
     injected = None
     if "dcptool.injected" in meta:
-        injected = _loads(p, "dcptool.injected", meta["dcptool.injected"], "value")
+        injected = _loads(p, "dcptool.injected", meta["dcptool.injected"], "not valid JSON")
         if not isinstance(injected, dict) or not all(
                 _text_ok(k) and isinstance(v, list) and all(type(i) is int for i in v) for k, v in injected.items()):
             raise _fail(p, "dcptool.injected", "must map fault names to lists of observation indices")
@@ -401,6 +425,7 @@ def read_dump(path: str | os.PathLike) -> Dump:
         if present and len(present) != len(group):
             raise _fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")
     cols: dict[str, np.ndarray] = {}
+    maps: dict[str, np.memmap] = {}
     for key, (dt, shape, a, _b) in entries.items():
         if key not in COLUMNS:
             continue  # unknown keys are allowed: a newer writer may add columns
@@ -412,11 +437,13 @@ def read_dump(path: str | os.PathLike) -> Dump:
         if shape[0] == 0:
             cols[key] = np.zeros(0, _DTYPES[dt])
         else:
-            cols[key] = np.memmap(p, dtype=_DTYPES[dt], mode="c", offset=data_start + a, shape=(shape[0],))
+            mm = np.memmap(p, dtype=_DTYPES[dt], mode="c", offset=data_start + a, shape=(shape[0],))
+            maps[key] = mm
+            cols[key] = mm.view(np.ndarray)  # plain arrays: memmap's __getitem__ is slow on hot paths
     validate_columns(p, cfg, cols, injected)
     n = cols["obs.step"].shape[0]
     return Dump(files=[p], config=cfg, columns=cols, file_index=np.zeros(n, np.int32),
-                file_obs=np.arange(n, dtype=np.int64), injected=[injected], sizes=[size])
+                file_obs=np.arange(n, dtype=np.int64), injected=[injected], sizes=[size], maps=maps)
 
 
 def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected: dict | None = None) -> None:
@@ -425,6 +452,8 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
         if key not in c:
             raise _fail(p, key, "missing")
     n = c["obs.step"].shape[0]
+    if n and not cfg.sites:
+        raise _fail(p, "dcptool.config", "sites must be a non-empty list of strings")
     for key, (_, kind) in COLUMNS.items():
         if key not in c:
             continue
@@ -568,16 +597,22 @@ def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfi
     n = len(observations)
 
     def col(attr: str, dtype: str, default: int = -1) -> np.ndarray:
-        return np.array([default if getattr(o, attr) is None else getattr(o, attr) for o in observations],
-                        dtype=dtype)
+        v = [default if getattr(o, attr) is None else getattr(o, attr) for o in observations]
+        try:
+            return np.array(v, dtype=dtype)
+        except OverflowError:  # a Python int the column cannot hold
+            bad = next(x for x in v if not np.iinfo(dtype).min <= int(x) <= np.iinfo(dtype).max)
+            raise DumpError(f"{attr}: value {bad} does not fit {np.dtype(dtype).name}") from None
 
     def offsets(lens: list[int]) -> np.ndarray:
         out = np.zeros(n + 1, np.int64)
         np.cumsum(lens, out=out[1:])
         return out
 
-    def cat(arrs: list, dtype: str) -> np.ndarray:
-        return np.concatenate([np.asarray(a, dtype=dtype).reshape(-1) for a in arrs]) if arrs else np.zeros(0, dtype)
+    def cat(arrs: list, dtype: str, key: str) -> np.ndarray:
+        if not arrs:
+            return np.zeros(0, dtype)
+        return np.concatenate([_narrow(np.asarray(a).reshape(-1), np.dtype(dtype), key) for a in arrs])
 
     site_idx = {s: i for i, s in enumerate(sites)}
     seq = [np.asarray(o.seq_lens).reshape(-1) for o in observations]
@@ -593,8 +628,8 @@ def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfi
         "obs.rows": offsets([s.size for s in seq]),
         "obs.has_dcp": np.array([o.dcp_local_seq_lens is not None for o in observations], "u1"),
         "obs.dcp_rows": offsets([d.size for d in dcp]),
-        "rows.seq_lens": cat(seq, "<i4"),
-        "rows.dcp_local_seq_lens": cat(dcp, "<i4"),
+        "rows.seq_lens": cat(seq, "<i4", "rows.seq_lens"),
+        "rows.dcp_local_seq_lens": cat(dcp, "<i4", "rows.dcp_local_seq_lens"),
     }
     for attr, key, dtype, default in (("parent", "obs.parent", "<i8", -1), ("req_start", "obs.req_start", "<i4", -1),
                                       ("tok_start", "obs.tok_start", "<i4", -1),
@@ -607,10 +642,10 @@ def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfi
         q = [np.zeros(0) if o.query_start_loc is None else np.asarray(o.query_start_loc).reshape(-1)
              for o in observations]
         cols["obs.qsl"] = offsets([a.size for a in q])
-        cols["rows.query_start_loc"] = cat(q, "<i4")
+        cols["rows.query_start_loc"] = cat(q, "<i4", "rows.query_start_loc")
     if any(o.kv_pages is not None for o in observations):
         cols["rows.kv_pages"] = cat([np.full(s.size, -1) if o.kv_pages is None else o.kv_pages
-                                     for o, s in zip(observations, seq)], "<i4")
+                                     for o, s in zip(observations, seq)], "<i4", "rows.kv_pages")
     return cfg, cols
 
 
@@ -715,20 +750,27 @@ def check_config(path: str | os.PathLike, config: DumpConfig, injected: dict | N
     _parse_config(os.fspath(path), meta)
 
 
-def _column(p: str, key: str, v) -> np.ndarray:
-    """A column in its format dtype; values that the dtype cannot hold are an error, not wrapped."""
-    a = np.asarray(v)
-    if key not in COLUMNS:
-        return a
-    want = _DTYPES[COLUMNS[key][0]]
-    if a.size and a.dtype != want:
-        if a.dtype.kind not in "iub":
-            raise _fail(p, key, f"dtype {a.dtype} is not an integer type")
+def _narrow(a: np.ndarray, want: np.dtype, key: str) -> np.ndarray:
+    """a in dtype `want`; a value it cannot hold is a DumpError (astype would wrap it silently)."""
+    if a.size and a.dtype != want and a.dtype.kind in "iub":
         info = np.iinfo(want)
         lo, hi = int(a.min()), int(a.max())
         if lo < info.min or hi > info.max:
-            raise _fail(p, key, f"value {lo if lo < info.min else hi} does not fit {COLUMNS[key][0]}")
+            raise DumpError(f"{key}: value {lo if lo < info.min else hi} does not fit {_DTYPE_NAMES[want]}")
+    elif a.size and a.dtype.kind not in "iub":
+        raise DumpError(f"{key}: integer values expected, got dtype {a.dtype}")
     return a.astype(want, copy=False)
+
+
+def _column(p: str, key: str, v) -> np.ndarray:
+    """A column in its format dtype (checked: see _narrow)."""
+    a = np.asarray(v)
+    if key not in COLUMNS:
+        return a
+    try:
+        return _narrow(a, _DTYPES[COLUMNS[key][0]], key)
+    except DumpError as e:
+        raise _fail(p, None, str(e)) from None
 
 
 def write_dump(path: str | os.PathLike, config: DumpConfig, columns: dict[str, np.ndarray],
@@ -745,7 +787,10 @@ def write_dump(path: str | os.PathLike, config: DumpConfig, columns: dict[str, n
 
 def write_observations(path: str | os.PathLike, observations: list[Observation], config: DumpConfig,
                        injected: dict | None = None, *, force: bool = True, inputs=()) -> DumpConfig:
-    cfg, cols = pack(observations, config)
+    try:
+        cfg, cols = pack(observations, config)
+    except DumpError as e:
+        raise _fail(os.fspath(path), None, str(e)) from None
     write_dump(path, cfg, cols, injected, force=force, inputs=inputs)
     return cfg
 
@@ -803,3 +848,29 @@ def describe(d: Dump) -> DumpInfo:
                     max_num_reqs=int(d["obs.num_reqs"].max()) if d.n else 0,
                     max_num_reqs_padded=int(d["obs.num_reqs_padded"].max()) if d.n else 0,
                     optional=[k for k in OPTIONAL if k in d.columns], injected=injected)
+
+
+def _release(arr: np.memmap, lo: int, hi: int) -> None:
+    """Drop the pages holding arr[lo:hi] from this process (the file is untouched)."""
+    mm = getattr(arr, "_mmap", None)
+    if mm is None or hi <= lo or not hasattr(mm, "madvise"):
+        return
+    import mmap
+
+    base = arr.offset - arr.offset % mmap.ALLOCATIONGRANULARITY  # where numpy's mapping starts
+    a = arr.offset - base + lo * arr.itemsize
+    b = arr.offset - base + hi * arr.itemsize
+    page = mmap.PAGESIZE
+    a = -(-a // page) * page
+    b = b // page * page
+    if b > a:
+        mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+
+
+def release(d: Dump, lo: int, hi: int) -> None:
+    """Forget the row pages of observations [lo, hi): bounded memory for scans of huge dumps."""
+    for key, offs in (("rows.seq_lens", "obs.rows"), ("rows.kv_pages", "obs.rows"),
+                      ("rows.dcp_local_seq_lens", "obs.dcp_rows"), ("rows.query_start_loc", "obs.qsl")):
+        if key in d.maps:
+            o = d.columns[offs]
+            _release(d.maps[key], int(o[lo]), int(o[hi]))

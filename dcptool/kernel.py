@@ -85,9 +85,11 @@ def _triton() -> SimpleNamespace:
 
     @triton.jit
     def _check_rows_kernel(stats_ptr, n_obs, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr, num_reqs_ptr,
-                           num_reqs_padded_ptr, ranks_ptr, dcp_size, cp_interleave, BLOCK: tl.constexpr):
-        # Compare the recorded view with the expected rows without materialising them: per
-        # observation, [wrong real rows, first wrong real row, bad padded rows, first bad padded row].
+                           num_reqs_padded_ptr, ranks_ptr, kv_ptr, dcp_size, cp_interleave, page_size,
+                           HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr):
+        # Compare the recorded view (and page counts) with the formula without materialising the
+        # expected rows: per observation, [wrong real rows, first, bad padded rows, first, bad page
+        # counts, first]. One program per observation; its rows in BLOCK steps.
         obs = tl.program_id(0).to(tl.int64)
         seq_start = tl.load(rows_ptr + obs)
         dcp_start = tl.load(dcp_rows_ptr + obs)
@@ -97,18 +99,25 @@ def _triton() -> SimpleNamespace:
         rank = tl.load(ranks_ptr + obs)
         span = dcp_size * cp_interleave
         m = tl.minimum(dcp_len, npad)
+        if HAS_PAGES:
+            end = tl.maximum(m, nreq)
+        else:
+            end = m
         big = 2147483647
         n_wrong = tl.zeros([BLOCK], dtype=tl.int32)
         first_wrong = tl.full([BLOCK], big, dtype=tl.int32)
         n_pad = tl.zeros([BLOCK], dtype=tl.int32)
         first_pad = tl.full([BLOCK], big, dtype=tl.int32)
-        for j0 in range(0, m, BLOCK):
+        n_pg = tl.zeros([BLOCK], dtype=tl.int32)
+        first_pg = tl.full([BLOCK], big, dtype=tl.int32)
+        for j0 in range(0, end, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
-            inb = j < m
             real = j < nreq
-            seq = tl.load(seq_lens_ptr + seq_start + j, mask=inb & real, other=0)
+            seq = tl.load(seq_lens_ptr + seq_start + j, mask=real, other=0)
+            local = _local(seq, rank, span, cp_interleave)
+            inb = j < m
             rec = tl.load(dcp_ptr + dcp_start + j, mask=inb, other=0)
-            exp = tl.where(real, _local(seq, rank, span, cp_interleave), 0)
+            exp = tl.where(real, local, 0)
             bad = inb & (rec != exp)
             bad_real = bad & real
             bad_pad = bad & (j >= nreq)
@@ -116,12 +125,20 @@ def _triton() -> SimpleNamespace:
             first_wrong = tl.minimum(first_wrong, tl.where(bad_real, j, big))
             n_pad += bad_pad.to(tl.int32)
             first_pad = tl.minimum(first_pad, tl.where(bad_pad, j, big))
+            if HAS_PAGES:
+                kv = tl.load(kv_ptr + seq_start + j, mask=real, other=-1)
+                bad_pg = real & (kv >= 0) & (kv != (local + page_size - 1) // page_size)
+                n_pg += bad_pg.to(tl.int32)
+                first_pg = tl.minimum(first_pg, tl.where(bad_pg, j, big))
         fw = tl.min(first_wrong, axis=0)
         fp = tl.min(first_pad, axis=0)
+        fg = tl.min(first_pg, axis=0)
         tl.store(stats_ptr + obs, tl.sum(n_wrong, axis=0))
         tl.store(stats_ptr + n_obs + obs, tl.where(fw == big, -1, fw))
         tl.store(stats_ptr + 2 * n_obs + obs, tl.sum(n_pad, axis=0))
         tl.store(stats_ptr + 3 * n_obs + obs, tl.where(fp == big, -1, fp))
+        tl.store(stats_ptr + 4 * n_obs + obs, tl.sum(n_pg, axis=0))
+        tl.store(stats_ptr + 5 * n_obs + obs, tl.where(fg == big, -1, fg))
 
     return SimpleNamespace(triton=triton, dcp=_dcp_local_seq_lens_kernel, expected=_expected_rows_kernel,
                            check=_check_rows_kernel)
@@ -176,14 +193,18 @@ def expected_rows(seq_lens: torch.Tensor, offsets: torch.Tensor, num_reqs: torch
 
 def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dcp_rows: torch.Tensor,
                num_reqs: torch.Tensor, num_reqs_padded: torch.Tensor, ranks: torch.Tensor, dcp_size: int,
-               cp_interleave: int = 1) -> torch.Tensor:
-    """Fused check of recorded views against the formula; [4, n] int32 (see reference.check_rows)."""
+               cp_interleave: int = 1, *, kv_pages: torch.Tensor | None = None, page_size: int = 1) -> torch.Tensor:
+    """Fused check of recorded views (and page counts) against the formula, one launch for every
+    observation; [6, n] int32, the same contract as reference.check_rows."""
     dev = seq_lens.device
     n = num_reqs.shape[0]
-    stats = torch.empty(4 * n, dtype=torch.int32, device=dev)
+    stats = torch.empty(6 * n, dtype=torch.int32, device=dev)
     if n:
+        has_pages = kv_pages is not None
+        kv = _as(kv_pages, torch.int32, dev) if has_pages else stats  # any pointer; never read
         _triton().check[(n,)](stats, n, _as(seq_lens, torch.int32, dev), _as(rows, torch.int64, dev),
                               _as(dcp, torch.int32, dev), _as(dcp_rows, torch.int64, dev),
                               _as(num_reqs, torch.int32, dev), _as(num_reqs_padded, torch.int32, dev),
-                              _as(ranks, torch.int32, dev), dcp_size, cp_interleave, BLOCK=FUSED_BLOCK)
-    return stats.view(4, n)
+                              _as(ranks, torch.int32, dev), kv, dcp_size, cp_interleave, page_size,
+                              HAS_PAGES=has_pages, BLOCK=FUSED_BLOCK)
+    return stats.view(6, n)

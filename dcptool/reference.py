@@ -54,31 +54,46 @@ def expected_rows(seq_lens: torch.Tensor, offsets: torch.Tensor, num_reqs: torch
 
 def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dcp_rows: torch.Tensor,
                num_reqs: torch.Tensor, num_reqs_padded: torch.Tensor, ranks: torch.Tensor, dcp_size: int,
-               cp_interleave: int = 1) -> torch.Tensor:
-    """Compare every recorded DCP view with what it must hold; [4, n] int32 per observation:
-    wrong real rows, first wrong real row, bad padded rows, first bad padded row (-1 if none).
+               cp_interleave: int = 1, *, kv_pages: torch.Tensor | None = None, page_size: int = 1) -> torch.Tensor:
+    """Compare every recorded DCP view (and page count) with what it must hold; [6, n] int32 per
+    observation: wrong real rows, first wrong real row, bad padded rows, first bad padded row, real
+    rows whose kv_pages != cdiv(local, page_size), first such row (-1 where none; kv_pages -1 = unknown).
 
-    Only rows [0, min(view length, num_reqs_padded)) are compared: a short or long view is a
-    `shape` finding, not a value one. seq_lens/rows: [R]/[n+1]; dcp/dcp_rows: [D]/[n+1].
+    Only view rows [0, min(view length, num_reqs_padded)) are compared: a short or long view is a
+    `shape` finding, not a value one. seq_lens/rows/kv_pages: [R]/[n+1]/[R]; dcp/dcp_rows: [D]/[n+1].
     """
     n = num_reqs.shape[0]
     dev = dcp.device
-    dlen = dcp_rows[1:] - dcp_rows[:-1]
-    obs = torch.repeat_interleave(torch.arange(n, device=dev), dlen)
-    j = torch.arange(dcp.shape[0], device=dev) - dcp_rows[:-1][obs]
-    nreq = num_reqs.to(torch.int64)[obs]
-    real = j < nreq
-    checked = j < num_reqs_padded.to(torch.int64)[obs]
-    seq_idx = torch.where(real, rows[:-1][obs] + j, torch.zeros_like(j))
-    seq = seq_lens[seq_idx] if seq_lens.numel() else torch.zeros_like(j)
-    exp = torch.where(real, dcp_local_seq_lens(seq, dcp_size, ranks[obs], cp_interleave),
-                      torch.zeros((), dtype=torch.int32, device=dev))
-    bad = checked & (dcp.to(torch.int32) != exp)
-    out = torch.full((4, n), -1, dtype=torch.int32, device=dev)
-    for k, sel in ((0, bad & real), (2, bad & ~real)):
+    out = torch.full((6, n), -1, dtype=torch.int32, device=dev)
+    zero = torch.zeros((), dtype=torch.int32, device=dev)
+
+    def per_row(offsets: torch.Tensor, total: int):
+        lens = offsets[1:] - offsets[:-1]
+        obs = torch.repeat_interleave(torch.arange(n, device=dev), lens)
+        return obs, torch.arange(total, device=dev) - offsets[:-1][obs]
+
+    def reduce(k: int, obs: torch.Tensor, j: torch.Tensor, sel: torch.Tensor) -> None:
         o = obs[sel]
         out[k] = torch.bincount(o, minlength=n).to(torch.int32)
         first = torch.full((n,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
         first.scatter_reduce_(0, o, j[sel], reduce="amin")
         out[k + 1] = torch.where(out[k] > 0, first, -1).to(torch.int32)
+
+    obs, j = per_row(dcp_rows, dcp.shape[0])
+    real = j < num_reqs.to(torch.int64)[obs]
+    checked = j < num_reqs_padded.to(torch.int64)[obs]
+    seq_idx = torch.where(real, rows[:-1][obs] + j, torch.zeros_like(j))
+    seq = seq_lens[seq_idx] if seq_lens.numel() else torch.zeros_like(j)
+    exp = torch.where(real, dcp_local_seq_lens(seq, dcp_size, ranks[obs], cp_interleave), zero)
+    bad = checked & (dcp.to(torch.int32) != exp)
+    reduce(0, obs, j, bad & real)
+    reduce(2, obs, j, bad & ~real)
+    if kv_pages is None:
+        out[4] = 0
+    else:
+        obs, j = per_row(rows, seq_lens.shape[0])
+        real = j < num_reqs.to(torch.int64)[obs]
+        allowed = -torch.div(-dcp_local_seq_lens(seq_lens, dcp_size, ranks[obs], cp_interleave).to(torch.int64),
+                             page_size, rounding_mode="floor")
+        reduce(4, obs, j, real & (kv_pages >= 0) & (kv_pages.to(torch.int64) != allowed))
     return out

@@ -9,31 +9,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcptool.dump import Dump
+from dcptool.provenance import Provenance, Source, expected_of, local_np
 from dcptool.slicing import Ubatch, split_batch
+from dcptool.structure import check_alias, check_rank_sum, check_ubatch_slice
+from dcptool.structure import where as _where
 
 # DESIGN §3, in table order: findings of one observation are reported in this order.
 RULES = ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
          "stray", "ubatch-slice", "alias", "rank-sum", "pages")
 SEVERITY = {r: ("warning" if r == "stray" else "error") for r in RULES}
 _RULE_ORDER = {r: i for i, r in enumerate(RULES)}
-INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where a stale value came from: an observation whose expected rows the view holds."""
-
-    index: int  # position in the merged dump
-    obs: int  # index in its file
-    file: str
-    relation: str  # parent-rows | earlier-in-step | earlier-step
-    step: int
-    site: str
-    ubatch: int
-
-    def to_json(self) -> dict:
-        return {"obs": self.obs, "relation": self.relation, "step": self.step, "site": self.site,
-                "ubatch": self.ubatch, "file": self.file}
+__all__ = ["Finding", "ReplayResult", "Source", "expected_of", "local_np", "replay", "resolve_backend", "rows_view",
+           "splits"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +100,17 @@ class RowsView:
                 "recorded": self.recorded, "expected_all_ranks": self.expected_all_ranks, "verdict": self.verdict}
 
 
+@dataclass(frozen=True)
+class ObsGrid:
+    """Where the observations are, for the timeline: one entry per distinct (site, rank, step, ubatch)."""
+
+    site: np.ndarray  # int32, index into config.sites
+    rank: np.ndarray  # int32
+    step: np.ndarray  # int64
+    ubatch: np.ndarray  # int32, -1 for a full batch
+    count: np.ndarray  # int64, observations with that key
+
+
 @dataclass
 class ReplayResult:
     files: list[str]
@@ -125,6 +123,8 @@ class ReplayResult:
     skipped: dict[str, str] = field(default_factory=dict)  # check -> why it did not run
     splits: list[Split] = field(default_factory=list)
     rows_view: RowsView | None = None
+    grid: ObsGrid | None = None
+    views: dict[int, RowsView] = field(default_factory=dict)  # merged index -> row view (for --html)
 
     @property
     def errors(self) -> int:
@@ -155,194 +155,6 @@ class ReplayResult:
 
 
 # --------------------------------------------------------------------------------------------
-# Expected values
-
-
-def local_np(seq: np.ndarray, dcp_size: int, rank, cp_interleave: int) -> np.ndarray:
-    """The formula in numpy (int64), for the handful of rows provenance and row views look at."""
-    L = np.asarray(seq, dtype=np.int64)
-    span = dcp_size * cp_interleave
-    rounds = L // span
-    return rounds * cp_interleave + np.clip(L - rounds * span - np.asarray(rank, np.int64) * cp_interleave,
-                                            0, cp_interleave)
-
-
-def expected_of(d: Dump, i: int, rows: int | None = None) -> np.ndarray:
-    """Expected view of observation i: real rows by the formula, padded rows 0 (num_reqs_padded rows,
-    or the first `rows` of them: num_reqs_padded is a recorded number, not memory to allocate)."""
-    c = d.config
-    nr, nrp = int(d["obs.num_reqs"][i]), int(d["obs.num_reqs_padded"][i])
-    nrp = nrp if rows is None else min(nrp, rows)
-    nr = min(nr, nrp)
-    out = np.zeros(nrp, np.int64)
-    out[:nr] = local_np(d.seq_lens_of(i)[:nr], c.dcp_size, int(d["obs.rank"][i]), c.cp_interleave)
-    return out
-
-
-def _check_values(d: Dump, sel: np.ndarray, backend: str):
-    """Run the fused check over the observations in `sel` (one launch); returns [4, len(sel)]."""
-    import torch
-
-    c = d.config
-    rows, dcp_rows = d["obs.rows"], d["obs.dcp_rows"]
-    if sel.size == d.n:
-        args_rows = (torch.from_numpy(d["rows.seq_lens"]), torch.from_numpy(rows),
-                     torch.from_numpy(d["rows.dcp_local_seq_lens"]), torch.from_numpy(dcp_rows))
-        per = [torch.from_numpy(d[k]) for k in ("obs.num_reqs", "obs.num_reqs_padded", "obs.rank")]
-    else:
-        # Only observations with a view: rebuild the dcp offsets over the selection, seq rows unchanged.
-        dl = dcp_rows[1:][sel] - dcp_rows[:-1][sel]
-        new = np.zeros(sel.size + 1, np.int64)
-        np.cumsum(dl, out=new[1:])
-        src = np.repeat(dcp_rows[:-1][sel] - new[:-1], dl) + np.arange(new[-1])
-        seq_start = np.empty(sel.size + 1, np.int64)
-        seq_start[:-1] = rows[:-1][sel]
-        seq_start[-1] = 0
-        args_rows = (torch.from_numpy(d["rows.seq_lens"]), torch.from_numpy(seq_start),
-                     torch.from_numpy(np.ascontiguousarray(d["rows.dcp_local_seq_lens"][src])), torch.from_numpy(new))
-        per = [torch.from_numpy(np.ascontiguousarray(d[k][sel]))
-               for k in ("obs.num_reqs", "obs.num_reqs_padded", "obs.rank")]
-    if backend == "torch":
-        from dcptool.reference import check_rows
-    else:
-        from dcptool.kernel import check_rows
-        from dcptool.kernel import device as kdev
-
-        dev = kdev()
-        args_rows = tuple(t.to(dev) for t in args_rows)
-        per = [t.to(dev) for t in per]
-    stats = check_rows(*args_rows, *per, c.dcp_size, c.cp_interleave)
-    return stats.cpu().numpy()
-
-
-# --------------------------------------------------------------------------------------------
-# Provenance (only for observations with wrong real rows)
-
-
-class _Provenance:
-    """Finds where a wrong view came from, in DESIGN §3's precedence.
-
-    Sources are looked up by an additive hash of expected rows (Σ row_j * W_j, uint64): zero rows
-    add nothing, so a prefix and a zero-extended view hash alike, and prefix hashes of every
-    observation come from one cumulative sum. The hashes are built lazily on the first wrong
-    observation, so clean dumps pay nothing. A hash hit is confirmed by exact comparison.
-    """
-
-    def __init__(self, d: Dump):
-        self.d = d
-        self._prefix = None
-        self._tables: dict[int, dict] = {}
-        self.rng_w = np.random.default_rng(0x5EED).integers(1, 2**63, size=1 << 16, dtype=np.uint64) | 1
-
-    def _weights(self, k: int) -> np.ndarray:
-        if k > self.rng_w.size:
-            extra = np.random.default_rng(k).integers(1, 2**63, size=k - self.rng_w.size, dtype=np.uint64) | 1
-            self.rng_w = np.concatenate([self.rng_w, extra])
-        return self.rng_w[:k]
-
-    def _build_prefix(self) -> None:
-        d, c = self.d, self.d.config
-        rows = d["obs.rows"]
-        lens = np.diff(rows)
-        obs = np.repeat(np.arange(d.n), lens)
-        j = np.arange(rows[-1]) - rows[:-1][obs]
-        exp = local_np(d["rows.seq_lens"], c.dcp_size, d["obs.rank"][obs], c.cp_interleave)
-        exp[j >= d["obs.num_reqs"][obs]] = 0
-        w = self._weights(int(lens.max()) if lens.size else 0)
-        h = np.zeros(rows[-1] + 1, np.uint64)
-        with np.errstate(over="ignore"):
-            np.cumsum(exp.astype(np.uint64) * w[j], out=h[1:])
-        self._prefix = h
-
-    def _table(self, k: int) -> dict:
-        """(rank, hash of the first k expected rows, zero-extended) -> observation indices, ascending."""
-        if k not in self._tables:
-            if self._prefix is None:
-                self._build_prefix()
-            d = self.d
-            rows = d["obs.rows"]
-            end = rows[:-1] + np.minimum(np.diff(rows), k)
-            with np.errstate(over="ignore"):
-                h = self._prefix[end] - self._prefix[rows[:-1]]
-            t: dict = defaultdict(list)
-            ok = d["obs.num_reqs"] >= 1
-            for i in np.flatnonzero(ok):  # once per distinct k of a wrong view, not per observation
-                t[(int(d["obs.rank"][i]), int(h[i]))].append(int(i))
-            self._tables[k] = t
-        return self._tables[k]
-
-    def _hash(self, rec: np.ndarray) -> int:
-        with np.errstate(over="ignore"):
-            return int(np.sum(rec.astype(np.int64).astype(np.uint64) * self._weights(rec.size), dtype=np.uint64))
-
-    def _equal(self, src: int, rec: np.ndarray) -> bool:
-        e = expected_of(self.d, src, rec.size)
-        return e.size >= 0 and np.array_equal(np.pad(e, (0, rec.size - e.size)), rec)
-
-    def explain(self, i: int, rec: np.ndarray) -> tuple[str, Source | None, dict]:
-        """rec: the recorded real rows. Returns (rule, source, detail)."""
-        d, c = self.d, self.d.config
-        rank, step = int(d["obs.rank"][i]), int(d["obs.step"][i])
-        seq = d.seq_lens_of(i)[: rec.size].astype(np.int64)
-        # 1. the parent's rows for this slice
-        if d.has("obs.parent", "obs.req_start"):
-            p, rs = int(d["obs.parent"][i]), int(d["obs.req_start"][i])
-            if p >= 0 and rs >= 0:
-                pe = expected_of(d, p, rs + rec.size)[rs:]
-                if np.array_equal(np.pad(pe, (0, rec.size - pe.size)), rec):
-                    return "stale", self._source(p, "parent-rows"), {}
-        if rec.size == 0:
-            return "mismatch", None, {}
-        cands = self._table(rec.size).get((rank, self._hash(rec)), [])
-        steps = d["obs.step"]
-        # 2. an earlier observation of this rank in this step, most recent first
-        for s in reversed(cands):
-            if s < i and steps[s] == step and self._equal(s, rec):
-                return "stale", self._source(s, "earlier-in-step"), {}
-        # 3-5. the global lengths, another rank, another interleave
-        if np.array_equal(rec, seq):
-            return "global", None, {}
-        r = _other_rank(seq, rec, c.dcp_size, c.cp_interleave, rank)
-        if r is not None:
-            return "wrong-rank", None, {"rank": r}
-        extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
-        for il in INTERLEAVES + extra:
-            if il != c.cp_interleave and np.array_equal(rec, local_np(seq, c.dcp_size, rank, il)):
-                return "wrong-interleave", None, {"interleave": il}
-        # 6. an earlier step of this rank, most recent first (e.g. a buffer baked into a graph)
-        for s in reversed(cands):
-            if s < i and steps[s] < step and self._equal(s, rec):
-                return "stale", self._source(s, "earlier-step"), {}
-        return "mismatch", None, {}
-
-    def _source(self, s: int, relation: str) -> Source:
-        d = self.d
-        return Source(index=s, obs=int(d.file_obs[s]), file=d.file_of(s), relation=relation,
-                      step=int(d["obs.step"][s]), site=d.site_name(s), ubatch=int(d["obs.ubatch"][s]))
-
-
-def _other_rank(seq: np.ndarray, rec: np.ndarray, N: int, il: int, rank: int) -> int | None:
-    """The lowest rank other than `rank` whose local lengths are rec, without a loop over N ranks.
-
-    For one row, local(L, r) is rounds*I + I for r < rem // I, rounds*I + rem % I at r = rem // I,
-    and rounds*I from cdiv(rem, I) on: the ranks giving a value form one interval; intersect them.
-    """
-    L, v = seq.astype(np.int64), rec.astype(np.int64)
-    rounds, rem = L // (N * il), L % (N * il)
-    base = rounds * il
-    lo = np.where(v == base + il, 0, np.where(v == base, -(-rem // il), rem // il))
-    hi = np.where(v == base + il, rem // il, np.where(v == base, N, rem // il + 1))
-    ok = (v == base + il) | (v == base) | ((v == base + rem % il) & (rem % il != 0))
-    if not ok.all():
-        return None
-    a, b = int(lo.max(initial=0)), int(hi.min(initial=N))
-    for r in (a, a + 1):  # the lowest in [a, b) that is not this rank
-        if r < b and r != rank:
-            return r
-    return None
-
-
-# --------------------------------------------------------------------------------------------
 # Findings
 
 
@@ -355,12 +167,6 @@ def _mk(d: Dump, i: int, rule: str, message: str, *, row=None, recorded=None, ex
                    message=message, source=source, detail=detail or {})
 
 
-def _where(d: Dump, i: int) -> str:
-    ub = int(d["obs.ubatch"][i])
-    return f"step {int(d['obs.step'][i])} {d.site_name(i)} rank {int(d['obs.rank'][i])}" + (
-        f" ubatch {ub}" if ub >= 0 else "")
-
-
 _EXPLAIN = {
     "parent-rows": "copied from the parent batch (obs {obs}, {site}); recompute from the micro-batch's own seq_lens",
     "earlier-in-step": "derived from an earlier batch of this step (obs {obs}, {site}), e.g. the global batch "
@@ -370,7 +176,7 @@ _EXPLAIN = {
 }
 
 
-def _value_findings(d: Dump, prov: _Provenance, i: int, n_wrong: int, first: int) -> Finding:
+def _value_finding(d: Dump, prov: Provenance, i: int, n_wrong: int, first: int) -> Finding:
     c = d.config
     nr = int(d["obs.num_reqs"][i])
     view = d.dcp_of(i)
@@ -393,143 +199,31 @@ def _value_findings(d: Dump, prov: _Provenance, i: int, n_wrong: int, first: int
     return _mk(d, i, rule, msg, **kw)
 
 
-def _check_pages(d: Dump) -> list[tuple[int, Finding]]:
-    """`pages`: kv_pages must be cdiv(local, page_size) on every real row (checked vectorised)."""
+def _page_finding(d: Dump, i: int, n_bad: int, j: int) -> Finding:
     c = d.config
     page = c.page_size
-    rows, nr = d["obs.rows"], d["obs.num_reqs"]
-    kv = d["rows.kv_pages"]
-    obs = np.repeat(np.arange(d.n), np.diff(rows))
-    j = np.arange(rows[-1]) - rows[:-1][obs]
-    seq = d["rows.seq_lens"].astype(np.int64)
-    allowed = -(-local_np(seq, c.dcp_size, d["obs.rank"][obs], c.cp_interleave) // page)
-    bad = (j < nr[obs]) & (kv >= 0) & (kv != allowed)
-    out = []
-    if not bad.any():
-        return out
-    bad_obs = obs[bad]
-    counts = np.bincount(bad_obs, minlength=d.n)
-    first_rows = np.flatnonzero(bad)
-    firsts = first_rows[np.r_[True, bad_obs[1:] != bad_obs[:-1]]]
-    for r in firsts:
-        i = int(obs[r])
-        claimed, ok, glob = int(kv[r]), int(allowed[r]), int(-(-seq[r] // page))
-        why = (" = the global count: page counts were computed from the global length"
-               if claimed == glob else "")
-        msg = (f"{_where(d, i)}: attention plan claims {claimed} pages for row {int(j[r])}{why}; this rank "
-               f"owns {ok} (cdiv(local {int(local_np(seq[r], c.dcp_size, d['obs.rank'][i], c.cp_interleave))},"
-               f" {page}))")
-        out.append((i, _mk(d, i, "pages", msg, row=j[r], recorded=claimed, expected=ok, wrong_rows=counts[i],
-                           detail={"claimed": claimed, "allowed": ok, "global": glob})))
-    return out
+    seq = int(d.seq_lens_of(i)[j])
+    local = int(local_np(seq, c.dcp_size, int(d["obs.rank"][i]), c.cp_interleave))
+    claimed, ok, glob = int(d.kv_pages_of(i)[j]), -(-local // page), -(-seq // page)
+    why = " = the global count: page counts were computed from the global length" if claimed == glob else ""
+    msg = (f"{_where(d, i)}: attention plan claims {claimed} pages for row {j}{why}; this rank owns {ok} "
+           f"(cdiv(local {local}, {page}))")
+    return _mk(d, i, "pages", msg, row=j, recorded=claimed, expected=ok, wrong_rows=n_bad,
+               detail={"claimed": claimed, "allowed": ok, "global": glob})
 
 
-def _check_alias(d: Dump) -> list[tuple[int, Finding]]:
-    out = []
-    buf, ub, has = d["obs.buffer"], d["obs.ubatch"], d["obs.has_dcp"]
-    step, rank = d["obs.step"], d["obs.rank"]
-    fidx = d.file_index
-    seen: dict[tuple, tuple[int, int]] = {}
-    # Two micro-batches of one step (same rank, same recording process) sharing a DCP buffer.
-    for i in np.flatnonzero((ub >= 0) & (has == 1) & (buf != 0)):
-        key = (int(fidx[i]), int(step[i]), int(rank[i]), int(buf[i]))
-        if key in seen and seen[key][1] != int(ub[i]):
-            j = seen[key][0]
-            msg = (f"{_where(d, i)}: micro-batch {int(ub[i])} reads the same DCP buffer as micro-batch "
-                   f"{seen[key][1]} (obs {int(d.file_obs[j])}); each micro-batch needs its own buffer")
-            out.append((int(i), _mk(d, i, "alias", msg, detail={"buffer": int(buf[i]), "other_obs": int(d.file_obs[j])})))
-        else:
-            seen.setdefault(key, (int(i), int(ub[i])))
-    if "obs.graph" in d.columns:
-        g, nrp = d["obs.graph"], d["obs.num_reqs_padded"]
-        capture: dict[tuple, int] = {}
-        for i in np.flatnonzero(((g == 2) | (g == 3)) & (buf != 0)):
-            key = (int(fidx[i]), int(rank[i]), int(nrp[i]), int(ub[i]))
-            if g[i] == 2:
-                capture[key] = int(i)
-            elif key in capture and buf[capture[key]] != buf[i]:
-                j = capture[key]
-                msg = (f"{_where(d, i)}: full-graph replay reads DCP buffer {int(buf[i]):#x} but the graph was "
-                       f"captured on {int(buf[j]):#x} (obs {int(d.file_obs[j])}); the replay sees stale values")
-                out.append((int(i), _mk(d, i, "alias", msg, detail={"buffer": int(buf[i]), "captured": int(buf[j]),
-                                                                    "capture_obs": int(d.file_obs[j])})))
-    return out
+def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int | None = None,
+           views: int = 0, bounded: bool = False, progress=None) -> ReplayResult:
+    """Check every observation of a dump; findings in observation order, then DESIGN §3 table order.
 
+    `views` > 0 adds row views of the first `views` observations with findings and of the sources
+    of their stale findings (the HTML report's row views).
+    The row checks are one chunked scan (scan.py); everything else is per finding, or vectorised
+    over observations (structure.py). `bounded` drops each chunk's pages after use (huge dumps);
+    `progress(k)` is called as k more observations are scanned.
+    """
+    from dcptool.scan import scan
 
-def _check_rank_sum(d: Dump) -> list[tuple[int, Finding]]:
-    """The same batch recorded with a view on all N ranks must add up to seq_len on each real row."""
-    c = d.config
-    N = c.dcp_size
-    if N == 1:
-        return []
-    out = []
-    groups: dict[tuple, dict[int, int]] = {}
-    occurrence: dict[tuple, int] = defaultdict(int)
-    has, rank = d["obs.has_dcp"], d["obs.rank"]
-    for i in np.flatnonzero(has == 1):
-        nr = int(d["obs.num_reqs"][i])
-        seq = d.seq_lens_of(i)[:nr]
-        base = (int(d["obs.step"][i]), int(d["obs.site"][i]), int(d["obs.ubatch"][i]), nr, seq.tobytes())
-        r = int(rank[i])
-        occ = occurrence[(base, r)]
-        occurrence[(base, r)] += 1
-        members = groups.setdefault((base, occ), {})
-        members[r] = int(i)
-        if len(members) < N:
-            continue
-        views = [d.dcp_of(m) for m in members.values()]
-        k = min(min(v.size for v in views), nr)
-        total = np.sum([v[:k].astype(np.int64) for v in views], axis=0) if k else np.zeros(0, np.int64)
-        bad = np.flatnonzero(total != seq[:k])
-        if bad.size:
-            j = int(bad[0])
-            msg = (f"{_where(d, i)}: across the {N} ranks, local lengths of row {j} add up to {int(total[j])}, "
-                   f"not its seq_len {int(seq[j])}")
-            out.append((int(i), _mk(d, i, "rank-sum", msg, row=j, recorded=total[j], expected=seq[j],
-                                    wrong_rows=bad.size, detail={"obs": sorted(int(d.file_obs[m])
-                                                                              for m in members.values())})))
-    return out
-
-
-def _check_ubatch_slice(d: Dump) -> list[tuple[int, Finding]]:
-    """A recorded micro-batch must equal slicing its recorded parent at the recorded bounds (§1)."""
-    from dcptool.slicing import UbatchSlice, slice_ubatch
-
-    out = []
-    par, ub = d["obs.parent"], d["obs.ubatch"]
-    rs, ts, te = d["obs.req_start"], d["obs.tok_start"], d["obs.tok_stop"]
-    for i in np.flatnonzero((ub >= 0) & (par >= 0) & (rs >= 0) & (ts >= 0) & (te >= 0)):
-        p = int(par[i])
-        pq, q = d.qsl_of(p), d.qsl_of(i)
-        if pq is None or pq.size == 0 or q is None or q.size == 0:
-            continue
-        nrp = int(d["obs.num_reqs_padded"][i])
-        sl = UbatchSlice(int(rs[i]), int(rs[i]) + nrp, int(ts[i]), int(te[i]))
-        if sl.req_stop > pq.size - 1:
-            msg = f"{_where(d, i)}: requests [{sl.req_start}, {sl.req_stop}) run past the parent's {pq.size - 1}"
-            out.append((int(i), _mk(d, i, "ubatch-slice", msg, detail={"field": "req_stop"})))
-            continue
-        want = slice_ubatch(pq, d.seq_lens_of(p), int(d["obs.num_reqs"][p]), sl)
-        seq = d.seq_lens_of(i)[:nrp]
-        for name, got, exp in (("num_reqs", np.array([d["obs.num_reqs"][i]]), np.array([want.num_reqs])),
-                               ("query_start_loc", q, want.query_start_loc), ("seq_lens", seq, want.seq_lens)):
-            if got.size != exp.size or not np.array_equal(got, exp):
-                k = next((j for j in range(min(got.size, exp.size)) if got[j] != exp[j]), min(got.size, exp.size))
-                rec = int(got[k]) if k < got.size else None
-                e = int(exp[k]) if k < exp.size else None
-                msg = (f"{_where(d, i)}: {name} disagrees with slicing the parent (obs {int(d.file_obs[p])}) at "
-                       f"requests [{sl.req_start}, {sl.req_stop}) tokens [{sl.tok_start}, {sl.tok_stop}): row {k} "
-                       f"is {rec}, slicing gives {e}")
-                out.append((int(i), _mk(d, i, "ubatch-slice", msg, row=k if name != "num_reqs" else None,
-                                        recorded=rec, expected=e,
-                                        wrong_rows=int(np.sum(got[: exp.size] != exp[: got.size])) or 1,
-                                        detail={"field": name, "parent_obs": int(d.file_obs[p])})))
-                break
-    return out
-
-
-def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int | None = None) -> ReplayResult:
-    """Check every observation of a dump; findings in observation order, then DESIGN §3 table order."""
     t0 = time.perf_counter()
     c = d.config
     backend, device = resolve_backend(backend)
@@ -539,61 +233,66 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     dlen = np.diff(d["obs.dcp_rows"])
     found: list[tuple[int, Finding]] = []
     skipped: dict[str, str] = {}
+    st = scan(d, backend, bounded=bounded, progress=progress)
     if N > 1:
         for i in np.flatnonzero(~has):
-            msg = (f"{_where(d, i)}: dcp_local_seq_lens is None with dcp_size {N}; attention would fail "
-                   "('NoneType' object is not subscriptable)")
+            msg = (f"{_where(d, i)}: dcp_local_seq_lens is None with dcp_size {N}; attention metadata would fail "
+                   "with 'NoneType' object is not subscriptable")
             found.append((int(i), _mk(d, i, "missing", msg)))
-        sel = np.flatnonzero(has)
-        if sel.size:
-            stats = _check_values(d, sel, backend)
-            prov = _Provenance(d)
-            for k in np.flatnonzero(stats[0] > 0):
-                i = int(sel[k])
-                found.append((i, _value_findings(d, prov, i, int(stats[0][k]), int(stats[1][k]))))
-            for k in np.flatnonzero(stats[2] > 0):
-                i, j = int(sel[k]), int(stats[3][k])
+        prov = Provenance(d)
+        for i, n, j in zip(st.obs.tolist(), st.n_wrong.tolist(), st.first_wrong.tolist()):
+            if n:
+                found.append((i, _value_finding(d, prov, i, n, j)))
+        for i, n, j in zip(st.obs.tolist(), st.n_pad.tolist(), st.first_pad.tolist()):
+            if n:
                 rec = int(d.dcp_of(i)[j])
                 msg = (f"{_where(d, i)}: padded row {j} holds {rec}, must be 0 "
-                       f"({int(stats[2][k])} bad padded row(s); rows >= num_reqs {int(d['obs.num_reqs'][i])})")
-                found.append((i, _mk(d, i, "padding", msg, row=j, recorded=rec, expected=0,
-                                     wrong_rows=int(stats[2][k]))))
+                       f"({n} bad padded row(s); rows >= num_reqs {int(d['obs.num_reqs'][i])})")
+                found.append((i, _mk(d, i, "padding", msg, row=j, recorded=rec, expected=0, wrong_rows=n)))
         for i in np.flatnonzero(has & (dlen != nrp)):
-            msg = (f"{_where(d, i)}: DCP view has {int(dlen[i])} rows, must have num_reqs_padded = {int(nrp[i])}")
+            msg = f"{_where(d, i)}: DCP view has {int(dlen[i])} rows, must have num_reqs_padded = {int(nrp[i])}"
             found.append((int(i), _mk(d, i, "shape", msg, detail={"length": int(dlen[i]),
                                                                   "expected_length": int(nrp[i])})))
-        found += _check_rank_sum(d)
+        found += _issues(d, check_rank_sum(d, st.obs[st.n_wrong > 0]))
     else:
         for i in np.flatnonzero(has):
             msg = f"{_where(d, i)}: a DCP view is present with dcp_size 1; the engine should pass None"
             found.append((int(i), _mk(d, i, "stray", msg)))
         skipped["rank-sum"] = "dcp_size is 1"
     if d.has("obs.parent", "obs.req_start", "obs.tok_start", "obs.tok_stop", "obs.qsl"):
-        found += _check_ubatch_slice(d)
+        found += _issues(d, check_ubatch_slice(d))
     else:
         skipped["ubatch-slice"] = "needs obs.parent, obs.req_start, obs.tok_start, obs.tok_stop and query_start_loc"
     if not d.has("obs.parent", "obs.req_start"):
         skipped["stale/parent-rows"] = "needs obs.parent and obs.req_start"
     if d.has("obs.buffer"):
-        found += _check_alias(d)
+        found += _issues(d, check_alias(d))
         if "obs.graph" not in d.columns:
             skipped["alias/graph"] = "needs obs.graph for capture/replay pairs"
     else:
         skipped["alias"] = "needs obs.buffer"
     if d.has("rows.kv_pages"):
-        found += _check_pages(d)
+        for i, n, j in zip(st.obs.tolist(), st.n_pages.tolist(), st.first_pages.tolist()):
+            if n:
+                found.append((i, _page_finding(d, i, n, j)))
     else:
         skipped["pages"] = "needs rows.kv_pages and page_size"
     found.sort(key=lambda t: (t[0], _RULE_ORDER[t[1].rule]))
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=[f for _, f in found], backend=backend,
-                       device=device, seconds=0.0, skipped=skipped)
+                       device=device, seconds=0.0, skipped=skipped, grid=obs_grid(d))
     if split is not None:
         res.splits = splits(d, split)
         res.findings = _merge_split_findings(d, res)
     if obs is not None:
         res.rows_view = rows_view(d, obs, [f for f in res.findings if f.index == obs])
+    if views > 0:
+        res.views = finding_views(d, res.findings, views)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _issues(d: Dump, issues) -> list[tuple[int, Finding]]:
+    return [(i, _mk(d, i, rule, msg, **kw)) for i, rule, msg, kw in issues]
 
 
 def resolve_backend(name: str) -> tuple[str, str]:
@@ -657,16 +356,28 @@ def _merge_split_findings(d: Dump, res: ReplayResult) -> list[Finding]:
             got["seq_lens"], want["seq_lens"] = seq.tolist(), s.ub.seq_lens.tolist()
         if bad:
             f = bad[0]
-            msg = (f"{_where(d, i)}: recorded micro-batch disagrees with --split {max(x.ubatch for x in res.splits) + 1} "
-                   f"of its parent (obs {s.parent_obs}): {f} is {got[f]}, the split gives {want[f]}")
-            extra.append(_mk(d, i, "ubatch-slice", msg, detail={"field": f, "parent_obs": s.parent_obs, "split": True}))
+            k = max(x.ubatch for x in res.splits) + 1
+            msg = (f"{_where(d, i)}: recorded micro-batch disagrees with --split {k} of its parent "
+                   f"(obs {s.parent_obs}): {f} is {got[f]}, the split gives {want[f]}")
+            detail = {"field": f, "parent_obs": s.parent_obs, "split": True}
+            extra.append(_mk(d, i, "ubatch-slice", msg, detail=detail))
     if not extra:
         return res.findings
     return sorted(res.findings + extra, key=lambda f: (f.index, _RULE_ORDER[f.rule]))
 
 
+MAX_VIEW_CELLS = 1 << 22  # a row view lays out rows + real rows x ranks cells; past this it is not built
+
+
+def view_cells(d: Dump, i: int) -> int:
+    """The size of observation i's row view; num_reqs_padded and dcp_size are recorded numbers, not
+    data, so a hostile dump could ask for billions of rows: callers check this first."""
+    rows = max(int(d["obs.num_reqs_padded"][i]), int(d["obs.dcp_rows"][i + 1] - d["obs.dcp_rows"][i]))
+    return rows + int(d["obs.num_reqs"][i]) * d.config.dcp_size
+
+
 def rows_view(d: Dump, i: int, findings: list[Finding]) -> RowsView:
-    """`--obs I`: seq_len, expected on every rank, recorded and a verdict for each row."""
+    """`--obs I`: seq_len, expected on every rank, recorded and a verdict for each row (see view_cells)."""
     c = d.config
     nr, nrp = int(d["obs.num_reqs"][i]), int(d["obs.num_reqs_padded"][i])
     seq = d.seq_lens_of(i)
@@ -691,3 +402,27 @@ def rows_view(d: Dump, i: int, findings: list[Finding]) -> RowsView:
                     num_reqs_padded=nrp, seq_lens=seq.tolist(), expected=exp.tolist(),
                     recorded=None if view is None else view.tolist(), expected_all_ranks=allr.tolist(),
                     verdict=verdict, findings=findings)
+
+
+def obs_grid(d: Dump) -> ObsGrid:
+    """Count observations per distinct (site, rank, step, ubatch): one sort, no loop per observation."""
+    site, rank, step, ub = d["obs.site"], d["obs.rank"], d["obs.step"], d["obs.ubatch"]
+    order = np.lexsort((ub, step, rank, site))
+    s, r, t, u = site[order], rank[order], step[order], ub[order]
+    new = np.ones(order.size, bool)
+    new[1:] = (s[1:] != s[:-1]) | (r[1:] != r[:-1]) | (t[1:] != t[:-1]) | (u[1:] != u[:-1])
+    first = np.flatnonzero(new)
+    count = np.diff(np.append(first, order.size).astype(np.int64))
+    return ObsGrid(site=s[first].astype(np.int32), rank=r[first].astype(np.int32), step=t[first].astype(np.int64),
+                   ubatch=u[first].astype(np.int32), count=count.astype(np.int64))
+
+
+def finding_views(d: Dump, findings: list[Finding], limit: int) -> dict[int, RowsView]:
+    """Row views of the first `limit` observations with findings, plus the sources of their stale findings."""
+    by_obs: dict[int, list[Finding]] = defaultdict(list)
+    for f in findings:  # per finding, to hand each view its own findings
+        by_obs[f.index].append(f)
+    want = list(by_obs)[:limit]
+    sources = [f.source.index for i in want for f in by_obs[i] if f.source is not None]
+    return {i: rows_view(d, i, by_obs.get(i, [])) for i in sorted(set(want) | set(sources))
+            if view_cells(d, i) <= MAX_VIEW_CELLS}

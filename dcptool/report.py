@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 TEXT_MAX_FINDINGS = 100  # text default; JSON lists every finding unless --max-findings says otherwise
+
+# One character per rule, distinct even ignoring case (initials collide: stale/stray/shape, missing/mismatch,
+# padding/pages); the legend under the timeline spells them out.
+RULE_CODES = {"missing": "M", "stale": "S", "global": "G", "wrong-rank": "R", "wrong-interleave": "I",
+              "mismatch": "X", "padding": "P", "shape": "L", "stray": "Y", "ubatch-slice": "U", "alias": "A",
+              "rank-sum": "K", "pages": "B"}
+CLEAN, EMPTY = "·", " "
+CELL_STYLE = {"clean": "green", "warning": "black on yellow", "error": "bold white on red"}
 
 
 def _style(severity: str) -> str:
@@ -39,6 +49,7 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         render_splits(res.splits, console)
     if res.rows_view is not None:
         render_rows_view(res.rows_view, console)
+    render_timeline(res, console)
     shown = res.findings[:limit]
     if shown:
         console.print(findings_table(shown, title=f"Findings ({len(res.findings)})"))
@@ -68,6 +79,176 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         f = res.findings[0]
         console.print(Text.assemble(("first finding: ", "bold"), (f"{f.file} obs {f.obs} ", ""),
                                     (f.rule, _style(f.severity)), f" {f.message}"))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The replay as a picture: one row per (site, rank), one column per `width` consecutive steps (from the first)."""
+
+    sites: list[str]  # per row
+    ranks: list[int]  # per row
+    first_step: int
+    last_step: int
+    width: int  # steps per column
+    obs: np.ndarray  # [rows, cols] observations
+    ub_obs: np.ndarray  # [rows, cols, U] observations by micro-batch: index u is micro-batch ubatches[u]
+    rules: np.ndarray  # [rows, cols, len(RULES)] findings by rule
+    ub_find: np.ndarray  # [rows, cols, U] findings by micro-batch
+    first: np.ndarray  # [rows, cols] position in res.findings of the cell's first finding, -1 if none
+    ubatches: list[int] | None = None  # the micro-batch of each ub_* index (-1 = full batch); None: u - 1
+
+    @property
+    def columns(self) -> int:
+        return int(self.obs.shape[1])
+
+    def steps_of(self, col: int) -> tuple[int, int]:
+        lo = self.first_step + col * self.width
+        return lo, min(lo + self.width - 1, self.last_step)
+
+    def ticks(self, gap: float) -> list[tuple[int, int]]:
+        """(column, step) axis labels: multiples of a round number of steps, at least `gap` columns apart."""
+        every = round_up(gap * self.width, (1, 2, 5))
+        first = -(-self.first_step // every) * every
+        out = [((s - self.first_step) // self.width, s) for s in range(first, self.last_step + 1, every)]
+        if not out or out[0][0] >= gap:
+            out.insert(0, (0, self.first_step))
+        return out
+
+    def worst(self) -> np.ndarray:
+        """[rows, cols] index into RULES of each cell's worst finding (errors first, then table order), -1 if none."""
+        from dcptool.replay import RULES, SEVERITY
+
+        prio = np.array([i + (len(RULES) if SEVERITY[r] == "warning" else 0) for i, r in enumerate(RULES)])
+        masked = np.where(self.rules > 0, prio, 10 * len(RULES))
+        return np.where(self.rules.any(axis=2), masked.argmin(axis=2), -1)
+
+
+def round_up(x: float, mantissas=(1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8)) -> int:
+    """The smallest integer m * 10**e >= x (e >= 0): steps per column and label spacing people read at a glance."""
+    scale = 1
+    while True:
+        for m in mantissas:
+            if m * scale >= x and float(m * scale).is_integer():
+                return int(m * scale)
+        scale *= 10
+
+
+def timeline(res, max_columns: int) -> Timeline | None:
+    """Bin the replay's observations and findings into at most `max_columns` step buckets (numpy, no loop per row)."""
+    from dcptool.replay import RULES
+
+    g = res.grid
+    if g is None or g.count.size == 0:
+        return None
+    n_ranks = max(int(g.rank.max()) + 1, 1)
+    pair = g.site.astype(np.int64) * n_ranks + g.rank
+    keys = np.unique(pair)  # rows: site order of the config, then rank
+    lo, hi = int(g.step.min()), int(g.step.max())
+    span = hi - lo + 1
+    width = round_up(span / max(max_columns, 1))  # a round number of steps per column, for readable labels
+    cols = -(-span // width)
+    # micro-batch indices and steps are recorded numbers: index the ones present (a hostile ubatch of
+    # 2**31 must not size an array) and take step offsets modulo 2**64 (steps may span all of int64)
+    ub_vals = np.unique(np.concatenate([g.ubatch.astype(np.int64), [f.ubatch for f in res.findings]]))
+
+    def column(steps) -> np.ndarray:
+        off = np.asarray(steps, np.int64).view(np.uint64) - np.uint64(lo % 2**64)
+        return (off // np.uint64(width)).astype(np.int64)
+
+    row = np.searchsorted(keys, pair)
+    col = column(g.step)
+    ub_obs = np.zeros((keys.size, cols, ub_vals.size), np.int64)
+    np.add.at(ub_obs, (row, col, np.searchsorted(ub_vals, g.ubatch)), g.count)
+    rules = np.zeros((keys.size, cols, len(RULES)), np.int64)
+    ub_find = np.zeros_like(ub_obs)
+    first = np.full((keys.size, cols), -1, np.int64)
+    if res.findings:
+        site_of = {s: i for i, s in enumerate(res.config.sites)}
+        rule_of = {r: i for i, r in enumerate(RULES)}
+        fa = np.array([(site_of[f.site] * n_ranks + f.rank, f.step, f.ubatch, rule_of[f.rule]) for f in res.findings],
+                      np.int64)
+        fr, fc = np.searchsorted(keys, fa[:, 0]), column(fa[:, 1])
+        np.add.at(rules, (fr, fc, fa[:, 3]), 1)
+        np.add.at(ub_find, (fr, fc, np.searchsorted(ub_vals, fa[:, 2])), 1)
+        # findings are in observation order, so the first one to land in a cell is its earliest
+        cell = fr * cols + fc
+        uniq, pos = np.unique(cell, return_index=True)
+        first.reshape(-1)[uniq] = pos
+    return Timeline(sites=[res.config.sites[int(k // n_ranks)] for k in keys], ranks=[int(k % n_ranks) for k in keys],
+                    first_step=lo, last_step=hi, width=width, obs=ub_obs.sum(axis=2), ub_obs=ub_obs, rules=rules,
+                    ub_find=ub_find, first=first, ubatches=[int(u) for u in ub_vals])
+
+
+def _axis(tl: Timeline) -> str:
+    out = [" "] * tl.columns
+    gap = max(len(str(tl.first_step)), len(str(tl.last_step))) + 1
+    for c, step in tl.ticks(gap):
+        label = str(step)
+        if c + len(label) <= tl.columns:
+            out[c : c + len(label)] = label
+    return "".join(out)
+
+
+def _cells(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
+    """Per cell: its character and its kind (empty, clean, warning, error)."""
+    from dcptool.replay import RULES, SEVERITY
+
+    worst = tl.worst()
+    codes = np.array([RULE_CODES[r] for r in RULES] + [CLEAN, EMPTY])
+    kinds = np.array([SEVERITY[r] for r in RULES] + ["clean", "empty"])
+    pick = np.where(worst >= 0, worst, np.where(tl.obs > 0, len(RULES), len(RULES) + 1))
+    return codes[pick], kinds[pick]
+
+
+def render_timeline(res, console: Console) -> None:
+    """Timeline strip: rows (site, rank), columns step buckets sized to the console, worst finding per cell."""
+    from dcptool.replay import RULES, SEVERITY
+
+    g = res.grid
+    if g is None or g.count.size == 0:
+        return
+    site_w = min(max(len(res.config.sites[int(s)]) for s in np.unique(g.site)), 24)
+    rank_w = 1 + len(str(int(g.rank.max())))
+    label_w = site_w + 1 + rank_w + 1
+    tl = timeline(res, max(console.width - label_w, 8))
+    per = "1 step" if tl.width == 1 else f"{tl.width} steps"
+    _print_items(console, [Text.assemble(("Timeline", "bold"), f" of steps {tl.first_step}..{tl.last_step}"),
+                           Text(f"({per} per column,"), Text("micro-batches folded in)")], " ")
+    console.print(Text("step".ljust(label_w) + _axis(tl), style="dim"), no_wrap=True, overflow="crop")
+    chars, kinds = _cells(tl)
+    for r, (site, rank) in enumerate(zip(tl.sites, tl.ranks)):
+        shown = site if r == 0 or tl.sites[r - 1] != site else ""
+        if len(shown) > site_w:
+            shown = shown[: site_w - 1] + "…"
+        line = Text(f"{shown:<{site_w}} " + f"r{rank}".ljust(rank_w) + " ")
+        c = 0
+        while c < tl.columns:  # runs of one kind share a style span
+            e = c
+            while e < tl.columns and kinds[r, e] == kinds[r, c]:
+                e += 1
+            line.append("".join(chars[r, c:e]), style=CELL_STYLE.get(str(kinds[r, c]), ""))
+            c = e
+        console.print(line, no_wrap=True, overflow="crop")
+    items = [Text.assemble((CLEAN, CELL_STYLE["clean"]), " clean"),
+             Text.assemble(("(blank)", "dim"), " no observations")]
+    for i in np.unique(tl.worst()):
+        if i >= 0:
+            rule = RULES[i]
+            items.append(Text.assemble((RULE_CODES[rule], CELL_STYLE[SEVERITY[rule]]),
+                                       f" {rule}" + (" (warning)" if SEVERITY[rule] == "warning" else "")))
+    _print_items(console, items, "  ")
+
+
+def _print_items(console: Console, items: list[Text], sep: str) -> None:
+    """Print items joined by sep, wrapping between items and never inside one."""
+    line = items[0]
+    for item in items[1:]:
+        if len(line) + len(sep) + len(item) > console.width:
+            console.print(line, no_wrap=True, overflow="crop")
+            line = item
+        else:
+            line = Text.assemble(line, sep, item)
+    console.print(line, no_wrap=True, overflow="crop")
 
 
 def render_splits(splits, console: Console) -> None:
@@ -136,7 +317,8 @@ def render_inspect(info, console: Console) -> None:
         if getattr(c, k):
             t.add_row(k, str(getattr(c, k)))
     t.add_row("observations", f"{info.observations:,} ({info.with_view:,} with a DCP view, {info.without_view:,} None)")
-    t.add_row("steps", "none" if info.steps is None else f"{info.steps[0]} .. {info.steps[1]} ({info.distinct_steps} distinct)")
+    steps = "none" if info.steps is None else f"{info.steps[0]} .. {info.steps[1]} ({info.distinct_steps} distinct)"
+    t.add_row("steps", steps)
     t.add_row("sites", ", ".join(f"{s} {n}" for s, n in info.sites.items()))
     t.add_row("ranks", ", ".join(f"{r}: {n}" for r, n in info.ranks.items()))
     t.add_row("micro-batches", ", ".join(("full" if u < 0 else f"ub{u}") + f": {n}" for u, n in info.ubatches.items()))

@@ -87,7 +87,7 @@ def test_check_rows_reports_first_wrong_row():
     rows = torch.tensor([0, 4])
     dcp = torch.tensor([9, 12, 0, -1], dtype=torch.int32)  # row 1 wrong (13), padded row 3 = -1
     args = (seq, rows, dcp, torch.tensor([0, 4]), torch.tensor([2]), torch.tensor([4]), torch.tensor([0]), 2, 1)
-    want = [[1], [1], [1], [3]]
+    want = [[1], [1], [1], [3], [0], [-1]]
     assert reference.check_rows(*args).tolist() == want
     assert kernel.check_rows(*args).tolist() == want
 

@@ -1,0 +1,221 @@
+"""Replay speed against reading the dump and against a per-observation loop, at 10^4..10^6 observations.
+
+    python benchmarks/bench_replay.py                    # 1e4, 1e5, 1e6 (dumps cached in bench-data/)
+    python benchmarks/bench_replay.py --sizes 1e4,1e5 --backend torch
+
+Each measurement runs in its own child process so its peak memory (ru_maxrss) is its own, and
+times exclude interpreter/torch start-up except the end-to-end CLI run. Prints one table: time,
+rows per second, peak memory, and the ratios replay/baseline and replay/load. The findings of
+the library call, the CLI and the baseline must agree (checked; the run fails otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+N, I = 4, 16  # DCP 4, interleave 16: a common DeepSeek-style layout
+CHUNK_OBS = 100_000
+
+
+def make_dump(path: Path, n: int, seed: int = 0) -> None:
+    """n observations, 64-512 rows each, about 1% of them planted wrong (None, wrong rows, -1 padding, short)."""
+    from dcptool.dump import DumpConfig, write_dump
+    from dcptool.replay import local_np
+
+    rng = np.random.default_rng(seed)
+    lens = rng.choice([64, 128, 192, 256, 320, 384, 448, 512], size=n).astype(np.int64)
+    lens += rng.integers(-8, 9, n)
+    pad = rng.integers(0, 8, n)
+    nreq = np.maximum(lens - pad, 0)
+    rank = rng.integers(0, N, n).astype(np.int32)
+    rows = np.zeros(n + 1, np.int64)
+    np.cumsum(lens, out=rows[1:])
+    seq = np.zeros(rows[-1], np.int32)
+    dcp = np.zeros(rows[-1], np.int32)
+    for lo in range(0, n, CHUNK_OBS):  # chunked so 10^6 observations stay within a few GB
+        hi = min(n, lo + CHUNK_OBS)
+        a, b = rows[lo], rows[hi]
+        obs = np.repeat(np.arange(lo, hi), lens[lo:hi])
+        j = np.arange(a, b) - rows[obs]
+        real = j < nreq[obs]
+        s = np.where(real, rng.integers(1, 1 << 17, b - a), 0).astype(np.int32)
+        seq[a:b] = s
+        dcp[a:b] = np.where(real, local_np(s, N, rank[obs], I), 0)
+    has = np.ones(n, np.uint8)
+    planted = rng.choice(n, size=max(4, n // 100), replace=False)
+    kinds = planted % 4
+    has[planted[kinds == 0]] = 0  # None
+    for i in planted[kinds == 1]:  # a wrong real row
+        if nreq[i]:
+            dcp[rows[i] + rng.integers(0, nreq[i])] += 1
+    for i in planted[kinds == 2]:  # -1 sentinel in padding
+        if lens[i] > nreq[i]:
+            dcp[rows[i + 1] - 1] = -1
+    dlen = np.where(has == 1, lens, 0)
+    short = planted[kinds == 3]
+    dlen[short] = np.maximum(lens[short] - 2, 0)  # a view sliced too short
+    mask = np.ones(rows[-1], bool)
+    for i in np.flatnonzero(dlen != lens):
+        mask[rows[i] + dlen[i] : rows[i + 1]] = False
+    dcp_rows = np.zeros(n + 1, np.int64)
+    np.cumsum(dlen, out=dcp_rows[1:])
+    cols = {"obs.step": np.arange(n, dtype=np.int64) // 4, "obs.site": np.zeros(n, np.int32), "obs.rank": rank,
+            "obs.ubatch": np.full(n, -1, np.int32), "obs.num_reqs": nreq.astype(np.int32),
+            "obs.num_reqs_padded": lens.astype(np.int32), "obs.rows": rows, "obs.has_dcp": has,
+            "obs.dcp_rows": dcp_rows, "rows.seq_lens": seq, "rows.dcp_local_seq_lens": dcp[mask]}
+    write_dump(path, DumpConfig(dcp_size=N, cp_interleave=I, sites=("attn_metadata",), note="bench"), cols)
+
+
+# --- children: each prints one JSON line -------------------------------------------------------
+
+def child_load(path: str) -> dict:
+    from dcptool.dump import read_dump
+
+    t = time.perf_counter()
+    d = read_dump(path)
+    acc = 0
+    for v in d.columns.values():  # touch every byte once: the floor any replay pays
+        acc ^= int(np.bitwise_xor.reduce(v.view(np.uint8))) if v.size else 0
+    return {"seconds": time.perf_counter() - t, "check": acc}
+
+
+def _value_keys(findings) -> list:
+    """Findings reduced to what the baseline can say: (obs, missing|shape|padding|wrong-rows)."""
+    value = {"missing", "padding", "shape"}
+    return sorted({(f["obs"], f["rule"] if f["rule"] in value else "wrong") for f in findings
+                   if f["rule"] in value | {"stale", "global", "wrong-rank", "wrong-interleave", "mismatch"}})
+
+
+def child_replay(path: str, backend: str) -> dict:
+    import torch  # noqa: F401  (start-up, not measured)
+
+    from dcptool.dump import open_dumps
+    from dcptool.replay import replay
+
+    t = time.perf_counter()
+    res = replay(open_dumps([path]), backend)
+    sec = time.perf_counter() - t
+    return {"seconds": sec, "keys": _value_keys([f.to_json() for f in res.findings]), "backend": res.backend,
+            "device": res.device}
+
+
+def child_baseline(path: str) -> dict:
+    """What a user would write: for each observation, compute its expected rows and compare."""
+    import torch
+
+    from dcptool.dump import read_dump
+
+    d = read_dump(path)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        from dcptool.kernel import prepare_dcp_local_seq_lens as prep
+    else:
+        from dcptool.reference import prepare_dcp_local_seq_lens as prep
+    dev = "cuda" if cuda else "cpu"
+    buf = torch.zeros(1024, dtype=torch.int32, device=dev)
+    c = d.config
+    keys = []
+    t = time.perf_counter()
+    for i in range(d.n):
+        nr, nrp = int(d["obs.num_reqs"][i]), int(d["obs.num_reqs_padded"][i])
+        view = d.dcp_of(i)
+        if view is None:
+            keys.append((i, "missing"))
+            continue
+        seq = torch.from_numpy(np.asarray(d.seq_lens_of(i))).to(dev)
+        exp = prep(buf, seq, nr, c.dcp_size, int(d["obs.rank"][i]), c.cp_interleave, num_reqs_padded=nrp).cpu()
+        rec = torch.from_numpy(np.asarray(view))
+        m = min(rec.numel(), nrp)
+        bad = exp[:m] != rec[:m]
+        if bool(bad[: min(m, nr)].any()):
+            keys.append((i, "wrong"))
+        if bool(bad[nr:m].any()):
+            keys.append((i, "padding"))
+        if rec.numel() != nrp:
+            keys.append((i, "shape"))
+    return {"seconds": time.perf_counter() - t, "keys": sorted(set(keys)), "device": dev}
+
+
+def run_child(kind: str, *args: str) -> dict:
+    code = (f"import json, resource, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'benchmarks')!r}]; "
+            f"from bench_replay import child_{kind} as f; r = f(*sys.argv[1:]); "
+            f"r['peak_mb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; print(json.dumps(r))")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_cli(path: str, backend: str) -> dict:
+    import resource
+
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "dcptool", "replay", path, "--json", "--backend", backend],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    sec = time.perf_counter() - t
+    if p.returncode not in (0, 1):
+        raise RuntimeError(p.stderr)
+    lines = [json.loads(x) for x in p.stdout.splitlines()]
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # max over children so far
+    return {"seconds": sec, "keys": _value_keys([x for x in lines if x["type"] == "finding"]), "peak_mb": peak}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1e4,1e5,1e6")
+    ap.add_argument("--data", default=str(ROOT / "bench-data"))
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--no-baseline-above", type=float, default=float("inf"),
+                    help="skip the per-observation baseline for larger dumps")
+    args = ap.parse_args()
+    Path(args.data).mkdir(exist_ok=True)
+    table = []
+    for size in [int(float(s)) for s in args.sizes.split(",")]:
+        path = Path(args.data) / f"bench-{size}.safetensors"
+        if not path.exists():
+            t = time.perf_counter()
+            make_dump(path, size)
+            print(f"made {path} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t:.1f} s", flush=True)
+        mb = path.stat().st_size / 1e6
+        p = str(path)
+        run_child("load", p)  # warm the page cache once, so every path reads from memory
+        load = run_child("load", p)
+        lib = run_child("replay", p, args.backend)
+        cli = run_cli(p, args.backend)
+        base = run_child("baseline", p) if size <= args.no_baseline_above else None
+        same = [[tuple(k) for k in r["keys"]] for r in (lib, cli, base) if r]
+        if any(s != same[0] for s in same):
+            raise SystemExit(f"findings differ at {size}: lib {len(lib['keys'])}, cli {len(cli['keys'])}, "
+                             f"baseline {len(base['keys']) if base else '-'}")
+        from dcptool.dump import read_dump
+
+        rows = int(read_dump(p)["obs.rows"][-1])
+        table.append((size, rows, mb, load, lib, cli, base))
+        print(f"{size:>9,} obs: load {load['seconds']:.3f} s, replay {lib['seconds']:.3f} s "
+              f"({lib['backend']} on {lib['device']}), cli {cli['seconds']:.2f} s, baseline "
+              f"{base['seconds']:.2f} s" if base else "", flush=True)
+    print()
+    print("| obs | rows | dump MB | load s | replay s | rows/s | replay CLI s | baseline s | peak MB load/replay/base "
+          "| replay/baseline | replay/load | findings |")
+    print("|" + "---|" * 12)
+    for size, rows, mb, load, lib, cli, base in table:
+        bs = f"{base['seconds']:.2f}" if base else "-"
+        speed = f"{base['seconds'] / lib['seconds']:.0f}x faster" if base else "-"
+        bpk = f"{base['peak_mb']:.0f}" if base else "-"
+        print(f"| {size:,} | {rows / 1e6:.1f}M | {mb:.0f} | {load['seconds']:.3f} | {lib['seconds']:.3f} | "
+              f"{rows / lib['seconds'] / 1e6:.0f}M | {cli['seconds']:.2f} | {bs} | "
+              f"{load['peak_mb']:.0f}/{lib['peak_mb']:.0f}/{bpk} | {speed} | "
+              f"{lib['seconds'] / load['seconds']:.2f} | {len(lib['keys'])} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Chunked row scans, the hot path of replay: every recorded view and page count against the formula.
+
+One pass over the dump's rows in chunks of ~256K rows (cache-sized), on two threads (numpy
+releases the GIL), or on the GPU with the fused Triton kernel (one launch per chunk of ~64M rows).
+Only observations with a wrong row come back (sparse), so clean dumps produce no Python work per
+observation. With `bounded=True` each chunk's pages are dropped from this process after use, so
+memory stays flat however large the dump is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from dcptool.dump import Dump, release
+
+CHUNK_ROWS = 1 << 18  # CPU: ~1 MB of int32 per array, so the passes over a chunk stay in L2
+GPU_CHUNK_ROWS = 1 << 26  # GPU: one launch per 64M rows bounds device memory
+
+
+@dataclass
+class Stats:
+    """Sparse per-observation results: only observations with something wrong."""
+
+    obs: np.ndarray  # [k] observation indices, ascending
+    n_wrong: np.ndarray  # wrong real rows
+    first_wrong: np.ndarray  # first wrong real row (-1 if none)
+    n_pad: np.ndarray  # padded rows that are not 0
+    first_pad: np.ndarray
+    n_pages: np.ndarray  # real rows whose kv_pages != cdiv(local, page_size) (0 without kv_pages)
+    first_pages: np.ndarray
+
+    @staticmethod
+    def empty() -> Stats:
+        z = np.zeros(0, np.int64)
+        return Stats(z, z, z, z, z, z, z)
+
+    @staticmethod
+    def concat(parts: list[Stats]) -> Stats:
+        parts = [p for p in parts if p.obs.size]
+        if not parts:
+            return Stats.empty()
+        return Stats(*(np.concatenate([getattr(p, f) for p in parts]) for f in Stats.__dataclass_fields__))
+
+
+def bounds(rows: np.ndarray, target: int) -> np.ndarray:
+    """Observation boundaries so each chunk holds about `target` rows (at least one observation)."""
+    n = rows.size - 1
+    cut = np.searchsorted(rows, np.arange(target, int(rows[-1]), target), side="right") - 1
+    return np.unique(np.concatenate([[0], cut[cut > 0], [n]]))
+
+
+def _local(seq: np.ndarray, rank_i: np.ndarray | int, dcp_size: int, il: int) -> np.ndarray:
+    """local(L, r) on int32 rows in place-friendly steps (shift/mask when N*I is a power of two)."""
+    span = dcp_size * il
+    if span & (span - 1) == 0:
+        q = seq >> (span.bit_length() - 1)
+        rem = seq & (span - 1)
+    else:
+        q = seq // span
+        rem = seq - q * span
+    rem -= rank_i
+    np.clip(rem, 0, il, out=rem)
+    q *= il
+    q += rem
+    return q
+
+
+def _padded_positions(rows: np.ndarray, nr: np.ndarray, lo: int, hi: int, base: int) -> np.ndarray:
+    """Row positions (relative to `base`) of padded rows [num_reqs, rows) of observations lo..hi."""
+    cnt = (rows[lo + 1 : hi + 1] - rows[lo:hi]) - nr[lo:hi]
+    total = int(cnt.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    starts = rows[lo:hi] + nr[lo:hi] - base
+    return np.repeat(starts - (np.cumsum(cnt) - cnt), cnt) + np.arange(total)
+
+
+def _first_per_obs(pos: np.ndarray, rows: np.ndarray, lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bad row positions (absolute, ascending) -> (observations, count, first row within obs)."""
+    o = np.searchsorted(rows, pos, side="right") - 1
+    uo, first_idx, cnt = np.unique(o, return_index=True, return_counts=True)
+    return uo, cnt, pos[first_idx] - rows[uo]
+
+
+class _CpuScan:
+    def __init__(self, d: Dump):
+        c = d.config
+        self.d = d
+        self.N, self.I, self.page = c.dcp_size, c.cp_interleave, c.page_size
+        self.rows, self.drows = d["obs.rows"], d["obs.dcp_rows"]
+        self.nr, self.nrp = d["obs.num_reqs"].astype(np.int64), d["obs.num_reqs_padded"].astype(np.int64)
+        self.rank, self.has = d["obs.rank"], d["obs.has_dcp"]
+        lens = np.diff(self.rows)
+        dlen = np.diff(self.drows)
+        # An aligned view has exactly one value per seq_lens row, so its rows line up with them.
+        self.aligned = (self.has == 1) & (dlen == lens)
+        self.one_rank = bool(d.n == 0 or (self.rank == self.rank[0]).all())
+        self.kv = d.columns.get("rows.kv_pages")
+
+    def chunk(self, lo: int, hi: int) -> Stats:
+        d, rows, drows = self.d, self.rows, self.drows
+        a, b = int(rows[lo]), int(rows[hi])
+        seq = np.asarray(d["rows.seq_lens"][a:b])  # read once from the map; the passes below stay in cache
+        ri = (int(self.rank[lo]) * self.I if self.one_rank else
+              np.repeat((self.rank[lo:hi] * self.I).astype(np.int32), rows[lo + 1 : hi + 1] - rows[lo:hi]))
+        exp = _local(seq, ri, self.N, self.I)
+        pad = _padded_positions(rows, self.nr, lo, hi, a)
+        exp[pad] = 0
+        out = []
+        # Recorded rows laid over the expected ones: runs of consecutive aligned observations are
+        # contiguous in both arrays; everything else keeps the expected value (compares equal).
+        al = self.aligned[lo:hi]
+        if al.all():
+            rec = d["rows.dcp_local_seq_lens"][drows[lo] : drows[hi]]
+        else:
+            rec = exp.copy()
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], al.view(np.int8), [0]])))
+            for u, v in zip(edges[::2] + lo, edges[1::2] + lo):
+                rec[rows[u] - a : rows[v] - a] = d["rows.dcp_local_seq_lens"][drows[u] : drows[v]]
+        bad = np.flatnonzero(rec != exp)
+        wrong = pad_bad = np.zeros(0, np.int64)
+        if bad.size:
+            o = np.searchsorted(rows, bad + a, side="right") - 1
+            j = bad + a - rows[o]
+            # rows past num_reqs_padded (a view longer than the batch) are `shape`, not values
+            keep = j < self.nrp[o]
+            real = (j < self.nr[o]) & keep
+            wrong, pad_bad = bad[real] + a, bad[~real & keep] + a
+        pages = np.zeros(0, np.int64)
+        if self.kv is not None:
+            kv = self.kv[a:b]
+            allowed = -(-exp // self.page)
+            badp = (kv != allowed) & (kv >= 0)
+            badp[pad] = False  # page counts are checked on real rows only
+            pages = np.flatnonzero(badp) + a
+        for kind, pos in (("wrong", wrong), ("pad", pad_bad), ("pages", pages)):
+            if pos.size:
+                o, cnt, first = _first_per_obs(pos, rows, lo)
+                out.append((kind, o, cnt, first))
+        return _assemble(out)
+
+
+def _assemble(parts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]) -> Stats:
+    if not parts:
+        return Stats.empty()
+    obs = np.unique(np.concatenate([p[1] for p in parts]))
+    cols = {k: np.zeros(obs.size, np.int64) for k in ("n_wrong", "n_pad", "n_pages")}
+    firsts = {k: np.full(obs.size, -1, np.int64) for k in ("first_wrong", "first_pad", "first_pages")}
+    for kind, o, cnt, first in parts:
+        k = {"wrong": "wrong", "pad": "pad", "pages": "pages"}[kind]
+        idx = np.searchsorted(obs, o)
+        cols[f"n_{k}"][idx] = cnt
+        firsts[f"first_{k}"][idx] = first
+    return Stats(obs=obs, **cols, **firsts)
+
+
+def _irregular(d: Dump, sel: np.ndarray) -> Stats:
+    """Views whose length differs from their seq_lens rows (few; `shape` findings): the torch reference."""
+    import torch
+
+    from dcptool.reference import check_rows
+
+    if sel.size == 0:
+        return Stats.empty()
+    rows, drows = d["obs.rows"], d["obs.dcp_rows"]
+
+    def gather(offs: np.ndarray, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of the selected observations, compacted, with their new offsets."""
+        ln = offs[1:][sel] - offs[:-1][sel]
+        new = np.zeros(sel.size + 1, np.int64)
+        np.cumsum(ln, out=new[1:])
+        return data[np.repeat(offs[:-1][sel] - new[:-1], ln) + np.arange(new[-1])], new
+
+    seq, seq_off = gather(rows, d["rows.seq_lens"])
+    dcp, dcp_off = gather(drows, d["rows.dcp_local_seq_lens"])
+    t = torch.from_numpy
+    st = check_rows(t(seq), t(seq_off), t(dcp), t(dcp_off), t(d["obs.num_reqs"][sel]),
+                    t(d["obs.num_reqs_padded"][sel]), t(d["obs.rank"][sel]), d.config.dcp_size,
+                    d.config.cp_interleave).numpy().astype(np.int64)
+    hit = (st[0] > 0) | (st[2] > 0)
+    z = np.zeros(int(hit.sum()), np.int64)
+    return Stats(sel[hit], st[0][hit], st[1][hit], st[2][hit], st[3][hit], z, z - 1)
+
+
+def _merge(a: Stats, b: Stats) -> Stats:
+    """Combine two sparse results that may name the same observation (values from one, pages from the other)."""
+    if not b.obs.size:
+        return a
+    if not a.obs.size:
+        return b
+    obs = np.unique(np.concatenate([a.obs, b.obs]))
+    out = Stats(obs, *(np.zeros(obs.size, np.int64) if f.startswith("n_") else np.full(obs.size, -1, np.int64)
+                       for f in list(Stats.__dataclass_fields__)[1:]))
+    for s in (a, b):
+        idx = np.searchsorted(obs, s.obs)
+        for f in list(Stats.__dataclass_fields__)[1:]:
+            v = getattr(s, f)
+            cur = getattr(out, f)
+            take = (v > 0) if f.startswith("n_") else (v >= 0)
+            cur[idx[take]] = v[take]
+    return out
+
+
+def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None) -> Stats:
+    """The fused Triton check, one launch per chunk of rows; views and page counts on the device."""
+    import torch
+
+    from dcptool.kernel import check_rows, device
+
+    dev = device()
+    c = d.config
+    rows, drows = d["obs.rows"], d["obs.dcp_rows"]
+    kv = d.columns.get("rows.kv_pages")
+    # Without a GPU this is the Triton interpreter (tests): one launch over everything.
+    b = bounds(rows, GPU_CHUNK_ROWS if dev.type == "cuda" else max(int(rows[-1]), 1))
+
+    def t(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
+
+    parts = []
+    for lo, hi in zip(b[:-1].tolist(), b[1:].tolist()):
+        a, e = int(rows[lo]), int(rows[hi])
+        da, de = int(drows[lo]), int(drows[hi])
+        st = check_rows(t(d["rows.seq_lens"][a:e]), t(rows[lo : hi + 1] - a), t(d["rows.dcp_local_seq_lens"][da:de]),
+                        t(drows[lo : hi + 1] - da), t(d["obs.num_reqs"][lo:hi]), t(d["obs.num_reqs_padded"][lo:hi]),
+                        t(d["obs.rank"][lo:hi]), c.dcp_size, c.cp_interleave,
+                        kv_pages=None if kv is None else t(kv[a:e]), page_size=c.page_size or 1)
+        st = st.cpu().numpy().astype(np.int64)
+        if not check_views:  # dcp_size 1: a present view is `stray`, its values are not checked
+            st[0:4] = [[0], [-1], [0], [-1]]
+        hit = np.flatnonzero((st[0] > 0) | (st[2] > 0) | (st[4] > 0))
+        parts.append(Stats(hit + lo, *(st[k][hit] for k in range(6))))
+        if progress:
+            progress(hi - lo)
+    return Stats.concat(parts)
+
+
+def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = None,
+         progress: Callable[[int], None] | None = None) -> Stats:
+    """Check every DCP view (observations with has_dcp, dcp_size > 1) and every page count."""
+    check_views = d.config.dcp_size > 1
+    if backend == "triton":
+        return _gpu(d, check_views, progress)
+    s = _CpuScan(d)
+    if not check_views:
+        s.aligned = np.zeros_like(s.aligned)
+    b = bounds(s.rows, CHUNK_ROWS)
+    pairs = list(zip(b[:-1], b[1:]))
+
+    def one(lohi: tuple[int, int]) -> Stats:
+        lo, hi = int(lohi[0]), int(lohi[1])
+        r = s.chunk(lo, hi)
+        if bounded:
+            release(d, lo, hi)
+        if progress:
+            progress(hi - lo)
+        return r
+
+    workers = threads or min(2, os.cpu_count() or 1)
+    if workers > 1 and len(pairs) > 1:
+        with ThreadPoolExecutor(workers) as ex:
+            parts = list(ex.map(one, pairs))
+    else:
+        parts = [one(p) for p in pairs]
+    res = Stats.concat(parts)
+    if check_views:
+        irregular = np.flatnonzero((s.has == 1) & ~s.aligned)
+        res = _merge(res, _irregular(d, irregular))
+    return res

@@ -1,0 +1,261 @@
+"""Dump format v1: round trips, safetensors compatibility, multi-file order, every validation error of §2."""
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+from conftest import obs, write
+
+from dcptool.dump import (
+    DumpConfig,
+    DumpError,
+    encode,
+    open_dumps,
+    pack,
+    read_dump,
+    write_dump,
+)
+
+
+def _cols(n=3, **over):
+    cfg, cols = pack([obs(step=i, rank=i % 2) for i in range(n)], DumpConfig(dcp_size=2))
+    cols.update(over)
+    return cfg, cols
+
+
+def _raw(path, header: dict, data: bytes = b"") -> str:
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+    return str(path)
+
+
+def _header_and_data(cfg, cols, injected=None):
+    head, tensors = encode(cfg, cols, injected)
+    hlen = struct.unpack("<Q", head[:8])[0]
+    return json.loads(head[8 : 8 + hlen]), b"".join(a.tobytes() for _, a in tensors)
+
+
+def test_round_trip_and_zero_copy(tmp_path):
+    p = write(tmp_path / "a.safetensors", [obs(step=s, rank=r) for s in range(4) for r in range(2)])
+    d = read_dump(p)
+    assert d.n == 8 and d.config.dcp_size == 2 and d.config.sites == ("attn_metadata",)
+    assert isinstance(d.maps["rows.seq_lens"], np.memmap) and d["rows.seq_lens"].base is d.maps["rows.seq_lens"]
+    assert d.seq_lens_of(3).tolist() == [17, 25, 0, 0]
+    assert d.dcp_of(3).tolist() == [9, 13, 0, 0] if d["obs.rank"][3] == 0 else [8, 12, 0, 0]
+
+
+def test_safetensors_library_reads_our_files(tmp_path):
+    from safetensors import safe_open
+
+    p = write(tmp_path / "a.safetensors", [obs(view=None), obs(step=1)], note="x")
+    with safe_open(p, "np") as f:
+        assert json.loads(f.metadata()["dcptool.config"])["note"] == "x"
+        assert f.get_tensor("obs.has_dcp").tolist() == [0, 1]
+        assert f.get_tensor("rows.seq_lens").dtype == np.int32
+
+
+def test_write_is_atomic_and_respects_force(tmp_path):
+    p = tmp_path / "a.safetensors"
+    cfg, cols = _cols()
+    write_dump(p, cfg, cols)
+    before = p.read_bytes()
+    with pytest.raises(FileExistsError):
+        write_dump(p, cfg, cols, force=False)
+    bad = dict(cols, **{"obs.rank": np.array([0, 5, 0], np.int32)})
+    with pytest.raises(DumpError, match="rank out of range"):
+        write_dump(p, cfg, bad)
+    assert p.read_bytes() == before  # the good file survives a failed write
+    assert os.listdir(tmp_path) == ["a.safetensors"]  # no temporaries left behind
+
+
+def test_same_input_same_bytes(tmp_path):
+    a = write(tmp_path / "a.safetensors", [obs(step=i) for i in range(5)])
+    b = write(tmp_path / "b.safetensors", [obs(step=i) for i in range(5)])
+    assert open(a, "rb").read() == open(b, "rb").read()
+
+
+def test_several_files_ordered_by_step_then_file(tmp_path):
+    a = write(tmp_path / "r0.safetensors", [obs(step=s, rank=0, site="x") for s in (0, 1, 2)])
+    b = write(tmp_path / "r1.safetensors",
+              [obs(step=s, rank=1, site=site) for s, site in ((0, "y"), (1, "x"), (1, "x"), (3, "y"))])
+    d = open_dumps([a, b])
+    assert d["obs.step"].tolist() == [0, 0, 1, 1, 1, 2, 3]
+    assert d.file_index.tolist() == [0, 1, 0, 1, 1, 0, 1]
+    assert d.file_obs.tolist() == [0, 0, 1, 1, 2, 2, 3]
+    assert [d.site_name(i) for i in range(7)] == ["x", "y", "x", "x", "x", "x", "y"]
+    assert d.dcp_of(1).tolist() == [8, 12, 0, 0]  # rank 1's rows followed their observation
+
+
+def test_several_files_parent_links_are_remapped(tmp_path):
+    a = write(tmp_path / "a.safetensors", [obs(step=5), obs(step=5, ubatch=0, parent=0)])
+    b = write(tmp_path / "b.safetensors", [obs(step=1), obs(step=1, ubatch=0, parent=0)])
+    d = open_dumps([a, b])
+    assert d["obs.parent"].tolist() == [-1, 0, -1, 2]
+
+
+def test_several_files_must_share_the_layout(tmp_path):
+    a = write(tmp_path / "a.safetensors", [obs()])
+    b = write(tmp_path / "b.safetensors", [obs(dcp=4)], dcp=4)
+    with pytest.raises(DumpError, match="dcp_size"):
+        open_dumps([a, b])
+
+
+def _bad(tmp_path, mutate) -> str:
+    cfg, cols = _cols()
+    header, data = _header_and_data(cfg, cols)
+    out = mutate(header, data)
+    if isinstance(out, tuple):
+        header, data = out
+    return _raw(tmp_path / "bad.safetensors", header, data)
+
+
+def _set(col, values):
+    def m(header, data):
+        arr = np.asarray(values)
+        e = header[col]
+        a, b = e["data_offsets"]
+        raw = arr.astype({"I64": "<i8", "I32": "<i4", "U8": "u1", "I8": "i1"}[e["dtype"]]).tobytes()
+        assert len(raw) == b - a
+        return header, data[:a] + raw + data[b:]
+    return m
+
+
+def _meta(**kv):
+    def m(header, data):
+        header["__metadata__"].update(kv)
+        return header, data
+    return m
+
+
+def _cfg(**kv):
+    def m(header, data):
+        c = json.loads(header["__metadata__"]["dcptool.config"])
+        c.update(kv)
+        for k, v in list(c.items()):
+            if v is None:
+                del c[k]
+        header["__metadata__"]["dcptool.config"] = json.dumps(c)
+        return header, data
+    return m
+
+
+def _drop(key):
+    def m(header, data):
+        del header[key]
+        return header, data
+    return m
+
+
+def _retype(key, dtype):
+    def m(header, data):
+        header[key]["dtype"] = dtype
+        return header, data
+    return m
+
+
+CASES = [
+    ("unknown format", _meta(**{"dcptool.format": "2"}), "dcptool.format: unknown format version '2'"),
+    ("no format", lambda h, d: ({**h, "__metadata__": {}}, d), "not a dcptool dump"),
+    ("config not json", _meta(**{"dcptool.config": "{"}), "dcptool.config: not valid JSON"),
+    ("dcp_size 0", _cfg(dcp_size=0), "dcp_size must be >= 1"),
+    ("interleave 0", _cfg(cp_interleave=0), "cp_interleave must be >= 1"),
+    ("dcp_size str", _cfg(dcp_size="2"), "dcp_size must be an integer"),
+    ("overflow", _cfg(dcp_size=2**20, cp_interleave=2**12), "overflows int32"),
+    ("no sites", _cfg(sites=[]), "sites must be a non-empty list"),
+    ("missing key", _drop("obs.num_reqs"), "obs.num_reqs: missing"),
+    ("wrong dtype", _retype("obs.rank", "I64"), None),  # size mismatch or dtype: both name obs.rank
+    ("2-D", lambda h, d: ({**h, "obs.rank": {**h["obs.rank"], "shape": [3, 1]}}, d), "obs.rank: must be 1-D"),
+    ("rank >= dcp_size", _set("obs.rank", [0, 2, 0]), "obs.rank: rank out of range for dcp_size 2"),
+    ("site out of range", _set("obs.site", [0, 3, 0]), "obs.site: site index out of range"),
+    ("num_reqs > padded", _set("obs.num_reqs", [2, 5, 2]), "num_reqs > num_reqs_padded"),
+    ("negative num_reqs", _set("obs.num_reqs", [2, -1, 2]), "obs.num_reqs: negative length"),
+    ("offsets not monotone", _set("obs.rows", [0, 8, 4, 12]), "obs.rows: offsets not monotone"),
+    ("offsets past rows", _set("obs.rows", [0, 4, 8, 11]), "obs.rows: offsets end at 11"),
+    ("offsets start", _set("obs.dcp_rows", [1, 4, 8, 12]), "obs.dcp_rows: offsets must start at 0"),
+    ("negative seq_len", _set("rows.seq_lens", [17, 25, 0, 0, 17, -25, 0, 0, 17, 25, 0, 0]),
+     "rows.seq_lens: negative length -25 at row 5"),
+    ("has_dcp 2", _set("obs.has_dcp", [1, 2, 1]), "obs.has_dcp: must be 0 or 1"),
+    ("rows for None", _set("obs.has_dcp", [1, 0, 1]), "obs.dcp_rows: rows recorded for a None DCP view"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,message", CASES, ids=[c[0] for c in CASES])
+def test_validation_errors_name_file_key_and_problem(tmp_path, name, mutate, message):
+    p = _bad(tmp_path, mutate)
+    with pytest.raises(DumpError) as e:
+        read_dump(p)
+    text = str(e.value)
+    assert text.startswith(p + ": ")
+    assert "\n" not in text
+    if message:
+        assert message in text
+    else:
+        assert "obs.rank" in text
+
+
+def test_not_safetensors_and_truncation(tmp_path):
+    p = tmp_path / "x"
+    p.write_bytes(b"")
+    with pytest.raises(DumpError, match="not a safetensors file"):
+        read_dump(p)
+    p.write_bytes(b"hello world, not a dump at all")
+    with pytest.raises(DumpError, match=r"not a safetensors file \(it is text: 'hello world"):
+        read_dump(p)
+    p.write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 12\n")
+    with pytest.raises(DumpError, match="Git LFS pointer"):
+        read_dump(p)
+    with pytest.raises(DumpError, match="is a directory"):
+        read_dump(tmp_path)
+    with pytest.raises(DumpError, match="cannot read"):
+        read_dump(tmp_path / "nope.safetensors")
+    good = write(tmp_path / "g.safetensors", [obs(), obs(step=1)])
+    raw = open(good, "rb").read()
+    for cut in (4, 12, len(raw) // 2, len(raw) - 1):
+        t = tmp_path / f"cut{cut}.safetensors"
+        t.write_bytes(raw[:cut])
+        with pytest.raises(DumpError, match="truncated|not a safetensors|size mismatch"):
+            read_dump(t)
+    t = tmp_path / "long.safetensors"
+    t.write_bytes(raw + b"\0" * 8)
+    with pytest.raises(DumpError, match="size mismatch"):
+        read_dump(t)
+
+
+def test_header_too_large_is_refused_before_reading(tmp_path):
+    p = tmp_path / "h.safetensors"
+    p.write_bytes(struct.pack("<Q", 2**40) + b"{}")
+    with pytest.raises(DumpError, match="header too large"):
+        read_dump(p)
+
+
+def test_overlapping_tensor_data(tmp_path):
+    def m(header, data):
+        header["obs.ubatch"]["data_offsets"] = list(header["obs.site"]["data_offsets"])
+        return header, data
+    with pytest.raises(DumpError, match="overlaps|size mismatch"):
+        read_dump(_bad(tmp_path, m))
+
+
+def test_optional_columns_are_validated(tmp_path):
+    o = [obs(), obs(step=1, ubatch=0, parent=0, req_start=0, tok_start=0, tok_stop=2,
+                    query_start_loc=[0, 1, 2, 2, 2])]
+    p = write(tmp_path / "a.safetensors", o)
+    d = read_dump(p)
+    assert d["obs.parent"].tolist() == [-1, 0]
+    assert d.qsl_of(0).size == 0 and d.qsl_of(1).tolist() == [0, 1, 2, 2, 2]
+    cfg, cols = pack(o, DumpConfig(dcp_size=2))
+    with pytest.raises(DumpError, match="obs.parent: parent index out of range"):
+        write_dump(tmp_path / "b.safetensors", cfg, dict(cols, **{"obs.parent": np.array([-1, 1])}))
+    with pytest.raises(DumpError, match="rows.kv_pages: present but dcptool.config has no page_size"):
+        write_dump(tmp_path / "b.safetensors", cfg, dict(cols, **{"rows.kv_pages": np.zeros(8, np.int32)}))
+
+
+def test_injected_metadata(tmp_path):
+    cfg, cols = _cols()
+    write_dump(tmp_path / "a.safetensors", cfg, cols, {"dummy-none": [2, 0]})
+    assert read_dump(tmp_path / "a.safetensors").injected == [{"dummy-none": [0, 2]}]
+    with pytest.raises(DumpError, match="dcptool.injected"):
+        write_dump(tmp_path / "b.safetensors", cfg, cols, {"dummy-none": [7]})
