@@ -1,11 +1,13 @@
-# make run: set up .venv (once) and replay the bundled sample.  make test: the whole suite.
+# make run: set up .venv (once) and replay the bundled sample.  make test: the whole suite (with the
+# CI-sized fuzz run).  make fuzz: the long fuzz run (FUZZ_EXAMPLES random cases per command).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 SAMPLE ?= samples/handmade.safetensors
+FUZZ_EXAMPLES ?= 10000
 
-.PHONY: run test venv lint test-vllm bench
+.PHONY: run test venv lint test-vllm bench fuzz
 
 venv: $(STAMP)
 
@@ -29,3 +31,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	@echo "--- kernel tests once more, under the Triton interpreter (TRITON_INTERPRET=1)"
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel
+
+# Not derandomized: every run tries new cases; a failure prints the @reproduce_failure line to replay it.
+fuzz: $(STAMP)
+	DCPTOOL_FUZZ=long DCPTOOL_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q tests/test_fuzz.py tests/test_reliability.py

@@ -44,8 +44,9 @@ from dcptool.dump import MAX_HEADER_BYTES, DumpConfig, DumpError, Observation, o
 from dcptool.replay import RULES, local_np, replay
 
 PROFILE = os.environ.get("DCPTOOL_FUZZ", "ci")
-# Examples per (test, command); CI: ~3000 cases in all. `make fuzz` sets DCPTOOL_FUZZ=long.
-EXAMPLES = {"smoke": 60, "ci": 500, "long": 10_000}[PROFILE]
+# Random cases per command (CI: 400 x 7 commands, plus ~2300 exhaustive single-field cases); `make fuzz`
+# sets DCPTOOL_FUZZ=long (10k per command, or DCPTOOL_FUZZ_EXAMPLES; not derandomized: new cases every run).
+EXAMPLES = int(os.environ.get("DCPTOOL_FUZZ_EXAMPLES", 0)) or {"smoke": 60, "ci": 400, "long": 10_000}[PROFILE]
 CASE_SECONDS = 30  # a case taking this long is a hang (a normal one takes milliseconds)
 MEMORY_BOUND = 256 << 20  # bytes one case of a few-kB file may map beyond what the process holds
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=PROFILE == "ci", database=None,
@@ -141,6 +142,7 @@ def join(header: dict, data: bytes, pad: bool = True) -> bytes:
 
 INTS = [-(2**63), -(2**31) - 1, -(2**31), -2, -1, 0, 1, 2, 3, 7, 127, 128, 129, 1024, 2**31 - 1, 2**31, 2**32,
         2**53 + 1, 2**60, 2**63 - 1, 2**63, 2**64, 2**64 + 1]
+VALUES = [-(2**63), -(2**31), -2, -1, 0, 1, 2, 127, 128, 2**31 - 1, 2**63 - 1]  # per-element extremes
 JUNK = [None, True, False, 1.5, float("inf"), "2", "", "x" * 5000, [], {}, [1], {"a": 1}, "\ud800", "a\nb",
         "\x00", "é", "\U0001f600", 10**400]
 DTYPES = ["I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64", "F32", "F16", "BF16", "F64", "BOOL", "F4", "C64",
@@ -588,16 +590,24 @@ def _text(out: str, v: Verdict, code: int) -> None:
     assert out.strip() and code in (0, 1)
 
 
+def _html(out: str, v: Verdict, code: int) -> None:
+    page = HTML_OUT.read_text()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    HTML_OUT.unlink()
+
+
 @dataclass(frozen=True)
 class Command:
     """A way to use a dump: CLI arguments (FILE is the dump) and what a good run must print.
 
-    `args` None is the library route. To fuzz a new command that takes a dump, add it here.
+    `args` None is the library route; OUT is a file the command writes. To fuzz a new command that
+    takes a dump (e.g. `diff FILE BASE`), add it here.
     """
 
     name: str
     args: tuple[str, ...] | None
     check: object
+    stderr: str = ""  # what a good run prints on stderr (OUT replaced)
 
 
 COMMANDS = [
@@ -607,7 +617,9 @@ COMMANDS = [
     Command("replay-split-obs", ("replay", "FILE", "--split", "2", "--obs", "0", "--json"), _replay_split_obs),
     Command("inspect", ("inspect", "FILE", "--json"), _inspect_json),
     Command("inspect-text", ("inspect", "FILE"), _text),
+    Command("replay-html", ("replay", "FILE", "--html", "OUT", "--force"), _html, stderr="dcptool: wrote OUT\n"),
 ]
+HTML_OUT = Path(os.environ.get("TMPDIR", "/tmp")) / f"dcptool-fuzz-{os.getpid()}.html"
 RUNNER = CliRunner()
 CLICK = typer.main.get_command(app)  # built once: typer rebuilds it on every CliRunner.invoke
 
@@ -633,7 +645,7 @@ def run_command(cmd: Command, path: Path, v: Verdict) -> None:
     if cmd.args is None:
         cmd.check(path, v)
         return
-    code, out, err, crash = invoke([str(path) if a == "FILE" else a for a in cmd.args])
+    code, out, err, crash = invoke([{"FILE": str(path), "OUT": str(HTML_OUT)}.get(a, a) for a in cmd.args])
     if crash is not None:
         raise AssertionError(f"{cmd.name} raised:\n" + "".join(traceback.format_exception(crash)))
     assert code in (0, 1, 2), code
@@ -645,7 +657,7 @@ def run_command(cmd: Command, path: Path, v: Verdict) -> None:
         assert "--obs" in cmd.args and err.startswith("dcptool: --obs") and err.count("\n") == 1, err
         assert ("has no observation 0" in err and v.dump.n == 0) or "too large to show row by row" in err, err
         return
-    assert err == "", err
+    assert err == cmd.stderr.replace("OUT", str(HTML_OUT)), err
     cmd.check(out, v, code)
 
 
@@ -805,7 +817,7 @@ def single_mutations(group: str):
             arr = np.frombuffer(bytes(d0[a:b]), DT[h0[key]["dtype"]])
             info = np.iinfo(arr.dtype)
             for j in sorted({0, arr.size - 1}):
-                for v in INTS + [int(arr[j]) + 1, int(arr[j]) - 1]:
+                for v in VALUES + [int(arr[j]) + 1, int(arr[j]) - 1]:
                     if info.min <= v <= info.max and v != arr[j]:
                         x = arr.copy()
                         x[j] = v
@@ -895,7 +907,7 @@ def test_declared_sizes_allocate_nothing(what, tmp_path, warm):
     elif what == "offsets-past-end":
         h["rows.seq_lens"]["data_offsets"] = [0, 2**40]
     elif what == "many-dims":
-        h["zz"] = {"dtype": "I32", "shape": [2**62] * 100_000, "data_offsets": [0, 0]}
+        h["zz"] = {"dtype": "I32", "shape": [2**62] * 20_000, "data_offsets": [0, 0]}
     elif what == "num_reqs_padded-int32-max":
         s = _span(h, "obs.num_reqs_padded")
         data[s[0] : s[1]] = np.full((s[1] - s[0]) // 4, 2**31 - 1, "<i4").tobytes()
@@ -923,7 +935,7 @@ def test_hostile_header_json_is_bounded(body, tmp_path):
     inner = unit * (n // len(unit))
     raw = b'{"__metadata__":{"dcptool.format":"1"},"x":[' + inner.rstrip(b",") + b"]}"
     if body == "nested":
-        raw = inner
+        raw = b'{"x":' + inner
     raw += b" " * (-len(raw) % 8)
     p = tmp_path / "hostile.safetensors"
     p.write_bytes(struct.pack("<Q", len(raw)) + raw)
@@ -947,78 +959,72 @@ def test_large_legitimate_header_reads(tmp_path):
 # --------------------------------------------------------------------------------------------
 # Real processes: no traceback escapes `python -m dcptool`
 
-SUBPROCESS_CASES = ["empty", "directory", "fifo", "lfs-pointer", "plain-safetensors", "non-utf8-name",
-                    "newline-name", "gzip"]
+SUBPROCESS_CASES = [("empty", "inspect"), ("directory", "replay"), ("fifo", "inspect"), ("lfs-pointer", "replay"),
+                    ("plain-safetensors", "inspect"), ("non-utf8-name", "replay"), ("newline-name", "inspect"),
+                    ("gzip", "replay")]
 
 
-@pytest.mark.parametrize("kind", SUBPROCESS_CASES)
-def test_cli_subprocess_special(kind, tmp_path):
+@pytest.mark.parametrize("kind,command", SUBPROCESS_CASES)
+def test_cli_subprocess_special(kind, command, tmp_path):
     p = make_special(kind, tmp_path)
-    for args in (("inspect", p), ("replay", p, "--json")):
-        r = cli(*args)
-        assert r.returncode == 2, r
-        assert r.stdout == "" and r.stderr.count("\n") == 1 and r.stderr.startswith("dcptool: "), r.stderr
-        assert "Traceback" not in r.stderr
-        count_fuzz("subprocess")
+    r = cli(command, p, "--json")
+    assert r.returncode == 2, r
+    assert r.stdout == "" and r.stderr.count("\n") == 1 and r.stderr.startswith("dcptool: "), r.stderr
+    assert "Traceback" not in r.stderr
+    count_fuzz("subprocess")
 
 
-def test_cli_subprocess_mutated(tmp_path):
-    """A handful of seeded mutated dumps (rejected and accepted ones) through real processes."""
-    rng = np.random.default_rng(11)
-    files = []
-    for k in range(40):
-        h, data = split(base_bytes(int(rng.integers(-3, 64))))
-        raw = join(h, data)
-        cut = int(rng.integers(0, len(raw)))
-        if k % 4 == 0:  # still valid: a flipped value in the data keeps the file readable
-            s = _span(h, "rows.seq_lens")
-            if s and s[1] > s[0]:
-                data[s[0]] ^= 0x10
-            raw = join(h, data)
-        elif k % 4 == 1:
-            raw = raw[:cut]
-        elif k % 4 == 2:
-            b = bytearray(raw)
-            b[8 + cut % max(len(raw) - 8, 1)] ^= 0x40
-            raw = bytes(b)
-        else:
-            raw = struct.pack("<Q", 2**40 + cut) + raw[8:]
-        p = tmp_path / f"m{k:02d}.safetensors"
-        p.write_bytes(raw)
-        files.append(p)
-    # One process per command over all files would stop at the first bad one; run each file alone
-    # for inspect (light: no torch) and a few for replay (each imports torch).
-    replayed = 0
-    for p in files:
-        try:
-            ok = open_dumps([p]) is not None
-        except DumpError:
-            ok = False
-        r = cli("inspect", p)
-        assert r.returncode in (0, 2) and "Traceback" not in r.stderr, r.stderr
-        assert (r.returncode == 0) == ok
-        if r.returncode == 2:
-            assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"dcptool: {p}"), r.stderr
-        if ok and replayed < 3:
-            r = cli("replay", p)
-            assert r.returncode in (0, 1) and r.stderr == "", r.stderr
-            replayed += 1
-        count_fuzz("subprocess")
-    assert replayed >= 1
+def _mutant(seed: int, how: str) -> bytes:
+    rng = np.random.default_rng(seed)
+    h, data = split(base_bytes(int(rng.integers(-3, 64)) if how != "value" else -1))
+    raw = join(h, data)
+    cut = int(rng.integers(9, len(raw)))
+    if how == "value":  # still valid: a changed seq_len makes wrong views, not a bad file
+        a, b = _span(h, "rows.seq_lens")
+        data[int(rng.integers(a, b))] ^= 0x10
+        return join(h, data)
+    if how == "truncate":
+        return raw[:cut]
+    if how == "flip":
+        return raw[:cut] + bytes([raw[cut] ^ 0x40]) + raw[cut + 1 :]
+    return struct.pack("<Q", 2**40 + cut) + raw[8:]
 
 
-@pytest.mark.parametrize("encoding", ["utf-8", None])
-def test_cli_subprocess_non_utf8_name_with_findings(encoding, tmp_path):
+MUTANTS = [(1, "truncate", "replay"), (2, "flip", "inspect"), (3, "length", "replay"), (4, "truncate", "inspect"),
+           (5, "value", "replay"), (6, "value", "replay")]
+
+
+@pytest.mark.parametrize("seed,how,command", MUTANTS)
+def test_cli_subprocess_mutated(seed, how, command, tmp_path):
+    """Seeded mutated dumps through real processes: the exit code and stderr the reader predicts."""
+    p = tmp_path / f"m{seed}.safetensors"
+    p.write_bytes(_mutant(seed, how))
+    try:
+        open_dumps([p])
+        want = None
+    except DumpError as e:
+        want = str(e)
+    if how == "value":
+        assert want is None, want
+    r = cli(command, p, "--json")
+    assert "Traceback" not in r.stderr, r.stderr
+    if want is not None:
+        assert r.returncode == 2 and r.stdout == "" and r.stderr == f"dcptool: {want}\n", r.stderr
+    else:
+        assert r.returncode in (0, 1) and r.stderr == "", r.stderr
+        summary = json.loads(r.stdout.splitlines()[-1])
+        assert summary["type"] == "summary" and r.returncode == (1 if summary["errors"] else 0)
+    count_fuzz("subprocess")
+
+
+def test_cli_subprocess_non_utf8_name_with_findings(tmp_path):
     """A readable dump under a non-UTF-8 name: the text report prints the name's own bytes.
 
     PYTHONIOENCODING=utf-8 makes stdout strict, as a UTF-8 locale other than C does."""
     name = b"r\xffn.safetensors"
     p = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/" + name))
     p.write_bytes(base_bytes(-1))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
-    env.pop("PYTHONIOENCODING", None)
-    if encoding:
-        env["PYTHONIOENCODING"] = encoding
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", "PYTHONIOENCODING": "utf-8"}
     for args, code in ((["replay", p], 1), (["inspect", p], 0)):
         r = subprocess.run([sys.executable, "-m", "dcptool", *map(str, args)], capture_output=True, env=env,
                            timeout=300)

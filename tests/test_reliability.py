@@ -274,7 +274,7 @@ ARRAYS = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(calls=st.lists(st.fixed_dictionaries({
     "step": st.one_of(st.integers(-3, 5), GARBAGE), "site": st.sampled_from(["a", "b", "", "x\ny", "\ud800", 5]),
