@@ -52,9 +52,10 @@ def ubatch_slices(query_start_loc: np.ndarray, num_reqs: int, num_reqs_padded: i
         tok_stop = end
         if i == num_ubatches - 1:  # the last micro-batch absorbs the padding
             req_stop, tok_stop = num_reqs_padded, num_tokens_padded
-        req_start = min(req_start, num_reqs - 1)
-        # req_stop < req_start only for a recorded batch with zero-token requests (vLLM schedules
-        # none): an empty micro-batch then, not a negative one.
+        req_start = max(min(req_start, num_reqs - 1), 0)
+        # Only a recorded query_start_loc that does not start at 0, or has zero-token requests (vLLM
+        # schedules none), could put req_start below 0 or req_stop below req_start: clamp, so such a
+        # batch gives empty micro-batches rather than negative ones.
         out.append(UbatchSlice(req_start, max(min(req_stop, num_reqs_padded), req_start), start, tok_stop))
         start = end
     return out
