@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -26,19 +27,26 @@ def _style(severity: str) -> str:
     return "bold red" if severity == "error" else "yellow"
 
 
-def findings_table(findings, title: str | None = None) -> Table:
-    t = Table(title=title, show_lines=False, expand=False, title_justify="left")
-    for name, kw in (("obs", {"justify": "right"}), ("step", {"justify": "right"}), ("site", {"no_wrap": True}),
-                     ("rank", {"justify": "right"}), ("ub", {"justify": "right"}), ("rule", {"no_wrap": True}),
-                     ("row", {"justify": "right"}), ("rec", {"justify": "right"}), ("exp", {"justify": "right"}),
-                     ("message", {"overflow": "fold", "ratio": 1})):
-        t.add_column(name, **kw)
+def findings_table(findings, title: str | None = None, width: int = 200) -> Table:
+    """One line per finding; below 120 columns the row values fold into the message so it stays readable."""
+    wide = width >= 120
+    t = Table(title=title, box=box.SIMPLE_HEAD, expand=False, title_justify="left", pad_edge=False)
+    t.add_column("obs", justify="right", no_wrap=True)
+    t.add_column("step", justify="right", no_wrap=True)
+    t.add_column("where", no_wrap=True)
+    t.add_column("rule", no_wrap=True)
+    if wide:
+        for name in ("row", "rec", "exp"):
+            t.add_column(name, justify="right", no_wrap=True)
+    t.add_column("message", ratio=1, min_width=30, overflow="fold")
     for f in findings:
-        rule = f.rule + (f"/{f.source.relation}" if f.source is not None else "")
-        t.add_row(str(f.obs), str(f.step), f.site, str(f.rank), "-" if f.ubatch < 0 else str(f.ubatch),
-                  Text(rule, style=_style(f.severity)), "" if f.row is None else str(f.row),
-                  "" if f.recorded is None else str(f.recorded), "" if f.expected is None else str(f.expected),
-                  f.message.split(": ", 1)[-1])  # the row already says where
+        where = f"{f.site} r{f.rank}" + ("" if f.ubatch < 0 else f" ub{f.ubatch}")
+        rule = f.rule + (f"/{f.source.relation}" if f.source is not None and wide else "")
+        msg = f.message.split(": ", 1)[-1]  # the row already says where
+        cells = [str(f.obs), str(f.step), where, Text(rule, style=_style(f.severity))]
+        if wide:
+            cells += ["" if v is None else str(v) for v in (f.row, f.recorded, f.expected)]
+        t.add_row(*cells, msg)
     return t
 
 
@@ -52,7 +60,7 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
     render_timeline(res, console)
     shown = res.findings[:limit]
     if shown:
-        console.print(findings_table(shown, title=f"Findings ({len(res.findings)})"))
+        console.print(findings_table(shown, title=f"Findings ({len(res.findings)})", width=console.width))
         if len(res.findings) > len(shown):
             console.print(f"... {len(res.findings) - len(shown)} more findings not shown (--max-findings, --json)")
     files = ", ".join(res.files)
