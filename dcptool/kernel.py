@@ -197,6 +197,12 @@ def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dc
     """Fused check of recorded views (and page counts) against the formula, one launch for every
     observation; [6, n] int32, the same contract as reference.check_rows."""
     dev = seq_lens.device
+    tensors = [seq_lens, rows, dcp, dcp_rows, num_reqs, num_reqs_padded, ranks]
+    tensors += [] if kv_pages is None else [kv_pages]
+    gpu_only = dev.type != "cuda" and not interpreted() and torch.cuda.is_available()
+    if any(t.device != dev for t in tensors) or gpu_only:
+        raise ValueError(f"all tensors must be on one device the kernel can run on (got "
+                         f"{sorted({str(t.device) for t in tensors})}); use CUDA tensors on a GPU machine")
     n = num_reqs.shape[0]
     stats = torch.empty(6 * n, dtype=torch.int32, device=dev)
     if n:
