@@ -37,6 +37,10 @@ def make(rows_total: int, N: int = 4, I: int = 16, seed: int = 0):
     return seq, rows, exp, rows.clone(), nr, ln.to(torch.int32), ranks, N, I
 
 
+# (observations per program, rows per step, warps); the shipped default is kernel.FUSED_*
+CONFIGS = [(1, 256, 4), (4, 256, 4), (8, 256, 4), (8, 512, 8), (16, 256, 8), (16, 128, 4), (32, 128, 8), (4, 512, 4)]
+
+
 def bench(R: int) -> None:
     import triton
 
@@ -54,13 +58,15 @@ def bench(R: int) -> None:
                      nr[:k].cpu(), nrp[:k].cpu(), ranks[:k].cpu(), N, I)
     assert torch.equal(stats[:4, :k].cpu(), want[:4]), "kernel disagrees with the reference"
     assert int(stats[0].sum()) > 0
-    for block in (128, 256, 512):
-        kernel.FUSED_BLOCK = block
+    for obs, block, warps in CONFIGS:
+        kernel.FUSED_OBS, kernel.FUSED_BLOCK, kernel.FUSED_WARPS = obs, block, warps
+        got = kernel.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I)
+        assert torch.equal(got, stats), (obs, block, warps)
         ms = triton.testing.do_bench(lambda: kernel.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I),
                                      warmup=50, rep=400, return_mode="median")
         bw = moved / ms / 1e6
         print(f"| {seq.numel() / 1e6:.0f}M | {n:,} | {ms:.3f} | {bw:.0f} | {copy_ms:.3f} | {copy_bw:.0f} | "
-              f"{bw / copy_bw:.2f} | {block} |", flush=True)
+              f"{bw / copy_bw:.2f} | {obs}x{block}, {warps} warps |", flush=True)
 
 
 def main() -> None:
@@ -70,7 +76,7 @@ def main() -> None:
     ap.add_argument("--rows", default="64e6,256e6")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    print("| rows | obs | kernel ms | kernel GB/s | copy ms | copy GB/s | kernel/copy | BLOCK |")
+    print("| rows | obs | kernel ms | kernel GB/s | copy ms | copy GB/s | kernel/copy | tile |")
     print("|---|---|---|---|---|---|---|---|")
     for R in [int(float(x)) for x in args.rows.split(",")]:
         bench(R)

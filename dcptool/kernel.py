@@ -16,6 +16,8 @@ import torch
 
 BLOCK_SIZE = 128  # vLLM's launch: BLOCK_SIZE 128, grid cdiv(max_num_reqs, 128)
 FUSED_BLOCK = 256  # rows per inner step of the fused kernels (observations hold ~64-512 rows)
+FUSED_OBS = 8  # observations per program of the check kernel (a [FUSED_OBS, FUSED_BLOCK] tile)
+FUSED_WARPS = 4
 
 
 class BackendError(RuntimeError):
@@ -86,17 +88,19 @@ def _triton() -> SimpleNamespace:
     @triton.jit
     def _check_rows_kernel(stats_ptr, n_obs, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr, num_reqs_ptr,
                            num_reqs_padded_ptr, ranks_ptr, kv_ptr, dcp_size, cp_interleave, page_size,
-                           HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr):
-        # Compare the recorded view (and page counts) with the formula without materialising the
+                           HAS_PAGES: tl.constexpr, OBS: tl.constexpr, BLOCK: tl.constexpr):
+        # Compare recorded views (and page counts) with the formula without materialising the
         # expected rows: per observation, [wrong real rows, first, bad padded rows, first, bad page
-        # counts, first]. One program per observation; its rows in BLOCK steps.
-        obs = tl.program_id(0).to(tl.int64)
-        seq_start = tl.load(rows_ptr + obs)
-        dcp_start = tl.load(dcp_rows_ptr + obs)
-        dcp_len = (tl.load(dcp_rows_ptr + obs + 1) - dcp_start).to(tl.int32)
-        nreq = tl.load(num_reqs_ptr + obs)
-        npad = tl.load(num_reqs_padded_ptr + obs)
-        rank = tl.load(ranks_ptr + obs)
+        # counts, first]. A program takes OBS observations as a [OBS, BLOCK] tile, so its loads
+        # for several observations are in flight at once (observations hold only ~64-512 rows).
+        o = tl.program_id(0).to(tl.int64) * OBS + tl.arange(0, OBS)
+        live = o < n_obs
+        seq_start = tl.load(rows_ptr + o, mask=live, other=0)
+        dcp_start = tl.load(dcp_rows_ptr + o, mask=live, other=0)
+        dcp_len = (tl.load(dcp_rows_ptr + o + 1, mask=live, other=0) - dcp_start).to(tl.int32)
+        nreq = tl.load(num_reqs_ptr + o, mask=live, other=0)
+        npad = tl.load(num_reqs_padded_ptr + o, mask=live, other=0)
+        rank = tl.load(ranks_ptr + o, mask=live, other=0)
         span = dcp_size * cp_interleave
         m = tl.minimum(dcp_len, npad)
         if HAS_PAGES:
@@ -104,41 +108,41 @@ def _triton() -> SimpleNamespace:
         else:
             end = m
         big = 2147483647
-        n_wrong = tl.zeros([BLOCK], dtype=tl.int32)
-        first_wrong = tl.full([BLOCK], big, dtype=tl.int32)
-        n_pad = tl.zeros([BLOCK], dtype=tl.int32)
-        first_pad = tl.full([BLOCK], big, dtype=tl.int32)
-        n_pg = tl.zeros([BLOCK], dtype=tl.int32)
-        first_pg = tl.full([BLOCK], big, dtype=tl.int32)
-        for j0 in range(0, end, BLOCK):
-            j = j0 + tl.arange(0, BLOCK)
-            real = j < nreq
-            seq = tl.load(seq_lens_ptr + seq_start + j, mask=real, other=0)
-            local = _local(seq, rank, span, cp_interleave)
-            inb = j < m
-            rec = tl.load(dcp_ptr + dcp_start + j, mask=inb, other=0)
+        n_wrong = tl.zeros([OBS, BLOCK], dtype=tl.int32)
+        first_wrong = tl.full([OBS, BLOCK], big, dtype=tl.int32)
+        n_pad = tl.zeros([OBS, BLOCK], dtype=tl.int32)
+        first_pad = tl.full([OBS, BLOCK], big, dtype=tl.int32)
+        n_pg = tl.zeros([OBS, BLOCK], dtype=tl.int32)
+        first_pg = tl.full([OBS, BLOCK], big, dtype=tl.int32)
+        for j0 in range(0, tl.max(end, axis=0), BLOCK):
+            j = j0 + tl.arange(0, BLOCK)[None, :]
+            real = j < nreq[:, None]
+            seq = tl.load(seq_lens_ptr + seq_start[:, None] + j, mask=real, other=0)
+            local = _local(seq, rank[:, None], span, cp_interleave)
+            inb = j < m[:, None]
+            rec = tl.load(dcp_ptr + dcp_start[:, None] + j, mask=inb, other=0)
             exp = tl.where(real, local, 0)
             bad = inb & (rec != exp)
             bad_real = bad & real
-            bad_pad = bad & (j >= nreq)
+            bad_pad = bad & (j >= nreq[:, None])
             n_wrong += bad_real.to(tl.int32)
             first_wrong = tl.minimum(first_wrong, tl.where(bad_real, j, big))
             n_pad += bad_pad.to(tl.int32)
             first_pad = tl.minimum(first_pad, tl.where(bad_pad, j, big))
             if HAS_PAGES:
-                kv = tl.load(kv_ptr + seq_start + j, mask=real, other=-1)
+                kv = tl.load(kv_ptr + seq_start[:, None] + j, mask=real, other=-1)
                 bad_pg = real & (kv >= 0) & (kv != (local + page_size - 1) // page_size)
                 n_pg += bad_pg.to(tl.int32)
                 first_pg = tl.minimum(first_pg, tl.where(bad_pg, j, big))
-        fw = tl.min(first_wrong, axis=0)
-        fp = tl.min(first_pad, axis=0)
-        fg = tl.min(first_pg, axis=0)
-        tl.store(stats_ptr + obs, tl.sum(n_wrong, axis=0))
-        tl.store(stats_ptr + n_obs + obs, tl.where(fw == big, -1, fw))
-        tl.store(stats_ptr + 2 * n_obs + obs, tl.sum(n_pad, axis=0))
-        tl.store(stats_ptr + 3 * n_obs + obs, tl.where(fp == big, -1, fp))
-        tl.store(stats_ptr + 4 * n_obs + obs, tl.sum(n_pg, axis=0))
-        tl.store(stats_ptr + 5 * n_obs + obs, tl.where(fg == big, -1, fg))
+        fw = tl.min(first_wrong, axis=1)
+        fp = tl.min(first_pad, axis=1)
+        fg = tl.min(first_pg, axis=1)
+        tl.store(stats_ptr + o, tl.sum(n_wrong, axis=1), mask=live)
+        tl.store(stats_ptr + n_obs + o, tl.where(fw == big, -1, fw), mask=live)
+        tl.store(stats_ptr + 2 * n_obs + o, tl.sum(n_pad, axis=1), mask=live)
+        tl.store(stats_ptr + 3 * n_obs + o, tl.where(fp == big, -1, fp), mask=live)
+        tl.store(stats_ptr + 4 * n_obs + o, tl.sum(n_pg, axis=1), mask=live)
+        tl.store(stats_ptr + 5 * n_obs + o, tl.where(fg == big, -1, fg), mask=live)
 
     return SimpleNamespace(triton=triton, dcp=_dcp_local_seq_lens_kernel, expected=_expected_rows_kernel,
                            check=_check_rows_kernel)
@@ -208,9 +212,10 @@ def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dc
     if n:
         has_pages = kv_pages is not None
         kv = _as(kv_pages, torch.int32, dev) if has_pages else stats  # any pointer; never read
-        _triton().check[(n,)](stats, n, _as(seq_lens, torch.int32, dev), _as(rows, torch.int64, dev),
+        grid = ((n + FUSED_OBS - 1) // FUSED_OBS,)
+        _triton().check[grid](stats, n, _as(seq_lens, torch.int32, dev), _as(rows, torch.int64, dev),
                               _as(dcp, torch.int32, dev), _as(dcp_rows, torch.int64, dev),
                               _as(num_reqs, torch.int32, dev), _as(num_reqs_padded, torch.int32, dev),
                               _as(ranks, torch.int32, dev), kv, dcp_size, cp_interleave, page_size,
-                              HAS_PAGES=has_pages, BLOCK=FUSED_BLOCK)
+                              HAS_PAGES=has_pages, OBS=FUSED_OBS, BLOCK=FUSED_BLOCK, num_warps=FUSED_WARPS)
     return stats.view(6, n)
