@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import torch
 
 BLOCK_SIZE = 128  # vLLM's launch: BLOCK_SIZE 128, grid cdiv(max_num_reqs, 128)
-FUSED_BLOCK = 256  # rows per inner step of the fused kernels (observations hold ~64-512 rows)
-FUSED_WARPS = 4
+FUSED_BLOCK = 128  # rows per inner step of the fused kernels (observations hold ~64-512 rows)
+FUSED_WARPS = 2
 
 
 class BackendError(RuntimeError):
@@ -92,8 +92,8 @@ def _triton() -> SimpleNamespace:
 
     @triton.jit
     def _flag_rows_kernel(flags_ptr, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr, num_reqs_ptr,
-                          num_reqs_padded_ptr, ranks_ptr, kv_ptr, dcp_size, cp_interleave, page_size,
-                          HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr):
+                          num_reqs_padded_ptr, ranks_ptr, kv_ptr, DCP_SIZE: tl.constexpr,
+                          INTERLEAVE: tl.constexpr, PAGE: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr):
         # Pass 1, the bandwidth-bound one: per observation only a bit mask (1 wrong real row, 2 bad
         # padded row, 4 bad page count), one reduction; exact counts come from pass 2 on the few flagged.
         obs = tl.program_id(0).to(tl.int64)
@@ -103,7 +103,7 @@ def _triton() -> SimpleNamespace:
         nreq = tl.load(num_reqs_ptr + obs)
         npad = tl.load(num_reqs_padded_ptr + obs)
         rank = tl.load(ranks_ptr + obs)
-        span = dcp_size * cp_interleave
+        span = DCP_SIZE * INTERLEAVE
         m = tl.minimum(dcp_len, npad)
         if HAS_PAGES:
             end = tl.maximum(m, nreq)
@@ -114,20 +114,21 @@ def _triton() -> SimpleNamespace:
             j = j0 + tl.arange(0, BLOCK)
             real = j < nreq
             seq = tl.load(seq_lens_ptr + seq_start + j, mask=real, other=0)
-            local = _local(seq, rank, span, cp_interleave)
+            local = _local(seq, rank, span, INTERLEAVE)
             inb = j < m
             rec = tl.load(dcp_ptr + dcp_start + j, mask=inb, other=0)
             bad = inb & (rec != tl.where(real, local, 0))
             acc |= tl.where(bad, tl.where(real, 1, 2), 0)
             if HAS_PAGES:
                 kv = tl.load(kv_ptr + seq_start + j, mask=real, other=-1)
-                acc |= tl.where(real & (kv >= 0) & (kv != (local + page_size - 1) // page_size), 4, 0)
+                acc |= tl.where(real & (kv >= 0) & (kv != (local + PAGE - 1) // PAGE), 4, 0)
         tl.store(flags_ptr + obs, tl.reduce(acc, 0, _or))
 
     @triton.jit
     def _check_rows_kernel(stats_ptr, ids_ptr, n_ids, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr, num_reqs_ptr,
-                           num_reqs_padded_ptr, ranks_ptr, kv_ptr, dcp_size, cp_interleave, page_size,
-                           HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr):
+                           num_reqs_padded_ptr, ranks_ptr, kv_ptr, DCP_SIZE: tl.constexpr,
+                           INTERLEAVE: tl.constexpr, PAGE: tl.constexpr, HAS_PAGES: tl.constexpr,
+                           BLOCK: tl.constexpr):
         # Pass 2: exact [wrong real rows, first, bad padded rows, first, bad page counts, first] of
         # the observations listed in ids (one program each).
         k = tl.program_id(0).to(tl.int64)
@@ -138,7 +139,7 @@ def _triton() -> SimpleNamespace:
         nreq = tl.load(num_reqs_ptr + obs)
         npad = tl.load(num_reqs_padded_ptr + obs)
         rank = tl.load(ranks_ptr + obs)
-        span = dcp_size * cp_interleave
+        span = DCP_SIZE * INTERLEAVE
         m = tl.minimum(dcp_len, npad)
         if HAS_PAGES:
             end = tl.maximum(m, nreq)
@@ -155,7 +156,7 @@ def _triton() -> SimpleNamespace:
             j = j0 + tl.arange(0, BLOCK)
             real = j < nreq
             seq = tl.load(seq_lens_ptr + seq_start + j, mask=real, other=0)
-            local = _local(seq, rank, span, cp_interleave)
+            local = _local(seq, rank, span, INTERLEAVE)
             inb = j < m
             rec = tl.load(dcp_ptr + dcp_start + j, mask=inb, other=0)
             bad = inb & (rec != tl.where(real, local, 0))
@@ -167,7 +168,7 @@ def _triton() -> SimpleNamespace:
             first_pad = tl.minimum(first_pad, tl.where(bad_pad, j, big))
             if HAS_PAGES:
                 kv = tl.load(kv_ptr + seq_start + j, mask=real, other=-1)
-                bad_pg = real & (kv >= 0) & (kv != (local + page_size - 1) // page_size)
+                bad_pg = real & (kv >= 0) & (kv != (local + PAGE - 1) // PAGE)
                 n_pg += bad_pg.to(tl.int32)
                 first_pg = tl.minimum(first_pg, tl.where(bad_pg, j, big))
         fw = tl.min(first_wrong, axis=0)
@@ -253,13 +254,15 @@ def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dc
     has_pages = kv_pages is not None
     args = (_as(seq_lens, torch.int32, dev), _as(rows, torch.int64, dev), _as(dcp, torch.int32, dev),
             _as(dcp_rows, torch.int64, dev), _as(num_reqs, torch.int32, dev), _as(num_reqs_padded, torch.int32, dev),
-            _as(ranks, torch.int32, dev), _as(kv_pages, torch.int32, dev) if has_pages else stats, dcp_size,
-            cp_interleave, page_size)
+            _as(ranks, torch.int32, dev), _as(kv_pages, torch.int32, dev) if has_pages else stats)
+    # N, I and the page size are compile-time constants: division by them becomes a multiply and a
+    # shift (a runtime integer division is ~20 instructions a row, enough to make the pass compute-bound).
+    const = dict(DCP_SIZE=dcp_size, INTERLEAVE=cp_interleave, PAGE=page_size, HAS_PAGES=has_pages)
     flags = torch.empty(n, dtype=torch.int32, device=dev)
-    k.flag[(n,)](flags, *args, HAS_PAGES=has_pages, BLOCK=FUSED_BLOCK, num_warps=FUSED_WARPS)
+    k.flag[(n,)](flags, *args, **const, BLOCK=FUSED_BLOCK, num_warps=FUSED_WARPS)
     ids = torch.nonzero(flags).flatten()
     if ids.numel():
         sub = torch.empty(6 * ids.numel(), dtype=torch.int32, device=dev)
-        k.check[(ids.numel(),)](sub, ids, ids.numel(), *args, HAS_PAGES=has_pages, BLOCK=FUSED_BLOCK)
+        k.check[(ids.numel(),)](sub, ids, ids.numel(), *args, **const, BLOCK=FUSED_BLOCK)
         stats[:, ids] = sub.view(6, -1)
     return stats

@@ -14,10 +14,10 @@ INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candid
 def local_np(seq: np.ndarray, dcp_size: int, rank, cp_interleave: int) -> np.ndarray:
     """The formula in numpy (int64), for the rows provenance and row views look at."""
     L = np.asarray(seq, dtype=np.int64)
-    span = dcp_size * cp_interleave
+    il = np.asarray(cp_interleave, np.int64)  # an int, or an array broadcasting against seq
+    span = dcp_size * il
     rounds = L // span
-    return rounds * cp_interleave + np.clip(L - rounds * span - np.asarray(rank, np.int64) * cp_interleave,
-                                            0, cp_interleave)
+    return rounds * il + np.minimum(np.maximum(L - rounds * span - np.asarray(rank, np.int64) * il, 0), il)
 
 
 def expected_of(d: Dump, i: int) -> np.ndarray:
@@ -129,16 +129,20 @@ class Provenance:
         for s in order[np.searchsorted(key, k, "left") : np.searchsorted(key, k, "right")][::-1]:
             if s < i and d["obs.num_reqs"][s] >= 1 and self._prefix_equal(int(s), rec):
                 return "stale", self._source(int(s), "earlier-in-step"), {}
-        # 3-5. the global lengths, another rank, another interleave
+        # 3-5. the global lengths, another rank, another interleave (all candidates in one shot)
         if np.array_equal(rec, seq):
             return "global", None, {}
-        for r in range(c.dcp_size):
-            if r != rank and np.array_equal(rec, local_np(seq, c.dcp_size, r, c.cp_interleave)):
-                return "wrong-rank", None, {"rank": r}
+        col = seq[:, None]
+        hit = np.flatnonzero((local_np(col, c.dcp_size, np.arange(c.dcp_size)[None, :], c.cp_interleave)
+                              == rec[:, None]).all(axis=0))
+        hit = hit[hit != rank]
+        if hit.size:
+            return "wrong-rank", None, {"rank": int(hit[0])}
         extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
-        for il in INTERLEAVES + extra:
-            if il != c.cp_interleave and np.array_equal(rec, local_np(seq, c.dcp_size, rank, il)):
-                return "wrong-interleave", None, {"interleave": il}
+        ils = np.array([il for il in INTERLEAVES + extra if il != c.cp_interleave])
+        hit = np.flatnonzero((local_np(col, c.dcp_size, rank, ils[None, :]) == rec[:, None]).all(axis=0))
+        if hit.size:
+            return "wrong-interleave", None, {"interleave": int(ils[hit[0]])}
         # 6. an earlier step of this rank, most recent first (e.g. a buffer baked into a graph)
         if _strip(rec).size:
             keys, obs = self._signatures()
