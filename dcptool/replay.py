@@ -281,12 +281,15 @@ class _Provenance:
         d, c = self.d, self.d.config
         rank, step = int(d["obs.rank"][i]), int(d["obs.step"][i])
         seq = d.seq_lens_of(i)[: rec.size].astype(np.int64)
-        # 1. the parent's rows for this slice
+        # 1. the parent's rows for this slice: what they must be, or what the parent recorded (a copy of a
+        # parent that was itself wrong is still a copy; the parent has its own finding)
         if d.has("obs.parent", "obs.req_start"):
             p, rs = int(d["obs.parent"][i]), int(d["obs.req_start"][i])
             if p >= 0 and rs >= 0:
                 pe = expected_of(d, p)[rs : rs + rec.size]
-                if np.array_equal(np.pad(pe, (0, rec.size - pe.size)), rec):
+                pv = d.dcp_of(p)
+                if np.array_equal(np.pad(pe, (0, rec.size - pe.size)), rec) or (
+                        pv is not None and np.array_equal(pv[rs : rs + rec.size], rec)):
                     return "stale", self._source(p, "parent-rows"), {}
         if rec.size == 0:
             return "mismatch", None, {}
@@ -418,13 +421,16 @@ def _check_alias(d: Dump) -> list[tuple[int, Finding]]:
             seen.setdefault(key, (int(i), int(ub[i])))
     if "obs.graph" in d.columns:
         g, nrp = d["obs.graph"], d["obs.num_reqs_padded"]
-        capture: dict[tuple, int] = {}
+        # Every buffer captured for a key counts: a drafter (DFlash) captures graphs of the same sizes on its
+        # own buffers, and several PCP ranks of one DCP rank may share a file; only a buffer no capture used
+        # is an alias.
+        capture: dict[tuple, dict[int, int]] = {}
         for i in np.flatnonzero(((g == 2) | (g == 3)) & (buf != 0)):
             key = (int(fidx[i]), int(rank[i]), int(nrp[i]), int(ub[i]))
             if g[i] == 2:
-                capture[key] = int(i)
-            elif key in capture and buf[capture[key]] != buf[i]:
-                j = capture[key]
+                capture.setdefault(key, {})[int(buf[i])] = int(i)
+            elif key in capture and int(buf[i]) not in capture[key]:
+                j = max(capture[key].values())
                 msg = (f"{_where(d, i)}: full-graph replay reads DCP buffer {int(buf[i]):#x} but the graph was "
                        f"captured on {int(buf[j]):#x} (obs {int(d.file_obs[j])}); the replay sees stale values")
                 out.append((int(i), _mk(d, i, "alias", msg, detail={"buffer": int(buf[i]), "captured": int(buf[j]),
