@@ -186,7 +186,8 @@ def render_simulate(cmp, console: Console) -> None:
             ft.add_row(f.name, f.rule, "-", "-", Text(f"not applicable: {f.why}", style="dim"), "")
             continue
         ok = f.found == f.touched
-        ft.add_row(f.name, f.rule, str(f.touched), Text(str(f.found), style="green" if ok else "bold red"),
+        found = str(f.found) + (f" ({f.shape_only} as shape)" if f.shape_only else "")
+        ft.add_row(f.name, f.rule, str(f.touched), Text(found, style="green" if ok else "bold red"),
                    ", ".join(f"{s} {n}" for s, n in f.sites.items()) or "-",
                    ", ".join(f"{r} {n}" for r, n in f.reported.items()) or "-")
     console.print(ft)
@@ -194,6 +195,9 @@ def render_simulate(cmp, console: Console) -> None:
     console.print(f"fixed: {len(fx.findings)} findings in {fx.observations} observations; {cmp.label}: "
                   f"{len(ot.findings)} findings" + (f" ({', '.join(f'{r} {n}' for r, n in ot.by_rule().items())})"
                                                     if ot.findings else ""))
+    if any(f.shape_only for f in cmp.faults):
+        console.print("(as shape: a stale view whose surviving rows happen to be right but whose length is wrong; "
+                      "replay can only see the length)", style="dim")
     console.print(f"replay backend {ot.backend} on {ot.device}, {cmp.seconds:.2f} s in all; write a dump with -o "
                   "and replay it with `dcptool replay`", style="dim")
 

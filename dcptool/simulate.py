@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 
 from dcptool.record import Recorder
-from dcptool.replay import local_np
 from dcptool.slicing import UbatchSlice, pcp_partition, pcp_rank_tokens, split_batch
 
 # DESIGN §4's fault table: fault -> (the rule replay must report, what the engine did).
@@ -100,6 +99,9 @@ class SimConfig:
              "size must be)")
         need(self.dcp * self.interleave <= self.max_model_len, "--dcp x --interleave exceeds the model length")
         need(self.token_budget >= self.decode_query_len, "--token-budget must fit one decode with its drafts")
+        # vLLM's PCPManager.validate_config: PCP speculates with (single-module) MTP only.
+        need(not (self.pcp > 1 and self.spec_tokens > 0 and self.spec_method == "dflash"),
+             "--spec-method dflash with --pcp > 1: vLLM's PCP supports only MTP speculative decoding")
 
     def command(self) -> str:
         """The `dcptool simulate` command line that reproduces this configuration."""
@@ -388,12 +390,9 @@ class _Sink:
             self.paths = [out]
             self.recorders = [Recorder(out, **kw)]
             self.file_of = [0] * (P * N)
+        self.shared = not per_rank
         self.touched: list[dict[str, list[int]]] = [{} for _ in self.recorders]
         self.by_site: dict[str, int] = {}
-
-    def observe(self, proc: int, **kw) -> int:
-        self.by_site[kw["site"]] = self.by_site.get(kw["site"], 0) + 1
-        return self.recorders[self.file_of[proc]].observe(**kw)
 
     def mark(self, proc: int, idx: int, fault: str) -> None:
         """fault, or "fault:shape" where a stale fault left the rows that exist right but the length wrong."""
@@ -462,6 +461,13 @@ class Runner:
                          next((f for f in ("ubatch-none", "ubatch-parent-rows") if f in self.F), None)
                          for kind in ("step", "dummy", "capture")}
 
+    def _local(self, seq: np.ndarray) -> np.ndarray:
+        """DESIGN §1's local length on every rank at once, [N, rows] (np.clip is slow on small arrays)."""
+        span = self.N * self.I
+        rounds = seq // span
+        rem = (seq - rounds * span).reshape(1, -1) - self.ranks * self.I
+        return rounds * self.I + np.minimum(np.maximum(rem, 0), self.I)
+
     # ---- buffers
 
     def _buf(self, proc: int, slot: int) -> int:
@@ -482,7 +488,7 @@ class Runner:
         [N, length] or None) so that children (micro-batches, the PCP-local batch) can derive from them.
         """
         N, F, nr, nrp = self.N, self.F, b.nr, b.nrp
-        loc = local_np(b.seq[:nr].reshape(1, -1), N, self.ranks, self.I)  # [N, nr]
+        loc = self._local(b.seq[:nr])  # [N, nr]
         marks: list[tuple[str, np.ndarray]] = []  # (fault, [N] bool: ranks it touched)
         view = None
         if N > 1:
@@ -497,34 +503,48 @@ class Runner:
             kv[:, :nr] = -(-loc // self.G) if N > 1 else glob[:nr]
             if "flashinfer-global-pages" in F:
                 marks.append(("flashinfer-global-pages", (kv[:, :nr] != glob[:nr]).any(axis=1)))
-                kv = np.broadcast_to(glob, (N, nrp))
+                kv = glob  # one row shared by every rank
         fresh = view is not None and graph == 3 and "graph-stale" in F
         home = slot
         if view is not None and role == "capture" and self.P > 1 and ubatch < 0 and "capture-wrong-buffer" in F:
             home = RUNNER
-        extra = {} if sl is None else dict(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)
-        idxs = []
-        for r in range(N):
-            proc = p * N + r
-            buf = 0 if view is None else self._per_step_buf(proc) if fresh else self._buf(proc, home)
-            idx = self.sink.observe(proc, step=step, site=site, rank=r, seq_lens=b.seq, num_reqs=nr,
-                                    num_reqs_padded=nrp, dcp_local_seq_lens=None if view is None else view[r],
-                                    ubatch=ubatch, parent=None if parents is None else parents[r],
-                                    query_start_loc=b.qsl, num_tokens_padded=b.ntp, buffer=buf, graph=graph,
-                                    kv_pages=None if kv is None else kv[r], **extra)
-            key = (self.sink.file_of[proc], r, nrp, ubatch)
-            if graph == 2 and buf:
-                self._captured.setdefault(key, set()).add(buf)
-            elif graph == 3 and buf and key in self._captured and buf not in self._captured[key]:
-                # the replay reads another buffer than its capture: DESIGN's alias, reported at the replay
-                if fresh:
-                    self.sink.mark(proc, idx, "graph-stale")
-                if "capture-wrong-buffer" in F and self.P > 1 and ubatch < 0:
-                    self.sink.mark(proc, idx, "capture-wrong-buffer")
+        sink = self.sink
+        sink.by_site[site] = sink.by_site.get(site, 0) + N
+        procs = range(p * N, p * N + N)
+        if view is None:
+            bufs = [0] * N
+        elif fresh:
+            bufs = [self._per_step_buf(proc) for proc in procs]
+        else:
+            bufs = [self._buf(proc, home) for proc in procs]
+        kw = dict(step=step, site=site, seq_lens=b.seq, num_reqs=nr, num_reqs_padded=nrp, ubatch=ubatch,
+                  query_start_loc=b.qsl, num_tokens_padded=b.ntp, graph=graph)
+        if sl is not None:
+            kw.update(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)
+        if sink.shared:  # every rank in one file: one call records the batch on all N ranks
+            idxs = sink.recorders[0].observe_many(ranks=range(N), dcp_local_seq_lens=view, parents=parents,
+                                                  buffers=bufs, kv_pages=kv, **kw)
+        else:
+            idxs = [sink.recorders[proc].observe(rank=r, dcp_local_seq_lens=None if view is None else view[r],
+                                                 parent=None if parents is None else parents[r], buffer=bufs[r],
+                                                 kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[r],
+                                                 **kw)
+                    for r, proc in enumerate(procs)]
+        for r, proc in enumerate(procs):
+            idx, buf = idxs[r], bufs[r]
+            if graph >= 2 and buf:
+                key = (sink.file_of[proc], r, nrp, ubatch)
+                if graph == 2:
+                    self._captured.setdefault(key, set()).add(buf)
+                elif key in self._captured and buf not in self._captured[key]:
+                    # the replay reads another buffer than its capture: DESIGN's alias, reported at the replay
+                    if fresh:
+                        sink.mark(proc, idx, "graph-stale")
+                    if "capture-wrong-buffer" in F and self.P > 1 and ubatch < 0:
+                        sink.mark(proc, idx, "capture-wrong-buffer")
             for fault, hit in marks:
                 if hit[r]:
-                    self.sink.mark(proc, idx, fault)
-            idxs.append(idx)
+                    sink.mark(proc, idx, fault)
         return idxs, view
 
     def _faults(self, role, kind, b: _Rows, fixed, parent_views, global_views, sl, marks):
@@ -782,8 +802,8 @@ def compare(cfg: SimConfig, backend: str = "auto") -> Comparison:
     fixed_cfg = SimConfig(**{**cfg.__dict__, "pipeline": "fixed", "inject": ()})
     with tempfile.TemporaryDirectory(prefix="dcptool-simulate-") as tmp:
         runs = []
-        for c in (fixed_cfg, cfg):
-            res = simulate(c, Path(tmp) / f"{c.pipeline}.safetensors")
+        for name, c in (("fixed", fixed_cfg), ("other", cfg)):
+            res = simulate(c, Path(tmp) / f"{name}.safetensors")
             d = open_dumps(res.files)
             runs.append((res, d, replay(d, backend)))
     (fres, fd, frep), (ores, od, orep) = runs

@@ -124,12 +124,12 @@ def _pcp_rows(q: np.ndarray, is_prefilling: np.ndarray, pcp_size: int, rank: int
     live = q > 0
     cs = -(-q // chunks)
     off_a = np.where(rep, 0, rank * cs)
-    len_a = np.where(rep, q, np.clip(q - rank * cs, 0, cs))
+    len_a = np.where(rep, q, np.minimum(np.maximum(q - rank * cs, 0), cs))
     if shard_decodes:  # PCP without DCP: each replicated request has one owner, round robin
         ordinal = np.cumsum(rep & live) - 1
         len_a = np.where(rep & (ordinal % pcp_size != rank), 0, len_a)
     off_b = (chunks - 1 - rank) * cs
-    len_b = np.where(rep, 0, np.clip(q - off_b, 0, cs))
+    len_b = np.where(rep, 0, np.minimum(np.maximum(q - off_b, 0), cs))
     idx = np.arange(q.size)
     req = np.concatenate([idx, idx])
     off = np.concatenate([off_a, off_b])
