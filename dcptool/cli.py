@@ -124,8 +124,10 @@ def simulate(
     page_size: Annotated[int, typer.Option(help="KV page (block) size for attention page counts.")] = 16,
     pipeline: Annotated[str, typer.Option(help="fixed (vLLM after the fix) or legacy (every pre-fix fault).")]
     = "fixed",
-    inject: Annotated[str | None, typer.Option(help="Faults to inject on the fixed pipeline, comma-separated.")]
-    = None,
+    inject: Annotated[str | None, typer.Option(help="Faults to inject on the fixed pipeline, comma-separated: "
+                                                    "dummy-none, dflash-capture-none, ubatch-none, ubatch-parent-rows,"
+                                                    " pcp-stale, pcp-unpadded, capture-wrong-buffer, graph-stale, "
+                                                    "sentinel, flashinfer-global-pages.")] = None,
     seed: Annotated[int, typer.Option(help="Workload seed (same seed, same dump, byte for byte).")] = 0,
     max_num_reqs: Annotated[int, typer.Option(help="max_num_seqs: requests per step.")] = 64,
     token_budget: Annotated[int, typer.Option(help="max_num_batched_tokens: tokens per step.")] = 2048,

@@ -159,7 +159,9 @@ def inspect_json(info) -> str:
 def _rules(counts: dict[str, int]) -> Text:
     if not counts:
         return Text("clean", style="green")
-    return Text(", ".join(f"{r} {n}" for r, n in counts.items()), style="bold red")
+    from dcptool.replay import RULES
+
+    return Text(", ".join(f"{r} {counts[r]}" for r in RULES if r in counts), style="bold red")
 
 
 def render_simulate(cmp, console: Console) -> None:
@@ -179,7 +181,7 @@ def render_simulate(cmp, console: Console) -> None:
                title_justify="left")
     for name, kw in (("fault", {"no_wrap": True}), ("rule", {}), ("touched", {"justify": "right"}),
                      ("found", {"justify": "right"}), ("at sites", {"overflow": "fold"}),
-                     ("replay reported there", {"overflow": "fold"})):
+                     ("side findings there", {"overflow": "fold"})):
         ft.add_column(name, **kw)
     for f in cmp.faults:
         if not f.applicable:
@@ -189,12 +191,15 @@ def render_simulate(cmp, console: Console) -> None:
         found = str(f.found) + (f" ({f.shape_only} as shape)" if f.shape_only else "")
         ft.add_row(f.name, f.rule, str(f.touched), Text(found, style="green" if ok else "bold red"),
                    ", ".join(f"{s} {n}" for s, n in f.sites.items()) or "-",
-                   ", ".join(f"{r} {n}" for r, n in f.reported.items()) or "-")
+                   _rules(f.side) if f.side else "-")
     console.print(ft)
     fx, ot = cmp.fixed, cmp.other
     console.print(f"fixed: {len(fx.findings)} findings in {fx.observations} observations; {cmp.label}: "
                   f"{len(ot.findings)} findings" + (f" ({', '.join(f'{r} {n}' for r, n in ot.by_rule().items())})"
                                                     if ot.findings else ""))
+    if ot.by_rule().get("rank-sum"):
+        console.print("(rank-sum is about a group of ranks: it is reported at the rank that completes a group whose "
+                      "views do not add up, which may be a rank the fault left alone)", style="dim")
     if any(f.shape_only for f in cmp.faults):
         console.print("(as shape: a stale view whose surviving rows happen to be right but whose length is wrong; "
                       "replay can only see the length)", style="dim")

@@ -760,13 +760,13 @@ class FaultRow:
     touched: int
     found: int  # touched observations where replay reported the fault's rule (`shape` where shape-only)
     sites: dict[str, int]  # site -> touched observations
-    reported: dict[str, int]  # rule -> touched observations replay reported it at
+    side: dict[str, int]  # rule -> touched observations where replay also reported it and no fault explains it
     shape_only: int = 0  # stale faults: touched observations whose rows are right, so `shape` is the finding
 
     def to_json(self) -> dict:
         return {"type": "fault", "fault": self.name, "rule": self.rule, "applicable": self.applicable,
                 "why": self.why, "touched": self.touched, "found": self.found, "shape_only": self.shape_only,
-                "sites": self.sites, "reported": self.reported}
+                "sites": self.sites, "side_findings": self.side}
 
 
 @dataclass
@@ -814,21 +814,28 @@ def compare(cfg: SimConfig, backend: str = "auto") -> Comparison:
     at: dict[int, set[str]] = {}
     for f in orep.findings:
         at.setdefault(f.index, set()).add(f.rule)
+    # the rules the faults touching an observation explain there; anything else there is a side finding
+    explained: dict[int, set[str]] = {}
+    for rep in ores.faults.values():
+        shape_only = {i for v in rep.shape_only.values() for i in v}
+        for v in rep.touched.values():
+            for i in v:
+                explained.setdefault(i, set()).add("shape" if i in shape_only else rep.rule)
     site_of = od["obs.site"]
     rows = []
     for name, rep in ores.faults.items():
         idx = [i for v in rep.touched.values() for i in v]
         shape_only = {i for v in rep.shape_only.values() for i in v}
-        reported: dict[str, int] = {}
+        side: dict[str, int] = {}
         per_site: dict[str, int] = {}
         found = 0
         for i in idx:
-            for r in at.get(i, ()):
-                reported[r] = reported.get(r, 0) + 1
+            for r in at.get(i, set()) - explained[i] - {"rank-sum"}:  # rank-sum belongs to a group of ranks
+                side[r] = side.get(r, 0) + 1
             found += ("shape" if i in shape_only else rep.rule) in at.get(i, ())
             s = od.config.sites[int(site_of[i])]
             per_site[s] = per_site.get(s, 0) + 1
-        rows.append(FaultRow(name, rep.rule, rep.applicable, rep.why, len(idx), found, per_site, reported,
+        rows.append(FaultRow(name, rep.rule, rep.applicable, rep.why, len(idx), found, per_site, side,
                              len(shape_only)))
     label = "legacy" if cfg.pipeline == "legacy" else "inject " + ",".join(cfg.faults)
     return Comparison(cfg, label, sites, rows, frep, orep, time.perf_counter() - t0)
