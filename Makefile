@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-SAMPLE ?= samples/handmade.safetensors
+SAMPLE ?= samples/legacy.safetensors
 
 .PHONY: run test venv lint test-vllm bench
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -145,6 +146,71 @@ def inspect(
         sys.stdout.write(report.inspect_json(info) + "\n")
     else:
         report.render_inspect(info, _console())
+
+
+@app.command()
+def simulate(
+    dcp: Annotated[int, typer.Option("--dcp", help="DCP world size N (ranks recorded).")] = 2,
+    interleave: Annotated[int, typer.Option(help="cp_kv_cache_interleave_size I.")] = 1,
+    pcp: Annotated[int, typer.Option("--pcp", help="PCP world size P (P x N recording processes).")] = 1,
+    steps: Annotated[int, typer.Option(help="Engine steps after start-up.")] = 32,
+    spec_tokens: Annotated[int, typer.Option(help="Draft tokens K per decode (0: no speculative decoding).")] = 2,
+    spec_method: Annotated[str, typer.Option(help="mtp or dflash (DFlash captures its own graphs).")] = "mtp",
+    ubatches: Annotated[int, typer.Option(help="Micro-batches (DBO) when a batch passes vLLM's thresholds.")] = 2,
+    cudagraph: Annotated[str, typer.Option(help="none, piecewise, or full (FULL_AND_PIECEWISE).")] = "full",
+    dummy_every: Annotated[int, typer.Option(help="A dummy run every D steps (0: only the profile run).")] = 16,
+    page_size: Annotated[int, typer.Option(help="KV page (block) size for attention page counts.")] = 16,
+    pipeline: Annotated[str, typer.Option(help="fixed (vLLM after the fix) or legacy (every pre-fix fault).")]
+    = "fixed",
+    inject: Annotated[str | None, typer.Option(help="Faults to inject on the fixed pipeline, comma-separated: "
+                                                    "dummy-none, dflash-capture-none, ubatch-none, ubatch-parent-rows,"
+                                                    " pcp-stale, pcp-unpadded, capture-wrong-buffer, graph-stale, "
+                                                    "sentinel, flashinfer-global-pages.")] = None,
+    seed: Annotated[int, typer.Option(help="Workload seed (same seed, same dump, byte for byte).")] = 0,
+    max_num_reqs: Annotated[int, typer.Option(help="max_num_seqs: requests per step.")] = 64,
+    token_budget: Annotated[int, typer.Option(help="max_num_batched_tokens: tokens per step.")] = 2048,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the dump here instead of "
+                                                                       "printing the side-by-side table.")] = None,
+    per_rank: Annotated[bool, typer.Option(help="With -o: one file per rank (OUT.rankR / OUT.pcpP.rankR).")]
+    = False,
+    force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="JSON: the table as JSON Lines, or with -o one "
+                                                          "object describing what was written.")] = False,
+) -> None:
+    """Simulate a serving workload through a model of vLLM's runner; show or write its DCP metadata."""
+    from dcptool import report
+    from dcptool.simulate import SimConfig, SimError, compare
+    from dcptool.simulate import simulate as run_sim
+
+    faults = tuple(f.strip() for f in inject.split(",") if f.strip()) if inject else ()
+    cfg = SimConfig(dcp=dcp, interleave=interleave, pcp=pcp, steps=steps, spec_tokens=spec_tokens,
+                    spec_method=spec_method, ubatches=ubatches, cudagraph=cudagraph, dummy_every=dummy_every,
+                    page_size=page_size, pipeline=pipeline, inject=faults, seed=seed, max_num_reqs=max_num_reqs,
+                    token_budget=token_budget)
+    try:
+        cfg.validate()
+        if per_rank and output is None:
+            raise SimError("--per-rank needs -o")
+        if output is None:
+            cmp = compare(cfg)
+        else:
+            if output.parent and not output.parent.is_dir():
+                raise SimError(f"{output}: directory {output.parent} does not exist")
+            res = run_sim(cfg, output, per_rank=per_rank, force=force)
+    except (SimError, FileExistsError, DumpError) as e:
+        raise _fail(str(e)) from None
+    except OSError as e:
+        raise _fail(f"{output}: cannot write: {e.strerror or e}") from None
+    if output is None:
+        if json_out:
+            for line in report.simulate_json_lines(cmp):
+                sys.stdout.write(line + "\n")
+        else:
+            report.render_simulate(cmp, _console())
+    elif json_out:
+        sys.stdout.write(json.dumps(res.to_json()) + "\n")
+    else:
+        report.render_simulated(res, _console())
 
 
 def main() -> None:

@@ -114,12 +114,15 @@ class Provenance:
         d, c = self.d, self.d.config
         rank, step = int(d["obs.rank"][i]), int(d["obs.step"][i])
         seq = d.seq_lens_of(i)[: rec.size].astype(np.int64)
-        # 1. the parent's rows for this slice
+        # 1. the parent's rows for this slice: what they must be, or what the parent recorded (a copy of a
+        # parent that was itself wrong is still a copy; the parent has its own finding)
         if d.has("obs.parent", "obs.req_start"):
             p, rs = int(d["obs.parent"][i]), int(d["obs.req_start"][i])
             if p >= 0 and rs >= 0:
                 pe = expected_of(d, p)[rs : rs + rec.size]
-                if np.array_equal(np.pad(pe, (0, rec.size - pe.size)), rec):
+                pv = d.dcp_of(p)
+                if np.array_equal(np.pad(pe, (0, rec.size - pe.size)), rec) or (
+                        pv is not None and np.array_equal(pv[rs : rs + rec.size], rec)):
                     return "stale", self._source(p, "parent-rows"), {}
         if rec.size == 0:
             return "mismatch", None, {}

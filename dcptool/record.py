@@ -8,9 +8,15 @@ from pathlib import Path
 
 import numpy as np
 
-from dcptool.dump import DumpConfig, Observation, pack, write_dump
+from dcptool.dump import DumpConfig, write_dump
 
 GRAPH = {"eager": 0, "piecewise": 1, "capture": 2, "full-capture": 2, "replay": 3, "full-replay": 3}
+# Optional per-observation columns: field -> (key, dtype, value written where unknown).
+_OPTIONAL = {"parent": ("obs.parent", "<i8", -1), "req_start": ("obs.req_start", "<i4", -1),
+             "tok_start": ("obs.tok_start", "<i4", -1), "tok_stop": ("obs.tok_stop", "<i4", -1),
+             "num_tokens_padded": ("obs.num_tokens_padded", "<i4", -1), "buffer": ("obs.buffer", "<i8", 0),
+             "graph": ("obs.graph", "i1", 0)}
+_FIELDS = ("step", "rank", "ubatch", "num_reqs", "num_reqs_padded", *_OPTIONAL)
 
 
 def _host(x, dtype=np.int32) -> np.ndarray | None:
@@ -19,7 +25,17 @@ def _host(x, dtype=np.int32) -> np.ndarray | None:
         return None
     if hasattr(x, "detach"):  # torch.Tensor, on any device: .cpu() syncs on that device's stream
         x = x.detach().to("cpu").numpy()
-    return np.array(x, dtype=dtype, copy=True).reshape(-1)
+    a = np.array(x, dtype=dtype)  # always a copy
+    return a if a.ndim == 1 else a.reshape(-1)
+
+
+def _host_fast(x) -> np.ndarray | None:
+    """_host for the common case (None or a numpy array), without the attribute probing."""
+    if x is None:
+        return None
+    if type(x) is np.ndarray and x.ndim == 1:
+        return x.astype(np.int32)  # astype copies
+    return _host(x)
 
 
 def buffer_id(t) -> int:
@@ -53,7 +69,11 @@ class Recorder:
         self.injected: dict[str, list[int]] | None = None
         self.dropped = 0
         self.files: list[Path] = []
-        self._obs: list[Observation] = []
+        # One tuple of scalars and one of row arrays per observation, turned into columns only at write
+        # time (zip(*)): observe() stays a couple of appends, close() a handful of concatenations.
+        self._vals: list[tuple] = []  # _FIELDS
+        self._sites: list[str] = []
+        self._rows: list[tuple] = []  # (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)
         self._count = 0  # observations accepted over all files
         self._file_start = 0  # global index of the current file's first observation
         self._warned = False
@@ -75,62 +95,163 @@ class Recorder:
                 kv_pages=None) -> int:
         """Record one attention-metadata build; returns its index (pass it as `parent=` later), -1 if dropped."""
         try:
-            if self._closed:
-                raise RuntimeError("observe() after close()")
-            seq = _host(seq_lens)
-            nr, nrp = int(num_reqs), int(num_reqs_padded)
-            if not 0 <= nr <= nrp or seq.size < nr or (seq.size and seq.min() < 0):
-                raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {seq.size} seq_lens rows")
+            seq, nr, nrp, qsl, graph = self._batch(seq_lens, num_reqs, num_reqs_padded, query_start_loc, graph)
             if buffer is None and dcp_local_seq_lens is not None and hasattr(dcp_local_seq_lens, "untyped_storage"):
                 buffer = buffer_id(dcp_local_seq_lens)
-            if isinstance(graph, str):
-                graph = GRAPH[graph]
-            qsl = _host(query_start_loc)
-            if qsl is not None and qsl.size != seq.size + 1:
-                qsl = None  # a query_start_loc that does not cover the rows is of no use to replay
             p = None
             if parent is not None and parent >= 0:
                 p = parent - self._file_start if parent >= self._file_start else -1  # -1: in an earlier file
-            o = Observation(step=int(step), site=str(site), rank=int(rank), num_reqs=nr, num_reqs_padded=nrp,
-                            seq_lens=seq, dcp_local_seq_lens=_host(dcp_local_seq_lens), ubatch=int(ubatch), parent=p,
-                            req_start=req_start, tok_start=tok_start, tok_stop=tok_stop, query_start_loc=qsl,
-                            num_tokens_padded=num_tokens_padded, buffer=buffer, graph=graph, kv_pages=_host(kv_pages))
+            vals = (int(step), int(rank), int(ubatch), nr, nrp, p,
+                    None if req_start is None else int(req_start), None if tok_start is None else int(tok_start),
+                    None if tok_stop is None else int(tok_stop),
+                    None if num_tokens_padded is None else int(num_tokens_padded),
+                    None if buffer is None else int(buffer), None if graph is None else int(graph))
+            row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages))
+            site = str(site)
         except Exception as e:  # never break the engine
-            self.dropped += 1
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"dcptool Recorder dropped an observation it cannot store ({e}); "
-                              "counting further drops silently", RuntimeWarning, stacklevel=2)
+            self._drop(e)
             return -1
-        self._obs.append(o)
+        return self._append(vals, site, row)
+
+    def observe_many(self, *, step: int, site: str, ranks, seq_lens, num_reqs: int, num_reqs_padded: int,
+                     dcp_local_seq_lens=None, ubatch: int = -1, parents=None, req_start: int | None = None,
+                     tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
+                     num_tokens_padded: int | None = None, buffers=None, graph: int | str | None = None,
+                     kv_pages=None) -> list[int]:
+        """Record one batch as seen by several ranks: one observation per entry of `ranks`.
+
+        What the ranks share (seq_lens, query_start_loc and the scalars) is copied once;
+        dcp_local_seq_lens and kv_pages are [ranks, rows] (kv_pages may also be one shared row);
+        parents and buffers are per rank. For a simulator or a harness that holds every rank's
+        metadata at once (an engine process records its own rank with observe()). Returns the
+        indices; a batch that cannot be stored is dropped whole ([-1] * len(ranks)).
+        """
+        ranks = list(ranks)
+        k = len(ranks)
+        try:
+            seq, nr, nrp, qsl, graph = self._batch(seq_lens, num_reqs, num_reqs_padded, query_start_loc, graph)
+            dcp = None if dcp_local_seq_lens is None else np.array(dcp_local_seq_lens, np.int32).reshape(k, -1)
+            kv = None if kv_pages is None else np.array(kv_pages, np.int32)
+            if kv is not None and kv.ndim == 1:
+                kv = np.broadcast_to(kv, (k, kv.size))  # a read-only view of the private copy
+            parents = [None] * k if parents is None else list(parents)
+            buffers = [None] * k if buffers is None else list(buffers)
+            if len(parents) != k or len(buffers) != k or (kv is not None and kv.shape[0] != k):
+                raise ValueError(f"{k} ranks but {len(parents)} parents, {len(buffers)} buffers")
+            common = (None if req_start is None else int(req_start), None if tok_start is None else int(tok_start),
+                      None if tok_stop is None else int(tok_stop),
+                      None if num_tokens_padded is None else int(num_tokens_padded))
+            step, ubatch, site = int(step), int(ubatch), str(site)
+            graph = None if graph is None else int(graph)
+            ranks = [int(r) for r in ranks]
+        except Exception as e:
+            self._drop(e, k)
+            return [-1] * k
+        out = []
+        for i in range(k):
+            parent = parents[i]
+            p = None
+            if parent is not None and parent >= 0:
+                p = parent - self._file_start if parent >= self._file_start else -1
+            vals = (step, ranks[i], ubatch, nr, nrp, p, *common,
+                    None if buffers[i] is None else int(buffers[i]), graph)
+            out.append(self._append(vals, site, (seq, None if dcp is None else dcp[i], qsl,
+                                                 None if kv is None else kv[i])))
+        return out
+
+    def _batch(self, seq_lens, num_reqs, num_reqs_padded, query_start_loc, graph):
+        """Checks and host copies shared by observe() and observe_many(); raises on what cannot be stored."""
+        if self._closed:
+            raise RuntimeError("observe() after close()")
+        seq = _host_fast(seq_lens)
+        nr, nrp = int(num_reqs), int(num_reqs_padded)
+        if not 0 <= nr <= nrp or seq.size < nr or (seq.size and seq.min() < 0):
+            raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {seq.size} seq_lens rows")
+        qsl = _host_fast(query_start_loc)
+        if qsl is not None and qsl.size != seq.size + 1:
+            qsl = None  # a query_start_loc that does not cover the rows is of no use to replay
+        return seq, nr, nrp, qsl, GRAPH[graph] if isinstance(graph, str) else graph
+
+    def _drop(self, e: Exception, n: int = 1) -> None:
+        self.dropped += n
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"dcptool Recorder dropped an observation it cannot store ({e}); "
+                          "counting further drops silently", RuntimeWarning, stacklevel=3)
+
+    def _append(self, vals: tuple, site: str, row: tuple) -> int:
+        self._vals.append(vals)
+        self._sites.append(site)
+        self._rows.append(row)
         self._count += 1
-        idx = self._count - 1
-        if self.rollover is not None and len(self._obs) >= self.rollover:
+        if self.rollover is not None and len(self._sites) >= self.rollover:
             self._write_current()
-        return idx
+        return self._count - 1
 
     def _target(self) -> Path:
         if self.rollover is None:
             return self.path
         return self.path.with_name(f"{self.path.stem}.{len(self.files):05d}{self.path.suffix or '.safetensors'}")
 
+    def _pack(self) -> dict[str, np.ndarray]:
+        """The observations since the last file, as dump columns (DESIGN §2). Optional columns are
+        written when any observation knows them; the others get -1 (0 for obs.buffer and obs.graph)."""
+        n = len(self._sites)
+        c = dict(zip(_FIELDS, zip(*self._vals))) if n else {f: () for f in _FIELDS}
+        rows = dict(zip(("seq", "dcp", "qsl", "kv"), zip(*self._rows))) if n else {
+            k: () for k in ("seq", "dcp", "qsl", "kv")}
+        sites = list(self.config.sites)
+        for s in dict.fromkeys(self._sites):
+            if s not in sites:
+                sites.append(s)
+        self.config = DumpConfig(**{**self.config.__dict__, "sites": tuple(sites)})  # stable across rolled files
+        index = {s: i for i, s in enumerate(sites)}
+
+        def offsets(arrs) -> np.ndarray:
+            out = np.zeros(n + 1, np.int64)
+            np.cumsum(np.fromiter((0 if a is None else a.size for a in arrs), np.int64, n), out=out[1:])
+            return out
+
+        def cat(arrs) -> np.ndarray:
+            got = [a for a in arrs if a is not None]
+            return np.concatenate(got).astype("<i4", copy=False) if got else np.zeros(0, "<i4")
+
+        cols = {"obs.step": np.array(c["step"], "<i8"), "obs.site": np.array([index[s] for s in self._sites], "<i4"),
+                "obs.rank": np.array(c["rank"], "<i4"), "obs.ubatch": np.array(c["ubatch"], "<i4"),
+                "obs.num_reqs": np.array(c["num_reqs"], "<i4"),
+                "obs.num_reqs_padded": np.array(c["num_reqs_padded"], "<i4"),
+                "obs.rows": offsets(rows["seq"]), "rows.seq_lens": cat(rows["seq"]),
+                "obs.has_dcp": np.array([a is not None for a in rows["dcp"]], "u1"),
+                "obs.dcp_rows": offsets(rows["dcp"]), "rows.dcp_local_seq_lens": cat(rows["dcp"])}
+        for f, (key, dtype, unknown) in _OPTIONAL.items():
+            vals = c[f]
+            if any(v is not None for v in vals):
+                cols[key] = np.array([unknown if v is None else v for v in vals], dtype)
+        if any(a is not None for a in rows["qsl"]):
+            cols["obs.qsl"] = offsets(rows["qsl"])
+            cols["rows.query_start_loc"] = cat(rows["qsl"])
+        if any(a is not None for a in rows["kv"]):
+            cols["rows.kv_pages"] = cat([np.full(s.size, -1, np.int32) if k is None else k
+                                         for k, s in zip(rows["kv"], rows["seq"])])
+        return cols
+
     def _write_current(self) -> None:
         target = self._target()
-        cfg, cols = pack(self._obs, self.config)
-        self.config = cfg  # keep site indices stable across rolled files
+        n = len(self._sites)
+        cols = self._pack()
         injected = None
         if self.injected is not None:
-            lo, hi = self._file_start, self._file_start + len(self._obs)
+            lo, hi = self._file_start, self._file_start + n
             injected = {k: [i - lo for i in v if lo <= i < hi] for k, v in self.injected.items()}
-        write_dump(target, cfg, cols, injected)
+        write_dump(target, self.config, cols, injected)
         self.files.append(target)
-        self._file_start += len(self._obs)
-        self._obs = []
+        self._file_start += n
+        self._vals, self._sites, self._rows = [], [], []
 
     def close(self) -> list[Path]:
         """Write what is left (atomically); returns the files written. Safe to call twice."""
         if not self._closed:
             self._closed = True
-            if self._obs or not self.files:
+            if self._sites or not self.files:
                 self._write_current()
         return self.files

@@ -332,3 +332,82 @@ def render_inspect(info, console: Console) -> None:
 
 def inspect_json(info) -> str:
     return json.dumps({"type": "inspect", **info.to_json()})
+
+
+# --------------------------------------------------------------------------------------------
+# simulate
+
+
+def _rules(counts: dict[str, int]) -> Text:
+    if not counts:
+        return Text("clean", style="green")
+    from dcptool.replay import RULES
+
+    return Text(", ".join(f"{r} {counts[r]}" for r in RULES if r in counts), style="bold red")
+
+
+def render_simulate(cmp, console: Console) -> None:
+    """The side-by-side table per site, then each injected fault: where it touched and what replay said."""
+    c = cmp.config
+    t = Table(title=f"dcptool simulate: dcp {c.dcp}, interleave {c.interleave}, pcp {c.pcp}, {c.steps} steps, "
+                    f"spec {c.spec_method} x{c.spec_tokens}, ubatches {c.ubatches}, cudagraph {c.cudagraph}, "
+                    f"seed {c.seed}", title_justify="left")
+    t.add_column("site", no_wrap=True)
+    t.add_column("observations", justify="right")
+    t.add_column("fixed: replay finds", overflow="fold")
+    t.add_column(f"{cmp.label}: replay finds", overflow="fold")
+    for s in cmp.sites:
+        t.add_row(s.site, str(s.observations), _rules(s.fixed), _rules(s.other))
+    console.print(t)
+    ft = Table(title=f"Faults ({cmp.label}): observations each touched, and what replay reported there",
+               title_justify="left")
+    for name, kw in (("fault", {"no_wrap": True}), ("rule", {}), ("touched", {"justify": "right"}),
+                     ("found", {"justify": "right"}), ("at sites", {"overflow": "fold"}),
+                     ("side findings there", {"overflow": "fold"})):
+        ft.add_column(name, **kw)
+    for f in cmp.faults:
+        if not f.applicable:
+            ft.add_row(f.name, f.rule, "-", "-", Text(f"not applicable: {f.why}", style="dim"), "")
+            continue
+        ok = f.found == f.touched
+        found = str(f.found) + (f" ({f.shape_only} as shape)" if f.shape_only else "")
+        ft.add_row(f.name, f.rule, str(f.touched), Text(found, style="green" if ok else "bold red"),
+                   ", ".join(f"{s} {n}" for s, n in f.sites.items()) or "-",
+                   _rules(f.side) if f.side else "-")
+    console.print(ft)
+    fx, ot = cmp.fixed, cmp.other
+    console.print(f"fixed: {len(fx.findings)} findings in {fx.observations} observations; {cmp.label}: "
+                  f"{len(ot.findings)} findings" + (f" ({', '.join(f'{r} {n}' for r, n in ot.by_rule().items())})"
+                                                    if ot.findings else ""))
+    if ot.by_rule().get("rank-sum"):
+        console.print("(rank-sum is about a group of ranks: it is reported at the rank that completes a group whose "
+                      "views do not add up, which may be a rank the fault left alone)", style="dim")
+    if any(f.shape_only for f in cmp.faults):
+        console.print("(as shape: a stale view whose surviving rows happen to be right but whose length is wrong; "
+                      "replay can only see the length)", style="dim")
+    console.print(f"replay backend {ot.backend} on {ot.device}, {cmp.seconds:.2f} s in all; write a dump with -o "
+                  "and replay it with `dcptool replay`", style="dim")
+
+
+def simulate_json_lines(cmp) -> Iterator[str]:
+    for s in cmp.sites:
+        yield json.dumps({"type": "site", "site": s.site, "observations": s.observations, "fixed": s.fixed,
+                          "other": s.other})
+    for f in cmp.faults:
+        yield json.dumps(f.to_json())
+    yield json.dumps(cmp.summary_json())
+
+
+def render_simulated(res, console: Console) -> None:
+    """What `simulate -o` wrote."""
+    c = res.config
+    console.print(f"[bold]wrote[/bold] {', '.join(res.files)}: {res.observations} observations "
+                  f"({c.pipeline if not c.inject else 'inject ' + ','.join(c.faults)}, dcp {c.dcp}, pcp {c.pcp}, "
+                  f"{c.steps} steps, seed {c.seed}) in {res.seconds:.2f} s")
+    console.print("by site: " + ", ".join(f"{s} {n}" for s, n in res.by_site.items()))
+    for f in res.faults.values():
+        if f.applicable:
+            console.print(f"  {f.name}: touched {f.count} observation(s), replay must report {f.rule}")
+        else:
+            console.print(f"  {f.name}: not applicable ({f.why})", style="dim")
+    console.print(f"replay it: dcptool replay {' '.join(res.files)}", style="dim")
