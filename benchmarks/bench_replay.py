@@ -150,25 +150,36 @@ def child_baseline(path: str) -> dict:
     return {"seconds": time.perf_counter() - t, "keys": sorted(set(keys)), "device": dev}
 
 
+def peak_mb() -> float:
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss it is not inherited across exec)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def run_child(kind: str, *args: str) -> dict:
-    code = (f"import json, resource, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'benchmarks')!r}]; "
-            f"from bench_replay import child_{kind} as f; r = f(*sys.argv[1:]); "
-            f"r['peak_mb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; print(json.dumps(r))")
+    code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'benchmarks')!r}]; "
+            f"from bench_replay import child_{kind} as f, peak_mb; r = f(*sys.argv[1:]); "
+            f"r['peak_mb'] = peak_mb(); print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run_cli(path: str, backend: str) -> dict:
-    import resource
-
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "dcptool", "replay", path, "--json", "--backend", backend],
+    # /usr/bin/time would be simpler; a wrapper that execs the CLI and prints VmHWM at exit is portable
+    wrap = ("import atexit, sys, runpy; sys.path.insert(0, {!r}); from bench_replay import peak_mb; "
+            "atexit.register(lambda: sys.stderr.write('PEAK_MB %f\\n' % peak_mb())); "
+            "sys.argv = ['dcptool'] + sys.argv[1:]; runpy.run_module('dcptool', run_name='__main__')").format(str(
+                ROOT / "benchmarks"))
+    p = subprocess.run([sys.executable, "-c", wrap, "replay", path, "--json", "--backend", backend],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     sec = time.perf_counter() - t
     if p.returncode not in (0, 1):
         raise RuntimeError(p.stderr)
     lines = [json.loads(x) for x in p.stdout.splitlines()]
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # max over children so far
+    peak = float(p.stderr.rsplit("PEAK_MB", 1)[1].split()[0]) if "PEAK_MB" in p.stderr else float("nan")
     return {"seconds": sec, "keys": _value_keys([x for x in lines if x["type"] == "finding"]), "peak_mb": peak}
 
 
