@@ -110,9 +110,12 @@ def replay(
         from dcptool.htmlreport import VIEW_FINDINGS
         from dcptool.kernel import BackendError
         from dcptool.replay import replay as run_replay
+        from dcptool.report import Progress
 
         try:
-            res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS)
+            with Progress(d.n, "replay", not json_out and sys.stderr.isatty()) as bar:
+                res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS,
+                                 progress=bar)
         except BackendError as e:
             raise Trouble(str(e)) from None
     except (DumpError, Trouble) as e:
@@ -191,12 +194,15 @@ def simulate(
         cfg.validate()
         if per_rank and output is None:
             raise SimError("--per-rank needs -o")
-        if output is None:
-            cmp = compare(cfg)
-        else:
-            if output.parent and not output.parent.is_dir():
-                raise SimError(f"{output}: directory {output.parent} does not exist")
-            res = run_sim(cfg, output, per_rank=per_rank, force=force)
+        bar = report.Progress(cfg.steps * (1 if output else 2), "simulate", not json_out and sys.stderr.isatty(),
+                              unit="steps")
+        with bar:
+            if output is None:
+                cmp = compare(cfg, progress=bar)
+            else:
+                if output.parent and not output.parent.is_dir():
+                    raise SimError(f"{output}: directory {output.parent} does not exist")
+                res = run_sim(cfg, output, per_rank=per_rank, force=force, progress=bar)
     except (SimError, FileExistsError, DumpError) as e:
         raise _fail(str(e)) from None
     except OSError as e:

@@ -695,8 +695,10 @@ class Runner:
                 self.emit(p, rows, step=step, site="draft", role="draft", graph=0, slot=DRAFTER)
 
 
-def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: bool = False) -> SimResult:
-    """Run the workload through the runner model and write the dump(s) atomically."""
+def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: bool = False,
+             progress=None) -> SimResult:
+    """Run the workload through the runner model and write the dump(s) atomically; `progress(k)` is
+    told as k more steps are done."""
     cfg.validate()
     t0 = time.perf_counter()
     out = Path(out)
@@ -711,6 +713,8 @@ def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: 
     runner.startup()
     dummies = 0
     for step in range(1, cfg.steps + 1):
+        if progress:
+            progress(1)
         if cfg.dummy_every and step % cfg.dummy_every == 0:
             runner.dummy_run(step, dummies, rng)
             dummies += 1
@@ -787,7 +791,7 @@ class Comparison:
                 "backend": self.other.backend, "device": self.other.device, "seconds": round(self.seconds, 4)}
 
 
-def compare(cfg: SimConfig, backend: str = "auto") -> Comparison:
+def compare(cfg: SimConfig, backend: str = "auto", progress=None) -> Comparison:
     """Simulate the fixed pipeline and `cfg`'s faults (all of them for legacy) on the same workload,
     replay both, and line up per site what each path recorded and what replay found."""
     import tempfile
@@ -803,7 +807,7 @@ def compare(cfg: SimConfig, backend: str = "auto") -> Comparison:
     with tempfile.TemporaryDirectory(prefix="dcptool-simulate-") as tmp:
         runs = []
         for name, c in (("fixed", fixed_cfg), ("other", cfg)):
-            res = simulate(c, Path(tmp) / f"{name}.safetensors")
+            res = simulate(c, Path(tmp) / f"{name}.safetensors", progress=progress)
             d = open_dumps(res.files)
             runs.append((res, d, replay(d, backend)))
     (fres, fd, frep), (ores, od, orep) = runs
