@@ -265,12 +265,7 @@ def _wrap_ubatch_prepare(orig, sig):
         with _Frame(make) as f:
             if f is not None and "pending" in f:
                 try:
-                    site, batch, graph = f.pop("pending")
-                    nrp = batch.num_reqs_after_padding
-                    f["parent"] = _observe(site=site, seq_lens=batch.seq_lens, num_reqs=batch.num_reqs,
-                                           num_reqs_padded=nrp, dcp_local_seq_lens=batch.dcp_local_seq_lens,
-                                           query_start_loc=batch.query_start_loc_np[: nrp + 1],
-                                           num_tokens_padded=int(batch.num_tokens_after_padding), graph=graph)
+                    f["parent"] = _observe_batch(*f.pop("pending"))
                 except Exception as e:
                     _broken(e)
             return orig(*args, **kwargs)
@@ -325,12 +320,8 @@ def _wrap_partition(orig, sig):
                 # vLLM 0.33 partitions a batch without a view; a view here was derived from the global
                 # batch, and anything that reaches the local batch from it is stale: record the source.
                 if batch.dcp_local_seq_lens is not None:
-                    nrp = batch.num_reqs_after_padding
-                    _observe(site="prepare_inputs", seq_lens=batch.seq_lens, num_reqs=batch.num_reqs,
-                             num_reqs_padded=nrp, dcp_local_seq_lens=batch.dcp_local_seq_lens,
-                             query_start_loc=batch.query_start_loc_np[: nrp + 1],
-                             num_tokens_padded=int(batch.num_tokens_after_padding),
-                             graph=GRAPH.get(_mode(sig.get(args, kwargs, "batch_desc").cg_mode), 0))
+                    _observe_batch("prepare_inputs", batch,
+                                   GRAPH.get(_mode(sig.get(args, kwargs, "batch_desc").cg_mode), 0))
             except Exception as e:
                 _broken(e)
         return orig(*args, **kwargs)
@@ -538,6 +529,14 @@ def _observe(**kw) -> int:
         return rec.observe(step=max(_S.step, 0), rank=_dcp()[1], **kw)
 
 
+def _observe_batch(site: str, batch, graph: int) -> int:
+    """Record a whole InputBatch that is no attention build itself (a micro-batch parent, a PCP input)."""
+    nrp = batch.num_reqs_after_padding
+    return _observe(site=site, seq_lens=batch.seq_lens, num_reqs=batch.num_reqs, num_reqs_padded=nrp,
+                    dcp_local_seq_lens=batch.dcp_local_seq_lens, query_start_loc=batch.query_start_loc_np[: nrp + 1],
+                    num_tokens_padded=int(batch.num_tokens_after_padding), graph=graph)
+
+
 # --------------------------------------------------------------------------------------------
 # Public
 
@@ -584,5 +583,6 @@ def close() -> list[Path]:
                      files[0].parent if files else "?",
                      "; not recorded: " + ", ".join(f"{k} ({v})" for k, v in _S.skipped.items()) if _S.skipped else "")
         _S.step = -1
+        _S.interleave = None
         _S.skipped.clear()
         return files
