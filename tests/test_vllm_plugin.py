@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import numpy as np
-from conftest import ROOT
+from conftest import ROOT, cli
 
 from dcptool.dump import open_dumps
 
@@ -247,8 +247,6 @@ def test_recorded_dump_replays_clean(tmp_path):
             build(batch(), FULL)
     """
     out = run_case(tmp_path, body)
-    from conftest import cli
-
     p = cli("replay", "--backend", "torch", *out["files"], "--json")
     summary = json.loads(p.stdout.splitlines()[-1])
     assert p.returncode == 0 and summary["observations"] == n and summary["findings"] == 0
