@@ -207,8 +207,14 @@ def _prev_user(s: _Side, buf: np.ndarray) -> np.ndarray:
     return prev
 
 
+def _mask(n: int, i: np.ndarray) -> np.ndarray:
+    m = np.zeros(n, bool)
+    m[i] = True
+    return m
+
+
 def _as_pair(prev: np.ndarray, paired: np.ndarray, n: int) -> np.ndarray:
-    """Previous users as pair numbers (comparable across runs); -2 for a previous user with no counterpart."""
+    """Previous users as pair numbers, comparable across runs (-1 none, -3 unknown buffer)."""
     pid = np.full(n, -2, np.int64)
     pid[paired] = np.arange(paired.size)
     return np.where(prev >= 0, pid[np.maximum(prev, 0)], prev)
@@ -286,11 +292,13 @@ def diff(a: Dump, b: Dump, max_differences: int | None = None) -> DiffResult:
         else:
             hits.add(name, np.flatnonzero(va != vb))
     if a.has("obs.buffer") and b.has("obs.buffer"):
-        # a previous user that exists on one side only is reported already (only-in-a/b): not a difference here
-        pa, pb = _prev_user(sa, a["obs.buffer"]), _prev_user(sb, b["obs.buffer"])
-        xa, xb = _as_pair(pa, ia, a.n), _as_pair(pb, ib, b.n)
-        va, vb = xa[ia], xb[ib]
-        bad = np.flatnonzero((va != vb) & (va != -2) & (vb != -2))
+        # Only pairs with a view on both sides count, as users and as previous users: a view that is
+        # missing or only in one run is reported already (has_dcp, only-in-a/b) and must not echo here.
+        both = (has_a == 1) & (has_b == 1)
+        pa, pb = (_prev_user(s, np.where(_mask(x.n, i[both]), x["obs.buffer"], 0))
+                  for s, x, i in ((sa, a, ia), (sb, b, ib)))
+        xa, xb = _as_pair(pa, ia, a.n)[ia], _as_pair(pb, ib, b.n)[ib]
+        bad = np.flatnonzero(both & (xa != xb))
         hits.add("buffer", bad, a_prev=pa[ia][bad], b_prev=pb[ib][bad])
     for name, keys in _OPTIONAL.items():
         ina, inb = a.has(*keys), b.has(*keys)

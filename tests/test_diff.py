@@ -129,6 +129,9 @@ def test_buffers_compared_by_sharing_not_address(tmp_path):
     b[8].buffer = 0  # unknown on one side is a difference as well
     res = diff_of(tmp_path, a, b)
     assert "an unknown buffer in B" in res.differences[0].message
+    b[8].dcp_local_seq_lens = None  # ... but a missing view has no buffer to compare: has_dcp says it all
+    res = diff_of(tmp_path, a, b)
+    assert fields(res)[0] == ("has_dcp", (1, "ubatch", 0, 1, 0)) and "buffer" not in res.by_field
 
 
 def test_different_lengths_and_occurrence(tmp_path):
