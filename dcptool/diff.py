@@ -190,21 +190,22 @@ def _compare_rows(oa: np.ndarray, va: np.ndarray, ia: np.ndarray, ob: np.ndarray
     return count, first
 
 
-def _prev_user(s: _Side, buf: np.ndarray) -> np.ndarray:
-    """For each observation, the latest earlier one of its file whose DCP view used the same buffer.
+def _first_user(s: _Side, buf: np.ndarray) -> np.ndarray:
+    """For each observation, the first one of its file whose DCP view used the same buffer (-3: unknown, 0).
 
-    -1: no earlier user (a fresh buffer); -3: the buffer is unknown (0). Addresses differ between
-    runs, the sharing pattern does not, so buffers are compared by who used them before.
+    Addresses differ between runs, the use of persistent buffers does not: a buffer is named by
+    the first observation that used it, and compared by that observation's alignment.
     """
     n = s.d.n
     fi = s.d.file_index.astype(np.int64)
     order = np.lexsort((np.arange(n), buf, fi))
-    prev = np.full(n, -1, np.int64)
+    start = np.ones(n, bool)
     if n > 1:
-        same = (buf[order][1:] == buf[order][:-1]) & (fi[order][1:] == fi[order][:-1])
-        prev[order[1:][same]] = order[:-1][same]
-    prev[buf == 0] = -3
-    return prev
+        start[1:] = (buf[order][1:] != buf[order][:-1]) | (fi[order][1:] != fi[order][:-1])
+    first = np.empty(n, np.int64)
+    first[order] = order[np.maximum.accumulate(np.where(start, np.arange(n), 0))]
+    first[buf == 0] = -3
+    return first
 
 
 def _mask(n: int, i: np.ndarray) -> np.ndarray:
@@ -213,11 +214,11 @@ def _mask(n: int, i: np.ndarray) -> np.ndarray:
     return m
 
 
-def _as_pair(prev: np.ndarray, paired: np.ndarray, n: int) -> np.ndarray:
-    """Previous users as pair numbers, comparable across runs (-1 none, -3 unknown buffer)."""
+def _as_pair(first: np.ndarray, paired: np.ndarray, n: int) -> np.ndarray:
+    """First users as pair numbers, comparable across runs (-3: unknown buffer)."""
     pid = np.full(n, -2, np.int64)
     pid[paired] = np.arange(paired.size)
-    return np.where(prev >= 0, pid[np.maximum(prev, 0)], prev)
+    return np.where(first >= 0, pid[np.maximum(first, 0)], first)
 
 
 def _key_cols(s: _Side, i: np.ndarray) -> list[np.ndarray]:
@@ -292,14 +293,14 @@ def diff(a: Dump, b: Dump, max_differences: int | None = None) -> DiffResult:
         else:
             hits.add(name, np.flatnonzero(va != vb))
     if a.has("obs.buffer") and b.has("obs.buffer"):
-        # Only pairs with a view on both sides count, as users and as previous users: a view that is
+        # Only pairs with a view on both sides count, as users and as first users: a view that is
         # missing or only in one run is reported already (has_dcp, only-in-a/b) and must not echo here.
         both = (has_a == 1) & (has_b == 1)
-        pa, pb = (_prev_user(s, np.where(_mask(x.n, i[both]), x["obs.buffer"], 0))
+        pa, pb = (_first_user(s, np.where(_mask(x.n, i[both]), x["obs.buffer"], 0))
                   for s, x, i in ((sa, a, ia), (sb, b, ib)))
         xa, xb = _as_pair(pa, ia, a.n)[ia], _as_pair(pb, ib, b.n)[ib]
         bad = np.flatnonzero(both & (xa != xb))
-        hits.add("buffer", bad, a_prev=pa[ia][bad], b_prev=pb[ib][bad])
+        hits.add("buffer", bad, a_first=pa[ia][bad], b_first=pb[ib][bad])
     for name, keys in _OPTIONAL.items():
         ina, inb = a.has(*keys), b.has(*keys)
         if ina != inb:
@@ -400,16 +401,19 @@ class _Ctx:
                               b=None if pb < 0 else int(db.file_obs[pb]), count=1,
                               message=f"{k}: parent: derived from {wa} in A, from {wb} in B")
         if name == "buffer":
-            fa, fb = int(ex["a_prev"]), int(ex["b_prev"])
+            fa, fb = int(ex["a_first"]), int(ex["b_first"])
 
-            def shared(d, side, f):
-                return {-1: "a buffer no earlier observation used", -3: "an unknown buffer"}.get(
-                    f, f"the buffer of obs {int(d.file_obs[f])} ({self.key(side, f)})" if f >= 0 else "")
+            def first(d, side, f, me):
+                if f < 0:
+                    return "is unknown"
+                if f == me:
+                    return "is first used here"
+                return f"was first used by obs {int(d.file_obs[f])} ({self.key(side, f)})"
 
             return Difference(**base, row=None, a=int(da.file_obs[fa]) if fa >= 0 else None,
                               b=int(db.file_obs[fb]) if fb >= 0 else None, count=1,
-                              message=f"{k}: buffer: the DCP view reads {shared(da, self.a, fa)} in A, "
-                                      f"{shared(db, self.b, fb)} in B")
+                              message=f"{k}: buffer: the DCP view's buffer {first(da, self.a, fa, i)} in A, "
+                                      f"{first(db, self.b, fb, j)} in B")
         va, vb = int(da[f"obs.{name}"][i]), int(db[f"obs.{name}"][j])
         return Difference(**base, row=None, a=va, b=vb, count=1, message=f"{k}: {name}: {va} in A, {vb} in B")
 

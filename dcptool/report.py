@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 
 from rich.console import Console
@@ -179,7 +180,10 @@ def differences_table(diffs, title: str | None = None) -> Table:
 
 
 def _side_name(files: list[str]) -> str:
-    return files[0] if len(files) == 1 else f"{files[0]} (+{len(files) - 1} files)"
+    if len(files) == 1:
+        return files[0]
+    common = os.path.commonpath(files) if len({os.path.isabs(f) for f in files}) == 1 else ""
+    return f"{common or '.'}/ ({len(files)} files)" if common not in files else f"{files[0]} (+{len(files) - 1} files)"
 
 
 def render_diff(res, console: Console) -> None:
