@@ -34,7 +34,11 @@ if ! { test -x "$PY" && "$PY" -c "import vllm" 2>/dev/null; }; then
 fi
 "$PY" -c "import pytest" 2>/dev/null || pip_ pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
 # dcptool itself, editable from this checkout, so vLLM's plugin loader finds its `vllm.general_plugins` entry point
-if ! "$PY" -c "import sys, dcptool; sys.exit(dcptool.__file__ != '$REPO/dcptool/__init__.py')" 2>/dev/null; then
+# (checked from / so that a checkout in the current directory does not answer for the installed one)
+if ! (cd / && "$PY" -c "
+import sys, importlib.metadata as m, dcptool
+eps = [e for e in m.entry_points(group='vllm.general_plugins') if e.name == 'dcptool']
+sys.exit(not eps or dcptool.__file__ != '$REPO/dcptool/__init__.py')" 2>/dev/null); then
   pip_ --no-build-isolation -e "$REPO" 2>&1 | grep -v -i -E "warning|deprecat|^\s*$|!!|\*\*\*|^  " || true
 fi
 echo "vLLM test environment ready: $VENV ($("$PY" -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null))"
