@@ -180,10 +180,16 @@ def differences_table(diffs, title: str | None = None) -> Table:
 
 
 def _side_name(files: list[str]) -> str:
+    """One file's name, or the directory several files share (`fixed/`), as a person typed it."""
     if len(files) == 1:
         return files[0]
     common = os.path.commonpath(files) if len({os.path.isabs(f) for f in files}) == 1 else ""
-    return f"{common or '.'}/ ({len(files)} files)" if common not in files else f"{files[0]} (+{len(files) - 1} files)"
+    return f"{common or '.'}/" if common not in files else f"{files[0]}+{len(files) - 1}"
+
+
+def _side_desc(files: list[str], n: int) -> str:
+    many = f"{len(files)} files, " if len(files) > 1 else ""
+    return f"{_side_name(files)} ({many}{n} observations)"
 
 
 def render_diff(res, console: Console) -> None:
@@ -193,8 +199,8 @@ def render_diff(res, console: Console) -> None:
         console.print(differences_table(res.differences, title=f"Differences ({res.total})"))
         if res.total > len(res.differences):
             console.print(f"... {res.total - len(res.differences)} more differences not shown (--max-findings, --json)")
-    console.print(f"[bold]dcptool diff[/bold] A = {a} ({res.a_observations} observations), "
-                  f"B = {b} ({res.b_observations} observations): {res.compared} aligned, "
+    console.print(f"[bold]dcptool diff[/bold] A = {_side_desc(res.a_files, res.a_observations)}, "
+                  f"B = {_side_desc(res.b_files, res.b_observations)}: {res.compared} aligned, "
                   f"{res.only_in_a} only in A, {res.only_in_b} only in B")
     if res.total:
         console.print(f"differences: {res.total}: " + ", ".join(f"{f} {n}" for f, n in res.by_field.items()))
