@@ -1,9 +1,11 @@
 # make run: set up .venv (once) and replay the bundled sample.  make test: the whole suite.
+# make test-vllm: tests/vllm against vLLM 0.33.0's own code on CPU, in its own venv (built once, 3 GB).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 SAMPLE ?= samples/legacy.safetensors
+VLLM_VENV ?= $(HOME)/.cache/dcptool-vllm-oracle
 
 .PHONY: run test venv lint test-vllm bench
 
@@ -29,3 +31,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	@echo "--- kernel tests once more, under the Triton interpreter (TRITON_INTERPRET=1)"
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel
+
+test-vllm:
+	VLLM_VENV=$(VLLM_VENV) tools/setup_vllm_env.sh
+	DCPTOOL_TEST_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm

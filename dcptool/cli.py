@@ -132,6 +132,64 @@ def replay(
     raise typer.Exit(1 if res.errors or (strict and res.warnings) else 0)
 
 
+def _dump_side(spec: str) -> list[str]:
+    """A side of `diff`: a file, a directory (its *.safetensors), a glob, or a comma-separated list of these."""
+    import glob
+    import os
+    import re
+
+    def natural(p: str) -> list:
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]
+
+    out: list[str] = []
+    for part in (p for p in spec.split(",") if p):
+        if os.path.isdir(part):
+            found = sorted(glob.glob(os.path.join(glob.escape(part), "*.safetensors")), key=natural)
+            if not found:
+                raise Trouble(f"{part}: directory holds no *.safetensors dump")
+            out += found
+        elif not os.path.exists(part) and any(c in part for c in "*?["):
+            found = sorted(glob.glob(part), key=natural)
+            if not found:
+                raise Trouble(f"{part}: no file matches")
+            out += found
+        else:
+            out.append(part)
+    if not out:
+        raise Trouble(f"{spec!r}: no dump given")
+    return out
+
+
+@app.command()
+def diff(
+    a: Annotated[str, typer.Argument(metavar="A", help="The first run: a dump, a directory of dumps (per-rank "
+                                                        "files), a glob or a comma-separated list.")],
+    b: Annotated[str, typer.Argument(metavar="B", help="The second run, given the same way.")],
+    json_out: Annotated[bool, typer.Option("--json", help="JSON Lines: differences, then a summary.")] = False,
+    max_findings: Annotated[int | None, typer.Option(min=0, help="Show at most M differences (the summary counts "
+                                                                 "all). Text default 100, JSON all.")] = None,
+) -> None:
+    """Align two runs by (step, site, rank, micro-batch, occurrence) and report every recorded difference."""
+    from dcptool.diff import diff as run_diff
+    from dcptool.dump import open_dumps
+
+    try:
+        da = open_dumps(_dump_side(a))
+        db = open_dumps(_dump_side(b))
+    except (DumpError, Trouble) as e:
+        raise _fail(str(e)) from None
+    from dcptool import report
+
+    limit = max_findings if (max_findings is not None or json_out) else report.TEXT_MAX_FINDINGS
+    res = run_diff(da, db, limit)
+    if json_out:
+        for line in report.diff_json_lines(res):
+            sys.stdout.write(line + "\n")
+    else:
+        report.render_diff(res, _console())
+    raise typer.Exit(0 if res.same else 1)
+
+
 @app.command()
 def inspect(
     dump: Annotated[list[Path], typer.Argument(metavar="DUMP", help="Dump file(s) to summarise.")],

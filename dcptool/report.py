@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -462,3 +463,68 @@ class Progress:
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.stop()
+# diff
+
+
+def _v(x) -> str:
+    return "" if x is None else str(x)
+
+
+def differences_table(diffs, title: str | None = None) -> Table:
+    t = Table(title=title, show_lines=False, expand=False, title_justify="left")
+    for name, kw in (("step", {"justify": "right"}), ("site", {"no_wrap": True}), ("rank", {"justify": "right"}),
+                     ("ub", {"justify": "right"}), ("#", {"justify": "right"}), ("field", {"no_wrap": True}),
+                     ("row", {"justify": "right"}), ("A", {"justify": "right"}), ("B", {"justify": "right"}),
+                     ("obs A/B", {"justify": "right", "no_wrap": True}), ("message", {"overflow": "fold", "ratio": 1})):
+        t.add_column(name, **kw)
+    for x in diffs:
+        k = x.key
+        where = ["", "", "", "", ""] if k is None else [str(k.step), k.site, str(k.rank),
+                                                        "-" if k.ubatch < 0 else str(k.ubatch), str(k.occurrence)]
+        obs = f"{'-' if x.a_obs is None else x.a_obs}/{'-' if x.b_obs is None else x.b_obs}"
+        t.add_row(*where, Text(x.field, style="bold red"), _v(x.row), _v(x.a), _v(x.b), "" if k is None else obs,
+                  x.message.split(": ", 2)[-1])  # the row already says where and which field
+    return t
+
+
+def _side_name(files: list[str]) -> str:
+    """One file's name, or the directory several files share (`fixed/`), as a person typed it."""
+    if len(files) == 1:
+        return files[0]
+    common = os.path.commonpath(files) if len({os.path.isabs(f) for f in files}) == 1 else ""
+    return f"{common or '.'}/" if common not in files else f"{files[0]}+{len(files) - 1}"
+
+
+def _side_desc(files: list[str], n: int) -> str:
+    many = f"{len(files)} files, " if len(files) > 1 else ""
+    return f"{_side_name(files)} ({many}{n} observations)"
+
+
+def render_diff(res, console: Console) -> None:
+    """Differences in run order, the summary, then the first divergence last (cmp-style)."""
+    a, b = _side_name(res.a_files), _side_name(res.b_files)
+    if res.differences:
+        console.print(differences_table(res.differences, title=f"Differences ({res.total})"))
+        if res.total > len(res.differences):
+            console.print(f"... {res.total - len(res.differences)} more differences not shown (--max-findings, --json)")
+    console.print(f"[bold]dcptool diff[/bold] A = {_side_desc(res.a_files, res.a_observations)}, "
+                  f"B = {_side_desc(res.b_files, res.b_observations)}: {res.compared} aligned, "
+                  f"{res.only_in_a} only in A, {res.only_in_b} only in B")
+    if res.total:
+        console.print(f"differences: {res.total}: " + ", ".join(f"{f} {n}" for f, n in res.by_field.items()))
+    for col, why in res.skipped.items():
+        console.print(f"skipped {col}: {why}", style="dim")
+    console.print(f"{res.seconds:.2f} s", style="dim")
+    if res.first is None:
+        console.print(f"[green]same[/green]: {a} and {b} record the same {res.compared} observations")
+    else:
+        f = res.first
+        where, _, detail = f.message.split(": ", 2)
+        console.print(Text.assemble(f"{a} {b} differ: ", ("first divergence", "bold"), f" at {where}: ",
+                                    (f.field, "bold red"), f": {detail}"))
+
+
+def diff_json_lines(res) -> Iterator[str]:
+    for x in res.differences:
+        yield json.dumps(x.to_json())
+    yield json.dumps(res.summary_json())
