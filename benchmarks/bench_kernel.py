@@ -37,9 +37,8 @@ def make(rows_total: int, N: int = 4, I: int = 16, seed: int = 0):
     return seq, rows, exp, rows.clone(), nr, ln.to(torch.int32), ranks, N, I
 
 
-# (pass 1 by observation or by row block, rows per program/step, warps); the default is in kernel.py
-CONFIGS = [("obs", 256, 2), ("obs", 128, 2), ("rows", 512, 4), ("rows", 1024, 4), ("rows", 2048, 8),
-           ("rows", 1024, 8), ("rows", 4096, 8)]
+# (rows per step, warps) of the flag pass; the default is kernel.FUSED_BLOCK / FUSED_WARPS
+CONFIGS = [(256, 2), (128, 2), (256, 4), (512, 2)]
 
 
 def bench(R: int) -> None:
@@ -59,21 +58,17 @@ def bench(R: int) -> None:
                      nr[:k].cpu(), nrp[:k].cpu(), ranks[:k].cpu(), N, I)
     assert torch.equal(stats[:4, :k].cpu(), want[:4]), "kernel disagrees with the reference"
     assert int(stats[0].sum()) > 0
-    default = (kernel.FLAG_BY, kernel.FUSED_BLOCK, kernel.FUSED_WARPS, kernel.ROW_BLOCK, kernel.ROW_WARPS)
-    for by, block, warps in CONFIGS:
-        kernel.FLAG_BY = by
-        if by == "obs":
-            kernel.FUSED_BLOCK, kernel.FUSED_WARPS = block, warps
-        else:
-            kernel.ROW_BLOCK, kernel.ROW_WARPS = block, warps
+    default = (kernel.FUSED_BLOCK, kernel.FUSED_WARPS)
+    for block, warps in CONFIGS:
+        kernel.FUSED_BLOCK, kernel.FUSED_WARPS = block, warps
         got = kernel.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I)
-        assert torch.equal(got, stats), (by, block, warps)
+        assert torch.equal(got, stats), (block, warps)
         ms = triton.testing.do_bench(lambda: kernel.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I),
                                      warmup=50, rep=400, return_mode="median")
         bw = moved / ms / 1e6
         print(f"| {seq.numel() / 1e6:.0f}M | {n:,} | {ms:.3f} | {bw:.0f} | {copy_ms:.3f} | {copy_bw:.0f} | "
-              f"{bw / copy_bw:.2f} | by {by}, {block} rows, {warps} warps |", flush=True)
-    kernel.FLAG_BY, kernel.FUSED_BLOCK, kernel.FUSED_WARPS, kernel.ROW_BLOCK, kernel.ROW_WARPS = default
+              f"{bw / copy_bw:.2f} | {block} rows, {warps} warps |", flush=True)
+    kernel.FUSED_BLOCK, kernel.FUSED_WARPS = default
 
 
 def main() -> None:

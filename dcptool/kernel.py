@@ -15,11 +15,8 @@ from types import SimpleNamespace
 import torch
 
 BLOCK_SIZE = 128  # vLLM's launch: BLOCK_SIZE 128, grid cdiv(max_num_reqs, 128)
-FUSED_BLOCK = 128  # rows per inner step of the fused kernels (observations hold ~64-512 rows)
+FUSED_BLOCK = 256  # rows per inner step of the fused kernels (observations hold ~64-512 rows)
 FUSED_WARPS = 2
-FLAG_BY = "rows"  # pass 1 by row blocks ("rows") or one program per observation ("obs")
-ROW_BLOCK = 1024
-ROW_WARPS = 4
 
 
 class BackendError(RuntimeError):
@@ -94,7 +91,7 @@ def _triton() -> SimpleNamespace:
     _or = _or_fn
 
     @triton.jit
-    def _flag_obs_kernel(flags_ptr, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr, num_reqs_ptr,
+    def _flag_rows_kernel(flags_ptr, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr, num_reqs_ptr,
                           num_reqs_padded_ptr, ranks_ptr, kv_ptr, DCP_SIZE: tl.constexpr,
                           INTERLEAVE: tl.constexpr, PAGE: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr):
         # Pass 1, the bandwidth-bound one: per observation only a bit mask (1 wrong real row, 2 bad
@@ -126,45 +123,6 @@ def _triton() -> SimpleNamespace:
                 kv = tl.load(kv_ptr + seq_start + j, mask=real, other=-1)
                 acc |= tl.where(real & (kv >= 0) & (kv != (local + PAGE - 1) // PAGE), 4, 0)
         tl.store(flags_ptr + obs, tl.reduce(acc, 0, _or))
-
-    @triton.jit
-    def _flag_rows_kernel(flags_ptr, block_obs_ptr, n_rows, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr,
-                          num_reqs_ptr, num_reqs_padded_ptr, ranks_ptr, kv_ptr, DCP_SIZE: tl.constexpr,
-                          INTERLEAVE: tl.constexpr, PAGE: tl.constexpr, HAS_PAGES: tl.constexpr,
-                          BLOCK: tl.constexpr, STEPS: tl.constexpr):
-        # Pass 1 over rows, not observations: a program takes BLOCK consecutive seq_lens rows, finds
-        # each row's observation by a short binary search among the few observations the block spans
-        # (block_obs holds the first and last), and ORs a bit into that observation's flag only where
-        # a row is wrong: reads are contiguous and there is no reduction.
-        pid = tl.program_id(0)
-        g = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        live = g < n_rows
-        lo = tl.load(block_obs_ptr + 2 * pid)
-        hi = tl.load(block_obs_ptr + 2 * pid + 1)
-        a = tl.zeros([BLOCK], dtype=tl.int64) + lo
-        b = tl.zeros([BLOCK], dtype=tl.int64) + hi
-        for _ in tl.static_range(STEPS):  # largest o in [lo, hi] with rows[o] <= g
-            mid = (a + b + 1) // 2
-            go = tl.load(rows_ptr + mid, mask=live, other=0) <= g
-            a = tl.where(go, mid, a)
-            b = tl.where(go, b, mid - 1)
-        o = a
-        j = (g - tl.load(rows_ptr + o, mask=live, other=0)).to(tl.int32)
-        nreq = tl.load(num_reqs_ptr + o, mask=live, other=0)
-        npad = tl.load(num_reqs_padded_ptr + o, mask=live, other=0)
-        rank = tl.load(ranks_ptr + o, mask=live, other=0)
-        d0 = tl.load(dcp_rows_ptr + o, mask=live, other=0)
-        dlen = (tl.load(dcp_rows_ptr + o + 1, mask=live, other=0) - d0).to(tl.int32)
-        real = live & (j < nreq)
-        seq = tl.load(seq_lens_ptr + g, mask=live, other=0)
-        local = _local(seq, rank, DCP_SIZE * INTERLEAVE, INTERLEAVE)
-        inb = live & (j < tl.minimum(dlen, npad))
-        rec = tl.load(dcp_ptr + d0 + j, mask=inb, other=0)
-        bits = tl.where(inb & (rec != tl.where(real, local, 0)), tl.where(real, 1, 2), 0)
-        if HAS_PAGES:
-            kv = tl.load(kv_ptr + g, mask=real, other=-1)
-            bits |= tl.where(real & (kv >= 0) & (kv != (local + PAGE - 1) // PAGE), 4, 0)
-        tl.atomic_or(flags_ptr + o, bits, mask=bits != 0)
 
     @triton.jit
     def _check_rows_kernel(stats_ptr, ids_ptr, n_ids, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr, num_reqs_ptr,
@@ -224,7 +182,7 @@ def _triton() -> SimpleNamespace:
         tl.store(stats_ptr + 5 * n_ids + k, tl.where(fg == big, -1, fg))
 
     return SimpleNamespace(triton=triton, dcp=_dcp_local_seq_lens_kernel, expected=_expected_rows_kernel,
-                           flag=_flag_rows_kernel, flag_obs=_flag_obs_kernel, check=_check_rows_kernel)
+                           flag=_flag_rows_kernel, check=_check_rows_kernel)
 
 
 def device() -> torch.device:
@@ -274,26 +232,6 @@ def expected_rows(seq_lens: torch.Tensor, offsets: torch.Tensor, num_reqs: torch
     return out
 
 
-def _flag_by_rows(k, args, const, n: int, dev) -> torch.Tensor:
-    seq_lens, rows, _dcp, dcp_rows, _nr, nrp = args[:6]
-    R = seq_lens.shape[0]
-    # Rows past an observation's seq_lens rows are not visited by the row pass: flag such views for pass 2.
-    flags = ((torch.minimum(dcp_rows[1:] - dcp_rows[:-1], nrp.to(torch.int64)) > rows[1:] - rows[:-1])
-             .to(torch.int32) * 8).contiguous()
-    if R == 0:
-        return flags
-    nb = (R + ROW_BLOCK - 1) // ROW_BLOCK
-    starts = torch.arange(nb, device=dev, dtype=torch.int64) * ROW_BLOCK
-    ends = torch.clamp(starts + ROW_BLOCK - 1, max=R - 1)
-    first = rows[:-1].contiguous()
-    block_obs = torch.stack([torch.searchsorted(first, starts, right=True) - 1,
-                             torch.searchsorted(first, ends, right=True) - 1], 1).contiguous()
-    span = int((block_obs[:, 1] - block_obs[:, 0]).max())
-    steps = max(1, span.bit_length())
-    k.flag[(nb,)](flags, block_obs, R, *args, **const, BLOCK=ROW_BLOCK, STEPS=steps, num_warps=ROW_WARPS)
-    return flags
-
-
 def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dcp_rows: torch.Tensor,
                num_reqs: torch.Tensor, num_reqs_padded: torch.Tensor, ranks: torch.Tensor, dcp_size: int,
                cp_interleave: int = 1, *, kv_pages: torch.Tensor | None = None, page_size: int = 1) -> torch.Tensor:
@@ -320,11 +258,8 @@ def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dc
     # N, I and the page size are compile-time constants: division by them becomes a multiply and a
     # shift (a runtime integer division is ~20 instructions a row, enough to make the pass compute-bound).
     const = dict(DCP_SIZE=dcp_size, INTERLEAVE=cp_interleave, PAGE=page_size, HAS_PAGES=has_pages)
-    if FLAG_BY == "obs":
-        flags = torch.empty(n, dtype=torch.int32, device=dev)
-        k.flag_obs[(n,)](flags, *args, **const, BLOCK=FUSED_BLOCK, num_warps=FUSED_WARPS)
-    else:
-        flags = _flag_by_rows(k, args, const, n, dev)
+    flags = torch.empty(n, dtype=torch.int32, device=dev)
+    k.flag[(n,)](flags, *args, **const, BLOCK=FUSED_BLOCK, num_warps=FUSED_WARPS)
     ids = torch.nonzero(flags).flatten()
     if ids.numel():
         sub = torch.empty(6 * ids.numel(), dtype=torch.int32, device=dev)
