@@ -1,10 +1,12 @@
 # make run: set up .venv (once) and replay the bundled sample.  make test: the whole suite (with the
 # CI-sized fuzz run).  make fuzz: the long fuzz run (FUZZ_EXAMPLES random cases per command).
+# make test-vllm: tests/vllm against vLLM 0.33.0's own code on CPU, in its own venv (built once, 3 GB).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-SAMPLE ?= samples/handmade.safetensors
+SAMPLE ?= samples/legacy.safetensors
+VLLM_VENV ?= $(HOME)/.cache/dcptool-vllm-oracle
 FUZZ_EXAMPLES ?= 10000
 
 .PHONY: run test venv lint test-vllm bench fuzz
@@ -31,6 +33,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	@echo "--- kernel tests once more, under the Triton interpreter (TRITON_INTERPRET=1)"
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel
+
+test-vllm:
+	VLLM_VENV=$(VLLM_VENV) tools/setup_vllm_env.sh
+	DCPTOOL_TEST_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
 # Not derandomized: every run tries new cases; a failure prints the @reproduce_failure line to replay it.
 fuzz: $(STAMP)

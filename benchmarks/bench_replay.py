@@ -86,7 +86,7 @@ def child_load(path: str) -> dict:
     d = read_dump(path)
     acc = 0
     for v in d.columns.values():  # touch every byte once: the floor any replay pays
-        acc ^= int(np.bitwise_xor.reduce(v.view(np.uint8))) if v.size else 0
+        acc += int(v.max()) if v.size else 0
     return {"seconds": time.perf_counter() - t, "check": acc}
 
 
@@ -105,9 +105,18 @@ def child_replay(path: str, backend: str) -> dict:
 
     t = time.perf_counter()
     res = replay(open_dumps([path]), backend)
+    cold = time.perf_counter() - t  # includes one-time work: Triton's JIT load, thread pool start
+    t = time.perf_counter()
+    res = replay(open_dumps([path]), backend)
     sec = time.perf_counter() - t
-    return {"seconds": sec, "keys": _value_keys([f.to_json() for f in res.findings]), "backend": res.backend,
-            "device": res.device}
+    from dcptool.scan import scan
+
+    d = open_dumps([path])
+    t = time.perf_counter()
+    scan(d, res.backend)  # the row pass alone: every view and page count against the formula
+    scan_s = time.perf_counter() - t
+    return {"seconds": sec, "cold": cold, "scan": scan_s, "keys": _value_keys([f.to_json() for f in res.findings]),
+            "backend": res.backend, "device": res.device}
 
 
 def child_baseline(path: str) -> dict:
@@ -147,25 +156,36 @@ def child_baseline(path: str) -> dict:
     return {"seconds": time.perf_counter() - t, "keys": sorted(set(keys)), "device": dev}
 
 
+def peak_mb() -> float:
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss it is not inherited across exec)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def run_child(kind: str, *args: str) -> dict:
-    code = (f"import json, resource, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'benchmarks')!r}]; "
-            f"from bench_replay import child_{kind} as f; r = f(*sys.argv[1:]); "
-            f"r['peak_mb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024; print(json.dumps(r))")
+    code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'benchmarks')!r}]; "
+            f"from bench_replay import child_{kind} as f, peak_mb; r = f(*sys.argv[1:]); "
+            f"r['peak_mb'] = peak_mb(); print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run_cli(path: str, backend: str) -> dict:
-    import resource
-
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "dcptool", "replay", path, "--json", "--backend", backend],
+    # /usr/bin/time would be simpler; a wrapper that execs the CLI and prints VmHWM at exit is portable
+    wrap = ("import atexit, sys, runpy; sys.path.insert(0, {!r}); from bench_replay import peak_mb; "
+            "atexit.register(lambda: sys.stderr.write('PEAK_MB %f\\n' % peak_mb())); "
+            "sys.argv = ['dcptool'] + sys.argv[1:]; runpy.run_module('dcptool', run_name='__main__')").format(str(
+                ROOT / "benchmarks"))
+    p = subprocess.run([sys.executable, "-c", wrap, "replay", path, "--json", "--backend", backend],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     sec = time.perf_counter() - t
     if p.returncode not in (0, 1):
         raise RuntimeError(p.stderr)
     lines = [json.loads(x) for x in p.stdout.splitlines()]
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # max over children so far
+    peak = float(p.stderr.rsplit("PEAK_MB", 1)[1].split()[0]) if "PEAK_MB" in p.stderr else float("nan")
     return {"seconds": sec, "keys": _value_keys([x for x in lines if x["type"] == "finding"]), "peak_mb": peak}
 
 
@@ -200,20 +220,22 @@ def main() -> None:
 
         rows = int(read_dump(p)["obs.rows"][-1])
         table.append((size, rows, mb, load, lib, cli, base))
+        base_s = f"{base['seconds']:.2f} s" if base else "skipped"
         print(f"{size:>9,} obs: load {load['seconds']:.3f} s, replay {lib['seconds']:.3f} s "
-              f"({lib['backend']} on {lib['device']}), cli {cli['seconds']:.2f} s, baseline "
-              f"{base['seconds']:.2f} s" if base else "", flush=True)
+              f"(first call {lib['cold']:.3f} s, {lib['backend']} on {lib['device']}), cli {cli['seconds']:.2f} s, "
+              f"baseline {base_s}", flush=True)
     print()
-    print("| obs | rows | dump MB | load s | replay s | rows/s | replay CLI s | baseline s | peak MB load/replay/base "
-          "| replay/baseline | replay/load | findings |")
-    print("|" + "---|" * 12)
+    print("| obs | rows | dump MB | load s | row scan s | replay s | rows/s | replay CLI s | baseline s "
+          "| peak MB load/replay/base | replay/baseline | scan/load | replay/load | findings |")
+    print("|" + "---|" * 14)
     for size, rows, mb, load, lib, cli, base in table:
         bs = f"{base['seconds']:.2f}" if base else "-"
         speed = f"{base['seconds'] / lib['seconds']:.0f}x faster" if base else "-"
         bpk = f"{base['peak_mb']:.0f}" if base else "-"
-        print(f"| {size:,} | {rows / 1e6:.1f}M | {mb:.0f} | {load['seconds']:.3f} | {lib['seconds']:.3f} | "
+        print(f"| {size:,} | {rows / 1e6:.1f}M | {mb:.0f} | {load['seconds']:.3f} | {lib['scan']:.3f} | "
+              f"{lib['seconds']:.3f} | "
               f"{rows / lib['seconds'] / 1e6:.0f}M | {cli['seconds']:.2f} | {bs} | "
-              f"{load['peak_mb']:.0f}/{lib['peak_mb']:.0f}/{bpk} | {speed} | "
+              f"{load['peak_mb']:.0f}/{lib['peak_mb']:.0f}/{bpk} | {speed} | {lib['scan'] / load['seconds']:.2f} | "
               f"{lib['seconds'] / load['seconds']:.2f} | {len(lib['keys'])} |")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -114,9 +115,12 @@ def replay(
         from dcptool.htmlreport import VIEW_FINDINGS
         from dcptool.kernel import BackendError
         from dcptool.replay import replay as run_replay
+        from dcptool.report import Progress
 
         try:
-            res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS)
+            with Progress(d.n, "replay", not json_out and sys.stderr.isatty()) as bar:
+                res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS,
+                                 progress=bar)
         except BackendError as e:
             raise Trouble(str(e)) from None
     except (DumpError, Trouble) as e:
@@ -131,6 +135,64 @@ def replay(
     if html is not None:
         _write_html(html, res, max_findings, force)
     raise typer.Exit(1 if res.errors or (strict and res.warnings) else 0)
+
+
+def _dump_side(spec: str) -> list[str]:
+    """A side of `diff`: a file, a directory (its *.safetensors), a glob, or a comma-separated list of these."""
+    import glob
+    import os
+    import re
+
+    def natural(p: str) -> list:
+        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]
+
+    out: list[str] = []
+    for part in (p for p in spec.split(",") if p):
+        if os.path.isdir(part):
+            found = sorted(glob.glob(os.path.join(glob.escape(part), "*.safetensors")), key=natural)
+            if not found:
+                raise Trouble(f"{part}: directory holds no *.safetensors dump")
+            out += found
+        elif not os.path.exists(part) and any(c in part for c in "*?["):
+            found = sorted(glob.glob(part), key=natural)
+            if not found:
+                raise Trouble(f"{part}: no file matches")
+            out += found
+        else:
+            out.append(part)
+    if not out:
+        raise Trouble(f"{spec!r}: no dump given")
+    return out
+
+
+@app.command()
+def diff(
+    a: Annotated[str, typer.Argument(metavar="A", help="The first run: a dump, a directory of dumps (per-rank "
+                                                        "files), a glob or a comma-separated list.")],
+    b: Annotated[str, typer.Argument(metavar="B", help="The second run, given the same way.")],
+    json_out: Annotated[bool, typer.Option("--json", help="JSON Lines: differences, then a summary.")] = False,
+    max_findings: Annotated[int | None, typer.Option(min=0, help="Show at most M differences (the summary counts "
+                                                                 "all). Text default 100, JSON all.")] = None,
+) -> None:
+    """Align two runs by (step, site, rank, micro-batch, occurrence) and report every recorded difference."""
+    from dcptool.diff import diff as run_diff
+    from dcptool.dump import open_dumps
+
+    try:
+        da = open_dumps(_dump_side(a))
+        db = open_dumps(_dump_side(b))
+    except (DumpError, Trouble) as e:
+        raise _fail(str(e)) from None
+    from dcptool import report
+
+    limit = max_findings if (max_findings is not None or json_out) else report.TEXT_MAX_FINDINGS
+    res = run_diff(da, db, limit)
+    if json_out:
+        for line in report.diff_json_lines(res):
+            sys.stdout.write(line + "\n")
+    else:
+        report.render_diff(res, _console())
+    raise typer.Exit(0 if res.same else 1)
 
 
 @app.command()
@@ -150,6 +212,74 @@ def inspect(
         sys.stdout.write(report.inspect_json(info) + "\n")
     else:
         report.render_inspect(info, _console())
+
+
+@app.command()
+def simulate(
+    dcp: Annotated[int, typer.Option("--dcp", help="DCP world size N (ranks recorded).")] = 2,
+    interleave: Annotated[int, typer.Option(help="cp_kv_cache_interleave_size I.")] = 1,
+    pcp: Annotated[int, typer.Option("--pcp", help="PCP world size P (P x N recording processes).")] = 1,
+    steps: Annotated[int, typer.Option(help="Engine steps after start-up.")] = 32,
+    spec_tokens: Annotated[int, typer.Option(help="Draft tokens K per decode (0: no speculative decoding).")] = 2,
+    spec_method: Annotated[str, typer.Option(help="mtp or dflash (DFlash captures its own graphs).")] = "mtp",
+    ubatches: Annotated[int, typer.Option(help="Micro-batches (DBO) when a batch passes vLLM's thresholds.")] = 2,
+    cudagraph: Annotated[str, typer.Option(help="none, piecewise, or full (FULL_AND_PIECEWISE).")] = "full",
+    dummy_every: Annotated[int, typer.Option(help="A dummy run every D steps (0: only the profile run).")] = 16,
+    page_size: Annotated[int, typer.Option(help="KV page (block) size for attention page counts.")] = 16,
+    pipeline: Annotated[str, typer.Option(help="fixed (vLLM after the fix) or legacy (every pre-fix fault).")]
+    = "fixed",
+    inject: Annotated[str | None, typer.Option(help="Faults to inject on the fixed pipeline, comma-separated: "
+                                                    "dummy-none, dflash-capture-none, ubatch-none, ubatch-parent-rows,"
+                                                    " pcp-stale, pcp-unpadded, capture-wrong-buffer, graph-stale, "
+                                                    "sentinel, flashinfer-global-pages.")] = None,
+    seed: Annotated[int, typer.Option(help="Workload seed (same seed, same dump, byte for byte).")] = 0,
+    max_num_reqs: Annotated[int, typer.Option(help="max_num_seqs: requests per step.")] = 64,
+    token_budget: Annotated[int, typer.Option(help="max_num_batched_tokens: tokens per step.")] = 2048,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the dump here instead of "
+                                                                       "printing the side-by-side table.")] = None,
+    per_rank: Annotated[bool, typer.Option(help="With -o: one file per rank (OUT.rankR / OUT.pcpP.rankR).")]
+    = False,
+    force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="JSON: the table as JSON Lines, or with -o one "
+                                                          "object describing what was written.")] = False,
+) -> None:
+    """Simulate a serving workload through a model of vLLM's runner; show or write its DCP metadata."""
+    from dcptool import report
+    from dcptool.simulate import SimConfig, SimError, compare
+    from dcptool.simulate import simulate as run_sim
+
+    faults = tuple(f.strip() for f in inject.split(",") if f.strip()) if inject else ()
+    cfg = SimConfig(dcp=dcp, interleave=interleave, pcp=pcp, steps=steps, spec_tokens=spec_tokens,
+                    spec_method=spec_method, ubatches=ubatches, cudagraph=cudagraph, dummy_every=dummy_every,
+                    page_size=page_size, pipeline=pipeline, inject=faults, seed=seed, max_num_reqs=max_num_reqs,
+                    token_budget=token_budget)
+    try:
+        cfg.validate()
+        if per_rank and output is None:
+            raise SimError("--per-rank needs -o")
+        bar = report.Progress(cfg.steps * (1 if output else 2), "simulate", not json_out and sys.stderr.isatty(),
+                              unit="steps")
+        with bar:
+            if output is None:
+                cmp = compare(cfg, progress=bar)
+            else:
+                if output.parent and not output.parent.is_dir():
+                    raise SimError(f"{output}: directory {output.parent} does not exist")
+                res = run_sim(cfg, output, per_rank=per_rank, force=force, progress=bar)
+    except (SimError, FileExistsError, DumpError) as e:
+        raise _fail(str(e)) from None
+    except OSError as e:
+        raise _fail(f"{output}: cannot write: {e.strerror or e}") from None
+    if output is None:
+        if json_out:
+            for line in report.simulate_json_lines(cmp):
+                sys.stdout.write(line + "\n")
+        else:
+            report.render_simulate(cmp, _console())
+    elif json_out:
+        sys.stdout.write(json.dumps(res.to_json()) + "\n")
+    else:
+        report.render_simulated(res, _console())
 
 
 def main() -> None:

@@ -751,14 +751,17 @@ def check_config(path: str | os.PathLike, config: DumpConfig, injected: dict | N
 
 
 def _narrow(a: np.ndarray, want: np.dtype, key: str) -> np.ndarray:
-    """a in dtype `want`; a value it cannot hold is a DumpError (astype would wrap it silently)."""
-    if a.size and a.dtype != want and a.dtype.kind in "iub":
+    """a in dtype `want`; a value it cannot hold is a DumpError (astype would wrap or truncate it silently)."""
+    if a.size and a.dtype != want:
+        if a.dtype.kind == "f" and not np.array_equal(a, np.trunc(a)):  # NaN, inf and 1.5 are not lengths
+            bad = a[~(a == np.trunc(a))][0]
+            raise DumpError(f"{key}: value {bad} is not an integer")
+        if a.dtype.kind not in "iubf":
+            raise DumpError(f"{key}: integer values expected, got dtype {a.dtype}")
         info = np.iinfo(want)
-        lo, hi = int(a.min()), int(a.max())
+        lo, hi = a.min(), a.max()
         if lo < info.min or hi > info.max:
-            raise DumpError(f"{key}: value {lo if lo < info.min else hi} does not fit {_DTYPE_NAMES[want]}")
-    elif a.size and a.dtype.kind not in "iub":
-        raise DumpError(f"{key}: integer values expected, got dtype {a.dtype}")
+            raise DumpError(f"{key}: value {int(lo) if lo < info.min else int(hi)} does not fit {_DTYPE_NAMES[want]}")
     return a.astype(want, copy=False)
 
 

@@ -16,6 +16,7 @@ import torch
 
 BLOCK_SIZE = 128  # vLLM's launch: BLOCK_SIZE 128, grid cdiv(max_num_reqs, 128)
 FUSED_BLOCK = 256  # rows per inner step of the fused kernels (observations hold ~64-512 rows)
+FUSED_WARPS = 2
 
 
 class BackendError(RuntimeError):
@@ -36,7 +37,7 @@ def _triton() -> SimpleNamespace:
         os.environ["TRITON_INTERPRET"] = "1"
     # Kernels resolve names through the module's globals, so triton, tl and the shared jitted
     # helper are bound there (not as closure variables of this function).
-    global triton, tl, _local
+    global triton, tl, _local, _or
     try:
         import triton
         import triton.language as tl
@@ -84,12 +85,17 @@ def _triton() -> SimpleNamespace:
             tl.store(out_ptr + start + j, local, mask=inb)
 
     @triton.jit
-    def _check_rows_kernel(stats_ptr, n_obs, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr, num_reqs_ptr,
-                           num_reqs_padded_ptr, ranks_ptr, kv_ptr, dcp_size, cp_interleave, page_size,
-                           HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr):
-        # Compare the recorded view (and page counts) with the formula without materialising the
-        # expected rows: per observation, [wrong real rows, first, bad padded rows, first, bad page
-        # counts, first]. One program per observation; its rows in BLOCK steps.
+    def _or_fn(a, b):
+        return a | b
+
+    _or = _or_fn
+
+    @triton.jit
+    def _flag_rows_kernel(flags_ptr, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr, num_reqs_ptr,
+                          num_reqs_padded_ptr, ranks_ptr, kv_ptr, DCP_SIZE: tl.constexpr,
+                          INTERLEAVE: tl.constexpr, PAGE: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr):
+        # Pass 1, the bandwidth-bound one: per observation only a bit mask (1 wrong real row, 2 bad
+        # padded row, 4 bad page count), one reduction; exact counts come from pass 2 on the few flagged.
         obs = tl.program_id(0).to(tl.int64)
         seq_start = tl.load(rows_ptr + obs)
         dcp_start = tl.load(dcp_rows_ptr + obs)
@@ -97,7 +103,43 @@ def _triton() -> SimpleNamespace:
         nreq = tl.load(num_reqs_ptr + obs)
         npad = tl.load(num_reqs_padded_ptr + obs)
         rank = tl.load(ranks_ptr + obs)
-        span = dcp_size * cp_interleave
+        span = DCP_SIZE * INTERLEAVE
+        m = tl.minimum(dcp_len, npad)
+        if HAS_PAGES:
+            end = tl.maximum(m, nreq)
+        else:
+            end = m
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for j0 in range(0, end, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            real = j < nreq
+            seq = tl.load(seq_lens_ptr + seq_start + j, mask=real, other=0)
+            local = _local(seq, rank, span, INTERLEAVE)
+            inb = j < m
+            rec = tl.load(dcp_ptr + dcp_start + j, mask=inb, other=0)
+            bad = inb & (rec != tl.where(real, local, 0))
+            acc |= tl.where(bad, tl.where(real, 1, 2), 0)
+            if HAS_PAGES:
+                kv = tl.load(kv_ptr + seq_start + j, mask=real, other=-1)
+                acc |= tl.where(real & (kv >= 0) & (kv != (local + PAGE - 1) // PAGE), 4, 0)
+        tl.store(flags_ptr + obs, tl.reduce(acc, 0, _or))
+
+    @triton.jit
+    def _check_rows_kernel(stats_ptr, ids_ptr, n_ids, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr, num_reqs_ptr,
+                           num_reqs_padded_ptr, ranks_ptr, kv_ptr, DCP_SIZE: tl.constexpr,
+                           INTERLEAVE: tl.constexpr, PAGE: tl.constexpr, HAS_PAGES: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        # Pass 2: exact [wrong real rows, first, bad padded rows, first, bad page counts, first] of
+        # the observations listed in ids (one program each).
+        k = tl.program_id(0).to(tl.int64)
+        obs = tl.load(ids_ptr + k).to(tl.int64)
+        seq_start = tl.load(rows_ptr + obs)
+        dcp_start = tl.load(dcp_rows_ptr + obs)
+        dcp_len = (tl.load(dcp_rows_ptr + obs + 1) - dcp_start).to(tl.int32)
+        nreq = tl.load(num_reqs_ptr + obs)
+        npad = tl.load(num_reqs_padded_ptr + obs)
+        rank = tl.load(ranks_ptr + obs)
+        span = DCP_SIZE * INTERLEAVE
         m = tl.minimum(dcp_len, npad)
         if HAS_PAGES:
             end = tl.maximum(m, nreq)
@@ -114,11 +156,10 @@ def _triton() -> SimpleNamespace:
             j = j0 + tl.arange(0, BLOCK)
             real = j < nreq
             seq = tl.load(seq_lens_ptr + seq_start + j, mask=real, other=0)
-            local = _local(seq, rank, span, cp_interleave)
+            local = _local(seq, rank, span, INTERLEAVE)
             inb = j < m
             rec = tl.load(dcp_ptr + dcp_start + j, mask=inb, other=0)
-            exp = tl.where(real, local, 0)
-            bad = inb & (rec != exp)
+            bad = inb & (rec != tl.where(real, local, 0))
             bad_real = bad & real
             bad_pad = bad & (j >= nreq)
             n_wrong += bad_real.to(tl.int32)
@@ -127,21 +168,21 @@ def _triton() -> SimpleNamespace:
             first_pad = tl.minimum(first_pad, tl.where(bad_pad, j, big))
             if HAS_PAGES:
                 kv = tl.load(kv_ptr + seq_start + j, mask=real, other=-1)
-                bad_pg = real & (kv >= 0) & (kv != (local + page_size - 1) // page_size)
+                bad_pg = real & (kv >= 0) & (kv != (local + PAGE - 1) // PAGE)
                 n_pg += bad_pg.to(tl.int32)
                 first_pg = tl.minimum(first_pg, tl.where(bad_pg, j, big))
         fw = tl.min(first_wrong, axis=0)
         fp = tl.min(first_pad, axis=0)
         fg = tl.min(first_pg, axis=0)
-        tl.store(stats_ptr + obs, tl.sum(n_wrong, axis=0))
-        tl.store(stats_ptr + n_obs + obs, tl.where(fw == big, -1, fw))
-        tl.store(stats_ptr + 2 * n_obs + obs, tl.sum(n_pad, axis=0))
-        tl.store(stats_ptr + 3 * n_obs + obs, tl.where(fp == big, -1, fp))
-        tl.store(stats_ptr + 4 * n_obs + obs, tl.sum(n_pg, axis=0))
-        tl.store(stats_ptr + 5 * n_obs + obs, tl.where(fg == big, -1, fg))
+        tl.store(stats_ptr + k, tl.sum(n_wrong, axis=0))
+        tl.store(stats_ptr + n_ids + k, tl.where(fw == big, -1, fw))
+        tl.store(stats_ptr + 2 * n_ids + k, tl.sum(n_pad, axis=0))
+        tl.store(stats_ptr + 3 * n_ids + k, tl.where(fp == big, -1, fp))
+        tl.store(stats_ptr + 4 * n_ids + k, tl.sum(n_pg, axis=0))
+        tl.store(stats_ptr + 5 * n_ids + k, tl.where(fg == big, -1, fg))
 
     return SimpleNamespace(triton=triton, dcp=_dcp_local_seq_lens_kernel, expected=_expected_rows_kernel,
-                           check=_check_rows_kernel)
+                           flag=_flag_rows_kernel, check=_check_rows_kernel)
 
 
 def device() -> torch.device:
@@ -194,17 +235,34 @@ def expected_rows(seq_lens: torch.Tensor, offsets: torch.Tensor, num_reqs: torch
 def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dcp_rows: torch.Tensor,
                num_reqs: torch.Tensor, num_reqs_padded: torch.Tensor, ranks: torch.Tensor, dcp_size: int,
                cp_interleave: int = 1, *, kv_pages: torch.Tensor | None = None, page_size: int = 1) -> torch.Tensor:
-    """Fused check of recorded views (and page counts) against the formula, one launch for every
-    observation; [6, n] int32, the same contract as reference.check_rows."""
+    """Fused check of recorded views (and page counts) against the formula; [6, n] int32, the same
+    contract as reference.check_rows. Two launches: a flag pass over every observation (one read of
+    every row), then exact counts for the flagged few."""
     dev = seq_lens.device
+    tensors = [seq_lens, rows, dcp, dcp_rows, num_reqs, num_reqs_padded, ranks]
+    tensors += [] if kv_pages is None else [kv_pages]
+    gpu_only = dev.type != "cuda" and not interpreted() and torch.cuda.is_available()
+    if any(t.device != dev for t in tensors) or gpu_only:
+        raise ValueError(f"all tensors must be on one device the kernel can run on (got "
+                         f"{sorted({str(t.device) for t in tensors})}); use CUDA tensors on a GPU machine")
     n = num_reqs.shape[0]
-    stats = torch.empty(6 * n, dtype=torch.int32, device=dev)
-    if n:
-        has_pages = kv_pages is not None
-        kv = _as(kv_pages, torch.int32, dev) if has_pages else stats  # any pointer; never read
-        _triton().check[(n,)](stats, n, _as(seq_lens, torch.int32, dev), _as(rows, torch.int64, dev),
-                              _as(dcp, torch.int32, dev), _as(dcp_rows, torch.int64, dev),
-                              _as(num_reqs, torch.int32, dev), _as(num_reqs_padded, torch.int32, dev),
-                              _as(ranks, torch.int32, dev), kv, dcp_size, cp_interleave, page_size,
-                              HAS_PAGES=has_pages, BLOCK=FUSED_BLOCK)
-    return stats.view(6, n)
+    stats = torch.zeros(6, n, dtype=torch.int32, device=dev)
+    stats[1::2] = -1
+    if n == 0:
+        return stats
+    k = _triton()
+    has_pages = kv_pages is not None
+    args = (_as(seq_lens, torch.int32, dev), _as(rows, torch.int64, dev), _as(dcp, torch.int32, dev),
+            _as(dcp_rows, torch.int64, dev), _as(num_reqs, torch.int32, dev), _as(num_reqs_padded, torch.int32, dev),
+            _as(ranks, torch.int32, dev), _as(kv_pages, torch.int32, dev) if has_pages else stats)
+    # N, I and the page size are compile-time constants: division by them becomes a multiply and a
+    # shift (a runtime integer division is ~20 instructions a row, enough to make the pass compute-bound).
+    const = dict(DCP_SIZE=dcp_size, INTERLEAVE=cp_interleave, PAGE=page_size, HAS_PAGES=has_pages)
+    flags = torch.empty(n, dtype=torch.int32, device=dev)
+    k.flag[(n,)](flags, *args, **const, BLOCK=FUSED_BLOCK, num_warps=FUSED_WARPS)
+    ids = torch.nonzero(flags).flatten()
+    if ids.numel():
+        sub = torch.empty(6 * ids.numel(), dtype=torch.int32, device=dev)
+        k.check[(ids.numel(),)](sub, ids, ids.numel(), *args, **const, BLOCK=FUSED_BLOCK)
+        stats[:, ids] = sub.view(6, -1)
+    return stats

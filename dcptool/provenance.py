@@ -14,10 +14,10 @@ INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candid
 def local_np(seq: np.ndarray, dcp_size: int, rank, cp_interleave: int) -> np.ndarray:
     """The formula in numpy (int64), for the rows provenance and row views look at."""
     L = np.asarray(seq, dtype=np.int64)
-    span = dcp_size * cp_interleave
+    il = np.asarray(cp_interleave, np.int64)  # an int, or an array broadcasting against seq
+    span = dcp_size * il
     rounds = L // span
-    return rounds * cp_interleave + np.clip(L - rounds * span - np.asarray(rank, np.int64) * cp_interleave,
-                                            0, cp_interleave)
+    return rounds * il + np.minimum(np.maximum(L - rounds * span - np.asarray(rank, np.int64) * il, 0), il)
 
 
 def expected_of(d: Dump, i: int, rows: int | None = None) -> np.ndarray:
@@ -138,12 +138,15 @@ class Provenance:
         d, c = self.d, self.d.config
         rank, step = int(d["obs.rank"][i]), int(d["obs.step"][i])
         seq = d.seq_lens_of(i)[: rec.size].astype(np.int64)
-        # 1. the parent's rows for this slice
+        # 1. the parent's rows for this slice: what they must be, or what the parent recorded (a copy of a
+        # parent that was itself wrong is still a copy; the parent has its own finding)
         if d.has("obs.parent", "obs.req_start"):
             p, rs = int(d["obs.parent"][i]), int(d["obs.req_start"][i])
             if p >= 0 and rs >= 0:
                 pe = expected_of(d, p, rs + rec.size)[rs:]
-                if np.array_equal(np.pad(pe, (0, rec.size - pe.size)), rec):
+                pv = d.dcp_of(p)
+                if np.array_equal(np.pad(pe, (0, rec.size - pe.size)), rec) or (
+                        pv is not None and np.array_equal(pv[rs : rs + rec.size], rec)):
                     return "stale", self._source(p, "parent-rows"), {}
         if rec.size == 0:
             return "mismatch", None, {}
@@ -153,16 +156,18 @@ class Provenance:
         for s in order[np.searchsorted(key, k, "left") : np.searchsorted(key, k, "right")][::-1]:
             if s < i and d["obs.num_reqs"][s] >= 1 and self._prefix_equal(int(s), rec):
                 return "stale", self._source(int(s), "earlier-in-step"), {}
-        # 3-5. the global lengths, another rank, another interleave
+        # 3-5. the global lengths, another rank, another interleave (all candidates in one shot)
         if np.array_equal(rec, seq):
             return "global", None, {}
-        r = _other_rank(seq, rec, c.dcp_size, c.cp_interleave, rank)
+        r = _other_rank(seq, rec, c.dcp_size, c.cp_interleave, rank)  # no [rows, dcp_size] array: N may be 2**31
         if r is not None:
             return "wrong-rank", None, {"rank": r}
+        col = seq[:, None]
         extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
-        for il in INTERLEAVES + extra:
-            if il != c.cp_interleave and np.array_equal(rec, local_np(seq, c.dcp_size, rank, il)):
-                return "wrong-interleave", None, {"interleave": il}
+        ils = np.array([il for il in INTERLEAVES + extra if il != c.cp_interleave])
+        hit = np.flatnonzero((local_np(col, c.dcp_size, rank, ils[None, :]) == rec[:, None]).all(axis=0))
+        if hit.size:
+            return "wrong-interleave", None, {"interleave": int(ils[hit[0]])}
         # 6. an earlier step of this rank, most recent first (e.g. a buffer baked into a graph)
         if _strip(rec).size:
             keys, obs = self._signatures()

@@ -10,49 +10,47 @@ from pathlib import Path
 
 import numpy as np
 
-from dcptool.dump import (
-    INT32_MAX,
-    DumpConfig,
-    DumpError,
-    Observation,
-    OutputExistsError,
-    WriteError,
-    check_config,
-    pack,
-    write_dump,
-)
+from dcptool.dump import INT32_MAX, DumpConfig, DumpError, OutputExistsError, WriteError, check_config, write_dump
 
 GRAPH = {"eager": 0, "piecewise": 1, "capture": 2, "full-capture": 2, "replay": 3, "full-replay": 3}
-_I32 = (-(2**31), INT32_MAX)
-_I64 = (-(2**63), 2**63 - 1)
+# Optional per-observation columns: field -> (key, dtype, value written where unknown).
+_OPTIONAL = {"parent": ("obs.parent", "<i8", -1), "req_start": ("obs.req_start", "<i4", -1),
+             "tok_start": ("obs.tok_start", "<i4", -1), "tok_stop": ("obs.tok_stop", "<i4", -1),
+             "num_tokens_padded": ("obs.num_tokens_padded", "<i4", -1), "buffer": ("obs.buffer", "<i8", 0),
+             "graph": ("obs.graph", "i1", 0)}
+_FIELDS = ("step", "rank", "ubatch", "num_reqs", "num_reqs_padded", *_OPTIONAL)
+_I64 = 2**63 - 1
 
 
-def _host(x, name: str, lo: int = _I32[0], hi: int = _I32[1]) -> np.ndarray | None:
-    """A private int32 host copy of a tensor / array / list (never a view of engine memory).
+def _int32(a: np.ndarray) -> np.ndarray:
+    """A private int32 copy; values int32 cannot hold raise (the observation is dropped), never wrap."""
+    if a.dtype == np.int32:
+        return a.copy()
+    if a.dtype.kind not in "iub":
+        raise ValueError(f"integer values expected, got dtype {a.dtype}")
+    b = a.astype(np.int32)
+    if a.dtype.itemsize >= 4 and not np.array_equal(b, a):  # one pass; only wider types can wrap
+        raise ValueError(f"values must fit int32, got [{int(a.min())}, {int(a.max())}]")
+    return b
 
-    Values int32 cannot hold raise (the observation is dropped) instead of wrapping silently.
-    """
+
+def _host(x) -> np.ndarray | None:
+    """A private host copy of a tensor / array / list (never a view of engine memory)."""
     if x is None:
         return None
     if hasattr(x, "detach"):  # torch.Tensor, on any device: .cpu() syncs on that device's stream
         x = x.detach().to("cpu").numpy()
-    a = np.asarray(x).reshape(-1)
-    if a.dtype.kind not in "iub":
-        raise ValueError(f"{name}: integer values expected, got dtype {a.dtype}")
-    if a.size and (int(a.min()) < lo or int(a.max()) > hi):
-        raise ValueError(f"{name}: values must lie in [{lo}, {hi}], got [{int(a.min())}, {int(a.max())}]")
-    return np.array(a, dtype=np.int32, copy=True)
+    a = np.asarray(x)
+    return _int32(a if a.ndim == 1 else a.reshape(-1))
 
 
-def _int(v, name: str, lo: int, hi: int = INT32_MAX) -> int:
-    v = int(v)
-    if not lo <= v <= hi:
-        raise ValueError(f"{name} = {v} outside [{lo}, {hi}]")
-    return v
-
-
-def _opt(v, name: str, lo: int = -1, hi: int = INT32_MAX) -> int | None:
-    return None if v is None else _int(v, name, lo, hi)
+def _host_fast(x) -> np.ndarray | None:
+    """_host for the common case (None or a numpy array), without the attribute probing."""
+    if x is None:
+        return None
+    if type(x) is np.ndarray and x.ndim == 1:
+        return _int32(x)
+    return _host(x)
 
 
 def buffer_id(t) -> int:
@@ -99,7 +97,11 @@ class Recorder:
         self.write_errors = 0  # failed writes (each retried later); the last one in `last_error`
         self.last_error: str | None = None
         self.files: list[Path] = []
-        self._obs: list[Observation] = []
+        # One tuple of scalars and one of row arrays per observation, turned into columns only at write
+        # time (zip(*)): observe() stays a couple of appends, close() a handful of concatenations.
+        self._vals: list[tuple] = []  # _FIELDS
+        self._sites: list[str] = []
+        self._rows: list[tuple] = []  # (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)
         self._count = 0  # observations accepted over all files
         self._file_start = 0  # global index of the current file's first observation
         self._retry_at = rollover  # pending observations that trigger the next write
@@ -127,6 +129,31 @@ class Recorder:
         except OSError:
             return []  # the directory may not exist yet; writing will say so
 
+    def _check_shared(self, vals: tuple, site, kv: np.ndarray | None, rows: int) -> None:
+        """What the dump format cannot hold (DESIGN §2) raises here and in _check_own, so a write never
+        fails on it: the values one batch's observations share."""
+        step, _, ubatch, _, nrp, _, rs, ts, te, ntp, _, graph = vals
+        if type(site) is not str or not site.isprintable():
+            raise ValueError(f"site must be a printable string, got {site!r}")
+        if not (-_I64 - 1 <= step <= _I64 and -1 <= ubatch <= INT32_MAX and nrp <= INT32_MAX):
+            raise ValueError(f"step {step}, ubatch {ubatch} or num_reqs_padded {nrp} out of range")
+        for v in (rs, ts, te, ntp):
+            if v is not None and not -1 <= v <= INT32_MAX:
+                raise ValueError(f"req_start/tok_start/tok_stop/num_tokens_padded {v} out of range")
+        if graph is not None and not 0 <= graph <= 3:
+            raise ValueError(f"graph {graph} is not 0..3")
+        if kv is not None and (self.config.page_size is None or kv.size != rows):
+            raise ValueError(f"kv_pages needs page_size in the config and one value per seq_lens row ({rows})")
+
+    def _check_own(self, rank: int, parent: int | None, buffer: int | None, index: int) -> None:
+        """... and the values of one rank's observation (index: the one it will get)."""
+        if not 0 <= rank < self.config.dcp_size:
+            raise ValueError(f"rank {rank} out of range for dcp_size {self.config.dcp_size}")
+        if parent is not None and parent >= index:
+            raise ValueError(f"parent {parent} is not an earlier observation")
+        if buffer is not None and not -_I64 - 1 <= buffer <= _I64:
+            raise ValueError(f"buffer {buffer} does not fit int64")
+
     def observe(self, *, step: int, site: str, rank: int, seq_lens, num_reqs: int, num_reqs_padded: int,
                 dcp_local_seq_lens=None, ubatch: int = -1, parent: int | None = None, req_start: int | None = None,
                 tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
@@ -134,81 +161,167 @@ class Recorder:
                 kv_pages=None) -> int:
         """Record one attention-metadata build; returns its index (pass it as `parent=` later), -1 if dropped."""
         try:
-            o = self._observation(step, site, rank, seq_lens, num_reqs, num_reqs_padded, dcp_local_seq_lens,
-                                  ubatch, parent, req_start, tok_start, tok_stop, query_start_loc,
-                                  num_tokens_padded, buffer, graph, kv_pages)
+            seq, nr, nrp, qsl, graph = self._batch(seq_lens, num_reqs, num_reqs_padded, query_start_loc, graph)
+            if buffer is None and dcp_local_seq_lens is not None and hasattr(dcp_local_seq_lens, "untyped_storage"):
+                buffer = buffer_id(dcp_local_seq_lens)
+            p = None if parent is None or parent < 0 else int(parent)  # made file-relative in _append
+            vals = (int(step), int(rank), int(ubatch), nr, nrp, p,
+                    None if req_start is None else int(req_start), None if tok_start is None else int(tok_start),
+                    None if tok_stop is None else int(tok_stop),
+                    None if num_tokens_padded is None else int(num_tokens_padded),
+                    None if buffer is None else int(buffer), None if graph is None else int(graph))
+            row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages))
+            self._check_shared(vals, site, row[3], seq.size)
+            self._check_own(vals[1], p, vals[10], self._count)
         except Exception as e:  # never break the engine
-            self.dropped += 1
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"dcptool Recorder dropped an observation it cannot store ({e}); "
-                              "counting further drops silently", RuntimeWarning, stacklevel=2)
+            self._drop(e)
             return -1
-        self._obs.append(o)
-        self._count += 1
-        if self.rollover is not None and len(self._obs) >= self._retry_at:
-            self._flush(raise_errors=False)
-        return self._count - 1
+        return self._append(vals, site, row)
 
-    def _observation(self, step, site, rank, seq_lens, num_reqs, num_reqs_padded, dcp_local_seq_lens, ubatch,
-                     parent, req_start, tok_start, tok_stop, query_start_loc, num_tokens_padded, buffer, graph,
-                     kv_pages) -> Observation:
-        """Check every value against what the dump format can hold (DESIGN §2), so close() never fails on it."""
+    def observe_many(self, *, step: int, site: str, ranks, seq_lens, num_reqs: int, num_reqs_padded: int,
+                     dcp_local_seq_lens=None, ubatch: int = -1, parents=None, req_start: int | None = None,
+                     tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
+                     num_tokens_padded: int | None = None, buffers=None, graph: int | str | None = None,
+                     kv_pages=None) -> list[int]:
+        """Record one batch as seen by several ranks: one observation per entry of `ranks`.
+
+        What the ranks share (seq_lens, query_start_loc and the scalars) is copied once;
+        dcp_local_seq_lens and kv_pages are [ranks, rows] (kv_pages may also be one shared row);
+        parents and buffers are per rank. For a simulator or a harness that holds every rank's
+        metadata at once (an engine process records its own rank with observe()). Returns the
+        indices; a batch that cannot be stored is dropped whole ([-1] * len(ranks)).
+        """
+        ranks = list(ranks)
+        k = len(ranks)
+        try:
+            seq, nr, nrp, qsl, graph = self._batch(seq_lens, num_reqs, num_reqs_padded, query_start_loc, graph)
+            dcp = None if dcp_local_seq_lens is None else _host(dcp_local_seq_lens).reshape(k, -1)
+            kv = None
+            if kv_pages is not None:
+                flat = _host(kv_pages)
+                one = (kv_pages.ndim if hasattr(kv_pages, "ndim") else np.ndim(kv_pages)) == 1
+                # one shared row: a read-only view of the private copy for every rank
+                kv = np.broadcast_to(flat, (k, flat.size)) if one else flat.reshape(k, -1)
+            parents = [None] * k if parents is None else list(parents)
+            buffers = [None] * k if buffers is None else list(buffers)
+            if len(parents) != k or len(buffers) != k or (kv is not None and kv.shape[0] != k):
+                raise ValueError(f"{k} ranks but {len(parents)} parents, {len(buffers)} buffers")
+            common = (None if req_start is None else int(req_start), None if tok_start is None else int(tok_start),
+                      None if tok_stop is None else int(tok_stop),
+                      None if num_tokens_padded is None else int(num_tokens_padded))
+            step, ubatch = int(step), int(ubatch)
+            graph = None if graph is None else int(graph)
+            ranks = [int(r) for r in ranks]
+            self._check_shared((step, 0, ubatch, nr, nrp, None, *common, None, graph), site,
+                               None if kv is None else kv[0], seq.size)
+            batch = []
+            for i in range(k):
+                p = None if parents[i] is None or parents[i] < 0 else int(parents[i])
+                b = None if buffers[i] is None else int(buffers[i])
+                self._check_own(ranks[i], p, b, self._count + i)
+                batch.append(((step, ranks[i], ubatch, nr, nrp, p, *common, b, graph),
+                              (seq, None if dcp is None else dcp[i], qsl, None if kv is None else kv[i])))
+        except Exception as e:
+            self._drop(e, k)
+            return [-1] * k
+        return [self._append(vals, site, row) for vals, row in batch]
+
+    def _batch(self, seq_lens, num_reqs, num_reqs_padded, query_start_loc, graph):
+        """Checks and host copies shared by observe() and observe_many(); raises on what cannot be stored."""
         if self._closed:
             raise RuntimeError("observe() after close()")
-        c = self.config
-        if not isinstance(site, str) or not site.isprintable():
-            raise ValueError(f"site must be a printable string, got {site!r}")
-        seq = _host(seq_lens, "seq_lens", 0)
-        nr = _int(num_reqs, "num_reqs", 0)
-        nrp = _int(num_reqs_padded, "num_reqs_padded", nr)
-        if seq.size < nr:
-            raise ValueError(f"{seq.size} seq_lens rows for num_reqs {nr}")
-        if buffer is None and dcp_local_seq_lens is not None and hasattr(dcp_local_seq_lens, "untyped_storage"):
-            buffer = buffer_id(dcp_local_seq_lens)
-        if isinstance(graph, str):
-            graph = GRAPH[graph]
-        qsl = _host(query_start_loc, "query_start_loc")
+        seq = _host_fast(seq_lens)
+        nr, nrp = int(num_reqs), int(num_reqs_padded)  # (their int32 range: _check)
+        if not 0 <= nr <= nrp or seq.size < nr or (seq.size and seq.min() < 0):
+            raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {seq.size} seq_lens rows")
+        qsl = _host_fast(query_start_loc)
         if qsl is not None and qsl.size != seq.size + 1:
             qsl = None  # a query_start_loc that does not cover the rows is of no use to replay
-        kv = _host(kv_pages, "kv_pages")
-        if kv is not None and (c.page_size is None or kv.size != seq.size):
-            raise ValueError(f"kv_pages needs page_size in the config and one value per seq_lens row ({seq.size})")
-        idx = self._count
-        p = None
-        if parent is not None and int(parent) >= 0:
-            parent = _int(parent, "parent", 0, idx - 1)
-            p = parent - self._file_start if parent >= self._file_start else -1  # -1: in an earlier file
-        return Observation(step=_int(step, "step", *_I64), site=site, rank=_int(rank, "rank", 0, c.dcp_size - 1),
-                           num_reqs=nr, num_reqs_padded=nrp, seq_lens=seq,
-                           dcp_local_seq_lens=_host(dcp_local_seq_lens, "dcp_local_seq_lens"),
-                           ubatch=_int(ubatch, "ubatch", -1), parent=p, req_start=_opt(req_start, "req_start"),
-                           tok_start=_opt(tok_start, "tok_start"), tok_stop=_opt(tok_stop, "tok_stop"),
-                           query_start_loc=qsl, num_tokens_padded=_opt(num_tokens_padded, "num_tokens_padded"),
-                           buffer=_opt(buffer, "buffer", *_I64), graph=_opt(graph, "graph", 0, 3), kv_pages=kv)
+        return seq, nr, nrp, qsl, GRAPH[graph] if isinstance(graph, str) else graph
+
+    def _drop(self, e: Exception, n: int = 1) -> None:
+        self.dropped += n
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"dcptool Recorder dropped an observation it cannot store ({e}); "
+                          "counting further drops silently", RuntimeWarning, stacklevel=3)
+
+    def _append(self, vals: tuple, site: str, row: tuple) -> int:
+        parent = vals[5]
+        if parent is not None:  # index in this file; -1 when the parent went to an earlier file
+            vals = (*vals[:5], parent - self._file_start if parent >= self._file_start else -1, *vals[6:])
+        self._vals.append(vals)
+        self._sites.append(site)
+        self._rows.append(row)
+        self._count += 1
+        if self.rollover is not None and len(self._sites) >= self._retry_at:
+            self._flush(raise_errors=False)
+        return self._count - 1
 
     def _target(self) -> Path:
         if self.rollover is None:
             return self.path
         return self.path.with_name(f"{self.path.stem}.{len(self.files):05d}{self.path.suffix or '.safetensors'}")
 
+    def _pack(self) -> dict[str, np.ndarray]:
+        """The observations since the last file, as dump columns (DESIGN §2). Optional columns are
+        written when any observation knows them; the others get -1 (0 for obs.buffer and obs.graph)."""
+        n = len(self._sites)
+        c = dict(zip(_FIELDS, zip(*self._vals))) if n else {f: () for f in _FIELDS}
+        rows = dict(zip(("seq", "dcp", "qsl", "kv"), zip(*self._rows))) if n else {
+            k: () for k in ("seq", "dcp", "qsl", "kv")}
+        sites = list(self.config.sites)
+        for s in dict.fromkeys(self._sites):
+            if s not in sites:
+                sites.append(s)
+        self.config = DumpConfig(**{**self.config.__dict__, "sites": tuple(sites)})  # stable across rolled files
+        index = {s: i for i, s in enumerate(sites)}
+
+        def offsets(arrs) -> np.ndarray:
+            out = np.zeros(n + 1, np.int64)
+            np.cumsum(np.fromiter((0 if a is None else a.size for a in arrs), np.int64, n), out=out[1:])
+            return out
+
+        def cat(arrs) -> np.ndarray:
+            got = [a for a in arrs if a is not None]
+            return np.concatenate(got).astype("<i4", copy=False) if got else np.zeros(0, "<i4")
+
+        cols = {"obs.step": np.array(c["step"], "<i8"), "obs.site": np.array([index[s] for s in self._sites], "<i4"),
+                "obs.rank": np.array(c["rank"], "<i4"), "obs.ubatch": np.array(c["ubatch"], "<i4"),
+                "obs.num_reqs": np.array(c["num_reqs"], "<i4"),
+                "obs.num_reqs_padded": np.array(c["num_reqs_padded"], "<i4"),
+                "obs.rows": offsets(rows["seq"]), "rows.seq_lens": cat(rows["seq"]),
+                "obs.has_dcp": np.array([a is not None for a in rows["dcp"]], "u1"),
+                "obs.dcp_rows": offsets(rows["dcp"]), "rows.dcp_local_seq_lens": cat(rows["dcp"])}
+        for f, (key, dtype, unknown) in _OPTIONAL.items():
+            vals = c[f]
+            if any(v is not None for v in vals):
+                cols[key] = np.array([unknown if v is None else v for v in vals], dtype)
+        if any(a is not None for a in rows["qsl"]):
+            cols["obs.qsl"] = offsets(rows["qsl"])
+            cols["rows.query_start_loc"] = cat(rows["qsl"])
+        if any(a is not None for a in rows["kv"]):
+            cols["rows.kv_pages"] = cat([np.full(s.size, -1, np.int32) if k is None else k
+                                         for k, s in zip(rows["kv"], rows["seq"])])
+        return cols
+
     def _write_current(self) -> None:
         target = self._target()
-        cfg, cols = pack(self._obs, self.config)
+        n = len(self._sites)
+        cols = self._pack()
         injected = None
         if self.injected is not None:
-            lo, hi = self._file_start, self._file_start + len(self._obs)
+            lo, hi = self._file_start, self._file_start + n
             injected = {k: [i - lo for i in v if lo <= i < hi] for k, v in self.injected.items()}
         if self._stale:  # force=True: the earlier recording goes when this one has its first file
             for f in self._stale:
                 if f != target:
                     f.unlink(missing_ok=True)
             self._stale = []
-        write_dump(target, cfg, cols, injected)
-        self.config = cfg  # keep site indices stable across rolled files
+        write_dump(target, self.config, cols, injected)
         self.files.append(target)
-        self._file_start += len(self._obs)
-        self._obs = []
+        self._file_start += n
+        self._vals, self._sites, self._rows = [], [], []
 
     def _flush(self, *, raise_errors: bool) -> None:
         try:
@@ -217,14 +330,14 @@ class Recorder:
             self.write_errors += 1
             self.last_error = str(e)
             if self.rollover is not None:
-                self._retry_at = len(self._obs) + self.rollover  # keep them; try again a rollover later
+                self._retry_at = len(self._sites) + self.rollover  # keep them; try again a rollover later
             if raise_errors:
-                raise WriteError(f"{e} ({len(self._obs)} observations kept in memory; call close() again "
+                raise WriteError(f"{e} ({len(self._sites)} observations kept in memory; call close() again "
                                  "once the problem is fixed)") from None
             if not self._warned_write:
                 self._warned_write = True
                 warnings.warn(f"dcptool Recorder could not write ({e}); keeping the observations and retrying "
-                              "at the next rollover and at close()", RuntimeWarning, stacklevel=3)
+                              "at the next rollover and at close()", RuntimeWarning, stacklevel=4)
             return
         self._retry_at = self.rollover
 
@@ -236,7 +349,7 @@ class Recorder:
         """
         if self._closed:
             return self.files
-        if self._obs or not self.files:
+        if self._sites or not self.files:
             self._flush(raise_errors=True)
         self._closed = True
         atexit.unregister(self._at_exit)
@@ -246,5 +359,5 @@ class Recorder:
         try:
             self.close()
         except WriteError as e:
-            warnings.warn(f"dcptool Recorder lost {len(self._obs)} observations at exit: {e}", RuntimeWarning,
+            warnings.warn(f"dcptool Recorder lost {len(self._sites)} observations at exit: {e}", RuntimeWarning,
                           stacklevel=1)

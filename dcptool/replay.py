@@ -185,17 +185,19 @@ def _value_finding(d: Dump, prov: Provenance, i: int, n_wrong: int, first: int) 
     rule, src, detail = prov.explain(i, rec)
     kw = dict(row=first, recorded=rec[first], expected=exp[first], wrong_rows=n_wrong, source=src, detail=detail)
     w = _where(d, i)
+    rows = f"row {first} is {rec[first]}, expected {exp[first]} ({n_wrong} wrong row{'s' if n_wrong > 1 else ''})"
     if rule == "stale":
-        msg = f"{w}: DCP view is stale, " + _EXPLAIN[src.relation].format(obs=src.obs, site=src.site, step=src.step)
+        why = _EXPLAIN[src.relation].format(obs=src.obs, site=src.site, step=src.step)
+        msg = f"{w}: stale DCP view, {why}; {rows}"
     elif rule == "global":
-        msg = f"{w}: DCP view holds the global seq_lens, not this rank's local lengths"
+        msg = f"{w}: DCP view holds the global seq_lens, not this rank's local lengths; {rows}"
     elif rule == "wrong-rank":
-        msg = f"{w}: DCP view holds rank {detail['rank']}'s local lengths; pass this rank's dcp_rank"
+        msg = f"{w}: DCP view holds rank {detail['rank']}'s local lengths; pass this rank's dcp_rank; {rows}"
     elif rule == "wrong-interleave":
         msg = (f"{w}: DCP view was computed with interleave {detail['interleave']}, the dump's is "
-               f"{c.cp_interleave}; check cp_kv_cache_interleave_size")
+               f"{c.cp_interleave} (check cp_kv_cache_interleave_size); {rows}")
     else:
-        msg = f"{w}: {n_wrong} real row(s) wrong, first row {first}: {rec[first]} recorded, {exp[first]} expected"
+        msg = f"{w}: {rows}"
     return _mk(d, i, rule, msg, **kw)
 
 

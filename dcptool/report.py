@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -26,19 +28,26 @@ def _style(severity: str) -> str:
     return "bold red" if severity == "error" else "yellow"
 
 
-def findings_table(findings, title: str | None = None) -> Table:
-    t = Table(title=title, show_lines=False, expand=False, title_justify="left")
-    for name, kw in (("obs", {"justify": "right"}), ("step", {"justify": "right"}), ("site", {"no_wrap": True}),
-                     ("rank", {"justify": "right"}), ("ub", {"justify": "right"}), ("rule", {"no_wrap": True}),
-                     ("row", {"justify": "right"}), ("rec", {"justify": "right"}), ("exp", {"justify": "right"}),
-                     ("message", {"overflow": "fold", "ratio": 1})):
-        t.add_column(name, **kw)
+def findings_table(findings, title: str | None = None, width: int = 200) -> Table:
+    """One line per finding; below 120 columns the row values fold into the message so it stays readable."""
+    wide = width >= 120
+    t = Table(title=title, box=box.SIMPLE_HEAD, expand=False, title_justify="left", pad_edge=False)
+    t.add_column("obs", justify="right", no_wrap=True)
+    t.add_column("step", justify="right", no_wrap=True)
+    t.add_column("where", no_wrap=True)
+    t.add_column("rule", no_wrap=True)
+    if wide:
+        for name in ("row", "rec", "exp"):
+            t.add_column(name, justify="right", no_wrap=True)
+    t.add_column("message", ratio=1, min_width=30, overflow="fold")
     for f in findings:
-        rule = f.rule + (f"/{f.source.relation}" if f.source is not None else "")
-        t.add_row(str(f.obs), str(f.step), f.site, str(f.rank), "-" if f.ubatch < 0 else str(f.ubatch),
-                  Text(rule, style=_style(f.severity)), "" if f.row is None else str(f.row),
-                  "" if f.recorded is None else str(f.recorded), "" if f.expected is None else str(f.expected),
-                  f.message.split(": ", 1)[-1])  # the row already says where
+        where = f"{f.site} r{f.rank}" + ("" if f.ubatch < 0 else f" ub{f.ubatch}")
+        rule = f.rule + (f"/{f.source.relation}" if f.source is not None and wide else "")
+        msg = f.message.split(": ", 1)[-1]  # the row already says where
+        cells = [str(f.obs), str(f.step), where, Text(rule, style=_style(f.severity))]
+        if wide:
+            cells += ["" if v is None else str(v) for v in (f.row, f.recorded, f.expected)]
+        t.add_row(*cells, msg)
     return t
 
 
@@ -52,7 +61,7 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
     render_timeline(res, console)
     shown = res.findings[:limit]
     if shown:
-        console.print(findings_table(shown, title=f"Findings ({len(res.findings)})"))
+        console.print(findings_table(shown, title=f"Findings ({len(res.findings)})", width=console.width))
         if len(res.findings) > len(shown):
             console.print(f"... {len(res.findings) - len(shown)} more findings not shown (--max-findings, --json)")
     files = ", ".join(res.files)
@@ -332,3 +341,198 @@ def render_inspect(info, console: Console) -> None:
 
 def inspect_json(info) -> str:
     return json.dumps({"type": "inspect", **info.to_json()})
+
+
+# --------------------------------------------------------------------------------------------
+# simulate
+
+
+def _rules(counts: dict[str, int]) -> Text:
+    if not counts:
+        return Text("clean", style="green")
+    from dcptool.replay import RULES
+
+    return Text(", ".join(f"{r} {counts[r]}" for r in RULES if r in counts), style="bold red")
+
+
+def render_simulate(cmp, console: Console) -> None:
+    """The side-by-side table per site, then each injected fault: where it touched and what replay said."""
+    c = cmp.config
+    t = Table(title=f"dcptool simulate: dcp {c.dcp}, interleave {c.interleave}, pcp {c.pcp}, {c.steps} steps, "
+                    f"spec {c.spec_method} x{c.spec_tokens}, ubatches {c.ubatches}, cudagraph {c.cudagraph}, "
+                    f"seed {c.seed}", title_justify="left")
+    t.add_column("site", no_wrap=True)
+    t.add_column("observations", justify="right")
+    t.add_column("fixed: replay finds", overflow="fold")
+    t.add_column(f"{cmp.label}: replay finds", overflow="fold")
+    for s in cmp.sites:
+        t.add_row(s.site, str(s.observations), _rules(s.fixed), _rules(s.other))
+    console.print(t)
+    ft = Table(title=f"Faults ({cmp.label}): observations each touched, and what replay reported there",
+               title_justify="left")
+    for name, kw in (("fault", {"no_wrap": True}), ("rule", {}), ("touched", {"justify": "right"}),
+                     ("found", {"justify": "right"}), ("at sites", {"overflow": "fold"}),
+                     ("side findings there", {"overflow": "fold"})):
+        ft.add_column(name, **kw)
+    for f in cmp.faults:
+        if not f.applicable:
+            ft.add_row(f.name, f.rule, "-", "-", Text(f"not applicable: {f.why}", style="dim"), "")
+            continue
+        ok = f.found == f.touched
+        found = str(f.found) + (f" ({f.shape_only} as shape)" if f.shape_only else "")
+        ft.add_row(f.name, f.rule, str(f.touched), Text(found, style="green" if ok else "bold red"),
+                   ", ".join(f"{s} {n}" for s, n in f.sites.items()) or "-",
+                   _rules(f.side) if f.side else "-")
+    console.print(ft)
+    fx, ot = cmp.fixed, cmp.other
+    console.print(f"fixed: {len(fx.findings)} findings in {fx.observations} observations; {cmp.label}: "
+                  f"{len(ot.findings)} findings" + (f" ({', '.join(f'{r} {n}' for r, n in ot.by_rule().items())})"
+                                                    if ot.findings else ""))
+    if ot.by_rule().get("rank-sum"):
+        console.print("(rank-sum is about a group of ranks: it is reported at the rank that completes a group whose "
+                      "views do not add up, which may be a rank the fault left alone)", style="dim")
+    if any(f.shape_only for f in cmp.faults):
+        console.print("(as shape: a stale view whose surviving rows happen to be right but whose length is wrong; "
+                      "replay can only see the length)", style="dim")
+    console.print(f"replay backend {ot.backend} on {ot.device}, {cmp.seconds:.2f} s in all; write a dump with -o "
+                  "and replay it with `dcptool replay`", style="dim")
+
+
+def simulate_json_lines(cmp) -> Iterator[str]:
+    for s in cmp.sites:
+        yield json.dumps({"type": "site", "site": s.site, "observations": s.observations, "fixed": s.fixed,
+                          "other": s.other})
+    for f in cmp.faults:
+        yield json.dumps(f.to_json())
+    yield json.dumps(cmp.summary_json())
+
+
+def render_simulated(res, console: Console) -> None:
+    """What `simulate -o` wrote."""
+    c = res.config
+    console.print(f"[bold]wrote[/bold] {', '.join(res.files)}: {res.observations} observations "
+                  f"({c.pipeline if not c.inject else 'inject ' + ','.join(c.faults)}, dcp {c.dcp}, pcp {c.pcp}, "
+                  f"{c.steps} steps, seed {c.seed}) in {res.seconds:.2f} s")
+    console.print("by site: " + ", ".join(f"{s} {n}" for s, n in res.by_site.items()))
+    for f in res.faults.values():
+        if f.applicable:
+            console.print(f"  {f.name}: touched {f.count} observation(s), replay must report {f.rule}")
+        else:
+            console.print(f"  {f.name}: not applicable ({f.why})", style="dim")
+    console.print(f"replay it: dcptool replay {' '.join(res.files)}", style="dim")
+
+
+class Progress:
+    """A progress bar on stderr for long work (done / total, rate, time left): shown only once the
+    work has run for `delay` seconds, never when disabled (--json, or stderr not a terminal). Call it
+    with the units just done; safe from several threads."""
+
+    def __init__(self, total: int, what: str, enabled: bool, unit: str = "obs", delay: float = 1.0):
+        import threading
+        import time
+
+        self.total, self.what, self.unit, self.delay = total, what, unit, delay
+        self.enabled = enabled and total > 0
+        self._clock = time.monotonic
+        self._t0 = self._clock()
+        self._done = 0
+        self._bar = None
+        self._task = None
+        self._lock = threading.Lock()
+
+    def __call__(self, k: int) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            self._done += k
+            if self._bar is None and self._clock() - self._t0 >= self.delay:
+                self._start()
+            if self._bar is not None:
+                self._bar.update(self._task, completed=min(self._done, self.total))
+
+    def _start(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, ProgressColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
+
+        unit = self.unit
+
+        class Rate(ProgressColumn):
+            def render(self, task) -> Text:
+                return Text(f"{task.speed:,.0f} {unit}/s" if task.speed else "", style="progress.data.speed")
+
+        self._bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), Rate(),
+                        TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        self._bar.start()
+        self._task = self._bar.add_task(self.what, total=self.total, completed=self._done)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+# diff
+
+
+def _v(x) -> str:
+    return "" if x is None else str(x)
+
+
+def differences_table(diffs, title: str | None = None) -> Table:
+    t = Table(title=title, show_lines=False, expand=False, title_justify="left")
+    for name, kw in (("step", {"justify": "right"}), ("site", {"no_wrap": True}), ("rank", {"justify": "right"}),
+                     ("ub", {"justify": "right"}), ("#", {"justify": "right"}), ("field", {"no_wrap": True}),
+                     ("row", {"justify": "right"}), ("A", {"justify": "right"}), ("B", {"justify": "right"}),
+                     ("obs A/B", {"justify": "right", "no_wrap": True}), ("message", {"overflow": "fold", "ratio": 1})):
+        t.add_column(name, **kw)
+    for x in diffs:
+        k = x.key
+        where = ["", "", "", "", ""] if k is None else [str(k.step), k.site, str(k.rank),
+                                                        "-" if k.ubatch < 0 else str(k.ubatch), str(k.occurrence)]
+        obs = f"{'-' if x.a_obs is None else x.a_obs}/{'-' if x.b_obs is None else x.b_obs}"
+        t.add_row(*where, Text(x.field, style="bold red"), _v(x.row), _v(x.a), _v(x.b), "" if k is None else obs,
+                  x.message.split(": ", 2)[-1])  # the row already says where and which field
+    return t
+
+
+def _side_name(files: list[str]) -> str:
+    """One file's name, or the directory several files share (`fixed/`), as a person typed it."""
+    if len(files) == 1:
+        return files[0]
+    common = os.path.commonpath(files) if len({os.path.isabs(f) for f in files}) == 1 else ""
+    return f"{common or '.'}/" if common not in files else f"{files[0]}+{len(files) - 1}"
+
+
+def _side_desc(files: list[str], n: int) -> str:
+    many = f"{len(files)} files, " if len(files) > 1 else ""
+    return f"{_side_name(files)} ({many}{n} observations)"
+
+
+def render_diff(res, console: Console) -> None:
+    """Differences in run order, the summary, then the first divergence last (cmp-style)."""
+    a, b = _side_name(res.a_files), _side_name(res.b_files)
+    if res.differences:
+        console.print(differences_table(res.differences, title=f"Differences ({res.total})"))
+        if res.total > len(res.differences):
+            console.print(f"... {res.total - len(res.differences)} more differences not shown (--max-findings, --json)")
+    console.print(f"[bold]dcptool diff[/bold] A = {_side_desc(res.a_files, res.a_observations)}, "
+                  f"B = {_side_desc(res.b_files, res.b_observations)}: {res.compared} aligned, "
+                  f"{res.only_in_a} only in A, {res.only_in_b} only in B")
+    if res.total:
+        console.print(f"differences: {res.total}: " + ", ".join(f"{f} {n}" for f, n in res.by_field.items()))
+    for col, why in res.skipped.items():
+        console.print(f"skipped {col}: {why}", style="dim")
+    console.print(f"{res.seconds:.2f} s", style="dim")
+    if res.first is None:
+        console.print(f"[green]same[/green]: {a} and {b} record the same {res.compared} observations")
+    else:
+        f = res.first
+        where, _, detail = f.message.split(": ", 2)
+        console.print(Text.assemble(f"{a} {b} differ: ", ("first divergence", "bold"), f" at {where}: ",
+                                    (f.field, "bold red"), f": {detail}"))
+
+
+def diff_json_lines(res) -> Iterator[str]:
+    for x in res.differences:
+        yield json.dumps(x.to_json())
+    yield json.dumps(res.summary_json())

@@ -84,3 +84,102 @@ def split_batch(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_reqs: int
         num_tokens_padded = int(query_start_loc[num_reqs])
     return [slice_ubatch(query_start_loc, seq_lens, num_reqs, sl)
             for sl in ubatch_slices(query_start_loc, num_reqs, num_reqs_padded, num_tokens_padded, num_ubatches)]
+
+
+# --------------------------------------------------------------------------------------------
+# PCP (prefill context parallelism): vLLM 0.33's PCPManager.partition_batch, one rank at a time
+
+
+@dataclass(frozen=True)
+class PcpLocal:
+    """One PCP rank's rows of a partitioned batch: decodes first, then prefill chunks."""
+
+    req: np.ndarray  # [num_reqs] global batch row each local row comes from (requests may repeat)
+    offset: np.ndarray  # [num_reqs] where the row's chunk starts inside that request's query
+    query_lens: np.ndarray  # [num_reqs] int32
+    seq_lens: np.ndarray  # [num_reqs] int32: computed tokens + end of the chunk in the query
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.req.size)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_lens.sum())
+
+
+def pcp_replicated(query_lens: np.ndarray, is_prefilling: np.ndarray, pcp_size: int, dcp_size: int) -> np.ndarray:
+    """Per request: does every PCP rank get the whole query? Decodes always; with DCP > 1 also a
+    prefill too short to fill all 2P chunks ((2P-1) * ceil(q/2P) >= q), as vLLM's
+    `replicated_requests` decides."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    rep = ~np.asarray(is_prefilling, dtype=bool)
+    if dcp_size > 1:
+        chunks = 2 * pcp_size
+        rep = rep | ((chunks - 1) * (-(-q // chunks)) >= q)
+    return rep
+
+
+def _pcp_rows(q: np.ndarray, is_prefilling: np.ndarray, pcp_size: int, rank: int, dcp_size: int,
+              shard_decodes: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(request, offset, length) of every chunk rank `rank` gets, in vLLM's local row order."""
+    chunks = 2 * pcp_size
+    rep = pcp_replicated(q, is_prefilling, pcp_size, dcp_size)
+    live = q > 0
+    cs = -(-q // chunks)
+    off_a = np.where(rep, 0, rank * cs)
+    len_a = np.where(rep, q, np.minimum(np.maximum(q - rank * cs, 0), cs))
+    if shard_decodes:  # PCP without DCP: each replicated request has one owner, round robin
+        ordinal = np.cumsum(rep & live) - 1
+        len_a = np.where(rep & (ordinal % pcp_size != rank), 0, len_a)
+    off_b = (chunks - 1 - rank) * cs
+    len_b = np.where(rep, 0, np.minimum(np.maximum(q - off_b, 0), cs))
+    idx = np.arange(q.size)
+    req = np.concatenate([idx, idx])
+    off = np.concatenate([off_a, off_b])
+    ln = np.concatenate([len_a, len_b])
+    keep = np.concatenate([live, live]) & (ln > 0)
+    req, off, ln = req[keep], off[keep], ln[keep]
+    order = np.lexsort((off, req, np.asarray(is_prefilling, dtype=bool)[req]))  # decodes first
+    return req[order], off[order], ln[order]
+
+
+def pcp_partition(query_lens: np.ndarray, num_computed: np.ndarray, is_prefilling: np.ndarray, pcp_size: int,
+                  pcp_rank: int, dcp_size: int = 1, shard_decodes: bool | None = None) -> PcpLocal:
+    """The rows PCP rank `pcp_rank` runs (vLLM's `PCPManager.partition_batch`, before padding).
+
+    A prefill of q tokens is cut into 2P chunks of ceil(q/2P); rank p gets chunks p and 2P-1-p as
+    two local rows, empty chunks dropped. Decodes (and, with DCP > 1, prefills too short to fill
+    every chunk) are replicated whole to every rank; without DCP each decode has one owner
+    (`pcp_shard_decode_requests`, the default when dcp_size == 1). Rows are ordered decodes first,
+    then by request and chunk. A rank with nothing to run gets one empty row (seq_len 0), as vLLM
+    does. local seq_len = computed tokens + end of the chunk. With pcp_size 1 vLLM has no PCP
+    manager and the batch is unchanged.
+    """
+    q = np.asarray(query_lens, dtype=np.int64)
+    comp = np.asarray(num_computed, dtype=np.int64)
+    if pcp_size < 1 or not 0 <= pcp_rank < pcp_size:
+        raise ValueError(f"pcp_rank {pcp_rank} out of range for pcp_size {pcp_size}")
+    if pcp_size == 1:
+        req = np.arange(q.size)
+        return PcpLocal(req, np.zeros(q.size, np.int32), q.astype(np.int32), (comp + q).astype(np.int32))
+    if shard_decodes is None:
+        shard_decodes = dcp_size == 1
+    req, off, ln = _pcp_rows(q, is_prefilling, pcp_size, pcp_rank, dcp_size, shard_decodes)
+    if req.size == 0:
+        z = np.zeros(1, np.int32)
+        return PcpLocal(np.zeros(1, np.intp), z, z, z)
+    return PcpLocal(req, off.astype(np.int32), ln.astype(np.int32), (comp[req] + off + ln).astype(np.int32))
+
+
+def pcp_rank_tokens(query_lens: np.ndarray, is_prefilling: np.ndarray, pcp_size: int, dcp_size: int = 1,
+                    shard_decodes: bool | None = None) -> np.ndarray:
+    """Tokens each PCP rank runs; the runner dispatches CUDA graphs on the largest
+    (`get_num_tokens_for_dispatch`)."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    if pcp_size == 1:
+        return np.array([int(q.sum())])
+    if shard_decodes is None:
+        shard_decodes = dcp_size == 1
+    return np.array([int(_pcp_rows(q, is_prefilling, pcp_size, p, dcp_size, shard_decodes)[2].sum())
+                     for p in range(pcp_size)])

@@ -57,12 +57,21 @@ def check_alias(d: Dump) -> list[Issue]:
         sel = np.flatnonzero(((g == 2) | (g == 3)) & (buf != 0))
         if sel.size:
             nrp = d["obs.num_reqs_padded"].astype(np.int64)
-            order, run = _segments([ub[sel], nrp[sel], rank[sel], fidx[sel]])
+            # Every buffer captured for a key counts: a drafter (DFlash) captures graphs of the same sizes on
+            # its own buffers, and several PCP ranks of one DCP rank may share a file; only a replay whose
+            # buffer no earlier capture of its key used reads stale values.
+            _, key = np.unique(np.stack([fidx[sel], rank[sel], nrp[sel], ub[sel]]), axis=1, return_inverse=True)
+            _, pair = np.unique(np.stack([key.ravel(), buf[sel]]), axis=1, return_inverse=True)
+            key, pair = key.ravel(), pair.ravel()
+            cap = g[sel] == 2
+            big = np.iinfo(np.int64).max
+            first_cap = np.full(int(pair.max()) + 1, big)
+            np.minimum.at(first_cap, pair[cap], sel[cap])
+            order, run = _segments([key])
             s = sel[order]
             pos = np.arange(s.size)
-            # the latest capture at or before each element of its run (positions only grow within a run)
-            last = np.maximum.accumulate(np.where(g[s] == 2, pos, run - 1))
-            bad = np.flatnonzero((g[s] == 3) & (last >= run) & (buf[s] != buf[s[np.maximum(last, 0)]]))
+            last = np.maximum.accumulate(np.where(g[s] == 2, pos, run - 1))  # latest capture in the run so far
+            bad = np.flatnonzero((g[s] == 3) & (last >= run) & (first_cap[pair[order]] > s))
             for k in bad:
                 i, j = int(s[k]), int(s[last[k]])
                 msg = (f"{where(d, i)}: full-graph replay reads DCP buffer {int(buf[i]):#x} but the graph was "

@@ -82,14 +82,19 @@ def test_fused_kernels_match_reference(dev, n_obs, N, I):
     assert torch.equal(exp, exp_ref)
 
 
-def test_check_rows_reports_first_wrong_row():
+def test_check_rows_reports_first_wrong_row(dev):
     seq = torch.tensor([17, 25, 0, 0], dtype=torch.int32)
     rows = torch.tensor([0, 4])
     dcp = torch.tensor([9, 12, 0, -1], dtype=torch.int32)  # row 1 wrong (13), padded row 3 = -1
+    kv = torch.tensor([1, 2, 0, 0], dtype=torch.int32)  # pages of 8: 9 -> 2 (row 0 claims 1), 13 -> 2
     args = (seq, rows, dcp, torch.tensor([0, 4]), torch.tensor([2]), torch.tensor([4]), torch.tensor([0]), 2, 1)
-    want = [[1], [1], [1], [3], [0], [-1]]
-    assert reference.check_rows(*args).tolist() == want
-    assert kernel.check_rows(*args).tolist() == want
+    want = [[1], [1], [1], [3], [1], [0]]
+    assert reference.check_rows(*args, kv_pages=kv, page_size=8).tolist() == want
+    got = kernel.check_rows(*[a.to(dev) if isinstance(a, torch.Tensor) else a for a in args], kv_pages=kv.to(dev),
+                            page_size=8)
+    assert got.tolist() == want
+    with pytest.raises(ValueError, match="device"):
+        kernel.check_rows(*args[:6], torch.tensor([0], device="meta"), 2, 1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,0 +1,1 @@
+"""Engine integrations: record DCP metadata from a running serving engine through dcptool's Recorder."""

@@ -1,0 +1,844 @@
+"""simulate: a seeded serving workload through a model of vLLM's runner, recorded with or without pre-fix faults."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from dcptool.record import Recorder
+from dcptool.slicing import UbatchSlice, pcp_partition, pcp_rank_tokens, split_batch
+
+# DESIGN §4's fault table: fault -> (the rule replay must report, what the engine did).
+FAULTS: dict[str, tuple[str, str]] = {
+    "dummy-none": ("missing", "dummy/profile runs build attention metadata with None"),
+    "dflash-capture-none": ("missing", "DFlash CUDA-graph capture gets None"),
+    "ubatch-none": ("missing", "micro-batches drop the field"),
+    "ubatch-parent-rows": ("stale", "micro-batches copy the parent's rows"),
+    "pcp-stale": ("stale", "derived from the global batch before the PCP partition"),
+    "pcp-unpadded": ("shape", "PCP-local view sliced to num_reqs, not num_reqs_padded"),
+    "capture-wrong-buffer": ("alias", "capture fills the runner's buffer; PCP replays read the PCP manager's"),
+    "graph-stale": ("alias", "a per-step buffer baked into a full graph"),
+    "sentinel": ("padding", "padded rows keep a -1 left in the buffer"),
+    "flashinfer-global-pages": ("pages", "page counts from the global length"),
+}
+SITES = ("prepare_inputs", "pcp_partition", "attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft")
+PIPELINES = ("fixed", "legacy")
+GRAPH_MODES = ("none", "piecewise", "full")
+SPEC_METHODS = ("mtp", "dflash")
+
+# vLLM defaults the model follows (ParallelConfig.dbo_*_token_threshold, CompilationConfig's ceiling).
+DBO_DECODE_TOKENS = 32
+DBO_PREFILL_TOKENS = 512
+MAX_GRAPH_TOKENS = 512
+NONE, PIECEWISE, FULL = 0, 1, 2  # CUDAGraphMode as dispatched; obs.graph: 0 eager, 1 piecewise, 2 capture, 3 replay
+# Buffer identities: one address space per recording process, fixed slots for persistent buffers.
+RUNNER, PCP_BUF, DRAFTER, DFLASH, UBATCH = 1, 2, 3, 4, 8
+
+
+class SimError(ValueError):
+    """A configuration simulate cannot run (the CLI prints it and exits 2)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    dcp: int = 2
+    interleave: int = 1
+    pcp: int = 1
+    steps: int = 32
+    spec_tokens: int = 2
+    spec_method: str = "mtp"
+    ubatches: int = 2
+    cudagraph: str = "full"
+    dummy_every: int = 16
+    page_size: int = 16
+    pipeline: str = "fixed"
+    inject: tuple[str, ...] = ()
+    seed: int = 0
+    # The workload: realistic serving sizes (vLLM's max_num_seqs / max_num_batched_tokens / max_model_len).
+    max_num_reqs: int = 64
+    token_budget: int = 2048
+    max_model_len: int = 32768
+    arrival_rate: float = 0.6  # new requests per step (Poisson)
+    accept_rate: float = 0.7  # chance each draft token is accepted, given the ones before were
+
+    @property
+    def faults(self) -> tuple[str, ...]:
+        """The faults this run injects, in the fault table's order."""
+        chosen = set(FAULTS) if self.pipeline == "legacy" else set(self.inject)
+        return tuple(f for f in FAULTS if f in chosen)
+
+    @property
+    def decode_query_len(self) -> int:
+        return 1 + self.spec_tokens
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise SimError(msg)
+
+        for name in ("dcp", "interleave", "pcp", "ubatches", "page_size", "max_num_reqs", "token_budget"):
+            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        need(self.steps >= 0, f"--steps must be >= 0, got {self.steps}")
+        need(self.spec_tokens >= 0, f"--spec-tokens must be >= 0, got {self.spec_tokens}")
+        need(self.dummy_every >= 0, f"--dummy-every must be >= 0 (0: only the start-up profile run), got "
+                                    f"{self.dummy_every}")
+        need(self.pipeline in PIPELINES, f"--pipeline {self.pipeline!r}: choose fixed or legacy")
+        need(self.cudagraph in GRAPH_MODES, f"--cudagraph {self.cudagraph!r}: choose none, piecewise or full")
+        need(self.spec_method in SPEC_METHODS, f"--spec-method {self.spec_method!r}: choose mtp or dflash")
+        unknown = [f for f in self.inject if f not in FAULTS]
+        need(not unknown, f"--inject: unknown fault {', '.join(unknown)} (known: {', '.join(FAULTS)})")
+        need(not (self.inject and self.pipeline == "legacy"),
+             "--inject picks faults on top of the fixed pipeline; --pipeline legacy already injects all of them")
+        # vLLM: the KV block size must be a multiple of cp_kv_cache_interleave_size.
+        need(self.page_size % self.interleave == 0,
+             f"--page-size {self.page_size} must be a multiple of --interleave {self.interleave} (as vLLM's block "
+             "size must be)")
+        need(self.dcp * self.interleave <= self.max_model_len, "--dcp x --interleave exceeds the model length")
+        need(self.token_budget >= self.decode_query_len, "--token-budget must fit one decode with its drafts")
+        # vLLM's PCPManager.validate_config: PCP speculates with (single-module) MTP only.
+        need(not (self.pcp > 1 and self.spec_tokens > 0 and self.spec_method == "dflash"),
+             "--spec-method dflash with --pcp > 1: vLLM's PCP supports only MTP speculative decoding")
+
+    def command(self) -> str:
+        """The `dcptool simulate` command line that reproduces this configuration."""
+        out = ["dcptool", "simulate"]
+        for f in fields(self):
+            v, d = getattr(self, f.name), f.default
+            if f.name == "inject":
+                if v:
+                    out += ["--inject", ",".join(v)]
+            elif v != d:
+                out += [f"--{f.name.replace('_', '-')}", str(v)]
+        return shlex.join(out)
+
+
+def applicability(cfg: SimConfig) -> dict[str, str | None]:
+    """fault -> None when the configuration exercises the path it breaks, else why it cannot apply."""
+    graphs = cfg.cudagraph == "full"
+    why = {
+        "dummy-none": None,
+        "dflash-capture-none": None if cfg.spec_method == "dflash" and cfg.spec_tokens > 0 and graphs else
+        "needs --spec-method dflash, --spec-tokens > 0 and --cudagraph full",
+        "ubatch-none": None if cfg.ubatches > 1 else "needs --ubatches > 1",
+        "ubatch-parent-rows": None if cfg.ubatches > 1 else "needs --ubatches > 1",
+        "pcp-stale": None if cfg.pcp > 1 else "needs --pcp > 1",
+        "pcp-unpadded": None if cfg.pcp > 1 and graphs else "needs --pcp > 1 and --cudagraph full (request padding)",
+        "capture-wrong-buffer": None if cfg.pcp > 1 and graphs else "needs --pcp > 1 and --cudagraph full",
+        "graph-stale": None if graphs else "needs --cudagraph full",
+        "sentinel": None if graphs else "needs --cudagraph full (only full graphs pad requests)",
+        "flashinfer-global-pages": None,
+    }
+    if cfg.dcp == 1:  # vLLM passes None everywhere: nothing DCP-specific can go wrong
+        why = {f: "needs --dcp > 1" for f in why}
+    return why
+
+
+@dataclass
+class FaultReport:
+    """One injected fault: whether it applies, and the observations it touched (per file)."""
+
+    name: str
+    rule: str
+    what: str
+    applicable: bool
+    why: str | None
+    touched: dict[str, list[int]] = field(default_factory=dict)
+    # Stale faults only: touched observations whose rows that exist are right (local lengths are
+    # many-to-one, or the copied slice is empty) while the length is not; replay can only say `shape` there.
+    shape_only: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def count(self) -> int:
+        return sum(len(v) for v in self.touched.values())
+
+    def to_json(self) -> dict:
+        return {"fault": self.name, "rule": self.rule, "applicable": self.applicable, "why": self.why,
+                "touched": self.count, "observations": self.touched,
+                "shape_only": {k: v for k, v in self.shape_only.items() if v}}
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    files: list[str]
+    observations: int
+    by_site: dict[str, int]
+    faults: dict[str, FaultReport]
+    seconds: float
+
+    def injected(self, file: str) -> dict[str, list[int]]:
+        """What `dcptool.injected` holds in `file`: applicable faults -> touched indices there."""
+        return {f.name: f.touched.get(file, []) for f in self.faults.values() if f.applicable}
+
+    def to_json(self) -> dict:
+        c = self.config
+        return {"type": "simulate", "command": c.command(), "pipeline": c.pipeline, "faults_injected": list(c.faults),
+                "files": self.files, "observations": self.observations, "by_site": self.by_site,
+                "faults": [f.to_json() for f in self.faults.values()], "seconds": round(self.seconds, 4)}
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA graphs: vLLM's capture sizes and dispatch (FULL_AND_PIECEWISE for --cudagraph full)
+
+
+@dataclass(frozen=True)
+class Desc:
+    """A batch execution descriptor: graph mode, padded tokens, padded requests (None: no request padding)."""
+
+    mode: int
+    num_tokens: int
+    num_reqs: int | None
+    ubatches: int = 1
+
+
+def capture_sizes(max_num_reqs: int, max_num_tokens: int, decode_query_len: int) -> list[int]:
+    """vLLM's default cudagraph_capture_sizes (VllmConfig): 1, 2, 4, then every 8 to 256, every 16
+    above, up to min(2 * max_num_seqs * decode_query_len, 512), plus the uniform decode sizes."""
+    mx = min(max_num_reqs * decode_query_len * 2, MAX_GRAPH_TOKENS)
+    if decode_query_len > 1:
+        n = min(max_num_reqs, MAX_GRAPH_TOKENS)
+        counts = {c for c in (1, 2, 4) if c <= n} | set(range(8, min(n + 1, 256), 8)) | set(range(256, n + 1, 16))
+        decode = {c * decode_query_len for c in counts | {n} if c * decode_query_len <= mx}
+    else:
+        decode = {max_num_reqs} if max_num_reqs <= mx else set()
+    mx = min(max_num_tokens, mx)
+    sizes = {s for s in (1, 2, 4) if s <= mx} | set(range(8, min(mx + 1, 256), 8)) | set(range(256, mx + 1, 16))
+    if max_num_tokens <= mx:
+        sizes.add(max_num_tokens)
+    sizes |= {s for s in decode if s <= max_num_tokens}
+    return sorted(sizes)
+
+
+class Graphs:
+    """The descriptors vLLM's CudaGraphManager captures, and its dispatch (smallest compatible graph)."""
+
+    def __init__(self, cfg: SimConfig):
+        self.cfg = cfg
+        dql, R = cfg.decode_query_len, cfg.max_num_reqs
+        self.full: list[Desc] = []  # uniform-decode FULL graphs (and their micro-batched twins)
+        self.piecewise: list[Desc] = []
+        if cfg.cudagraph == "none":
+            return
+        sizes = capture_sizes(R, cfg.token_budget, dql)
+        self.max_size = sizes[-1]
+        if cfg.cudagraph == "full":
+            for s in sizes:
+                tok = -(-s // dql) * dql
+                if tok > R * dql or tok > self.max_size or tok // dql > R:
+                    continue
+                d = Desc(FULL, tok, tok // dql)
+                if d not in self.full:
+                    self.full.append(d)
+                    if cfg.ubatches > 1 and tok >= max(DBO_DECODE_TOKENS, cfg.ubatches):
+                        self.full.append(Desc(FULL, tok, tok // dql, cfg.ubatches))
+        self.piecewise = [Desc(PIECEWISE, s, None) for s in sizes]
+
+    def captures(self) -> list[Desc]:
+        """In vLLM's capture order: PIECEWISE first, then FULL, each largest first (twin after its base)."""
+        by_size = sorted(self.piecewise, key=lambda d: -d.num_tokens)
+        return by_size + sorted(self.full, key=lambda d: -d.num_tokens)
+
+    def dispatch(self, num_reqs: int, num_tokens: int, uniform_decode: bool, ubatch: bool) -> Desc:
+        cfg = self.cfg
+        base = self._smallest_full(num_tokens) if uniform_decode else None
+        if base is not None and base.num_reqs < num_reqs:
+            base = None
+        if ubatch and cfg.ubatches > 1 and num_tokens >= (DBO_DECODE_TOKENS if uniform_decode else DBO_PREFILL_TOKENS):
+            # a micro-batched FULL graph when one was captured, unless its second half would be empty
+            twin = None if base is None else Desc(FULL, base.num_tokens, base.num_reqs, cfg.ubatches)
+            if twin is not None and twin in self.full and 2 * num_tokens >= twin.num_tokens:
+                return twin
+            return Desc(NONE, num_tokens, None, cfg.ubatches)
+        if base is not None:
+            return base
+        for d in self.piecewise:
+            if d.num_tokens >= num_tokens:
+                return d
+        return Desc(NONE, num_tokens, None)
+
+    def _smallest_full(self, num_tokens: int) -> Desc | None:
+        return next((d for d in self.full if d.ubatches == 1 and d.num_tokens >= num_tokens), None)
+
+
+# --------------------------------------------------------------------------------------------
+# The workload: Poisson arrivals, skewed lengths, chunked prefill under a token budget, spec decode
+
+
+@dataclass
+class Batch:
+    """One scheduled step in batch order (decodes first, then prefills by query length)."""
+
+    query_lens: np.ndarray
+    num_computed: np.ndarray
+    is_prefilling: np.ndarray
+    slots: np.ndarray  # request slot of each row
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.query_lens.size)
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.num_computed + self.query_lens
+
+
+class Workload:
+    """Requests arrive, prefill in chunks under the token budget, decode with K draft tokens each step
+    (accepted drafts advance seq_lens by accepted + 1), and leave when their output is done."""
+
+    def __init__(self, cfg: SimConfig, rng: np.random.Generator):
+        self.cfg, self.rng = cfg, rng
+        cap = cfg.max_num_reqs
+        self.prompt = np.zeros(cap, np.int64)
+        self.output = np.zeros(cap, np.int64)
+        self.computed = np.zeros(cap, np.int64)
+        self.generated = np.zeros(cap, np.int64)
+        self.active = np.zeros(cap, bool)
+        self.arrived = np.zeros(cap, np.int64)  # arrival order, for FCFS prefill
+        self.waiting: list[tuple[int, int]] = []
+        self.count = 0
+        # Start in steady state: half the slots already decoding.
+        for _ in range(cap // 2):
+            p, o = self._lengths()
+            s = self._admit(p, o)
+            self.generated[s] = int(rng.integers(1, max(2, o)))
+            self.computed[s] = p + self.generated[s] - 1
+
+    def _lengths(self) -> tuple[int, int]:
+        c, rng = self.cfg, self.rng
+        p = int(np.clip(rng.lognormal(np.log(1024), 1.0), 8, min(16384, c.max_model_len // 2)))
+        o = int(np.clip(rng.lognormal(np.log(256), 0.9), 4, min(4096, c.max_model_len - p - c.decode_query_len)))
+        return p, max(o, 1)
+
+    def _admit(self, prompt: int, output: int) -> int:
+        s = int(np.flatnonzero(~self.active)[0])
+        self.prompt[s], self.output[s], self.computed[s], self.generated[s] = prompt, output, 0, 0
+        self.active[s] = True
+        self.arrived[s] = self.count
+        self.count += 1
+        return s
+
+    def schedule(self) -> Batch:
+        c = self.cfg
+        for _ in range(int(self.rng.poisson(c.arrival_rate))):
+            self.waiting.append(self._lengths())
+        budget = c.token_budget
+        dec = np.flatnonzero(self.active & (self.computed >= self.prompt))
+        dec = dec[: budget // c.decode_query_len]
+        budget -= dec.size * c.decode_query_len
+        pre = np.flatnonzero(self.active & (self.computed < self.prompt))
+        pre = pre[np.argsort(self.arrived[pre], kind="stable")]
+        chunks = []
+        for s in pre:
+            if budget == 0:
+                break
+            n = int(min(self.prompt[s] - self.computed[s], budget))
+            chunks.append((int(s), n))
+            budget -= n
+        while budget > 0 and self.waiting and self.active.sum() < c.max_num_reqs:
+            s = self._admit(*self.waiting.pop(0))
+            n = int(min(self.prompt[s], budget))
+            chunks.append((s, n))
+            budget -= n
+        slots = np.concatenate([dec, np.array([s for s, _ in chunks], np.int64)]).astype(np.int64)
+        q = np.concatenate([np.full(dec.size, c.decode_query_len, np.int64),
+                            np.array([n for _, n in chunks], np.int64)])
+        # vLLM's sort_batch_req_ids: decodes with drafts first, then by query length.
+        order = np.lexsort((q, q != c.decode_query_len, np.arange(q.size) >= dec.size))
+        slots, q = slots[order], q[order]
+        return Batch(query_lens=q, num_computed=self.computed[slots].copy(),
+                     is_prefilling=self.computed[slots] < self.prompt[slots], slots=slots)
+
+    def advance(self, b: Batch) -> np.ndarray:
+        """Apply one step's results; returns num_computed after it, per row (what the drafter starts from)."""
+        c = self.cfg
+        s = b.slots
+        dec = ~b.is_prefilling
+        k = c.spec_tokens
+        # accepted = leading run of accepted drafts (each with probability accept_rate)
+        accepted = (self.rng.random((s.size, max(k, 1))) < c.accept_rate)[:, :k].cumprod(axis=1).sum(axis=1)
+        step = np.where(dec, accepted + 1, b.query_lens)
+        self.computed[s] += step
+        done_prefill = b.is_prefilling & (self.computed[s] >= self.prompt[s])
+        self.generated[s] += np.where(dec, accepted + 1, done_prefill.astype(np.int64))
+        after = self.computed[s].copy()
+        fin = (self.generated[s] >= self.output[s]) | (self.computed[s] + c.decode_query_len >= c.max_model_len)
+        self.active[s[fin]] = False
+        return after
+
+
+# --------------------------------------------------------------------------------------------
+# Recording sinks: one Recorder for all ranks, or one per rank (--per-rank)
+
+
+class _Sink:
+    def __init__(self, cfg: SimConfig, out: Path, per_rank: bool, force: bool = False):
+        P, N = cfg.pcp, cfg.dcp
+        kw = dict(dcp_size=N, cp_interleave=cfg.interleave, sites=SITES, pcp_size=P, page_size=cfg.page_size,
+                  engine="dcptool simulate", engine_version=f"vLLM model runner V2 model ({cfg.pipeline} pipeline)",
+                  note=cfg.command())
+        if per_rank:
+            names = [f".pcp{p}.rank{r}" if P > 1 else f".rank{r}" for p in range(P) for r in range(N)]
+            self.paths = [out.with_name(f"{out.stem}{n}{out.suffix or '.safetensors'}") for n in names]
+            self.file_of = list(range(P * N))
+        else:
+            self.paths = [out]
+            self.file_of = [0] * (P * N)
+        if not force:  # (the Recorder refuses too; this says it in the CLI's words)
+            clash = [str(p) for p in self.paths if p.exists()]
+            if clash:
+                raise FileExistsError(f"{clash[0]}: exists (use --force to overwrite)")
+        self.recorders = [Recorder(p, force=force, **kw) for p in self.paths]
+        self.shared = not per_rank
+        self.touched: list[dict[str, list[int]]] = [{} for _ in self.recorders]
+        self.by_site: dict[str, int] = {}
+
+    def mark(self, proc: int, idx: int, fault: str) -> None:
+        """fault, or "fault:shape" where a stale fault left the rows that exist right but the length wrong."""
+        self.touched[self.file_of[proc]].setdefault(fault, []).append(idx)
+
+
+# --------------------------------------------------------------------------------------------
+# The runner model
+
+
+@dataclass
+class _Rows:
+    """A batch as attention metadata sees it: padded seq_lens and query_start_loc."""
+
+    seq: np.ndarray  # [num_reqs_padded] int64, padded rows 0
+    qsl: np.ndarray  # [num_reqs_padded + 1] int64, padded entries repeat the real token count
+    nr: int
+    ntp: int  # tokens after padding
+
+    @property
+    def nrp(self) -> int:
+        return int(self.seq.size)
+
+
+def _rows(query_lens: np.ndarray, seq_lens: np.ndarray, nrp: int, ntp: int) -> _Rows:
+    nr = int(query_lens.size)
+    seq = np.zeros(nrp, np.int64)
+    seq[:nr] = seq_lens
+    qsl = np.empty(nrp + 1, np.int64)
+    qsl[0] = 0
+    np.cumsum(query_lens, out=qsl[1 : nr + 1])
+    qsl[nr + 1 :] = qsl[nr]
+    return _Rows(seq, qsl, nr, max(ntp, int(qsl[nr])))
+
+
+def _dummy(num_reqs: int, num_tokens: int, context: int, max_model_len: int) -> _Rows:
+    """InputBatch.make_dummy (tokens spread evenly, the last ones get one more), then set_dummy_context."""
+    q = np.full(num_reqs, num_tokens // num_reqs, np.int64)
+    q[num_reqs - num_tokens % num_reqs :] += 1
+    seq = q + np.minimum(context, max_model_len - q)
+    return _rows(q, seq, num_reqs, num_tokens)
+
+
+class Runner:
+    """vLLM's model runner for all P x N recording processes (PCP rank p, DCP rank r).
+
+    Every attention-metadata build is recorded: the fixed pipeline computes DCP metadata once from
+    the final batch (after the PCP partition, padding and set_dummy_context) into the buffer that
+    batch lives in; each injected fault replaces that at the sites where pre-fix vLLM went wrong, and
+    what it changed there (compared with the fixed value of the same observation) is its ground truth.
+    """
+
+    def __init__(self, cfg: SimConfig, sink: _Sink):
+        self.cfg, self.sink = cfg, sink
+        self.N, self.P, self.I, self.G = cfg.dcp, cfg.pcp, cfg.interleave, cfg.page_size
+        self.F = frozenset(cfg.faults) - {f for f, why in applicability(cfg).items() if why is not None}
+        self.graphs = Graphs(cfg)
+        self.ranks = np.arange(self.N).reshape(-1, 1)
+        self._fresh = 0
+        self._captured: dict[tuple, set[int]] = {}
+        # In the legacy pipeline both micro-batch faults come from one pre-fix behaviour: a micro-batch
+        # takes its parent's field, which is a value on real steps and captures (the capture path's DCP
+        # hack filled it) and None on dummy runs (nothing filled it).
+        both = {"ubatch-none", "ubatch-parent-rows"} <= self.F
+        self.ub_fault = {kind: ("ubatch-none" if kind == "dummy" else "ubatch-parent-rows") if both else
+                         next((f for f in ("ubatch-none", "ubatch-parent-rows") if f in self.F), None)
+                         for kind in ("step", "dummy", "capture")}
+
+    def _local(self, seq: np.ndarray) -> np.ndarray:
+        """DESIGN §1's local length on every rank at once, [N, rows] (np.clip is slow on small arrays)."""
+        span = self.N * self.I
+        rounds = seq // span
+        rem = (seq - rounds * span).reshape(1, -1) - self.ranks * self.I
+        return rounds * self.I + np.minimum(np.maximum(rem, 0), self.I)
+
+    # ---- buffers
+
+    def _buf(self, proc: int, slot: int) -> int:
+        return (0x7F << 40) | (proc << 24) | (slot << 12)
+
+    def _per_step_buf(self, proc: int) -> int:
+        self._fresh += 1
+        return (0x7E << 40) | (proc << 32) | self._fresh
+
+    # ---- one batch on every DCP rank of PCP rank p
+
+    def emit(self, p: int, b: _Rows, *, step: int, site: str, role: str, graph: int, slot: int, ubatch: int = -1,
+             parents: list[int] | None = None, sl: UbatchSlice | None = None, parent_views: np.ndarray | None = None,
+             global_views: np.ndarray | None = None, kind: str = "step", pages: bool = True):
+        """Record batch `b` on DCP ranks 0..N-1 of PCP rank p.
+
+        Every rank's view is computed at once ([N, rows]); returns (indices per rank, recorded views
+        [N, length] or None) so that children (micro-batches, the PCP-local batch) can derive from them.
+        """
+        N, F, nr, nrp = self.N, self.F, b.nr, b.nrp
+        loc = self._local(b.seq[:nr])  # [N, nr]
+        marks: list[tuple[str, np.ndarray]] = []  # (fault, [N] bool: ranks it touched)
+        view = None
+        if N > 1:
+            fixed = np.zeros((N, nrp), np.int64)
+            fixed[:, :nr] = loc
+            view = self._faults(role, kind, b, fixed, parent_views, global_views, sl, marks)
+        kv = None
+        if pages:
+            glob = -(-b.seq // self.G)
+            glob[nr:] = 0
+            kv = np.zeros((N, nrp), np.int64)
+            kv[:, :nr] = -(-loc // self.G) if N > 1 else glob[:nr]
+            if "flashinfer-global-pages" in F:
+                marks.append(("flashinfer-global-pages", (kv[:, :nr] != glob[:nr]).any(axis=1)))
+                kv = glob  # one row shared by every rank
+        fresh = view is not None and graph == 3 and "graph-stale" in F
+        home = slot
+        if view is not None and role == "capture" and self.P > 1 and ubatch < 0 and "capture-wrong-buffer" in F:
+            home = RUNNER
+        sink = self.sink
+        sink.by_site[site] = sink.by_site.get(site, 0) + N
+        procs = range(p * N, p * N + N)
+        if view is None:
+            bufs = [0] * N
+        elif fresh:
+            bufs = [self._per_step_buf(proc) for proc in procs]
+        else:
+            bufs = [self._buf(proc, home) for proc in procs]
+        kw = dict(step=step, site=site, seq_lens=b.seq, num_reqs=nr, num_reqs_padded=nrp, ubatch=ubatch,
+                  query_start_loc=b.qsl, num_tokens_padded=b.ntp, graph=graph)
+        if sl is not None:
+            kw.update(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)
+        if sink.shared:  # every rank in one file: one call records the batch on all N ranks
+            idxs = sink.recorders[0].observe_many(ranks=range(N), dcp_local_seq_lens=view, parents=parents,
+                                                  buffers=bufs, kv_pages=kv, **kw)
+        else:
+            idxs = [sink.recorders[proc].observe(rank=r, dcp_local_seq_lens=None if view is None else view[r],
+                                                 parent=None if parents is None else parents[r], buffer=bufs[r],
+                                                 kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[r],
+                                                 **kw)
+                    for r, proc in enumerate(procs)]
+        for r, proc in enumerate(procs):
+            idx, buf = idxs[r], bufs[r]
+            if graph >= 2 and buf:
+                key = (sink.file_of[proc], r, nrp, ubatch)
+                if graph == 2:
+                    self._captured.setdefault(key, set()).add(buf)
+                elif key in self._captured and buf not in self._captured[key]:
+                    # the replay reads another buffer than its capture: DESIGN's alias, reported at the replay
+                    if fresh:
+                        sink.mark(proc, idx, "graph-stale")
+                    if "capture-wrong-buffer" in F and self.P > 1 and ubatch < 0:
+                        sink.mark(proc, idx, "capture-wrong-buffer")
+            for fault, hit in marks:
+                if hit[r]:
+                    sink.mark(proc, idx, fault)
+        return idxs, view
+
+    def _faults(self, role, kind, b: _Rows, fixed, parent_views, global_views, sl, marks):
+        """Every rank's view as the faulty engine records it instead of `fixed` ([N, nrp]), or None;
+        appends (fault, ranks it changed) to `marks`."""
+        F, nr, nrp = self.F, b.nr, b.nrp
+        N = fixed.shape[0]
+        view = fixed
+        every = np.ones(N, bool)
+
+        def changed(fault: str, v: np.ndarray, length_wrong: bool) -> None:
+            # rows_wrong ranks are the fault's own finding; length-only ranks can only be `shape`
+            k = min(v.shape[1], nr)
+            rows_wrong = (v[:, :k] != fixed[:, :k]).any(axis=1)
+            marks.append((fault, rows_wrong))
+            if length_wrong:
+                marks.append((fault + ":shape", ~rows_wrong))
+
+        if role == "final" and global_views is not None and ({"pcp-stale", "pcp-unpadded"} & F):
+            stale, unpadded = "pcp-stale" in F, "pcp-unpadded" in F
+            src = global_views if stale else fixed
+            length = nr if unpadded else src.shape[1]
+            view = np.zeros((N, length), np.int64)  # the runner's buffer is 0 past the global rows
+            n = min(length, src.shape[1])
+            view[:, :n] = src[:, :n]
+            if stale:
+                changed("pcp-stale", view, not unpadded and length != nrp)
+            if unpadded and length != nrp:
+                marks.append(("pcp-unpadded", every))
+        elif role == "ubatch" and self.ub_fault[kind] is not None:
+            fault = self.ub_fault[kind]
+            if fault == "ubatch-none" or parent_views is None:
+                # a micro-batch of a parent whose field was None takes the None along
+                marks.append((fault if fault == "ubatch-none" or kind != "dummy" else "dummy-none", every))
+                return None
+            n = max(0, min(nr, parent_views.shape[1] - sl.req_start))
+            view = fixed.copy() if n == nr else np.zeros((N, n), np.int64)
+            view[:, :n] = parent_views[:, sl.req_start : sl.req_start + n]
+            changed(fault, view, view.shape[1] != nrp)
+        if "sentinel" in F and view.shape[1] > nr:
+            view = view.copy()
+            view[:, nr:] = -1
+            marks.append(("sentinel", every))
+        if (role == "dummy" and "dummy-none" in F) or (role == "dflash" and "dflash-capture-none" in F):
+            marks.clear()
+            marks.append(("dummy-none" if role == "dummy" else "dflash-capture-none", every))
+            return None
+        return view
+
+    # ---- paths
+
+    def run_batch(self, step: int, parents_of: list, rows_of: list, desc: Desc, site: str, role: str, kind: str,
+                  slot: int, global_views_of=None) -> None:
+        """The final batch of every PCP rank, then its micro-batches when the step is split."""
+        cfg = self.cfg
+        split = desc.ubatches > 1
+        if kind == "capture":
+            graph = 2 if desc.mode == FULL else 1
+        else:
+            graph = 3 if desc.mode == FULL else 1 if desc.mode == PIECEWISE else 0
+        top = []
+        for p in range(self.P):
+            g = 0 if split and kind != "capture" else graph
+            top.append(self.emit(p, rows_of[p], step=step, site=site, role=role, graph=g, slot=slot,
+                                 parents=parents_of[p], kind=kind,
+                                 global_views=None if global_views_of is None else global_views_of[p]))
+        if not split:
+            return
+        ub_graph = (2 if kind == "capture" else 3) if desc.mode == FULL else 0
+        per_p = [split_batch(rows_of[p].qsl, rows_of[p].seq, rows_of[p].nr, rows_of[p].nrp, rows_of[p].ntp,
+                             cfg.ubatches) for p in range(self.P)]
+        for u in range(cfg.ubatches):
+            for p in range(self.P):
+                ub = per_p[p][u]
+                rows = _Rows(ub.seq_lens.astype(np.int64), ub.query_start_loc.astype(np.int64), ub.num_reqs,
+                             ub.slice.tok_stop - ub.slice.tok_start)
+                self.emit(p, rows, step=step, site="ubatch", role="ubatch", graph=ub_graph, slot=UBATCH + u,
+                          ubatch=u, parents=top[p][0], sl=ub.slice, parent_views=top[p][1], kind=kind)
+
+    def startup(self) -> None:
+        """Step 0: the profile run, then CUDA-graph capture (generic, then DFlash's)."""
+        cfg = self.cfg
+        home = PCP_BUF if self.P > 1 else RUNNER
+        tokens = cfg.token_budget
+        prof = _dummy(min(tokens, cfg.max_num_reqs), tokens, 0, cfg.max_model_len)
+        desc = Desc(NONE, tokens, None, cfg.ubatches if cfg.ubatches > 1 and tokens >= DBO_PREFILL_TOKENS else 1)
+        self.run_batch(0, [None] * self.P, [prof] * self.P, desc, "dummy", "dummy", "dummy", home)
+        for d in self.graphs.captures():
+            reqs = d.num_reqs or min(d.num_tokens, cfg.max_num_reqs)
+            # set_dcp_capture_context: FULL graphs capture with N*I tokens of KV context under DCP
+            ctx = self.N * self.I if d.mode == FULL and self.N > 1 else 0
+            rows = _dummy(reqs, d.num_tokens, ctx, cfg.max_model_len)
+            self.run_batch(0, [None] * self.P, [rows] * self.P, d, "capture", "capture", "capture", home)
+        if cfg.spec_method == "dflash" and cfg.spec_tokens > 0:
+            for d in self.graphs.captures():
+                if d.mode == FULL and d.ubatches == 1:  # PIECEWISE DFlash captures skip attention
+                    rows = _dummy(d.num_reqs, d.num_tokens, 0, cfg.max_model_len)
+                    for p in range(self.P):
+                        self.emit(p, rows, step=0, site="dflash_capture", role="dflash", graph=2, slot=DFLASH,
+                                  kind="capture")
+
+    def dummy_run(self, step: int, k: int, rng: np.random.Generator) -> None:
+        """A DP-idle dummy batch (a peer's shape, alternating uniform decode and mixed), with context."""
+        cfg = self.cfg
+        dql = cfg.decode_query_len
+        uniform = k % 2 == 0
+        if uniform:
+            reqs = int(rng.integers(1, cfg.max_num_reqs + 1))
+            tokens = reqs * dql
+        else:
+            tokens = int(rng.integers(64, cfg.token_budget + 1))
+            reqs = min(tokens, cfg.max_num_reqs)
+        desc = self.graphs.dispatch(reqs, tokens, uniform, True)
+        reqs = desc.num_reqs or reqs
+        rows = _dummy(reqs, max(desc.num_tokens, tokens), int(rng.integers(512, 8193)), cfg.max_model_len)
+        self.run_batch(step, [None] * self.P, [rows] * self.P, desc, "dummy", "dummy", "dummy",
+                       PCP_BUF if self.P > 1 else RUNNER)
+
+    def real_step(self, step: int, b: Batch) -> Desc:
+        cfg, P = self.cfg, self.P
+        q, comp, isp = b.query_lens, b.num_computed, b.is_prefilling
+        uniform = not isp.any() and bool((q == cfg.decode_query_len).all())
+        tokens = int(q.sum()) if P == 1 else int(pcp_rank_tokens(q, isp, P, self.N).max())
+        desc = self.graphs.dispatch(b.num_reqs, tokens, uniform, True)
+        ntp = desc.num_tokens if desc.mode != NONE else tokens
+        g = _rows(q, b.seq_lens, desc.num_reqs or b.num_reqs, max(int(q.sum()), ntp))
+        if P == 1:
+            self.run_batch(step, [None], [g], desc, "attn_metadata", "final", "step", RUNNER)
+            return desc
+        glob = [self.emit(p, g, step=step, site="prepare_inputs", role="global", graph=0, slot=RUNNER, pages=False)
+                for p in range(P)]  # the view each process derived from the global batch (before the fix)
+        local = []
+        for p in range(P):
+            lb = pcp_partition(q, comp, isp, P, p, self.N)
+            local.append(_rows(lb.query_lens, lb.seq_lens, desc.num_reqs or lb.num_reqs, ntp))
+        self.run_batch(step, [gi for gi, _ in glob], local, desc, "pcp_partition", "final", "step", PCP_BUF,
+                       global_views_of=[gv for _, gv in glob])
+        return desc
+
+    def drafts(self, step: int, desc: Desc, computed_after: np.ndarray) -> None:
+        """MTP/DFlash draft steps 1..K-1 build their own metadata from the drafter's seq_lens."""
+        cfg = self.cfg
+        n = computed_after.size
+        for k in range(1, cfg.spec_tokens):
+            seq = np.minimum(computed_after + k, cfg.max_model_len)
+            rows = _rows(np.ones(n, np.int64), seq, desc.num_reqs or n, n)
+            for p in range(self.P):
+                self.emit(p, rows, step=step, site="draft", role="draft", graph=0, slot=DRAFTER)
+
+
+def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: bool = False,
+             progress=None) -> SimResult:
+    """Run the workload through the runner model and write the dump(s) atomically; `progress(k)` is
+    told as k more steps are done."""
+    cfg.validate()
+    t0 = time.perf_counter()
+    out = Path(out)
+    sink = _Sink(cfg, out, per_rank, force)
+    rng = np.random.default_rng(cfg.seed)
+    runner = Runner(cfg, sink)
+    work = Workload(cfg, rng)
+    runner.startup()
+    dummies = 0
+    for step in range(1, cfg.steps + 1):
+        if progress:
+            progress(1)
+        if cfg.dummy_every and step % cfg.dummy_every == 0:
+            runner.dummy_run(step, dummies, rng)
+            dummies += 1
+        b = work.schedule()
+        if b.num_reqs == 0:
+            continue
+        desc = runner.real_step(step, b)
+        after = work.advance(b)
+        if cfg.spec_tokens > 1:
+            runner.drafts(step, desc, after)
+    why = applicability(cfg)
+    files = [str(p) for p in sink.paths]
+    reports = {f: FaultReport(f, FAULTS[f][0], FAULTS[f][1], why[f] is None, why[f]) for f in cfg.faults}
+    for i, rec in enumerate(sink.recorders):
+        got = sink.touched[i]
+        for f, rep in reports.items():
+            shape = sorted(got.get(f + ":shape", []))
+            rep.touched[files[i]] = sorted(got.get(f, []) + shape)
+            rep.shape_only[files[i]] = shape
+        rec.injected = {f: rep.touched[files[i]] for f, rep in reports.items() if rep.applicable}
+    for rec in sink.recorders:
+        rec.close()
+    by_site = {s: sink.by_site[s] for s in SITES if s in sink.by_site}
+    return SimResult(cfg, files, sum(by_site.values()), by_site, reports, time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------------------------
+# Without -o: both pipelines side by side, with what replay finds in each
+
+
+@dataclass
+class SiteRow:
+    site: str
+    observations: int
+    fixed: dict[str, int]  # rule -> findings at this site, fixed pipeline
+    other: dict[str, int]  # same, legacy pipeline (or the injected faults)
+
+
+@dataclass
+class FaultRow:
+    """An injected fault: where it touched, and what replay reported at those observations."""
+
+    name: str
+    rule: str
+    applicable: bool
+    why: str | None
+    touched: int
+    found: int  # touched observations where replay reported the fault's rule (`shape` where shape-only)
+    sites: dict[str, int]  # site -> touched observations
+    side: dict[str, int]  # rule -> touched observations where replay also reported it and no fault explains it
+    shape_only: int = 0  # stale faults: touched observations whose rows are right, so `shape` is the finding
+
+    def to_json(self) -> dict:
+        return {"type": "fault", "fault": self.name, "rule": self.rule, "applicable": self.applicable,
+                "why": self.why, "touched": self.touched, "found": self.found, "shape_only": self.shape_only,
+                "sites": self.sites, "side_findings": self.side}
+
+
+@dataclass
+class Comparison:
+    config: SimConfig  # the other (legacy / injected) configuration
+    label: str
+    sites: list[SiteRow]
+    faults: list[FaultRow]
+    fixed: object  # ReplayResult of the fixed pipeline
+    other: object  # ReplayResult of the other one
+    seconds: float
+
+    def summary_json(self) -> dict:
+        return {"type": "summary", "command": self.config.command(), "label": self.label,
+                "observations": self.fixed.observations, "fixed": {"findings": len(self.fixed.findings),
+                                                                    "by_rule": self.fixed.by_rule()},
+                "other": {"findings": len(self.other.findings), "by_rule": self.other.by_rule()},
+                "backend": self.other.backend, "device": self.other.device, "seconds": round(self.seconds, 4)}
+
+
+def compare(cfg: SimConfig, backend: str = "auto", progress=None) -> Comparison:
+    """Simulate the fixed pipeline and `cfg`'s faults (all of them for legacy) on the same workload,
+    replay both, and line up per site what each path recorded and what replay found."""
+    import tempfile
+
+    from dcptool.dump import open_dumps
+    from dcptool.replay import replay
+
+    cfg.validate()
+    t0 = time.perf_counter()
+    if not cfg.faults:
+        cfg = SimConfig(**{**cfg.__dict__, "pipeline": "legacy"})
+    fixed_cfg = SimConfig(**{**cfg.__dict__, "pipeline": "fixed", "inject": ()})
+    with tempfile.TemporaryDirectory(prefix="dcptool-simulate-") as tmp:
+        runs = []
+        for name, c in (("fixed", fixed_cfg), ("other", cfg)):
+            res = simulate(c, Path(tmp) / f"{name}.safetensors", progress=progress)
+            d = open_dumps(res.files)
+            runs.append((res, d, replay(d, backend)))
+    (fres, fd, frep), (ores, od, orep) = runs
+    sites = []
+    names = [fd.config.sites[i] for i in np.unique(fd["obs.site"])]
+    for s in sorted(names, key=SITES.index):
+        sites.append(SiteRow(s, fres.by_site.get(s, 0), frep.by_site().get(s, {}), orep.by_site().get(s, {})))
+    at: dict[int, set[str]] = {}
+    for f in orep.findings:
+        at.setdefault(f.index, set()).add(f.rule)
+    # the rules the faults touching an observation explain there; anything else there is a side finding
+    explained: dict[int, set[str]] = {}
+    for rep in ores.faults.values():
+        shape_only = {i for v in rep.shape_only.values() for i in v}
+        for v in rep.touched.values():
+            for i in v:
+                explained.setdefault(i, set()).add("shape" if i in shape_only else rep.rule)
+    site_of = od["obs.site"]
+    rows = []
+    for name, rep in ores.faults.items():
+        idx = [i for v in rep.touched.values() for i in v]
+        shape_only = {i for v in rep.shape_only.values() for i in v}
+        side: dict[str, int] = {}
+        per_site: dict[str, int] = {}
+        found = 0
+        for i in idx:
+            for r in at.get(i, set()) - explained[i] - {"rank-sum"}:  # rank-sum belongs to a group of ranks
+                side[r] = side.get(r, 0) + 1
+            found += ("shape" if i in shape_only else rep.rule) in at.get(i, ())
+            s = od.config.sites[int(site_of[i])]
+            per_site[s] = per_site.get(s, 0) + 1
+        rows.append(FaultRow(name, rep.rule, rep.applicable, rep.why, len(idx), found, per_site, side,
+                             len(shape_only)))
+    label = "legacy" if cfg.pipeline == "legacy" else "inject " + ",".join(cfg.faults)
+    return Comparison(cfg, label, sites, rows, frep, orep, time.perf_counter() - t0)

@@ -1,0 +1,205 @@
+"""Micro-batch slicing and the PCP partition against DESIGN §1 and vLLM 0.33.0's own answers.
+
+The expectations marked "vLLM" were produced by /work/shared/tools/vllm_oracle.py (`ubatch_split`:
+create_ubatch_slices + _slice_input_batch; `pcp_partition`: PCPManager.partition_batch with the
+runner's prepare_dcp_local_seq_lens) and are recorded here as literals: these tests never need vLLM.
+"""
+
+import numpy as np
+import pytest
+
+from dcptool.replay import local_np
+from dcptool.slicing import pcp_partition, pcp_rank_tokens, pcp_replicated, split_batch, ubatch_slices
+
+
+def _qsl(query_lens, nrp=None):
+    q = np.asarray(query_lens)
+    nrp = nrp or q.size
+    out = np.full(nrp + 1, q.sum())
+    out[0] = 0
+    out[1 : q.size + 1] = np.cumsum(q)
+    return out
+
+
+def _seq(seq_lens, nrp=None):
+    s = np.zeros(nrp or len(seq_lens), np.int64)
+    s[: len(seq_lens)] = seq_lens
+    return s
+
+
+# (query_lens, seq_lens, K, num_tokens_padded, num_reqs_padded, N, rank, I) ->
+#   per micro-batch: ([req_start, req_stop], [tok_start, tok_stop], num_reqs, num_reqs_padded, qsl, seq_lens, dcp)
+UBATCH_CASES = [
+    # DESIGN §1 worked example (vLLM's tests), both ranks: a copied parent row (256) would be stale
+    (([1, 1, 10, 1, 1], [64, 96, 512, 32, 48], 2, None, None, 2, 0, 1),
+     [([0, 3], [0, 7], 3, 3, [0, 1, 2, 7], [64, 96, 507], [32, 48, 254]),
+      ([2, 5], [7, 14], 3, 3, [0, 5, 6, 7], [512, 32, 48], [256, 16, 24])]),
+    (([1, 1, 10, 1, 1], [64, 96, 512, 32, 48], 2, None, None, 2, 1, 1),
+     [([0, 3], [0, 7], 3, 3, [0, 1, 2, 7], [64, 96, 507], [32, 48, 253]),
+      ([2, 5], [7, 14], 3, 3, [0, 5, 6, 7], [512, 32, 48], [256, 16, 24])]),
+    # CUDA-graph padded uniform decode (vLLM): the last micro-batch absorbs the request padding
+    (([3, 3, 3], [40, 50, 60], 2, 24, 8, 2, 1, 1),
+     [([0, 4], [0, 12], 3, 4, [0, 3, 6, 9, 9], [40, 50, 60, 0], [20, 25, 30, 0]),
+      ([2, 8], [12, 24], 1, 6, [0, 0, 0, 0, 0, 0, 0], [60, 0, 0, 0, 0, 0], [30, 0, 0, 0, 0, 0])]),
+    # a micro-batch entirely in token padding keeps the last real request, 0 tokens, full seq_len (vLLM)
+    (([1], [7], 2, 8, 4, 2, 0, 16),
+     [([0, 2], [0, 4], 1, 2, [0, 1, 1], [7, 0], [7, 0]),
+      ([0, 4], [4, 8], 1, 4, [0, 0, 0, 0, 0], [7, 0, 0, 0], [7, 0, 0, 0])]),
+    (([16, 129], [2524, 1242], 3, 290, 2, 4, 1, 1),
+     [([0, 2], [0, 96], 2, 2, [0, 16, 96], [2524, 1193], [631, 298]),
+      ([1, 2], [96, 192], 1, 1, [0, 49], [1242], [311]),
+      ([1, 2], [192, 290], 1, 1, [0, 0], [1242], [311])]),
+    # one request spread over four micro-batches (vLLM)
+    (([127], [768], 4, 254, 1, 8, 7, 1),
+     [([0, 1], [0, 63], 1, 1, [0, 63], [704], [88]),
+      ([0, 1], [63, 126], 1, 1, [0, 63], [767], [95]),
+      ([0, 1], [126, 189], 1, 1, [0, 1], [768], [96]),
+      ([0, 1], [189, 254], 1, 1, [0, 0], [768], [96])]),
+    (([4, 513, 16], [1027, 1961, 2157], 4, 538, 6, 8, 4, 16),
+     [([0, 2], [0, 134], 2, 2, [0, 4, 134], [1027, 1578], [128, 192]),
+      ([1, 2], [134, 268], 1, 1, [0, 134], [1712], [208]),
+      ([1, 2], [268, 402], 1, 1, [0, 134], [1846], [224]),
+      ([1, 6], [402, 538], 2, 5, [0, 115, 131, 131, 131, 131], [1961, 2157, 0, 0, 0], [240, 272, 0, 0, 0])]),
+]
+
+
+@pytest.mark.parametrize("case,want", UBATCH_CASES)
+def test_ubatches_match_vllm(case, want):
+    q, s, k, ntp, nrp, N, rank, il = case
+    nrp = nrp or len(q)
+    ubs = split_batch(_qsl(q, nrp), _seq(s, nrp), len(q), nrp, ntp, k)
+    got = []
+    for ub in ubs:
+        sl = ub.slice
+        dcp = np.zeros(ub.num_reqs_padded, np.int64)
+        dcp[: ub.num_reqs] = local_np(ub.seq_lens[: ub.num_reqs], N, rank, il)
+        got.append(([sl.req_start, sl.req_stop], [sl.tok_start, sl.tok_stop], ub.num_reqs, ub.num_reqs_padded,
+                     ub.query_start_loc.tolist(), ub.seq_lens.tolist(), dcp.tolist()))
+    assert got == [tuple(w) for w in want]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ubatches_cover_the_padded_batch(seed):
+    """Micro-batches tile [0, num_tokens_padded), straddlers appear in both, seq_lens only shrink at the end."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        n = int(rng.integers(1, 40))
+        q = rng.choice([1, 3, 4, 127, 128, 129, 1000], n)
+        comp = rng.integers(0, 5000, n)
+        nrp = n + int(rng.integers(0, 4))
+        ntp = int(q.sum() + rng.integers(0, 64))
+        k = int(rng.integers(1, 5))
+        if ntp // k < 1:
+            continue
+        qsl, seq = _qsl(q, nrp), _seq(comp + q, nrp)
+        ubs = split_batch(qsl, seq, n, nrp, ntp, k)
+        assert [u.slice.tok_start for u in ubs][0] == 0 and ubs[-1].slice.tok_stop == ntp
+        assert all(a.slice.tok_stop == b.slice.tok_start for a, b in zip(ubs, ubs[1:]))
+        assert ubs[-1].slice.req_stop == nrp
+        for u in ubs:
+            parent = seq[u.slice.req_start : u.slice.req_stop]
+            assert (u.seq_lens[:-1] == parent[:-1]).all() and u.seq_lens[-1] <= parent[-1]
+            assert u.query_start_loc[-1] <= u.slice.tok_stop - u.slice.tok_start
+
+
+def test_ubatch_slices_reject_bad_input():
+    with pytest.raises(ValueError):
+        ubatch_slices(np.array([0, 1]), 1, 1, 1, 0)
+    with pytest.raises(ValueError):
+        ubatch_slices(np.array([0]), 0, 0, 0, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# PCP
+
+# (query_lens, seq_lens, prefill_lens, P, rank, N, I) -> vLLM: (local->global rows, local query lens,
+#   local seq_lens, DCP rank 0 local lengths or None)
+PCP_CASES = [
+    # DESIGN §1: decodes with 16 and 24 computed tokens -> [17, 25] on every PCP rank; N=2 rank 0 -> [9, 13]
+    (([1, 1], [17, 25], None, 2, 0, 2, 1), ([0, 1], [1, 1], [17, 25], [9, 13])),
+    # P=4, N=2, I=16: short prefills (15 tokens: 7 * 2 < 15) are cut, 3- and 9-token ones replicated
+    (([15, 1, 3, 17, 15, 9, 1000, 3], [15, 487, 3, 634, 3774, 9, 1000, 3304],
+      [33, 94, 27, 647, 3809, 36, 1032, 1280], 4, 0, 2, 16),
+     ([1, 7, 0, 0, 2, 3, 4, 4, 5, 6, 6], [1, 3, 2, 1, 3, 17, 2, 1, 9, 125, 125],
+      [487, 3304, 2, 15, 3, 634, 3761, 3774, 9, 125, 1000], [247, 1656, 2, 15, 3, 320, 1888, 1888, 9, 64, 504])),
+    (([15, 1, 3, 17, 15, 9, 1000, 3], [15, 487, 3, 634, 3774, 9, 1000, 3304],
+      [33, 94, 27, 647, 3809, 36, 1032, 1280], 4, 1, 2, 16),
+     ([1, 7, 0, 0, 2, 3, 4, 4, 5, 6, 6], [1, 3, 2, 2, 3, 17, 2, 2, 9, 125, 125],
+      [487, 3304, 4, 14, 3, 634, 3763, 3773, 9, 250, 875], [247, 1656, 4, 14, 3, 320, 1888, 1888, 9, 128, 443])),
+    # P=3, N=4, I=16: three prefills (the last a 1-token chunk that is still prefilling, so replicated
+    # but not a decode): each prefill's two chunks in request order
+    (([17, 129, 1], [17, 3765, 2305], [62, 3772, 2342], 3, 1, 4, 16),
+     ([0, 0, 1, 1, 2], [3, 3, 22, 22, 1], [6, 15, 3680, 3746, 2305], [6, 15, 928, 944, 577])),
+    (([17, 129, 1], [17, 3765, 2305], [62, 3772, 2342], 3, 2, 4, 16),
+     ([0, 0, 1, 1, 2], [3, 3, 22, 22, 1], [9, 12, 3702, 3724, 2305], [9, 12, 928, 940, 577])),
+    # PCP without DCP shards decodes round robin: ranks 0-2 get one decode each, rank 3 none
+    (([1, 291, 3, 3], [2014, 291, 4373, 4231], [1664, 324, 406, 3573], 4, 0, 1, 16),
+     ([0, 1, 1], [1, 37, 32], [2014, 37, 291], None)),
+    (([1, 291, 3, 3], [2014, 291, 4373, 4231], [1664, 324, 406, 3573], 4, 1, 1, 16),
+     ([2, 1, 1], [3, 37, 37], [4373, 74, 259], None)),
+    (([1, 291, 3, 3], [2014, 291, 4373, 4231], [1664, 324, 406, 3573], 4, 3, 1, 16),
+     ([1, 1], [37, 37], [148, 185], None)),
+    # a rank whose chunks are all empty runs one empty row (seq_len 0), as vLLM does
+    (([2], [2], [30], 3, 2, 1, 1), ([0], [0], [0], None)),
+]
+
+
+@pytest.mark.parametrize("case,want", PCP_CASES)
+def test_pcp_partition_matches_vllm(case, want):
+    q, s, pl, P, rank, N, il = case
+    q, s = np.array(q), np.array(s)
+    comp = s - q
+    pl = np.where(q > 1, s, comp) if pl is None else np.array(pl)
+    loc = pcp_partition(q, comp, comp < pl, P, rank, N)
+    rows, lq, ls, dcp = want
+    assert loc.req.tolist() == rows
+    assert loc.query_lens.tolist() == lq
+    assert loc.seq_lens.tolist() == ls
+    if dcp is not None:
+        assert local_np(loc.seq_lens, N, 0, il).tolist() == dcp
+
+
+def test_pcp_design_example_padded():
+    """DESIGN §1: local [17, 25], N=2, I=1, rank 0 -> [9, 13], padded to 4 rows [9, 13, 0, 0]."""
+    loc = pcp_partition([1, 1], [16, 24], [False, False], 2, 1, 2)
+    view = np.zeros(4, np.int64)
+    view[: loc.num_reqs] = local_np(loc.seq_lens, 2, 0, 1)
+    assert loc.seq_lens.tolist() == [17, 25] and view.tolist() == [9, 13, 0, 0]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_pcp_partition_properties(seed):
+    """Every prefill token runs on exactly one rank; decodes (and, with DCP, short prefills) on all."""
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        P = int(rng.integers(2, 5))
+        N = int(rng.choice([1, 2, 4]))
+        n = int(rng.integers(1, 12))
+        q = rng.choice([1, 2, 3, 7, 8, 127, 128, 129, 1000, 4097], n)
+        comp = rng.integers(0, 3000, n)
+        isp = rng.random(n) < 0.6
+        q = np.where(isp, q, int(rng.choice([1, 3])))
+        rep = pcp_replicated(q, isp, P, N)
+        covered = np.zeros(n, np.int64)
+        for rank in range(P):
+            loc = pcp_partition(q, comp, isp, P, rank, N)
+            if loc.num_tokens == 0:
+                assert loc.num_reqs == 1 and loc.seq_lens.tolist() == [0]
+                continue
+            assert (np.diff(isp[loc.req].astype(int)) >= 0).all(), "decodes come first"
+            assert (loc.seq_lens == comp[loc.req] + loc.offset + loc.query_lens).all()
+            assert (loc.query_lens > 0).all() and (loc.offset + loc.query_lens <= q[loc.req]).all()
+            np.add.at(covered, loc.req, loc.query_lens)
+        sharded_decodes = N == 1
+        want = np.where(rep & ~(sharded_decodes & ~isp), P * q, q)
+        want = np.where(rep & (N > 1), P * q, want)
+        assert (covered == want).all()
+        assert pcp_rank_tokens(q, isp, P, N).tolist() == [pcp_partition(q, comp, isp, P, r, N).num_tokens
+                                                           for r in range(P)]
+
+
+def test_pcp_size_one_is_the_batch_itself():
+    loc = pcp_partition([5, 1], [10, 20], [True, False], 1, 0, 2)
+    assert loc.req.tolist() == [0, 1] and loc.seq_lens.tolist() == [15, 21]
+    with pytest.raises(ValueError):
+        pcp_partition([1], [1], [False], 2, 2)
