@@ -10,8 +10,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from dcptool.dump import DumpError
-
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False, add_completion=False,
                   rich_markup_mode=None,  # plain usage errors: one "Error:" line, no box
                   help="Replay and debug decode-context-parallel (DCP) metadata recorded from serving engines.")
@@ -110,7 +108,7 @@ def replay(
     force: Annotated[bool, typer.Option("--force", help="Let --html overwrite an existing file.")] = False,
 ) -> None:
     """Recompute every observation's DCP metadata and report what was missing, stale or wrong."""
-    from dcptool.dump import open_dumps
+    from dcptool.dump import DumpError, open_dumps
 
     if backend not in ("auto", "triton", "torch"):
         raise _fail(f"--backend {backend!r}: choose auto, triton or torch")
@@ -183,7 +181,7 @@ def diff(
 ) -> None:
     """Align two runs by (step, site, rank, micro-batch, occurrence) and report every recorded difference."""
     from dcptool.diff import diff as run_diff
-    from dcptool.dump import open_dumps
+    from dcptool.dump import DumpError, open_dumps
 
     try:
         da = open_dumps(_dump_side(a))
@@ -209,7 +207,7 @@ def inspect(
 ) -> None:
     """Summarise a dump: config, steps, sites, ranks, micro-batches, sizes, optional columns."""
     from dcptool import report
-    from dcptool.dump import describe, open_dumps
+    from dcptool.dump import DumpError, describe, open_dumps
 
     try:
         info = describe(open_dumps([str(p) for p in dump]))
@@ -252,6 +250,7 @@ def simulate(
 ) -> None:
     """Simulate a serving workload through a model of vLLM's runner; show or write its DCP metadata."""
     from dcptool import report
+    from dcptool.dump import DumpError
     from dcptool.simulate import SimConfig, SimError, compare
     from dcptool.simulate import simulate as run_sim
 
