@@ -67,7 +67,7 @@ def bench_simulate(steps: int, tmp: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--obs", type=int, default=20000)
-    ap.add_argument("--sim-steps", type=int, default=400)
+    ap.add_argument("--sim-steps", type=int, default=4000)
     args = ap.parse_args()
     print("| what | cost | baseline | ratio | notes |")
     print("|---|---|---|---|---|")

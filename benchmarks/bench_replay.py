@@ -119,6 +119,18 @@ def child_replay(path: str, backend: str) -> dict:
             "backend": res.backend, "device": res.device}
 
 
+def child_bounded(path: str, backend: str) -> dict:
+    """Replay with bounded=True: each chunk's pages are dropped after use (dumps larger than RAM)."""
+    import torch  # noqa: F401
+
+    from dcptool.dump import open_dumps
+    from dcptool.replay import replay
+
+    t = time.perf_counter()
+    res = replay(open_dumps([path]), backend, bounded=True)
+    return {"seconds": time.perf_counter() - t, "keys": _value_keys([f.to_json() for f in res.findings])}
+
+
 def child_baseline(path: str) -> dict:
     """What a user would write: for each observation, compute its expected rows and compare."""
     import torch
@@ -210,32 +222,35 @@ def main() -> None:
         run_child("load", p)  # warm the page cache once, so every path reads from memory
         load = run_child("load", p)
         lib = run_child("replay", p, args.backend)
+        bnd = run_child("bounded", p, args.backend)
         cli = run_cli(p, args.backend)
         base = run_child("baseline", p) if size <= args.no_baseline_above else None
-        same = [[tuple(k) for k in r["keys"]] for r in (lib, cli, base) if r]
+        same = [[tuple(k) for k in r["keys"]] for r in (lib, cli, base, bnd) if r]
         if any(s != same[0] for s in same):
             raise SystemExit(f"findings differ at {size}: lib {len(lib['keys'])}, cli {len(cli['keys'])}, "
                              f"baseline {len(base['keys']) if base else '-'}")
         from dcptool.dump import read_dump
 
         rows = int(read_dump(p)["obs.rows"][-1])
-        table.append((size, rows, mb, load, lib, cli, base))
+        table.append((size, rows, mb, load, lib, cli, base, bnd))
         base_s = f"{base['seconds']:.2f} s" if base else "skipped"
         print(f"{size:>9,} obs: load {load['seconds']:.3f} s, replay {lib['seconds']:.3f} s "
               f"(first call {lib['cold']:.3f} s, {lib['backend']} on {lib['device']}), cli {cli['seconds']:.2f} s, "
               f"baseline {base_s}", flush=True)
     print()
     print("| obs | rows | dump MB | load s | row scan s | replay s | rows/s | replay CLI s | baseline s "
-          "| peak MB load/replay/base | replay/baseline | scan/load | replay/load | findings |")
-    print("|" + "---|" * 14)
-    for size, rows, mb, load, lib, cli, base in table:
+          "| peak MB load/replay/base | bounded replay s, peak MB | replay/baseline | scan/load | replay/load "
+          "| findings |")
+    print("|" + "---|" * 15)
+    for size, rows, mb, load, lib, cli, base, bnd in table:
         bs = f"{base['seconds']:.2f}" if base else "-"
         speed = f"{base['seconds'] / lib['seconds']:.0f}x faster" if base else "-"
         bpk = f"{base['peak_mb']:.0f}" if base else "-"
         print(f"| {size:,} | {rows / 1e6:.1f}M | {mb:.0f} | {load['seconds']:.3f} | {lib['scan']:.3f} | "
               f"{lib['seconds']:.3f} | "
               f"{rows / lib['seconds'] / 1e6:.0f}M | {cli['seconds']:.2f} | {bs} | "
-              f"{load['peak_mb']:.0f}/{lib['peak_mb']:.0f}/{bpk} | {speed} | {lib['scan'] / load['seconds']:.2f} | "
+              f"{load['peak_mb']:.0f}/{lib['peak_mb']:.0f}/{bpk} | {bnd['seconds']:.2f}, {bnd['peak_mb']:.0f} | "
+              f"{speed} | {lib['scan'] / load['seconds']:.2f} | "
               f"{lib['seconds'] / load['seconds']:.2f} | {len(lib['keys'])} |")
 
 

@@ -1,13 +1,15 @@
 """dcptool: replay and debug decode-context-parallel (DCP) metadata recorded from serving engines."""
 
-from dcptool.dump import DumpConfig, DumpError, Observation
-
 __version__ = "0.1.0"
 __all__ = ["DumpConfig", "DumpError", "Observation", "Recorder", "__version__"]
 
 
 def __getattr__(name: str):
-    # Recorder pulls in torch; keep `import dcptool` (and `dcptool --help`) light.
+    # Lazy: `dcptool --help` needs neither numpy (dump) nor torch (record).
+    if name in ("DumpConfig", "DumpError", "Observation"):
+        from dcptool import dump
+
+        return getattr(dump, name)
     if name == "Recorder":
         from dcptool.record import Recorder
 

@@ -10,8 +10,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from dcptool.dump import DumpError
-
 app = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False, add_completion=False,
                   rich_markup_mode=None,  # plain usage errors: one "Error:" line, no box
                   help="Replay and debug decode-context-parallel (DCP) metadata recorded from serving engines.")
@@ -84,6 +82,18 @@ def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
     typer.echo(f"dcptool: wrote {path}", err=True)
 
 
+def _too_big(d) -> bool:
+    """Dumps over half of the memory available now are scanned with bounded memory (pages dropped
+    after each chunk) rather than left mapped."""
+    import os
+
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return sum(d.sizes) > avail // 2
+
+
 @app.command()
 def replay(
     dumps: Annotated[list[Path], typer.Argument(metavar="DUMP",
@@ -103,7 +113,7 @@ def replay(
     force: Annotated[bool, typer.Option("--force", help="Let --html overwrite an existing file.")] = False,
 ) -> None:
     """Recompute every observation's DCP metadata and report what was missing, stale or wrong."""
-    from dcptool.dump import open_dumps
+    from dcptool.dump import DumpError, open_dumps
 
     if backend not in ("auto", "triton", "torch"):
         raise _fail(f"--backend {backend!r}: choose auto, triton or torch")
@@ -120,7 +130,7 @@ def replay(
         try:
             with Progress(d.n, "replay", not json_out and sys.stderr.isatty()) as bar:
                 res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS,
-                                 progress=bar)
+                                 progress=bar, bounded=_too_big(d))
         except BackendError as e:
             raise Trouble(str(e)) from None
     except (DumpError, Trouble) as e:
@@ -176,7 +186,7 @@ def diff(
 ) -> None:
     """Align two runs by (step, site, rank, micro-batch, occurrence) and report every recorded difference."""
     from dcptool.diff import diff as run_diff
-    from dcptool.dump import open_dumps
+    from dcptool.dump import DumpError, open_dumps
 
     try:
         da = open_dumps(_dump_side(a))
@@ -202,7 +212,7 @@ def inspect(
 ) -> None:
     """Summarise a dump: config, steps, sites, ranks, micro-batches, sizes, optional columns."""
     from dcptool import report
-    from dcptool.dump import describe, open_dumps
+    from dcptool.dump import DumpError, describe, open_dumps
 
     try:
         info = describe(open_dumps([str(p) for p in dump]))
@@ -245,6 +255,7 @@ def simulate(
 ) -> None:
     """Simulate a serving workload through a model of vLLM's runner; show or write its DCP metadata."""
     from dcptool import report
+    from dcptool.dump import DumpError
     from dcptool.simulate import SimConfig, SimError, compare
     from dcptool.simulate import simulate as run_sim
 

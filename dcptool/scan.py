@@ -178,9 +178,14 @@ def _irregular(d: Dump, sel: np.ndarray) -> Stats:
     seq, seq_off = gather(rows, d["rows.seq_lens"])
     dcp, dcp_off = gather(drows, d["rows.dcp_local_seq_lens"])
     t = torch.from_numpy
-    st = check_rows(t(seq), t(seq_off), t(dcp), t(dcp_off), t(d["obs.num_reqs"][sel]),
-                    t(d["obs.num_reqs_padded"][sel]), t(d["obs.rank"][sel]), d.config.dcp_size,
-                    d.config.cp_interleave).numpy().astype(np.int64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a few thousand rows: torch's thread pool costs 10x the work (measured)
+    try:
+        st = check_rows(t(seq), t(seq_off), t(dcp), t(dcp_off), t(d["obs.num_reqs"][sel]),
+                        t(d["obs.num_reqs_padded"][sel]), t(d["obs.rank"][sel]), d.config.dcp_size,
+                        d.config.cp_interleave).numpy().astype(np.int64)
+    finally:
+        torch.set_num_threads(threads)
     hit = (st[0] > 0) | (st[2] > 0)
     z = np.zeros(int(hit.sum()), np.int64)
     return Stats(sel[hit], st[0][hit], st[1][hit], st[2][hit], st[3][hit], z, z - 1)

@@ -67,7 +67,7 @@ def _random_dump(rng, n_obs, N, I, wrong_rate=0.1):
     return seq, rows, dcp, drows, nreq.astype(np.int32), lens.astype(np.int32), ranks
 
 
-@pytest.mark.parametrize("n_obs", [1, 7, 200])
+@pytest.mark.parametrize("n_obs", [1, 7, 60])
 @pytest.mark.parametrize("N,I", [(2, 1), (4, 16), (8, 2)])
 def test_fused_kernels_match_reference(dev, n_obs, N, I):
     rng = np.random.default_rng(n_obs * 13 + N)
