@@ -72,7 +72,7 @@ def _check_html_target(path: Path, dumps: list[Path], force: bool) -> None:
 
 
 def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
-    from dcptool.dump import atomic_write
+    from dcptool.dump import DumpError, atomic_write
     from dcptool.htmlreport import render_html
 
     try:  # WriteError names the file and the problem (disk full, ...), and the old file is unchanged
