@@ -54,7 +54,7 @@ def main() -> None:
 
     us = timed(observe, a.builds)
     print(f"Recorder.observe, {a.rows} rows on {dev}: {us:.1f} us per build")
-    while len(rec._obs) < 10_000 - 1:
+    while (len(rec) + 1) % 10_000:  # up to the observation that completes a rolled file
         observe()
     t0 = time.perf_counter()
     observe()  # the 10,000th observation writes the rolled file
