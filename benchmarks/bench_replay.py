@@ -127,7 +127,7 @@ def child_bounded(path: str, backend: str) -> dict:
     from dcptool.replay import replay
 
     t = time.perf_counter()
-    res = replay(open_dumps([path]), backend, bounded=True)
+    res = replay(open_dumps([path], bounded=True), backend, bounded=True)
     return {"seconds": time.perf_counter() - t, "keys": _value_keys([f.to_json() for f in res.findings])}
 
 

@@ -82,18 +82,6 @@ def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
     typer.echo(f"dcptool: wrote {path}", err=True)
 
 
-def _too_big(d) -> bool:
-    """Dumps over half of the memory available now are scanned with bounded memory (pages dropped
-    after each chunk) rather than left mapped."""
-    import os
-
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return False
-    return sum(d.sizes) > avail // 2
-
-
 @app.command()
 def replay(
     dumps: Annotated[list[Path], typer.Argument(metavar="DUMP",
@@ -130,7 +118,7 @@ def replay(
         try:
             with Progress(d.n, "replay", not json_out and sys.stderr.isatty()) as bar:
                 res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS,
-                                 progress=bar, bounded=_too_big(d))
+                                 progress=bar, bounded=d.bounded)
         except BackendError as e:
             raise Trouble(str(e)) from None
     except (DumpError, Trouble) as e:

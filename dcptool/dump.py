@@ -132,6 +132,7 @@ class Dump:
     injected: list[dict[str, list[int]] | None] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)  # bytes of each file
     maps: dict[str, np.memmap] = field(default_factory=dict)  # the file mappings behind columns (one file)
+    bounded: bool = False  # scan with bounded memory (pages dropped after each chunk): a dump too big for RAM
 
     @property
     def n(self) -> int:
@@ -408,10 +409,25 @@ def _first_bad(p: str, key: str, bad: np.ndarray, values: np.ndarray, what: str)
         raise _fail(p, key, f"{what} at observation {i} (value {values[i]})")
 
 
-def read_dump(path: str | os.PathLike) -> Dump:
-    """Open one dump zero-copy (numpy memmap, copy-on-write) after validating all of DESIGN §2."""
+def available_memory() -> int | None:
+    """Bytes of physical memory available now (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def read_dump(path: str | os.PathLike, bounded: bool | None = None) -> Dump:
+    """Open one dump zero-copy (numpy memmap, copy-on-write) after validating all of DESIGN §2.
+
+    `bounded` (default: when the file is over half the memory available now) drops the pages of
+    each validated chunk again, so opening and scanning a dump larger than RAM stays flat.
+    """
     p = str(path)
     header, data_start, size = read_header(p)
+    if bounded is None:
+        avail = available_memory()
+        bounded = avail is not None and size > avail // 2
     meta = header.get("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise _fail(p, "__metadata__", "must map strings to strings")
@@ -440,14 +456,18 @@ def read_dump(path: str | os.PathLike) -> Dump:
             mm = np.memmap(p, dtype=_DTYPES[dt], mode="c", offset=data_start + a, shape=(shape[0],))
             maps[key] = mm
             cols[key] = mm.view(np.ndarray)  # plain arrays: memmap's __getitem__ is slow on hot paths
-    validate_columns(p, cfg, cols, injected)
+    drop = (lambda key, lo, hi: _release(maps[key], lo, hi) if key in maps else None) if bounded else None
+    validate_columns(p, cfg, cols, injected, release=drop)
     n = cols["obs.step"].shape[0]
     return Dump(files=[p], config=cfg, columns=cols, file_index=np.zeros(n, np.int32),
-                file_obs=np.arange(n, dtype=np.int64), injected=[injected], sizes=[size], maps=maps)
+                file_obs=np.arange(n, dtype=np.int64), injected=[injected], sizes=[size], maps=maps,
+                bounded=bounded)
 
 
-def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected: dict | None = None) -> None:
-    """Every structural and value rule of DESIGN §2 on in-memory columns (used on read and on write)."""
+def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected: dict | None = None,
+                     release=None) -> None:
+    """Every structural and value rule of DESIGN §2 on in-memory columns (used on read and on write).
+    `release(key, lo, hi)`, when given, is told after each chunk of a row column has been checked."""
     for key in REQUIRED:
         if key not in c:
             raise _fail(p, key, "missing")
@@ -489,9 +509,14 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
     dcp_rows = np.diff(c["obs.dcp_rows"])
     _first_bad(p, "obs.dcp_rows", (has == 0) & (dcp_rows != 0), dcp_rows, "rows recorded for a None DCP view")
     sl = c["rows.seq_lens"]
-    if sl.size and sl.min() < 0:
-        i = int(np.argmax(sl < 0))
-        raise _fail(p, "rows.seq_lens", f"negative length {sl[i]} at row {i}")
+    step = 1 << 22
+    for lo in range(0, sl.size, step):  # in chunks, so a bounded read never holds all rows at once
+        part = sl[lo : lo + step]
+        if part.min() < 0:
+            i = lo + int(np.argmax(part < 0))
+            raise _fail(p, "rows.seq_lens", f"negative length {sl[i]} at row {i}")
+        if release is not None:
+            release("rows.seq_lens", lo, lo + part.size)
     if "obs.parent" in c:
         par = c["obs.parent"]
         _first_bad(p, "obs.parent", (par < -1) | (par >= n) | (par == np.arange(n)), par,
@@ -514,11 +539,11 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
                 raise _fail(p, "dcptool.injected", f"{fault}: observation index out of range")
 
 
-def open_dumps(paths: list[str | os.PathLike]) -> Dump:
+def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> Dump:
     """Read several files as one run: ordered by step, then file order, then order within a file."""
     if not paths:
         raise DumpError("no dump files given")
-    dumps = [read_dump(p) for p in paths]
+    dumps = [read_dump(p, bounded) for p in paths]
     if len(dumps) == 1:
         return dumps[0]
     base = dumps[0].config
@@ -868,6 +893,31 @@ def _release(arr: np.memmap, lo: int, hi: int) -> None:
     b = b // page * page
     if b > a:
         mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+
+
+def take(d: Dump, key: str, idx: np.ndarray) -> np.ndarray:
+    """d[key][idx]. In a bounded dump the gather goes in pieces, each piece's pages dropped after use:
+    the kernel maps whole page-cache folios on a fault, so even a sparse gather across a big file
+    would otherwise map most of it."""
+    arr = d[key]
+    if not d.bounded or key not in d.maps or idx.size == 0:
+        return arr[idx]
+    out = np.empty(idx.size, arr.dtype)
+    step = 1 << 16
+    for k in range(0, idx.size, step):
+        part = idx[k : k + step]
+        out[k : k + part.size] = arr[part]
+        _release(d.maps[key], int(part.min()), int(part.max()) + 1)
+    return out
+
+
+def every(d: Dump, items, k: int = 256):
+    """Iterate items; in a bounded dump, drop every mapped page after each k of them (per-finding
+    work reads scattered rows, and each read maps a whole page-cache folio)."""
+    for n, x in enumerate(items, 1):
+        yield x
+        if d.bounded and n % k == 0:
+            release(d, 0, d.n)
 
 
 def release(d: Dump, lo: int, hi: int) -> None:

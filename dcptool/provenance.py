@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcptool.dump import Dump
+from dcptool.dump import Dump, take
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
 
@@ -115,7 +115,7 @@ class Provenance:
         nr = d["obs.num_reqs"]
         idx = np.flatnonzero(nr > j)
         out = np.zeros(d.n, np.int64)
-        out[idx] = local_np(d["rows.seq_lens"][d["obs.rows"][idx] + j], c.dcp_size, d["obs.rank"][idx],
+        out[idx] = local_np(take(d, "rows.seq_lens", d["obs.rows"][idx] + j), c.dcp_size, d["obs.rank"][idx],
                             c.cp_interleave)
         return out
 

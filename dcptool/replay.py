@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool.dump import Dump
+from dcptool.dump import Dump, every
 from dcptool.provenance import Provenance, Source, expected_of, local_np
 from dcptool.slicing import Ubatch, split_batch
 from dcptool.structure import check_alias, check_rank_sum, check_ubatch_slice
@@ -242,10 +242,10 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
                    "with 'NoneType' object is not subscriptable")
             found.append((int(i), _mk(d, i, "missing", msg)))
         prov = Provenance(d)
-        for i, n, j in zip(st.obs.tolist(), st.n_wrong.tolist(), st.first_wrong.tolist()):
+        for i, n, j in every(d, zip(st.obs.tolist(), st.n_wrong.tolist(), st.first_wrong.tolist())):
             if n:
                 found.append((i, _value_finding(d, prov, i, n, j)))
-        for i, n, j in zip(st.obs.tolist(), st.n_pad.tolist(), st.first_pad.tolist()):
+        for i, n, j in every(d, zip(st.obs.tolist(), st.n_pad.tolist(), st.first_pad.tolist())):
             if n:
                 rec = int(d.dcp_of(i)[j])
                 msg = (f"{_where(d, i)}: padded row {j} holds {rec}, must be 0 "
@@ -274,7 +274,7 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     else:
         skipped["alias"] = "needs obs.buffer"
     if d.has("rows.kv_pages"):
-        for i, n, j in zip(st.obs.tolist(), st.n_pages.tolist(), st.first_pages.tolist()):
+        for i, n, j in every(d, zip(st.obs.tolist(), st.n_pages.tolist(), st.first_pages.tolist())):
             if n:
                 found.append((i, _page_finding(d, i, n, j)))
     else:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcptool.dump import Dump, release
+from dcptool.dump import Dump, release, take
 
 CHUNK_ROWS = 1 << 18  # CPU: ~1 MB of int32 per array, so the passes over a chunk stay in L2
 GPU_CHUNK_ROWS = 1 << 26  # GPU: one launch per 64M rows bounds device memory
@@ -168,15 +168,15 @@ def _irregular(d: Dump, sel: np.ndarray) -> Stats:
         return Stats.empty()
     rows, drows = d["obs.rows"], d["obs.dcp_rows"]
 
-    def gather(offs: np.ndarray, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def gather(offs: np.ndarray, key: str) -> tuple[np.ndarray, np.ndarray]:
         """The rows of the selected observations, compacted, with their new offsets."""
         ln = offs[1:][sel] - offs[:-1][sel]
         new = np.zeros(sel.size + 1, np.int64)
         np.cumsum(ln, out=new[1:])
-        return data[np.repeat(offs[:-1][sel] - new[:-1], ln) + np.arange(new[-1])], new
+        return take(d, key, np.repeat(offs[:-1][sel] - new[:-1], ln) + np.arange(new[-1])), new
 
-    seq, seq_off = gather(rows, d["rows.seq_lens"])
-    dcp, dcp_off = gather(drows, d["rows.dcp_local_seq_lens"])
+    seq, seq_off = gather(rows, "rows.seq_lens")
+    dcp, dcp_off = gather(drows, "rows.dcp_local_seq_lens")
     t = torch.from_numpy
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a few thousand rows: torch's thread pool costs 10x the work (measured)
@@ -210,7 +210,7 @@ def _merge(a: Stats, b: Stats) -> Stats:
     return out
 
 
-def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None) -> Stats:
+def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bounded: bool = False) -> Stats:
     """The fused Triton check, one launch per chunk of rows; views and page counts on the device."""
     import torch
 
@@ -239,6 +239,8 @@ def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None) -> 
             st[0:4] = [[0], [-1], [0], [-1]]
         hit = np.flatnonzero((st[0] > 0) | (st[2] > 0) | (st[4] > 0))
         parts.append(Stats(hit + lo, *(st[k][hit] for k in range(6))))
+        if bounded:
+            release(d, lo, hi)
         if progress:
             progress(hi - lo)
     return Stats.concat(parts)
@@ -249,7 +251,7 @@ def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = 
     """Check every DCP view (observations with has_dcp, dcp_size > 1) and every page count."""
     check_views = d.config.dcp_size > 1
     if backend == "triton":
-        return _gpu(d, check_views, progress)
+        return _gpu(d, check_views, progress, bounded)
     s = _CpuScan(d)
     if not check_views:
         s.aligned = np.zeros_like(s.aligned)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcptool.dump import Dump
+from dcptool.dump import Dump, every, take
 
 Issue = tuple[int, str, str, dict]
 
@@ -101,7 +101,7 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     ends = np.r_[np.flatnonzero(np.diff(run)) + 1, d.n]
     out: list[Issue] = []
     done: set[tuple] = set()
-    for w in wrong.tolist():
+    for w in every(d, wrong.tolist()):
         start = int(run[pos[w]])
         stop = int(ends[np.searchsorted(ends, pos[w], side="right")])
         nr = int(d["obs.num_reqs"][w])
@@ -181,8 +181,8 @@ def check_ubatch_slice(d: Dump) -> list[Issue]:
         bad_obs.setdefault(int(cand[k]), ("query_start_loc", None, int(qlen[cand[k]]), int(nrp[k]) + 1))
     # seq_lens: nrp rows each, the last reduced by the tokens of that request after te
     seg, j, _ = _ragged(np.zeros(cand.size, np.int64), nrp)
-    got = d["rows.seq_lens"][rows[cand][seg] + j].astype(np.int64)
-    want = d["rows.seq_lens"][rows[p][seg] + r0[seg] + j].astype(np.int64)
+    got = take(d, "rows.seq_lens", rows[cand][seg] + j).astype(np.int64)
+    want = take(d, "rows.seq_lens", rows[p][seg] + r0[seg] + j).astype(np.int64)
     cut = np.maximum(0, q[qo[p] + r0 + nrp].astype(np.int64) - te0)
     last = j == nrp[seg] - 1
     want[last] -= cut[seg[last]]
