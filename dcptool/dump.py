@@ -608,70 +608,77 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
 # Writing
 
 
-def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfig, dict[str, np.ndarray]]:
-    """Row-form observations -> columns. Sites are added to the config in order of first use.
+# Optional per-observation columns: field -> (key, dtype, value written where unknown).
+OPTIONAL_FIELDS = {"parent": ("obs.parent", "<i8", -1), "req_start": ("obs.req_start", "<i4", -1),
+                   "tok_start": ("obs.tok_start", "<i4", -1), "tok_stop": ("obs.tok_stop", "<i4", -1),
+                   "num_tokens_padded": ("obs.num_tokens_padded", "<i4", -1), "buffer": ("obs.buffer", "<i8", 0),
+                   "graph": ("obs.graph", "i1", 0)}
+FIELDS = ("step", "rank", "ubatch", "num_reqs", "num_reqs_padded", *OPTIONAL_FIELDS)
+ROW_FIELDS = ("seq", "dcp", "qsl", "kv")  # seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages
 
+
+def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tuple[DumpConfig, dict[str, np.ndarray]]:
+    """Row-form observations -> dump columns (DESIGN §2): the one place both writers (pack, Recorder) go through.
+
+    sites: one site name per observation (added to the config's list in order of first use);
+    vals: FIELDS -> one value per observation (None where unknown); rows: ROW_FIELDS -> one 1-D
+    array per observation (None: a `None` DCP view, or an unknown query_start_loc / kv_pages).
     Optional columns are written when any observation knows them; the others get -1 ("unknown";
-    0 for obs.buffer, as DESIGN §2 says), so checks needing them skip those observations.
+    0 for obs.buffer and obs.graph), so checks needing them skip those observations.
     """
-    sites = list(config.sites)
-    for o in observations:
-        if o.site not in sites:
-            sites.append(o.site)
-    cfg = DumpConfig(**{**config.__dict__, "sites": tuple(sites)})
-    n = len(observations)
+    n = len(sites)
+    names = list(config.sites)
+    for site in dict.fromkeys(sites):
+        if site not in names:
+            names.append(site)
+    cfg = DumpConfig(**{**config.__dict__, "sites": tuple(names)})
+    index = {site: i for i, site in enumerate(names)}
 
-    def col(attr: str, dtype: str, default: int = -1) -> np.ndarray:
-        v = [default if getattr(o, attr) is None else getattr(o, attr) for o in observations]
+    def col(field: str, dtype: str, unknown: int = -1) -> np.ndarray:
+        v = [unknown if x is None else x for x in vals[field]]
         try:
             return np.array(v, dtype=dtype)
         except OverflowError:  # a Python int the column cannot hold
             bad = next(x for x in v if not np.iinfo(dtype).min <= int(x) <= np.iinfo(dtype).max)
-            raise DumpError(f"{attr}: value {bad} does not fit {np.dtype(dtype).name}") from None
+            raise DumpError(f"{field}: value {bad} does not fit {np.dtype(dtype).name}") from None
 
-    def offsets(lens: list[int]) -> np.ndarray:
+    def offsets(arrs) -> np.ndarray:
         out = np.zeros(n + 1, np.int64)
-        np.cumsum(lens, out=out[1:])
+        np.cumsum(np.fromiter((0 if a is None else a.size for a in arrs), np.int64, n), out=out[1:])
         return out
 
-    def cat(arrs: list, dtype: str, key: str) -> np.ndarray:
-        if not arrs:
-            return np.zeros(0, dtype)
-        return np.concatenate([_narrow(np.asarray(a).reshape(-1), np.dtype(dtype), key) for a in arrs])
+    def cat(arrs, key: str) -> np.ndarray:
+        got = [a for a in arrs if a is not None]
+        return _narrow(np.concatenate(got), np.dtype("<i4"), key) if got else np.zeros(0, "<i4")
 
-    site_idx = {s: i for i, s in enumerate(sites)}
-    seq = [np.asarray(o.seq_lens).reshape(-1) for o in observations]
-    dcp = [np.zeros(0) if o.dcp_local_seq_lens is None else np.asarray(o.dcp_local_seq_lens).reshape(-1)
-           for o in observations]
-    cols = {
-        "obs.step": col("step", "<i8"),
-        "obs.site": np.array([site_idx[o.site] for o in observations], "<i4"),
-        "obs.rank": col("rank", "<i4"),
-        "obs.ubatch": col("ubatch", "<i4"),
-        "obs.num_reqs": col("num_reqs", "<i4"),
-        "obs.num_reqs_padded": col("num_reqs_padded", "<i4"),
-        "obs.rows": offsets([s.size for s in seq]),
-        "obs.has_dcp": np.array([o.dcp_local_seq_lens is not None for o in observations], "u1"),
-        "obs.dcp_rows": offsets([d.size for d in dcp]),
-        "rows.seq_lens": cat(seq, "<i4", "rows.seq_lens"),
-        "rows.dcp_local_seq_lens": cat(dcp, "<i4", "rows.dcp_local_seq_lens"),
-    }
-    for attr, key, dtype, default in (("parent", "obs.parent", "<i8", -1), ("req_start", "obs.req_start", "<i4", -1),
-                                      ("tok_start", "obs.tok_start", "<i4", -1),
-                                      ("tok_stop", "obs.tok_stop", "<i4", -1),
-                                      ("num_tokens_padded", "obs.num_tokens_padded", "<i4", -1),
-                                      ("buffer", "obs.buffer", "<i8", 0), ("graph", "obs.graph", "i1", 0)):
-        if any(getattr(o, attr) is not None for o in observations):
-            cols[key] = col(attr, dtype, default)
-    if any(o.query_start_loc is not None for o in observations):
-        q = [np.zeros(0) if o.query_start_loc is None else np.asarray(o.query_start_loc).reshape(-1)
-             for o in observations]
-        cols["obs.qsl"] = offsets([a.size for a in q])
-        cols["rows.query_start_loc"] = cat(q, "<i4", "rows.query_start_loc")
-    if any(o.kv_pages is not None for o in observations):
-        cols["rows.kv_pages"] = cat([np.full(s.size, -1) if o.kv_pages is None else o.kv_pages
-                                     for o, s in zip(observations, seq)], "<i4", "rows.kv_pages")
+    cols = {"obs.step": col("step", "<i8"), "obs.site": np.array([index[x] for x in sites], "<i4"),
+            "obs.rank": col("rank", "<i4"), "obs.ubatch": col("ubatch", "<i4"),
+            "obs.num_reqs": col("num_reqs", "<i4"), "obs.num_reqs_padded": col("num_reqs_padded", "<i4"),
+            "obs.rows": offsets(rows["seq"]), "rows.seq_lens": cat(rows["seq"], "rows.seq_lens"),
+            "obs.has_dcp": np.array([a is not None for a in rows["dcp"]], "u1"),
+            "obs.dcp_rows": offsets(rows["dcp"]),
+            "rows.dcp_local_seq_lens": cat(rows["dcp"], "rows.dcp_local_seq_lens")}
+    for name, (key, dtype, unknown) in OPTIONAL_FIELDS.items():
+        if any(v is not None for v in vals[name]):
+            cols[key] = col(name, dtype, unknown)
+    if any(a is not None for a in rows["qsl"]):
+        cols["obs.qsl"] = offsets(rows["qsl"])
+        cols["rows.query_start_loc"] = cat(rows["qsl"], "rows.query_start_loc")
+    if any(a is not None for a in rows["kv"]):
+        cols["rows.kv_pages"] = cat([np.full(q.size, -1, np.int32) if k is None else k
+                                     for k, q in zip(rows["kv"], rows["seq"])], "rows.kv_pages")
     return cfg, cols
+
+
+def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfig, dict[str, np.ndarray]]:
+    """Observation dataclasses -> columns (see columns())."""
+    def arr(x):
+        return None if x is None else np.asarray(x).reshape(-1)
+
+    vals = {f: [getattr(o, f) for o in observations] for f in FIELDS}
+    rows = {"seq": [arr(o.seq_lens) for o in observations], "dcp": [arr(o.dcp_local_seq_lens) for o in observations],
+            "qsl": [arr(o.query_start_loc) for o in observations], "kv": [arr(o.kv_pages) for o in observations]}
+    return columns(config, [o.site for o in observations], vals, rows)
 
 
 def encode(config: DumpConfig, columns: dict[str, np.ndarray], injected: dict | None = None,

@@ -10,15 +10,20 @@ from pathlib import Path
 
 import numpy as np
 
-from dcptool.dump import INT32_MAX, DumpConfig, DumpError, OutputExistsError, WriteError, check_config, write_dump
+from dcptool.dump import (
+    FIELDS,
+    INT32_MAX,
+    ROW_FIELDS,
+    DumpConfig,
+    DumpError,
+    OutputExistsError,
+    WriteError,
+    check_config,
+    columns,
+    write_dump,
+)
 
 GRAPH = {"eager": 0, "piecewise": 1, "capture": 2, "full-capture": 2, "replay": 3, "full-replay": 3}
-# Optional per-observation columns: field -> (key, dtype, value written where unknown).
-_OPTIONAL = {"parent": ("obs.parent", "<i8", -1), "req_start": ("obs.req_start", "<i4", -1),
-             "tok_start": ("obs.tok_start", "<i4", -1), "tok_stop": ("obs.tok_stop", "<i4", -1),
-             "num_tokens_padded": ("obs.num_tokens_padded", "<i4", -1), "buffer": ("obs.buffer", "<i8", 0),
-             "graph": ("obs.graph", "i1", 0)}
-_FIELDS = ("step", "rank", "ubatch", "num_reqs", "num_reqs_padded", *_OPTIONAL)
 _I64 = 2**63 - 1
 
 
@@ -99,7 +104,7 @@ class Recorder:
         self.files: list[Path] = []
         # One tuple of scalars and one of row arrays per observation, turned into columns only at write
         # time (zip(*)): observe() stays a couple of appends, close() a handful of concatenations.
-        self._vals: list[tuple] = []  # _FIELDS
+        self._vals: list[tuple] = []  # dump.FIELDS
         self._sites: list[str] = []
         self._rows: list[tuple] = []  # (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)
         self._count = 0  # observations accepted over all files
@@ -264,45 +269,11 @@ class Recorder:
         return self.path.with_name(f"{self.path.stem}.{len(self.files):05d}{self.path.suffix or '.safetensors'}")
 
     def _pack(self) -> dict[str, np.ndarray]:
-        """The observations since the last file, as dump columns (DESIGN §2). Optional columns are
-        written when any observation knows them; the others get -1 (0 for obs.buffer and obs.graph)."""
+        """The observations since the last file, as dump columns (site indices stable across rolled files)."""
         n = len(self._sites)
-        c = dict(zip(_FIELDS, zip(*self._vals))) if n else {f: () for f in _FIELDS}
-        rows = dict(zip(("seq", "dcp", "qsl", "kv"), zip(*self._rows))) if n else {
-            k: () for k in ("seq", "dcp", "qsl", "kv")}
-        sites = list(self.config.sites)
-        for s in dict.fromkeys(self._sites):
-            if s not in sites:
-                sites.append(s)
-        self.config = DumpConfig(**{**self.config.__dict__, "sites": tuple(sites)})  # stable across rolled files
-        index = {s: i for i, s in enumerate(sites)}
-
-        def offsets(arrs) -> np.ndarray:
-            out = np.zeros(n + 1, np.int64)
-            np.cumsum(np.fromiter((0 if a is None else a.size for a in arrs), np.int64, n), out=out[1:])
-            return out
-
-        def cat(arrs) -> np.ndarray:
-            got = [a for a in arrs if a is not None]
-            return np.concatenate(got).astype("<i4", copy=False) if got else np.zeros(0, "<i4")
-
-        cols = {"obs.step": np.array(c["step"], "<i8"), "obs.site": np.array([index[s] for s in self._sites], "<i4"),
-                "obs.rank": np.array(c["rank"], "<i4"), "obs.ubatch": np.array(c["ubatch"], "<i4"),
-                "obs.num_reqs": np.array(c["num_reqs"], "<i4"),
-                "obs.num_reqs_padded": np.array(c["num_reqs_padded"], "<i4"),
-                "obs.rows": offsets(rows["seq"]), "rows.seq_lens": cat(rows["seq"]),
-                "obs.has_dcp": np.array([a is not None for a in rows["dcp"]], "u1"),
-                "obs.dcp_rows": offsets(rows["dcp"]), "rows.dcp_local_seq_lens": cat(rows["dcp"])}
-        for f, (key, dtype, unknown) in _OPTIONAL.items():
-            vals = c[f]
-            if any(v is not None for v in vals):
-                cols[key] = np.array([unknown if v is None else v for v in vals], dtype)
-        if any(a is not None for a in rows["qsl"]):
-            cols["obs.qsl"] = offsets(rows["qsl"])
-            cols["rows.query_start_loc"] = cat(rows["qsl"])
-        if any(a is not None for a in rows["kv"]):
-            cols["rows.kv_pages"] = cat([np.full(s.size, -1, np.int32) if k is None else k
-                                         for k, s in zip(rows["kv"], rows["seq"])])
+        vals = dict(zip(FIELDS, zip(*self._vals))) if n else {f: () for f in FIELDS}
+        rows = dict(zip(ROW_FIELDS, zip(*self._rows))) if n else {k: () for k in ROW_FIELDS}
+        self.config, cols = columns(self.config, self._sites, vals, rows)
         return cols
 
     def _write_current(self) -> None:
