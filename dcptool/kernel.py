@@ -37,7 +37,7 @@ def _triton() -> SimpleNamespace:
         os.environ["TRITON_INTERPRET"] = "1"
     # Kernels resolve names through the module's globals, so triton, tl and the shared jitted
     # helper are bound there (not as closure variables of this function).
-    global triton, tl, _local, _or
+    global triton, tl, _local, _or, _obs, _rows
     try:
         import triton
         import triton.language as tl
@@ -91,37 +91,52 @@ def _triton() -> SimpleNamespace:
     _or = _or_fn
 
     @triton.jit
+    def _obs_fn(obs, rows_ptr, dcp_rows_ptr, num_reqs_ptr, num_reqs_padded_ptr, ranks_ptr, HAS_PAGES: tl.constexpr):
+        # One observation's layout: where its rows start, real rows, rank, view rows to compare (m),
+        # and how far to read (page counts cover every real row, also past a short view).
+        seq_start = tl.load(rows_ptr + obs)
+        dcp_start = tl.load(dcp_rows_ptr + obs)
+        dcp_len = (tl.load(dcp_rows_ptr + obs + 1) - dcp_start).to(tl.int32)
+        nreq = tl.load(num_reqs_ptr + obs)
+        m = tl.minimum(dcp_len, tl.load(num_reqs_padded_ptr + obs))
+        end = tl.maximum(m, nreq) if HAS_PAGES else m
+        return seq_start, dcp_start, nreq, tl.load(ranks_ptr + obs), m, end
+
+    @triton.jit
+    def _rows_fn(j, seq_start, dcp_start, nreq, rank, m, seq_lens_ptr, dcp_ptr, kv_ptr, DCP_SIZE: tl.constexpr,
+                 INTERLEAVE: tl.constexpr, PAGE: tl.constexpr, HAS_PAGES: tl.constexpr):
+        # Rows j of one observation: real rows, view rows that differ from the formula (padded rows
+        # must be 0), and real rows whose page count is not cdiv(local, PAGE).
+        real = j < nreq
+        seq = tl.load(seq_lens_ptr + seq_start + j, mask=real, other=0)
+        local = _local(seq, rank, DCP_SIZE * INTERLEAVE, INTERLEAVE)
+        inb = j < m
+        rec = tl.load(dcp_ptr + dcp_start + j, mask=inb, other=0)
+        bad = inb & (rec != tl.where(real, local, 0))
+        if HAS_PAGES:
+            kv = tl.load(kv_ptr + seq_start + j, mask=real, other=-1)
+            bad_pg = real & (kv >= 0) & (kv != (local + PAGE - 1) // PAGE)
+        else:
+            bad_pg = j < 0
+        return real, bad, bad_pg
+
+    _obs = _obs_fn
+    _rows = _rows_fn
+
+    @triton.jit
     def _flag_rows_kernel(flags_ptr, seq_lens_ptr, rows_ptr, dcp_ptr, dcp_rows_ptr, num_reqs_ptr,
                           num_reqs_padded_ptr, ranks_ptr, kv_ptr, DCP_SIZE: tl.constexpr,
                           INTERLEAVE: tl.constexpr, PAGE: tl.constexpr, HAS_PAGES: tl.constexpr, BLOCK: tl.constexpr):
         # Pass 1, the bandwidth-bound one: per observation only a bit mask (1 wrong real row, 2 bad
         # padded row, 4 bad page count), one reduction; exact counts come from pass 2 on the few flagged.
         obs = tl.program_id(0).to(tl.int64)
-        seq_start = tl.load(rows_ptr + obs)
-        dcp_start = tl.load(dcp_rows_ptr + obs)
-        dcp_len = (tl.load(dcp_rows_ptr + obs + 1) - dcp_start).to(tl.int32)
-        nreq = tl.load(num_reqs_ptr + obs)
-        npad = tl.load(num_reqs_padded_ptr + obs)
-        rank = tl.load(ranks_ptr + obs)
-        span = DCP_SIZE * INTERLEAVE
-        m = tl.minimum(dcp_len, npad)
-        if HAS_PAGES:
-            end = tl.maximum(m, nreq)
-        else:
-            end = m
+        seq_start, dcp_start, nreq, rank, m, end = _obs(obs, rows_ptr, dcp_rows_ptr, num_reqs_ptr,
+                                                        num_reqs_padded_ptr, ranks_ptr, HAS_PAGES)
         acc = tl.zeros([BLOCK], dtype=tl.int32)
         for j0 in range(0, end, BLOCK):
-            j = j0 + tl.arange(0, BLOCK)
-            real = j < nreq
-            seq = tl.load(seq_lens_ptr + seq_start + j, mask=real, other=0)
-            local = _local(seq, rank, span, INTERLEAVE)
-            inb = j < m
-            rec = tl.load(dcp_ptr + dcp_start + j, mask=inb, other=0)
-            bad = inb & (rec != tl.where(real, local, 0))
-            acc |= tl.where(bad, tl.where(real, 1, 2), 0)
-            if HAS_PAGES:
-                kv = tl.load(kv_ptr + seq_start + j, mask=real, other=-1)
-                acc |= tl.where(real & (kv >= 0) & (kv != (local + PAGE - 1) // PAGE), 4, 0)
+            real, bad, bad_pg = _rows(j0 + tl.arange(0, BLOCK), seq_start, dcp_start, nreq, rank, m, seq_lens_ptr,
+                                      dcp_ptr, kv_ptr, DCP_SIZE, INTERLEAVE, PAGE, HAS_PAGES)
+            acc |= tl.where(bad, tl.where(real, 1, 2), 0) | tl.where(bad_pg, 4, 0)
         tl.store(flags_ptr + obs, tl.reduce(acc, 0, _or))
 
     @triton.jit
@@ -133,18 +148,8 @@ def _triton() -> SimpleNamespace:
         # the observations listed in ids (one program each).
         k = tl.program_id(0).to(tl.int64)
         obs = tl.load(ids_ptr + k).to(tl.int64)
-        seq_start = tl.load(rows_ptr + obs)
-        dcp_start = tl.load(dcp_rows_ptr + obs)
-        dcp_len = (tl.load(dcp_rows_ptr + obs + 1) - dcp_start).to(tl.int32)
-        nreq = tl.load(num_reqs_ptr + obs)
-        npad = tl.load(num_reqs_padded_ptr + obs)
-        rank = tl.load(ranks_ptr + obs)
-        span = DCP_SIZE * INTERLEAVE
-        m = tl.minimum(dcp_len, npad)
-        if HAS_PAGES:
-            end = tl.maximum(m, nreq)
-        else:
-            end = m
+        seq_start, dcp_start, nreq, rank, m, end = _obs(obs, rows_ptr, dcp_rows_ptr, num_reqs_ptr,
+                                                        num_reqs_padded_ptr, ranks_ptr, HAS_PAGES)
         big = 2147483647
         n_wrong = tl.zeros([BLOCK], dtype=tl.int32)
         first_wrong = tl.full([BLOCK], big, dtype=tl.int32)
@@ -154,23 +159,16 @@ def _triton() -> SimpleNamespace:
         first_pg = tl.full([BLOCK], big, dtype=tl.int32)
         for j0 in range(0, end, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
-            real = j < nreq
-            seq = tl.load(seq_lens_ptr + seq_start + j, mask=real, other=0)
-            local = _local(seq, rank, span, INTERLEAVE)
-            inb = j < m
-            rec = tl.load(dcp_ptr + dcp_start + j, mask=inb, other=0)
-            bad = inb & (rec != tl.where(real, local, 0))
+            real, bad, bad_pg = _rows(j, seq_start, dcp_start, nreq, rank, m, seq_lens_ptr, dcp_ptr, kv_ptr,
+                                      DCP_SIZE, INTERLEAVE, PAGE, HAS_PAGES)
             bad_real = bad & real
             bad_pad = bad & (j >= nreq)
             n_wrong += bad_real.to(tl.int32)
             first_wrong = tl.minimum(first_wrong, tl.where(bad_real, j, big))
             n_pad += bad_pad.to(tl.int32)
             first_pad = tl.minimum(first_pad, tl.where(bad_pad, j, big))
-            if HAS_PAGES:
-                kv = tl.load(kv_ptr + seq_start + j, mask=real, other=-1)
-                bad_pg = real & (kv >= 0) & (kv != (local + PAGE - 1) // PAGE)
-                n_pg += bad_pg.to(tl.int32)
-                first_pg = tl.minimum(first_pg, tl.where(bad_pg, j, big))
+            n_pg += bad_pg.to(tl.int32)
+            first_pg = tl.minimum(first_pg, tl.where(bad_pg, j, big))
         fw = tl.min(first_wrong, axis=0)
         fp = tl.min(first_pad, axis=0)
         fg = tl.min(first_pg, axis=0)
