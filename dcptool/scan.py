@@ -145,16 +145,16 @@ class _CpuScan:
 
 
 def _assemble(parts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]) -> Stats:
+    """(kind, observations, counts, first rows) per kind (wrong, pad, pages) -> one sparse Stats."""
     if not parts:
         return Stats.empty()
     obs = np.unique(np.concatenate([p[1] for p in parts]))
     cols = {k: np.zeros(obs.size, np.int64) for k in ("n_wrong", "n_pad", "n_pages")}
     firsts = {k: np.full(obs.size, -1, np.int64) for k in ("first_wrong", "first_pad", "first_pages")}
     for kind, o, cnt, first in parts:
-        k = {"wrong": "wrong", "pad": "pad", "pages": "pages"}[kind]
         idx = np.searchsorted(obs, o)
-        cols[f"n_{k}"][idx] = cnt
-        firsts[f"first_{k}"][idx] = first
+        cols[f"n_{kind}"][idx] = cnt
+        firsts[f"first_{kind}"][idx] = first
     return Stats(obs=obs, **cols, **firsts)
 
 
@@ -193,21 +193,13 @@ def _irregular(d: Dump, sel: np.ndarray) -> Stats:
 
 def _merge(a: Stats, b: Stats) -> Stats:
     """Combine two sparse results that may name the same observation (values from one, pages from the other)."""
-    if not b.obs.size:
-        return a
-    if not a.obs.size:
-        return b
-    obs = np.unique(np.concatenate([a.obs, b.obs]))
-    out = Stats(obs, *(np.zeros(obs.size, np.int64) if f.startswith("n_") else np.full(obs.size, -1, np.int64)
-                       for f in list(Stats.__dataclass_fields__)[1:]))
-    for s in (a, b):
-        idx = np.searchsorted(obs, s.obs)
-        for f in list(Stats.__dataclass_fields__)[1:]:
-            v = getattr(s, f)
-            cur = getattr(out, f)
-            take = (v > 0) if f.startswith("n_") else (v >= 0)
-            cur[idx[take]] = v[take]
-    return out
+    parts = []
+    for st in (a, b):
+        for kind in ("wrong", "pad", "pages"):
+            n, first = getattr(st, f"n_{kind}"), getattr(st, f"first_{kind}")
+            keep = n > 0
+            parts.append((kind, st.obs[keep], n[keep], first[keep]))
+    return _assemble([p for p in parts if p[1].size])
 
 
 def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bounded: bool = False) -> Stats:
