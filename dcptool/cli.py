@@ -82,6 +82,13 @@ def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
     typer.echo(f"dcptool: wrote {path}", err=True)
 
 
+def _check_engine_version(v: str | None) -> None:
+    from dcptool.slicing import parse_engine_version
+
+    if v is not None and parse_engine_version(v) is None:
+        raise _fail(f"--engine-version {v!r}: expected a vLLM version such as 0.34.0")
+
+
 @app.command()
 def replay(
     dumps: Annotated[list[Path], typer.Argument(metavar="DUMP",
@@ -99,12 +106,16 @@ def replay(
     html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report (summary, "
                                                              "timeline, findings table, row views) to PATH.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Let --html overwrite an existing file.")] = False,
+    engine_version: Annotated[str | None, typer.Option(
+        "--engine-version", help="Split micro-batches by this vLLM version's rule (e.g. 0.34.0), not the one the "
+                                 "dump names.")] = None,
 ) -> None:
     """Recompute every observation's DCP metadata and report what was missing, stale or wrong."""
     from dcptool.dump import DumpError, open_dumps
 
     if backend not in ("auto", "triton", "torch"):
         raise _fail(f"--backend {backend!r}: choose auto, triton or torch")
+    _check_engine_version(engine_version)
     try:
         if html is not None:
             _check_html_target(html, dumps, force)
@@ -118,7 +129,7 @@ def replay(
         try:
             with Progress(d.n, "replay", not json_out and sys.stderr.isatty()) as bar:
                 res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS,
-                                 progress=bar, bounded=d.bounded)
+                                 progress=bar, bounded=d.bounded, engine_version=engine_version)
         except BackendError as e:
             raise Trouble(str(e)) from None
     except (DumpError, Trouble) as e:
