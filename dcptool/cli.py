@@ -237,11 +237,16 @@ def simulate(
     page_size: Annotated[int, typer.Option(help="KV page (block) size for attention page counts.")] = 16,
     pipeline: Annotated[str, typer.Option(help="fixed (vLLM after the fix) or legacy (every pre-fix fault).")]
     = "fixed",
-    inject: Annotated[str | None, typer.Option(help="Faults to inject on the fixed pipeline, comma-separated: "
-                                                    "dummy-none, dflash-capture-none, ubatch-none, ubatch-parent-rows,"
-                                                    " pcp-stale, pcp-unpadded, capture-wrong-buffer, graph-stale, "
-                                                    "sentinel, flashinfer-global-pages.")] = None,
+    inject: Annotated[str | None, typer.Option(help="Faults to inject on the fixed pipeline, comma-separated, "
+                                                    "with the vLLM releases that had each: dummy-none [0.27–0.29], "
+                                                    "dflash-capture-none [0.27–0.28], ubatch-none [0.27–0.33 (V1 "
+                                                    "runner)], ubatch-parent-rows [main only], pcp-stale [main "
+                                                    "only], pcp-unpadded [main only], capture-wrong-buffer "
+                                                    "[0.27–0.28], graph-stale [no release], sentinel [no release], "
+                                                    "flashinfer-global-pages [0.27–0.29].")] = None,
     seed: Annotated[int, typer.Option(help="Workload seed (same seed, same dump, byte for byte).")] = 0,
+    engine_version: Annotated[str, typer.Option("--engine-version", help="vLLM release to model (e.g. 0.34.0): "
+                                                "its micro-batch split rule, recorded as engine_version.")] = "",
     max_num_reqs: Annotated[int, typer.Option(help="max_num_seqs: requests per step.")] = 64,
     token_budget: Annotated[int, typer.Option(help="max_num_batched_tokens: tokens per step.")] = 2048,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the dump here instead of "
@@ -262,7 +267,7 @@ def simulate(
     cfg = SimConfig(dcp=dcp, interleave=interleave, pcp=pcp, steps=steps, spec_tokens=spec_tokens,
                     spec_method=spec_method, ubatches=ubatches, cudagraph=cudagraph, dummy_every=dummy_every,
                     page_size=page_size, pipeline=pipeline, inject=faults, seed=seed, max_num_reqs=max_num_reqs,
-                    token_budget=token_budget)
+                    token_budget=token_budget, engine_version=engine_version)
     try:
         cfg.validate()
         if per_rank and output is None:

@@ -292,8 +292,8 @@ def test_cli_not_applicable_is_said(tmp_path):
     p = cli("simulate", "--steps", "3", "--max-num-reqs", "16", "--inject", "pcp-stale,dummy-none", "-o",
             tmp_path / "y.safetensors")
     assert p.returncode == 0, p.stderr
-    assert "pcp-stale: not applicable (needs --pcp > 1)" in p.stdout
-    assert "dummy-none: touched" in p.stdout
+    assert "pcp-stale [main only]: not applicable (needs --pcp > 1)" in p.stdout
+    assert "dummy-none [0.27–0.29]: touched" in p.stdout
 
 
 # ---------------------------------------------------------------------------------------------
