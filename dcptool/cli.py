@@ -241,8 +241,8 @@ def simulate(
                                                     "with the vLLM releases that had each: dummy-none [0.27–0.29], "
                                                     "dflash-capture-none [0.27–0.28], ubatch-none [0.27–0.33 (V1 "
                                                     "runner)], ubatch-parent-rows [main only], pcp-stale [main "
-                                                    "only], pcp-unpadded [main only], capture-wrong-buffer "
-                                                    "[0.27–0.28], graph-stale [no release], sentinel [no release], "
+                                                    "only], pcp-unpadded [no release], capture-wrong-buffer "
+                                                    "[no release], graph-stale [no release], sentinel [no release], "
                                                     "flashinfer-global-pages [0.27–0.29].")] = None,
     seed: Annotated[int, typer.Option(help="Workload seed (same seed, same dump, byte for byte).")] = 0,
     engine_version: Annotated[str, typer.Option("--engine-version", help="vLLM release to model (e.g. 0.34.0): "
