@@ -390,3 +390,74 @@ def test_cli_engine_version_option(tmp_path):
     assert CliRunner().invoke(app, ["replay", p, "--split", "2"]).exit_code == 1
     bad = CliRunner().invoke(app, ["replay", p, "--engine-version", "latest"])
     assert bad.exit_code == 2 and "--engine-version 'latest'" in bad.output
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_point_check_survives_hostile_micro_batches(tmp_path, seed):
+    """Random parents, bounds, ubatch indices and query_start_locs (not monotone, past the batch) in a
+    dump that names 0.34.0: the split-point check reports or stays quiet, it never raises."""
+    from dcptool.dump import DumpConfig, DumpError, Observation, write_observations
+
+    rng = np.random.default_rng(seed)
+    for t in range(15):
+        out = []
+        for i in range(int(rng.integers(2, 12))):
+            nrp = int(rng.integers(1, 6))
+            nr = int(rng.integers(0, nrp + 1))
+            seq = rng.integers(0, 50, nrp).astype(np.int32)
+            qsl = np.concatenate([[0], np.cumsum(rng.integers(-1, 5, nrp))]).astype(np.int32)
+            kw = dict(query_start_loc=qsl, num_tokens_padded=int(rng.integers(-1, 30)))
+            if i and rng.random() < 0.7:
+                kw.update(ubatch=int(rng.integers(0, 4)), parent=int(rng.integers(i)),
+                          req_start=int(rng.integers(0, 6)), tok_start=int(rng.integers(0, 20)),
+                          tok_stop=int(rng.integers(0, 30)))
+            out.append(Observation(step=0, site="ubatch", rank=0, num_reqs=nr, num_reqs_padded=nrp, seq_lens=seq,
+                                   dcp_local_seq_lens=local_np(seq, 2, 0, 1).astype(np.int32), **kw))
+        path = tmp_path / f"h{t}.safetensors"
+        try:
+            write_observations(path, out, DumpConfig(dcp_size=2, engine_version="0.34.0"))
+        except DumpError:
+            continue
+        for f in _replay(str(path), split=2).findings:
+            assert f.rule and f.message
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+def test_split_point_check_agrees_with_vllm_on_every_fixture_case(tmp_path, version):
+    """The check's vectorised split rule against vLLM's own micro-batches (the oracle fixture): each
+    release's micro-batches, recorded in a dump naming that release, replay clean; named as the other
+    release, exactly the cases where the two releases differ are flagged (0.33 does not accept 0.34's
+    request-boundary split; 0.34 accepts the midpoint of a uniform batch, see above)."""
+    from dcptool.dump import DumpConfig, Observation, write_observations
+
+    obs, parents_that_differ = [], set()
+    for c in ORACLE["cases"]:
+        q, s, nrp, ntp = c["query_lens"], c["seq_lens"], c["num_reqs_padded"], c["num_tokens_padded"]
+        N, r, il = c["dcp_size"], c["dcp_rank"], c["interleave"]
+        seq = _seq(s, nrp).astype(np.int32)
+        view = np.zeros(nrp, np.int32)
+        view[: len(q)] = local_np(seq[: len(q)], N, r, il)
+        p = len(obs)
+        obs.append(Observation(step=0, site="attn_metadata", rank=r, num_reqs=len(q), num_reqs_padded=nrp,
+                               seq_lens=seq, dcp_local_seq_lens=view, query_start_loc=_qsl(q, nrp).astype(np.int32),
+                               num_tokens_padded=ntp))
+        mine, other = c["vllm"][version], c["vllm"]["0.34.0" if version == "0.33.0" else "0.33.0"]
+        if [u["token_slice"] for u in mine] != [u["token_slice"] for u in other]:
+            parents_that_differ.add(p)
+        for u, ub in enumerate(mine):
+            obs.append(Observation(step=0, site="ubatch", rank=r, ubatch=u, num_reqs=ub["num_reqs"],
+                                   num_reqs_padded=ub["num_reqs_padded"],
+                                   seq_lens=np.array(ub["seq_lens"], np.int32),
+                                   dcp_local_seq_lens=np.array(ub["dcp_local_seq_lens"], np.int32), parent=p,
+                                   req_start=ub["request_slice"][0], tok_start=ub["token_slice"][0],
+                                   tok_stop=ub["token_slice"][1],
+                                   query_start_loc=np.array(ub["query_start_loc"], np.int32)))
+    path = tmp_path / "oracle.safetensors"
+    # (each case has its own DCP size; the dump's is 8, so only ubatch-slice findings are looked at)
+    write_observations(path, obs, DumpConfig(dcp_size=8, engine_version=version))
+    own = [f for f in _replay(str(path)).findings if f.rule == "ubatch-slice"]
+    assert own == []
+    other = "0.34.0" if version == "0.33.0" else "0.33.0"
+    flagged = {int(f.detail["parent_obs"]) for f in _replay(str(path), engine_version=other).findings
+               if f.rule == "ubatch-slice"}
+    assert flagged == (parents_that_differ if version == "0.34.0" else set())
