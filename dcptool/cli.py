@@ -82,6 +82,13 @@ def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
     typer.echo(f"dcptool: wrote {path}", err=True)
 
 
+def _check_engine_version(v: str | None) -> None:
+    from dcptool.slicing import parse_engine_version
+
+    if v is not None and parse_engine_version(v) is None:
+        raise _fail(f"--engine-version {v!r}: expected a vLLM version such as 0.34.0")
+
+
 @app.command()
 def replay(
     dumps: Annotated[list[Path], typer.Argument(metavar="DUMP",
@@ -99,12 +106,16 @@ def replay(
     html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report (summary, "
                                                              "timeline, findings table, row views) to PATH.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Let --html overwrite an existing file.")] = False,
+    engine_version: Annotated[str | None, typer.Option(
+        "--engine-version", help="Split micro-batches by this vLLM version's rule (e.g. 0.34.0), not the one the "
+                                 "dump names.")] = None,
 ) -> None:
     """Recompute every observation's DCP metadata and report what was missing, stale or wrong."""
     from dcptool.dump import DumpError, open_dumps
 
     if backend not in ("auto", "triton", "torch"):
         raise _fail(f"--backend {backend!r}: choose auto, triton or torch")
+    _check_engine_version(engine_version)
     try:
         if html is not None:
             _check_html_target(html, dumps, force)
@@ -118,7 +129,7 @@ def replay(
         try:
             with Progress(d.n, "replay", not json_out and sys.stderr.isatty()) as bar:
                 res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS,
-                                 progress=bar, bounded=d.bounded)
+                                 progress=bar, bounded=d.bounded, engine_version=engine_version)
         except BackendError as e:
             raise Trouble(str(e)) from None
     except (DumpError, Trouble) as e:
@@ -226,11 +237,16 @@ def simulate(
     page_size: Annotated[int, typer.Option(help="KV page (block) size for attention page counts.")] = 16,
     pipeline: Annotated[str, typer.Option(help="fixed (vLLM after the fix) or legacy (every pre-fix fault).")]
     = "fixed",
-    inject: Annotated[str | None, typer.Option(help="Faults to inject on the fixed pipeline, comma-separated: "
-                                                    "dummy-none, dflash-capture-none, ubatch-none, ubatch-parent-rows,"
-                                                    " pcp-stale, pcp-unpadded, capture-wrong-buffer, graph-stale, "
-                                                    "sentinel, flashinfer-global-pages.")] = None,
+    inject: Annotated[str | None, typer.Option(help="Faults to inject on the fixed pipeline, comma-separated, "
+                                                    "with the vLLM releases that had each: dummy-none [0.27–0.29], "
+                                                    "dflash-capture-none [0.27–0.28], ubatch-none [0.27–0.33 (V1 "
+                                                    "runner)], ubatch-parent-rows [main only], pcp-stale [main "
+                                                    "only], pcp-unpadded [no release], capture-wrong-buffer "
+                                                    "[no release], graph-stale [no release], sentinel [no release], "
+                                                    "flashinfer-global-pages [0.27–0.29].")] = None,
     seed: Annotated[int, typer.Option(help="Workload seed (same seed, same dump, byte for byte).")] = 0,
+    engine_version: Annotated[str, typer.Option("--engine-version", help="vLLM release to model (e.g. 0.34.0): "
+                                                "its micro-batch split rule, recorded as engine_version.")] = "",
     max_num_reqs: Annotated[int, typer.Option(help="max_num_seqs: requests per step.")] = 64,
     token_budget: Annotated[int, typer.Option(help="max_num_batched_tokens: tokens per step.")] = 2048,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the dump here instead of "
@@ -251,7 +267,7 @@ def simulate(
     cfg = SimConfig(dcp=dcp, interleave=interleave, pcp=pcp, steps=steps, spec_tokens=spec_tokens,
                     spec_method=spec_method, ubatches=ubatches, cudagraph=cudagraph, dummy_every=dummy_every,
                     page_size=page_size, pipeline=pipeline, inject=faults, seed=seed, max_num_reqs=max_num_reqs,
-                    token_budget=token_budget)
+                    token_budget=token_budget, engine_version=engine_version)
     try:
         cfg.validate()
         if per_rank and output is None:

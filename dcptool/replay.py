@@ -10,7 +10,7 @@ import numpy as np
 
 from dcptool.dump import Dump, every
 from dcptool.provenance import Provenance, Source, expected_of, local_np
-from dcptool.slicing import Ubatch, split_batch
+from dcptool.slicing import Ubatch, engine_split
 from dcptool.structure import check_alias, check_rank_sum, check_ubatch_slice
 from dcptool.structure import where as _where
 
@@ -215,19 +215,21 @@ def _page_finding(d: Dump, i: int, n_bad: int, j: int) -> Finding:
 
 
 def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int | None = None,
-           views: int = 0, bounded: bool = False, progress=None) -> ReplayResult:
+           views: int = 0, bounded: bool = False, progress=None, engine_version: str | None = None) -> ReplayResult:
     """Check every observation of a dump; findings in observation order, then DESIGN §3 table order.
 
     `views` > 0 adds row views of the first `views` observations with findings and of the sources
     of their stale findings (the HTML report's row views).
     The row checks are one chunked scan (scan.py); everything else is per finding, or vectorised
     over observations (structure.py). `bounded` drops each chunk's pages after use (huge dumps);
-    `progress(k)` is called as k more observations are scanned.
+    `progress(k)` is called as k more observations are scanned. Micro-batches are split by the rule of
+    `engine_version` (default: the one the dump names; slicing.engine_split).
     """
     from dcptool.scan import scan
 
     t0 = time.perf_counter()
     c = d.config
+    version = engine_version if engine_version is not None else c.engine_version
     backend, device = resolve_backend(backend)
     N = c.dcp_size
     has = d["obs.has_dcp"].astype(bool)
@@ -262,7 +264,7 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
             found.append((int(i), _mk(d, i, "stray", msg)))
         skipped["rank-sum"] = "dcp_size is 1"
     if d.has("obs.parent", "obs.req_start", "obs.tok_start", "obs.tok_stop", "obs.qsl"):
-        found += _issues(d, check_ubatch_slice(d))
+        found += _issues(d, check_ubatch_slice(d, version))
     else:
         skipped["ubatch-slice"] = "needs obs.parent, obs.req_start, obs.tok_start, obs.tok_stop and query_start_loc"
     if not d.has("obs.parent", "obs.req_start"):
@@ -283,7 +285,7 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=[f for _, f in found], backend=backend,
                        device=device, seconds=0.0, skipped=skipped, grid=obs_grid(d))
     if split is not None:
-        res.splits = splits(d, split)
+        res.splits = splits(d, split, version)
         res.findings = _merge_split_findings(d, res)
     if obs is not None:
         res.rows_view = rows_view(d, obs, [f for f in res.findings if f.index == obs])
@@ -311,21 +313,23 @@ def resolve_backend(name: str) -> tuple[str, str]:
     return "triton", "cuda" if cuda else "cpu (Triton interpreter)"
 
 
-def splits(d: Dump, k: int) -> list[Split]:
-    """`--split K`: re-split every recorded full batch (with query_start_loc) into K micro-batches."""
+def splits(d: Dump, k: int, engine_version: str | None = None) -> list[Split]:
+    """`--split K`: re-split every recorded full batch (with query_start_loc) into K micro-batches, by the
+    rule of `engine_version` (default: the dump's)."""
     if k < 1:
         raise ValueError(f"--split must be >= 1, got {k}")
     if not d.has("obs.qsl"):
         return []
     c = d.config
+    version = engine_version if engine_version is not None else c.engine_version
     out = []
     ntp = d["obs.num_tokens_padded"] if d.has("obs.num_tokens_padded") else None
     # (a batch whose query_start_loc does not cover num_reqs_padded rows cannot be re-split)
     padded = d["obs.num_reqs_padded"].astype(np.int64)
     for i in np.flatnonzero((d["obs.ubatch"] == -1) & (d["obs.num_reqs"] >= 1) & (np.diff(d["obs.qsl"]) > padded)):
         nr, nrp = int(d["obs.num_reqs"][i]), int(d["obs.num_reqs_padded"][i])
-        for u, ub in enumerate(split_batch(d.qsl_of(i), d.seq_lens_of(i), nr, nrp,
-                                           None if ntp is None else int(ntp[i]), k)):
+        for u, ub in enumerate(engine_split(d.qsl_of(i), d.seq_lens_of(i), nr, nrp,
+                                            None if ntp is None else int(ntp[i]), k, version)):
             dcp = np.zeros(ub.num_reqs_padded, np.int64)
             dcp[: ub.num_reqs] = local_np(ub.seq_lens[: ub.num_reqs], c.dcp_size, int(d["obs.rank"][i]),
                                           c.cp_interleave)

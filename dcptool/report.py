@@ -370,17 +370,18 @@ def render_simulate(cmp, console: Console) -> None:
     console.print(t)
     ft = Table(title=f"Faults ({cmp.label}): observations each touched, and what replay reported there",
                title_justify="left")
-    for name, kw in (("fault", {"no_wrap": True}), ("rule", {}), ("touched", {"justify": "right"}),
+    for name, kw in (("fault", {"no_wrap": True}), ("in vLLM", {"no_wrap": True}), ("rule", {}),
+                     ("touched", {"justify": "right"}),
                      ("found", {"justify": "right"}), ("at sites", {"overflow": "fold"}),
                      ("side findings there", {"overflow": "fold"})):
         ft.add_column(name, **kw)
     for f in cmp.faults:
         if not f.applicable:
-            ft.add_row(f.name, f.rule, "-", "-", Text(f"not applicable: {f.why}", style="dim"), "")
+            ft.add_row(f.name, f.where, f.rule, "-", "-", Text(f"not applicable: {f.why}", style="dim"), "")
             continue
         ok = f.found == f.touched
         found = str(f.found) + (f" ({f.shape_only} as shape)" if f.shape_only else "")
-        ft.add_row(f.name, f.rule, str(f.touched), Text(found, style="green" if ok else "bold red"),
+        ft.add_row(f.name, f.where, f.rule, str(f.touched), Text(found, style="green" if ok else "bold red"),
                    ", ".join(f"{s} {n}" for s, n in f.sites.items()) or "-",
                    _rules(f.side) if f.side else "-")
     console.print(ft)
@@ -416,9 +417,10 @@ def render_simulated(res, console: Console) -> None:
     console.print("by site: " + ", ".join(f"{s} {n}" for s, n in res.by_site.items()))
     for f in res.faults.values():
         if f.applicable:
-            console.print(f"  {f.name}: touched {f.count} observation(s), replay must report {f.rule}")
+            console.print(f"  {f.name} [{f.where}]: touched {f.count} observation(s), replay must report {f.rule}",
+                          markup=False)
         else:
-            console.print(f"  {f.name}: not applicable ({f.why})", style="dim")
+            console.print(f"  {f.name} [{f.where}]: not applicable ({f.why})", style="dim", markup=False)
     console.print(f"replay it: dcptool replay {' '.join(res.files)}", style="dim")
 
 

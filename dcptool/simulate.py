@@ -10,7 +10,15 @@ from pathlib import Path
 import numpy as np
 
 from dcptool.record import Recorder
-from dcptool.slicing import UbatchSlice, pcp_partition, pcp_rank_tokens, split_batch
+from dcptool.slicing import (
+    UbatchSlice,
+    parse_engine_version,
+    pcp_partition,
+    pcp_rank_tokens,
+    split_batch,
+    splits_on_request_boundary,
+    uniform_query_len,
+)
 
 # DESIGN §4's fault table: fault -> (the rule replay must report, what the engine did).
 FAULTS: dict[str, tuple[str, str]] = {
@@ -24,6 +32,21 @@ FAULTS: dict[str, tuple[str, str]] = {
     "graph-stale": ("alias", "a per-step buffer baked into a full graph"),
     "sentinel": ("padding", "padded rows keep a -1 left in the buffer"),
     "flashinfer-global-pages": ("pages", "page counts from the global length"),
+}
+# Where each fault really occurred, read from vLLM's released code (0.27.0-0.34.0; docs/faults.md has
+# the code paths): a release range, "main only" (on vLLM main between releases, never released), or
+# "no release" (a failure class dcptool models that no release 0.27-0.34 has).
+FAULT_WHERE: dict[str, str] = {
+    "dummy-none": "0.27–0.29",
+    "dflash-capture-none": "0.27–0.28",
+    "ubatch-none": "0.27–0.33 (V1 runner)",
+    "ubatch-parent-rows": "main only",
+    "pcp-stale": "main only",
+    "pcp-unpadded": "no release",
+    "capture-wrong-buffer": "no release",
+    "graph-stale": "no release",
+    "sentinel": "no release",
+    "flashinfer-global-pages": "0.27–0.29",
 }
 SITES = ("prepare_inputs", "pcp_partition", "attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft")
 PIPELINES = ("fixed", "legacy")
@@ -64,6 +87,9 @@ class SimConfig:
     max_model_len: int = 32768
     arrival_rate: float = 0.6  # new requests per step (Poisson)
     accept_rate: float = 0.7  # chance each draft token is accepted, given the ones before were
+    # The vLLM release modelled: sets the micro-batch split rule (0.34 splits a uniform decode batch on a
+    # request boundary) and is recorded as the dump's engine_version; "" keeps the default (0.33's rule).
+    engine_version: str = ""
 
     @property
     def faults(self) -> tuple[str, ...]:
@@ -90,7 +116,10 @@ class SimConfig:
         need(self.cudagraph in GRAPH_MODES, f"--cudagraph {self.cudagraph!r}: choose none, piecewise or full")
         need(self.spec_method in SPEC_METHODS, f"--spec-method {self.spec_method!r}: choose mtp or dflash")
         unknown = [f for f in self.inject if f not in FAULTS]
-        need(not unknown, f"--inject: unknown fault {', '.join(unknown)} (known: {', '.join(FAULTS)})")
+        need(not unknown, f"--inject: unknown fault {', '.join(unknown)} (known: "
+                          f"{', '.join(f'{f} [{FAULT_WHERE[f]}]' for f in FAULTS)})")
+        need(not self.engine_version or parse_engine_version(self.engine_version) is not None,
+             f"--engine-version {self.engine_version!r}: expected a vLLM version such as 0.34.0")
         need(not (self.inject and self.pipeline == "legacy"),
              "--inject picks faults on top of the fixed pipeline; --pipeline legacy already injects all of them")
         # vLLM: the KV block size must be a multiple of cp_kv_cache_interleave_size.
@@ -147,6 +176,7 @@ class FaultReport:
     applicable: bool
     why: str | None
     touched: dict[str, list[int]] = field(default_factory=dict)
+    where: str = ""  # FAULT_WHERE: the vLLM releases that had it
     # Stale faults only: touched observations whose rows that exist are right (local lengths are
     # many-to-one, or the copied slice is empty) while the length is not; replay can only say `shape` there.
     shape_only: dict[str, list[int]] = field(default_factory=dict)
@@ -156,8 +186,8 @@ class FaultReport:
         return sum(len(v) for v in self.touched.values())
 
     def to_json(self) -> dict:
-        return {"fault": self.name, "rule": self.rule, "applicable": self.applicable, "why": self.why,
-                "touched": self.count, "observations": self.touched,
+        return {"fault": self.name, "rule": self.rule, "where": self.where, "applicable": self.applicable,
+                "why": self.why, "touched": self.count, "observations": self.touched,
                 "shape_only": {k: v for k, v in self.shape_only.items() if v}}
 
 
@@ -378,9 +408,9 @@ class Workload:
 class _Sink:
     def __init__(self, cfg: SimConfig, out: Path, per_rank: bool, force: bool = False):
         P, N = cfg.pcp, cfg.dcp
+        version = cfg.engine_version or f"vLLM model runner V2 model ({cfg.pipeline} pipeline)"
         kw = dict(dcp_size=N, cp_interleave=cfg.interleave, sites=SITES, pcp_size=P, page_size=cfg.page_size,
-                  engine="dcptool simulate", engine_version=f"vLLM model runner V2 model ({cfg.pipeline} pipeline)",
-                  note=cfg.command())
+                  engine="dcptool simulate", engine_version=version, note=cfg.command())
         if per_rank:
             names = [f".pcp{p}.rank{r}" if P > 1 else f".rank{r}" for p in range(P) for r in range(N)]
             self.paths = [out.with_name(f"{out.stem}{n}{out.suffix or '.safetensors'}") for n in names]
@@ -600,8 +630,12 @@ class Runner:
     # ---- paths
 
     def run_batch(self, step: int, parents_of: list, rows_of: list, desc: Desc, site: str, role: str, kind: str,
-                  slot: int, global_views_of=None) -> None:
-        """The final batch of every PCP rank, then its micro-batches when the step is split."""
+                  slot: int, global_views_of=None, uniform: bool | None = None) -> None:
+        """The final batch of every PCP rank, then its micro-batches when the step is split.
+
+        `uniform`: whether vLLM >= 0.34 splits this batch as a uniform decode (its DP ranks agree on
+        the query length); None: dummy batches, uniform by construction when their tokens divide evenly.
+        """
         cfg = self.cfg
         split = desc.ubatches > 1
         if kind == "capture":
@@ -617,8 +651,10 @@ class Runner:
         if not split:
             return
         ub_graph = (2 if kind == "capture" else 3) if desc.mode == FULL else 0
+        boundary = splits_on_request_boundary(cfg.engine_version) and uniform is not False
         per_p = [split_batch(rows_of[p].qsl, rows_of[p].seq, rows_of[p].nr, rows_of[p].nrp, rows_of[p].ntp,
-                             cfg.ubatches) for p in range(self.P)]
+                             cfg.ubatches, uniform_query_len(rows_of[p].qsl, rows_of[p].nr) if boundary else None)
+                 for p in range(self.P)]
         for u in range(cfg.ubatches):
             for p in range(self.P):
                 ub = per_p[p][u]
@@ -663,8 +699,9 @@ class Runner:
         desc = self.graphs.dispatch(reqs, tokens, uniform, True)
         reqs = desc.num_reqs or reqs
         rows = _dummy(reqs, max(desc.num_tokens, tokens), int(rng.integers(512, 8193)), cfg.max_model_len)
+        # the split follows the peer's shape: a mixed peer batch has no uniform query length to agree on
         self.run_batch(step, [None] * self.P, [rows] * self.P, desc, "dummy", "dummy", "dummy",
-                       PCP_BUF if self.P > 1 else RUNNER)
+                       PCP_BUF if self.P > 1 else RUNNER, uniform=uniform)
 
     def real_step(self, step: int, b: Batch) -> Desc:
         cfg, P = self.cfg, self.P
@@ -675,7 +712,7 @@ class Runner:
         ntp = desc.num_tokens if desc.mode != NONE else tokens
         g = _rows(q, b.seq_lens, desc.num_reqs or b.num_reqs, max(int(q.sum()), ntp))
         if P == 1:
-            self.run_batch(step, [None], [g], desc, "attn_metadata", "final", "step", RUNNER)
+            self.run_batch(step, [None], [g], desc, "attn_metadata", "final", "step", RUNNER, uniform=uniform)
             return desc
         glob = [self.emit(p, g, step=step, site="prepare_inputs", role="global", graph=0, slot=RUNNER, pages=False)
                 for p in range(P)]  # the view each process derived from the global batch (before the fix)
@@ -684,7 +721,7 @@ class Runner:
             lb = pcp_partition(q, comp, isp, P, p, self.N)
             local.append(_rows(lb.query_lens, lb.seq_lens, desc.num_reqs or lb.num_reqs, ntp))
         self.run_batch(step, [gi for gi, _ in glob], local, desc, "pcp_partition", "final", "step", PCP_BUF,
-                       global_views_of=[gv for _, gv in glob])
+                       global_views_of=[gv for _, gv in glob], uniform=uniform)
         return desc
 
     def drafts(self, step: int, desc: Desc, computed_after: np.ndarray) -> None:
@@ -726,7 +763,8 @@ def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: 
             runner.drafts(step, desc, after)
     why = applicability(cfg)
     files = [str(p) for p in sink.paths]
-    reports = {f: FaultReport(f, FAULTS[f][0], FAULTS[f][1], why[f] is None, why[f]) for f in cfg.faults}
+    reports = {f: FaultReport(f, FAULTS[f][0], FAULTS[f][1], why[f] is None, why[f], where=FAULT_WHERE[f])
+               for f in cfg.faults}
     for i, rec in enumerate(sink.recorders):
         got = sink.touched[i]
         for f, rep in reports.items():
@@ -765,9 +803,11 @@ class FaultRow:
     sites: dict[str, int]  # site -> touched observations
     side: dict[str, int]  # rule -> touched observations where replay also reported it and no fault explains it
     shape_only: int = 0  # stale faults: touched observations whose rows are right, so `shape` is the finding
+    where: str = ""  # FAULT_WHERE: the vLLM releases that had it
 
     def to_json(self) -> dict:
-        return {"type": "fault", "fault": self.name, "rule": self.rule, "applicable": self.applicable,
+        return {"type": "fault", "fault": self.name, "rule": self.rule, "where": self.where,
+                "applicable": self.applicable,
                 "why": self.why, "touched": self.touched, "found": self.found, "shape_only": self.shape_only,
                 "sites": self.sites, "side_findings": self.side}
 
@@ -839,6 +879,6 @@ def compare(cfg: SimConfig, backend: str = "auto", progress=None) -> Comparison:
             s = od.config.sites[int(site_of[i])]
             per_site[s] = per_site.get(s, 0) + 1
         rows.append(FaultRow(name, rep.rule, rep.applicable, rep.why, len(idx), found, per_site, side,
-                             len(shape_only)))
+                             len(shape_only), FAULT_WHERE[name]))
     label = "legacy" if cfg.pipeline == "legacy" else "inject " + ",".join(cfg.faults)
     return Comparison(cfg, label, sites, rows, frep, orep, time.perf_counter() - t0)

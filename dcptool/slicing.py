@@ -2,9 +2,54 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
+
+# --------------------------------------------------------------------------------------------
+# Which engine's split rule: vLLM changed it in 0.34.0 (create_ubatch_slices' uniform_token_count)
+
+REQUEST_BOUNDARY_SINCE = (0, 34)  # first vLLM release that splits a uniform multi-token batch on a request boundary
+DEFAULT_ENGINE_VERSION = "0.33"  # dumps that name no engine version: the rule dcptool always used
+
+
+def parse_engine_version(text: str | None) -> tuple[int, int] | None:
+    """(major, minor) of the first `X.Y` in a recorded engine_version ("0.34.0", "0.34.1.dev3+g1a2b",
+    "vLLM 0.33.0"), or None when it names none (free text such as simulate's default)."""
+    m = re.search(r"(?<![\d.])(\d+)\.(\d+)(?![\d])", text or "")
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+def splits_on_request_boundary(engine_version: str | None) -> bool:
+    """Does this engine split a uniform multi-token batch on a request boundary (vLLM >= 0.34)?
+    Unknown versions get the default rule (0.33's token midpoint)."""
+    v = parse_engine_version(engine_version) or parse_engine_version(DEFAULT_ENGINE_VERSION)
+    return v >= REQUEST_BOUNDARY_SINCE
+
+
+def uniform_query_len(query_start_loc: np.ndarray, num_reqs: int) -> int | None:
+    """q when every real request has the same query length q (vLLM's is_uniform_query_len), else None.
+
+    vLLM 0.34 also needs the batch to be decode-graph eligible (no prefill) and every DP rank to agree
+    on q; neither is recorded, so a dump's batch counts as uniform on its shape alone."""
+    if num_reqs < 1:
+        return None
+    q = np.diff(np.asarray(query_start_loc[: num_reqs + 1], dtype=np.int64))
+    if q.size != num_reqs or not (q == q[0]).all():
+        return None
+    return int(q[0])
+
+
+def request_boundary_split(num_tokens_padded: int, num_ubatches: int, uniform_token_count: int | None) -> int | None:
+    """vLLM 0.34's split point for a uniform batch of `uniform_token_count`-token queries: as many whole
+    requests per micro-batch as fit in num_tokens_padded / K, i.e. (T // (q*K)) * q; None (the token
+    midpoint applies) when q <= 1 or not even one whole request fits per micro-batch."""
+    q = uniform_token_count
+    if q is None or q <= 1:
+        return None
+    per = num_tokens_padded // (q * num_ubatches)
+    return per * q if per > 0 else None
 
 
 @dataclass(frozen=True)
@@ -29,20 +74,24 @@ class Ubatch:
 
 
 def ubatch_slices(query_start_loc: np.ndarray, num_reqs: int, num_reqs_padded: int, num_tokens_padded: int,
-                  num_ubatches: int) -> list[UbatchSlice]:
+                  num_ubatches: int, uniform_token_count: int | None = None) -> list[UbatchSlice]:
     """Split points and request ranges (vLLM's maybe_create_ubatch_slices + create_ubatch_slices).
 
     split s = num_tokens_padded // K; micro-batch i owns tokens [s*i, s*(i+1)), the last one ends
     at the real token count and is then padded to num_tokens_padded / num_reqs_padded. Request
     ranges are the requests overlapping the token range, then clamped so a micro-batch lying
     entirely in token padding keeps the last real request (0 query tokens, full seq_len).
+    vLLM >= 0.34 passes `uniform_token_count` q for a uniform decode batch: then s =
+    (num_tokens_padded // (q*K)) * q when that is > 0 and q > 1, a request boundary.
     """
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
     if num_reqs < 1:
         raise ValueError("cannot split a batch without requests")
     cu = np.asarray(query_start_loc[: num_reqs + 1], dtype=np.int64)
-    s = num_tokens_padded // num_ubatches
+    s = request_boundary_split(num_tokens_padded, num_ubatches, uniform_token_count)
+    if s is None:
+        s = num_tokens_padded // num_ubatches
     ends = [s * i for i in range(1, num_ubatches)] + [int(cu[-1])]
     out = []
     start = 0
@@ -78,12 +127,24 @@ def slice_ubatch(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_reqs: in
 
 
 def split_batch(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_reqs: int, num_reqs_padded: int,
-                num_tokens_padded: int | None, num_ubatches: int) -> list[Ubatch]:
-    """Every micro-batch of a full batch (num_tokens_padded defaults to the real token count)."""
+                num_tokens_padded: int | None, num_ubatches: int,
+                uniform_token_count: int | None = None) -> list[Ubatch]:
+    """Every micro-batch of a full batch (num_tokens_padded defaults to the real token count);
+    `uniform_token_count` as vLLM 0.34's create_ubatch_slices takes it (see engine_split)."""
     if num_tokens_padded is None or num_tokens_padded < 0:
         num_tokens_padded = int(query_start_loc[num_reqs])
     return [slice_ubatch(query_start_loc, seq_lens, num_reqs, sl)
-            for sl in ubatch_slices(query_start_loc, num_reqs, num_reqs_padded, num_tokens_padded, num_ubatches)]
+            for sl in ubatch_slices(query_start_loc, num_reqs, num_reqs_padded, num_tokens_padded, num_ubatches,
+                                    uniform_token_count)]
+
+
+def engine_split(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_reqs: int, num_reqs_padded: int,
+                 num_tokens_padded: int | None, num_ubatches: int, engine_version: str | None) -> list[Ubatch]:
+    """A recorded full batch split the way the engine version that recorded it splits (replay --split):
+    vLLM >= 0.34 on a request boundary when the batch is uniform (its DP ranks assumed to agree), else
+    (and before 0.34) at the token midpoint."""
+    q = uniform_query_len(query_start_loc, num_reqs) if splits_on_request_boundary(engine_version) else None
+    return split_batch(query_start_loc, seq_lens, num_reqs, num_reqs_padded, num_tokens_padded, num_ubatches, q)
 
 
 # --------------------------------------------------------------------------------------------

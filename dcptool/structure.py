@@ -140,10 +140,95 @@ def _ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndar
     return seg, j, starts[seg] + j
 
 
-def check_ubatch_slice(d: Dump) -> list[Issue]:
+def _ragged_searchsorted(d: Dump, parents: np.ndarray, x: np.ndarray, side: str) -> np.ndarray:
+    """searchsorted(cu, x[k], side) where cu = parents[k]'s real query_start_loc[:num_reqs+1], for all k
+    at once: the unique parents' cu arrays laid end to end, each lifted above the one before."""
+    up, inv = np.unique(parents, return_inverse=True)
+    inv = inv.ravel()
+    n = d["obs.num_reqs"][up].astype(np.int64) + 1
+    seg, j, idx = _ragged(d["obs.qsl"][up].astype(np.int64), n)
+    lift = np.int64(1) << 34  # recorded values are int32: every segment gets its own range
+    keys = d["rows.query_start_loc"][idx].astype(np.int64) + seg * lift
+    start = np.cumsum(n) - n
+    return np.searchsorted(keys, x + inv * lift, side=side) - start[inv]
+
+
+def _split_bounds(d: Dump, p: np.ndarray, u: np.ndarray, k: np.ndarray, ntp: np.ndarray, s: np.ndarray):
+    """(req_start, req_stop, tok_start, tok_stop) of micro-batch u of k with split point s (slicing.ubatch_slices,
+    vectorised): tokens [s*u, s*(u+1)), the last micro-batch to the real end, padded to ntp / num_reqs_padded."""
+    nr = d["obs.num_reqs"][p].astype(np.int64)
+    nrp = d["obs.num_reqs_padded"][p].astype(np.int64)
+    last = u == k - 1
+    ts = s * u
+    end = np.where(last, d["rows.query_start_loc"][d["obs.qsl"][p] + nr].astype(np.int64), s * (u + 1))
+    rs = np.clip(_ragged_searchsorted(d, p, ts, "right") - 1, 0, np.maximum(nr - 1, 0))
+    re_ = np.maximum(np.minimum(_ragged_searchsorted(d, p, end, "left"), nrp), rs)
+    return rs, np.where(last, nrp, re_), ts, np.where(last, ntp, end)
+
+
+def _check_split_points(d: Dump, cand: np.ndarray, engine_version: str) -> dict[int, tuple]:
+    """Recorded micro-batch bounds against the engine version's split rule (slicing.ubatch_slices): the
+    token midpoint, or from vLLM 0.34 on a request boundary for a batch of equal query lengths. vLLM
+    0.34 uses the request boundary only when its DP ranks agree the batch is a uniform decode, which
+    a dump does not record, so there either split is right. K is the number of micro-batches recorded
+    for the parent; parents whose last recorded micro-batch does not end at num_tokens_padded (not all
+    recorded) are not checked."""
+    from dcptool.slicing import splits_on_request_boundary
+
+    par, ub = d["obs.parent"], d["obs.ubatch"].astype(np.int64)
+    p = par[cand]
+    qo = d["obs.qsl"]
+    nr = d["obs.num_reqs"][p].astype(np.int64)
+    real = d["rows.query_start_loc"][qo[p] + nr].astype(np.int64)
+    ntp = real
+    if d.has("obs.num_tokens_padded"):
+        rec = d["obs.num_tokens_padded"][p].astype(np.int64)
+        ntp = np.where(rec >= 0, rec, real)  # as slicing.split_batch
+    kmax = np.full(d.n, -1, np.int64)
+    np.maximum.at(kmax, p, ub[cand])
+    k = kmax[p] + 1
+    te = d["obs.tok_stop"][cand].astype(np.int64)
+    ends = np.zeros(d.n, bool)
+    ends[p[(ub[cand] == k - 1) & (te == ntp)]] = True
+    ok = ends[p] & (nr >= 1) & (ntp >= k)
+    c, p, u, k, ntp, nr = cand[ok], p[ok], ub[cand][ok], k[ok], ntp[ok], nr[ok]
+    got = np.stack([d[f"obs.{f}"][c].astype(np.int64) for f in ("req_start", "tok_start", "tok_stop")]
+                   + [d["obs.req_start"][c].astype(np.int64) + d["obs.num_reqs_padded"][c].astype(np.int64)])
+    got = got[[0, 3, 1, 2]]  # req_start, req_stop, tok_start, tok_stop
+    mid = np.stack(_split_bounds(d, p, u, k, ntp, ntp // k))
+    good = (got == mid).all(axis=0)
+    if splits_on_request_boundary(engine_version):
+        # equal query lengths q > 1 (vLLM's uniform_token_count): split at (ntp // (q*K)) * q when > 0
+        seg, j, idx = _ragged(qo[p].astype(np.int64), nr + 1)
+        qv = d["rows.query_start_loc"][idx].astype(np.int64)
+        dq = np.diff(qv)
+        inner = j[1:] > 0  # differences inside one parent's cu
+        lo = np.full(c.size, np.iinfo(np.int64).max)
+        hi = np.full(c.size, np.iinfo(np.int64).min)
+        np.minimum.at(lo, seg[1:][inner], dq[inner])
+        np.maximum.at(hi, seg[1:][inner], dq[inner])
+        q = np.where(lo == hi, hi, 0)
+        per = np.where(q > 1, ntp // np.maximum(q * k, 1), 0)
+        uni = per > 0
+        if uni.any():
+            bnd = np.stack(_split_bounds(d, p[uni], u[uni], k[uni], ntp[uni], per[uni] * q[uni]))
+            good[uni] |= (got[:, uni] == bnd).all(axis=0)
+    out: dict[int, tuple] = {}
+    names = ("req_start", "req_stop", "tok_start", "tok_stop")
+    for i in np.flatnonzero(~good):
+        f = int(np.flatnonzero(got[:, i] != mid[:, i])[0])
+        out[int(c[i])] = (names[f], None, int(got[f, i]), int(mid[f, i]), int(k[i]))
+    return out
+
+
+def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue]:
     """A recorded micro-batch must equal slicing its recorded parent at its recorded bounds (§1):
     qsl = clamp(parent qsl[rs:rs+nrp+1] - ts, 0, te - ts); seq_lens = parent rows [rs, rs+nrp),
-    the last reduced by max(0, parent qsl[rs+nrp] - te); num_reqs = max(0, min(rs+nrp, parent) - rs)."""
+    the last reduced by max(0, parent qsl[rs+nrp] - te); num_reqs = max(0, min(rs+nrp, parent) - rs).
+    When the dump (or `engine_version`) names the engine version, the recorded bounds must also be
+    where that version splits (_check_split_points); a dump that names none is sliced as recorded."""
+    from dcptool.slicing import parse_engine_version
+
     par, ub = d["obs.parent"], d["obs.ubatch"]
     rs, ts, te = (d[k].astype(np.int64) for k in ("obs.req_start", "obs.tok_start", "obs.tok_stop"))
     qo, rows = d["obs.qsl"], d["obs.rows"]
@@ -168,6 +253,13 @@ def check_ubatch_slice(d: Dump) -> list[Issue]:
     nr_par = d["obs.num_reqs"][p].astype(np.int64)
     want_nr = np.maximum(0, np.minimum(r0 + nrp, nr_par) - r0)
     bad_obs: dict[int, tuple] = {}
+    bounds = _check_split_points(d, cand, engine_version) if parse_engine_version(engine_version) else {}
+    for i, (field, _, rec, exp, k) in bounds.items():
+        msg = (f"{where(d, i)}: {field} is {rec}, but vLLM {engine_version} splits this batch (obs "
+               f"{int(d.file_obs[par[i]])}) into {k} micro-batches with {field} {exp}")
+        out.append((i, "ubatch-slice", msg, {"recorded": rec, "expected": exp, "wrong_rows": 0,
+                                             "detail": {"field": field, "parent_obs": int(d.file_obs[par[i]]),
+                                                        "ubatches": k, "engine_version": engine_version}}))
     for k in np.flatnonzero(want_nr != d["obs.num_reqs"][cand]):
         bad_obs[int(cand[k])] = ("num_reqs", None, int(d["obs.num_reqs"][cand[k]]), int(want_nr[k]))
     # query_start_loc: nrp + 1 values each (only where the recorded length matches)
@@ -189,7 +281,7 @@ def check_ubatch_slice(d: Dump) -> list[Issue]:
     for k in np.flatnonzero(got != want):
         bad_obs.setdefault(int(cand[seg[k]]), ("seq_lens", int(j[k]), int(got[k]), int(want[k])))
     idx = {int(c): k for k, c in enumerate(cand)}
-    for i in sorted(bad_obs):
+    for i in sorted(set(bad_obs) - set(bounds)):  # one finding per observation: the split is the first wrong
         field, row, rec, exp = bad_obs[i]
         k = idx[i]
         msg = (f"{where(d, i)}: {field} disagrees with slicing the parent (obs {int(d.file_obs[p[k]])}) at requests "

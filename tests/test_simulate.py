@@ -292,8 +292,8 @@ def test_cli_not_applicable_is_said(tmp_path):
     p = cli("simulate", "--steps", "3", "--max-num-reqs", "16", "--inject", "pcp-stale,dummy-none", "-o",
             tmp_path / "y.safetensors")
     assert p.returncode == 0, p.stderr
-    assert "pcp-stale: not applicable (needs --pcp > 1)" in p.stdout
-    assert "dummy-none: touched" in p.stdout
+    assert "pcp-stale [main only]: not applicable (needs --pcp > 1)" in p.stdout
+    assert "dummy-none [0.27–0.29]: touched" in p.stdout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,3 +325,95 @@ def test_samples_are_small_replayable_and_regenerate_byte_identical(tmp_path):
     rules = replay(legacy, "torch").by_rule()
     assert {"missing", "stale", "shape", "alias", "padding", "pages"} <= set(rules)
     assert set(legacy.injected[0]) == {f for f, w in applicability(SimConfig(dcp=4, pcp=2)).items() if w is None}
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM 0.34's split rule in simulate, and where each fault really occurred
+
+
+@pytest.mark.parametrize("row", [MATRIX[2], MATRIX[4], MATRIX[5], (2, 1, 1, 2, 2, "none", "mtp"),
+                                 (4, 1, 1, 2, 3, "piecewise", "mtp")],
+                         ids=["N2-full", "N2-P2-full", "N4-piecewise", "N2-eager", "N4-U3-piecewise"])
+def test_engine_0_34_fixed_clean_faults_exact(row, tmp_path):
+    """simulate --engine-version 0.34.0: the fixed pipeline replays clean under the 0.34 rule (the dump
+    says 0.34.0, so replay checks the split points), and every fault is still found exactly."""
+    seed = 5
+    res, d, rr = _run(_cfg(row, seed, engine_version="0.34.0"), tmp_path, "f34.safetensors")
+    assert rr.findings == [], [f.message for f in rr.findings[:3]]
+    assert d.config.engine_version == "0.34.0" and "--engine-version 0.34.0" in d.config.note
+    _verify(*_run(_cfg(row, seed, engine_version="0.34.0", pipeline="legacy"), tmp_path, "l34.safetensors"))
+    # and the same workload under 0.33's rule replays clean too
+    assert _run(_cfg(row, seed, engine_version="0.33.0"), tmp_path, "f33.safetensors")[2].findings == []
+
+
+def test_engine_0_34_splits_uniform_decodes_on_request_boundaries(tmp_path):
+    """Eager micro-batched uniform decodes with an odd request count: 0.34 splits between requests where
+    0.33 cuts one in two; replaying the 0.34 dump by 0.33's rule flags exactly those micro-batches."""
+    row = (2, 1, 1, 2, 2, "none", "mtp")
+    _, d33, _ = _run(_cfg(row, 0, engine_version="0.33.0"), tmp_path, "a.safetensors")
+    _, d34, _ = _run(_cfg(row, 0, engine_version="0.34.0"), tmp_path, "b.safetensors")
+    assert d33.n == d34.n  # the same workload: only the split differs
+    ub = np.flatnonzero(d34["obs.ubatch"] >= 0)
+    moved = ub[d33["obs.tok_start"][ub] != d34["obs.tok_start"][ub]]
+    assert moved.size > 0
+    for i in moved.tolist():  # each moved split is a request boundary of its parent: nothing straddles
+        p = int(d34["obs.parent"][i])
+        assert int(d34["obs.tok_start"][i]) in d34.qsl_of(p).tolist()
+    rr = replay(d34, "torch", engine_version="0.33.0")
+    assert {f.rule for f in rr.findings} == {"ubatch-slice"}
+    flagged = {f.index for f in rr.findings}
+    # a moved split point moves both of its neighbours (K=2: micro-batch 0's end and 1's start)
+    assert flagged == {i for i in ub.tolist() if (d33["obs.tok_start"][i], d33["obs.tok_stop"][i])
+                       != (d34["obs.tok_start"][i], d34["obs.tok_stop"][i])}
+
+
+def test_fault_labels_cover_every_fault():
+    from dcptool.simulate import FAULT_WHERE
+
+    assert list(FAULT_WHERE) == list(FAULTS)
+    # DESIGN §1 "Checked against vLLM's releases": the two faults no release shipped
+    assert FAULT_WHERE["ubatch-parent-rows"] == FAULT_WHERE["pcp-stale"] == "main only"
+    assert FAULT_WHERE["dummy-none"] == "0.27–0.29" and FAULT_WHERE["dflash-capture-none"] == "0.27–0.28"
+
+
+def test_fault_labels_in_table_json_and_errors():
+    from typer.testing import CliRunner
+
+    from dcptool.cli import app
+    from dcptool.simulate import FAULT_WHERE
+
+    run = CliRunner()
+    args = ["simulate", "--steps", "3", "--max-num-reqs", "16", "--token-budget", "512"]
+    r = run.invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(x) for x in r.output.splitlines() if '"type": "fault"' in x]
+    assert {x["fault"]: x["where"] for x in rows} == FAULT_WHERE
+    r = run.invoke(app, args, env={"COLUMNS": "250"})
+    assert "in vLLM" in r.output and "0.27–0.28" in r.output and "main only" in r.output
+    r = run.invoke(app, [*args, "--inject", "bogus"])
+    assert r.exit_code == 2 and "ubatch-parent-rows [main only]" in r.output
+    r = run.invoke(app, [*args, "--engine-version", "newest"])
+    assert r.exit_code == 2 and "--engine-version 'newest'" in r.output
+    assert "[0.27–0.29]" in run.invoke(app, ["simulate", "--help"], env={"COLUMNS": "400"}).output
+
+
+def test_0_29_dflash_capture_buffer_is_not_a_fault(tmp_path):
+    """vLLM 0.29's DFlash capture fills the whole persistent buffer (max_num_reqs rows) and passes all of
+    it; build_attn_metadata slices [:num_reqs] before use. What attention consumes is right, so simulate
+    has no fault for it: recording the consumed view replays clean, while recording the argument would
+    be a `shape` finding for rows attention never reads (DESIGN §1, "record what attention consumes")."""
+    import torch
+
+    from dcptool.reference import prepare_dcp_local_seq_lens
+
+    max_num_reqs, num_reqs, N = 8, 3, 2
+    seq = torch.tensor([3, 3, 4, 0, 0, 0, 0, 0], dtype=torch.int32)  # make_dummy: seq_len = query_len
+    buf = torch.full((max_num_reqs,), -1, dtype=torch.int32)
+    arg = prepare_dcp_local_seq_lens(buf, seq, num_reqs, N, 0, 1)  # 0.29 passes this (no num_reqs_padded)
+    consumed = arg[:num_reqs]
+    with Recorder(tmp_path / "d.safetensors", dcp_size=N, engine_version="0.29.0") as rec:
+        for view in (consumed, arg):
+            rec.observe(step=0, site="dflash_capture", rank=0, seq_lens=seq[:num_reqs], num_reqs=num_reqs,
+                        num_reqs_padded=num_reqs, dcp_local_seq_lens=view)
+    rr = replay(open_dumps([str(tmp_path / "d.safetensors")]), "torch")
+    assert [(f.obs, f.rule) for f in rr.findings] == [(1, "shape")]

@@ -5,11 +5,26 @@ create_ubatch_slices + _slice_input_batch; `pcp_partition`: PCPManager.partition
 runner's prepare_dcp_local_seq_lens) and are recorded here as literals: these tests never need vLLM.
 """
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from dcptool.replay import local_np
-from dcptool.slicing import pcp_partition, pcp_rank_tokens, pcp_replicated, split_batch, ubatch_slices
+from dcptool.slicing import (
+    engine_split,
+    parse_engine_version,
+    pcp_partition,
+    pcp_rank_tokens,
+    pcp_replicated,
+    split_batch,
+    splits_on_request_boundary,
+    ubatch_slices,
+    uniform_query_len,
+)
+
+ORACLE = json.loads((Path(__file__).parent / "data" / "ubatch_oracle.json").read_text())
 
 
 def _qsl(query_lens, nrp=None):
@@ -100,6 +115,87 @@ def test_ubatches_cover_the_padded_batch(seed):
             parent = seq[u.slice.req_start : u.slice.req_stop]
             assert (u.seq_lens[:-1] == parent[:-1]).all() and u.seq_lens[-1] <= parent[-1]
             assert u.query_start_loc[-1] <= u.slice.tok_stop - u.slice.tok_start
+
+
+# ---------------------------------------------------------------------------------------------
+# The split rule by engine version: vLLM 0.33's token midpoint, 0.34's request boundary for uniform batches
+
+
+def test_issue_example_splits_on_a_request_boundary_from_0_34():
+    """5 requests x 3 tokens, K=2: 0.34 gives [(0,2,0,6),(2,5,6,15)], 0.33 [(0,3,0,7),(2,5,7,15)] (vLLM)."""
+    q = _qsl([3] * 5)
+    seq = _seq([40, 50, 60, 70, 80])
+    got = {v: [(u.slice.req_start, u.slice.req_stop, u.slice.tok_start, u.slice.tok_stop)
+               for u in engine_split(q, seq, 5, 5, 15, 2, v)] for v in ("0.33.0", "0.34.0", None, "0.35.1.dev2+gabc")}
+    assert got["0.34.0"] == got["0.35.1.dev2+gabc"] == [(0, 2, 0, 6), (2, 5, 6, 15)]
+    assert got["0.33.0"] == got[None] == [(0, 3, 0, 7), (2, 5, 7, 15)]
+    # on the boundary no request straddles: micro-batch 0's last seq_len is not cut
+    assert engine_split(q, seq, 5, 5, 15, 2, "0.34.0")[0].seq_lens.tolist() == [40, 50]
+    assert engine_split(q, seq, 5, 5, 15, 2, "0.33.0")[0].seq_lens.tolist() == [40, 50, 58]
+
+
+@pytest.mark.parametrize("text,want", [("0.34.0", (0, 34)), ("vLLM 0.33.0", (0, 33)), ("0.34.1.dev3+g1a2b", (0, 34)),
+                                       ("v1.2", (1, 2)), (None, None), ("", None),
+                                       ("vLLM model runner V2 model (fixed pipeline)", None), ("10.2.3", (10, 2))])
+def test_engine_version_parsing(text, want):
+    assert parse_engine_version(text) == want
+
+
+def test_rule_chosen_by_version():
+    assert [splits_on_request_boundary(v) for v in ("0.29.0", "0.33.2", "0.34.0", "1.0.0", None, "no version")] == [
+        False, False, True, True, False, False]
+
+
+def test_uniform_query_len():
+    assert uniform_query_len(_qsl([3, 3, 3], 5), 3) == 3
+    assert uniform_query_len(_qsl([3, 3, 4]), 3) is None
+    assert uniform_query_len(_qsl([1]), 1) == 1
+    assert uniform_query_len(np.array([0]), 0) is None
+
+
+def test_request_boundary_falls_back_to_the_midpoint():
+    """Fewer requests than micro-batches, or single-token queries: vLLM 0.34 splits at the token midpoint."""
+    one = engine_split(_qsl([5]), _seq([50]), 1, 1, 5, 2, "0.34.0")
+    assert [(u.slice.tok_start, u.slice.tok_stop) for u in one] == [(0, 2), (2, 5)]
+    dec = engine_split(_qsl([1] * 5), _seq([9] * 5), 5, 5, 5, 2, "0.34.0")
+    assert [(u.slice.tok_start, u.slice.tok_stop) for u in dec] == [(0, 2), (2, 5)]
+    mixed = engine_split(_qsl([3, 3, 4]), _seq([9, 9, 9]), 3, 3, 10, 2, "0.34.0")
+    assert [(u.slice.tok_start, u.slice.tok_stop) for u in mixed] == [(0, 5), (5, 10)]
+
+
+def _oracle_params():
+    for i, c in enumerate(ORACLE["cases"]):
+        for v in sorted(c["vllm"]):
+            yield pytest.param(c, v, id=f"case{i}-vllm{v}")
+
+
+@pytest.mark.parametrize("case,version", list(_oracle_params()))
+def test_splits_match_each_vllm_release(case, version):
+    """vLLM's own create_ubatch_slices + _slice_input_batch, per release (tests/data/ubatch_oracle.json,
+    written by tests/data/make_ubatch_oracle.py from real vLLM 0.33.0 and 0.34.0)."""
+    q, s = case["query_lens"], case["seq_lens"]
+    nrp, N, r, il = case["num_reqs_padded"], case["dcp_size"], case["dcp_rank"], case["interleave"]
+    ubs = engine_split(_qsl(q, nrp), _seq(s, nrp), len(q), nrp, case["num_tokens_padded"], case["num_ubatches"],
+                       version)
+    got = []
+    for ub in ubs:
+        sl = ub.slice
+        dcp = np.zeros(ub.num_reqs_padded, np.int64)
+        dcp[: ub.num_reqs] = local_np(ub.seq_lens[: ub.num_reqs], N, r, il)
+        got.append({"request_slice": [sl.req_start, sl.req_stop], "token_slice": [sl.tok_start, sl.tok_stop],
+                    "num_reqs": ub.num_reqs, "num_reqs_padded": ub.num_reqs_padded,
+                    "query_start_loc": ub.query_start_loc.tolist(), "seq_lens": ub.seq_lens.tolist(),
+                    "dcp_local_seq_lens": dcp.tolist()})
+    assert got == case["vllm"][version]
+
+
+def test_oracle_fixture_covers_both_rules():
+    """The fixture holds both releases and cases where they disagree (else the test above proves little)."""
+    cases = ORACLE["cases"]
+    assert all({"0.33.0", "0.34.0"} <= set(c["vllm"]) for c in cases) and len(cases) >= 100
+    differ = [c for c in cases if [u["token_slice"] for u in c["vllm"]["0.33.0"]]
+              != [u["token_slice"] for u in c["vllm"]["0.34.0"]]]
+    assert len(differ) >= 20
 
 
 def test_ubatch_slices_reject_bad_input():
@@ -203,3 +299,165 @@ def test_pcp_size_one_is_the_batch_itself():
     assert loc.req.tolist() == [0, 1] and loc.seq_lens.tolist() == [15, 21]
     with pytest.raises(ValueError):
         pcp_partition([1], [1], [False], 2, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rule reaches replay: the ubatch-slice check and --split follow the dump's engine version
+
+
+def _uniform_dump(tmp_path, split_version: str, engine_version: str | None, q=3, n=5, k=2, name="d"):
+    """A uniform batch (n requests x q tokens) and its k micro-batches as `split_version` splits them."""
+    from dcptool.dump import DumpConfig, Observation, write_observations
+
+    qsl = _qsl([q] * n).astype(np.int32)
+    seq = np.arange(40, 40 + 10 * n, 10, dtype=np.int32)
+    out = [Observation(step=1, site="attn_metadata", rank=0, num_reqs=n, num_reqs_padded=n, seq_lens=seq,
+                       dcp_local_seq_lens=local_np(seq, 2, 0, 1).astype(np.int32), query_start_loc=qsl,
+                       num_tokens_padded=n * q)]
+    for u, ub in enumerate(engine_split(qsl, seq, n, n, n * q, k, split_version)):
+        sl = ub.slice
+        out.append(Observation(step=1, site="ubatch", rank=0, ubatch=u, num_reqs=ub.num_reqs,
+                               num_reqs_padded=ub.num_reqs_padded, seq_lens=ub.seq_lens,
+                               dcp_local_seq_lens=local_np(ub.seq_lens, 2, 0, 1).astype(np.int32), parent=0,
+                               req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop,
+                               query_start_loc=ub.query_start_loc, num_tokens_padded=sl.tok_stop - sl.tok_start))
+    path = tmp_path / f"{name}.safetensors"
+    write_observations(path, out, DumpConfig(dcp_size=2, engine_version=engine_version))
+    return str(path)
+
+
+def _replay(path, **kw):
+    from dcptool.dump import open_dumps
+    from dcptool.replay import replay
+
+    return replay(open_dumps([path]), "torch", **kw)
+
+
+def test_a_0_34_recording_replays_clean_by_its_own_rule(tmp_path):
+    p = _uniform_dump(tmp_path, "0.34.0", "0.34.0")
+    assert _replay(p).findings == []
+    assert _replay(p, split=2).findings == []  # --split follows the recorded version too
+
+
+def test_a_0_34_split_is_wrong_for_a_0_33_engine(tmp_path):
+    """The same micro-batches claimed by 0.33 (or replayed with --engine-version 0.33.0) are mis-split."""
+    p = _uniform_dump(tmp_path, "0.34.0", "0.33.0")
+    fs = _replay(p).findings
+    assert [(f.obs, f.rule, f.detail["field"], f.recorded, f.expected) for f in fs] == [
+        (1, "ubatch-slice", "req_stop", 2, 3), (2, "ubatch-slice", "tok_start", 6, 7)]
+    assert "vLLM 0.33.0 splits this batch" in fs[0].message
+    q = _uniform_dump(tmp_path, "0.34.0", "0.34.0", name="e")
+    assert [f.obs for f in _replay(q, engine_version="0.33.0").findings] == [1, 2]
+
+
+def test_without_a_version_micro_batches_are_checked_at_their_recorded_bounds(tmp_path):
+    """Dumps that name no engine version: no split-point check (as before); --split uses 0.33's rule."""
+    p = _uniform_dump(tmp_path, "0.34.0", None)
+    assert _replay(p).findings == []
+    fs = _replay(p, split=2).findings
+    assert {f.rule for f in fs} == {"ubatch-slice"} and all(f.detail.get("split") for f in fs)
+    assert _replay(p, split=2, engine_version="0.34.0").findings == []
+
+
+def test_0_34_accepts_the_midpoint_when_dp_ranks_disagree(tmp_path):
+    """vLLM 0.34 splits a uniform batch at the token midpoint when its DP ranks disagree on the
+    uniform count (not recorded), so both splits are vLLM's."""
+    assert _replay(_uniform_dump(tmp_path, "0.33.0", "0.34.0")).findings == []
+
+
+def test_split_points_checked_on_awkward_batches(tmp_path):
+    """K=3 over 7 requests of 4 tokens: 0.34 splits at 8 and 16 (two requests each), the last takes 3."""
+    p = _uniform_dump(tmp_path, "0.34.0", "0.34.0", q=4, n=7, k=3)
+    from dcptool.dump import open_dumps
+
+    d = open_dumps([p])
+    assert d["obs.tok_start"][1:].tolist() == [0, 8, 16] and d["obs.req_start"][1:].tolist() == [0, 2, 4]
+    assert _replay(p).findings == []
+    assert [f.obs for f in _replay(p, engine_version="0.33.0").findings] == [1, 2, 3]
+
+
+def test_cli_engine_version_option(tmp_path):
+    from typer.testing import CliRunner
+
+    from dcptool.cli import app
+
+    p = _uniform_dump(tmp_path, "0.34.0", None)
+    r = CliRunner().invoke(app, ["replay", p, "--split", "2", "--json", "--engine-version", "0.34.0"])
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(x) for x in r.output.splitlines()]
+    assert [(x["req_start"], x["req_stop"], x["tok_start"], x["tok_stop"]) for x in rows if x["type"] == "split"] == [
+        (0, 2, 0, 6), (2, 5, 6, 15)]
+    assert CliRunner().invoke(app, ["replay", p, "--split", "2"]).exit_code == 1
+    bad = CliRunner().invoke(app, ["replay", p, "--engine-version", "latest"])
+    assert bad.exit_code == 2 and "--engine-version 'latest'" in bad.output
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_point_check_survives_hostile_micro_batches(tmp_path, seed):
+    """Random parents, bounds, ubatch indices and query_start_locs (not monotone, past the batch) in a
+    dump that names 0.34.0: the split-point check reports or stays quiet, it never raises."""
+    from dcptool.dump import DumpConfig, DumpError, Observation, write_observations
+
+    rng = np.random.default_rng(seed)
+    for t in range(15):
+        out = []
+        for i in range(int(rng.integers(2, 12))):
+            nrp = int(rng.integers(1, 6))
+            nr = int(rng.integers(0, nrp + 1))
+            seq = rng.integers(0, 50, nrp).astype(np.int32)
+            qsl = np.concatenate([[0], np.cumsum(rng.integers(-1, 5, nrp))]).astype(np.int32)
+            kw = dict(query_start_loc=qsl, num_tokens_padded=int(rng.integers(-1, 30)))
+            if i and rng.random() < 0.7:
+                kw.update(ubatch=int(rng.integers(0, 4)), parent=int(rng.integers(i)),
+                          req_start=int(rng.integers(0, 6)), tok_start=int(rng.integers(0, 20)),
+                          tok_stop=int(rng.integers(0, 30)))
+            out.append(Observation(step=0, site="ubatch", rank=0, num_reqs=nr, num_reqs_padded=nrp, seq_lens=seq,
+                                   dcp_local_seq_lens=local_np(seq, 2, 0, 1).astype(np.int32), **kw))
+        path = tmp_path / f"h{t}.safetensors"
+        try:
+            write_observations(path, out, DumpConfig(dcp_size=2, engine_version="0.34.0"))
+        except DumpError:
+            continue
+        for f in _replay(str(path), split=2).findings:
+            assert f.rule and f.message
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+def test_split_point_check_agrees_with_vllm_on_every_fixture_case(tmp_path, version):
+    """The check's vectorised split rule against vLLM's own micro-batches (the oracle fixture): each
+    release's micro-batches, recorded in a dump naming that release, replay clean; named as the other
+    release, exactly the cases where the two releases differ are flagged (0.33 does not accept 0.34's
+    request-boundary split; 0.34 accepts the midpoint of a uniform batch, see above)."""
+    from dcptool.dump import DumpConfig, Observation, write_observations
+
+    obs, parents_that_differ = [], set()
+    for c in ORACLE["cases"]:
+        q, s, nrp, ntp = c["query_lens"], c["seq_lens"], c["num_reqs_padded"], c["num_tokens_padded"]
+        N, r, il = c["dcp_size"], c["dcp_rank"], c["interleave"]
+        seq = _seq(s, nrp).astype(np.int32)
+        view = np.zeros(nrp, np.int32)
+        view[: len(q)] = local_np(seq[: len(q)], N, r, il)
+        p = len(obs)
+        obs.append(Observation(step=0, site="attn_metadata", rank=r, num_reqs=len(q), num_reqs_padded=nrp,
+                               seq_lens=seq, dcp_local_seq_lens=view, query_start_loc=_qsl(q, nrp).astype(np.int32),
+                               num_tokens_padded=ntp))
+        mine, other = c["vllm"][version], c["vllm"]["0.34.0" if version == "0.33.0" else "0.33.0"]
+        if [u["token_slice"] for u in mine] != [u["token_slice"] for u in other]:
+            parents_that_differ.add(p)
+        for u, ub in enumerate(mine):
+            obs.append(Observation(step=0, site="ubatch", rank=r, ubatch=u, num_reqs=ub["num_reqs"],
+                                   num_reqs_padded=ub["num_reqs_padded"],
+                                   seq_lens=np.array(ub["seq_lens"], np.int32),
+                                   dcp_local_seq_lens=np.array(ub["dcp_local_seq_lens"], np.int32), parent=p,
+                                   req_start=ub["request_slice"][0], tok_start=ub["token_slice"][0],
+                                   tok_stop=ub["token_slice"][1],
+                                   query_start_loc=np.array(ub["query_start_loc"], np.int32)))
+    path = tmp_path / "oracle.safetensors"
+    # (each case has its own DCP size; the dump's is 8, so only ubatch-slice findings are looked at)
+    write_observations(path, obs, DumpConfig(dcp_size=8, engine_version=version))
+    own = [f for f in _replay(str(path)).findings if f.rule == "ubatch-slice"]
+    assert own == []
+    other = "0.34.0" if version == "0.33.0" else "0.33.0"
+    flagged = {int(f.detail["parent_obs"]) for f in _replay(str(path), engine_version=other).findings
+               if f.rule == "ubatch-slice"}
+    assert flagged == (parents_that_differ if version == "0.34.0" else set())
