@@ -79,15 +79,29 @@ def _drop_stdout() -> None:
     os.close(devnull)
 
 
-def _stdout_broken() -> bool:
-    """Whether stdout itself fails (a full device, EIO): flushing what is still buffered fails again."""
-    try:
-        sys.stdout.flush()
-    except OSError:
-        return True
-    except ValueError:  # closed
-        return True
-    return False
+class _Watched:
+    """sys.stdout while a command runs: remembers that writing to it failed, to tell a full device (exit 2,
+    "cannot write to standard output") from a bug (internal error)."""
+
+    def __init__(self, f):
+        self._f, self.failed = f, False
+
+    def write(self, s):
+        try:
+            return self._f.write(s)
+        except OSError:
+            self.failed = True
+            raise
+
+    def flush(self):
+        try:
+            return self._f.flush()
+        except OSError:
+            self.failed = True
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
 
 
 class _Guarded(TyperGroup):
@@ -96,6 +110,7 @@ class _Guarded(TyperGroup):
     def invoke(self, ctx):
         _run.clear()
         code = 0
+        out = sys.stdout = _Watched(sys.stdout)
         try:
             try:
                 super().invoke(ctx)
@@ -111,12 +126,15 @@ class _Guarded(TyperGroup):
             _drop_stdout()
             code = _run.get("verdict", code)
         except Exception as e:
-            if isinstance(e, OSError) and _stdout_broken():
+            if isinstance(e, OSError) and out.failed:
                 _drop_stdout()
                 typer.echo(f"dcptool: cannot write to standard output: {e.strerror or e}", err=True)
             else:
                 _internal(e)
             code = INTERNAL
+        finally:
+            if sys.stdout is out:
+                sys.stdout = out._f
         raise typer.Exit(code)
 
     def main(self, *args, **kwargs):
@@ -180,9 +198,14 @@ def _obs_index(d, spec: str) -> int:
 
 
 def _check_html_target(path: Path, dumps: list[Path], force: bool) -> None:
-    """Fail before the replay runs: never clobber without --force, never overwrite an input dump."""
-    if path.is_dir():
-        raise Trouble(f"--html {path}: is a directory")
+    """Fail before the replay runs: never clobber without --force, never overwrite an input dump, never
+    replace anything but a regular file (a device, a FIFO, /proc/self/fd/N, a directory: dump.write_target)."""
+    from dcptool.dump import WriteError, write_target
+
+    try:
+        write_target(path)
+    except WriteError as e:
+        raise Trouble(f"--html {e}") from None
     if path.exists():
         if any(path.resolve() == p.resolve() for p in dumps if p.exists()):
             raise Trouble(f"--html {path}: is one of the dumps being replayed; dcptool never modifies its input")

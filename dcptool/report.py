@@ -392,8 +392,9 @@ def _short(v: list, n: int = 12) -> str:
 
 def render_rows_view(v, console: Console) -> None:
     ub = f" ubatch {v.ubatch}" if v.ubatch >= 0 else ""
-    t = Table(title=lit(f"{v.file} obs {v.obs}: step {v.step} {v.site} rank {v.rank}{ub}, num_reqs {v.num_reqs}, "
-                        f"num_reqs_padded {v.num_reqs_padded}"), title_justify="left")
+    say(console, literal(f"{v.file} obs {v.obs}: step {v.step} {v.site} rank {v.rank}{ub}, num_reqs {v.num_reqs}, "
+                         f"num_reqs_padded {v.num_reqs_padded}"))  # a line of its own: never wrapped to the table
+    t = Table()
     n_ranks = len(v.expected_all_ranks[0]) if v.expected_all_ranks else 0
     t.add_column("row", justify="right")
     t.add_column("seq_len", justify="right")
@@ -412,7 +413,6 @@ def render_rows_view(v, console: Console) -> None:
     if v.verdict:
         show_table(console, t)
     else:
-        say(console, t.title)
         say(console, "(no rows)")
     for f in v.findings:
         say(console, (f.rule, _style(f.severity)), literal(f" {f.message}"))
