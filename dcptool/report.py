@@ -12,6 +12,7 @@ import numpy as np
 from rich import box
 from rich.cells import cell_len
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -121,7 +122,7 @@ def show_table(console: Console, table: Table, fold: bool = True) -> None:
     (a terminal soft-wraps them; a pipe or a narrow StringIO keeps each row on one line)."""
     if table.row_count == 0:
         return
-    natural = console.measure(table).maximum
+    natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum  # unclamped
     if natural <= console.width or (fold and console.is_terminal and console.width >= 80):
         console.print(table)
         return
