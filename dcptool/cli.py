@@ -17,8 +17,15 @@ class Trouble(Exception):
     """Bad usage or bad input: one line on stderr, exit code 2."""
 
 
+def _say(msg: str) -> None:
+    """One line on stderr; a path or a string from a file in it cannot reach the terminal as a command."""
+    from dcptool.report import literal
+
+    typer.echo(f"dcptool: {literal(msg)}", err=True)
+
+
 def _fail(msg: str) -> typer.Exit:
-    typer.echo(f"dcptool: {msg}", err=True)
+    _say(msg)
     return typer.Exit(2)
 
 
@@ -63,8 +70,8 @@ def _internal(e: BaseException) -> None:
 
         traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
     msg = " ".join(str(e).split()) or "(no message)"  # one line, whatever the exception says
-    typer.echo(f"dcptool: internal error: {type(e).__name__}: {msg} (please report this at {_report_to()}; "
-               "rerun with --debug or DCPTOOL_DEBUG=1 for the traceback)", err=True)
+    _say(f"internal error: {type(e).__name__}: {msg} (please report this at {_report_to()}; "
+         "rerun with --debug or DCPTOOL_DEBUG=1 for the traceback)")
 
 
 def _drop_stdout() -> None:
@@ -120,7 +127,7 @@ class _Guarded(TyperGroup):
         except _PASS:
             raise
         except KeyboardInterrupt:
-            typer.echo("dcptool: interrupted", err=True)
+            _say("interrupted")
             code = 130
         except BrokenPipeError:  # `| head`: the reader has what it wanted; keep the verdict of what was found
             _drop_stdout()
@@ -128,7 +135,7 @@ class _Guarded(TyperGroup):
         except Exception as e:
             if isinstance(e, OSError) and out.failed:
                 _drop_stdout()
-                typer.echo(f"dcptool: cannot write to standard output: {e.strerror or e}", err=True)
+                _say(f"cannot write to standard output: {e.strerror or e}")
             else:
                 _internal(e)
             code = INTERNAL
@@ -224,7 +231,7 @@ def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
         atomic_write(path, [render_html(res, max_findings).encode("utf-8")], force=force, inputs=res.files)
     except DumpError as e:
         raise _fail(f"--html {e}") from None
-    typer.echo(f"dcptool: wrote {path}", err=True)
+    _say(f"wrote {path}")
 
 
 @app.command()

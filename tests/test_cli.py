@@ -481,3 +481,11 @@ def test_ctrl_c_during_simulate_writes_nothing(tmp_path):
     assert p.returncode == 130
     assert b"dcptool: interrupted" in seen and b"Traceback" not in seen
     assert list(tmp_path.iterdir()) == []  # nothing at the final path, no temporary
+
+
+def test_error_lines_escape_what_a_path_holds(tmp_path):
+    code, out, err = run_cli("replay", tmp_path / "no\x1b]0;title\x07such.safetensors")
+    assert code == 2 and err.count("\n") == 1 and "\x1b" not in err and "\x07" not in err
+    assert "no\\x1b]0;title\\x07such.safetensors" in err
+    code, out, err = run_cli("replay", write(tmp_path / "d.safetensors", [obs()]), "--obs", "x\x1b[2J")
+    assert code == 2 and "\x1b" not in err and "x\\x1b[2J" in err
