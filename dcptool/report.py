@@ -42,9 +42,15 @@ def literal(s: object) -> str:
     s = str(s)
     if s.isprintable():
         return s
-    return "".join(c if c.isprintable() else (f"\\x{ord(c):02x}" if ord(c) < 0x100 else
-                                             f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}")
-                   for c in s)
+    return "".join(c if c.isprintable() or "\udca0" <= c <= "\udcff" else _escape(c) for c in s)
+
+
+def _escape(c: str) -> str:
+    o = ord(c)
+    if 0xDC80 <= o < 0xDCA0:  # a non-UTF-8 byte of a file name that is a C1 control (0x9b is CSI): show the byte
+        return f"\\x{o - 0xDC00:02x}"
+    # (bytes 0xa0-0xff of a non-UTF-8 name stay surrogate-escaped: main() writes the name's own bytes back)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
 
 
 def lit(s: object, style: str = "") -> Text:

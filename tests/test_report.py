@@ -615,7 +615,8 @@ def test_report_console_raises_broken_pipe_instead_of_exiting_1():
 
 @pytest.mark.parametrize("s,want", [("plain [b]x[/b]", "plain [b]x[/b]"), ("a\x1b[2Jb", "a\\x1b[2Jb"),
                                     ("t\x1b]0;title\x07", "t\\x1b]0;title\\x07"), ("cr\r\n", "cr\\x0d\\x0a"),
-                                    ("\u202eevil", "\\u202eevil"), ("ok é", "ok é")])
+                                    ("\u202eevil", "\\u202eevil"), ("ok é", "ok é"),
+                                    ("r\udcffn\udc9b", "r\udcffn\\x9b")])  # a non-UTF-8 name: C1 bytes escaped
 def test_literal_escapes_control_characters_only(s, want):
     assert report.literal(s) == want
     buf = io.StringIO()
