@@ -1,31 +1,178 @@
-"""Command line: parse, call the library, render, exit 0 clean / 1 findings / 2 bad usage or input."""
+"""Command line: parse, call the library, render; exit 0 clean, 1 findings, 2 bad usage/input or internal error."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
-
-app = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False, add_completion=False,
-                  rich_markup_mode=None,  # plain usage errors: one "Error:" line, no box
-                  help="Replay and debug decode-context-parallel (DCP) metadata recorded from serving engines.")
+from typer.core import TyperGroup
 
 
 class Trouble(Exception):
     """Bad usage or bad input: one line on stderr, exit code 2."""
 
 
+def _say(msg: str) -> None:
+    """One line on stderr; a path or a string from a file in it cannot reach the terminal as a command."""
+    from dcptool.report import literal
+
+    typer.echo(f"dcptool: {literal(msg)}", err=True)
+
+
 def _fail(msg: str) -> typer.Exit:
-    typer.echo(f"dcptool: {msg}", err=True)
+    _say(msg)
     return typer.Exit(2)
 
 
+# --------------------------------------------------------------------------------------------
+# The guard: exit codes never lie. Every command runs inside _Guarded.invoke (CliRunner too), so an
+# unexpected exception is exit 2 with one line, never click's exit 1 ("findings" to a CI job).
+
+INTERNAL = 2  # README: Exit codes
+# per invocation: the exit code of what the command found (kept when the reader of stdout goes away), --debug
+_run: dict = {}
+# click's exception for usage errors (typer >= 0.22 vendors click, older typer re-exports it): shown as is
+_CLICK_EXC = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_PASS = (typer.Exit, typer.Abort, _CLICK_EXC)
+
+
+def _verdict(code: int) -> None:
+    """Say the exit code before printing the report, so a broken pipe (`| head`) still ends with it."""
+    _run["verdict"] = code
+
+
+def _debug() -> bool:
+    return os.environ.get("DCPTOOL_DEBUG", "") not in ("", "0") or bool(_run.get("debug"))
+
+
+def _report_to() -> str:
+    """Where to report a bug: the package's Issues URL when its metadata names one."""
+    try:
+        from importlib.metadata import metadata
+
+        for url in metadata("dcptool").get_all("Project-URL") or []:
+            label, _, link = url.partition(",")
+            if label.strip().lower() in ("issues", "bug tracker", "bugs", "tracker"):
+                return link.strip()
+    except Exception:
+        pass
+    return "the dcptool issue tracker"
+
+
+def _internal(e: BaseException) -> None:
+    if _debug():
+        import traceback
+
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    msg = " ".join(str(e).split()) or "(no message)"  # one line, whatever the exception says
+    _say(f"internal error: {type(e).__name__}: {msg} (please report this at {_report_to()}; "
+         "rerun with --debug or DCPTOOL_DEBUG=1 for the traceback)")
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null (Python docs, "Note on SIGPIPE"): the flush at exit then cannot fail
+    and print "Exception ignored" about a reader that went away or a full device."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (CliRunner): nothing will flush it at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+class _Watched:
+    """sys.stdout while a command runs: remembers that writing to it failed, to tell a full device (exit 2,
+    "cannot write to standard output") from a bug (internal error)."""
+
+    def __init__(self, f):
+        self._f, self.failed = f, False
+
+    def write(self, s):
+        try:
+            return self._f.write(s)
+        except OSError:
+            self.failed = True
+            raise
+
+    def flush(self):
+        try:
+            return self._f.flush()
+        except OSError:
+            self.failed = True
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+class _Guarded(TyperGroup):
+    """The dcptool command group: runs each command under one guard for exit codes and stdout."""
+
+    def invoke(self, ctx):
+        _run.clear()
+        code = 0
+        out = sys.stdout = _Watched(sys.stdout)
+        try:
+            try:
+                super().invoke(ctx)
+            except typer.Exit as e:
+                code = e.exit_code
+            sys.stdout.flush()  # a buffered write to a full device or a closed pipe fails here, not at exit
+        except _PASS:
+            raise
+        except KeyboardInterrupt:
+            _say("interrupted")
+            code = 130
+        except BrokenPipeError:  # `| head`: the reader has what it wanted; keep the verdict of what was found
+            _drop_stdout()
+            code = _run.get("verdict", code)
+        except Exception as e:
+            if isinstance(e, OSError) and out.failed:
+                _drop_stdout()
+                _say(f"cannot write to standard output: {e.strerror or e}")
+            else:
+                _internal(e)
+            code = INTERNAL
+        finally:
+            if sys.stdout is out:
+                sys.stdout = out._f
+        raise typer.Exit(code)
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, **kwargs)
+        except (*_PASS, SystemExit):
+            raise
+        except Exception as e:  # outside a command (parsing, a parameter's conversion): still one line, exit 2
+            _internal(e)
+            if kwargs.get("standalone_mode", True):
+                sys.exit(INTERNAL)
+            return INTERNAL
+
+
+app = typer.Typer(cls=_Guarded, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+                  rich_markup_mode=None,  # plain usage errors: one "Error:" line, no box
+                  help="Replay and debug decode-context-parallel (DCP) metadata recorded from serving engines.")
+
+
+@app.callback()
+def _options(
+    debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an internal error (or set "
+                                                        "DCPTOOL_DEBUG=1).")] = False,
+) -> None:
+    _run["debug"] = debug
+
+
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=False)
+    from dcptool.report import ReportConsole
+
+    return ReportConsole()
 
 
 def _obs_index(d, spec: str) -> int:
@@ -58,9 +205,14 @@ def _obs_index(d, spec: str) -> int:
 
 
 def _check_html_target(path: Path, dumps: list[Path], force: bool) -> None:
-    """Fail before the replay runs: never clobber without --force, never overwrite an input dump."""
-    if path.is_dir():
-        raise Trouble(f"--html {path}: is a directory")
+    """Fail before the replay runs: never clobber without --force, never overwrite an input dump, never
+    replace anything but a regular file (a device, a FIFO, /proc/self/fd/N, a directory: dump.write_target)."""
+    from dcptool.dump import WriteError, write_target
+
+    try:
+        write_target(path)
+    except WriteError as e:
+        raise Trouble(f"--html {e}") from None
     if path.exists():
         if any(path.resolve() == p.resolve() for p in dumps if p.exists()):
             raise Trouble(f"--html {path}: is one of the dumps being replayed; dcptool never modifies its input")
@@ -79,7 +231,7 @@ def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
         atomic_write(path, [render_html(res, max_findings).encode("utf-8")], force=force, inputs=res.files)
     except DumpError as e:
         raise _fail(f"--html {e}") from None
-    typer.echo(f"dcptool: wrote {path}", err=True)
+    _say(f"wrote {path}")
 
 
 def _check_engine_version(v: str | None) -> None:
@@ -136,14 +288,16 @@ def replay(
         raise _fail(str(e)) from None
     from dcptool import report
 
+    code = 1 if res.errors or (strict and res.warnings) else 0
+    if html is not None:  # first: a reader of stdout that stops early (`| head`) must not cost the file
+        _write_html(html, res, max_findings, force)
+    _verdict(code)
     if json_out:
         for line in report.replay_json_lines(res, max_findings):
             sys.stdout.write(line + "\n")
     else:
         report.render_replay(res, _console(), max_findings)
-    if html is not None:
-        _write_html(html, res, max_findings, force)
-    raise typer.Exit(1 if res.errors or (strict and res.warnings) else 0)
+    raise typer.Exit(code)
 
 
 def _dump_side(spec: str) -> list[str]:
@@ -196,6 +350,7 @@ def diff(
 
     limit = max_findings if (max_findings is not None or json_out) else report.TEXT_MAX_FINDINGS
     res = run_diff(da, db, limit)
+    _verdict(0 if res.same else 1)
     if json_out:
         for line in report.diff_json_lines(res):
             sys.stdout.write(line + "\n")

@@ -719,14 +719,59 @@ def _link_no_clobber(tmp: str, p: Path) -> None:
     os.unlink(tmp)
 
 
+_KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+          (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
+def write_target(path: str | os.PathLike) -> Path:
+    """The file a write to `path` may replace: `path` when it is absent or a regular file; for a symbolic
+    link to a regular file, that file (replaced atomically in its own directory; the link stays a link).
+    Anything else is a WriteError: a directory, a device (`/dev/null`), a FIFO, a socket, a link to one
+    of them (`/proc/self/fd/1`) or a dangling link. A rename would swap such a node for a regular file."""
+    p = Path(path)
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return p
+    except OSError as e:
+        raise WriteError(f"{_clean(p)}: cannot write: {e.strerror or e}") from None
+    if stat.S_ISREG(st.st_mode):
+        return p
+    if not stat.S_ISLNK(st.st_mode):
+        raise WriteError(f"{_clean(p)}: is a {_kind(st.st_mode)}, not a regular file; dcptool only replaces "
+                         "regular files")
+    try:
+        target = os.stat(p)
+    except OSError:
+        raise WriteError(f"{_clean(p)}: is a symbolic link to nothing; dcptool only writes regular files") from None
+    if not stat.S_ISREG(target.st_mode):
+        raise WriteError(f"{_clean(p)}: is a symbolic link to a {_kind(target.st_mode)}, not a regular file; "
+                         "dcptool only replaces regular files")
+    real = Path(os.path.realpath(p))
+    try:  # a /proc/self/fd link to a deleted or unnamed file resolves to no path that is that file
+        same = os.path.samefile(real, p)
+    except OSError:
+        same = False
+    if not same:
+        raise WriteError(f"{_clean(p)}: is a symbolic link whose target cannot be replaced by name")
+    return real
+
+
 def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True, inputs=()) -> None:
     """Write chunks (bytes-like) to a temporary file beside `path`, fsync, then rename it into place.
 
     A crash, a kill or a full disk leaves the old file (or none), never a torn one; on an error the
     temporary is removed and WriteError names the file. force=False refuses an existing `path`
-    (OutputExistsError); `path` is never one of `inputs`, even with force.
+    (OutputExistsError); `path` is never one of `inputs`, even with force. Only a regular file (or
+    an absent path) is ever replaced; a symbolic link to a regular file replaces that file
+    (write_target).
     """
     p = Path(path)
+    shown = p
     for q in inputs:
         try:
             same = os.path.samefile(p, q)
@@ -734,9 +779,10 @@ def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True, inputs=
             same = False
         if same:
             raise WriteError(f"{_clean(p)}: is also an input; write the output to another file")
+    p = write_target(p)
     existed = os.path.lexists(p)
     if existed and not force:
-        raise OutputExistsError(f"{_clean(p)}: exists (use --force to overwrite)")
+        raise OutputExistsError(f"{_clean(shown)}: exists (use --force to overwrite)")
     d = p.parent
     tmp = None
     try:
@@ -757,7 +803,7 @@ def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True, inputs=
         raise
     except OSError as e:
         keep = " (the previous file is unchanged)" if existed else ""
-        raise WriteError(f"{_clean(p)}: cannot write: {e.strerror or e}{keep}") from None
+        raise WriteError(f"{_clean(shown)}: cannot write: {e.strerror or e}{keep}") from None
     finally:
         if tmp is not None:
             try:

@@ -18,6 +18,7 @@ from dcptool.dump import (
     DumpError,
     OutputExistsError,
     WriteError,
+    _text_ok,
     check_config,
     columns,
     write_dump,
@@ -138,8 +139,9 @@ class Recorder:
         """What the dump format cannot hold (DESIGN §2) raises here and in _check_own, so a write never
         fails on it: the values one batch's observations share."""
         step, _, ubatch, _, nrp, _, rs, ts, te, ntp, _, graph = vals
-        if type(site) is not str or not site.isprintable():
-            raise ValueError(f"site must be a printable string, got {site!r}")
+        # any name a reader accepts (reports show markup and control characters literally); not lone surrogates
+        if type(site) is not str or not _text_ok(site):
+            raise ValueError(f"site must be a string of valid Unicode, got {site!r}")
         if not (-_I64 - 1 <= step <= _I64 and -1 <= ubatch <= INT32_MAX and nrp <= INT32_MAX):
             raise ValueError(f"step {step}, ubatch {ubatch} or num_reqs_padded {nrp} out of range")
         for v in (rs, ts, te, ntp):
@@ -325,6 +327,13 @@ class Recorder:
         self._closed = True
         atexit.unregister(self._at_exit)
         return self.files
+
+    def discard(self) -> None:
+        """Write nothing more, not even at exit, and drop what is not written yet: for a run that failed or
+        was interrupted (simulate), whose dump would look complete but is not."""
+        self._vals, self._sites, self._rows = [], [], []
+        self._closed = True
+        atexit.unregister(self._at_exit)
 
     def _at_exit(self) -> None:
         try:

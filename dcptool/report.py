@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -28,26 +31,140 @@ def _style(severity: str) -> str:
     return "bold red" if severity == "error" else "yellow"
 
 
+# --------------------------------------------------------------------------------------------
+# Literal text and layouts that never hard-wrap what tools read
+
+
+def literal(s: object) -> str:
+    """A string from a file or a path as it must be shown: control characters (ESC, BEL, CR, OSC...) and
+    other unprintable code points written as `\\x1b`-style escapes, so nothing from a file reaches the
+    terminal as a command. Markup is not interpreted because every such string is shown as a Text."""
+    s = str(s)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() or "\udca0" <= c <= "\udcff" else _escape(c) for c in s)
+
+
+def _escape(c: str) -> str:
+    o = ord(c)
+    if 0xDC80 <= o < 0xDCA0:  # a non-UTF-8 byte of a file name that is a C1 control (0x9b is CSI): show the byte
+        return f"\\x{o - 0xDC00:02x}"
+    # (bytes 0xa0-0xff of a non-UTF-8 name stay surrogate-escaped: main() writes the name's own bytes back)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+
+
+def lit(s: object, style: str = "") -> Text:
+    """A string from a file, as a Text: shown literally, never parsed as rich markup."""
+    return Text(literal(s), style=style)
+
+
+def layout_width(console: Console) -> int:
+    """The width layouts are planned for: the console's, or a fixed one where output goes to a pipe or file
+    (ReportConsole there is as wide as any line, so nothing wraps, but a timeline still needs a size)."""
+    return getattr(console, "layout_width", None) or console.width
+
+
+class ReportConsole(Console):
+    """The CLI's console. On a terminal it is rich's, sized to the terminal. Into a pipe or a file it is
+    as wide as any line (tools grep whole findings; nothing is hard-wrapped) and lays out timelines for
+    PIPE_LAYOUT columns whatever $COLUMNS says, so a saved report does not depend on the environment.
+    Lines never end in padding, and a reader that went away raises BrokenPipeError (rich would exit 1,
+    which reads as "findings") for the caller to handle."""
+
+    PIPE_WIDTH = 100_000
+    PIPE_LAYOUT = 120
+
+    def __init__(self, **kw):
+        super().__init__(highlight=False, emoji=False, **kw)
+        self.layout_width = None
+        if not self.is_terminal:
+            self.layout_width = self.PIPE_LAYOUT
+            self.width = self.PIPE_WIDTH
+
+    def _render_buffer(self, buffer) -> str:
+        return _TRAILING.sub(r"\1", super()._render_buffer(buffer))
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+_TRAILING = re.compile(r"[ \t]+((?:\x1b\[[0-9;]*m)*)(?=\n|$)")
+
+
+def _plain_lines(table: Table) -> list[Text]:
+    """A table as aligned lines that never wrap: cells padded to their column, the last one not padded."""
+    cols = table.columns
+    cells = [[c if isinstance(c, Text) else Text(str(c)) for c in col.cells] for col in cols]
+    rows = len(cells[0]) if cells else 0
+    head = [Text(str(c.header)) for c in cols]
+    widths = [max([h.cell_len] + [x.cell_len for x in col]) for h, col in zip(head, cells)]
+
+    def line(parts: list[Text]) -> Text:
+        out = Text()
+        for k, (p, w, c) in enumerate(zip(parts, widths, cols)):
+            last = k == len(parts) - 1
+            pad = " " * (w - p.cell_len)
+            if c.justify == "right":
+                out.append(pad)
+                out.append_text(p)
+            else:
+                out.append_text(p)
+                if not last:
+                    out.append(pad)
+            if not last:
+                out.append("  ")
+        out.rstrip()
+        return out
+
+    out = [line(head)] if table.show_header else []
+    out += [line([col[r] for col in cells]) for r in range(rows)]
+    return out
+
+
+def show_table(console: Console, table: Table, fold: bool = True) -> None:
+    """Print a table so that it degrades gracefully: as is where it fits; folded where a terminal of 80
+    columns or more is too narrow (fold=True: its long cells fold); else as aligned lines that never wrap
+    (a terminal soft-wraps them; a pipe or a narrow StringIO keeps each row on one line)."""
+    if table.row_count == 0:
+        return
+    natural = Measurement.get(console, console.options.update_width(1 << 20), table).maximum  # unclamped
+    if natural <= console.width or (fold and console.is_terminal and console.width >= 80):
+        console.print(table)
+        return
+    if table.title is not None:
+        t = table.title
+        console.print(t if isinstance(t, Text) else Text(str(t)), soft_wrap=True)
+    for line in _plain_lines(table):
+        console.print(line, soft_wrap=True)
+
+
+def say(console: Console, *parts, style: str = "") -> None:
+    """One line of the report (summary, first finding...): parts are (text, style) pairs or plain
+    strings made by dcptool; never wrapped by rich (a terminal soft-wraps it), never parsed as markup."""
+    console.print(Text.assemble(*parts, style=style), soft_wrap=True)
+
+
 def findings_table(findings, title: str | None = None, width: int = 200) -> Table:
     """One line per finding; below 120 columns the row values fold into the message so it stays readable."""
     wide = width >= 120
     t = Table(title=title, box=box.SIMPLE_HEAD, expand=False, title_justify="left", pad_edge=False)
     t.add_column("obs", justify="right", no_wrap=True)
     t.add_column("step", justify="right", no_wrap=True)
-    t.add_column("where", no_wrap=True)
+    t.add_column("where", overflow="fold")
     t.add_column("rule", no_wrap=True)
     if wide:
         for name in ("row", "rec", "exp"):
             t.add_column(name, justify="right", no_wrap=True)
-    t.add_column("message", ratio=1, min_width=30, overflow="fold")
+    t.add_column("message", ratio=1, min_width=20, overflow="fold")
     for f in findings:
-        where = f"{f.site} r{f.rank}" + ("" if f.ubatch < 0 else f" ub{f.ubatch}")
+        where = lit(f"{f.site} r{f.rank}" + ("" if f.ubatch < 0 else f" ub{f.ubatch}"))
         rule = f.rule + (f"/{f.source.relation}" if f.source is not None and wide else "")
         msg = f.message.split(": ", 1)[-1]  # the row already says where
         cells = [str(f.obs), str(f.step), where, Text(rule, style=_style(f.severity))]
         if wide:
             cells += ["" if v is None else str(v) for v in (f.row, f.recorded, f.expected)]
-        t.add_row(*cells, msg)
+        t.add_row(*cells, lit(msg))
     return t
 
 
@@ -61,33 +178,37 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
     render_timeline(res, console)
     shown = res.findings[:limit]
     if shown:
-        console.print(findings_table(shown, title=f"Findings ({len(res.findings)})", width=console.width))
+        show_table(console, findings_table(shown, title=f"Findings ({len(res.findings)})",
+                                           width=layout_width(console)))
         if len(res.findings) > len(shown):
-            console.print(f"... {len(res.findings) - len(shown)} more findings not shown (--max-findings, --json)")
-    files = ", ".join(res.files)
+            say(console, f"... {len(res.findings) - len(shown)} more findings not shown (--max-findings, --json)")
+    files = literal(", ".join(res.files))
     cfg = res.config
-    console.print(f"[bold]dcptool replay[/bold] {files}: {res.observations} observations, dcp_size {cfg.dcp_size}, "
-                  f"interleave {cfg.cp_interleave}" + (f", pcp_size {cfg.pcp_size}" if cfg.pcp_size > 1 else ""))
+    say(console, ("dcptool replay", "bold"), f" {files}: {res.observations} observations, dcp_size {cfg.dcp_size}, "
+        f"interleave {cfg.cp_interleave}" + (f", pcp_size {cfg.pcp_size}" if cfg.pcp_size > 1 else ""))
     if res.findings:
         by_rule = ", ".join(f"{r} {n}" for r, n in res.by_rule().items())
-        console.print(f"findings: {len(res.findings)} ({res.errors} errors, {res.warnings} warnings): {by_rule}")
+        say(console, f"findings: {len(res.findings)} ({res.errors} errors, {res.warnings} warnings): {by_rule}")
         st = Table(title="By site", title_justify="left")
-        st.add_column("site")
+        st.add_column("site", overflow="fold")
         rules = list(res.by_rule())
         for r in rules:
             st.add_column(r, justify="right")
         for site, counts in res.by_site().items():
-            st.add_row(site, *[str(counts.get(r, "")) for r in rules])
-        console.print(st)
+            st.add_row(lit(site), *[str(counts.get(r, "")) for r in rules])
+        show_table(console, st, fold=False)
     else:
-        console.print("[green]clean[/green]: every observation's DCP metadata is what it must be")
+        say(console, ("clean", "green"), ": every observation's DCP metadata is what it must be")
     for check, why in res.skipped.items():
-        console.print(f"skipped {check}: {why}", style="dim")
-    console.print(f"backend {res.backend} on {res.device}, {res.seconds:.2f} s", style="dim")
+        say(console, literal(f"skipped {check}: {why}"), style="dim")
+    say(console, f"backend {res.backend} on {res.device}, {res.seconds:.2f} s", style="dim")
     if res.findings:
+        # cmp-style, the first finding last; its message only when the table above does not show it (each
+        # finding's message is on exactly one line: `grep -c` counts findings)
         f = res.findings[0]
-        console.print(Text.assemble(("first finding: ", "bold"), (f"{f.file} obs {f.obs} ", ""),
-                                    (f.rule, _style(f.severity)), f" {f.message}"))
+        where = f.message.partition(": ")[0]
+        say(console, ("first finding: ", "bold"), literal(f"{f.file} obs {f.obs} "), (f.rule, _style(f.severity)),
+            literal(f" {f.message}" if not shown else f" {where} (the first row of the findings above)"))
 
 
 @dataclass(frozen=True)
@@ -216,20 +337,19 @@ def render_timeline(res, console: Console) -> None:
     g = res.grid
     if g is None or g.count.size == 0:
         return
-    site_w = min(max(len(res.config.sites[int(s)]) for s in np.unique(g.site)), 24)
+    site_w = min(max(cell_len(literal(res.config.sites[int(s)])) for s in np.unique(g.site)), 24)
     rank_w = 1 + len(str(int(g.rank.max())))
     label_w = site_w + 1 + rank_w + 1
-    tl = timeline(res, max(console.width - label_w, 8))
+    tl = timeline(res, max(layout_width(console) - label_w, 8))
     per = "1 step" if tl.width == 1 else f"{tl.width} steps"
     _print_items(console, [Text.assemble(("Timeline", "bold"), f" of steps {tl.first_step}..{tl.last_step}"),
                            Text(f"({per} per column,"), Text("micro-batches folded in)")], " ")
     console.print(Text("step".ljust(label_w) + _axis(tl), style="dim"), no_wrap=True, overflow="crop")
     chars, kinds = _cells(tl)
     for r, (site, rank) in enumerate(zip(tl.sites, tl.ranks)):
-        shown = site if r == 0 or tl.sites[r - 1] != site else ""
-        if len(shown) > site_w:
-            shown = shown[: site_w - 1] + "…"
-        line = Text(f"{shown:<{site_w}} " + f"r{rank}".ljust(rank_w) + " ")
+        shown = Text(literal(site) if r == 0 or tl.sites[r - 1] != site else "")
+        shown.truncate(site_w, overflow="ellipsis", pad=True)
+        line = Text.assemble(shown, " " + f"r{rank}".ljust(rank_w) + " ")
         c = 0
         while c < tl.columns:  # runs of one kind share a style span
             e = c
@@ -252,7 +372,7 @@ def _print_items(console: Console, items: list[Text], sep: str) -> None:
     """Print items joined by sep, wrapping between items and never inside one."""
     line = items[0]
     for item in items[1:]:
-        if len(line) + len(sep) + len(item) > console.width:
+        if line.cell_len + len(sep) + item.cell_len > layout_width(console):
             console.print(line, no_wrap=True, overflow="crop")
             line = item
         else:
@@ -270,7 +390,7 @@ def render_splits(splits, console: Console) -> None:
                   f"[{sl.tok_start}, {sl.tok_stop})", f"{s.ub.num_reqs}/{s.ub.num_reqs_padded}",
                   _short(s.ub.query_start_loc.tolist()), _short(s.ub.seq_lens.tolist()),
                   _short(s.dcp_local_seq_lens.tolist()))
-    console.print(t)
+    show_table(console, t)
 
 
 def _short(v: list, n: int = 12) -> str:
@@ -279,8 +399,9 @@ def _short(v: list, n: int = 12) -> str:
 
 def render_rows_view(v, console: Console) -> None:
     ub = f" ubatch {v.ubatch}" if v.ubatch >= 0 else ""
-    t = Table(title=f"{v.file} obs {v.obs}: step {v.step} {v.site} rank {v.rank}{ub}, num_reqs {v.num_reqs}, "
-                    f"num_reqs_padded {v.num_reqs_padded}", title_justify="left")
+    say(console, literal(f"{v.file} obs {v.obs}: step {v.step} {v.site} rank {v.rank}{ub}, num_reqs {v.num_reqs}, "
+                         f"num_reqs_padded {v.num_reqs_padded}"))  # a line of its own: never wrapped to the table
+    t = Table()
     n_ranks = len(v.expected_all_ranks[0]) if v.expected_all_ranks else 0
     t.add_column("row", justify="right")
     t.add_column("seq_len", justify="right")
@@ -296,11 +417,12 @@ def render_rows_view(v, console: Console) -> None:
                   str(v.expected[j]) if j < len(v.expected) else "",
                   "None" if v.recorded is None else (str(v.recorded[j]) if j < len(v.recorded) else ""),
                   Text(verdict, style=style))
-    console.print(t)
-    if not v.verdict:
-        console.print("(no rows)")
+    if v.verdict:
+        show_table(console, t)
+    else:
+        say(console, "(no rows)")
     for f in v.findings:
-        console.print(Text.assemble((f.rule, _style(f.severity)), f" {f.message}"))
+        say(console, (f.rule, _style(f.severity)), literal(f" {f.message}"))
 
 
 def replay_json_lines(res, max_findings: int | None = None) -> Iterator[str]:
@@ -316,7 +438,7 @@ def replay_json_lines(res, max_findings: int | None = None) -> Iterator[str]:
 
 def render_inspect(info, console: Console) -> None:
     c = info.config
-    console.print(f"[bold]{', '.join(info.files)}[/bold]  ({info.bytes:,} bytes, format {info.format})")
+    say(console, (literal(", ".join(info.files)), "bold"), f"  ({info.bytes:,} bytes, format {info.format})")
     t = Table(show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column(overflow="fold")
@@ -324,19 +446,19 @@ def render_inspect(info, console: Console) -> None:
                         f"page_size {c.page_size}")
     for k in ("engine", "engine_version", "note"):
         if getattr(c, k):
-            t.add_row(k, str(getattr(c, k)))
+            t.add_row(k, lit(getattr(c, k)))
     t.add_row("observations", f"{info.observations:,} ({info.with_view:,} with a DCP view, {info.without_view:,} None)")
     steps = "none" if info.steps is None else f"{info.steps[0]} .. {info.steps[1]} ({info.distinct_steps} distinct)"
     t.add_row("steps", steps)
-    t.add_row("sites", ", ".join(f"{s} {n}" for s, n in info.sites.items()))
+    t.add_row("sites", lit(", ".join(f"{s} {n}" for s, n in info.sites.items())))
     t.add_row("ranks", ", ".join(f"{r}: {n}" for r, n in info.ranks.items()))
     t.add_row("micro-batches", ", ".join(("full" if u < 0 else f"ub{u}") + f": {n}" for u, n in info.ubatches.items()))
     t.add_row("rows", f"{info.seq_rows:,} seq_lens rows, {info.dcp_rows:,} DCP rows, num_reqs max {info.max_num_reqs}, "
                       f"num_reqs_padded max {info.max_num_reqs_padded}")
     t.add_row("optional columns", ", ".join(info.optional) or "none")
     if info.injected:
-        t.add_row("injected", ", ".join(f"{k} ({len(v)} obs)" for k, v in info.injected.items()))
-    console.print(t)
+        t.add_row("injected", lit(", ".join(f"{k} ({len(v)} obs)" for k, v in info.injected.items())))
+    show_table(console, t)
 
 
 def inspect_json(info) -> str:
@@ -366,8 +488,8 @@ def render_simulate(cmp, console: Console) -> None:
     t.add_column("fixed: replay finds", overflow="fold")
     t.add_column(f"{cmp.label}: replay finds", overflow="fold")
     for s in cmp.sites:
-        t.add_row(s.site, str(s.observations), _rules(s.fixed), _rules(s.other))
-    console.print(t)
+        t.add_row(lit(s.site), str(s.observations), _rules(s.fixed), _rules(s.other))
+    show_table(console, t)
     ft = Table(title=f"Faults ({cmp.label}): observations each touched, and what replay reported there",
                title_justify="left")
     for name, kw in (("fault", {"no_wrap": True}), ("in vLLM", {"no_wrap": True}), ("rule", {}),
@@ -384,19 +506,19 @@ def render_simulate(cmp, console: Console) -> None:
         ft.add_row(f.name, f.where, f.rule, str(f.touched), Text(found, style="green" if ok else "bold red"),
                    ", ".join(f"{s} {n}" for s, n in f.sites.items()) or "-",
                    _rules(f.side) if f.side else "-")
-    console.print(ft)
+    show_table(console, ft, fold=False)  # seven columns, two unbreakable: folding squeezes the rest to letters
     fx, ot = cmp.fixed, cmp.other
-    console.print(f"fixed: {len(fx.findings)} findings in {fx.observations} observations; {cmp.label}: "
-                  f"{len(ot.findings)} findings" + (f" ({', '.join(f'{r} {n}' for r, n in ot.by_rule().items())})"
-                                                    if ot.findings else ""))
+    say(console, f"fixed: {len(fx.findings)} findings in {fx.observations} observations; {cmp.label}: "
+        f"{len(ot.findings)} findings" + (f" ({', '.join(f'{r} {n}' for r, n in ot.by_rule().items())})"
+                                          if ot.findings else ""))
     if ot.by_rule().get("rank-sum"):
-        console.print("(rank-sum is about a group of ranks: it is reported at the rank that completes a group whose "
-                      "views do not add up, which may be a rank the fault left alone)", style="dim")
+        say(console, "(rank-sum is about a group of ranks: it is reported at the rank that completes a group whose "
+            "views do not add up, which may be a rank the fault left alone)", style="dim")
     if any(f.shape_only for f in cmp.faults):
-        console.print("(as shape: a stale view whose surviving rows happen to be right but whose length is wrong; "
-                      "replay can only see the length)", style="dim")
-    console.print(f"replay backend {ot.backend} on {ot.device}, {cmp.seconds:.2f} s in all; write a dump with -o "
-                  "and replay it with `dcptool replay`", style="dim")
+        say(console, "(as shape: a stale view whose surviving rows happen to be right but whose length is wrong; "
+            "replay can only see the length)", style="dim")
+    say(console, f"replay backend {ot.backend} on {ot.device}, {cmp.seconds:.2f} s in all; write a dump with -o "
+        "and replay it with `dcptool replay`", style="dim")
 
 
 def simulate_json_lines(cmp) -> Iterator[str]:
@@ -411,17 +533,16 @@ def simulate_json_lines(cmp) -> Iterator[str]:
 def render_simulated(res, console: Console) -> None:
     """What `simulate -o` wrote."""
     c = res.config
-    console.print(f"[bold]wrote[/bold] {', '.join(res.files)}: {res.observations} observations "
-                  f"({c.pipeline if not c.inject else 'inject ' + ','.join(c.faults)}, dcp {c.dcp}, pcp {c.pcp}, "
-                  f"{c.steps} steps, seed {c.seed}) in {res.seconds:.2f} s")
-    console.print("by site: " + ", ".join(f"{s} {n}" for s, n in res.by_site.items()))
+    say(console, ("wrote", "bold"), literal(f" {', '.join(res.files)}") + f": {res.observations} observations "
+        f"({c.pipeline if not c.inject else 'inject ' + ','.join(c.faults)}, dcp {c.dcp}, pcp {c.pcp}, "
+        f"{c.steps} steps, seed {c.seed}) in {res.seconds:.2f} s")
+    say(console, "by site: " + ", ".join(f"{s} {n}" for s, n in res.by_site.items()))
     for f in res.faults.values():
         if f.applicable:
-            console.print(f"  {f.name} [{f.where}]: touched {f.count} observation(s), replay must report {f.rule}",
-                          markup=False)
+            say(console, f"  {f.name} [{f.where}]: touched {f.count} observation(s), replay must report {f.rule}")
         else:
-            console.print(f"  {f.name} [{f.where}]: not applicable ({f.why})", style="dim", markup=False)
-    console.print(f"replay it: dcptool replay {' '.join(res.files)}", style="dim")
+            say(console, f"  {f.name} [{f.where}]: not applicable ({f.why})", style="dim")
+    say(console, literal(f"replay it: dcptool replay {' '.join(res.files)}"), style="dim")
 
 
 class Progress:
@@ -480,20 +601,36 @@ def _v(x) -> str:
     return "" if x is None else str(x)
 
 
-def differences_table(diffs, title: str | None = None) -> Table:
-    t = Table(title=title, show_lines=False, expand=False, title_justify="left")
-    for name, kw in (("step", {"justify": "right"}), ("site", {"no_wrap": True}), ("rank", {"justify": "right"}),
-                     ("ub", {"justify": "right"}), ("#", {"justify": "right"}), ("field", {"no_wrap": True}),
-                     ("row", {"justify": "right"}), ("A", {"justify": "right"}), ("B", {"justify": "right"}),
-                     ("obs A/B", {"justify": "right", "no_wrap": True}), ("message", {"overflow": "fold", "ratio": 1})):
+def differences_table(diffs, title: str | None = None, width: int = 200) -> Table:
+    """One line per difference; below 120 columns where and the values fold into two columns and the message
+    (which names the values) so the message keeps room to read."""
+    wide = width >= 120
+    t = Table(title=title, show_lines=False, expand=False, title_justify="left",
+              box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD, pad_edge=wide)
+    if wide:
+        cols = (("step", {"justify": "right"}), ("site", {"overflow": "fold"}), ("rank", {"justify": "right"}),
+                ("ub", {"justify": "right"}), ("#", {"justify": "right"}), ("field", {"no_wrap": True}),
+                ("row", {"justify": "right"}), ("A", {"justify": "right"}), ("B", {"justify": "right"}),
+                ("obs A/B", {"justify": "right", "no_wrap": True}))
+    else:
+        cols = (("step", {"justify": "right", "no_wrap": True}), ("where", {"overflow": "fold"}),
+                ("field", {"no_wrap": True}))
+    for name, kw in cols:
         t.add_column(name, **kw)
+    t.add_column("message", overflow="fold", ratio=1, min_width=20)
     for x in diffs:
         k = x.key
-        where = ["", "", "", "", ""] if k is None else [str(k.step), k.site, str(k.rank),
+        msg = lit(x.message.split(": ", 2)[-1])  # the row already says where and which field
+        field = lit(x.field, style="bold red")
+        if not wide:
+            where = "" if k is None else (f"{k.site} r{k.rank}" + ("" if k.ubatch < 0 else f" ub{k.ubatch}") +
+                                          (f" #{k.occurrence}" if k.occurrence else ""))
+            t.add_row("" if k is None else str(k.step), lit(where), field, msg)
+            continue
+        where = ["", "", "", "", ""] if k is None else [str(k.step), lit(k.site), str(k.rank),
                                                         "-" if k.ubatch < 0 else str(k.ubatch), str(k.occurrence)]
         obs = f"{'-' if x.a_obs is None else x.a_obs}/{'-' if x.b_obs is None else x.b_obs}"
-        t.add_row(*where, Text(x.field, style="bold red"), _v(x.row), _v(x.a), _v(x.b), "" if k is None else obs,
-                  x.message.split(": ", 2)[-1])  # the row already says where and which field
+        t.add_row(*where, field, _v(x.row), _v(x.a), _v(x.b), "" if k is None else obs, msg)
     return t
 
 
@@ -512,26 +649,27 @@ def _side_desc(files: list[str], n: int) -> str:
 
 def render_diff(res, console: Console) -> None:
     """Differences in run order, the summary, then the first divergence last (cmp-style)."""
-    a, b = _side_name(res.a_files), _side_name(res.b_files)
+    a, b = literal(_side_name(res.a_files)), literal(_side_name(res.b_files))
     if res.differences:
-        console.print(differences_table(res.differences, title=f"Differences ({res.total})"))
+        show_table(console, differences_table(res.differences, title=f"Differences ({res.total})",
+                                              width=layout_width(console)))
         if res.total > len(res.differences):
-            console.print(f"... {res.total - len(res.differences)} more differences not shown (--max-findings, --json)")
-    console.print(f"[bold]dcptool diff[/bold] A = {_side_desc(res.a_files, res.a_observations)}, "
-                  f"B = {_side_desc(res.b_files, res.b_observations)}: {res.compared} aligned, "
-                  f"{res.only_in_a} only in A, {res.only_in_b} only in B")
+            say(console, f"... {res.total - len(res.differences)} more differences not shown (--max-findings, --json)")
+    say(console, ("dcptool diff", "bold"), literal(f" A = {_side_desc(res.a_files, res.a_observations)}, "
+                                                   f"B = {_side_desc(res.b_files, res.b_observations)}")
+        + f": {res.compared} aligned, {res.only_in_a} only in A, {res.only_in_b} only in B")
     if res.total:
-        console.print(f"differences: {res.total}: " + ", ".join(f"{f} {n}" for f, n in res.by_field.items()))
+        say(console, literal(f"differences: {res.total}: " + ", ".join(f"{f} {n}" for f, n in res.by_field.items())))
     for col, why in res.skipped.items():
-        console.print(f"skipped {col}: {why}", style="dim")
-    console.print(f"{res.seconds:.2f} s", style="dim")
+        say(console, literal(f"skipped {col}: {why}"), style="dim")
+    say(console, f"{res.seconds:.2f} s", style="dim")
     if res.first is None:
-        console.print(f"[green]same[/green]: {a} and {b} record the same {res.compared} observations")
+        say(console, ("same", "green"), f": {a} and {b} record the same {res.compared} observations")
     else:
         f = res.first
         where, _, detail = f.message.split(": ", 2)
-        console.print(Text.assemble(f"{a} {b} differ: ", ("first divergence", "bold"), f" at {where}: ",
-                                    (f.field, "bold red"), f": {detail}"))
+        say(console, f"{a} {b} differ: ", ("first divergence", "bold"), literal(f" at {where}: "),
+            (literal(f.field), "bold red"), literal(f": {detail}"))
 
 
 def diff_json_lines(res) -> Iterator[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import time
 from dataclasses import dataclass, field, fields
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dcptool.dump import WriteError, write_target
 from dcptool.record import Recorder
 from dcptool.slicing import (
     UbatchSlice,
@@ -418,8 +420,10 @@ class _Sink:
         else:
             self.paths = [out]
             self.file_of = [0] * (P * N)
+        for p in self.paths:  # before hours of work: only regular files are replaced (no /dev/null, FIFO...)
+            write_target(p)
         if not force:  # (the Recorder refuses too; this says it in the CLI's words)
-            clash = [str(p) for p in self.paths if p.exists()]
+            clash = [str(p) for p in self.paths if os.path.lexists(p)]
             if clash:
                 raise FileExistsError(f"{clash[0]}: exists (use --force to overwrite)")
         self.recorders = [Recorder(p, force=force, **kw) for p in self.paths]
@@ -743,6 +747,23 @@ def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: 
     t0 = time.perf_counter()
     out = Path(out)
     sink = _Sink(cfg, out, per_rank, force)
+    try:
+        return _run(cfg, sink, t0, progress)
+    except BaseException as e:
+        # Interrupted (Ctrl-C) or failed: a dump whose note says `--steps 5000` must not hold 2,407 of them.
+        # Nothing reaches the final paths (the Recorders write nothing at exit either); files this run
+        # already completed (--per-rank) go too, so no partial set is left.
+        for rec in sink.recorders:
+            for f in rec.files:
+                Path(f).unlink(missing_ok=True)
+            rec.discard()
+        if isinstance(e, WriteError):  # one line: the file and the problem, not the Recorder's retry advice
+            failed = next((r for r in sink.recorders if r.last_error), None)
+            raise WriteError(failed.last_error if failed is not None else str(e)) from None
+        raise
+
+
+def _run(cfg: SimConfig, sink: _Sink, t0: float, progress) -> SimResult:
     rng = np.random.default_rng(cfg.seed)
     runner = Runner(cfg, sink)
     work = Workload(cfg, rng)

@@ -1,8 +1,10 @@
 """The CLI as a user runs it: real subprocesses, exit codes 0/1/2, JSON Lines, one-line errors."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -161,3 +163,329 @@ def test_docs_format_examples_write_dumps_replay_reads(tmp_path):
         r = cli("replay", d / "run.safetensors", "--json")
         found = [json.loads(x) for x in r.stdout.splitlines()][:-1]
         assert r.returncode == 1 and [(f["obs"], f["rule"]) for f in found] == [(1, "missing")]
+
+
+# --------------------------------------------------------------------------------------------
+# Exit codes never lie: one guard around every command (in-process through CliRunner, as the fuzz suite runs it)
+
+SAMPLES = ROOT / "samples"
+
+
+def run_cli(*args, env=None):
+    """`dcptool ARGS` in this process; (exit code, stdout, stderr)."""
+    from typer.testing import CliRunner
+
+    from dcptool.cli import app
+
+    r = CliRunner().invoke(app, [str(a) for a in args], env={"DCPTOOL_DEBUG": "", **(env or {})})
+    return r.exit_code, r.stdout, r.stderr
+
+
+def _boom(*a, **k):
+    raise RuntimeError("something\nunexpected")
+
+
+@pytest.mark.parametrize("args,target", [
+    (["replay", "DUMP"], "dcptool.replay.replay"),
+    (["replay", "DUMP", "--json"], "dcptool.report.replay_json_lines"),
+    (["diff", "DUMP", "DUMP"], "dcptool.diff.diff"),
+    (["inspect", "DUMP"], "dcptool.dump.describe"),
+    (["inspect", "DUMP"], "dcptool.report.render_inspect"),
+    (["simulate", "--steps", "2", "-o", "OUT"], "dcptool.simulate.simulate"),
+    (["simulate", "--steps", "2"], "dcptool.simulate.compare"),
+])
+def test_an_unexpected_exception_is_exit_2_and_one_line(tmp_path, monkeypatch, args, target):
+    dump = write(tmp_path / "d.safetensors", [obs(step=i) for i in range(3)])
+    module, name = target.rsplit(".", 1)
+    monkeypatch.setattr(__import__(module, fromlist=[name]), name, _boom)
+    args = [{"DUMP": dump, "OUT": tmp_path / "o.safetensors"}.get(a, a) for a in args]
+    code, out, err = run_cli(*args)
+    assert code == 2, (code, out, err)  # never 1: CI reads 1 as "findings"
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("dcptool: internal error: RuntimeError: something unexpected (please report this at ")
+    assert err.endswith("; rerun with --debug or DCPTOOL_DEBUG=1 for the traceback)\n")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+@pytest.mark.parametrize("how", ["--debug", "DCPTOOL_DEBUG=1"])
+def test_debug_shows_the_traceback(tmp_path, monkeypatch, how):
+    dump = write(tmp_path / "d.safetensors", [obs()])
+    monkeypatch.setattr("dcptool.dump.describe", _boom)
+    args, env = (["--debug"], {}) if how == "--debug" else ([], {"DCPTOOL_DEBUG": "1"})
+    code, out, err = run_cli(*args, "inspect", dump, env=env)
+    assert code == 2 and "Traceback (most recent call last)" in err and "_boom" in err
+    assert err.splitlines()[-1].startswith("dcptool: internal error: RuntimeError: something unexpected")
+
+
+def test_the_guard_keeps_real_exit_codes(tmp_path, monkeypatch):
+    clean = write(tmp_path / "c.safetensors", [obs(step=i) for i in range(3)])
+    bad = write(tmp_path / "b.safetensors", [obs(view=None)])
+    assert run_cli("replay", clean)[0] == 0 and run_cli("replay", bad)[0] == 1 and run_cli("inspect", bad)[0] == 0
+    assert run_cli("diff", clean, clean)[0] == 0 and run_cli("diff", clean, bad)[0] == 1
+    code, _, err = run_cli("replay", clean, "--split", "0")  # usage errors: still click's, exit 2
+    assert code == 2 and "--split" in err and "internal error" not in err
+    assert run_cli("replay")[0] == 2 and run_cli("nonsense")[0] == 2
+    code, _, err = run_cli("replay", tmp_path / "missing.safetensors")  # bad input: our one line
+    assert code == 2 and err.startswith("dcptool: ") and "internal error" not in err
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("dcptool.replay.replay", interrupted)
+    code, _, err = run_cli("replay", clean)
+    assert code == 130 and err == "dcptool: interrupted\n"  # click would say "Aborted!" and exit 1
+
+
+def _closed_reader(args) -> subprocess.CompletedProcess:
+    """Run dcptool with a stdout pipe whose reader is already gone (`| head` that has had its line)."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)
+    p = subprocess.run([sys.executable, "-m", "dcptool", *map(str, args)], stdout=w, stderr=subprocess.PIPE,
+                       text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    os.close(w)
+    return p
+
+
+@pytest.mark.parametrize("args,code", [
+    (["replay", SAMPLES / "fixed.safetensors"], 0),
+    (["replay", SAMPLES / "fixed.safetensors", "--json"], 0),
+    (["replay", SAMPLES / "legacy.safetensors", "--max-findings", "5"], 1),
+    (["diff", SAMPLES / "fixed.safetensors", SAMPLES / "fixed.safetensors"], 0),
+    (["inspect", SAMPLES / "legacy.safetensors"], 0),
+])
+def test_broken_pipe_keeps_the_exit_code_of_what_was_found(args, code):
+    p = _closed_reader(args)
+    assert p.returncode == code, p.stderr
+    assert p.stderr == ""  # no traceback, no "Exception ignored ... BrokenPipeError"
+
+
+def test_head_reads_one_line_and_the_exit_code_is_the_verdict():
+    p = subprocess.run(f"{sys.executable} -m dcptool replay {SAMPLES / 'legacy.safetensors'} --max-findings 2000 "
+                       "| head -1; exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
+                       text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)
+    assert p.returncode == 1 and p.stdout.startswith("Timeline") and p.stderr == ""
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["replay", SAMPLES / "fixed.safetensors"],
+                                  ["replay", SAMPLES / "legacy.safetensors", "--json"],
+                                  ["inspect", SAMPLES / "legacy.safetensors", "--json"]])
+def test_a_failing_stdout_is_exit_2_one_line(args):
+    import os
+
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "dcptool", *map(str, args)], stdout=full, stderr=subprocess.PIPE,
+                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert p.returncode == 2
+    assert p.stderr == "dcptool: cannot write to standard output: No space left on device\n"
+
+
+def test_text_output_to_a_pipe_does_not_depend_on_columns():
+    # the sample has 48 `missing` findings: each on one line, whatever $COLUMNS says (was: 0 at 80 columns)
+    outs = []
+    for columns in ("20", "80", "400"):
+        code, out, _ = run_cli("replay", SAMPLES / "legacy.safetensors", "--max-findings", "2000",
+                               env={"COLUMNS": columns})
+        assert code == 1
+        assert sum("NoneType" in line for line in out.splitlines()) == 48
+        assert not [line for line in out.splitlines() if line != line.rstrip()]  # no trailing padding
+        outs.append(re.sub(r"\d+\.\d\d s", "T s", out))
+    assert outs[0] == outs[1] == outs[2]
+
+
+# --------------------------------------------------------------------------------------------
+# Strings from files render literally: no rich markup, no terminal escapes
+
+HOSTILE = ("[/bold][link=https://example.invalid]L[/link][red]R[/] \x1b[2J\x1b]8;;https://example.invalid\x07X"
+           "\x1b]8;;\x07\x1b]0;window title\x07\x07\rCR")
+RAW = ("\x1b[2J", "\x1b]", "\x07", "\r")  # what must never reach a terminal from a file
+
+
+def hostile_dump(path, pages=True, none_step=1):
+    """A dump made by the Recorder whose site, engine, engine_version and note hold markup and escapes: two
+    ranks, a None view at none_step, and (pages) a wrong page count."""
+    from dcptool import Recorder
+
+    with Recorder(path, dcp_size=2, sites=(HOSTILE,), engine=HOSTILE, engine_version=HOSTILE, note=HOSTILE,
+                  page_size=16 if pages else None) as rec:
+        for step in range(3):
+            for rank in (0, 1):
+                view = None if step == none_step else np.array([9, 13] if rank == 0 else [8, 12], np.int32)
+                i = rec.observe(step=step, site=HOSTILE, rank=rank, seq_lens=np.array([17, 25], np.int32),
+                                num_reqs=2, num_reqs_padded=2, dcp_local_seq_lens=view,
+                                kv_pages=np.array([9, 1], np.int32) if pages else None)
+                assert i >= 0  # the Recorder accepts such names (it used to drop the observation)
+    assert rec.dropped == 0
+    return str(path)
+
+
+def assert_literal(text: str, names: bool = True) -> None:
+    for raw in RAW:
+        assert raw not in text, (raw, text)
+    if not names:
+        return
+    assert "[/bold][link=https://example.invalid]L[/link][red]R[/]" in text  # markup shown, not applied
+    assert "\\x1b[2J\\x1b]8;;https://example.invalid\\x07X" in text and "\\x0dCR" in text
+
+
+def test_hostile_names_render_literally_in_every_text_report(tmp_path):
+    name = "run [red]x[bold] \x1b]0;t\x07.safetensors"  # and a hostile file name (no slash: one file)
+    p = hostile_dump(tmp_path / name)
+    q = hostile_dump(tmp_path / "other.safetensors", none_step=2)
+    for args, code in ((["inspect", p], 0), (["replay", p], 1), (["replay", p, "--obs", "2"], 1),
+                       (["replay", p, "--max-findings", "0"], 1), (["diff", p, q], 1), (["diff", p, p], 0)):
+        rc, out, err = run_cli(*args)
+        assert rc == code, (args, rc, out, err)
+        assert_literal(out, names=args[1:] != [p, p])  # diff of a file with itself names no site
+        assert "run [red]x[bold] \\x1b]0;t\\x07.safetensors" in out
+    rc, out, err = run_cli("inspect", p, "--json")  # JSON keeps the strings exactly (json escapes them)
+    assert rc == 0 and json.loads(out)["config"]["note"] == HOSTILE
+
+
+def test_hostile_output_name_renders_literally_in_simulate(tmp_path):
+    out = tmp_path / "o [bold]x \x1b[2J\x07.safetensors"
+    rc, text, err = run_cli("simulate", "--steps", "2", "-o", out)
+    assert rc == 0 and out.exists(), err
+    assert "o [bold]x \\x1b[2J\\x07.safetensors" in text and "\x1b" not in text and "\x07" not in text
+
+
+def test_hostile_names_are_escaped_in_html(tmp_path):
+    from dcptool.dump import open_dumps
+    from dcptool.htmlreport import render_html
+    from dcptool.replay import replay
+
+    html = render_html(replay(open_dumps([hostile_dump(tmp_path / "h.safetensors")]), "torch", views=5))
+    assert "[/bold][link=https://example.invalid]L[/link]" in html and "<a href=\"https://example" not in html
+
+
+# --------------------------------------------------------------------------------------------
+# Writes that cannot destroy: only a regular file (or an absent path) is ever replaced
+
+
+def _targets(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "to-fifo").symlink_to(fifo)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    r, w = os.pipe()
+    return {"fifo": fifo, "dir": tmp_path / "dir", "to-fifo": tmp_path / "to-fifo",
+            "dangling": tmp_path / "dangling", "proc-fd": Path(f"/proc/self/fd/{w}")}, (r, w)
+
+
+def _kind(p: Path) -> str:
+    import stat
+
+    st = p.lstat()
+    return "link" if stat.S_ISLNK(st.st_mode) else "fifo" if stat.S_ISFIFO(st.st_mode) else \
+        "dir" if stat.S_ISDIR(st.st_mode) else "file"
+
+
+@pytest.mark.parametrize("which", ["fifo", "dir", "to-fifo", "dangling", "proc-fd"])
+@pytest.mark.parametrize("command", ["html", "simulate"])
+def test_writes_refuse_anything_but_a_regular_file(tmp_path, which, command):
+    import os
+
+    targets, fds = _targets(tmp_path)
+    target = targets[which]
+    dump = write(tmp_path / "d.safetensors", [obs()])
+    before = _kind(target) if which != "proc-fd" else None
+    try:
+        if command == "html":
+            rc, out, err = run_cli("replay", dump, "--html", target, "--force")
+        else:
+            rc, out, err = run_cli("simulate", "--steps", "2", "-o", target, "--force")
+        if which == "proc-fd":
+            assert os.fstat(fds[1]) and not os.path.exists(f"/proc/self/fd/{fds[1]}.html")
+    finally:
+        os.close(fds[0])
+        os.close(fds[1])
+    assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("dcptool: "), (rc, out, err)
+    assert "not a regular file" in err or "symbolic link to nothing" in err
+    if before is not None:
+        assert _kind(target) == before  # still a FIFO, a directory, a link
+    assert not [x for x in tmp_path.rglob(".*.tmp")]
+
+
+def test_a_link_to_a_regular_file_replaces_the_file_and_keeps_the_link(tmp_path):
+    dump = write(tmp_path / "d.safetensors", [obs(view=None)])
+    real = tmp_path / "real.html"
+    real.write_text("old")
+    link = tmp_path / "link.html"
+    link.symlink_to(real)
+    rc, _, err = run_cli("replay", dump, "--html", link, "--force")
+    assert rc == 1 and err == f"dcptool: wrote {link}\n"
+    assert link.is_symlink() and real.read_text().startswith("<!DOCTYPE html>")
+    rc, _, err = run_cli("replay", dump, "--html", link)
+    assert rc == 2 and "exists (use --force" in err
+
+
+def test_atomic_write_refuses_special_files(tmp_path):
+    import os
+
+    from dcptool.dump import WriteError, atomic_write
+
+    os.mkfifo(tmp_path / "f")
+    with pytest.raises(WriteError, match="is a FIFO, not a regular file"):
+        atomic_write(tmp_path / "f", [b"x"], force=True)
+    atomic_write(tmp_path / "new", [b"x"], force=False)
+    atomic_write(tmp_path / "new", [b"y"], force=True)
+    assert (tmp_path / "new").read_bytes() == b"y" and _kind(tmp_path / "f") == "fifo"
+
+
+def test_simulate_write_failure_is_one_line(tmp_path):
+    # a name the filesystem cannot hold as a temporary (".NAME.xxxx.tmp" is over 255 bytes): the write fails
+    out = tmp_path / ("n" * 250)
+    p = cli("simulate", "--steps", "2", "-o", out)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith("dcptool: ") and "File name too long" in p.stderr
+    assert "RuntimeWarning" not in p.stderr and "kept in memory" not in p.stderr and not out.exists()
+
+
+def test_ctrl_c_during_simulate_writes_nothing(tmp_path):
+    """SIGINT once simulate is in its loop (its progress bar is on a pseudo-terminal): exit 130, no file at
+    the final path (a dump whose note says --steps 10**6 with a fraction of them), no temporary left."""
+    import os
+    import pty
+    import select
+    import signal
+    import time
+
+    out = tmp_path / "big.safetensors"
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "dcptool", "simulate", "--steps", "1000000", "-o", str(out)],
+                         stdout=subprocess.PIPE, stderr=slave, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    os.close(slave)
+    seen, deadline = b"", time.monotonic() + 120
+    try:
+        while b"simulate" not in seen and time.monotonic() < deadline:  # the bar shows after 1 s of work
+            if select.select([master], [], [], 1.0)[0]:
+                seen += os.read(master, 4096)
+        assert b"simulate" in seen, "simulate never started"
+        p.send_signal(signal.SIGINT)
+        while p.poll() is None:  # keep the terminal drained so the child never blocks on stderr
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(master, 4096)
+                except OSError:
+                    break
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+    assert p.returncode == 130
+    assert b"dcptool: interrupted" in seen and b"Traceback" not in seen
+    assert list(tmp_path.iterdir()) == []  # nothing at the final path, no temporary
+
+
+def test_error_lines_escape_what_a_path_holds(tmp_path):
+    code, out, err = run_cli("replay", tmp_path / "no\x1b]0;title\x07such.safetensors")
+    assert code == 2 and err.count("\n") == 1 and "\x1b" not in err and "\x07" not in err
+    assert "no\\x1b]0;title\\x07such.safetensors" in err
+    code, out, err = run_cli("replay", write(tmp_path / "d.safetensors", [obs()]), "--obs", "x\x1b[2J")
+    assert code == 2 and "\x1b" not in err and "x\\x1b[2J" in err

@@ -205,17 +205,23 @@ def test_config_difference_comes_first(tmp_path):
     assert (res.first.a, res.first.b) == (1, 16)
 
 
-def test_text_report_prints_first_divergence_last(tmp_path):
+@pytest.mark.parametrize("depth", [1, 12])
+def test_text_report_prints_first_divergence_last(tmp_path, depth):
+    # whatever the temp path's length (depth 12: file names over 200 characters) and $COLUMNS, the last line
+    # is the whole first divergence: output to a pipe is never wrapped
     b = run(6)
     b[30].dcp_local_seq_lens[0] = 0  # step 5
     b[7].seq_lens[0] = 3  # step 1, micro-batch 0 of rank 0
-    pa, pb = both(tmp_path, run(6), b)
-    p = cli("diff", pa, pb)
-    assert p.returncode == 1, p.stderr
-    lines = p.stdout.strip().splitlines()
-    assert "differ: first divergence at step 1 ubatch rank 0 ubatch 0: seq_lens:" in " ".join(lines[-2:])
-    table = p.stdout.split("dcptool diff")[0]
-    assert table.index("seq_lens") < table.index("dcp_local_seq_lens")
+    d = tmp_path.joinpath(*["a-rather-long-directory-name"] * depth)
+    d.mkdir(parents=True)
+    pa, pb = both(d, run(6), b)
+    for columns in ("40", "200"):
+        p = cli("diff", pa, pb, env={"COLUMNS": columns})
+        assert p.returncode == 1, p.stderr
+        last = p.stdout.strip().splitlines()[-1]
+        assert last.startswith(f"{pa} {pb} differ: first divergence at step 1 ubatch rank 0 ubatch 0: seq_lens:")
+        table = p.stdout.split("dcptool diff")[0]
+        assert table.index("seq_lens") < table.index("dcp_local_seq_lens")
 
 
 def test_json_lines_match_design(tmp_path):

@@ -503,3 +503,122 @@ def test_html_in_headless_chromium(tmp_path):
     green = (px == (0x8F, 0xD1, 0x9E)).all(axis=2).sum(axis=1)  # clean cells
     # the timeline is on screen: rows of clean cells, and the ubatch rank-1 row where 4 clean steps turn stale
     assert green.max() >= 11 * 20 and ((green >= 3 * 20) & (red >= 6 * 20)).any()
+
+
+# --------------------------------------------------------------------------------------------
+# Every renderer at 60, 80 and 200 columns: nothing tools read is hard-wrapped, tables degrade gracefully
+
+WIDTHS = (60, 80, 200)
+
+
+def squash(s: str) -> str:
+    return "".join(s.split())
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory, run12):
+    """One result of each kind a renderer takes, from small real runs."""
+    from dcptool.diff import diff
+    from dcptool.dump import describe
+    from dcptool.simulate import SimConfig, compare, simulate
+
+    d = tmp_path_factory.mktemp("renderers")
+    p, res = run12
+    b = timeline_run()
+    b[3].seq_lens = b[3].seq_lens.copy()
+    b[3].seq_lens[0] += 1
+    pb = write(d / "b.safetensors", b)
+    dumps = open_dumps([p])
+    cfg = SimConfig(dcp=2, steps=4, pipeline="legacy")
+    return {"replay": res, "split-obs": replay(dumps, "torch", split=2, obs=7), "inspect": describe(dumps),
+            "diff": diff(open_dumps([p]), open_dumps([pb])), "simulate": compare(cfg, "torch"),
+            "simulated": simulate(cfg, d / "sim.safetensors")}
+
+
+def render(kind: str, res, console: Console) -> None:
+    {"replay": report.render_replay, "split-obs": report.render_replay, "inspect": report.render_inspect,
+     "diff": report.render_diff, "simulate": report.render_simulate, "simulated": report.render_simulated}[kind](
+        res, console)
+
+
+def one_line_items(kind: str, res) -> list[str]:
+    """Texts that must each sit whole on one line of the output, whatever the width."""
+    if kind in ("replay", "split-obs"):
+        return ([f.message.split(": ", 1)[-1] for f in res.findings[: report.TEXT_MAX_FINDINGS]]
+                + [f"{res.observations} observations, dcp_size {res.config.dcp_size}",
+                   f"findings: {len(res.findings)} ({res.errors} errors"])
+    if kind == "diff":
+        return [x.message.split(": ", 2)[-1] for x in res.differences] + [f"{res.compared} aligned"]
+    if kind == "inspect":
+        return [f"{res.observations:,} ({res.with_view:,} with a DCP view"]
+    if kind == "simulate":
+        return [f"fixed: {len(res.fixed.findings)} findings in {res.fixed.observations} observations"]
+    return [f"{res.observations} observations ("]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("kind", ["replay", "split-obs", "inspect", "diff", "simulate", "simulated"])
+def test_renderers_never_wrap_into_a_file(reports, kind, width):
+    res = reports[kind]
+    buf = io.StringIO()
+    render(kind, res, Console(file=buf, width=width))  # a file: not a terminal
+    lines = buf.getvalue().splitlines()
+    for item in one_line_items(kind, res):
+        assert any(item in line for line in lines), (item, width, buf.getvalue())
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("kind", ["replay", "split-obs", "inspect", "diff", "simulate", "simulated"])
+def test_renderers_fit_a_terminal(reports, kind, width):
+    """On a terminal, tables fit its width (folding long cells, or as lines it soft-wraps) and keep every
+    message readable: never one character per line."""
+    res = reports[kind]
+    buf = io.StringIO()
+    render(kind, res, Console(file=buf, width=width, force_terminal=True, color_system=None))
+    out = buf.getvalue()
+    boxed = [line for line in out.splitlines() if any(c in line for c in "│┃━─")]
+    assert all(len(line) <= width for line in boxed), [line for line in boxed if len(line) > width]
+    for item in one_line_items(kind, res):
+        assert squash(item) in squash(out), (item, width)
+    rows = {"replay": 16, "split-obs": 16 + len(reports["split-obs"].splits) + 6,
+            "diff": len(reports["diff"].differences)}
+    assert len(out.splitlines()) <= 3 * rows.get(kind, 0) + 100, out  # the diff table printed a letter per line
+
+
+def test_diff_table_at_80_columns_keeps_the_message_readable(reports):
+    buf = io.StringIO()
+    report.render_diff(reports["diff"], Console(file=buf, width=80, force_terminal=True, color_system=None))
+    x = reports["diff"].differences[0]
+    rows = [line for line in buf.getvalue().splitlines() if line.strip().startswith(str(x.key.step))]
+    assert rows and len(rows[0].rstrip()) > 60  # the message column has room (was 1 character wide)
+
+
+def test_report_console_in_a_pipe_is_wide_fixed_and_unpadded(run12):
+    buf = io.StringIO()
+    c = report.ReportConsole(file=buf)
+    assert not c.is_terminal and c.width >= 10_000 and report.layout_width(c) == report.ReportConsole.PIPE_LAYOUT
+    report.render_replay(run12[1], c)
+    out = buf.getvalue()
+    assert all(line == line.rstrip() for line in out.splitlines())
+    assert sum(f.message.split(": ", 1)[-1] in out for f in run12[1].findings) == len(run12[1].findings)
+    assert "Timeline of steps 0..11 (1 step per column, micro-batches folded in)\n" in out
+
+
+def test_report_console_raises_broken_pipe_instead_of_exiting_1():
+    class Gone(io.StringIO):
+        def write(self, s):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(BrokenPipeError):  # rich's default raises SystemExit(1): "findings" to a CI job
+        report.ReportConsole(file=Gone()).print("x")
+
+
+@pytest.mark.parametrize("s,want", [("plain [b]x[/b]", "plain [b]x[/b]"), ("a\x1b[2Jb", "a\\x1b[2Jb"),
+                                    ("t\x1b]0;title\x07", "t\\x1b]0;title\\x07"), ("cr\r\n", "cr\\x0d\\x0a"),
+                                    ("\u202eevil", "\\u202eevil"), ("ok é", "ok é"),
+                                    ("r\udcffn\udc9b", "r\udcffn\\x9b")])  # a non-UTF-8 name: C1 bytes escaped
+def test_literal_escapes_control_characters_only(s, want):
+    assert report.literal(s) == want
+    buf = io.StringIO()
+    Console(file=buf, force_terminal=True, width=80).print(report.lit(s))
+    assert want in buf.getvalue()
