@@ -734,10 +734,21 @@ def sites_note(version: str) -> str:
 
 
 class step:
-    """Group builds into one engine step, as GPUModelRunner.execute_model does (for drivers and tests)."""
+    """Group builds into one engine step, as GPUModelRunner.execute_model does (for drivers and tests);
+    `dummy=True` as execute_model(dummy_run=True) does: its builds are recorded at site `dummy`; `runner`:
+    the GPUModelRunner, read as the execute_model hook reads it (the interleave)."""
+
+    def __init__(self, dummy: bool = False, runner=None):
+        self._frame = {"scope": True, "site": "dummy"} if dummy else {"scope": True}
+        self._runner = runner
+
+    def _make(self) -> dict:
+        if self._runner is not None:
+            _learn(self._runner)
+        return dict(self._frame)
 
     def __enter__(self):
-        self._f = _Frame(lambda: {"scope": True})
+        self._f = _Frame(self._make)
         return self._f.__enter__()
 
     def __exit__(self, *exc):
