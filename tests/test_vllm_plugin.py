@@ -352,3 +352,18 @@ def test_recorded_dump_replays_clean(tmp_path):
     summary = json.loads(p.stdout.splitlines()[-1])
     assert p.returncode == 0 and summary["observations"] == n and summary["findings"] == 0
     assert np.array_equal(out["dump"]["obs.step"], np.arange(n))
+
+
+def test_tables_for_each_version():
+    from dcptool.integrations.vllm import TABLES, tables_for
+
+    first = {v: [t.line for t in tables_for(v)][:1] for v in
+             ("0.29.0", "0.29.3", "0.30.0", "0.31.1", "0.32.0", "0.33.0", "0.34.0", "0.34.2rc1", "0.35.0", "1.2.0",
+              "0.28.0", "0.27.1", "dev", "")}
+    assert first == {"0.29.0": ["0.29"], "0.29.3": ["0.29"], "0.30.0": ["0.30"], "0.31.1": ["0.31-0.33"],
+                     "0.32.0": ["0.31-0.33"], "0.33.0": ["0.31-0.33"], "0.34.0": ["0.34"], "0.34.2rc1": ["0.34"],
+                     "0.35.0": ["0.34"], "1.2.0": ["0.34"], "0.28.0": [], "0.27.1": [], "dev": [], "": []}
+    assert [t.line for t in tables_for("0.35.0")] == ["0.34"]  # a newer release: the newest table only
+    assert len(tables_for("0.33.0")) == len(TABLES)  # a known release: its own, then the others by signature
+    assert [t.line for t in tables_for("0.28.0", untested=True)] == ["0.34", "0.31-0.33", "0.30", "0.29"]
+    assert {"ubatch"} == set(TABLES[1].sites) - set(TABLES[0].sites)  # 0.29 cannot produce micro-batches
