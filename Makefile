@@ -1,13 +1,13 @@
 # make run: set up .venv (once) and replay the bundled sample.  make test: the whole suite (with the
 # CI-sized fuzz run).  make fuzz: the long fuzz run (FUZZ_EXAMPLES random cases per command).
-# make test-vllm: tests/vllm against each of VLLM_VERSIONS' own code on CPU (a matrix: the newest pre-fix release
-# and the post-fix ones), each in its own venv ~/.cache/dcptool-vllm-<version> (built once, ~90 s and 3 GB each).
+# make test-vllm: tests/vllm against each of VLLM_VERSIONS' own code on CPU (a matrix: one release per hook table,
+# the newest pre-fix one first), each in its own venv ~/.cache/dcptool-vllm-<version> (built once, ~90 s and 3 GB each).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 SAMPLE ?= samples/legacy.safetensors
-VLLM_VERSIONS ?= 0.29.0 0.33.0 0.34.0
+VLLM_VERSIONS ?= 0.29.0 0.30.0 0.33.0 0.34.0
 FUZZ_EXAMPLES ?= 10000
 
 .PHONY: run test venv lint test-vllm bench fuzz

@@ -447,7 +447,7 @@ TABLES: tuple[Table, ...] = (
                  draft=("_build_draft_attn_metadata", ("num_reqs", "num_reqs_padded")),
                  partition=("padded_num_tokens",)),
           tuple(s for s in SITES if s != "ubatch"), _NO_UBATCH),
-    Table("0.30", ("0.30.",), (),
+    Table("0.30", ("0.30.",), ("0.30.0",),
           _hooks(ubatch_idx=True, ubatch_prepare=("cg_mode",), draft=_DRAFT,
                  partition=("padded_num_tokens", "padded_num_reqs")), SITES),
     Table("0.31-0.33", ("0.31.", "0.32.", "0.33."), ("0.33.0",),
