@@ -450,7 +450,7 @@ TABLES: tuple[Table, ...] = (
     Table("0.30", ("0.30.",), ("0.30.0",),
           _hooks(ubatch_idx=True, ubatch_prepare=("cg_mode",), draft=_DRAFT,
                  partition=("padded_num_tokens", "padded_num_reqs")), SITES),
-    Table("0.31-0.33", ("0.31.", "0.32.", "0.33."), ("0.33.0",),
+    Table("0.31-0.33", ("0.31.", "0.32.", "0.33."), ("0.31.0", "0.32.0", "0.33.0"),
           _hooks(ubatch_idx=True, ubatch_prepare=("cg_mode",), draft=_DRAFT,
                  partition=("batch_desc",)), SITES),
     Table("0.34", ("0.34.",), ("0.34.0",),
