@@ -248,6 +248,18 @@ def test_uniform_multi_token_batch_split_replays_clean(tmp_path, monkeypatch):
 
 
 @needs_ubatch
+@pytest.mark.xfail(E.HAS_UBATCH and E.UB_TAKES_DESC, strict=False,
+                   reason="needs dcptool/slicing.py to follow vLLM 0.34's split rule (uniform_token_count: split on a "
+                          "request boundary) keyed by the dump's engine_version (issue 13 item 5, engineer 'slicing')")
+def test_replay_split_of_a_uniform_multi_token_batch_agrees_with_the_release(tmp_path, monkeypatch):
+    """`replay --split 2` re-splits each parent by dcptool's rule and compares with what vLLM recorded."""
+    drive = drive_ubatches([3] * 5, [40, 50, 60, 70, 80], 2, 1, uniform=3)
+    d = open_dumps(E.run_ranks(2, drive, tmp_path, monkeypatch))
+    res = replay(d, "torch", split=2)
+    assert res.findings == [], messages(res)
+
+
+@needs_ubatch
 def test_ubatches_that_copy_the_parents_rows_are_caught(tmp_path, monkeypatch):
     """The slicer on vLLM main between releases: a micro-batch took a view of its parent's DCP rows."""
     name = "prepare_dcp_local_seq_lens" if hasattr(ubatch_utils, "prepare_dcp_local_seq_lens") else \
