@@ -36,12 +36,13 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel
 
 test-vllm:
-	@set -e; for v in $(VLLM_VERSIONS); do \
+	@failed=""; for v in $(VLLM_VERSIONS); do \
 	  venv=$(HOME)/.cache/dcptool-vllm-$$v; \
 	  echo "--- vLLM $$v"; \
-	  VLLM_VERSION=$$v VLLM_VENV=$$venv tools/setup_vllm_env.sh; \
-	  DCPTOOL_TEST_VLLM=1 $$venv/bin/python -m pytest -q -p no:cacheprovider tests/vllm; \
-	done
+	  { VLLM_VERSION=$$v VLLM_VENV=$$venv tools/setup_vllm_env.sh && \
+	    DCPTOOL_TEST_VLLM=1 $$venv/bin/python -m pytest -q -p no:cacheprovider tests/vllm; } || failed="$$failed $$v"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-vllm failed on vLLM$$failed"; exit 1; fi; echo "test-vllm passed on vLLM $(VLLM_VERSIONS)"
 
 # Not derandomized: every run tries new cases; a failure prints the @reproduce_failure line to replay it.
 fuzz: $(STAMP)
