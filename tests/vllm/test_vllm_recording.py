@@ -248,9 +248,6 @@ def test_uniform_multi_token_batch_split_replays_clean(tmp_path, monkeypatch):
 
 
 @needs_ubatch
-@pytest.mark.xfail(E.HAS_UBATCH and E.UB_TAKES_DESC, strict=False,
-                   reason="needs dcptool/slicing.py to follow vLLM 0.34's split rule (uniform_token_count: split on a "
-                          "request boundary) keyed by the dump's engine_version (issue 13 item 5, engineer 'slicing')")
 def test_replay_split_of_a_uniform_multi_token_batch_agrees_with_the_release(tmp_path, monkeypatch):
     """`replay --split 2` re-splits each parent by dcptool's rule and compares with what vLLM recorded."""
     drive = drive_ubatches([3] * 5, [40, 50, 60, 70, 80], 2, 1, uniform=3)
