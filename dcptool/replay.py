@@ -242,6 +242,9 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
                    "with 'NoneType' object is not subscriptable")
             found.append((int(i), _mk(d, i, "missing", msg)))
         prov = Provenance(d)
+        wrong = st.obs[st.n_wrong > 0]
+        if wrong.size:  # every wrong view's sources are searched at once (a clean dump pays nothing)
+            prov.prepare(wrong)
         for i, n, j in every(d, zip(st.obs.tolist(), st.n_wrong.tolist(), st.first_wrong.tolist())):
             if n:
                 found.append((i, _value_finding(d, prov, i, n, j)))
