@@ -372,6 +372,7 @@ def _merge_split_findings(d: Dump, res: ReplayResult) -> list[Finding]:
 
 
 MAX_VIEW_CELLS = 1 << 22  # a row view lays out rows + real rows x ranks cells; past this it is not built
+VIEW_BUDGET = 1 << 21  # cells of all the row views the HTML report carries together (docs/limits.md)
 
 
 def view_cells(d: Dump, i: int) -> int:
@@ -423,11 +424,18 @@ def obs_grid(d: Dump) -> ObsGrid:
 
 
 def finding_views(d: Dump, findings: list[Finding], limit: int) -> dict[int, RowsView]:
-    """Row views of the first `limit` observations with findings, plus the sources of their stale findings."""
+    """Row views of the first `limit` observations with findings, plus the sources of their stale findings,
+    within VIEW_BUDGET cells in all (a view's size is set by recorded numbers: see view_cells)."""
     by_obs: dict[int, list[Finding]] = defaultdict(list)
     for f in findings:  # per finding, to hand each view its own findings
         by_obs[f.index].append(f)
     want = list(by_obs)[:limit]
     sources = [f.source.index for i in want for f in by_obs[i] if f.source is not None]
-    return {i: rows_view(d, i, by_obs.get(i, [])) for i in sorted(set(want) | set(sources))
-            if view_cells(d, i) <= MAX_VIEW_CELLS}
+    out: dict[int, RowsView] = {}
+    budget = VIEW_BUDGET
+    for i in dict.fromkeys(want + sources):  # observations with findings first, then sources, in order
+        cells = view_cells(d, i)
+        if cells <= min(budget, MAX_VIEW_CELLS):
+            budget -= cells
+            out[i] = rows_view(d, i, by_obs.get(i, []))
+    return dict(sorted(out.items()))

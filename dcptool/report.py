@@ -105,6 +105,8 @@ class Timeline:
     ub_find: np.ndarray  # [rows, cols, U] findings by micro-batch
     first: np.ndarray  # [rows, cols] position in res.findings of the cell's first finding, -1 if none
     ubatches: list[int] | None = None  # the micro-batch of each ub_* index (-1 = full batch); None: u - 1
+    hidden_rows: int = 0  # (site, rank) rows past TIMELINE_ROWS, not drawn (their findings are in the table)
+    ub_folded: bool = False  # the last ub_* index also counts every higher micro-batch (past TIMELINE_UBATCHES)
 
     @property
     def columns(self) -> int:
@@ -142,50 +144,79 @@ def round_up(x: float, mantissas=(1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8)) -> int:
         scale *= 10
 
 
+TIMELINE_ROWS = 256  # (site, rank) rows drawn at most: rows with findings first (docs/limits.md)
+TIMELINE_UBATCHES = 16  # distinct micro-batch indices kept apart in cell details; higher ones share the last
+
+
 def timeline(res, max_columns: int) -> Timeline | None:
-    """Bin the replay's observations and findings into at most `max_columns` step buckets (numpy, no loop per row)."""
+    """Bin the replay's observations and findings into at most `max_columns` step buckets (numpy, no loop per row).
+
+    Rows, micro-batch indices and steps are recorded numbers, so none of them may size an array: the
+    rows drawn are capped (TIMELINE_ROWS), micro-batch indices are indexed by the values present and
+    capped (TIMELINE_UBATCHES), and step offsets are taken modulo 2**64 (steps may span all of int64).
+    """
     from dcptool.replay import RULES
 
     g = res.grid
     if g is None or g.count.size == 0:
         return None
-    n_ranks = max(int(g.rank.max()) + 1, 1)
-    pair = g.site.astype(np.int64) * n_ranks + g.rank
-    keys = np.unique(pair)  # rows: site order of the config, then rank
+    site_of = {s: i for i, s in enumerate(res.config.sites)}
+    rule_of = {r: i for i, r in enumerate(RULES)}
+    nf = len(res.findings)
+    fa = np.array([(site_of[f.site], f.rank, f.step, f.ubatch, rule_of[f.rule]) for f in res.findings],
+                  np.int64).reshape(nf, 5)
+    # rows: distinct (site, rank), compared as columns (no packing into one integer)
+    site = np.concatenate([g.site.astype(np.int64), fa[:, 0]])
+    rank = np.concatenate([g.rank.astype(np.int64), fa[:, 1]])
+    order = np.lexsort((rank, site))
+    new = np.ones(order.size, bool)
+    new[1:] = (site[order][1:] != site[order][:-1]) | (rank[order][1:] != rank[order][:-1])
+    row_all = np.empty(order.size, np.int64)
+    row_all[order] = np.cumsum(new) - 1
+    key_site, key_rank = site[order][new], rank[order][new]
+    n_rows = key_site.size
+    keep = np.arange(n_rows)
+    if n_rows > TIMELINE_ROWS:  # rows with findings first, then the rest, each in (site, rank) order
+        flagged = np.zeros(n_rows, bool)
+        flagged[row_all[g.site.size:]] = True
+        keep = np.sort(np.lexsort((np.arange(n_rows), ~flagged))[:TIMELINE_ROWS])
+    remap = np.full(n_rows, -1, np.int64)
+    remap[keep] = np.arange(keep.size)
+    row_g, row_f = remap[row_all[: g.site.size]], remap[row_all[g.site.size :]]
     lo, hi = int(g.step.min()), int(g.step.max())
     span = hi - lo + 1
     width = round_up(span / max(max_columns, 1))  # a round number of steps per column, for readable labels
     cols = -(-span // width)
-    # micro-batch indices and steps are recorded numbers: index the ones present (a hostile ubatch of
-    # 2**31 must not size an array) and take step offsets modulo 2**64 (steps may span all of int64)
-    ub_vals = np.unique(np.concatenate([g.ubatch.astype(np.int64), [f.ubatch for f in res.findings]]))
+    ub_vals = np.unique(np.concatenate([g.ubatch.astype(np.int64), fa[:, 3]]))
+    folded = ub_vals.size > TIMELINE_UBATCHES
+    ub_vals = ub_vals[:TIMELINE_UBATCHES]
 
     def column(steps) -> np.ndarray:
         off = np.asarray(steps, np.int64).view(np.uint64) - np.uint64(lo % 2**64)
         return (off // np.uint64(width)).astype(np.int64)
 
-    row = np.searchsorted(keys, pair)
-    col = column(g.step)
-    ub_obs = np.zeros((keys.size, cols, ub_vals.size), np.int64)
-    np.add.at(ub_obs, (row, col, np.searchsorted(ub_vals, g.ubatch)), g.count)
-    rules = np.zeros((keys.size, cols, len(RULES)), np.int64)
+    def ub_index(u) -> np.ndarray:
+        return np.minimum(np.searchsorted(ub_vals, u), ub_vals.size - 1)
+
+    sel = row_g >= 0
+    ub_obs = np.zeros((keep.size, cols, ub_vals.size), np.int64)
+    np.add.at(ub_obs, (row_g[sel], column(g.step[sel]), ub_index(g.ubatch[sel])), g.count[sel])
+    rules = np.zeros((keep.size, cols, len(RULES)), np.int64)
     ub_find = np.zeros_like(ub_obs)
-    first = np.full((keys.size, cols), -1, np.int64)
-    if res.findings:
-        site_of = {s: i for i, s in enumerate(res.config.sites)}
-        rule_of = {r: i for i, r in enumerate(RULES)}
-        fa = np.array([(site_of[f.site] * n_ranks + f.rank, f.step, f.ubatch, rule_of[f.rule]) for f in res.findings],
-                      np.int64)
-        fr, fc = np.searchsorted(keys, fa[:, 0]), column(fa[:, 1])
-        np.add.at(rules, (fr, fc, fa[:, 3]), 1)
-        np.add.at(ub_find, (fr, fc, np.searchsorted(ub_vals, fa[:, 2])), 1)
+    first = np.full((keep.size, cols), -1, np.int64)
+    sel = np.flatnonzero(row_f >= 0)
+    if sel.size:
+        fr, fc = row_f[sel], column(fa[sel, 2])
+        np.add.at(rules, (fr, fc, fa[sel, 4]), 1)
+        np.add.at(ub_find, (fr, fc, ub_index(fa[sel, 3])), 1)
         # findings are in observation order, so the first one to land in a cell is its earliest
         cell = fr * cols + fc
         uniq, pos = np.unique(cell, return_index=True)
-        first.reshape(-1)[uniq] = pos
-    return Timeline(sites=[res.config.sites[int(k // n_ranks)] for k in keys], ranks=[int(k % n_ranks) for k in keys],
+        first.reshape(-1)[uniq] = sel[pos]
+    return Timeline(sites=[res.config.sites[int(k)] for k in key_site[keep]], ranks=[int(r) for r in key_rank[keep]],
                     first_step=lo, last_step=hi, width=width, obs=ub_obs.sum(axis=2), ub_obs=ub_obs, rules=rules,
-                    ub_find=ub_find, first=first, ubatches=[int(u) for u in ub_vals])
+                    ub_find=ub_find, first=first, ubatches=[int(u) for u in ub_vals], hidden_rows=n_rows - keep.size,
+                    ub_folded=bool(folded))
 
 
 def _axis(tl: Timeline) -> str:
@@ -238,6 +269,9 @@ def render_timeline(res, console: Console) -> None:
             line.append("".join(chars[r, c:e]), style=CELL_STYLE.get(str(kinds[r, c]), ""))
             c = e
         console.print(line, no_wrap=True, overflow="crop")
+    if tl.hidden_rows:
+        console.print(f"... {tl.hidden_rows} more (site, rank) rows not drawn (at most {TIMELINE_ROWS}, rows with "
+                      "findings first)", style="dim")
     items = [Text.assemble((CLEAN, CELL_STYLE["clean"]), " clean"),
              Text.assemble(("(blank)", "dim"), " no observations")]
     for i in np.unique(tl.worst()):
