@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool.dump import Dump, every
+from dcptool.dump import Dump, DumpError, every, take
 from dcptool.provenance import Provenance, Source, expected_of, local_np
 from dcptool.slicing import Ubatch, split_batch
 from dcptool.structure import check_alias, check_rank_sum, check_ubatch_slice
@@ -19,8 +19,8 @@ RULES = ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismat
          "stray", "ubatch-slice", "alias", "rank-sum", "pages")
 SEVERITY = {r: ("warning" if r == "stray" else "error") for r in RULES}
 _RULE_ORDER = {r: i for i, r in enumerate(RULES)}
-__all__ = ["Finding", "ReplayResult", "Source", "expected_of", "local_np", "replay", "resolve_backend", "rows_view",
-           "splits"]
+__all__ = ["Finding", "LimitError", "ReplayResult", "Source", "expected_of", "local_np", "replay", "resolve_backend",
+           "rows_view", "splits"]
 
 
 @dataclass(frozen=True)
@@ -228,6 +228,8 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
 
     t0 = time.perf_counter()
     c = d.config
+    if split is not None:
+        check_split(d, split)  # before the scan: an absurd K is bad usage, not an hour of work
     backend, device = resolve_backend(backend)
     N = c.dcp_size
     has = d["obs.has_dcp"].astype(bool)
@@ -314,18 +316,48 @@ def resolve_backend(name: str) -> tuple[str, str]:
     return "triton", "cuda" if cuda else "cpu (Triton interpreter)"
 
 
+MAX_SPLIT = 64  # --split K: micro-batches per batch at most (vLLM's DBO runs 2); docs/limits.md
+
+
+class LimitError(DumpError):
+    """A value past one of dcptool's documented limits (docs/limits.md): bad usage or input, exit 2."""
+
+
+def _splittable(d: Dump) -> np.ndarray:
+    """Recorded full batches `--split` re-splits (a batch whose query_start_loc does not cover
+    num_reqs_padded rows cannot be)."""
+    if not d.has("obs.qsl"):
+        return np.zeros(0, np.int64)
+    padded = d["obs.num_reqs_padded"].astype(np.int64)
+    return np.flatnonzero((d["obs.ubatch"] == -1) & (d["obs.num_reqs"] >= 1) & (np.diff(d["obs.qsl"]) > padded))
+
+
+def check_split(d: Dump, k: int) -> None:
+    """Refuse an absurd `--split K` before any work: K micro-batches per batch cost K objects each,
+    so K is capped (MAX_SPLIT) and may not exceed the tokens of the largest batch there is to split
+    (past that every micro-batch but one would be empty)."""
+    if k < 1:
+        raise LimitError(f"--split {k}: must be >= 1")
+    if k > MAX_SPLIT:
+        raise LimitError(f"--split {k}: at most {MAX_SPLIT} micro-batches per batch (docs/limits.md)")
+    idx = _splittable(d)
+    if idx.size:
+        tok = take(d, "rows.query_start_loc", d["obs.qsl"][idx] + d["obs.num_reqs"][idx]).astype(np.int64)
+        if d.has("obs.num_tokens_padded"):
+            ntp = d["obs.num_tokens_padded"][idx].astype(np.int64)
+            tok = np.where(ntp >= 0, ntp, tok)
+        most = int(tok.max())
+        if k > most:
+            raise LimitError(f"--split {k}: more micro-batches than tokens; the largest batch to split has {most}")
+
+
 def splits(d: Dump, k: int) -> list[Split]:
     """`--split K`: re-split every recorded full batch (with query_start_loc) into K micro-batches."""
-    if k < 1:
-        raise ValueError(f"--split must be >= 1, got {k}")
-    if not d.has("obs.qsl"):
-        return []
+    check_split(d, k)
     c = d.config
     out = []
     ntp = d["obs.num_tokens_padded"] if d.has("obs.num_tokens_padded") else None
-    # (a batch whose query_start_loc does not cover num_reqs_padded rows cannot be re-split)
-    padded = d["obs.num_reqs_padded"].astype(np.int64)
-    for i in np.flatnonzero((d["obs.ubatch"] == -1) & (d["obs.num_reqs"] >= 1) & (np.diff(d["obs.qsl"]) > padded)):
+    for i in _splittable(d):
         nr, nrp = int(d["obs.num_reqs"][i]), int(d["obs.num_reqs_padded"][i])
         for u, ub in enumerate(split_batch(d.qsl_of(i), d.seq_lens_of(i), nr, nrp,
                                            None if ntp is None else int(ntp[i]), k)):

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 TEXT_MAX_FINDINGS = 100  # text default; JSON lists every finding unless --max-findings says otherwise
+BY_SITE_ROWS = 50  # rows of the text summary's by-site table (docs/limits.md)
 
 # One character per rule, distinct even ignoring case (initials collide: stale/stray/shape, missing/mismatch,
 # padding/pages); the legend under the timeline spells them out.
@@ -76,9 +77,12 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         rules = list(res.by_rule())
         for r in rules:
             st.add_column(r, justify="right")
-        for site, counts in res.by_site().items():
+        by_site = res.by_site()
+        for site, counts in list(by_site.items())[:BY_SITE_ROWS]:  # a dump may name 10**5 sites: cap the table
             st.add_row(site, *[str(counts.get(r, "")) for r in rules])
         console.print(st)
+        if len(by_site) > BY_SITE_ROWS:
+            console.print(f"... {len(by_site) - BY_SITE_ROWS} more sites with findings not shown (--json)")
     else:
         console.print("[green]clean[/green]: every observation's DCP metadata is what it must be")
     for check, why in res.skipped.items():
