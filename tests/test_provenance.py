@@ -267,3 +267,61 @@ def test_many_identical_wrong_views_cite_their_source(tmp_path, monkeypatch):
     res = replay(d, "torch")
     assert [(f.obs, f.rule, f.source.obs) for f in res.findings] == [(k, "stale", 0) for k in range(1, 2001)]
     assert exact[0] <= 4 * 2000
+
+
+# --------------------------------------------------------------------------------------------
+# rank-sum, vectorised with the same joins: against the rule as loops
+
+
+def naive_rank_sum(d: Dump, wrong: set[int]) -> list[tuple[int, int, int, tuple[int, ...]]]:
+    """(observation, first bad row, wrong rows, member obs) per DESIGN §3 `rank-sum`, as loops."""
+    N, out, done = d.config.dcp_size, [], set()
+    key = [(int(d["obs.step"][i]), int(d["obs.site"][i]), int(d["obs.ubatch"][i]), int(d["obs.num_reqs"][i]))
+           for i in range(d.n)]
+    for w in sorted(wrong):
+        nr = key[w][3]
+        seq = d.seq_lens_of(w)[:nr]
+        by_rank: dict[int, list[int]] = {}
+        for m in range(d.n):
+            if key[m] == key[w] and d["obs.has_dcp"][m] and np.array_equal(d.seq_lens_of(m)[:nr], seq):
+                by_rank.setdefault(int(d["obs.rank"][m]), []).append(m)
+        k = by_rank[int(d["obs.rank"][w])].index(w)
+        if len(by_rank) < N or any(len(v) <= k for v in by_rank.values()):
+            continue
+        group = tuple(sorted(v[k] for v in by_rank.values()))
+        if group in done:
+            continue
+        done.add(group)
+        n = min(min(d.dcp_of(m).size for m in group), nr)
+        total = sum(d.dcp_of(m)[:n].astype(np.int64) for m in group)
+        bad = np.flatnonzero(total != seq[:n])
+        if bad.size:
+            out.append((group[-1], int(bad[0]), int(bad.size), group))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_rank_sum_agrees_with_the_rule_as_loops(tmp_path, seed):
+    rng = np.random.default_rng(100 + seed)
+    N = int(rng.choice([2, 3, 4]))
+    batches = [(int(rng.integers(0, 3)), int(rng.integers(0, 2)), rng.integers(1, 40, int(rng.integers(1, 4))))
+               for _ in range(6)]
+    o = []
+    for _ in range(int(rng.integers(10, 50))):
+        step, site, seq = batches[int(rng.integers(0, len(batches)))]
+        rank = int(rng.integers(0, N))
+        nr = seq.size
+        view = local_np(seq, N, rank, 1).astype(np.int32)
+        if rng.random() < 0.3:
+            view[int(rng.integers(0, nr))] += int(rng.choice([-1, 1, 5]))
+        if rng.random() < 0.1:
+            view = view[:-1]
+        o.append(obs(step=step, site=f"s{site}", rank=rank, seq=seq, num_reqs=nr, num_reqs_padded=nr, dcp=N,
+                     view=view))
+    o.sort(key=lambda x: x.step)
+    d = open_dumps([write(tmp_path / "d.safetensors", o, dcp=N)])
+    res = replay(d, "torch")
+    got = [(f.index, f.row, f.wrong_rows, tuple(sorted(f.detail["obs"]))) for f in res.findings if f.rule == "rank-sum"]
+    wrong = {f.index for f in res.findings if f.rule in ("stale", "global", "wrong-rank", "wrong-interleave",
+                                                         "mismatch")}
+    assert sorted(got) == sorted(naive_rank_sum(d, wrong))
