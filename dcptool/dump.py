@@ -594,8 +594,8 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
         if offs_key not in keys:
             continue
         lens = np.concatenate([np.diff(d[offs_key]) for d in dumps])
-        starts_rows = np.concatenate([d[offs_key][:-1] + sum(dd[offs_key][-1] for dd in dumps[:i])
-                                      for i, d in enumerate(dumps)])
+        before = np.cumsum([0] + [int(d[offs_key][-1]) for d in dumps])  # rows of the files before each
+        starts_rows = np.concatenate([d[offs_key][:-1] + before[i] for i, d in enumerate(dumps)])
         lens_o = lens[order]
         new_offs = np.zeros(order.size + 1, np.int64)
         np.cumsum(lens_o, out=new_offs[1:])

@@ -376,6 +376,7 @@ def _merge_split_findings(d: Dump, res: ReplayResult) -> list[Finding]:
     by_parent: dict[tuple[int, int], Split] = {(s.parent, s.ubatch): s for s in res.splits}
     have = {(f.index, f.rule) for f in res.findings}
     extra = []
+    k = max(x.ubatch for x in res.splits) + 1
     par, ub = d["obs.parent"], d["obs.ubatch"]
     for i in np.flatnonzero((ub >= 0) & (par >= 0)):
         s = by_parent.get((int(par[i]), int(ub[i])))
@@ -393,7 +394,6 @@ def _merge_split_findings(d: Dump, res: ReplayResult) -> list[Finding]:
             got["seq_lens"], want["seq_lens"] = seq.tolist(), s.ub.seq_lens.tolist()
         if bad:
             f = bad[0]
-            k = max(x.ubatch for x in res.splits) + 1
             msg = (f"{_where(d, i)}: recorded micro-batch disagrees with --split {k} of its parent "
                    f"(obs {s.parent_obs}): {f} is {got[f]}, the split gives {want[f]}")
             detail = {"field": f, "parent_obs": s.parent_obs, "split": True}
