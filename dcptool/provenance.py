@@ -210,20 +210,15 @@ class Provenance:
                             c.cp_interleave)
         return out
 
-    def _expected_hashes(self, obs: np.ndarray, salt: int, prefix: bool):
-        """Hashes of the expected real rows of observations `obs`: per observation (prefix=False), or
-        (observation, length k, hash of the first k rows) for every k in 1..num_reqs (prefix=True)."""
+    def _prefix_sums(self, obs: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Hashes of the expected real rows of observations `obs`, as prefix sums: (first row of each
+        observation, [cs0, cs1]) where cs[first + k] - cs[first] hashes its first k rows."""
         d, c = self.d, self.d.config
         nr = d["obs.num_reqs"][obs].astype(np.int64)
         seg, j, at = _ragged(d["obs.rows"][obs], nr)
         e = local_np(take(d, "rows.seq_lens", at), c.dcp_size, d["obs.rank"][obs][seg], c.cp_interleave)
-        h = _mix(e, j, salt)
-        if not prefix:
-            return _seg_sums(h, nr)
-        cs = np.cumsum(h, dtype=np.uint64)
-        base = np.concatenate([np.zeros(1, np.uint64), cs])[np.cumsum(nr) - nr]
-        with np.errstate(over="ignore"):
-            return seg, j + 1, cs - base[seg]
+        cs = [np.concatenate([np.zeros(1, np.uint64), np.cumsum(_mix(e, j, salt), dtype=np.uint64)]) for salt in (0, 1)]
+        return np.cumsum(nr) - nr, cs
 
     def prepare(self, wrong: np.ndarray) -> None:
         """Search earlier-in-step and earlier-step sources for all wrong observations at once."""
@@ -256,25 +251,44 @@ class Provenance:
         (b) num_reqs_s < m and all its rows hash like the recorded ones (the rest are zeros)."""
         cand = np.flatnonzero(nr >= 1)
         ci, qi = _join([rank[cand], step[cand], e0[cand]], [rank[q], step[q], r0])
-        cand = cand[np.isin(ci, qi)]  # same rank, step and first row as some wrong observation
+        keep = np.isin(ci, qi)  # same rank, step and first row as some wrong observation: one group id
+        cand, ci = cand[keep], ci[keep]
         if cand.size == 0:
             return
-        best = np.full(q.size, -1, np.int64)
-        # (a) prefix hashes of every length k <= num_reqs_s
-        seg, k, h0 = self._expected_hashes(cand, 0, True)
-        _, _, h1 = self._expected_hashes(cand, 1, True)
-        s = cand[seg]
-        ci, qi = _join([rank[s], step[s], k, h0.view(np.int64), h1.view(np.int64)],
-                       [rank[q], step[q], m, qh[0].view(np.int64), qh[1].view(np.int64)])
-        keep = np.isin(ci, qi)
-        best = np.maximum(best, latest_before(ci[keep], s[keep], np.zeros(int(keep.sum()), np.int64), qi, q,
-                                              np.ones(q.size, np.int64)))
+        first, cs = self._prefix_sums(cand)
+        nrc = nr[cand]
+        with np.errstate(over="ignore"):
+            full = [c[first + nrc] - c[first] for c in cs]
+        # (a) each candidate's prefix hash at every length a query of its group has (and it reaches):
+        # the queried lengths of a group, sorted, and a vectorised binary search per candidate
+        o = np.lexsort((m, qi))
+        gq, mq = qi[o], m[o]
+        uniq = np.ones(gq.size, bool)
+        uniq[1:] = (gq[1:] != gq[:-1]) | (mq[1:] != mq[:-1])
+        gq, mq = gq[uniq], mq[uniq]
+        g0 = np.searchsorted(gq, ci, "left")
+        lo, hi = g0.copy(), np.searchsorted(gq, ci, "right")
+        while True:
+            act = lo < hi
+            if not act.any():
+                break
+            mid = (lo + hi) // 2
+            le = mq[np.minimum(mid, mq.size - 1)] <= nrc
+            lo, hi = np.where(act & le, mid + 1, lo), np.where(act & ~le, mid, hi)
+        sidx, _, pos = _ragged(g0, lo - g0)
+        k = mq[pos]
+        with np.errstate(over="ignore"):
+            at = [c[first[sidx] + k] - c[first[sidx]] for c in cs]
+        ca, qa = _join([ci[sidx], k, at[0].view(np.int64), at[1].view(np.int64)],
+                       [qi, m, qh[0].view(np.int64), qh[1].view(np.int64)])
+        keep = np.isin(ca, qa)
+        best = latest_before(ca[keep], cand[sidx][keep], np.zeros(int(keep.sum()), np.int64), qa, q,
+                             np.ones(q.size, np.int64))
         # (b) whole rows of shorter candidates: value num_reqs_s must be < m
-        h0, h1 = (self._expected_hashes(cand, salt, False) for salt in (0, 1))
-        ci, qi = _join([rank[cand], step[cand], h0.view(np.int64), h1.view(np.int64)],
-                       [rank[q], step[q], qh[0].view(np.int64), qh[1].view(np.int64)])
-        keep = np.isin(ci, qi)
-        best = np.maximum(best, latest_before(ci[keep], cand[keep], nr[cand][keep], qi, q, m))
+        cb, qb = _join([ci, full[0].view(np.int64), full[1].view(np.int64)],
+                       [qi, qh[0].view(np.int64), qh[1].view(np.int64)])
+        keep = np.isin(cb, qb)
+        best = np.maximum(best, latest_before(cb[keep], cand[keep], nrc[keep], qb, q, m))
         self._in_step.update(zip(q.tolist(), best.tolist()))
 
     def _search_earlier_steps(self, q, qh, r0, r1, rank, step, nr, e0, e1) -> None:
@@ -284,12 +298,15 @@ class Provenance:
             return
         cand = np.flatnonzero(nr >= 1)
         ci, qi = _join([rank[cand], e0[cand], e1[cand]], [rank[q], r0, r1])
-        cand = cand[np.isin(ci, qi)]
+        keep = np.isin(ci, qi)
+        cand, ci = cand[keep], ci[keep]
         if cand.size == 0:
             return
-        h0, h1 = (self._expected_hashes(cand, salt, False) for salt in (0, 1))
-        ci, qi = _join([rank[cand], h0.view(np.int64), h1.view(np.int64)],
-                       [rank[q], qh[0].view(np.int64), qh[1].view(np.int64)])
+        first, cs = self._prefix_sums(cand)
+        with np.errstate(over="ignore"):
+            full = [c[first + nr[cand]] - c[first] for c in cs]
+        ci, qi = _join([ci, full[0].view(np.int64), full[1].view(np.int64)],
+                       [qi, qh[0].view(np.int64), qh[1].view(np.int64)])
         keep = np.isin(ci, qi)
         best = latest_before(ci[keep], cand[keep], step[cand][keep], qi, q, step[q])
         self._earlier.update(zip(q.tolist(), best.tolist()))

@@ -205,7 +205,8 @@ def _page_finding(d: Dump, i: int, n_bad: int, j: int) -> Finding:
     c = d.config
     page = c.page_size
     seq = int(d.seq_lens_of(i)[j])
-    local = int(local_np(seq, c.dcp_size, int(d["obs.rank"][i]), c.cp_interleave))
+    span, il = c.dcp_size * c.cp_interleave, c.cp_interleave  # one value: Python ints, not a numpy call
+    local = seq // span * il + min(max(seq % span - int(d["obs.rank"][i]) * il, 0), il)
     claimed, ok, glob = int(d.kv_pages_of(i)[j]), -(-local // page), -(-seq // page)
     why = " = the global count: page counts were computed from the global length" if claimed == glob else ""
     msg = (f"{_where(d, i)}: attention plan claims {claimed} pages for row {j}{why}; this rank owns {ok} "
