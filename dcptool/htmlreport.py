@@ -7,12 +7,11 @@ from html import escape
 import numpy as np
 
 from dcptool import __version__
-from dcptool.report import RULE_CODES, Timeline, _cells, timeline
+from dcptool.report import RULE_CODES, Timeline, _cells, rank_window, timeline
 
 HTML_COLUMNS = 240  # step buckets of the SVG timeline
 VIEW_FINDINGS = 200  # row views: the observations of the first 200 findings (and their stale sources) ...
 VIEW_ROWS = 64  # ... 64 rows each
-VIEW_RANKS = 32  # ... and at most 32 rank columns, around the observation's own rank
 HTML_MAX_FINDINGS = 5000  # table rows without --max-findings: a page of 10**6 rows is unusable (docs/limits.md)
 _SEV_CLASS = {"error": "err", "warning": "warn", "clean": "ok", "empty": "none"}
 
@@ -332,8 +331,7 @@ def _view(v, pos: dict, cited: list[int], res, shown: int) -> list[str]:
     if (start, stop) != (0, n):
         out.append(f'<p class="note">rows {start}..{stop - 1} of {n}</p>')
     ranks = len(v.expected_all_ranks[0]) if v.expected_all_ranks else 0
-    r_lo = max(0, min(v.rank - VIEW_RANKS // 2, ranks - VIEW_RANKS))  # a window of ranks around its own
-    r_hi = min(ranks, r_lo + VIEW_RANKS)
+    r_lo, r_hi = rank_window(v.rank, ranks)  # a window of ranks around its own
     if (r_lo, r_hi) != (0, ranks):
         out.append(f'<p class="note">ranks {r_lo}..{r_hi - 1} of {ranks}</p>')
     out.append('<table class="rows"><thead><tr><th>row</th><th>seq_len</th>'

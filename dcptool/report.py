@@ -315,26 +315,40 @@ def _short(v: list, n: int = 12) -> str:
     return str(v) if len(v) <= n else str(v[:n])[:-1] + f", ... ({len(v)} values)]"
 
 
+VIEW_RANKS = 32  # rank columns of a row view (text and HTML), around the observation's own rank
+
+
+def rank_window(rank: int, n_ranks: int, width: int = VIEW_RANKS) -> tuple[int, int]:
+    """[lo, hi) of the rank columns a row view shows: all of them, or `width` around `rank` (dcp_size may be
+    4,096: a table that wide is neither readable nor cheap to lay out)."""
+    lo = max(0, min(rank - width // 2, n_ranks - width))
+    return lo, min(n_ranks, lo + width)
+
+
 def render_rows_view(v, console: Console) -> None:
     ub = f" ubatch {v.ubatch}" if v.ubatch >= 0 else ""
     t = Table(title=f"{v.file} obs {v.obs}: step {v.step} {v.site} rank {v.rank}{ub}, num_reqs {v.num_reqs}, "
                     f"num_reqs_padded {v.num_reqs_padded}", title_justify="left")
     n_ranks = len(v.expected_all_ranks[0]) if v.expected_all_ranks else 0
+    # as many rank columns as fit beside row, seq_len, expected, recorded and verdict (~7 cells each)
+    r_lo, r_hi = rank_window(v.rank, n_ranks, max(4, min(VIEW_RANKS, (console.width - 48) // 7)))
     t.add_column("row", justify="right")
     t.add_column("seq_len", justify="right")
-    for r in range(n_ranks):
+    for r in range(r_lo, r_hi):
         t.add_column(f"r{r}" + ("*" if r == v.rank else ""), justify="right")
     t.add_column("expected", justify="right")
     t.add_column("recorded", justify="right")
     t.add_column("verdict")
     for j, verdict in enumerate(v.verdict):
-        allr = v.expected_all_ranks[j] if j < len(v.expected_all_ranks) else [""] * n_ranks
+        allr = v.expected_all_ranks[j][r_lo:r_hi] if j < len(v.expected_all_ranks) else [""] * (r_hi - r_lo)
         style = "bold red" if verdict.startswith(("WRONG", "missing", "absent", "extra")) else ""
         t.add_row(str(j), str(v.seq_lens[j]) if j < len(v.seq_lens) else "", *[str(x) for x in allr],
                   str(v.expected[j]) if j < len(v.expected) else "",
                   "None" if v.recorded is None else (str(v.recorded[j]) if j < len(v.recorded) else ""),
                   Text(verdict, style=style))
     console.print(t)
+    if (r_lo, r_hi) != (0, n_ranks):
+        console.print(f"(ranks {r_lo}..{r_hi - 1} of {n_ranks} shown; --json has every rank)", style="dim")
     if not v.verdict:
         console.print("(no rows)")
     for f in v.findings:

@@ -217,3 +217,30 @@ def test_tens_of_thousands_of_site_names(tmp_path, cmd):
     args = ["diff", str(a), str(b)] if cmd == "diff" else ["replay", str(a), str(b), "--backend", "torch"]
     res = cli_guarded({cmd: args}, cpu_s=25)
     assert res[cmd]["code"] == 0 and res[cmd]["exc"] is None, res[cmd]
+
+
+def test_obs_row_view_of_a_wide_layout_shows_a_window_of_ranks(tmp_path):
+    """`--obs` on 1,000 rows at dcp_size 4,096 (4.1 million cells, inside the --obs limit): the text table laid
+    out 4,096 rank columns with rich (gigabytes, minutes). It shows 32 around the observation's rank."""
+    p = tmp_path / "w.safetensors"
+    c = columns(1, rows=1000)
+    c["obs.rank"][:] = 2000
+    write_dump(p, DumpConfig(dcp_size=MAX_DCP_SIZE, sites=("a",)), c)
+    res = guarded(f"""
+import json
+from typer.testing import CliRunner
+from dcptool.cli import app
+from rich.console import Console
+import io
+from dcptool.dump import open_dumps
+from dcptool.replay import replay
+from dcptool.report import render_rows_view
+r = CliRunner().invoke(app, ["replay", {str(p)!r}, "--obs", "0", "--backend", "torch"])
+buf = io.StringIO()
+render_rows_view(replay(open_dumps([{str(p)!r}]), "torch", obs=0).rows_view, Console(file=buf, width=400))
+print(json.dumps({{"code": r.exit_code, "out": r.stdout, "wide": buf.getvalue()}}))
+""")
+    assert res["code"] == 1 and "of 4096 shown; --json has every rank" in res["out"]
+    assert len(res["out"]) < 1_000_000
+    wide = res["wide"]  # 400 columns: the full window of 32
+    assert "ranks 1984..2015 of 4096 shown" in wide and "r2000*" in wide and "r2016" not in wide
