@@ -175,3 +175,33 @@ def test_fused_kernels_refuse_layouts_past_int32(dev):
         kernel.check_rows(z, o, z, o, z, z, z, 65536, 65536)
     with pytest.raises(ValueError, match="2\\*\\*31"):
         kernel.expected_rows(z, o, z, z, 65536, 65536)
+
+
+@pytest.mark.parametrize("N,I,page", [(1, 1, 16), (2, 1, 16), (8, 2**20, 1), (4, 16, 2**30)])
+def test_replay_backends_agree_on_a_dump_at_the_extremes(tmp_path, N, I, page):
+    """End to end, the issue's case first: dcp_size 1, page_size 16, seq_len 2**31-1 gave a false `pages`
+    finding on Triton only. Right views and page counts: both backends clean; one planted wrong page count
+    and one wrong view row: both find exactly those."""
+    from dcptool.dump import DumpConfig, Observation, open_dumps, write_observations
+    from dcptool.replay import replay
+
+    seq = np.array([I32, I32 - 1, 2**30, 1, 0], np.int32)
+    o = []
+    for r in sorted({0, N - 1}):
+        local = reference.dcp_local_seq_lens(torch.from_numpy(seq), N, r, I).numpy().astype(np.int64)
+        kv = (local // page + (local % page != 0)).astype(np.int32)
+        o.append(Observation(step=r, site="attn", rank=r, num_reqs=5, num_reqs_padded=5, seq_lens=seq,
+                             dcp_local_seq_lens=local.astype(np.int32) if N > 1 else None, kv_pages=kv))
+    write_observations(tmp_path / "ok.safetensors", o, DumpConfig(dcp_size=N, cp_interleave=I, page_size=page))
+    o[-1].kv_pages = o[-1].kv_pages.copy()
+    o[-1].kv_pages[0] += 1
+    if N > 1:
+        o[-1].dcp_local_seq_lens = o[-1].dcp_local_seq_lens.copy()
+        o[-1].dcp_local_seq_lens[1] -= 1
+    write_observations(tmp_path / "bad.safetensors", o, DumpConfig(dcp_size=N, cp_interleave=I, page_size=page))
+    value = ("mismatch", "wrong-rank", "global", "wrong-interleave", "stale")  # provenance may explain the row
+    for name, want in (("ok", []), ("bad", [("pages", 0)] + ([("value", 1)] if N > 1 else []))):
+        d = open_dumps([tmp_path / f"{name}.safetensors"])
+        got = {b: sorted(("value" if f.rule in value else f.rule, f.row) for f in replay(d, b).findings)
+               for b in ("torch", "triton")}
+        assert got["torch"] == got["triton"] == sorted(want), (name, got)
