@@ -192,6 +192,7 @@ class Provenance:
         self._earlier: dict[int, int] = {}
         self._prepared: set[int] = set()
         self._rows01: tuple[np.ndarray, np.ndarray] | None = None
+        self._value: dict[int, tuple[str, dict] | None] = {}  # rules 3-5 per prepared observation (None: none)
 
     # ----- bulk search
 
@@ -242,6 +243,7 @@ class Provenance:
         r1 = np.where(m > 1, rec[np.minimum(starts + 1, rec.size - 1)], 0)
         e0, e1 = self._lead()
         self._search_in_step(wrong, m, qh, r0, rank, step, nr, e0)
+        self._by_values(wrong, m, seg, rec)
         nz = np.flatnonzero(np.bincount(seg, weights=rec != 0, minlength=wrong.size) > 0)  # strip(rec) not empty
         self._search_earlier_steps(wrong[nz], [h[nz] for h in qh], r0[nz], r1[nz], rank, step, nr, e0, e1)
 
@@ -290,6 +292,39 @@ class Provenance:
         keep = np.isin(cb, qb)
         best = np.maximum(best, latest_before(cb[keep], cand[keep], nrc[keep], qb, q, m))
         self._in_step.update(zip(q.tolist(), best.tolist()))
+
+    def _by_values(self, q, m, seg, rec) -> None:
+        """Rules 3-5 for all wrong views at once (row-wise, then one reduction per observation): the
+        global lengths; another rank (the interval argument of _other_rank); another interleave."""
+        d, c = self.d, self.d.config
+        N, il = c.dcp_size, c.cp_interleave
+        _, _, srow = _ragged(d["obs.rows"][q], m)  # the seq_lens rows under the recorded ones
+        L = take(d, "rows.seq_lens", srow).astype(np.int64)
+        rank = d["obs.rank"][q].astype(np.int64)
+        starts = np.cumsum(m) - m
+
+        def every_row(ok: np.ndarray) -> np.ndarray:
+            return np.bincount(seg, weights=~ok, minlength=q.size) == 0
+
+        glob = every_row(rec == L)
+        rounds, rem = L // (N * il), L % (N * il)
+        base = rounds * il
+        full, empty = rec == base + il, rec == base
+        part = (rec == base + rem % il) & (rem % il != 0)
+        lo = np.where(full, 0, np.where(empty, -(-rem // il), rem // il))
+        hi = np.where(full, rem // il, np.where(empty, N, rem // il + 1))
+        a = np.maximum(np.maximum.reduceat(lo, starts), 0)
+        b = np.minimum(np.minimum.reduceat(hi, starts), N)
+        other = np.where((a < b) & (a != rank), a, np.where((a + 1 < b) & (a + 1 != rank), a + 1, -1))
+        other = np.where(every_row(full | empty | part), other, -1)
+        extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
+        ils = [x for x in INTERLEAVES + extra if x != il]
+        inter = np.full(q.size, -1, np.int64)
+        for x in reversed(ils):  # the first interleave that fits wins
+            inter = np.where(every_row(local_np(L, N, rank[seg], x) == rec), x, inter)
+        for i, g, r, x in zip(q.tolist(), glob.tolist(), other.tolist(), inter.tolist()):
+            self._value[i] = (("global", {}) if g else ("wrong-rank", {"rank": r}) if r >= 0 else
+                              ("wrong-interleave", {"interleave": x}) if x >= 0 else None)
 
     def _search_earlier_steps(self, q, qh, r0, r1, rank, step, nr, e0, e1) -> None:
         """Rule 6: the latest s < i of the same rank in an earlier step whose expected rows equal the
@@ -365,18 +400,22 @@ class Provenance:
             s = self._scan_in_step(i, rec)
         if s >= 0:
             return "stale", self._source(s, "earlier-in-step"), {}
-        # 3-5. the global lengths, another rank, another interleave (all candidates in one shot)
-        if np.array_equal(rec, seq):
+        # 3-5. the global lengths, another rank, another interleave (prepared in bulk, or one at a time)
+        if i in self._value:
+            v = self._value[i]
+            if v is not None:
+                return v[0], None, v[1]
+        elif np.array_equal(rec, seq):
             return "global", None, {}
-        r = _other_rank(seq, rec, c.dcp_size, c.cp_interleave, rank)  # no [rows, dcp_size] array: N may be 2**31
-        if r is not None:
-            return "wrong-rank", None, {"rank": r}
-        col = seq[:, None]
-        extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
-        ils = np.array([il for il in INTERLEAVES + extra if il != c.cp_interleave])
-        hit = np.flatnonzero((local_np(col, c.dcp_size, rank, ils[None, :]) == rec[:, None]).all(axis=0))
-        if hit.size:
-            return "wrong-interleave", None, {"interleave": int(ils[hit[0]])}
+        else:
+            r = _other_rank(seq, rec, c.dcp_size, c.cp_interleave, rank)  # no [rows, N] array: N may be 4,096
+            if r is not None:
+                return "wrong-rank", None, {"rank": r}
+            extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
+            ils = np.array([il for il in INTERLEAVES + extra if il != c.cp_interleave])
+            hit = np.flatnonzero((local_np(seq[:, None], c.dcp_size, rank, ils[None, :]) == rec[:, None]).all(axis=0))
+            if hit.size:
+                return "wrong-interleave", None, {"interleave": int(ils[hit[0]])}
         # 6. an earlier step of this rank, most recent first (e.g. a buffer baked into a graph)
         want = _strip(rec)
         if want.size:
