@@ -1,4 +1,6 @@
-"""The CLI as a user runs it: real subprocesses, exit codes 0/1/2, JSON Lines, one-line errors."""
+"""The CLI as a user runs it: exit codes 0/1/2, JSON Lines, one-line errors. In this process through typer's
+CliRunner (conftest.cli); real processes (conftest.cli_subprocess) for a smoke test per command and where a
+process is what is tested: pipes, signals, /dev/full, what `--help` imports."""
 
 import json
 import re
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, cli, expected_view, obs, write
+from conftest import ROOT, cli, cli_subprocess, expected_view, obs, write
 
 
 def handwritten_dump(path) -> str:
@@ -42,7 +44,7 @@ def handwritten_dump(path) -> str:
 
 def test_done_criterion_missing_then_padding(tmp_path):
     p = handwritten_dump(tmp_path / "hand.safetensors")
-    r = cli("replay", p, "--json")
+    r = cli_subprocess("replay", p, "--json")  # smoke: replay with findings, a real process
     assert r.returncode == 1, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert [(x["obs"], x["rule"]) for x in lines if x["type"] == "finding"] == [(3, "missing"), (5, "padding")]
@@ -57,7 +59,7 @@ def test_done_criterion_missing_then_padding(tmp_path):
 
 
 def test_clean_dump_exits_0(tmp_path):
-    r = cli("replay", write(tmp_path / "c.safetensors", [obs(step=i) for i in range(3)]))
+    r = cli_subprocess("replay", write(tmp_path / "c.safetensors", [obs(step=i) for i in range(3)]))  # smoke
     assert r.returncode == 0 and "clean" in r.stdout and r.stderr == ""
 
 
@@ -132,14 +134,50 @@ def test_inspect(tmp_path):
     info = json.loads(r.stdout)
     assert r.returncode == 0 and info["observations"] == 6 and info["without_view"] == 1
     assert info["config"]["page_size"] == 16 and info["ranks"] == {"0": 3, "1": 3}
-    t = cli("inspect", p)
+    t = cli_subprocess("inspect", p)  # smoke: inspect, a real process
+    assert t.returncode == 0 and t.stderr == ""
     assert "dcp_size 2" in t.stdout and "6 (5 with a DCP view, 1 None)" in t.stdout
 
 
 def test_help_and_module_entry():
-    r = cli("--help")
+    """`python -m dcptool --help` (a real process) lists the commands and imports neither numpy nor torch."""
+    r = cli_subprocess("--help", env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert r.returncode == 0 and "replay" in r.stdout and "inspect" in r.stdout
-    assert (ROOT / "dcptool" / "__main__.py").exists()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "dcptool.cli" in imported  # the import log is there: it would name numpy and torch
+    assert not {m for m in imported if m.split(".")[0] in ("numpy", "torch", "triton", "safetensors")}, imported
+    r = cli("--help")  # in-process: the same page (under the name `dcptool`)
+    assert r.returncode == 0 and "Usage: dcptool" in r.stdout and "replay" in r.stdout and "simulate" in r.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# conftest.cli itself: in-process runs see what a process of their own would
+
+
+def test_in_process_cli_shows_warnings_crashes_and_restores_the_process(tmp_path, monkeypatch):
+    import os
+    import warnings
+
+    dump = write(tmp_path / "d.safetensors", [obs()])
+
+    def warns(*a, **k):
+        warnings.warn("overflow encountered", RuntimeWarning, stacklevel=1)
+        raise RuntimeError("after the warning")
+
+    monkeypatch.setattr("dcptool.dump.describe", warns)
+    here = os.getcwd()
+    r = cli("inspect", "d.safetensors", env={"DCPTOOL_PROBE": "1"}, cwd=tmp_path)
+    # the warning reaches stderr (not pytest's record), then the guard's one line
+    assert r.returncode == 2 and "RuntimeWarning: overflow encountered" in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1].startswith("dcptool: internal error: RuntimeError: after the warning")
+    assert os.getcwd() == here and "DCPTOOL_PROBE" not in os.environ and dump
+
+    import dcptool.cli as dcli
+
+    monkeypatch.setattr(dcli._Guarded, "main", lambda *a, **k: 1 / 0)  # past the guard: what a process shows
+    r = cli("--help")
+    assert r.returncode == 1 and "Traceback" in r.stderr and "ZeroDivisionError" in r.stderr
+    assert sys.stdout is not None and dcli.app.__class__.__name__ == "Typer"
 
 
 def test_reading_never_modifies_the_dump(tmp_path):
@@ -172,13 +210,9 @@ SAMPLES = ROOT / "samples"
 
 
 def run_cli(*args, env=None):
-    """`dcptool ARGS` in this process; (exit code, stdout, stderr)."""
-    from typer.testing import CliRunner
-
-    from dcptool.cli import app
-
-    r = CliRunner().invoke(app, [str(a) for a in args], env={"DCPTOOL_DEBUG": "", **(env or {})})
-    return r.exit_code, r.stdout, r.stderr
+    """`dcptool ARGS` in this process (conftest.cli), DCPTOOL_DEBUG unset; (exit code, stdout, stderr)."""
+    r = cli(*args, env={"DCPTOOL_DEBUG": "", **(env or {})})
+    return r.returncode, r.stdout, r.stderr
 
 
 def _boom(*a, **k):
