@@ -491,8 +491,11 @@ def test_ctrl_c_during_simulate_writes_nothing(tmp_path):
 
     out = tmp_path / "big.safetensors"
     master, slave = pty.openpty()
+    # SIGINT as a terminal delivers it: a test run started in the background (`cmd &`, no job control) passes
+    # SIGINT on ignored, and a child that ignores it would run all 10**6 steps while this test waited
     p = subprocess.Popen([sys.executable, "-m", "dcptool", "simulate", "--steps", "1000000", "-o", str(out)],
-                         stdout=subprocess.PIPE, stderr=slave, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         stdout=subprocess.PIPE, stderr=slave, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(slave)
     seen, deadline = b"", time.monotonic() + 120
     try:
@@ -501,7 +504,9 @@ def test_ctrl_c_during_simulate_writes_nothing(tmp_path):
                 seen += os.read(master, 4096)
         assert b"simulate" in seen, "simulate never started"
         p.send_signal(signal.SIGINT)
-        while p.poll() is None:  # keep the terminal drained so the child never blocks on stderr
+        deadline = time.monotonic() + 60
+        while p.poll() is None and time.monotonic() < deadline:  # keep the terminal drained (the child never
+            # blocks on stderr); past the deadline, wait() below fails the test instead of hanging it
             if select.select([master], [], [], 0.2)[0]:
                 try:
                     seen += os.read(master, 4096)
