@@ -251,6 +251,28 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch, how):
     assert err.splitlines()[-1].startswith("dcptool: internal error: RuntimeError: something unexpected")
 
 
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_internal_error_in_a_real_process(tmp_path, debug):
+    """Smoke: the guard in a process of its own (DCPTOOL_DEBUG from its environment): exit 2, one line, and
+    the traceback only with DCPTOOL_DEBUG=1; nothing printed at exit."""
+    dump = write(tmp_path / "d.safetensors", [obs()])
+    code = ("import sys, dcptool.dump\n"
+            "def boom(*a, **k):\n    raise RuntimeError('something unexpected')\n"
+            "dcptool.dump.describe = boom\n"
+            "from dcptool.cli import main\n"
+            "sys.argv = ['dcptool', 'inspect', sys.argv[1]]\n"
+            "main()\n")
+    import os
+
+    p = subprocess.run([sys.executable, "-c", code, dump], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "DCPTOOL_DEBUG": debug})
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    assert p.stderr.splitlines()[-1].startswith("dcptool: internal error: RuntimeError: something unexpected")
+    assert ("Traceback (most recent call last)" in p.stderr) == bool(debug), p.stderr
+    if not debug:
+        assert p.stderr.count("\n") == 1
+
+
 def test_the_guard_keeps_real_exit_codes(tmp_path, monkeypatch):
     clean = write(tmp_path / "c.safetensors", [obs(step=i) for i in range(3)])
     bad = write(tmp_path / "b.safetensors", [obs(view=None)])
