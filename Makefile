@@ -1,12 +1,13 @@
 # make run: set up .venv (once) and replay the bundled sample.  make test: the whole suite (with the
 # CI-sized fuzz run).  make fuzz: the long fuzz run (FUZZ_EXAMPLES random cases per command).
-# make test-vllm: tests/vllm against vLLM 0.33.0's own code on CPU, in its own venv (built once, 3 GB).
+# make test-vllm: tests/vllm against each of VLLM_VERSIONS' own code on CPU (a matrix: one release per hook table,
+# the newest pre-fix one first), each in its own venv ~/.cache/dcptool-vllm-<version> (built once, ~90 s and 3 GB each).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 SAMPLE ?= samples/legacy.safetensors
-VLLM_VENV ?= $(HOME)/.cache/dcptool-vllm-oracle
+VLLM_VERSIONS ?= 0.29.0 0.30.0 0.33.0 0.34.0
 FUZZ_EXAMPLES ?= 10000
 
 .PHONY: run test venv lint test-vllm bench fuzz
@@ -35,8 +36,13 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel
 
 test-vllm:
-	VLLM_VENV=$(VLLM_VENV) tools/setup_vllm_env.sh
-	DCPTOOL_TEST_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+	@failed=""; for v in $(VLLM_VERSIONS); do \
+	  venv=$(HOME)/.cache/dcptool-vllm-$$v; \
+	  echo "--- vLLM $$v"; \
+	  { VLLM_VERSION=$$v VLLM_VENV=$$venv tools/setup_vllm_env.sh && \
+	    DCPTOOL_TEST_VLLM=1 $$venv/bin/python -m pytest -q -p no:cacheprovider tests/vllm; } || failed="$$failed $$v"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-vllm failed on vLLM$$failed"; exit 1; fi; echo "test-vllm passed on vLLM $(VLLM_VERSIONS)"
 
 # Not derandomized: every run tries new cases; a failure prints the @reproduce_failure line to replay it.
 fuzz: $(STAMP)

@@ -21,6 +21,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 # hostile 100 MB header of `[],[],...` from growing into gigabytes of Python objects.
 MAX_JSON_VALUES = 2_000_000
 INT32_MAX = 2**31 - 1
+MAX_DCP_SIZE = 4096  # docs/limits.md
 
 _DTYPES = {"I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "U8": np.dtype("u1"), "I8": np.dtype("i1")}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
@@ -370,6 +371,8 @@ def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
     page = int_field("page_size", None, nullable=True)
     if dcp * il > INT32_MAX:
         raise _fail(p, "dcptool.config", f"dcp_size * cp_interleave = {dcp * il} overflows int32 arithmetic")
+    if dcp > MAX_DCP_SIZE:  # a recorded number that sizes per-rank work; no engine runs DCP this wide
+        raise _fail(p, "dcptool.config", f"dcp_size = {dcp} is past dcptool's limit of {MAX_DCP_SIZE} (docs/limits.md)")
     sites = c.get("sites")
     # (may be empty in a dump without observations: validate_columns checks that)
     if not isinstance(sites, list) or not all(isinstance(s, str) and _text_ok(s) for s in sites):
@@ -553,9 +556,11 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
             if getattr(c, k) != getattr(base, k):
                 raise DumpError(f"{d.files[0]}: dcptool.config: {k} = {getattr(c, k)} but {dumps[0].files[0]} "
                                 f"has {getattr(base, k)}; these files are not one run")
-    sites = list(base.sites)
+    site_index = {s: i for i, s in enumerate(base.sites)}  # a dict: site lists may be long (no quadratic merge)
     for d in dumps[1:]:
-        sites += [s for s in d.config.sites if s not in sites]
+        for s in d.config.sites:
+            site_index.setdefault(s, len(site_index))
+    sites = list(site_index)
     cfg = DumpConfig(**{**base.__dict__, "sites": tuple(sites)})
     keys = [k for k in COLUMNS if all(k in d.columns for d in dumps)]
     # Stable sort by (step, file): observations of one step keep file order, then in-file order.
@@ -574,7 +579,7 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
             for i, d in enumerate(dumps):
                 v = d[key]
                 if key == "obs.site":
-                    remap = np.array([sites.index(s) for s in d.config.sites], np.int32)
+                    remap = np.array([site_index[s] for s in d.config.sites], np.int32)
                     v = remap[v]
                 elif key == "obs.parent":
                     v = np.where(v >= 0, v + starts[i], -1)
@@ -589,8 +594,8 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
         if offs_key not in keys:
             continue
         lens = np.concatenate([np.diff(d[offs_key]) for d in dumps])
-        starts_rows = np.concatenate([d[offs_key][:-1] + sum(dd[offs_key][-1] for dd in dumps[:i])
-                                      for i, d in enumerate(dumps)])
+        before = np.cumsum([0] + [int(d[offs_key][-1]) for d in dumps])  # rows of the files before each
+        starts_rows = np.concatenate([d[offs_key][:-1] + before[i] for i, d in enumerate(dumps)])
         lens_o = lens[order]
         new_offs = np.zeros(order.size + 1, np.int64)
         np.cumsum(lens_o, out=new_offs[1:])

@@ -7,11 +7,12 @@ from html import escape
 import numpy as np
 
 from dcptool import __version__
-from dcptool.report import RULE_CODES, Timeline, _cells, timeline
+from dcptool.report import RULE_CODES, Timeline, _cells, rank_window, timeline
 
 HTML_COLUMNS = 240  # step buckets of the SVG timeline
 VIEW_FINDINGS = 200  # row views: the observations of the first 200 findings (and their stale sources) ...
 VIEW_ROWS = 64  # ... 64 rows each
+HTML_MAX_FINDINGS = 5000  # table rows without --max-findings: a page of 10**6 rows is unusable (docs/limits.md)
 _SEV_CLASS = {"error": "err", "warning": "warn", "clean": "ok", "empty": "none"}
 
 _CSS = """
@@ -83,7 +84,7 @@ def _e(x) -> str:
 
 def render_html(res, max_findings: int | None = None) -> str:
     """The whole page as one string: configuration and summary, timeline, findings table, row views."""
-    shown = res.findings if max_findings is None else res.findings[:max_findings]
+    shown = res.findings[: HTML_MAX_FINDINGS if max_findings is None else max_findings]
     pos = {id(f): k for k, f in enumerate(res.findings)}
     title = "dcptool replay: " + ", ".join(res.files)
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -101,6 +102,9 @@ def render_html(res, max_findings: int | None = None) -> str:
                      f"(steps {tl.first_step}..{tl.last_step}); each cell shows its worst finding. Hover a cell for "
                      "details; click it to list its findings below.</p>")
         parts.append(_svg(res, tl))
+        if tl.hidden_rows:
+            parts.append(f'<p class="note">{tl.hidden_rows:,} more (site, rank) rows not drawn: at most '
+                         f"{len(tl.sites):,} rows, those with findings first.</p>")
         parts.append(_legend(tl))
     parts.append("</section>")
     parts += _table(res, shown)
@@ -201,7 +205,10 @@ def _tooltip(res, tl: Timeline, r: int, c: int, rules) -> str:
     ubs = tl.ubatches if tl.ubatches is not None else list(range(-1, tl.ub_obs.shape[2] - 1))
 
     def by_ub(v: np.ndarray) -> str:
-        return ", ".join(("full" if ubs[u] < 0 else f"ub{ubs[u]}") + f" {int(n)}" for u, n in enumerate(v) if n)
+        def name(u: int) -> str:
+            return ("full" if ubs[u] < 0 else f"ub{ubs[u]}") + ("+" if tl.ub_folded and u == len(ubs) - 1 else "")
+
+        return ", ".join(f"{name(u)} {int(n)}" for u, n in enumerate(v) if n)
 
     lines = [f"{steps} · {tl.sites[r]} rank {tl.ranks[r]}",
              f"{int(tl.obs[r, c])} observation{'' if tl.obs[r, c] == 1 else 's'} ({by_ub(tl.ub_obs[r, c])})"]
@@ -232,8 +239,8 @@ def _table(res, shown) -> list[str]:
             ("source", "l"), ("message", "l msg")]
     out = [f'<section id="findings"><h2>Findings ({len(res.findings):,})</h2>']
     if len(shown) < len(res.findings):
-        out.append(f'<p class="note">The first {len(shown):,} of {len(res.findings):,} findings (--max-findings); '
-                   "the summary counts all.</p>")
+        out.append(f'<p class="note">The first {len(shown):,} of {len(res.findings):,} findings (--max-findings, '
+                   f"default {HTML_MAX_FINDINGS:,} here); the summary counts all; replay --json lists every one.</p>")
     if not shown:
         out.append('<p class="note">None.</p></section>')
         return out
@@ -324,11 +331,14 @@ def _view(v, pos: dict, cited: list[int], res, shown: int) -> list[str]:
     if (start, stop) != (0, n):
         out.append(f'<p class="note">rows {start}..{stop - 1} of {n}</p>')
     ranks = len(v.expected_all_ranks[0]) if v.expected_all_ranks else 0
+    r_lo, r_hi = rank_window(v.rank, ranks)  # a window of ranks around its own
+    if (r_lo, r_hi) != (0, ranks):
+        out.append(f'<p class="note">ranks {r_lo}..{r_hi - 1} of {ranks}</p>')
     out.append('<table class="rows"><thead><tr><th>row</th><th>seq_len</th>'
-               + "".join(f"<th>r{r}{'*' if r == v.rank else ''}</th>" for r in range(ranks))
+               + "".join(f"<th>r{r}{'*' if r == v.rank else ''}</th>" for r in range(r_lo, r_hi))
                + '<th>expected</th><th>recorded</th><th class="l">verdict</th></tr></thead><tbody>')
     for j in range(start, stop):
-        allr = v.expected_all_ranks[j] if j < len(v.expected_all_ranks) else [""] * ranks
+        allr = v.expected_all_ranks[j][r_lo:r_hi] if j < len(v.expected_all_ranks) else [""] * (r_hi - r_lo)
         rec = "None" if v.recorded is None else (v.recorded[j] if j < len(v.recorded) else "")
         cls = "" if v.verdict[j].startswith("ok") else ' class="bad"'
         out.append(f"<tr{cls}><td>{j}</td><td>{v.seq_lens[j] if j < len(v.seq_lens) else ''}</td>"

@@ -17,6 +17,7 @@ import torch
 BLOCK_SIZE = 128  # vLLM's launch: BLOCK_SIZE 128, grid cdiv(max_num_reqs, 128)
 FUSED_BLOCK = 256  # rows per inner step of the fused kernels (observations hold ~64-512 rows)
 FUSED_WARPS = 2
+INT32_MAX = 2**31 - 1
 
 
 class BackendError(RuntimeError):
@@ -50,12 +51,13 @@ def _triton() -> SimpleNamespace:
         # vLLM's semantics: rows < num_reqs get the formula, every other row of the buffer is 0.
         block = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
         real = block < num_reqs
-        seq = tl.load(seq_lens_ptr + block, mask=real, other=0)
-        span = dcp_size * cp_interleave
-        rounds = seq // span
-        rem = seq - rounds * span
-        rem = tl.minimum(tl.maximum(rem - dcp_rank * cp_interleave, 0), cp_interleave)
-        local = tl.where(real, rounds * cp_interleave + rem, 0)
+        # int64 inside: dcp_size * cp_interleave and dcp_rank * cp_interleave are products of int32
+        # arguments that may pass 2**31 (the scalars are widened through the int64 row values).
+        seq = tl.load(seq_lens_ptr + block, mask=real, other=0).to(tl.int64)
+        rounds = seq // dcp_size // cp_interleave  # floor(floor(L / N) / I) == floor(L / (N * I))
+        rem = seq - rounds * dcp_size * cp_interleave
+        rem = tl.minimum(tl.maximum(rem - (tl.zeros_like(seq) + dcp_rank) * cp_interleave, 0), cp_interleave)
+        local = tl.where(real, rounds * cp_interleave + rem, 0).to(tl.int32)
         tl.store(out_ptr + block, local, mask=block < max_num_reqs)
 
     @triton.jit
@@ -115,7 +117,8 @@ def _triton() -> SimpleNamespace:
         bad = inb & (rec != tl.where(real, local, 0))
         if HAS_PAGES:
             kv = tl.load(kv_ptr + seq_start + j, mask=real, other=-1)
-            bad_pg = real & (kv >= 0) & (kv != (local + PAGE - 1) // PAGE)
+            # cdiv without `local + PAGE - 1`, which overflows int32 near 2**31 (a false finding)
+            bad_pg = real & (kv >= 0) & (kv != local // PAGE + (local % PAGE != 0).to(tl.int32))
         else:
             bad_pg = j < 0
         return real, bad, bad_pg
@@ -220,6 +223,8 @@ def _as(t: torch.Tensor, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
 def expected_rows(seq_lens: torch.Tensor, offsets: torch.Tensor, num_reqs: torch.Tensor, ranks: torch.Tensor,
                   dcp_size: int, cp_interleave: int = 1) -> torch.Tensor:
     """Fused: the expected rows of every observation in one launch (same contract as the reference)."""
+    if dcp_size < 1 or cp_interleave < 1 or dcp_size * cp_interleave > INT32_MAX:
+        raise ValueError(f"need 1 <= dcp_size * cp_interleave <= 2**31-1, got {dcp_size}, {cp_interleave}")
     dev = seq_lens.device
     n = num_reqs.shape[0]
     out = torch.empty(seq_lens.shape[0], dtype=torch.int32, device=dev)
@@ -243,6 +248,11 @@ def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dc
     if any(t.device != dev for t in tensors) or gpu_only:
         raise ValueError(f"all tensors must be on one device the kernel can run on (got "
                          f"{sorted({str(t.device) for t in tensors})}); use CUDA tensors on a GPU machine")
+    if dcp_size < 1 or cp_interleave < 1 or page_size < 1 or dcp_size * cp_interleave > INT32_MAX \
+            or page_size > INT32_MAX:
+        # the fused kernels compute in int32 (ranks < N, so rank * I < N * I): the reader's bounds
+        raise ValueError(f"need 1 <= dcp_size * cp_interleave <= 2**31-1 and 1 <= page_size <= 2**31-1, got "
+                         f"{dcp_size}, {cp_interleave}, {page_size}")
     n = num_reqs.shape[0]
     stats = torch.zeros(6, n, dtype=torch.int32, device=dev)
     stats[1::2] = -1

@@ -75,40 +75,132 @@ class Source:
                 "ubatch": self.ubatch, "file": self.file}
 
 
+# Row hashing for provenance joins. A view's hash is the sum over its rows j of mix(value, j), with
+# mix(0, j) = 0: zeros add nothing, so a view and its zero-extension hash alike (DESIGN §3 compares
+# views with zeros past num_reqs), and a prefix hash is a cumulative sum. Two independent 64-bit
+# sums make an accidental (or crafted) collision practically impossible; every hit is confirmed
+# exactly anyway, and a failed confirmation falls back to the exact scan of that one finding.
+_MIX = ((0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB),
+        (0xD6E8FEB86659FD93, 0xA0761D6478BD642F, 0xE7037ED1A0B428DB))
+
+
+def _mix(v: np.ndarray, j: np.ndarray, salt: int) -> np.ndarray:
+    """splitmix64 of (value, row), 0 where value is 0; uint64, wrapping arithmetic."""
+    a, b, c = (np.uint64(x) for x in _MIX[salt])
+    with np.errstate(over="ignore"):
+        x = np.asarray(v, np.int64).view(np.uint64) * a + np.asarray(j, np.int64).view(np.uint64) * b + c
+        x = (x ^ (x >> np.uint64(30))) * b
+        x = (x ^ (x >> np.uint64(27))) * c
+        x ^= x >> np.uint64(31)
+    return np.where(np.asarray(v) != 0, x, np.uint64(0))
+
+
+def _ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Segments (start, count) -> (segment of each element, index within it, absolute index)."""
+    counts = np.asarray(counts, np.int64)
+    seg = np.repeat(np.arange(counts.size), counts)
+    j = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return seg, j, np.asarray(starts, np.int64)[seg] + j
+
+
+def _seg_sums(h: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Per segment: the wrapping sum of its elements (h in segment order)."""
+    cs = np.concatenate([np.zeros(1, np.uint64), np.cumsum(h, dtype=np.uint64)])
+    ends = np.cumsum(np.asarray(counts, np.int64))
+    with np.errstate(over="ignore"):
+        return cs[ends] - cs[ends - counts]
+
+
+def _group_ids(cols: list[np.ndarray]) -> np.ndarray:
+    """One dense id per distinct row of the columns (compared column by column: no packing of values
+    into one integer, so keys cannot collide)."""
+    n = cols[0].size
+    if n == 0:
+        return np.zeros(0, np.int64)
+    order = np.lexsort(cols[::-1])
+    new = np.zeros(n, bool)
+    new[0] = True
+    for c in cols:
+        s = c[order]
+        new[1:] |= s[1:] != s[:-1]
+    ids = np.empty(n, np.int64)
+    ids[order] = np.cumsum(new) - 1
+    return ids
+
+
+def _join(c_key: list[np.ndarray], q_key: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Dense ids of candidate and query keys in one id space."""
+    ids = _group_ids([np.concatenate([a, b]) for a, b in zip(c_key, q_key)])
+    return ids[: c_key[0].size], ids[c_key[0].size :]
+
+
+def latest_before(c_run: np.ndarray, c_idx: np.ndarray, c_val: np.ndarray, q_run: np.ndarray, q_idx: np.ndarray,
+                  q_thr: np.ndarray) -> np.ndarray:
+    """For each query: the largest candidate index < q_idx in the same run with value < q_thr (-1 if none).
+
+    All queries at once, O((c + q) log(c + q)): candidates and queries are sorted together by (run,
+    index); a sparse table of range minima over the values lets every query step back over the
+    longest stretch of candidates whose values are all >= its threshold, by binary lifting.
+    """
+    nc, nq = c_run.size, q_run.size
+    if nq == 0 or nc == 0:
+        return np.full(nq, -1, np.int64)
+    run = np.concatenate([c_run, q_run]).astype(np.int64)
+    idx = np.concatenate([c_idx, q_idx]).astype(np.int64)
+    is_c = np.concatenate([np.ones(nc, np.int8), np.zeros(nq, np.int8)])  # at equal index a query sorts first
+    order = np.lexsort((is_c, idx, run))
+    big = np.iinfo(np.int64).max
+    val = np.concatenate([np.asarray(c_val, np.int64), np.full(nq, big, np.int64)])[order]
+    n = order.size
+    rs = run[order]
+    first = np.ones(n, bool)
+    first[1:] = rs[1:] != rs[:-1]
+    start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+    where = np.empty(n, np.int64)
+    where[order] = np.arange(n)
+    qpos = where[nc:]
+    levels = [val]  # levels[k][p] = min(val[p : p + 2**k])
+    while (1 << len(levels)) <= n:
+        prev, h = levels[-1], 1 << (len(levels) - 1)
+        nxt = prev.copy()
+        np.minimum(prev[:-h], prev[h:], out=nxt[:-h])
+        levels.append(nxt)
+    cur, lo, thr = qpos.copy(), start[qpos], np.asarray(q_thr, np.int64)
+    for k in range(len(levels) - 1, -1, -1):
+        back = cur - (1 << k)
+        ok = back >= lo
+        step = ok & (levels[k][np.maximum(back, 0)] >= thr)
+        cur = np.where(step, back, cur)
+    ans = cur - 1
+    hit = (ans >= lo) & (val[np.maximum(ans, 0)] < thr)
+    return np.where(hit, idx[order][np.maximum(ans, 0)], -1)
+
+
 class Provenance:
     """Finds where a wrong view came from, in DESIGN §3's precedence; built lazily, so clean dumps
     pay nothing.
 
-    Candidates in the same step are few and compared directly. Earlier steps are many, so they are
-    looked up by a hash of each observation's first two expected rows (zero past num_reqs, so a
-    zero-extended view keys alike), built with one O(n) gather the first time it is needed; a hit
-    is confirmed by comparing all rows.
+    The two searches over other observations (earlier in the step, earlier steps) run for all wrong
+    observations at once (`prepare`): candidates are narrowed by a join on their leading expected
+    rows, then matched by a join on row hashes (see _mix) and `latest_before` picks the most
+    recent; a hit is confirmed exactly. Nothing is quadratic in observations per step or rank.
     """
 
     def __init__(self, d: Dump):
         self.d = d
-        self._by_rank_step: tuple[np.ndarray, np.ndarray] | None = None
-        self._sig: tuple[np.ndarray, np.ndarray] | None = None
+        self._in_step: dict[int, int] = {}
+        self._earlier: dict[int, int] = {}
+        self._prepared: set[int] = set()
+        self._rows01: tuple[np.ndarray, np.ndarray] | None = None
+        self._value: dict[int, tuple[str, dict] | None] = {}  # rules 3-5 per prepared observation (None: none)
 
-    def _rank_step_index(self) -> tuple[np.ndarray, np.ndarray]:
-        """Observations sorted by (rank, step, index): same-rank, same-step neighbours by bisection."""
-        if self._by_rank_step is None:
-            d = self.d
-            order = np.lexsort((np.arange(d.n), d["obs.step"], d["obs.rank"]))
-            key = d["obs.rank"][order].astype(np.int64) * (1 << 48) + d["obs.step"][order]
-            self._by_rank_step = (order, key)
-        return self._by_rank_step
+    # ----- bulk search
 
-    def _signatures(self) -> tuple[np.ndarray, np.ndarray]:
-        """(sorted keys, observation per key): key = (rank, expected rows 0 and 1, 0 past num_reqs).
-
-        Two gathered rows per observation (O(n), not O(rows)) narrow earlier-step candidates to
-        the few whose leading rows agree; each is then compared whole.
-        """
-        if self._sig is None:
-            d = self.d
-            self._sig = self._key(d["obs.rank"], self._row(0), self._row(1))
-        return self._sig
+    def _lead(self) -> tuple[np.ndarray, np.ndarray]:
+        """Expected rows 0 and 1 of every observation (0 past num_reqs): O(n) gathers, not O(rows)."""
+        if self._rows01 is None:
+            self._rows01 = (self._row(0), self._row(1))
+        return self._rows01
 
     def _row(self, j: int) -> np.ndarray:
         d, c = self.d, self.d.config
@@ -119,24 +211,175 @@ class Provenance:
                             c.cp_interleave)
         return out
 
-    @staticmethod
-    def _key(rank, e0, e1):
+    def _prefix_sums(self, obs: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Hashes of the expected real rows of observations `obs`, as prefix sums: (first row of each
+        observation, [cs0, cs1]) where cs[first + k] - cs[first] hashes its first k rows."""
+        d, c = self.d, self.d.config
+        nr = d["obs.num_reqs"][obs].astype(np.int64)
+        seg, j, at = _ragged(d["obs.rows"][obs], nr)
+        e = local_np(take(d, "rows.seq_lens", at), c.dcp_size, d["obs.rank"][obs][seg], c.cp_interleave)
+        cs = [np.concatenate([np.zeros(1, np.uint64), np.cumsum(_mix(e, j, salt), dtype=np.uint64)]) for salt in (0, 1)]
+        return np.cumsum(nr) - nr, cs
+
+    def prepare(self, wrong: np.ndarray) -> None:
+        """Rules 2-6 for all wrong observations at once (each call costs O(n log n): pass them all together)."""
+        d = self.d
+        wrong = np.array([w for w in np.unique(np.asarray(wrong, np.int64)).tolist() if w not in self._prepared],
+                         np.int64)
+        if wrong.size == 0:
+            return
+        self._prepared.update(wrong.tolist())
+        nr, view = d["obs.num_reqs"].astype(np.int64), d["obs.dcp_rows"]
+        wrong = wrong[d["obs.has_dcp"][wrong] == 1]
+        m = np.minimum(np.diff(view)[wrong], nr[wrong])  # recorded real rows
+        wrong, m = wrong[m > 0], m[m > 0]
+        if wrong.size == 0:
+            return
+        rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
+        seg, j, at = _ragged(view[wrong], m)
+        rec = take(d, "rows.dcp_local_seq_lens", at).astype(np.int64)
+        qh = [_seg_sums(_mix(rec, j, s), m) for s in (0, 1)]
+        starts = np.cumsum(m) - m
+        r0 = rec[starts]
+        r1 = np.where(m > 1, rec[np.minimum(starts + 1, rec.size - 1)], 0)
+        e0, e1 = self._lead()
+        self._search_in_step(wrong, m, qh, r0, rank, step, nr, e0)
+        self._by_values(wrong, m, seg, rec)
+        nz = np.flatnonzero(np.bincount(seg, weights=rec != 0, minlength=wrong.size) > 0)  # strip(rec) not empty
+        self._search_earlier_steps(wrong[nz], [h[nz] for h in qh], r0[nz], r1[nz], rank, step, nr, e0, e1)
+
+    def _search_in_step(self, q, m, qh, r0, rank, step, nr, e0) -> None:
+        """Rule 2: the latest s < i, same rank and step, num_reqs >= 1, whose expected rows zero-extended
+        start with the recorded rows: (a) num_reqs_s >= m and its first m rows hash alike, or
+        (b) num_reqs_s < m and all its rows hash like the recorded ones (the rest are zeros)."""
+        cand = np.flatnonzero(nr >= 1)
+        ci, qi = _join([rank[cand], step[cand], e0[cand]], [rank[q], step[q], r0])
+        keep = np.isin(ci, qi)  # same rank, step and first row as some wrong observation: one group id
+        cand, ci = cand[keep], ci[keep]
+        if cand.size == 0:
+            return
+        first, cs = self._prefix_sums(cand)
+        nrc = nr[cand]
         with np.errstate(over="ignore"):
-            k = ((np.asarray(e0).astype(np.uint64) << np.uint64(32)) | np.asarray(e1).astype(np.uint64)
-                 & np.uint64(0xFFFFFFFF)) ^ (np.asarray(rank).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-        if np.ndim(k) == 0:
-            return k
-        order = np.argsort(k, kind="stable")
-        return k[order], order
+            full = [c[first + nrc] - c[first] for c in cs]
+        # (a) each candidate's prefix hash at every length a query of its group has (and it reaches):
+        # the queried lengths of a group, sorted, and a vectorised binary search per candidate
+        o = np.lexsort((m, qi))
+        gq, mq = qi[o], m[o]
+        uniq = np.ones(gq.size, bool)
+        uniq[1:] = (gq[1:] != gq[:-1]) | (mq[1:] != mq[:-1])
+        gq, mq = gq[uniq], mq[uniq]
+        g0 = np.searchsorted(gq, ci, "left")
+        lo, hi = g0.copy(), np.searchsorted(gq, ci, "right")
+        while True:
+            act = lo < hi
+            if not act.any():
+                break
+            mid = (lo + hi) // 2
+            le = mq[np.minimum(mid, mq.size - 1)] <= nrc
+            lo, hi = np.where(act & le, mid + 1, lo), np.where(act & ~le, mid, hi)
+        sidx, _, pos = _ragged(g0, lo - g0)
+        k = mq[pos]
+        with np.errstate(over="ignore"):
+            at = [c[first[sidx] + k] - c[first[sidx]] for c in cs]
+        ca, qa = _join([ci[sidx], k, at[0].view(np.int64), at[1].view(np.int64)],
+                       [qi, m, qh[0].view(np.int64), qh[1].view(np.int64)])
+        keep = np.isin(ca, qa)
+        best = latest_before(ca[keep], cand[sidx][keep], np.zeros(int(keep.sum()), np.int64), qa, q,
+                             np.ones(q.size, np.int64))
+        # (b) whole rows of shorter candidates: value num_reqs_s must be < m
+        cb, qb = _join([ci, full[0].view(np.int64), full[1].view(np.int64)],
+                       [qi, qh[0].view(np.int64), qh[1].view(np.int64)])
+        keep = np.isin(cb, qb)
+        best = np.maximum(best, latest_before(cb[keep], cand[keep], nrc[keep], qb, q, m))
+        self._in_step.update(zip(q.tolist(), best.tolist()))
+
+    def _by_values(self, q, m, seg, rec) -> None:
+        """Rules 3-5 for all wrong views at once (row-wise, then one reduction per observation): the
+        global lengths; another rank (the interval argument of _other_rank); another interleave."""
+        d, c = self.d, self.d.config
+        N, il = c.dcp_size, c.cp_interleave
+        _, _, srow = _ragged(d["obs.rows"][q], m)  # the seq_lens rows under the recorded ones
+        L = take(d, "rows.seq_lens", srow).astype(np.int64)
+        rank = d["obs.rank"][q].astype(np.int64)
+        starts = np.cumsum(m) - m
+
+        def every_row(ok: np.ndarray) -> np.ndarray:
+            return np.bincount(seg, weights=~ok, minlength=q.size) == 0
+
+        glob = every_row(rec == L)
+        rounds, rem = L // (N * il), L % (N * il)
+        base = rounds * il
+        full, empty = rec == base + il, rec == base
+        part = (rec == base + rem % il) & (rem % il != 0)
+        lo = np.where(full, 0, np.where(empty, -(-rem // il), rem // il))
+        hi = np.where(full, rem // il, np.where(empty, N, rem // il + 1))
+        a = np.maximum(np.maximum.reduceat(lo, starts), 0)
+        b = np.minimum(np.minimum.reduceat(hi, starts), N)
+        other = np.where((a < b) & (a != rank), a, np.where((a + 1 < b) & (a + 1 != rank), a + 1, -1))
+        other = np.where(every_row(full | empty | part), other, -1)
+        extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
+        ils = [x for x in INTERLEAVES + extra if x != il]
+        inter = np.full(q.size, -1, np.int64)
+        for x in reversed(ils):  # the first interleave that fits wins
+            inter = np.where(every_row(local_np(L, N, rank[seg], x) == rec), x, inter)
+        for i, g, r, x in zip(q.tolist(), glob.tolist(), other.tolist(), inter.tolist()):
+            self._value[i] = (("global", {}) if g else ("wrong-rank", {"rank": r}) if r >= 0 else
+                              ("wrong-interleave", {"interleave": x}) if x >= 0 else None)
+
+    def _search_earlier_steps(self, q, qh, r0, r1, rank, step, nr, e0, e1) -> None:
+        """Rule 6: the latest s < i of the same rank in an earlier step whose expected rows equal the
+        recorded ones up to trailing zeros."""
+        if q.size == 0:
+            return
+        cand = np.flatnonzero(nr >= 1)
+        ci, qi = _join([rank[cand], e0[cand], e1[cand]], [rank[q], r0, r1])
+        keep = np.isin(ci, qi)
+        cand, ci = cand[keep], ci[keep]
+        if cand.size == 0:
+            return
+        first, cs = self._prefix_sums(cand)
+        with np.errstate(over="ignore"):
+            full = [c[first + nr[cand]] - c[first] for c in cs]
+        ci, qi = _join([ci, full[0].view(np.int64), full[1].view(np.int64)],
+                       [qi, qh[0].view(np.int64), qh[1].view(np.int64)])
+        keep = np.isin(ci, qi)
+        best = latest_before(ci[keep], cand[keep], step[cand][keep], qi, q, step[q])
+        self._earlier.update(zip(q.tolist(), best.tolist()))
+
+    # ----- exact checks
 
     def _prefix_equal(self, s: int, rec: np.ndarray) -> bool:
         e = expected_of(self.d, s, rec.size)
         return bool(np.array_equal(np.pad(e, (0, rec.size - e.size)), rec))
 
+    def _strip_equal(self, s: int, want: np.ndarray) -> bool:
+        return bool(np.array_equal(_strip(expected_of(self.d, s, int(self.d["obs.num_reqs"][s]))), want))
+
+    def _scan_in_step(self, i: int, rec: np.ndarray) -> int:
+        """The exact search for one finding (only after a hash hit failed to confirm)."""
+        d = self.d
+        same = np.flatnonzero((d["obs.rank"] == d["obs.rank"][i]) & (d["obs.step"] == d["obs.step"][i]))
+        for s in same[same < i][::-1]:
+            if d["obs.num_reqs"][s] >= 1 and self._prefix_equal(int(s), rec):
+                return int(s)
+        return -1
+
+    def _scan_earlier_steps(self, i: int, want: np.ndarray) -> int:
+        d = self.d
+        same = np.flatnonzero((d["obs.rank"] == d["obs.rank"][i]) & (d["obs.step"] < d["obs.step"][i]))
+        for s in same[same < i][::-1]:
+            if self._strip_equal(int(s), want):
+                return int(s)
+        return -1
+
     def explain(self, i: int, rec: np.ndarray) -> tuple[str, Source | None, dict]:
-        """rec: the recorded real rows of observation i (which are wrong). Returns (rule, source, detail)."""
+        """rec: the recorded real rows of observation i (which are wrong). Returns (rule, source, detail).
+
+        Call `prepare` with every wrong observation first to search them all at once; otherwise
+        the search runs for this one."""
         d, c = self.d, self.d.config
-        rank, step = int(d["obs.rank"][i]), int(d["obs.step"][i])
+        rank = int(d["obs.rank"][i])
         seq = d.seq_lens_of(i)[: rec.size].astype(np.int64)
         # 1. the parent's rows for this slice: what they must be, or what the parent recorded (a copy of a
         # parent that was itself wrong is still a copy; the parent has its own finding)
@@ -150,35 +393,38 @@ class Provenance:
                     return "stale", self._source(p, "parent-rows"), {}
         if rec.size == 0:
             return "mismatch", None, {}
+        if i not in self._prepared:
+            self.prepare(np.array([i]))
         # 2. an earlier observation of this rank in this step, most recent first (a prefix of its rows)
-        order, key = self._rank_step_index()
-        k = rank * (1 << 48) + step
-        for s in order[np.searchsorted(key, k, "left") : np.searchsorted(key, k, "right")][::-1]:
-            if s < i and d["obs.num_reqs"][s] >= 1 and self._prefix_equal(int(s), rec):
-                return "stale", self._source(int(s), "earlier-in-step"), {}
-        # 3-5. the global lengths, another rank, another interleave (all candidates in one shot)
-        if np.array_equal(rec, seq):
+        s = self._in_step.get(i, -1)
+        if s >= 0 and not self._prefix_equal(s, rec):
+            s = self._scan_in_step(i, rec)
+        if s >= 0:
+            return "stale", self._source(s, "earlier-in-step"), {}
+        # 3-5. the global lengths, another rank, another interleave (prepared in bulk, or one at a time)
+        if i in self._value:
+            v = self._value[i]
+            if v is not None:
+                return v[0], None, v[1]
+        elif np.array_equal(rec, seq):
             return "global", None, {}
-        r = _other_rank(seq, rec, c.dcp_size, c.cp_interleave, rank)  # no [rows, dcp_size] array: N may be 2**31
-        if r is not None:
-            return "wrong-rank", None, {"rank": r}
-        col = seq[:, None]
-        extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
-        ils = np.array([il for il in INTERLEAVES + extra if il != c.cp_interleave])
-        hit = np.flatnonzero((local_np(col, c.dcp_size, rank, ils[None, :]) == rec[:, None]).all(axis=0))
-        if hit.size:
-            return "wrong-interleave", None, {"interleave": int(ils[hit[0]])}
+        else:
+            r = _other_rank(seq, rec, c.dcp_size, c.cp_interleave, rank)  # no [rows, N] array: N may be 4,096
+            if r is not None:
+                return "wrong-rank", None, {"rank": r}
+            extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
+            ils = np.array([il for il in INTERLEAVES + extra if il != c.cp_interleave])
+            hit = np.flatnonzero((local_np(seq[:, None], c.dcp_size, rank, ils[None, :]) == rec[:, None]).all(axis=0))
+            if hit.size:
+                return "wrong-interleave", None, {"interleave": int(ils[hit[0]])}
         # 6. an earlier step of this rank, most recent first (e.g. a buffer baked into a graph)
-        if _strip(rec).size:
-            keys, obs = self._signatures()
-            h = self._key(rank, rec[0], rec[1] if rec.size > 1 else 0)
-            hits = np.sort(obs[np.searchsorted(keys, h, "left") : np.searchsorted(keys, h, "right")])[::-1]
-            steps = d["obs.step"]
-            want = _strip(rec)
-            for s in hits:
-                if s < i and steps[s] < step and np.array_equal(
-                        _strip(expected_of(d, int(s), int(d["obs.num_reqs"][s]))), want):
-                    return "stale", self._source(int(s), "earlier-step"), {}
+        want = _strip(rec)
+        if want.size:
+            s = self._earlier.get(i, -1)
+            if s >= 0 and not (s < i and d["obs.step"][s] < d["obs.step"][i] and self._strip_equal(s, want)):
+                s = self._scan_earlier_steps(i, want)
+            if s >= 0:
+                return "stale", self._source(s, "earlier-step"), {}
         return "mismatch", None, {}
 
     def _source(self, s: int, relation: str) -> Source:

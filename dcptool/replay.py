@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool.dump import Dump, every
+from dcptool.dump import Dump, DumpError, every, take
 from dcptool.provenance import Provenance, Source, expected_of, local_np
 from dcptool.slicing import Ubatch, engine_split
 from dcptool.structure import check_alias, check_rank_sum, check_ubatch_slice
@@ -19,8 +19,8 @@ RULES = ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismat
          "stray", "ubatch-slice", "alias", "rank-sum", "pages")
 SEVERITY = {r: ("warning" if r == "stray" else "error") for r in RULES}
 _RULE_ORDER = {r: i for i, r in enumerate(RULES)}
-__all__ = ["Finding", "ReplayResult", "Source", "expected_of", "local_np", "replay", "resolve_backend", "rows_view",
-           "splits"]
+__all__ = ["Finding", "LimitError", "ReplayResult", "Source", "expected_of", "local_np", "replay", "resolve_backend",
+           "rows_view", "splits"]
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,8 @@ def _page_finding(d: Dump, i: int, n_bad: int, j: int) -> Finding:
     c = d.config
     page = c.page_size
     seq = int(d.seq_lens_of(i)[j])
-    local = int(local_np(seq, c.dcp_size, int(d["obs.rank"][i]), c.cp_interleave))
+    span, il = c.dcp_size * c.cp_interleave, c.cp_interleave  # one value: Python ints, not a numpy call
+    local = seq // span * il + min(max(seq % span - int(d["obs.rank"][i]) * il, 0), il)
     claimed, ok, glob = int(d.kv_pages_of(i)[j]), -(-local // page), -(-seq // page)
     why = " = the global count: page counts were computed from the global length" if claimed == glob else ""
     msg = (f"{_where(d, i)}: attention plan claims {claimed} pages for row {j}{why}; this rank owns {ok} "
@@ -230,6 +231,8 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     t0 = time.perf_counter()
     c = d.config
     version = engine_version if engine_version is not None else c.engine_version
+    if split is not None:
+        check_split(d, split)  # before the scan: an absurd K is bad usage, not an hour of work
     backend, device = resolve_backend(backend)
     N = c.dcp_size
     has = d["obs.has_dcp"].astype(bool)
@@ -244,6 +247,9 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
                    "with 'NoneType' object is not subscriptable")
             found.append((int(i), _mk(d, i, "missing", msg)))
         prov = Provenance(d)
+        wrong = st.obs[st.n_wrong > 0]
+        if wrong.size:  # every wrong view's sources are searched at once (a clean dump pays nothing)
+            prov.prepare(wrong)
         for i, n, j in every(d, zip(st.obs.tolist(), st.n_wrong.tolist(), st.first_wrong.tolist())):
             if n:
                 found.append((i, _value_finding(d, prov, i, n, j)))
@@ -313,20 +319,50 @@ def resolve_backend(name: str) -> tuple[str, str]:
     return "triton", "cuda" if cuda else "cpu (Triton interpreter)"
 
 
+MAX_SPLIT = 64  # --split K: micro-batches per batch at most (vLLM's DBO runs 2); docs/limits.md
+
+
+class LimitError(DumpError):
+    """A value past one of dcptool's documented limits (docs/limits.md): bad usage or input, exit 2."""
+
+
+def _splittable(d: Dump) -> np.ndarray:
+    """Recorded full batches `--split` re-splits (a batch whose query_start_loc does not cover
+    num_reqs_padded rows cannot be)."""
+    if not d.has("obs.qsl"):
+        return np.zeros(0, np.int64)
+    padded = d["obs.num_reqs_padded"].astype(np.int64)
+    return np.flatnonzero((d["obs.ubatch"] == -1) & (d["obs.num_reqs"] >= 1) & (np.diff(d["obs.qsl"]) > padded))
+
+
+def check_split(d: Dump, k: int) -> None:
+    """Refuse an absurd `--split K` before any work: K micro-batches per batch cost K objects each,
+    so K is capped (MAX_SPLIT) and may not exceed the tokens of the largest batch there is to split
+    (past that every micro-batch but one would be empty)."""
+    if k < 1:
+        raise LimitError(f"--split {k}: must be >= 1")
+    if k > MAX_SPLIT:
+        raise LimitError(f"--split {k}: at most {MAX_SPLIT} micro-batches per batch (docs/limits.md)")
+    idx = _splittable(d)
+    if idx.size:
+        tok = take(d, "rows.query_start_loc", d["obs.qsl"][idx] + d["obs.num_reqs"][idx]).astype(np.int64)
+        if d.has("obs.num_tokens_padded"):
+            ntp = d["obs.num_tokens_padded"][idx].astype(np.int64)
+            tok = np.where(ntp >= 0, ntp, tok)
+        most = int(tok.max())
+        if k > most:
+            raise LimitError(f"--split {k}: more micro-batches than tokens; the largest batch to split has {most}")
+
+
 def splits(d: Dump, k: int, engine_version: str | None = None) -> list[Split]:
     """`--split K`: re-split every recorded full batch (with query_start_loc) into K micro-batches, by the
     rule of `engine_version` (default: the dump's)."""
-    if k < 1:
-        raise ValueError(f"--split must be >= 1, got {k}")
-    if not d.has("obs.qsl"):
-        return []
+    check_split(d, k)
     c = d.config
     version = engine_version if engine_version is not None else c.engine_version
     out = []
     ntp = d["obs.num_tokens_padded"] if d.has("obs.num_tokens_padded") else None
-    # (a batch whose query_start_loc does not cover num_reqs_padded rows cannot be re-split)
-    padded = d["obs.num_reqs_padded"].astype(np.int64)
-    for i in np.flatnonzero((d["obs.ubatch"] == -1) & (d["obs.num_reqs"] >= 1) & (np.diff(d["obs.qsl"]) > padded)):
+    for i in _splittable(d):
         nr, nrp = int(d["obs.num_reqs"][i]), int(d["obs.num_reqs_padded"][i])
         for u, ub in enumerate(engine_split(d.qsl_of(i), d.seq_lens_of(i), nr, nrp,
                                             None if ntp is None else int(ntp[i]), k, version)):
@@ -345,6 +381,7 @@ def _merge_split_findings(d: Dump, res: ReplayResult) -> list[Finding]:
     by_parent: dict[tuple[int, int], Split] = {(s.parent, s.ubatch): s for s in res.splits}
     have = {(f.index, f.rule) for f in res.findings}
     extra = []
+    k = max(x.ubatch for x in res.splits) + 1
     par, ub = d["obs.parent"], d["obs.ubatch"]
     for i in np.flatnonzero((ub >= 0) & (par >= 0)):
         s = by_parent.get((int(par[i]), int(ub[i])))
@@ -362,7 +399,6 @@ def _merge_split_findings(d: Dump, res: ReplayResult) -> list[Finding]:
             got["seq_lens"], want["seq_lens"] = seq.tolist(), s.ub.seq_lens.tolist()
         if bad:
             f = bad[0]
-            k = max(x.ubatch for x in res.splits) + 1
             msg = (f"{_where(d, i)}: recorded micro-batch disagrees with --split {k} of its parent "
                    f"(obs {s.parent_obs}): {f} is {got[f]}, the split gives {want[f]}")
             detail = {"field": f, "parent_obs": s.parent_obs, "split": True}
@@ -373,6 +409,7 @@ def _merge_split_findings(d: Dump, res: ReplayResult) -> list[Finding]:
 
 
 MAX_VIEW_CELLS = 1 << 22  # a row view lays out rows + real rows x ranks cells; past this it is not built
+VIEW_BUDGET = 1 << 21  # cells of all the row views the HTML report carries together (docs/limits.md)
 
 
 def view_cells(d: Dump, i: int) -> int:
@@ -424,11 +461,18 @@ def obs_grid(d: Dump) -> ObsGrid:
 
 
 def finding_views(d: Dump, findings: list[Finding], limit: int) -> dict[int, RowsView]:
-    """Row views of the first `limit` observations with findings, plus the sources of their stale findings."""
+    """Row views of the first `limit` observations with findings, plus the sources of their stale findings,
+    within VIEW_BUDGET cells in all (a view's size is set by recorded numbers: see view_cells)."""
     by_obs: dict[int, list[Finding]] = defaultdict(list)
     for f in findings:  # per finding, to hand each view its own findings
         by_obs[f.index].append(f)
     want = list(by_obs)[:limit]
     sources = [f.source.index for i in want for f in by_obs[i] if f.source is not None]
-    return {i: rows_view(d, i, by_obs.get(i, [])) for i in sorted(set(want) | set(sources))
-            if view_cells(d, i) <= MAX_VIEW_CELLS}
+    out: dict[int, RowsView] = {}
+    budget = VIEW_BUDGET
+    for i in dict.fromkeys(want + sources):  # observations with findings first, then sources, in order
+        cells = view_cells(d, i)
+        if cells <= min(budget, MAX_VIEW_CELLS):
+            budget -= cells
+            out[i] = rows_view(d, i, by_obs.get(i, []))
+    return dict(sorted(out.items()))

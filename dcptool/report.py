@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 TEXT_MAX_FINDINGS = 100  # text default; JSON lists every finding unless --max-findings says otherwise
+BY_SITE_ROWS = 50  # rows of the text summary's by-site table (docs/limits.md)
 
 # One character per rule, distinct even ignoring case (initials collide: stale/stray/shape, missing/mismatch,
 # padding/pages); the legend under the timeline spells them out.
@@ -194,9 +195,12 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         rules = list(res.by_rule())
         for r in rules:
             st.add_column(r, justify="right")
-        for site, counts in res.by_site().items():
+        by_site = res.by_site()
+        for site, counts in list(by_site.items())[:BY_SITE_ROWS]:  # a dump may name 10**5 sites: cap the table
             st.add_row(lit(site), *[str(counts.get(r, "")) for r in rules])
         show_table(console, st, fold=False)
+        if len(by_site) > BY_SITE_ROWS:
+            say(console, f"... {len(by_site) - BY_SITE_ROWS} more sites with findings not shown (--json)")
     else:
         say(console, ("clean", "green"), ": every observation's DCP metadata is what it must be")
     for check, why in res.skipped.items():
@@ -226,6 +230,8 @@ class Timeline:
     ub_find: np.ndarray  # [rows, cols, U] findings by micro-batch
     first: np.ndarray  # [rows, cols] position in res.findings of the cell's first finding, -1 if none
     ubatches: list[int] | None = None  # the micro-batch of each ub_* index (-1 = full batch); None: u - 1
+    hidden_rows: int = 0  # (site, rank) rows past TIMELINE_ROWS, not drawn (their findings are in the table)
+    ub_folded: bool = False  # the last ub_* index also counts every higher micro-batch (past TIMELINE_UBATCHES)
 
     @property
     def columns(self) -> int:
@@ -263,50 +269,79 @@ def round_up(x: float, mantissas=(1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8)) -> int:
         scale *= 10
 
 
+TIMELINE_ROWS = 256  # (site, rank) rows drawn at most: rows with findings first (docs/limits.md)
+TIMELINE_UBATCHES = 16  # distinct micro-batch indices kept apart in cell details; higher ones share the last
+
+
 def timeline(res, max_columns: int) -> Timeline | None:
-    """Bin the replay's observations and findings into at most `max_columns` step buckets (numpy, no loop per row)."""
+    """Bin the replay's observations and findings into at most `max_columns` step buckets (numpy, no loop per row).
+
+    Rows, micro-batch indices and steps are recorded numbers, so none of them may size an array: the
+    rows drawn are capped (TIMELINE_ROWS), micro-batch indices are indexed by the values present and
+    capped (TIMELINE_UBATCHES), and step offsets are taken modulo 2**64 (steps may span all of int64).
+    """
     from dcptool.replay import RULES
 
     g = res.grid
     if g is None or g.count.size == 0:
         return None
-    n_ranks = max(int(g.rank.max()) + 1, 1)
-    pair = g.site.astype(np.int64) * n_ranks + g.rank
-    keys = np.unique(pair)  # rows: site order of the config, then rank
+    site_of = {s: i for i, s in enumerate(res.config.sites)}
+    rule_of = {r: i for i, r in enumerate(RULES)}
+    nf = len(res.findings)
+    fa = np.array([(site_of[f.site], f.rank, f.step, f.ubatch, rule_of[f.rule]) for f in res.findings],
+                  np.int64).reshape(nf, 5)
+    # rows: distinct (site, rank), compared as columns (no packing into one integer)
+    site = np.concatenate([g.site.astype(np.int64), fa[:, 0]])
+    rank = np.concatenate([g.rank.astype(np.int64), fa[:, 1]])
+    order = np.lexsort((rank, site))
+    new = np.ones(order.size, bool)
+    new[1:] = (site[order][1:] != site[order][:-1]) | (rank[order][1:] != rank[order][:-1])
+    row_all = np.empty(order.size, np.int64)
+    row_all[order] = np.cumsum(new) - 1
+    key_site, key_rank = site[order][new], rank[order][new]
+    n_rows = key_site.size
+    keep = np.arange(n_rows)
+    if n_rows > TIMELINE_ROWS:  # rows with findings first, then the rest, each in (site, rank) order
+        flagged = np.zeros(n_rows, bool)
+        flagged[row_all[g.site.size:]] = True
+        keep = np.sort(np.lexsort((np.arange(n_rows), ~flagged))[:TIMELINE_ROWS])
+    remap = np.full(n_rows, -1, np.int64)
+    remap[keep] = np.arange(keep.size)
+    row_g, row_f = remap[row_all[: g.site.size]], remap[row_all[g.site.size :]]
     lo, hi = int(g.step.min()), int(g.step.max())
     span = hi - lo + 1
     width = round_up(span / max(max_columns, 1))  # a round number of steps per column, for readable labels
     cols = -(-span // width)
-    # micro-batch indices and steps are recorded numbers: index the ones present (a hostile ubatch of
-    # 2**31 must not size an array) and take step offsets modulo 2**64 (steps may span all of int64)
-    ub_vals = np.unique(np.concatenate([g.ubatch.astype(np.int64), [f.ubatch for f in res.findings]]))
+    ub_vals = np.unique(np.concatenate([g.ubatch.astype(np.int64), fa[:, 3]]))
+    folded = ub_vals.size > TIMELINE_UBATCHES
+    ub_vals = ub_vals[:TIMELINE_UBATCHES]
 
     def column(steps) -> np.ndarray:
         off = np.asarray(steps, np.int64).view(np.uint64) - np.uint64(lo % 2**64)
         return (off // np.uint64(width)).astype(np.int64)
 
-    row = np.searchsorted(keys, pair)
-    col = column(g.step)
-    ub_obs = np.zeros((keys.size, cols, ub_vals.size), np.int64)
-    np.add.at(ub_obs, (row, col, np.searchsorted(ub_vals, g.ubatch)), g.count)
-    rules = np.zeros((keys.size, cols, len(RULES)), np.int64)
+    def ub_index(u) -> np.ndarray:
+        return np.minimum(np.searchsorted(ub_vals, u), ub_vals.size - 1)
+
+    sel = row_g >= 0
+    ub_obs = np.zeros((keep.size, cols, ub_vals.size), np.int64)
+    np.add.at(ub_obs, (row_g[sel], column(g.step[sel]), ub_index(g.ubatch[sel])), g.count[sel])
+    rules = np.zeros((keep.size, cols, len(RULES)), np.int64)
     ub_find = np.zeros_like(ub_obs)
-    first = np.full((keys.size, cols), -1, np.int64)
-    if res.findings:
-        site_of = {s: i for i, s in enumerate(res.config.sites)}
-        rule_of = {r: i for i, r in enumerate(RULES)}
-        fa = np.array([(site_of[f.site] * n_ranks + f.rank, f.step, f.ubatch, rule_of[f.rule]) for f in res.findings],
-                      np.int64)
-        fr, fc = np.searchsorted(keys, fa[:, 0]), column(fa[:, 1])
-        np.add.at(rules, (fr, fc, fa[:, 3]), 1)
-        np.add.at(ub_find, (fr, fc, np.searchsorted(ub_vals, fa[:, 2])), 1)
+    first = np.full((keep.size, cols), -1, np.int64)
+    sel = np.flatnonzero(row_f >= 0)
+    if sel.size:
+        fr, fc = row_f[sel], column(fa[sel, 2])
+        np.add.at(rules, (fr, fc, fa[sel, 4]), 1)
+        np.add.at(ub_find, (fr, fc, ub_index(fa[sel, 3])), 1)
         # findings are in observation order, so the first one to land in a cell is its earliest
         cell = fr * cols + fc
         uniq, pos = np.unique(cell, return_index=True)
-        first.reshape(-1)[uniq] = pos
-    return Timeline(sites=[res.config.sites[int(k // n_ranks)] for k in keys], ranks=[int(k % n_ranks) for k in keys],
+        first.reshape(-1)[uniq] = sel[pos]
+    return Timeline(sites=[res.config.sites[int(k)] for k in key_site[keep]], ranks=[int(r) for r in key_rank[keep]],
                     first_step=lo, last_step=hi, width=width, obs=ub_obs.sum(axis=2), ub_obs=ub_obs, rules=rules,
-                    ub_find=ub_find, first=first, ubatches=[int(u) for u in ub_vals])
+                    ub_find=ub_find, first=first, ubatches=[int(u) for u in ub_vals], hidden_rows=n_rows - keep.size,
+                    ub_folded=bool(folded))
 
 
 def _axis(tl: Timeline) -> str:
@@ -358,6 +393,9 @@ def render_timeline(res, console: Console) -> None:
             line.append("".join(chars[r, c:e]), style=CELL_STYLE.get(str(kinds[r, c]), ""))
             c = e
         console.print(line, no_wrap=True, overflow="crop")
+    if tl.hidden_rows:
+        console.print(f"... {tl.hidden_rows} more (site, rank) rows not drawn (at most {TIMELINE_ROWS}, rows with "
+                      "findings first)", style="dim")
     items = [Text.assemble((CLEAN, CELL_STYLE["clean"]), " clean"),
              Text.assemble(("(blank)", "dim"), " no observations")]
     for i in np.unique(tl.worst()):
@@ -397,21 +435,33 @@ def _short(v: list, n: int = 12) -> str:
     return str(v) if len(v) <= n else str(v[:n])[:-1] + f", ... ({len(v)} values)]"
 
 
+VIEW_RANKS = 32  # rank columns of a row view (text and HTML), around the observation's own rank
+
+
+def rank_window(rank: int, n_ranks: int, width: int = VIEW_RANKS) -> tuple[int, int]:
+    """[lo, hi) of the rank columns a row view shows: all of them, or `width` around `rank` (dcp_size may be
+    4,096: a table that wide is neither readable nor cheap to lay out)."""
+    lo = max(0, min(rank - width // 2, n_ranks - width))
+    return lo, min(n_ranks, lo + width)
+
+
 def render_rows_view(v, console: Console) -> None:
     ub = f" ubatch {v.ubatch}" if v.ubatch >= 0 else ""
     say(console, literal(f"{v.file} obs {v.obs}: step {v.step} {v.site} rank {v.rank}{ub}, num_reqs {v.num_reqs}, "
                          f"num_reqs_padded {v.num_reqs_padded}"))  # a line of its own: never wrapped to the table
     t = Table()
     n_ranks = len(v.expected_all_ranks[0]) if v.expected_all_ranks else 0
+    # as many rank columns as fit beside row, seq_len, expected, recorded and verdict (~7 cells each)
+    r_lo, r_hi = rank_window(v.rank, n_ranks, max(4, min(VIEW_RANKS, (console.width - 48) // 7)))
     t.add_column("row", justify="right")
     t.add_column("seq_len", justify="right")
-    for r in range(n_ranks):
+    for r in range(r_lo, r_hi):
         t.add_column(f"r{r}" + ("*" if r == v.rank else ""), justify="right")
     t.add_column("expected", justify="right")
     t.add_column("recorded", justify="right")
     t.add_column("verdict")
     for j, verdict in enumerate(v.verdict):
-        allr = v.expected_all_ranks[j] if j < len(v.expected_all_ranks) else [""] * n_ranks
+        allr = v.expected_all_ranks[j][r_lo:r_hi] if j < len(v.expected_all_ranks) else [""] * (r_hi - r_lo)
         style = "bold red" if verdict.startswith(("WRONG", "missing", "absent", "extra")) else ""
         t.add_row(str(j), str(v.seq_lens[j]) if j < len(v.seq_lens) else "", *[str(x) for x in allr],
                   str(v.expected[j]) if j < len(v.expected) else "",
@@ -419,6 +469,8 @@ def render_rows_view(v, console: Console) -> None:
                   Text(verdict, style=style))
     if v.verdict:
         show_table(console, t)
+        if (r_lo, r_hi) != (0, n_ranks):
+            say(console, f"(ranks {r_lo}..{r_hi - 1} of {n_ranks} shown; --json has every rank)", style="dim")
     else:
         say(console, "(no rows)")
     for f in v.findings:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcptool.dump import Dump, every, take
+from dcptool.dump import Dump, take
 
 Issue = tuple[int, str, str, dict]
 
@@ -87,49 +87,76 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     The formula always adds up, so only batches with a wrong view on some rank can fail: groups
     are formed around the observations in `wrong` only. Members of a batch share (step, site,
     ubatch, num_reqs, real seq_lens); the k-th recording of each rank makes the k-th set, and the
-    finding goes to the observation that completes it.
+    finding goes to the observation that completes it. Vectorised (sorts and joins on the key
+    columns and a hash of the real seq_lens, confirmed exactly): no loop over members.
     """
+    from dcptool.provenance import _group_ids, _join, _mix, _ragged, _seg_sums
+
     N = d.config.dcp_size
     if N == 1 or wrong.size == 0:
         return []
-    has = d["obs.has_dcp"] == 1
-    key_cols = [d["obs.num_reqs"].astype(np.int64), d["obs.ubatch"].astype(np.int64),
-                d["obs.site"].astype(np.int64), d["obs.step"]]
-    order, run = _segments(key_cols)
-    pos = np.empty(d.n, np.int64)
-    pos[order] = np.arange(d.n)
-    ends = np.r_[np.flatnonzero(np.diff(run)) + 1, d.n]
+    wrong = np.unique(np.asarray(wrong, np.int64))
+    nr = d["obs.num_reqs"].astype(np.int64)
+    key = [d["obs.step"], d["obs.site"].astype(np.int64), d["obs.ubatch"].astype(np.int64), nr]
+    has = np.flatnonzero(d["obs.has_dcp"] == 1)
+    ci, qi = _join([k[has] for k in key], [k[wrong] for k in key])
+    m = has[np.isin(ci, qi)]  # recorded with a view, in a (step, site, ubatch, num_reqs) of a wrong one
+    seg, j, at = _ragged(d["obs.rows"][m], nr[m])
+    seq = take(d, "rows.seq_lens", at).astype(np.int64)
+    h = [_seg_sums(_mix(seq, j, salt), nr[m]) for salt in (0, 1)]
+    batch = _group_ids([k[m] for k in key] + [x.view(np.int64) for x in h])
+    # the hash groups equal seq_lens; confirm each member against its batch's first member exactly
+    first = np.full(int(batch.max(initial=-1)) + 1, np.iinfo(np.int64).max)
+    np.minimum.at(first, batch, np.arange(m.size))
+    ref = first[batch][seg]
+    same = np.ones(m.size, bool)
+    np.logical_and.at(same, seg, seq == seq[(np.cumsum(nr[m]) - nr[m])[ref] + j])
+    m, batch = m[same], batch[same]
+    rank = d["obs.rank"][m].astype(np.int64)
+    order = np.lexsort((m, rank, batch))
+    pos = np.ones(m.size, bool)
+    pos[1:] = (batch[order][1:] != batch[order][:-1]) | (rank[order][1:] != rank[order][:-1])
+    starts = np.flatnonzero(pos)
+    occ = np.empty(m.size, np.int64)
+    occ[order] = np.arange(m.size) - np.repeat(starts, np.diff(np.append(starts, m.size)))
+    sets = _group_ids([batch, occ])  # the k-th recording of each rank of a batch
+    size = np.bincount(sets, minlength=int(sets.max(initial=-1)) + 1)
+    hit = np.zeros(size.size, bool)
+    hit[sets[np.isin(m, wrong)]] = True
+    full = np.flatnonzero(hit & (size >= N))  # ranks are < N (the reader checks), so size N is every rank
+    if full.size == 0:
+        return []
+    sel = np.isin(sets, full)
+    mm, ss = m[sel], sets[sel]
+    order = np.lexsort((mm, ss))
+    mm, ss = mm[order], ss[order]
+    bounds = np.flatnonzero(np.r_[True, ss[1:] != ss[:-1]])
+    counts = np.diff(np.append(bounds, mm.size))
+    dl = np.diff(d["obs.dcp_rows"])[mm]
+    nrs = nr[mm]
+    n = np.minimum(np.minimum.reduceat(dl, bounds), nrs[bounds])  # rows every view of the set holds
+    g = np.repeat(np.arange(bounds.size), counts)
+    sg, jj, at = _ragged(d["obs.dcp_rows"][mm], n[g])
+    total = np.zeros(int(n.sum()), np.int64)
+    base = np.repeat(np.cumsum(n) - n, n)  # each set's first row in total
+    row_of = (np.cumsum(n) - n)[g[sg]] + jj
+    np.add.at(total, row_of, take(d, "rows.dcp_local_seq_lens", at).astype(np.int64))
+    lead = mm[bounds]
+    setrow = np.repeat(np.arange(bounds.size), n)
+    want = take(d, "rows.seq_lens", d["obs.rows"][lead][setrow] + (np.arange(total.size) - base)).astype(np.int64)
+    bad = total != want
     out: list[Issue] = []
-    done: set[tuple] = set()
-    for w in every(d, wrong.tolist()):
-        start = int(run[pos[w]])
-        stop = int(ends[np.searchsorted(ends, pos[w], side="right")])
-        nr = int(d["obs.num_reqs"][w])
-        seq = d.seq_lens_of(w)[:nr]
-        members = [int(m) for m in order[start:stop] if has[m] and np.array_equal(d.seq_lens_of(m)[:nr], seq)]
-        by_rank: dict[int, list[int]] = {}
-        for m in sorted(members):
-            by_rank.setdefault(int(d["obs.rank"][m]), []).append(m)
-        if len(by_rank) < N:
-            continue
-        k = by_rank[int(d["obs.rank"][w])].index(w)
-        if any(len(v) <= k for v in by_rank.values()):
-            continue
-        group = sorted(v[k] for v in by_rank.values())
-        if tuple(group) in done:
-            continue
-        done.add(tuple(group))
-        views = [d.dcp_of(m) for m in group]
-        n = min(min(v.size for v in views), nr)
-        total = np.sum([v[:n].astype(np.int64) for v in views], axis=0) if n else np.zeros(0, np.int64)
-        bad = np.flatnonzero(total != seq[:n])
-        if bad.size:
-            i, j = group[-1], int(bad[0])
-            msg = (f"{where(d, i)}: across the {N} ranks, local lengths of row {j} add up to {int(total[j])}, "
-                   f"not its seq_len {int(seq[j])}")
-            out.append((i, "rank-sum", msg, {"row": j, "recorded": int(total[j]), "expected": int(seq[j]),
-                                             "wrong_rows": int(bad.size),
-                                             "detail": {"obs": sorted(int(d.file_obs[m]) for m in group)}}))
+    first_row = np.cumsum(n) - n
+    for t in np.unique(setrow[bad]):
+        rows = np.flatnonzero(bad[first_row[t] : first_row[t] + n[t]])
+        group = mm[bounds[t] : bounds[t] + counts[t]]
+        i, jr = int(group[-1]), int(rows[0])
+        k = int(first_row[t]) + jr
+        msg = (f"{where(d, i)}: across the {N} ranks, local lengths of row {jr} add up to {int(total[k])}, "
+               f"not its seq_len {int(want[k])}")
+        out.append((i, "rank-sum", msg, {"row": jr, "recorded": int(total[k]), "expected": int(want[k]),
+                                         "wrong_rows": int(rows.size),
+                                         "detail": {"obs": sorted(int(d.file_obs[x]) for x in group)}}))
     return out
 
 

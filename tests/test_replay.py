@@ -261,11 +261,11 @@ def test_rows_view(tmp_path):
 def test_provenance_costs_nothing_on_clean_dumps(tmp_path, monkeypatch):
     from dcptool.provenance import Provenance
 
-    def boom(self):
+    def boom(self, *a):
         raise AssertionError("provenance index built for a clean dump")
 
-    monkeypatch.setattr(Provenance, "_signatures", boom)
-    monkeypatch.setattr(Provenance, "_rank_step_index", boom)
+    monkeypatch.setattr(Provenance, "prepare", boom)
+    monkeypatch.setattr(Provenance, "_lead", boom)
     assert run(tmp_path, worked_example(False)).findings == []
 
 

@@ -48,6 +48,7 @@ FAKE = {
                                 ubatch_idx=0):
             if num_reqs < 0:
                 raise ValueError("the engine's own error")
+            {cut}
             view = {dcp_param}
             return {{"num_reqs": num_reqs, "dcp": None if view is None else [int(x) for x in view[:num_reqs]]}}
         """,
@@ -55,7 +56,8 @@ FAKE = {
         from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
         class DefaultModelState:
             def prepare_attn(self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups,
-                             kv_cache_config, for_capture=False, ubatch_idx=0):
+                             kv_cache_config, for_capture=False{ubatch_param}):
+                ubatch_idx = 0
                 full = getattr(cudagraph_mode, "name", "") == "FULL"
                 n = input_batch.num_reqs_after_padding if full else input_batch.num_reqs
                 return build_attn_metadata(attn_groups=attn_groups, num_reqs=n, num_tokens=0,
@@ -67,7 +69,18 @@ FAKE = {
                                            {dcp_param}=input_batch.dcp_local_seq_lens,
                                            for_cudagraph_capture=for_capture, ubatch_idx=ubatch_idx)
         """,
+    # micro-batching as 0.30-0.33 (cg_mode) or 0.34 (batch_desc) have it; 0.29 has no such module
+    "vllm/v1/worker/gpu/ubatch_utils.py": """
+        class UBatchRunner:
+            def prepare(self, input_batch, block_tables, slot_mappings, {ubatch_mode}, for_capture=False):
+                return None
+        def _slice_input_batch(input_batch, ubatch_slice, query_start_loc_buf, seq_lens_buf,
+                               dcp_local_seq_lens_buf, dcp_size, dcp_rank, cp_interleave):
+            return input_batch
+        """,
 }
+# vLLM's build_attn_metadata (0.29-0.34) cuts both views to [:num_reqs] before using them
+CUT = "seq_lens = seq_lens[:num_reqs]\n    if {dcp_param} is not None:\n        {dcp_param} = {dcp_param}[:num_reqs]"
 
 # The driver: a batch of 2 requests padded to 4 (seq_lens [17, 25]); DCP 2, rank 0 -> [9, 13, 0, 0].
 DRIVER = """
@@ -100,16 +113,19 @@ out = {{"results": [], "errors": []}}
 out["files"] = [str(p) for p in plugin.close()]
 out["wrapped"] = bool(getattr(attn_utils.build_attn_metadata, "__wrapped_by_dcptool__", False))
 out["finder"] = any(type(f).__name__ == "_Finder" for f in sys.meta_path)
+out["used"] = plugin._S.used
 print(json.dumps(out))
 """
 
 
-def run_case(tmp_path, body, *, before="", env=None, version="0.33.0", dcp_param="dcp_local_seq_lens"):
+def run_case(tmp_path, body, *, before="", env=None, version="0.33.0", dcp_param="dcp_local_seq_lens", cut="",
+             ubatch_param=", ubatch_idx=0", ubatch_mode="cg_mode"):
     fake = tmp_path / "fake"
     for rel, src in FAKE.items():
         p = fake / rel
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(textwrap.dedent(src).format(version=version, dcp_param=dcp_param))
+        p.write_text(textwrap.dedent(src).format(version=version, dcp_param=dcp_param, ubatch_param=ubatch_param,
+                                                 ubatch_mode=ubatch_mode, cut=cut.format(dcp_param=dcp_param)))
     rec = tmp_path / "rec"
     e = {k: v for k, v in os.environ.items() if not k.startswith("DCPTOOL_")}
     e.update({"PYTHONPATH": f"{fake}{os.pathsep}{ROOT}", "DCPTOOL_RECORD": str(rec), **(env or {})})
@@ -163,11 +179,96 @@ def test_modules_loaded_before_register_are_patched_and_rebound(tmp_path):
 
 
 def test_unsupported_version_records_nothing_and_warns_once(tmp_path):
-    out = run_case(tmp_path, STEPS, version="0.40.1")
+    out = run_case(tmp_path, STEPS, version="0.28.0")  # older than every hook table
     assert out["files"] == [] and not out["wrapped"]
-    assert out["stderr"].count("dcptool: vLLM recording disabled") == 1 and "0.40.1" in out["stderr"]
-    out = run_case(tmp_path, STEPS, version="0.40.1", env={"DCPTOOL_VLLM_UNTESTED": "1"})
+    assert out["stderr"].count("dcptool: vLLM recording disabled") == 1 and "0.28.0" in out["stderr"]
+    out = run_case(tmp_path, STEPS, version="0.28.0", env={"DCPTOOL_VLLM_UNTESTED": "1"})
     assert out["dump"].n == 3
+
+
+def test_a_newer_version_is_tried_with_the_newest_table_and_stops_on_a_mismatch(tmp_path):
+    out = run_case(tmp_path, STEPS, version="0.40.1")
+    assert out["dump"].n == 3 and "disabled" not in out["stderr"]
+    assert out["stderr"].count("newer than the releases this plugin knows") == 1
+    assert set(out["used"].values()) == {"0.34"}
+    out = run_case(tmp_path, STEPS, version="0.40.1", dcp_param="dcp_lengths")
+    assert out["files"] == [] and not out["wrapped"]
+    assert out["stderr"].count("dcptool: vLLM recording disabled") == 1
+
+
+UBATCH = """
+from vllm.v1.worker.gpu import ubatch_utils
+out["ubatch_wrapped"] = bool(getattr(ubatch_utils.UBatchRunner.prepare, "__wrapped_by_dcptool__", False))
+with plugin.step():
+    out["results"].append(build(batch(), NONE))
+"""
+
+
+def test_each_release_line_gets_its_table(tmp_path):
+    # 0.31 and 0.32 have 0.33's hooks (refused by the version check before)
+    for version in ("0.31.0", "0.32.1", "0.33.0"):
+        out = run_case(tmp_path, UBATCH, version=version)
+        assert out["ubatch_wrapped"] and set(out["used"].values()) == {"0.31-0.33"}, version
+    # 0.34: UBatchRunner.prepare takes batch_desc instead of cg_mode
+    out = run_case(tmp_path, UBATCH, version="0.34.0", ubatch_mode="batch_desc, dp_sync_state=None")
+    assert out["ubatch_wrapped"] and set(out["used"].values()) == {"0.34"} and "disabled" not in out["stderr"]
+    assert out["dump"].config.engine_version == "0.34.0"
+    # a prepare that no table knows: recording stops, once, and the engine runs on
+    out = run_case(tmp_path, UBATCH, version="0.34.0", ubatch_mode="execution_mode")
+    assert "UBatchRunner.prepare has no parameter batch_desc" in out["stderr"]
+    assert not out["ubatch_wrapped"] and out["stderr"].count("dcptool: vLLM recording disabled") == 1
+    assert out["files"] == [] and out["results"] == [{"num_reqs": 2, "dcp": [9, 13]}]
+
+
+def test_0_29_has_no_ubatch_idx_and_no_micro_batches(tmp_path):
+    out = run_case(tmp_path, STEPS, version="0.29.0", ubatch_param="")
+    assert "disabled" not in out["stderr"] and out["dump"].n == 3
+    assert out["used"]["vllm.v1.worker.gpu.model_states.default"] == "0.29"
+    c = out["dump"].config
+    assert "ubatch" not in c.sites and "dummy" in c.sites
+    assert "sites possible: attn_metadata, dummy" in c.note and "not possible: ubatch" in c.note
+    # dcptool inspect shows it
+    p = cli("inspect", *out["files"])
+    assert p.returncode == 0 and "not possible: ubatch" in p.stdout
+    # a 0.30+ recording says every site is possible
+    assert "not possible" not in run_case(tmp_path, STEPS)["dump"].config.note
+
+
+def test_a_version_string_that_lies_is_matched_by_signature(tmp_path):
+    # a build that calls itself 0.33 but has 0.29's prepare_attn: the 0.29 table fits that module
+    out = run_case(tmp_path, STEPS, version="0.33.0", ubatch_param="")
+    assert "disabled" not in out["stderr"] and out["dump"].n == 3
+    assert out["used"]["vllm.v1.worker.gpu.model_states.default"] == "0.29"
+
+
+BUFFER = """
+# a capture path passing its whole buffer (8 rows) for 2 requests, as 0.29's DFlash capture does
+buf = np.array([9, 13, 0, 0, 0, 0, 0, 0], np.int32)
+out["results"].append(attn_utils.build_attn_metadata(
+    [], 2, 2, None, np.array([0, 1, 2], np.int32), 1, np.array([17, 25, 0, 0, 0, 0, 0, 0], np.int32), 1, None, None,
+    None, dcp_local_seq_lens=buf))
+with plugin.step():
+    out["results"].append(build(batch(), NONE))  # a padded batch, eager: attention reads 2 rows
+"""
+
+
+def test_records_the_view_attention_consumes(tmp_path):
+    out = run_case(tmp_path, BUFFER, cut=CUT)
+    d = out["dump"]
+    assert out["results"] == [{"num_reqs": 2, "dcp": [9, 13]}] * 2
+    assert [d.dcp_of(i).tolist() for i in range(2)] == [[9, 13], [9, 13]]
+    assert [d.seq_lens_of(i).tolist() for i in range(2)] == [[17, 25], [17, 25]]
+    assert d["obs.num_reqs_padded"].tolist() == [2, 2] and d["obs.num_reqs"].tolist() == [2, 2]
+    p = cli("replay", "--backend", "torch", *out["files"], "--json")
+    assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["findings"] == 0
+
+
+def test_a_consumer_that_reads_the_whole_argument_is_recorded_whole(tmp_path):
+    out = run_case(tmp_path, BUFFER)  # no [:num_reqs] in build_attn_metadata: attention would read all 8 rows
+    d = out["dump"]
+    assert d.dcp_of(0).tolist() == [9, 13, 0, 0, 0, 0, 0, 0] and d["obs.num_reqs_padded"].tolist() == [2, 4]
+    p = cli("replay", "--backend", "torch", *out["files"], "--json")
+    assert p.returncode == 1 and "shape" in p.stdout
 
 
 def test_other_internals_record_nothing_and_warn_once(tmp_path):
@@ -251,3 +352,18 @@ def test_recorded_dump_replays_clean(tmp_path):
     summary = json.loads(p.stdout.splitlines()[-1])
     assert p.returncode == 0 and summary["observations"] == n and summary["findings"] == 0
     assert np.array_equal(out["dump"]["obs.step"], np.arange(n))
+
+
+def test_tables_for_each_version():
+    from dcptool.integrations.vllm import TABLES, tables_for
+
+    first = {v: [t.line for t in tables_for(v)][:1] for v in
+             ("0.29.0", "0.29.3", "0.30.0", "0.31.1", "0.32.0", "0.33.0", "0.34.0", "0.34.2rc1", "0.35.0", "1.2.0",
+              "0.28.0", "0.27.1", "dev", "")}
+    assert first == {"0.29.0": ["0.29"], "0.29.3": ["0.29"], "0.30.0": ["0.30"], "0.31.1": ["0.31-0.33"],
+                     "0.32.0": ["0.31-0.33"], "0.33.0": ["0.31-0.33"], "0.34.0": ["0.34"], "0.34.2rc1": ["0.34"],
+                     "0.35.0": ["0.34"], "1.2.0": ["0.34"], "0.28.0": [], "0.27.1": [], "dev": [], "": []}
+    assert [t.line for t in tables_for("0.35.0")] == ["0.34"]  # a newer release: the newest table only
+    assert len(tables_for("0.33.0")) == len(TABLES)  # a known release: its own, then the others by signature
+    assert [t.line for t in tables_for("0.28.0", untested=True)] == ["0.34", "0.31-0.33", "0.30", "0.29"]
+    assert {"ubatch"} == set(TABLES[1].sites) - set(TABLES[0].sites)  # 0.29 cannot produce micro-batches

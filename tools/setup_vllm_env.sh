@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# The environment `make test-vllm` runs in: the real vLLM 0.33.0 on CPU, plus dcptool (editable) and pytest.
+# The environment `make test-vllm` runs in: one real vLLM release on CPU, plus dcptool (editable) and pytest.
+# Usage: VLLM_VERSION=0.29.0 tools/setup_vllm_env.sh   (default 0.33.0)
 #
 # vLLM pins a CUDA torch, so nothing is resolved: every package goes in with --no-deps at a pinned
 # version, next to torch 2.13.0's CPU build (about 70 s and a 336 MB download the first time,
 # 3.1 GB on disk). Safe to re-run: a venv that already imports vllm is only topped up.
-# Target: $VLLM_VENV (default ~/.cache/dcptool-vllm-oracle, shared with tools/vllm_oracle.py).
+# Target: $VLLM_VENV (default ~/.cache/dcptool-vllm-$VLLM_VERSION); one venv per release.
 set -euo pipefail
-VENV=${VLLM_VENV:-$HOME/.cache/dcptool-vllm-oracle}
+VERSION=${VLLM_VERSION:-0.33.0}
+VENV=${VLLM_VENV:-$HOME/.cache/dcptool-vllm-$VERSION}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY="$VENV/bin/python"
 pip_() { "$PY" -m pip install -q --no-deps "$@"; }
 
-if ! { test -x "$PY" && "$PY" -c "import vllm" 2>/dev/null; }; then
+installed() { (cd / && "$PY" -c "import sys, importlib.metadata as m; sys.exit(m.version('vllm') != '$VERSION')") 2>/dev/null; }
+if ! { test -x "$PY" && installed && "$PY" -c "import vllm" 2>/dev/null; }; then
   echo "building the vLLM test environment in $VENV (first time only)"
   python3 -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip
   pip_ torch==2.13.0 triton==3.9.0 numpy==2.4.6 'setuptools>=77.0.3'
-  pip_ vllm==0.33.0
-  # vLLM's pure-Python requirements, as resolved for 0.33.0 (no CUDA packages)
+  pip_ "vllm==$VERSION"
+  # vLLM's pure-Python requirements, as resolved for 0.33.0 (no CUDA packages); 0.29-0.34 import with these
   pip_ aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7 annotated-types==0.8.0 \
     anyio==4.16.0 apache-tvm-ffi==0.1.11 attrs==26.1.0 cachetools==8.0.2 cbor2==6.3.0 \
     certifi==2026.10.19.post1 charset-normalizer==3.5.3 click==8.5.1 cloudpickle==3.1.3 einops==0.8.2 \

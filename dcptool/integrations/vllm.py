@@ -6,38 +6,47 @@ modules below are wrapped as they are imported, and every `build_attn_metadata` 
 runner V2 (model states, speculators, DFlash capture) is recorded, with the batch it was built
 for, into `<dir>/rank<r>.NNNNN.safetensors` through `dcptool.record.Recorder`.
 
-Supported: vLLM 0.33.x (tested with 0.33.0). On another version it records nothing unless
-DCPTOOL_VLLM_UNTESTED=1, and on any version it checks every hook point's signature first: if
-vLLM's internals differ, or anything in the recording path fails, it logs one warning and stops
-recording. The engine's own calls always run, with their own results and exceptions.
+Supported: vLLM 0.29.x to 0.34.x, through one hook table per release line (TABLES). The table is
+picked by what the installed vLLM has: the one named by its version first, then any other whose
+hook points all have the parameters the wrappers read (checked per module as it is imported). A
+version newer than every table is tried with the newest table; an older one records nothing
+unless DCPTOOL_VLLM_UNTESTED=1. If no table matches a module's signatures, or anything in the
+recording path fails, it logs one warning and stops recording. The engine's own calls always run,
+with their own results and exceptions.
+
+What is recorded is what attention consumes: vLLM's `build_attn_metadata` (every supported
+release) first cuts `seq_lens` and `dcp_local_seq_lens` to `[:num_reqs]`; the plugin checks that
+in the function's source when it wraps it, and records those views, not the arguments.
 """
 
 from __future__ import annotations
 
+import ast
 import atexit
 import functools
 import importlib.abc
 import inspect
 import logging
 import os
+import re
 import sys
+import textwrap
 import threading
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 ENV_DIR = "DCPTOOL_RECORD"
 ENV_ROLLOVER = "DCPTOOL_ROLLOVER"
 ENV_UNTESTED = "DCPTOOL_VLLM_UNTESTED"
 DEFAULT_ROLLOVER = 10_000  # observations per file: a long run leaves many closed files, not one open one
-SUPPORTED = ("0.33.",)
-TESTED = ("0.33.0",)
 SITES = ("attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft", "prepare_inputs")
 GRAPH = {"NONE": 0, "PIECEWISE": 1, "FULL": 3}  # runtime cudagraph mode -> obs.graph (2 = capture)
 
 log = logging.getLogger("vllm.dcptool")
 
 W = "vllm.v1.worker.gpu"
-_PREPARE = ("input_batch", "cudagraph_mode", "for_capture", "ubatch_idx")
+_PREPARE = ("input_batch", "cudagraph_mode", "for_capture")  # + ubatch_idx where micro-batches exist (0.30+)
 
 
 class _State:
@@ -49,6 +58,9 @@ class _State:
     rank = None
     interleave: int | None = None
     skipped: Counter = Counter()
+    tables: list = []  # candidate hook tables, best first (set by register())
+    modules: frozenset = frozenset()  # the modules any of them hooks
+    used: dict = {}  # module -> the release line of the table its hooks came from
     lock = threading.RLock()
     local = threading.local()
     atexit = False
@@ -131,30 +143,64 @@ def _learn(obj) -> None:
         _S.interleave = il
 
 
+def _consumed(fn) -> frozenset[str]:
+    """The parameters `fn` cuts to `[:num_reqs]` (`x = x[:num_reqs]`) before using them, read from its source.
+
+    That view, not the argument, is what attention consumes: 0.29's DFlash capture passes its whole
+    buffer and the FULL model state the padded batch, and build_attn_metadata reads `[:num_reqs]` of
+    either. Without the source (or with a vLLM that stops cutting), the argument is recorded as passed.
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    out = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        v, name = node.value, node.targets[0].id
+        if (isinstance(v, ast.Subscript) and isinstance(v.value, ast.Name) and v.value.id == name
+                and isinstance(v.slice, ast.Slice) and v.slice.lower is None and v.slice.step is None
+                and isinstance(v.slice.upper, ast.Name) and v.slice.upper.id == "num_reqs"):
+            out.add(name)
+    return frozenset(out)
+
+
 def _wrap_build(orig, sig):
+    consumed = _consumed(orig)
+
     @functools.wraps(orig)
     def build_attn_metadata(*args, **kwargs):
         if _S.active:
             try:
-                _record_build(sig, args, kwargs)
+                _record_build(sig, consumed, args, kwargs)
             except Exception as e:
                 _broken(e)
         return orig(*args, **kwargs)
 
+    build_attn_metadata.__dcptool_consumed__ = consumed
     return build_attn_metadata
 
 
-def _record_build(sig: _Sig, args: tuple, kwargs: dict) -> None:
+def _record_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> None:
     c = _ctx()
     if c.get("skip"):
         _S.skipped[c["skip"]] += 1
         return
     n = int(sig.get(args, kwargs, "num_reqs"))
+    seq, dcp = sig.get(args, kwargs, "seq_lens"), sig.get(args, kwargs, "dcp_local_seq_lens")
+    cut = "dcp_local_seq_lens" in consumed  # attention reads [:n] rows: that is the view to check
+    if cut and dcp is not None:
+        dcp = dcp[:n]
+    if "seq_lens" in consumed:
+        seq = seq[:n]
     batch = c.get("batch")
     kw: dict = {}
     if batch is not None:
         # The model state passes the padded count only for FULL graphs; the batch knows both.
         nr, nrp = batch.num_reqs, batch.num_reqs_after_padding
+        if cut:
+            nr, nrp = min(nr, n), n
         kw["query_start_loc"] = batch.query_start_loc_np[: nrp + 1]
         kw["num_tokens_padded"] = int(batch.num_tokens_after_padding)
     else:
@@ -170,8 +216,16 @@ def _record_build(sig: _Sig, args: tuple, kwargs: dict) -> None:
     else:
         graph = 2 if sig.get(args, kwargs, "for_cudagraph_capture") else 0
     _observe(site="ubatch" if ub is not None else c.get("site", "attn_metadata"),
-             seq_lens=sig.get(args, kwargs, "seq_lens"), num_reqs=nr, num_reqs_padded=nrp,
-             dcp_local_seq_lens=sig.get(args, kwargs, "dcp_local_seq_lens"), graph=graph, **kw)
+             seq_lens=seq, num_reqs=nr, num_reqs_padded=nrp, dcp_local_seq_lens=dcp, graph=graph, **kw)
+
+
+def _cg(sig: _Sig, args: tuple, kwargs: dict) -> str | None:
+    """The call's CUDA-graph mode: a `cg_mode` parameter (0.30-0.33), a `batch_desc` (0.31+), or unknown."""
+    if "cg_mode" in sig.pos:
+        return _mode(sig.get(args, kwargs, "cg_mode"))
+    if "batch_desc" in sig.pos:
+        return _mode(sig.get(args, kwargs, "batch_desc").cg_mode)
+    return None
 
 
 def _wrap_prepare_attn(orig, sig):
@@ -183,7 +237,8 @@ def _wrap_prepare_attn(orig, sig):
             for parent in reversed(_stack()):
                 sliced = parent.get("sliced")
                 if sliced is not None and id(batch) in sliced:
-                    f["ubatch"] = (int(sig.get(args, kwargs, "ubatch_idx")), parent["parent"]) + sliced[id(batch)]
+                    i = int(sig.get(args, kwargs, "ubatch_idx")) if "ubatch_idx" in sig.pos else 0
+                    f["ubatch"] = (i, parent["parent"]) + sliced[id(batch)]
                     break
             return f
 
@@ -255,7 +310,7 @@ def _wrap_ubatch_prepare(orig, sig):
             if capture:
                 f.update(site="capture", capture_graph=2)
             site = f.get("site", outer.get("site", "attn_metadata"))
-            graph = 2 if capture else GRAPH.get(_mode(sig.get(args, kwargs, "cg_mode")), 0)
+            graph = 2 if capture else GRAPH.get(_cg(sig, args, kwargs), 0)
             # The merged batch is no attention build, but it is what the micro-batches are sliced from:
             # record it when it carries a view (a capture's merged batch never gets one, legitimately).
             if batch.dcp_local_seq_lens is not None or _dcp()[0] == 1:
@@ -298,9 +353,15 @@ def _wrap_draft(orig, sig):
         def make():
             spec = args[0]
             _learn(getattr(spec, "block_tables", None))
-            f = {"site": "draft", "batch": None, "num_reqs": int(sig.get(args, kwargs, "num_reqs")),
-                 "cg": _mode(sig.get(args, kwargs, "batch_desc").cg_mode)}
-            if getattr(spec, "dcp_size", None) == 1 and _dcp()[0] > 1:
+            f = {"site": "draft", "batch": None, "num_reqs": int(sig.get(args, kwargs, "num_reqs"))}
+            cg = _cg(sig, args, kwargs)
+            if cg is not None:
+                f["cg"] = cg
+            # 0.30+ keep the speculator's DCP size, 0.29 its block tables'
+            size = getattr(spec, "dcp_size", None)
+            if size is None:
+                size = getattr(getattr(spec, "block_tables", None), "cp_size", None)
+            if size == 1 and _dcp()[0] > 1:
                 f["skip"] = "draft builds of a speculator whose KV cache is not DCP-sharded"
             return f
 
@@ -317,11 +378,11 @@ def _wrap_partition(orig, sig):
             try:
                 _learn(args[0])
                 batch = sig.get(args, kwargs, "input_batch")
-                # vLLM 0.33 partitions a batch without a view; a view here was derived from the global
-                # batch, and anything that reaches the local batch from it is stale: record the source.
+                # 0.30+ partition a batch without a view; 0.29 one whose view prepare_inputs derived from the
+                # global batch (and recomputes it from the local one). Anything that reaches the local batch
+                # from it is stale: record the source.
                 if batch.dcp_local_seq_lens is not None:
-                    _observe_batch("prepare_inputs", batch,
-                                   GRAPH.get(_mode(sig.get(args, kwargs, "batch_desc").cg_mode), 0))
+                    _observe_batch("prepare_inputs", batch, GRAPH.get(_cg(sig, args, kwargs), 0))
             except Exception as e:
                 _broken(e)
         return orig(*args, **kwargs)
@@ -329,62 +390,154 @@ def _wrap_partition(orig, sig):
     return partition_batch
 
 
-# module -> [(attribute path, wrapper factory, parameters the wrapper reads)]
-HOOKS: dict[str, list[tuple[str, object, tuple[str, ...]]]] = {
-    f"{W}.attn_utils": [("build_attn_metadata", _wrap_build,
-                         ("num_reqs", "seq_lens", "dcp_local_seq_lens", "query_start_loc_cpu",
-                          "for_cudagraph_capture"))],
-    f"{W}.model_states.default": [("DefaultModelState.prepare_attn", _wrap_prepare_attn, _PREPARE)],
-    f"{W}.model_states.mamba_hybrid": [("MambaHybridModelState.prepare_attn", _wrap_prepare_attn, _PREPARE)],
-    f"{W}.model_states.encoder_decoder": [("EncoderDecoderModelState.prepare_attn", _wrap_prepare_attn, _PREPARE)],
-    f"{W}.model_states.encoder_only": [("EncoderOnlyModelState.prepare_attn", _wrap_prepare_attn, _PREPARE)],
-    f"{W}.model_runner": [("GPUModelRunner.execute_model", _wrap_execute, ("dummy_run",))],
-    f"{W}.ubatch_utils": [("UBatchRunner.prepare", _wrap_ubatch_prepare, ("input_batch", "cg_mode", "for_capture")),
-                          ("_slice_input_batch", _wrap_slice, ("input_batch", "ubatch_slice"))],
-    f"{W}.cudagraph_utils": [("prepare_inputs_to_capture", _wrap_capture("capture", "full_cudagraph"),
-                              ("block_tables", "model_state", "full_cudagraph"))],
-    f"{W}.spec_decode.speculator": [("DraftModelSpeculator._build_attn_metadata", _wrap_draft,
-                                     ("num_reqs", "batch_desc"))],
-    f"{W}.spec_decode.dflash.cudagraph": [("_prepare_dflash_inputs_to_capture", _wrap_capture("dflash_capture", None),
-                                           ("block_tables",))],
-    f"{W}.pcp_manager": [("PCPManager.partition_batch", _wrap_partition, ("input_batch", "batch_desc"))],
-}
+Hooks = dict[str, list[tuple[str, object, tuple[str, ...]]]]  # module -> [(attribute, wrapper factory, params)]
 
 
-def _patch(modname: str, module) -> None:
-    """Wrap this module's hook points, after checking every one of them; any mismatch stops recording."""
+@dataclass(frozen=True)
+class Table:
+    """The hook points of one release line of vLLM, and the sites it can produce."""
+
+    line: str  # "0.31-0.33"
+    releases: tuple[str, ...]  # version prefixes it was written for ("0.31.", ...)
+    tested: tuple[str, ...]  # releases `make test-vllm` drives it against
+    hooks: Hooks
+    sites: tuple[str, ...]
+    why_not: str = ""  # the sites it cannot produce, and why
+
+
+def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: tuple[str, tuple[str, ...]],
+           partition: tuple[str, ...]) -> Hooks:
+    prep = _PREPARE + (("ubatch_idx",) if ubatch_idx else ())
+    h: Hooks = {
+        f"{W}.attn_utils": [("build_attn_metadata", _wrap_build,
+                             ("num_reqs", "seq_lens", "dcp_local_seq_lens", "query_start_loc_cpu",
+                              "for_cudagraph_capture"))],
+        f"{W}.model_states.default": [("DefaultModelState.prepare_attn", _wrap_prepare_attn, prep)],
+        f"{W}.model_states.mamba_hybrid": [("MambaHybridModelState.prepare_attn", _wrap_prepare_attn, prep)],
+        f"{W}.model_states.encoder_decoder": [("EncoderDecoderModelState.prepare_attn", _wrap_prepare_attn, prep)],
+        f"{W}.model_states.encoder_only": [("EncoderOnlyModelState.prepare_attn", _wrap_prepare_attn, prep)],
+        f"{W}.model_runner": [("GPUModelRunner.execute_model", _wrap_execute, ("dummy_run",))],
+        f"{W}.cudagraph_utils": [("prepare_inputs_to_capture", _wrap_capture("capture", "full_cudagraph"),
+                                  ("block_tables", "model_state", "full_cudagraph"))],
+        f"{W}.spec_decode.speculator": [(f"DraftModelSpeculator.{draft[0]}", _wrap_draft, draft[1])],
+        f"{W}.spec_decode.dflash.cudagraph": [("_prepare_dflash_inputs_to_capture",
+                                               _wrap_capture("dflash_capture", None), ("block_tables",))],
+        f"{W}.pcp_manager": [("PCPManager.partition_batch", _wrap_partition, ("input_batch",) + partition)],
+    }
+    if ubatch_prepare is not None:
+        h[f"{W}.ubatch_utils"] = [("UBatchRunner.prepare", _wrap_ubatch_prepare,
+                                   ("input_batch", "for_capture") + ubatch_prepare),
+                                  ("_slice_input_batch", _wrap_slice, ("input_batch", "ubatch_slice"))]
+    return h
+
+
+# Oldest first. What differs between release lines (read from each release's own code):
+#  0.29  no micro-batching in model runner V2 (no ubatch_utils), prepare_attn has no ubatch_idx, the
+#        speculator builds drafts in _build_draft_attn_metadata(num_reqs, num_reqs_padded, ...),
+#        partition_batch(input_batch, padded_num_tokens); pre-fix: dummy runs pass None.
+#  0.30  UBatchRunner.prepare(..., cg_mode), ubatch_idx, _build_attn_metadata(num_reqs, batch_desc),
+#        partition_batch(input_batch, padded_num_tokens, padded_num_reqs); the first release with the fix.
+#  0.31-0.33  partition_batch(input_batch, batch_desc).
+#  0.34  UBatchRunner.prepare(..., batch_desc, dp_sync_state, for_capture).
+_DRAFT = ("_build_attn_metadata", ("num_reqs", "batch_desc"))
+_NO_UBATCH = "ubatch: this release has no model-runner-V2 micro-batching (vllm/v1/worker/gpu/ubatch_utils.py)"
+TABLES: tuple[Table, ...] = (
+    Table("0.29", ("0.29.",), ("0.29.0",),
+          _hooks(ubatch_idx=False, ubatch_prepare=None,
+                 draft=("_build_draft_attn_metadata", ("num_reqs", "num_reqs_padded")),
+                 partition=("padded_num_tokens",)),
+          tuple(s for s in SITES if s != "ubatch"), _NO_UBATCH),
+    Table("0.30", ("0.30.",), ("0.30.0",),
+          _hooks(ubatch_idx=True, ubatch_prepare=("cg_mode",), draft=_DRAFT,
+                 partition=("padded_num_tokens", "padded_num_reqs")), SITES),
+    Table("0.31-0.33", ("0.31.", "0.32.", "0.33."), ("0.31.0", "0.32.0", "0.33.0"),
+          _hooks(ubatch_idx=True, ubatch_prepare=("cg_mode",), draft=_DRAFT,
+                 partition=("batch_desc",)), SITES),
+    Table("0.34", ("0.34.",), ("0.34.0",),
+          _hooks(ubatch_idx=True, ubatch_prepare=("batch_desc",),
+                 draft=_DRAFT, partition=("batch_desc",)), SITES),
+)
+TESTED = tuple(v for t in TABLES for v in t.tested)
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def tables_for(version: str, untested: bool = False) -> list[Table]:
+    """The hook tables to try for a vLLM version, best first (empty: not supported).
+
+    The release line's own table comes first, then the others newest first, so a build whose
+    internals are another line's (a backport, a dev build) is still recorded when every hook matches.
+    A version newer than every table gets the newest (checked like any other); an older or
+    unreadable one gets nothing unless `untested`.
+    """
+    own = [t for t in TABLES if version.startswith(t.releases)]
+    rest = [t for t in reversed(TABLES) if t not in own]
+    if own:
+        return own + rest
+    rel, newest = _release(version), _release(TABLES[-1].releases[-1])
+    if rel is not None and newest is not None and rel > newest:
+        return [TABLES[-1]]
+    return rest if untested else []
+
+
+def _plan(modname: str, module, hooks) -> tuple[list, str | None]:
+    """The wrappers for one table's hooks of this module, or why that table does not fit it."""
     plan = []
-    for path, make, params in HOOKS[modname]:
+    for path, make, params in hooks:
         owner, attr = module, path
         if "." in path:
             cls, attr = path.split(".")
             owner = getattr(module, cls, None)
             if owner is None:
-                return _broken(f"{modname}.{cls} not found")
+                return [], f"{modname}.{cls} not found"
         fn = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
         if fn is None or not callable(fn):
-            return _broken(f"{modname}.{path} not found")
+            return [], f"{modname}.{path} not found"
         if getattr(fn, "__wrapped_by_dcptool__", False):
             continue
         sig = _Sig(fn)
         missing = [p for p in params if p not in sig.pos]
         if missing:
-            return _broken(f"{modname}.{path} has no parameter {', '.join(missing)}")
+            return [], f"{modname}.{path} has no parameter {', '.join(missing)}"
         plan.append((owner, attr, fn, make(fn, sig)))
-    for owner, attr, fn, wrapper in plan:
-        wrapper.__wrapped_by_dcptool__ = True
-        setattr(owner, attr, wrapper)
-        if owner is module:  # modules that imported the function by name before we got here
-            for m in list(sys.modules.values()):
-                if getattr(m, "__name__", "").startswith("vllm") and getattr(m, attr, None) is fn:
-                    setattr(m, attr, wrapper)
+    return plan, None
+
+
+def _patch(modname: str, module) -> None:
+    """Wrap this module's hook points with the first candidate table whose hooks all match; else stop recording."""
+    first = None
+    for table in _S.tables:
+        if modname not in table.hooks:
+            continue
+        plan, why = _plan(modname, module, table.hooks[modname])
+        if why is not None:
+            first = first or why
+            continue
+        _S.used[modname] = table.line
+        for owner, attr, fn, wrapper in plan:
+            wrapper.__wrapped_by_dcptool__ = True
+            setattr(owner, attr, wrapper)
+            if owner is module:  # modules that imported the function by name before we got here
+                for m in list(sys.modules.values()):
+                    if getattr(m, "__name__", "").startswith("vllm") and getattr(m, attr, None) is fn:
+                        setattr(m, attr, wrapper)
+        return
+    if first is not None:
+        _broken(first)
+
+
+def _hooked_modules() -> set[str]:
+    return {m for t in _S.tables for m in t.hooks}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     """Patches a hooked module right after it executes, so nothing is imported early."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in HOOKS:
+        if fullname not in _S.modules:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -506,9 +659,10 @@ def _recorder():
         log.warning("dcptool: %s already holds dumps named %s.*; this run replaces them (all of them, when it "
                     "writes its first file), record into an empty directory to keep them", out, path.stem)
     # force: an engine is not stopped for an old recording (the Recorder would refuse it otherwise)
-    _S.recorder = Recorder(path, dcp_size, il, sites=SITES, pcp_size=pcp, engine="vllm",
+    sites = _S.tables[0].sites if _S.tables else SITES
+    _S.recorder = Recorder(path, dcp_size, il, sites=sites, pcp_size=pcp, engine="vllm",
                            engine_version=vllm.__version__, rollover=roll, force=True,
-                           note=f"dcptool.integrations.vllm, pid {os.getpid()}")
+                           note=f"dcptool.integrations.vllm, pid {os.getpid()}; {sites_note(vllm.__version__)}")
     _S.rank = rank
     if not _S.atexit:
         _S.atexit = True
@@ -551,23 +705,50 @@ def register() -> None:
         import vllm
 
         version = getattr(vllm, "__version__", "unknown")
-        if not version.startswith(SUPPORTED) and not os.environ.get(ENV_UNTESTED):
-            return _broken(f"vLLM {version} is not supported (tested with {', '.join(TESTED)}); "
-                           f"{ENV_UNTESTED}=1 records anyway if every hook point matches")
+        _S.tables = tables_for(version, bool(os.environ.get(ENV_UNTESTED)))
+        if not _S.tables:
+            return _broken(f"vLLM {version} is not supported (supported: {', '.join(t.line for t in TABLES)}; "
+                           f"tested with {', '.join(TESTED)}); {ENV_UNTESTED}=1 records anyway if every hook "
+                           "point matches")
+        if not version.startswith(tuple(r for t in TABLES for r in t.releases)):
+            log.warning("dcptool: vLLM %s is newer than the releases this plugin knows; recording with the hook "
+                        "table of %s, if every hook point matches", version, _S.tables[0].line)
+        _S.modules = frozenset(_hooked_modules())
         _S.active = True
         sys.meta_path.insert(0, _Finder())
-        for name in HOOKS:
+        for name in sorted(_S.modules):
             if name in sys.modules:
                 _patch(name, sys.modules[name])
     except Exception as e:
         _broken(e)
 
 
+def sites_note(version: str) -> str:
+    """What a recording of this vLLM version can hold (written into the dump's config `note`)."""
+    t = _S.tables[0] if _S.tables else None
+    if t is None:
+        return ""
+    used = sorted(set(_S.used.values()))
+    s = f"vLLM {version}, hook table {'/'.join(used) if used else t.line}; sites possible: {', '.join(t.sites)}"
+    return s + (f"; not possible: {t.why_not}" if t.why_not else "")
+
+
 class step:
-    """Group builds into one engine step, as GPUModelRunner.execute_model does (for drivers and tests)."""
+    """Group builds into one engine step, as GPUModelRunner.execute_model does (for drivers and tests);
+    `dummy=True` as execute_model(dummy_run=True) does: its builds are recorded at site `dummy`; `runner`:
+    the GPUModelRunner, read as the execute_model hook reads it (the interleave)."""
+
+    def __init__(self, dummy: bool = False, runner=None):
+        self._frame = {"scope": True, "site": "dummy"} if dummy else {"scope": True}
+        self._runner = runner
+
+    def _make(self) -> dict:
+        if self._runner is not None:
+            _learn(self._runner)
+        return dict(self._frame)
 
     def __enter__(self):
-        self._f = _Frame(lambda: {"scope": True})
+        self._f = _Frame(self._make)
         return self._f.__enter__()
 
     def __exit__(self, *exc):

@@ -1,4 +1,4 @@
-"""tests/vllm: vLLM 0.33.0's own code on CPU, recorded through the plugin (`make test-vllm` only).
+"""tests/vllm: the installed vLLM release's own code on CPU (0.29-0.34) through the plugin (`make test-vllm` only).
 
 Collected only with DCPTOOL_TEST_VLLM=1 (the Makefile sets it and runs these in the vLLM venv),
 so the default `make test` never imports vLLM. vLLM is loaded here the way a worker loads it:

@@ -1,0 +1,327 @@
+"""Provenance (DESIGN §3): the bulk search agrees with a naive reading of the precedence; keys cannot
+collide (issue 12 item 12); no quadratic path (issue 12 item 9, issue 16 item 1).
+
+The naive reference below is the rule text as loops, on purpose: it is the spec the vectorised
+joins (hashes, latest_before) must reproduce exactly, including "most recent first"."""
+
+import numpy as np
+import pytest
+from conftest import obs, write
+
+import dcptool.provenance as provenance
+from dcptool.dump import Dump, DumpConfig, open_dumps, write_dump
+from dcptool.provenance import INTERLEAVES, Provenance, latest_before, local_np
+from dcptool.replay import replay
+
+# --------------------------------------------------------------------------------------------
+# The naive reference
+
+
+def _expected(d: Dump, s: int, rank: int, rows: int) -> np.ndarray:
+    """The first `rows` expected rows of s for `rank`, zero past num_reqs (a padded row, or past the view)."""
+    c = d.config
+    nr = int(d["obs.num_reqs"][s])
+    out = np.zeros(max(nr, rows), np.int64)
+    out[:nr] = local_np(d.seq_lens_of(s)[:nr], c.dcp_size, rank, c.cp_interleave)
+    return out[:rows]
+
+
+def _strip(v: np.ndarray) -> np.ndarray:
+    nz = np.flatnonzero(v)
+    return v[: nz[-1] + 1] if nz.size else v[:0]
+
+
+def naive_explain(d: Dump, i: int, rec: np.ndarray):
+    c = d.config
+    rank, step = int(d["obs.rank"][i]), int(d["obs.step"][i])
+    m = rec.size
+    if "obs.parent" in d.columns and "obs.req_start" in d.columns:
+        p, rs = int(d["obs.parent"][i]), int(d["obs.req_start"][i])
+        if p >= 0 and rs >= 0:
+            pe = _expected(d, p, int(d["obs.rank"][p]), rs + m)[rs : rs + m]
+            pv = d.dcp_of(p)
+            if np.array_equal(pe, rec) or (pv is not None and np.array_equal(pv[rs : rs + m], rec)):
+                return "stale", (p, "parent-rows"), {}
+    if m == 0:
+        return "mismatch", None, {}
+    for s in range(i - 1, -1, -1):
+        if int(d["obs.rank"][s]) == rank and int(d["obs.step"][s]) == step and d["obs.num_reqs"][s] >= 1:
+            if np.array_equal(_expected(d, s, rank, m), rec):
+                return "stale", (s, "earlier-in-step"), {}
+    seq = d.seq_lens_of(i)[:m].astype(np.int64)
+    if np.array_equal(rec, seq):
+        return "global", None, {}
+    for r in range(c.dcp_size):
+        if r != rank and np.array_equal(local_np(seq, c.dcp_size, r, c.cp_interleave), rec):
+            return "wrong-rank", None, {"rank": r}
+    extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
+    for il in INTERLEAVES + extra:
+        if il != c.cp_interleave and np.array_equal(local_np(seq, c.dcp_size, rank, il), rec):
+            return "wrong-interleave", None, {"interleave": il}
+    want = _strip(rec)
+    if want.size:
+        for s in range(i - 1, -1, -1):
+            if int(d["obs.rank"][s]) == rank and int(d["obs.step"][s]) < step:
+                if np.array_equal(_strip(_expected(d, s, rank, int(d["obs.num_reqs"][s]))), want):
+                    return "stale", (s, "earlier-step"), {}
+    return "mismatch", None, {}
+
+
+def _recorded(d: Dump, i: int) -> np.ndarray:
+    v = d.dcp_of(i)
+    return np.asarray(v[: min(v.size, int(d["obs.num_reqs"][i]))], np.int64)
+
+
+def _coincidental_dump(path, seed: int) -> Dump:
+    """Small values, few steps and ranks: views that copy other observations' rows (prefixes, zero
+    extensions, other ranks), global lengths and random rows, so every relation is exercised."""
+    rng = np.random.default_rng(seed)
+    N, il = int(rng.choice([2, 3, 4])), int(rng.choice([1, 2]))
+    n = int(rng.integers(5, 50))
+    steps = rng.integers(0, 4, n).astype(np.int64)
+    if rng.random() < 0.7:
+        steps.sort()  # mostly in step order; sometimes not (one file need not be)
+    rank = rng.integers(0, N, n).astype(np.int32)
+    nr = rng.integers(0, 5, n).astype(np.int32)
+    nrp = nr + rng.integers(0, 3, n).astype(np.int32)
+    seq = [np.where(np.arange(p) < r, rng.integers(0, 12, p), 0).astype(np.int32) for r, p in zip(nr, nrp)]
+    parent = np.full(n, -1, np.int64)
+    req_start = np.full(n, -1, np.int32)
+    views = []
+    for k in range(n):
+        own = _expected_rows(seq[k], nr[k], nrp[k], N, int(rank[k]), il)
+        u = rng.random()
+        if u < 0.35 and k:
+            s = int(rng.integers(0, k))
+            other = _expected_rows(seq[s], nr[s], nrp[s], N, int(rank[k]), il)
+            v = np.zeros(nrp[k], np.int64)
+            v[: min(other.size, v.size)] = other[: v.size]
+        elif u < 0.5:
+            v = rng.integers(0, 6, nrp[k])
+        elif u < 0.6:
+            v = seq[k].astype(np.int64)
+        elif u < 0.7:
+            v = _expected_rows(seq[k], nr[k], nrp[k], N, int((rank[k] + 1) % N), il)
+        else:
+            v = own
+        if k and rng.random() < 0.15:
+            parent[k], req_start[k] = int(rng.integers(0, k)), int(rng.integers(0, 3))
+        views.append(np.asarray(v[: v.size - (rng.random() < 0.1)], np.int32))
+    offs = np.concatenate([[0], np.cumsum(nrp)]).astype(np.int64)
+    voffs = np.concatenate([[0], np.cumsum([v.size for v in views])]).astype(np.int64)
+    cols = {"obs.step": steps, "obs.site": rng.integers(0, 2, n).astype(np.int32), "obs.rank": rank,
+            "obs.ubatch": np.full(n, -1, np.int32), "obs.num_reqs": nr, "obs.num_reqs_padded": nrp, "obs.rows": offs,
+            "rows.seq_lens": np.concatenate(seq), "obs.has_dcp": np.ones(n, np.uint8), "obs.dcp_rows": voffs,
+            "rows.dcp_local_seq_lens": np.concatenate(views), "obs.parent": parent, "obs.req_start": req_start}
+    write_dump(path, DumpConfig(dcp_size=N, cp_interleave=il, sites=("a", "b")), cols)
+    return open_dumps([path])
+
+
+def _expected_rows(seq, nr, nrp, N, rank, il) -> np.ndarray:
+    out = np.zeros(int(nrp), np.int64)
+    out[:nr] = local_np(seq[:nr], N, rank, il)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_bulk_search_agrees_with_the_naive_precedence(tmp_path, seed):
+    d = _coincidental_dump(tmp_path / "d.safetensors", seed)
+    res = replay(d, "torch")
+    value = [f for f in res.findings if f.rule in ("stale", "global", "wrong-rank", "wrong-interleave", "mismatch")]
+    for f in value:
+        rule, src, detail = naive_explain(d, f.index, _recorded(d, f.index))
+        got = None if f.source is None else (f.source.index, f.source.relation)
+        assert (f.rule, got, f.detail) == (rule, src, detail), f.message
+
+
+def test_the_fuzz_exercises_every_relation(tmp_path):
+    seen = set()
+    for seed in range(40):
+        d = _coincidental_dump(tmp_path / f"d{seed}.safetensors", seed)
+        seen |= {f.rule if f.source is None else f.source.relation for f in replay(d, "torch").findings}
+    assert {"parent-rows", "earlier-in-step", "earlier-step", "global", "wrong-rank", "mismatch"} <= seen
+
+
+def test_explain_without_prepare_searches_that_one(tmp_path):
+    d = _coincidental_dump(tmp_path / "d.safetensors", 3)
+    wrong = [f.index for f in replay(d, "torch").findings if f.rule in ("stale", "mismatch")]
+    p = Provenance(d)
+    for i in wrong:
+        rule, src, detail = p.explain(i, _recorded(d, i))
+        assert (rule, None if src is None else (src.index, src.relation), detail) == \
+            naive_explain(d, i, _recorded(d, i))
+
+
+# --------------------------------------------------------------------------------------------
+# latest_before, the join primitive
+
+
+def test_latest_before_against_brute_force():
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        nc, nq = int(rng.integers(0, 40)), int(rng.integers(0, 20))
+        c_run, c_idx, c_val = rng.integers(0, 3, nc), rng.integers(0, 30, nc), rng.integers(0, 5, nc)
+        q_run, q_idx, q_thr = rng.integers(0, 3, nq), rng.integers(0, 30, nq), rng.integers(0, 6, nq)
+        got = latest_before(c_run, c_idx, c_val, q_run, q_idx, q_thr)
+        for k in range(nq):
+            ok = [int(c_idx[j]) for j in range(nc)
+                  if c_run[j] == q_run[k] and c_idx[j] < q_idx[k] and c_val[j] < q_thr[k]]
+            assert got[k] == max(ok, default=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Keys that cannot collide (issue 12 item 12)
+
+
+def test_rank_and_step_keys_do_not_collide(tmp_path):
+    """Packed as rank * 2**48 + step, rank 1 step 0 and rank 0 step 2**48 were one key: a rank-0 view equal to
+    rank 1's rows of an observation of another step was called `stale`/earlier-in-step. It is `wrong-rank`."""
+    seq = (17, 25, 0, 0)
+    a = obs(step=0, rank=1, seq=seq)
+    b = obs(step=2**48, rank=0, seq=seq, view=local_np(np.array([17, 25, 0, 0]), 2, 1, 1) * [1, 1, 0, 0])
+    res = replay(open_dumps([write(tmp_path / "d.safetensors", [a, b])]), "torch")
+    assert [(f.obs, f.rule, f.detail) for f in res.findings] == [(1, "wrong-rank", {"rank": 1})]
+
+
+def test_earlier_step_keys_do_not_collide_across_ranks(tmp_path):
+    """The same expected rows on two ranks are two keys: only the same rank is a source."""
+    seq = np.array([40, 7, 0, 0], np.int32)
+    early = [obs(step=0, rank=r, seq=seq) for r in (0, 1)]
+    own = local_np(seq, 2, 1, 1) * [1, 1, 0, 0]
+    later = obs(step=5, rank=1, seq=(41, 8, 0, 0), view=own)  # step 0's rows of rank 1: earlier-step, obs 1
+    res = replay(open_dumps([write(tmp_path / "d.safetensors", early + [later])]), "torch")
+    f = res.findings[0]
+    assert (f.rule, f.source.obs, f.source.relation) == ("stale", 1, "earlier-step")
+
+
+def test_no_packed_keys_left():
+    """No key packs columns into one integer (`* 2**k`, `<< k`) in the modules that build keys."""
+    import inspect
+
+    import dcptool.replay
+    import dcptool.report
+    import dcptool.structure
+
+    for mod in (provenance, dcptool.structure, dcptool.replay):
+        src = inspect.getsource(mod)
+        assert "<< 48" not in src and "* (1 << 48)" not in src and "2**48" not in src, mod.__name__
+    assert "* n_ranks" not in inspect.getsource(dcptool.report.timeline)
+
+
+# --------------------------------------------------------------------------------------------
+# No quadratic path: 4,000 wrong views of one rank in one step (was 428 s)
+
+
+def _budget(monkeypatch, owner, name: str, limit: int) -> list[int]:
+    """Counts calls of owner.name and fails fast past `limit`: work linear in the findings passes, the old
+    search (every earlier candidate for each finding) trips it within the first few hundred findings."""
+    fn, calls = getattr(owner, name), [0]
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        if calls[0] > limit:
+            raise AssertionError(f"{name}: more than {limit} calls, the search is quadratic")
+        return fn(*a, **kw)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def _one_step_dump(path, n: int, rows: int, same_lead: bool) -> Dump:
+    rng = np.random.default_rng(5)
+    seq = rng.integers(1, 1000, (n, rows)).astype(np.int32)
+    if same_lead:  # every observation's first two expected rows alike: one hash bucket for the old signature
+        seq[:, :2] = [500, 300]
+    dcp = rng.integers(1000, 2000, (n, rows)).astype(np.int32)  # never a local length: all `mismatch`
+    dcp[:, :2] = [250, 150] if same_lead else dcp[:, :2]
+    offs = np.arange(n + 1, dtype=np.int64) * rows
+    step = np.zeros(n, np.int64) if not same_lead else np.arange(n, dtype=np.int64)
+    cols = {"obs.step": step, "obs.site": np.zeros(n, np.int32), "obs.rank": np.zeros(n, np.int32),
+            "obs.ubatch": np.full(n, -1, np.int32), "obs.num_reqs": np.full(n, rows, np.int32),
+            "obs.num_reqs_padded": np.full(n, rows, np.int32), "obs.rows": offs, "rows.seq_lens": seq.ravel(),
+            "obs.has_dcp": np.ones(n, np.uint8), "obs.dcp_rows": offs.copy(), "rows.dcp_local_seq_lens": dcp.ravel()}
+    write_dump(path, DumpConfig(dcp_size=2, sites=("attn_metadata",)), cols)
+    return open_dumps([path])
+
+
+@pytest.mark.parametrize("same_lead", [False, True], ids=["one-step", "one-bucket-many-steps"])
+def test_thousands_of_wrong_views_cost_linear_work(tmp_path, monkeypatch, same_lead):
+    n = 4000
+    d = _one_step_dump(tmp_path / "d.safetensors", n, 4, same_lead)
+    exact = _budget(monkeypatch, provenance, "expected_of", 4 * n)  # the exact comparisons
+    seqs = _budget(monkeypatch, Dump, "seq_lens_of", 8 * n)  # rank-sum compared every pair of a group
+    res = replay(d, "torch")
+    assert len(res.findings) == n and {f.rule for f in res.findings} == {"mismatch"}
+    assert exact[0] <= 4 * n and seqs[0] <= 8 * n
+
+
+def test_many_identical_wrong_views_cite_their_source(tmp_path, monkeypatch):
+    """2,000 observations of one step all holding the rows observation 0 must hold: each is stale from the
+    one observation that holds them, found without comparing against every earlier one."""
+    seq = np.array([100, 60, 9, 0], np.int32)
+    first = obs(step=0, rank=0, seq=seq, num_reqs=3)
+    copies = [obs(step=0, rank=0, seq=(101, 61, 10, 0), num_reqs=3, view=local_np(seq, 2, 0, 1) * [1, 1, 1, 0])
+              for _ in range(2000)]
+    d = open_dumps([write(tmp_path / "d.safetensors", [first] + copies)])
+    exact = _budget(monkeypatch, provenance, "expected_of", 4 * 2000)
+    res = replay(d, "torch")
+    assert [(f.obs, f.rule, f.source.obs) for f in res.findings] == [(k, "stale", 0) for k in range(1, 2001)]
+    assert exact[0] <= 4 * 2000
+
+
+# --------------------------------------------------------------------------------------------
+# rank-sum, vectorised with the same joins: against the rule as loops
+
+
+def naive_rank_sum(d: Dump, wrong: set[int]) -> list[tuple[int, int, int, tuple[int, ...]]]:
+    """(observation, first bad row, wrong rows, member obs) per DESIGN §3 `rank-sum`, as loops."""
+    N, out, done = d.config.dcp_size, [], set()
+    key = [(int(d["obs.step"][i]), int(d["obs.site"][i]), int(d["obs.ubatch"][i]), int(d["obs.num_reqs"][i]))
+           for i in range(d.n)]
+    for w in sorted(wrong):
+        nr = key[w][3]
+        seq = d.seq_lens_of(w)[:nr]
+        by_rank: dict[int, list[int]] = {}
+        for m in range(d.n):
+            if key[m] == key[w] and d["obs.has_dcp"][m] and np.array_equal(d.seq_lens_of(m)[:nr], seq):
+                by_rank.setdefault(int(d["obs.rank"][m]), []).append(m)
+        k = by_rank[int(d["obs.rank"][w])].index(w)
+        if len(by_rank) < N or any(len(v) <= k for v in by_rank.values()):
+            continue
+        group = tuple(sorted(v[k] for v in by_rank.values()))
+        if group in done:
+            continue
+        done.add(group)
+        n = min(min(d.dcp_of(m).size for m in group), nr)
+        total = sum(d.dcp_of(m)[:n].astype(np.int64) for m in group)
+        bad = np.flatnonzero(total != seq[:n])
+        if bad.size:
+            out.append((group[-1], int(bad[0]), int(bad.size), group))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_rank_sum_agrees_with_the_rule_as_loops(tmp_path, seed):
+    rng = np.random.default_rng(100 + seed)
+    N = int(rng.choice([2, 3, 4]))
+    batches = [(int(rng.integers(0, 3)), int(rng.integers(0, 2)), rng.integers(1, 40, int(rng.integers(1, 4))))
+               for _ in range(6)]
+    o = []
+    for _ in range(int(rng.integers(10, 50))):
+        step, site, seq = batches[int(rng.integers(0, len(batches)))]
+        rank = int(rng.integers(0, N))
+        nr = seq.size
+        view = local_np(seq, N, rank, 1).astype(np.int32)
+        if rng.random() < 0.3:
+            view[int(rng.integers(0, nr))] += int(rng.choice([-1, 1, 5]))
+        if rng.random() < 0.1:
+            view = view[:-1]
+        o.append(obs(step=step, site=f"s{site}", rank=rank, seq=seq, num_reqs=nr, num_reqs_padded=nr, dcp=N,
+                     view=view))
+    o.sort(key=lambda x: x.step)
+    d = open_dumps([write(tmp_path / "d.safetensors", o, dcp=N)])
+    res = replay(d, "torch")
+    got = [(f.index, f.row, f.wrong_rows, tuple(sorted(f.detail["obs"]))) for f in res.findings if f.rule == "rank-sum"]
+    wrong = {f.index for f in res.findings if f.rule in ("stale", "global", "wrong-rank", "wrong-interleave",
+                                                         "mismatch")}
+    assert sorted(got) == sorted(naive_rank_sum(d, wrong))
