@@ -1,4 +1,6 @@
-"""The CLI as a user runs it: real subprocesses, exit codes 0/1/2, JSON Lines, one-line errors."""
+"""The CLI as a user runs it: exit codes 0/1/2, JSON Lines, one-line errors. In this process through typer's
+CliRunner (conftest.cli); real processes (conftest.cli_subprocess) for a smoke test per command and where a
+process is what is tested: pipes, signals, /dev/full, what `--help` imports."""
 
 import json
 import re
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, cli, expected_view, obs, write
+from conftest import ROOT, cli, cli_subprocess, expected_view, obs, write
 
 
 def handwritten_dump(path) -> str:
@@ -42,7 +44,7 @@ def handwritten_dump(path) -> str:
 
 def test_done_criterion_missing_then_padding(tmp_path):
     p = handwritten_dump(tmp_path / "hand.safetensors")
-    r = cli("replay", p, "--json")
+    r = cli_subprocess("replay", p, "--json")  # smoke: replay with findings, a real process
     assert r.returncode == 1, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert [(x["obs"], x["rule"]) for x in lines if x["type"] == "finding"] == [(3, "missing"), (5, "padding")]
@@ -57,7 +59,7 @@ def test_done_criterion_missing_then_padding(tmp_path):
 
 
 def test_clean_dump_exits_0(tmp_path):
-    r = cli("replay", write(tmp_path / "c.safetensors", [obs(step=i) for i in range(3)]))
+    r = cli_subprocess("replay", write(tmp_path / "c.safetensors", [obs(step=i) for i in range(3)]))  # smoke
     assert r.returncode == 0 and "clean" in r.stdout and r.stderr == ""
 
 
@@ -132,14 +134,50 @@ def test_inspect(tmp_path):
     info = json.loads(r.stdout)
     assert r.returncode == 0 and info["observations"] == 6 and info["without_view"] == 1
     assert info["config"]["page_size"] == 16 and info["ranks"] == {"0": 3, "1": 3}
-    t = cli("inspect", p)
+    t = cli_subprocess("inspect", p)  # smoke: inspect, a real process
+    assert t.returncode == 0 and t.stderr == ""
     assert "dcp_size 2" in t.stdout and "6 (5 with a DCP view, 1 None)" in t.stdout
 
 
 def test_help_and_module_entry():
-    r = cli("--help")
+    """`python -m dcptool --help` (a real process) lists the commands and imports neither numpy nor torch."""
+    r = cli_subprocess("--help", env={"PYTHONPROFILEIMPORTTIME": "1"})
     assert r.returncode == 0 and "replay" in r.stdout and "inspect" in r.stdout
-    assert (ROOT / "dcptool" / "__main__.py").exists()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "dcptool.cli" in imported  # the import log is there: it would name numpy and torch
+    assert not {m for m in imported if m.split(".")[0] in ("numpy", "torch", "triton", "safetensors")}, imported
+    r = cli("--help")  # in-process: the same page (under the name `dcptool`)
+    assert r.returncode == 0 and "Usage: dcptool" in r.stdout and "replay" in r.stdout and "simulate" in r.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# conftest.cli itself: in-process runs see what a process of their own would
+
+
+def test_in_process_cli_shows_warnings_crashes_and_restores_the_process(tmp_path, monkeypatch):
+    import os
+    import warnings
+
+    dump = write(tmp_path / "d.safetensors", [obs()])
+
+    def warns(*a, **k):
+        warnings.warn("overflow encountered", RuntimeWarning, stacklevel=1)
+        raise RuntimeError("after the warning")
+
+    monkeypatch.setattr("dcptool.dump.describe", warns)
+    here = os.getcwd()
+    r = cli("inspect", "d.safetensors", env={"DCPTOOL_PROBE": "1"}, cwd=tmp_path)
+    # the warning reaches stderr (not pytest's record), then the guard's one line
+    assert r.returncode == 2 and "RuntimeWarning: overflow encountered" in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1].startswith("dcptool: internal error: RuntimeError: after the warning")
+    assert os.getcwd() == here and "DCPTOOL_PROBE" not in os.environ and dump
+
+    import dcptool.cli as dcli
+
+    monkeypatch.setattr(dcli._Guarded, "main", lambda *a, **k: 1 / 0)  # past the guard: what a process shows
+    r = cli("--help")
+    assert r.returncode == 1 and "Traceback" in r.stderr and "ZeroDivisionError" in r.stderr
+    assert sys.stdout is not None and dcli.app.__class__.__name__ == "Typer"
 
 
 def test_reading_never_modifies_the_dump(tmp_path):
@@ -172,13 +210,9 @@ SAMPLES = ROOT / "samples"
 
 
 def run_cli(*args, env=None):
-    """`dcptool ARGS` in this process; (exit code, stdout, stderr)."""
-    from typer.testing import CliRunner
-
-    from dcptool.cli import app
-
-    r = CliRunner().invoke(app, [str(a) for a in args], env={"DCPTOOL_DEBUG": "", **(env or {})})
-    return r.exit_code, r.stdout, r.stderr
+    """`dcptool ARGS` in this process (conftest.cli), DCPTOOL_DEBUG unset; (exit code, stdout, stderr)."""
+    r = cli(*args, env={"DCPTOOL_DEBUG": "", **(env or {})})
+    return r.returncode, r.stdout, r.stderr
 
 
 def _boom(*a, **k):
@@ -215,6 +249,28 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch, how):
     code, out, err = run_cli(*args, "inspect", dump, env=env)
     assert code == 2 and "Traceback (most recent call last)" in err and "_boom" in err
     assert err.splitlines()[-1].startswith("dcptool: internal error: RuntimeError: something unexpected")
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_internal_error_in_a_real_process(tmp_path, debug):
+    """Smoke: the guard in a process of its own (DCPTOOL_DEBUG from its environment): exit 2, one line, and
+    the traceback only with DCPTOOL_DEBUG=1; nothing printed at exit."""
+    dump = write(tmp_path / "d.safetensors", [obs()])
+    code = ("import sys, dcptool.dump\n"
+            "def boom(*a, **k):\n    raise RuntimeError('something unexpected')\n"
+            "dcptool.dump.describe = boom\n"
+            "from dcptool.cli import main\n"
+            "sys.argv = ['dcptool', 'inspect', sys.argv[1]]\n"
+            "main()\n")
+    import os
+
+    p = subprocess.run([sys.executable, "-c", code, dump], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "DCPTOOL_DEBUG": debug})
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    assert p.stderr.splitlines()[-1].startswith("dcptool: internal error: RuntimeError: something unexpected")
+    assert ("Traceback (most recent call last)" in p.stderr) == bool(debug), p.stderr
+    if not debug:
+        assert p.stderr.count("\n") == 1
 
 
 def test_the_guard_keeps_real_exit_codes(tmp_path, monkeypatch):
@@ -457,8 +513,11 @@ def test_ctrl_c_during_simulate_writes_nothing(tmp_path):
 
     out = tmp_path / "big.safetensors"
     master, slave = pty.openpty()
+    # SIGINT as a terminal delivers it: a test run started in the background (`cmd &`, no job control) passes
+    # SIGINT on ignored, and a child that ignores it would run all 10**6 steps while this test waited
     p = subprocess.Popen([sys.executable, "-m", "dcptool", "simulate", "--steps", "1000000", "-o", str(out)],
-                         stdout=subprocess.PIPE, stderr=slave, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         stdout=subprocess.PIPE, stderr=slave, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(slave)
     seen, deadline = b"", time.monotonic() + 120
     try:
@@ -467,7 +526,9 @@ def test_ctrl_c_during_simulate_writes_nothing(tmp_path):
                 seen += os.read(master, 4096)
         assert b"simulate" in seen, "simulate never started"
         p.send_signal(signal.SIGINT)
-        while p.poll() is None:  # keep the terminal drained so the child never blocks on stderr
+        deadline = time.monotonic() + 60
+        while p.poll() is None and time.monotonic() < deadline:  # keep the terminal drained (the child never
+            # blocks on stderr); past the deadline, wait() below fails the test instead of hanging it
             if select.select([master], [], [], 0.2)[0]:
                 try:
                     seen += os.read(master, 4096)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import typer
-from conftest import ROOT, cli, count_fuzz
+from conftest import ROOT, cli, cli_subprocess, count_fuzz
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -991,11 +991,12 @@ SUBPROCESS_CASES = [("empty", "inspect"), ("directory", "replay"), ("fifo", "ins
 @pytest.mark.parametrize("kind,command", SUBPROCESS_CASES)
 def test_cli_subprocess_special(kind, command, tmp_path):
     p = make_special(kind, tmp_path)
-    r = cli(command, p, "--json")
+    real = kind in ("fifo", "non-utf8-name")  # a process where fds or argv bytes are the point; else in-process
+    r = (cli_subprocess if real else cli)(command, p, "--json")
     assert r.returncode == 2, r
     assert r.stdout == "" and r.stderr.count("\n") == 1 and r.stderr.startswith("dcptool: "), r.stderr
     assert "Traceback" not in r.stderr
-    count_fuzz("subprocess")
+    count_fuzz("subprocess" if real else "cli")
 
 
 def _mutant(seed: int, how: str) -> bytes:
@@ -1030,7 +1031,8 @@ def test_cli_subprocess_mutated(seed, how, command, tmp_path):
         want = str(e)
     if how == "value":
         assert want is None, want
-    r = cli(command, p, "--json")
+    real = seed == 1  # one real process; the rest in-process, through the same guard
+    r = (cli_subprocess if real else cli)(command, p, "--json")
     assert "Traceback" not in r.stderr, r.stderr
     if want is not None:
         assert r.returncode == 2 and r.stdout == "" and r.stderr == f"dcptool: {want}\n", r.stderr
@@ -1038,7 +1040,7 @@ def test_cli_subprocess_mutated(seed, how, command, tmp_path):
         assert r.returncode in (0, 1) and r.stderr == "", r.stderr
         summary = json.loads(r.stdout.splitlines()[-1])
         assert summary["type"] == "summary" and r.returncode == (1 if summary["errors"] else 0)
-    count_fuzz("subprocess")
+    count_fuzz("subprocess" if real else "cli")
 
 
 def test_cli_subprocess_non_utf8_name_with_findings(tmp_path):

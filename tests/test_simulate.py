@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, cli
+from conftest import ROOT, cli, cli_subprocess
 
 from dcptool.dump import open_dumps, read_dump
 from dcptool.record import Recorder
@@ -241,7 +241,7 @@ def test_cli_done_when_pcp_legacy_then_replay(tmp_path):
     """Issue 4: simulate --dcp 4 --pcp 2 --pipeline legacy -o x && replay x reports missing, stale,
     shape, alias, padding and pages, each at observations simulate says it touched."""
     x = tmp_path / "x.safetensors"
-    p = cli("simulate", "--dcp", "4", "--pcp", "2", "--pipeline", "legacy", "-o", x)
+    p = cli_subprocess("simulate", "--dcp", "4", "--pcp", "2", "--pipeline", "legacy", "-o", x)  # smoke
     assert p.returncode == 0, p.stderr
     p = cli("replay", x, "--json", "--backend", "torch")
     assert p.returncode == 1
