@@ -7,17 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcptool.dump import Dump, take
+from dcptool.reference import local_np, ranks_giving
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
-
-
-def local_np(seq: np.ndarray, dcp_size: int, rank, cp_interleave: int) -> np.ndarray:
-    """The formula in numpy (int64), for the rows provenance and row views look at."""
-    L = np.asarray(seq, dtype=np.int64)
-    il = np.asarray(cp_interleave, np.int64)  # an int, or an array broadcasting against seq
-    span = dcp_size * il
-    rounds = L // span
-    return rounds * il + np.minimum(np.maximum(L - rounds * span - np.asarray(rank, np.int64) * il, 0), il)
 
 
 def expected_of(d: Dump, i: int, rows: int | None = None) -> np.ndarray:
@@ -33,17 +25,9 @@ def expected_of(d: Dump, i: int, rows: int | None = None) -> np.ndarray:
 
 
 def _other_rank(seq: np.ndarray, rec: np.ndarray, N: int, il: int, rank: int) -> int | None:
-    """The lowest rank other than `rank` whose local lengths are rec, without a loop over N ranks.
-
-    For one row, local(L, r) is rounds*I + I for r < rem // I, rounds*I + rem % I at r = rem // I,
-    and rounds*I from cdiv(rem, I) on: the ranks giving a value form one interval; intersect them.
-    """
-    L, v = seq.astype(np.int64), rec.astype(np.int64)
-    rounds, rem = L // (N * il), L % (N * il)
-    base = rounds * il
-    lo = np.where(v == base + il, 0, np.where(v == base, -(-rem // il), rem // il))
-    hi = np.where(v == base + il, rem // il, np.where(v == base, N, rem // il + 1))
-    ok = (v == base + il) | (v == base) | ((v == base + rem % il) & (rem % il != 0))
+    """The lowest rank other than `rank` whose local lengths are rec, without a loop over N ranks:
+    the ranks giving each row's value form one interval (reference.ranks_giving); intersect them."""
+    lo, hi, ok = ranks_giving(seq.astype(np.int64), rec.astype(np.int64), N, il)
     if not ok.all():
         return None
     a, b = int(lo.max(initial=0)), int(hi.min(initial=N))
@@ -308,16 +292,11 @@ class Provenance:
             return np.bincount(seg, weights=~ok, minlength=q.size) == 0
 
         glob = every_row(rec == L)
-        rounds, rem = L // (N * il), L % (N * il)
-        base = rounds * il
-        full, empty = rec == base + il, rec == base
-        part = (rec == base + rem % il) & (rem % il != 0)
-        lo = np.where(full, 0, np.where(empty, -(-rem // il), rem // il))
-        hi = np.where(full, rem // il, np.where(empty, N, rem // il + 1))
+        lo, hi, ok = ranks_giving(L, rec, N, il)
         a = np.maximum(np.maximum.reduceat(lo, starts), 0)
         b = np.minimum(np.minimum.reduceat(hi, starts), N)
         other = np.where((a < b) & (a != rank), a, np.where((a + 1 < b) & (a + 1 != rank), a + 1, -1))
-        other = np.where(every_row(full | empty | part), other, -1)
+        other = np.where(every_row(ok), other, -1)
         extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
         ils = [x for x in INTERLEAVES + extra if x != il]
         inter = np.full(q.size, -1, np.int64)

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcptool.dump import Dump, DumpError, every, take
-from dcptool.provenance import Provenance, Source, expected_of, local_np
+from dcptool.provenance import Provenance, Source, expected_of
+from dcptool.reference import local_np
 from dcptool.slicing import Ubatch, engine_split
 from dcptool.structure import check_alias, check_rank_sum, check_ubatch_slice
 from dcptool.structure import where as _where

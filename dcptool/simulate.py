@@ -12,6 +12,7 @@ import numpy as np
 
 from dcptool.dump import WriteError, write_target
 from dcptool.record import Recorder
+from dcptool.reference import local_of
 from dcptool.slicing import (
     UbatchSlice,
     parse_engine_version,
@@ -499,11 +500,8 @@ class Runner:
                          for kind in ("step", "dummy", "capture")}
 
     def _local(self, seq: np.ndarray) -> np.ndarray:
-        """DESIGN §1's local length on every rank at once, [N, rows] (np.clip is slow on small arrays)."""
-        span = self.N * self.I
-        rounds = seq // span
-        rem = (seq - rounds * span).reshape(1, -1) - self.ranks * self.I
-        return rounds * self.I + np.minimum(np.maximum(rem, 0), self.I)
+        """DESIGN §1's local length on every rank at once, [N, rows]."""
+        return local_of(seq.reshape(1, -1), self.ranks, self.N, self.I)
 
     # ---- buffers
 
