@@ -8,6 +8,7 @@ import numpy as np
 
 from dcptool.dump import Dump, take
 from dcptool.reference import local_np, ranks_giving
+from dcptool.segments import ragged
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
 
@@ -77,14 +78,6 @@ def _mix(v: np.ndarray, j: np.ndarray, salt: int) -> np.ndarray:
         x = (x ^ (x >> np.uint64(27))) * c
         x ^= x >> np.uint64(31)
     return np.where(np.asarray(v) != 0, x, np.uint64(0))
-
-
-def _ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Segments (start, count) -> (segment of each element, index within it, absolute index)."""
-    counts = np.asarray(counts, np.int64)
-    seg = np.repeat(np.arange(counts.size), counts)
-    j = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    return seg, j, np.asarray(starts, np.int64)[seg] + j
 
 
 def _seg_sums(h: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -200,7 +193,7 @@ class Provenance:
         observation, [cs0, cs1]) where cs[first + k] - cs[first] hashes its first k rows."""
         d, c = self.d, self.d.config
         nr = d["obs.num_reqs"][obs].astype(np.int64)
-        seg, j, at = _ragged(d["obs.rows"][obs], nr)
+        seg, j, at = ragged(d["obs.rows"][obs], nr)
         e = local_np(take(d, "rows.seq_lens", at), c.dcp_size, d["obs.rank"][obs][seg], c.cp_interleave)
         cs = [np.concatenate([np.zeros(1, np.uint64), np.cumsum(_mix(e, j, salt), dtype=np.uint64)]) for salt in (0, 1)]
         return np.cumsum(nr) - nr, cs
@@ -220,7 +213,7 @@ class Provenance:
         if wrong.size == 0:
             return
         rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
-        seg, j, at = _ragged(view[wrong], m)
+        seg, j, at = ragged(view[wrong], m)
         rec = take(d, "rows.dcp_local_seq_lens", at).astype(np.int64)
         qh = [_seg_sums(_mix(rec, j, s), m) for s in (0, 1)]
         starts = np.cumsum(m) - m
@@ -262,7 +255,7 @@ class Provenance:
             mid = (lo + hi) // 2
             le = mq[np.minimum(mid, mq.size - 1)] <= nrc
             lo, hi = np.where(act & le, mid + 1, lo), np.where(act & ~le, mid, hi)
-        sidx, _, pos = _ragged(g0, lo - g0)
+        sidx, _, pos = ragged(g0, lo - g0)
         k = mq[pos]
         with np.errstate(over="ignore"):
             at = [c[first[sidx] + k] - c[first[sidx]] for c in cs]
@@ -283,7 +276,7 @@ class Provenance:
         global lengths; another rank (the interval argument of _other_rank); another interleave."""
         d, c = self.d, self.d.config
         N, il = c.dcp_size, c.cp_interleave
-        _, _, srow = _ragged(d["obs.rows"][q], m)  # the seq_lens rows under the recorded ones
+        _, _, srow = ragged(d["obs.rows"][q], m)  # the seq_lens rows under the recorded ones
         L = take(d, "rows.seq_lens", srow).astype(np.int64)
         rank = d["obs.rank"][q].astype(np.int64)
         starts = np.cumsum(m) - m

@@ -11,7 +11,7 @@ import numpy as np
 from dcptool.dump import Dump, DumpError, every, take
 from dcptool.provenance import Provenance, Source, expected_of
 from dcptool.reference import local_np
-from dcptool.slicing import Ubatch, engine_split
+from dcptool.slicing import Ubatch, engine_split, first_disagreement
 from dcptool.structure import check_alias, check_rank_sum, check_ubatch_slice
 from dcptool.structure import where as _where
 
@@ -389,19 +389,14 @@ def _merge_split_findings(d: Dump, res: ReplayResult) -> list[Finding]:
         if s is None or (int(i), "ubatch-slice") in have:
             continue
         got = {"num_reqs_padded": int(d["obs.num_reqs_padded"][i]), "num_reqs": int(d["obs.num_reqs"][i])}
-        want = {"num_reqs_padded": s.ub.num_reqs_padded, "num_reqs": s.ub.num_reqs}
         for key, attr in (("obs.req_start", "req_start"), ("obs.tok_start", "tok_start"), ("obs.tok_stop", "tok_stop")):
             if d.has(key) and d[key][i] >= 0:
-                got[attr], want[attr] = int(d[key][i]), getattr(s.ub.slice, attr)
-        seq = d.seq_lens_of(i)[: int(d["obs.num_reqs_padded"][i])]
-        bad = [k for k in got if got[k] != want[k]]
-        if not bad and not np.array_equal(seq, s.ub.seq_lens):
-            bad = ["seq_lens"]
-            got["seq_lens"], want["seq_lens"] = seq.tolist(), s.ub.seq_lens.tolist()
+                got[attr] = int(d[key][i])
+        bad = first_disagreement(got, d.seq_lens_of(i)[: int(d["obs.num_reqs_padded"][i])], s.ub)
         if bad:
-            f = bad[0]
+            f, rec, want = bad
             msg = (f"{_where(d, i)}: recorded micro-batch disagrees with --split {k} of its parent "
-                   f"(obs {s.parent_obs}): {f} is {got[f]}, the split gives {want[f]}")
+                   f"(obs {s.parent_obs}): {f} is {rec}, the split gives {want}")
             detail = {"field": f, "parent_obs": s.parent_obs, "split": True}
             extra.append(_mk(d, i, "ubatch-slice", msg, detail=detail))
     if not extra:

@@ -10,6 +10,16 @@ from __future__ import annotations
 import numpy as np
 
 from dcptool.dump import Dump, take
+from dcptool.segments import ragged
+from dcptool.slicing import (
+    parse_engine_version,
+    request_boundary_splits,
+    sliced_last_cut,
+    sliced_num_reqs,
+    sliced_query_start_loc,
+    splits_on_request_boundary,
+    ubatch_bounds,
+)
 
 Issue = tuple[int, str, str, dict]
 
@@ -90,7 +100,7 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     finding goes to the observation that completes it. Vectorised (sorts and joins on the key
     columns and a hash of the real seq_lens, confirmed exactly): no loop over members.
     """
-    from dcptool.provenance import _group_ids, _join, _mix, _ragged, _seg_sums
+    from dcptool.provenance import _group_ids, _join, _mix, _seg_sums
 
     N = d.config.dcp_size
     if N == 1 or wrong.size == 0:
@@ -101,7 +111,7 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     has = np.flatnonzero(d["obs.has_dcp"] == 1)
     ci, qi = _join([k[has] for k in key], [k[wrong] for k in key])
     m = has[np.isin(ci, qi)]  # recorded with a view, in a (step, site, ubatch, num_reqs) of a wrong one
-    seg, j, at = _ragged(d["obs.rows"][m], nr[m])
+    seg, j, at = ragged(d["obs.rows"][m], nr[m])
     seq = take(d, "rows.seq_lens", at).astype(np.int64)
     h = [_seg_sums(_mix(seq, j, salt), nr[m]) for salt in (0, 1)]
     batch = _group_ids([k[m] for k in key] + [x.view(np.int64) for x in h])
@@ -136,7 +146,7 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     nrs = nr[mm]
     n = np.minimum(np.minimum.reduceat(dl, bounds), nrs[bounds])  # rows every view of the set holds
     g = np.repeat(np.arange(bounds.size), counts)
-    sg, jj, at = _ragged(d["obs.dcp_rows"][mm], n[g])
+    sg, jj, at = ragged(d["obs.dcp_rows"][mm], n[g])
     total = np.zeros(int(n.sum()), np.int64)
     base = np.repeat(np.cumsum(n) - n, n)  # each set's first row in total
     row_of = (np.cumsum(n) - n)[g[sg]] + jj
@@ -160,39 +170,6 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     return out
 
 
-def _ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For segments (start, count): (segment id per element, index within segment, absolute index)."""
-    seg = np.repeat(np.arange(counts.size), counts)
-    j = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    return seg, j, starts[seg] + j
-
-
-def _ragged_searchsorted(d: Dump, parents: np.ndarray, x: np.ndarray, side: str) -> np.ndarray:
-    """searchsorted(cu, x[k], side) where cu = parents[k]'s real query_start_loc[:num_reqs+1], for all k
-    at once: the unique parents' cu arrays laid end to end, each lifted above the one before."""
-    up, inv = np.unique(parents, return_inverse=True)
-    inv = inv.ravel()
-    n = d["obs.num_reqs"][up].astype(np.int64) + 1
-    seg, j, idx = _ragged(d["obs.qsl"][up].astype(np.int64), n)
-    lift = np.int64(1) << 34  # recorded values are int32: every segment gets its own range
-    keys = d["rows.query_start_loc"][idx].astype(np.int64) + seg * lift
-    start = np.cumsum(n) - n
-    return np.searchsorted(keys, x + inv * lift, side=side) - start[inv]
-
-
-def _split_bounds(d: Dump, p: np.ndarray, u: np.ndarray, k: np.ndarray, ntp: np.ndarray, s: np.ndarray):
-    """(req_start, req_stop, tok_start, tok_stop) of micro-batch u of k with split point s (slicing.ubatch_slices,
-    vectorised): tokens [s*u, s*(u+1)), the last micro-batch to the real end, padded to ntp / num_reqs_padded."""
-    nr = d["obs.num_reqs"][p].astype(np.int64)
-    nrp = d["obs.num_reqs_padded"][p].astype(np.int64)
-    last = u == k - 1
-    ts = s * u
-    end = np.where(last, d["rows.query_start_loc"][d["obs.qsl"][p] + nr].astype(np.int64), s * (u + 1))
-    rs = np.clip(_ragged_searchsorted(d, p, ts, "right") - 1, 0, np.maximum(nr - 1, 0))
-    re_ = np.maximum(np.minimum(_ragged_searchsorted(d, p, end, "left"), nrp), rs)
-    return rs, np.where(last, nrp, re_), ts, np.where(last, ntp, end)
-
-
 def _check_split_points(d: Dump, cand: np.ndarray, engine_version: str) -> dict[int, tuple]:
     """Recorded micro-batch bounds against the engine version's split rule (slicing.ubatch_slices): the
     token midpoint, or from vLLM 0.34 on a request boundary for a batch of equal query lengths. vLLM
@@ -200,8 +177,6 @@ def _check_split_points(d: Dump, cand: np.ndarray, engine_version: str) -> dict[
     a dump does not record, so there either split is right. K is the number of micro-batches recorded
     for the parent; parents whose last recorded micro-batch does not end at num_tokens_padded (not all
     recorded) are not checked."""
-    from dcptool.slicing import splits_on_request_boundary
-
     par, ub = d["obs.parent"], d["obs.ubatch"].astype(np.int64)
     p = par[cand]
     qo = d["obs.qsl"]
@@ -222,11 +197,11 @@ def _check_split_points(d: Dump, cand: np.ndarray, engine_version: str) -> dict[
     got = np.stack([d[f"obs.{f}"][c].astype(np.int64) for f in ("req_start", "tok_start", "tok_stop")]
                    + [d["obs.req_start"][c].astype(np.int64) + d["obs.num_reqs_padded"][c].astype(np.int64)])
     got = got[[0, 3, 1, 2]]  # req_start, req_stop, tok_start, tok_stop
-    mid = np.stack(_split_bounds(d, p, u, k, ntp, ntp // k))
+    mid = np.stack(ubatch_bounds(d, p, u, k, ntp, ntp // k))
     good = (got == mid).all(axis=0)
     if splits_on_request_boundary(engine_version):
         # equal query lengths q > 1 (vLLM's uniform_token_count): split at (ntp // (q*K)) * q when > 0
-        seg, j, idx = _ragged(qo[p].astype(np.int64), nr + 1)
+        seg, j, idx = ragged(qo[p].astype(np.int64), nr + 1)
         qv = d["rows.query_start_loc"][idx].astype(np.int64)
         dq = np.diff(qv)
         inner = j[1:] > 0  # differences inside one parent's cu
@@ -235,10 +210,10 @@ def _check_split_points(d: Dump, cand: np.ndarray, engine_version: str) -> dict[
         np.minimum.at(lo, seg[1:][inner], dq[inner])
         np.maximum.at(hi, seg[1:][inner], dq[inner])
         q = np.where(lo == hi, hi, 0)
-        per = np.where(q > 1, ntp // np.maximum(q * k, 1), 0)
-        uni = per > 0
+        split = request_boundary_splits(ntp, k, q)
+        uni = split > 0
         if uni.any():
-            bnd = np.stack(_split_bounds(d, p[uni], u[uni], k[uni], ntp[uni], per[uni] * q[uni]))
+            bnd = np.stack(ubatch_bounds(d, p[uni], u[uni], k[uni], ntp[uni], split[uni]))
             good[uni] |= (got[:, uni] == bnd).all(axis=0)
     out: dict[int, tuple] = {}
     names = ("req_start", "req_stop", "tok_start", "tok_stop")
@@ -254,8 +229,6 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue
     the last reduced by max(0, parent qsl[rs+nrp] - te); num_reqs = max(0, min(rs+nrp, parent) - rs).
     When the dump (or `engine_version`) names the engine version, the recorded bounds must also be
     where that version splits (_check_split_points); a dump that names none is sliced as recorded."""
-    from dcptool.slicing import parse_engine_version
-
     par, ub = d["obs.parent"], d["obs.ubatch"]
     rs, ts, te = (d[k].astype(np.int64) for k in ("obs.req_start", "obs.tok_start", "obs.tok_stop"))
     qo, rows = d["obs.qsl"], d["obs.rows"]
@@ -278,7 +251,7 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue
     cand, p, nrp, r0, ts0, te0 = cand[ok], p[ok], nrp[ok], r0[ok], ts0[ok], te0[ok]
     q = d["rows.query_start_loc"]
     nr_par = d["obs.num_reqs"][p].astype(np.int64)
-    want_nr = np.maximum(0, np.minimum(r0 + nrp, nr_par) - r0)
+    want_nr = sliced_num_reqs(r0, nrp, nr_par)
     bad_obs: dict[int, tuple] = {}
     bounds = _check_split_points(d, cand, engine_version) if parse_engine_version(engine_version) else {}
     for i, (field, _, rec, exp, k) in bounds.items():
@@ -291,18 +264,18 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue
         bad_obs[int(cand[k])] = ("num_reqs", None, int(d["obs.num_reqs"][cand[k]]), int(want_nr[k]))
     # query_start_loc: nrp + 1 values each (only where the recorded length matches)
     qn = np.where(qlen[cand] == nrp + 1, nrp + 1, 0)
-    seg, j, _ = _ragged(np.zeros(cand.size, np.int64), qn)
+    seg, j, _ = ragged(np.zeros(cand.size, np.int64), qn)
     got = q[qo[cand][seg] + j].astype(np.int64)
-    want = np.clip(q[qo[p][seg] + r0[seg] + j].astype(np.int64) - ts0[seg], 0, (te0 - ts0)[seg])
+    want = sliced_query_start_loc(q[qo[p][seg] + r0[seg] + j].astype(np.int64), ts0[seg], te0[seg])
     for k in np.flatnonzero(got != want):
         bad_obs.setdefault(int(cand[seg[k]]), ("query_start_loc", int(j[k]), int(got[k]), int(want[k])))
     for k in np.flatnonzero(qlen[cand] != nrp + 1):
         bad_obs.setdefault(int(cand[k]), ("query_start_loc", None, int(qlen[cand[k]]), int(nrp[k]) + 1))
     # seq_lens: nrp rows each, the last reduced by the tokens of that request after te
-    seg, j, _ = _ragged(np.zeros(cand.size, np.int64), nrp)
+    seg, j, _ = ragged(np.zeros(cand.size, np.int64), nrp)
     got = take(d, "rows.seq_lens", rows[cand][seg] + j).astype(np.int64)
     want = take(d, "rows.seq_lens", rows[p][seg] + r0[seg] + j).astype(np.int64)
-    cut = np.maximum(0, q[qo[p] + r0 + nrp].astype(np.int64) - te0)
+    cut = sliced_last_cut(q[qo[p] + r0 + nrp].astype(np.int64), te0)
     last = j == nrp[seg] - 1
     want[last] -= cut[seg[last]]
     for k in np.flatnonzero(got != want):
