@@ -60,7 +60,6 @@ COLUMNS = {**REQUIRED, **OPTIONAL}
 # Optional columns come in groups: a key is only meaningful with its partners.
 _GROUPS = [("obs.qsl", "rows.query_start_loc")]
 
-GRAPH_MODES = ("eager", "piecewise", "full-capture", "full-replay")
 
 
 class DumpError(ValueError):

@@ -23,8 +23,8 @@ from dcptool.dump import (
     columns,
     write_dump,
 )
+from dcptool.schema import GraphMode
 
-GRAPH = {"eager": 0, "piecewise": 1, "capture": 2, "full-capture": 2, "replay": 3, "full-replay": 3}
 _I64 = 2**63 - 1
 
 
@@ -244,7 +244,7 @@ class Recorder:
         qsl = _host_fast(query_start_loc)
         if qsl is not None and qsl.size != seq.size + 1:
             qsl = None  # a query_start_loc that does not cover the rows is of no use to replay
-        return seq, nr, nrp, qsl, GRAPH[graph] if isinstance(graph, str) else graph
+        return seq, nr, nrp, qsl, GraphMode.parse(graph) if isinstance(graph, str) else graph
 
     def _drop(self, e: Exception, n: int = 1) -> None:
         self.dropped += n

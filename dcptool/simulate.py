@@ -13,6 +13,7 @@ import numpy as np
 from dcptool.dump import WriteError, write_target
 from dcptool.record import Recorder
 from dcptool.reference import local_of
+from dcptool.schema import GraphMode
 from dcptool.slicing import (
     UbatchSlice,
     parse_engine_version,
@@ -53,14 +54,13 @@ FAULT_WHERE: dict[str, str] = {
 }
 SITES = ("prepare_inputs", "pcp_partition", "attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft")
 PIPELINES = ("fixed", "legacy")
-GRAPH_MODES = ("none", "piecewise", "full")
+CUDAGRAPH_CHOICES = ("none", "piecewise", "full")
 SPEC_METHODS = ("mtp", "dflash")
 
 # vLLM defaults the model follows (ParallelConfig.dbo_*_token_threshold, CompilationConfig's ceiling).
 DBO_DECODE_TOKENS = 32
 DBO_PREFILL_TOKENS = 512
 MAX_GRAPH_TOKENS = 512
-NONE, PIECEWISE, FULL = 0, 1, 2  # CUDAGraphMode as dispatched; obs.graph: 0 eager, 1 piecewise, 2 capture, 3 replay
 # Buffer identities: one address space per recording process, fixed slots for persistent buffers.
 RUNNER, PCP_BUF, DRAFTER, DFLASH, UBATCH = 1, 2, 3, 4, 8
 
@@ -116,7 +116,7 @@ class SimConfig:
         need(self.dummy_every >= 0, f"--dummy-every must be >= 0 (0: only the start-up profile run), got "
                                     f"{self.dummy_every}")
         need(self.pipeline in PIPELINES, f"--pipeline {self.pipeline!r}: choose fixed or legacy")
-        need(self.cudagraph in GRAPH_MODES, f"--cudagraph {self.cudagraph!r}: choose none, piecewise or full")
+        need(self.cudagraph in CUDAGRAPH_CHOICES, f"--cudagraph {self.cudagraph!r}: choose none, piecewise or full")
         need(self.spec_method in SPEC_METHODS, f"--spec-method {self.spec_method!r}: choose mtp or dflash")
         unknown = [f for f in self.inject if f not in FAULTS]
         need(not unknown, f"--inject: unknown fault {', '.join(unknown)} (known: "
@@ -222,7 +222,7 @@ class SimResult:
 class Desc:
     """A batch execution descriptor: graph mode, padded tokens, padded requests (None: no request padding)."""
 
-    mode: int
+    mode: GraphMode  # as dispatched: EAGER, PIECEWISE or FULL_REPLAY (a full graph; recorded() says capture or replay)
     num_tokens: int
     num_reqs: int | None
     ubatches: int = 1
@@ -263,12 +263,12 @@ class Graphs:
                 tok = -(-s // dql) * dql
                 if tok > R * dql or tok > self.max_size or tok // dql > R:
                     continue
-                d = Desc(FULL, tok, tok // dql)
+                d = Desc(GraphMode.FULL_REPLAY, tok, tok // dql)
                 if d not in self.full:
                     self.full.append(d)
                     if cfg.ubatches > 1 and tok >= max(DBO_DECODE_TOKENS, cfg.ubatches):
-                        self.full.append(Desc(FULL, tok, tok // dql, cfg.ubatches))
-        self.piecewise = [Desc(PIECEWISE, s, None) for s in sizes]
+                        self.full.append(Desc(GraphMode.FULL_REPLAY, tok, tok // dql, cfg.ubatches))
+        self.piecewise = [Desc(GraphMode.PIECEWISE, s, None) for s in sizes]
 
     def captures(self) -> list[Desc]:
         """In vLLM's capture order: PIECEWISE first, then FULL, each largest first (twin after its base)."""
@@ -282,16 +282,16 @@ class Graphs:
             base = None
         if ubatch and cfg.ubatches > 1 and num_tokens >= (DBO_DECODE_TOKENS if uniform_decode else DBO_PREFILL_TOKENS):
             # a micro-batched FULL graph when one was captured, unless its second half would be empty
-            twin = None if base is None else Desc(FULL, base.num_tokens, base.num_reqs, cfg.ubatches)
+            twin = None if base is None else Desc(GraphMode.FULL_REPLAY, base.num_tokens, base.num_reqs, cfg.ubatches)
             if twin is not None and twin in self.full and 2 * num_tokens >= twin.num_tokens:
                 return twin
-            return Desc(NONE, num_tokens, None, cfg.ubatches)
+            return Desc(GraphMode.EAGER, num_tokens, None, cfg.ubatches)
         if base is not None:
             return base
         for d in self.piecewise:
             if d.num_tokens >= num_tokens:
                 return d
-        return Desc(NONE, num_tokens, None)
+        return Desc(GraphMode.EAGER, num_tokens, None)
 
     def _smallest_full(self, num_tokens: int) -> Desc | None:
         return next((d for d in self.full if d.ubatches == 1 and d.num_tokens >= num_tokens), None)
@@ -514,7 +514,7 @@ class Runner:
 
     # ---- one batch on every DCP rank of PCP rank p
 
-    def emit(self, p: int, b: _Rows, *, step: int, site: str, role: str, graph: int, slot: int, ubatch: int = -1,
+    def emit(self, p: int, b: _Rows, *, step: int, site: str, role: str, graph: GraphMode, slot: int, ubatch: int = -1,
              parents: list[int] | None = None, sl: UbatchSlice | None = None, parent_views: np.ndarray | None = None,
              global_views: np.ndarray | None = None, kind: str = "step", pages: bool = True):
         """Record batch `b` on DCP ranks 0..N-1 of PCP rank p.
@@ -539,7 +539,7 @@ class Runner:
             if "flashinfer-global-pages" in F:
                 marks.append(("flashinfer-global-pages", (kv[:, :nr] != glob[:nr]).any(axis=1)))
                 kv = glob  # one row shared by every rank
-        fresh = view is not None and graph == 3 and "graph-stale" in F
+        fresh = view is not None and graph == GraphMode.FULL_REPLAY and "graph-stale" in F
         home = slot
         if view is not None and role == "capture" and self.P > 1 and ubatch < 0 and "capture-wrong-buffer" in F:
             home = RUNNER
@@ -567,9 +567,9 @@ class Runner:
                     for r, proc in enumerate(procs)]
         for r, proc in enumerate(procs):
             idx, buf = idxs[r], bufs[r]
-            if graph >= 2 and buf:
+            if graph.full and buf:
                 key = (sink.file_of[proc], r, nrp, ubatch)
-                if graph == 2:
+                if graph == GraphMode.FULL_CAPTURE:
                     self._captured.setdefault(key, set()).add(buf)
                 elif key in self._captured and buf not in self._captured[key]:
                     # the replay reads another buffer than its capture: DESIGN's alias, reported at the replay
@@ -640,19 +640,16 @@ class Runner:
         """
         cfg = self.cfg
         split = desc.ubatches > 1
-        if kind == "capture":
-            graph = 2 if desc.mode == FULL else 1
-        else:
-            graph = 3 if desc.mode == FULL else 1 if desc.mode == PIECEWISE else 0
+        graph = desc.mode.recorded(capturing=kind == "capture")
         top = []
         for p in range(self.P):
-            g = 0 if split and kind != "capture" else graph
+            g = GraphMode.EAGER if split and kind != "capture" else graph
             top.append(self.emit(p, rows_of[p], step=step, site=site, role=role, graph=g, slot=slot,
                                  parents=parents_of[p], kind=kind,
                                  global_views=None if global_views_of is None else global_views_of[p]))
         if not split:
             return
-        ub_graph = (2 if kind == "capture" else 3) if desc.mode == FULL else 0
+        ub_graph = desc.mode.recorded(capturing=kind == "capture") if desc.mode.full else GraphMode.EAGER
         boundary = splits_on_request_boundary(cfg.engine_version) and uniform is not False
         per_p = [split_batch(rows_of[p].qsl, rows_of[p].seq, rows_of[p].nr, rows_of[p].nrp, rows_of[p].ntp,
                              cfg.ubatches, uniform_query_len(rows_of[p].qsl, rows_of[p].nr) if boundary else None)
@@ -671,21 +668,22 @@ class Runner:
         home = PCP_BUF if self.P > 1 else RUNNER
         tokens = cfg.token_budget
         prof = _dummy(min(tokens, cfg.max_num_reqs), tokens, 0, cfg.max_model_len)
-        desc = Desc(NONE, tokens, None, cfg.ubatches if cfg.ubatches > 1 and tokens >= DBO_PREFILL_TOKENS else 1)
+        desc = Desc(GraphMode.EAGER, tokens, None,
+                    cfg.ubatches if cfg.ubatches > 1 and tokens >= DBO_PREFILL_TOKENS else 1)
         self.run_batch(0, [None] * self.P, [prof] * self.P, desc, "dummy", "dummy", "dummy", home)
         for d in self.graphs.captures():
             reqs = d.num_reqs or min(d.num_tokens, cfg.max_num_reqs)
             # set_dcp_capture_context: FULL graphs capture with N*I tokens of KV context under DCP
-            ctx = self.N * self.I if d.mode == FULL and self.N > 1 else 0
+            ctx = self.N * self.I if d.mode.full and self.N > 1 else 0
             rows = _dummy(reqs, d.num_tokens, ctx, cfg.max_model_len)
             self.run_batch(0, [None] * self.P, [rows] * self.P, d, "capture", "capture", "capture", home)
         if cfg.spec_method == "dflash" and cfg.spec_tokens > 0:
             for d in self.graphs.captures():
-                if d.mode == FULL and d.ubatches == 1:  # PIECEWISE DFlash captures skip attention
+                if d.mode.full and d.ubatches == 1:  # PIECEWISE DFlash captures skip attention
                     rows = _dummy(d.num_reqs, d.num_tokens, 0, cfg.max_model_len)
                     for p in range(self.P):
-                        self.emit(p, rows, step=0, site="dflash_capture", role="dflash", graph=2, slot=DFLASH,
-                                  kind="capture")
+                        self.emit(p, rows, step=0, site="dflash_capture", role="dflash",
+                                  graph=GraphMode.FULL_CAPTURE, slot=DFLASH, kind="capture")
 
     def dummy_run(self, step: int, k: int, rng: np.random.Generator) -> None:
         """A DP-idle dummy batch (a peer's shape, alternating uniform decode and mixed), with context."""
@@ -711,13 +709,14 @@ class Runner:
         uniform = not isp.any() and bool((q == cfg.decode_query_len).all())
         tokens = int(q.sum()) if P == 1 else int(pcp_rank_tokens(q, isp, P, self.N).max())
         desc = self.graphs.dispatch(b.num_reqs, tokens, uniform, True)
-        ntp = desc.num_tokens if desc.mode != NONE else tokens
+        ntp = desc.num_tokens if desc.mode != GraphMode.EAGER else tokens
         g = _rows(q, b.seq_lens, desc.num_reqs or b.num_reqs, max(int(q.sum()), ntp))
         if P == 1:
             self.run_batch(step, [None], [g], desc, "attn_metadata", "final", "step", RUNNER, uniform=uniform)
             return desc
-        glob = [self.emit(p, g, step=step, site="prepare_inputs", role="global", graph=0, slot=RUNNER, pages=False)
-                for p in range(P)]  # the view each process derived from the global batch (before the fix)
+        # the view each process derived from the global batch (before the fix)
+        glob = [self.emit(p, g, step=step, site="prepare_inputs", role="global", graph=GraphMode.EAGER, slot=RUNNER,
+                          pages=False) for p in range(P)]
         local = []
         for p in range(P):
             lb = pcp_partition(q, comp, isp, P, p, self.N)
@@ -734,7 +733,7 @@ class Runner:
             seq = np.minimum(computed_after + k, cfg.max_model_len)
             rows = _rows(np.ones(n, np.int64), seq, desc.num_reqs or n, n)
             for p in range(self.P):
-                self.emit(p, rows, step=step, site="draft", role="draft", graph=0, slot=DRAFTER)
+                self.emit(p, rows, step=step, site="draft", role="draft", graph=GraphMode.EAGER, slot=DRAFTER)
 
 
 def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: bool = False,

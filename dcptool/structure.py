@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from dcptool.dump import Dump, take
+from dcptool.schema import GraphMode
 from dcptool.segments import ragged
 from dcptool.slicing import (
     parse_engine_version,
@@ -22,6 +23,7 @@ from dcptool.slicing import (
 )
 
 Issue = tuple[int, str, str, dict]
+CAPTURE, REPLAY = GraphMode.FULL_CAPTURE, GraphMode.FULL_REPLAY
 
 
 def where(d: Dump, i: int) -> str:
@@ -64,7 +66,7 @@ def check_alias(d: Dump) -> list[Issue]:
             out.append((i, "alias", msg, {"detail": {"buffer": int(buf[i]), "other_obs": int(d.file_obs[j])}}))
     if "obs.graph" in d.columns:
         g = d["obs.graph"]
-        sel = np.flatnonzero(((g == 2) | (g == 3)) & (buf != 0))
+        sel = np.flatnonzero(((g == CAPTURE) | (g == REPLAY)) & (buf != 0))
         if sel.size:
             nrp = d["obs.num_reqs_padded"].astype(np.int64)
             # Every buffer captured for a key counts: a drafter (DFlash) captures graphs of the same sizes on
@@ -73,15 +75,15 @@ def check_alias(d: Dump) -> list[Issue]:
             _, key = np.unique(np.stack([fidx[sel], rank[sel], nrp[sel], ub[sel]]), axis=1, return_inverse=True)
             _, pair = np.unique(np.stack([key.ravel(), buf[sel]]), axis=1, return_inverse=True)
             key, pair = key.ravel(), pair.ravel()
-            cap = g[sel] == 2
+            cap = g[sel] == CAPTURE
             big = np.iinfo(np.int64).max
             first_cap = np.full(int(pair.max()) + 1, big)
             np.minimum.at(first_cap, pair[cap], sel[cap])
             order, run = _segments([key])
             s = sel[order]
             pos = np.arange(s.size)
-            last = np.maximum.accumulate(np.where(g[s] == 2, pos, run - 1))  # latest capture in the run so far
-            bad = np.flatnonzero((g[s] == 3) & (last >= run) & (first_cap[pair[order]] > s))
+            last = np.maximum.accumulate(np.where(g[s] == CAPTURE, pos, run - 1))  # latest capture in the run so far
+            bad = np.flatnonzero((g[s] == REPLAY) & (last >= run) & (first_cap[pair[order]] > s))
             for k in bad:
                 i, j = int(s[k]), int(s[last[k]])
                 msg = (f"{where(d, i)}: full-graph replay reads DCP buffer {int(buf[i]):#x} but the graph was "

@@ -36,12 +36,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from dcptool.schema import GraphMode
+
 ENV_DIR = "DCPTOOL_RECORD"
 ENV_ROLLOVER = "DCPTOOL_ROLLOVER"
 ENV_UNTESTED = "DCPTOOL_VLLM_UNTESTED"
 DEFAULT_ROLLOVER = 10_000  # observations per file: a long run leaves many closed files, not one open one
 SITES = ("attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft", "prepare_inputs")
-GRAPH = {"NONE": 0, "PIECEWISE": 1, "FULL": 3}  # runtime cudagraph mode -> obs.graph (2 = capture)
 
 log = logging.getLogger("vllm.dcptool")
 
@@ -212,9 +213,9 @@ def _record_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> 
     if "capture_graph" in c:
         graph = c["capture_graph"]
     elif "cg" in c:
-        graph = GRAPH.get(c["cg"], 0)
+        graph = GraphMode.of_vllm(c["cg"])
     else:
-        graph = 2 if sig.get(args, kwargs, "for_cudagraph_capture") else 0
+        graph = GraphMode.FULL_CAPTURE if sig.get(args, kwargs, "for_cudagraph_capture") else GraphMode.EAGER
     _observe(site="ubatch" if ub is not None else c.get("site", "attn_metadata"),
              seq_lens=seq, num_reqs=nr, num_reqs_padded=nrp, dcp_local_seq_lens=dcp, graph=graph, **kw)
 
@@ -308,9 +309,9 @@ def _wrap_ubatch_prepare(orig, sig):
             capture = bool(sig.get(args, kwargs, "for_capture")) and "site" not in outer
             f = {"scope": True, "sliced": {}, "parent": -1}
             if capture:
-                f.update(site="capture", capture_graph=2)
+                f.update(site="capture", capture_graph=GraphMode.FULL_CAPTURE)
             site = f.get("site", outer.get("site", "attn_metadata"))
-            graph = 2 if capture else GRAPH.get(_cg(sig, args, kwargs), 0)
+            graph = GraphMode.FULL_CAPTURE if capture else GraphMode.of_vllm(_cg(sig, args, kwargs))
             # The merged batch is no attention build, but it is what the micro-batches are sliced from:
             # record it when it carries a view (a capture's merged batch never gets one, legitimately).
             if batch.dcp_local_seq_lens is not None or _dcp()[0] == 1:
@@ -382,7 +383,7 @@ def _wrap_partition(orig, sig):
                 # global batch (and recomputes it from the local one). Anything that reaches the local batch
                 # from it is stale: record the source.
                 if batch.dcp_local_seq_lens is not None:
-                    _observe_batch("prepare_inputs", batch, GRAPH.get(_cg(sig, args, kwargs), 0))
+                    _observe_batch("prepare_inputs", batch, GraphMode.of_vllm(_cg(sig, args, kwargs)))
             except Exception as e:
                 _broken(e)
         return orig(*args, **kwargs)
