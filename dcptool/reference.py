@@ -37,6 +37,8 @@ def _clip_np(x, lo, hi):
     if isinstance(x, np.ndarray):
         np.maximum(x, lo, out=x)
         return np.minimum(x, hi, out=x)
+    if isinstance(x, int):  # one value (a finding's row): Python ints, not a numpy call
+        return min(max(x, lo), hi)
     return np.minimum(np.maximum(x, lo), hi)
 
 

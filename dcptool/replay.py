@@ -10,7 +10,7 @@ import numpy as np
 
 from dcptool.dump import Dump, DumpError, every, take
 from dcptool.provenance import Provenance, Source, expected_of
-from dcptool.reference import local_np
+from dcptool.reference import local_np, local_of
 from dcptool.slicing import Ubatch, engine_split, first_disagreement
 from dcptool.structure import check_alias, check_rank_sum, check_ubatch_slice
 from dcptool.structure import where as _where
@@ -206,8 +206,7 @@ def _page_finding(d: Dump, i: int, n_bad: int, j: int) -> Finding:
     c = d.config
     page = c.page_size
     seq = int(d.seq_lens_of(i)[j])
-    span, il = c.dcp_size * c.cp_interleave, c.cp_interleave  # one value: Python ints, not a numpy call
-    local = seq // span * il + min(max(seq % span - int(d["obs.rank"][i]) * il, 0), il)
+    local = local_of(seq, int(d["obs.rank"][i]), c.dcp_size, c.cp_interleave)  # Python ints: no numpy call
     claimed, ok, glob = int(d.kv_pages_of(i)[j]), -(-local // page), -(-seq // page)
     why = " = the global count: page counts were computed from the global length" if claimed == glob else ""
     msg = (f"{_where(d, i)}: attention plan claims {claimed} pages for row {j}{why}; this rank owns {ok} "
