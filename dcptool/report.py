@@ -19,11 +19,6 @@ from rich.text import Text
 TEXT_MAX_FINDINGS = 100  # text default; JSON lists every finding unless --max-findings says otherwise
 BY_SITE_ROWS = 50  # rows of the text summary's by-site table (docs/limits.md)
 
-# One character per rule, distinct even ignoring case (initials collide: stale/stray/shape, missing/mismatch,
-# padding/pages); the legend under the timeline spells them out.
-RULE_CODES = {"missing": "M", "stale": "S", "global": "G", "wrong-rank": "R", "wrong-interleave": "I",
-              "mismatch": "X", "padding": "P", "shape": "L", "stray": "Y", "ubatch-slice": "U", "alias": "A",
-              "rank-sum": "K", "pages": "B"}
 CLEAN, EMPTY = "·", " "
 CELL_STYLE = {"clean": "green", "warning": "black on yellow", "error": "bold white on red"}
 
@@ -161,7 +156,7 @@ def findings_table(findings, title: str | None = None, width: int = 200) -> Tabl
     for f in findings:
         where = lit(f"{f.site} r{f.rank}" + ("" if f.ubatch < 0 else f" ub{f.ubatch}"))
         rule = f.rule + (f"/{f.source.relation}" if f.source is not None and wide else "")
-        msg = f.message.split(": ", 1)[-1]  # the row already says where
+        msg = f.text  # the row already says where
         cells = [str(f.obs), str(f.step), where, Text(rule, style=_style(f.severity))]
         if wide:
             cells += ["" if v is None else str(v) for v in (f.row, f.recorded, f.expected)]
@@ -210,7 +205,7 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         # cmp-style, the first finding last; its message only when the table above does not show it (each
         # finding's message is on exactly one line: `grep -c` counts findings)
         f = res.findings[0]
-        where = f.message.partition(": ")[0]
+        where = f.where
         say(console, ("first finding: ", "bold"), literal(f"{f.file} obs {f.obs} "), (f.rule, _style(f.severity)),
             literal(f" {f.message}" if not shown else f" {where} (the first row of the findings above)"))
 
@@ -252,7 +247,7 @@ class Timeline:
 
     def worst(self) -> np.ndarray:
         """[rows, cols] index into RULES of each cell's worst finding (errors first, then table order), -1 if none."""
-        from dcptool.replay import RULES, SEVERITY
+        from dcptool.rules import RULES, SEVERITY
 
         prio = np.array([i + (len(RULES) if SEVERITY[r] == "warning" else 0) for i, r in enumerate(RULES)])
         masked = np.where(self.rules > 0, prio, 10 * len(RULES))
@@ -280,7 +275,7 @@ def timeline(res, max_columns: int) -> Timeline | None:
     rows drawn are capped (TIMELINE_ROWS), micro-batch indices are indexed by the values present and
     capped (TIMELINE_UBATCHES), and step offsets are taken modulo 2**64 (steps may span all of int64).
     """
-    from dcptool.replay import RULES
+    from dcptool.rules import RULES
 
     g = res.grid
     if g is None or g.count.size == 0:
@@ -356,7 +351,7 @@ def _axis(tl: Timeline) -> str:
 
 def _cells(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
     """Per cell: its character and its kind (empty, clean, warning, error)."""
-    from dcptool.replay import RULES, SEVERITY
+    from dcptool.rules import RULE_CODES, RULES, SEVERITY
 
     worst = tl.worst()
     codes = np.array([RULE_CODES[r] for r in RULES] + [CLEAN, EMPTY])
@@ -367,7 +362,7 @@ def _cells(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
 
 def render_timeline(res, console: Console) -> None:
     """Timeline strip: rows (site, rank), columns step buckets sized to the console, worst finding per cell."""
-    from dcptool.replay import RULES, SEVERITY
+    from dcptool.rules import RULE_CODES, RULES, SEVERITY
 
     g = res.grid
     if g is None or g.count.size == 0:
@@ -524,7 +519,7 @@ def inspect_json(info) -> str:
 def _rules(counts: dict[str, int]) -> Text:
     if not counts:
         return Text("clean", style="green")
-    from dcptool.replay import RULES
+    from dcptool.rules import RULES
 
     return Text(", ".join(f"{r} {counts[r]}" for r in RULES if r in counts), style="bold red")
 

@@ -13,6 +13,7 @@ import numpy as np
 from dcptool.dump import WriteError, write_target
 from dcptool.record import Recorder
 from dcptool.reference import local_of
+from dcptool.rules import RULE_OF_FAULT
 from dcptool.schema import GraphMode
 from dcptool.slicing import (
     UbatchSlice,
@@ -24,19 +25,20 @@ from dcptool.slicing import (
     uniform_query_len,
 )
 
-# DESIGN §4's fault table: fault -> (the rule replay must report, what the engine did).
-FAULTS: dict[str, tuple[str, str]] = {
-    "dummy-none": ("missing", "dummy/profile runs build attention metadata with None"),
-    "dflash-capture-none": ("missing", "DFlash CUDA-graph capture gets None"),
-    "ubatch-none": ("missing", "micro-batches drop the field"),
-    "ubatch-parent-rows": ("stale", "micro-batches copy the parent's rows"),
-    "pcp-stale": ("stale", "derived from the global batch before the PCP partition"),
-    "pcp-unpadded": ("shape", "PCP-local view sliced to num_reqs, not num_reqs_padded"),
-    "capture-wrong-buffer": ("alias", "capture fills the runner's buffer; PCP replays read the PCP manager's"),
-    "graph-stale": ("alias", "a per-step buffer baked into a full graph"),
-    "sentinel": ("padding", "padded rows keep a -1 left in the buffer"),
-    "flashinfer-global-pages": ("pages", "page counts from the global length"),
+# DESIGN §4's fault table: fault -> (the rule replay must report (rules.TABLE says which), what the engine did).
+_FAULT_WHAT = {
+    "dummy-none": "dummy/profile runs build attention metadata with None",
+    "dflash-capture-none": "DFlash CUDA-graph capture gets None",
+    "ubatch-none": "micro-batches drop the field",
+    "ubatch-parent-rows": "micro-batches copy the parent's rows",
+    "pcp-stale": "derived from the global batch before the PCP partition",
+    "pcp-unpadded": "PCP-local view sliced to num_reqs, not num_reqs_padded",
+    "capture-wrong-buffer": "capture fills the runner's buffer; PCP replays read the PCP manager's",
+    "graph-stale": "a per-step buffer baked into a full graph",
+    "sentinel": "padded rows keep a -1 left in the buffer",
+    "flashinfer-global-pages": "page counts from the global length",
 }
+FAULTS: dict[str, tuple[str, str]] = {f: (RULE_OF_FAULT[f], what) for f, what in _FAULT_WHAT.items()}
 # Where each fault really occurred, read from vLLM's released code (0.27.0-0.34.0; docs/faults.md has
 # the code paths): a release range, "main only" (on vLLM main between releases, never released), or
 # "no release" (a failure class dcptool models that no release 0.27-0.34 has).

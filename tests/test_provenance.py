@@ -200,9 +200,9 @@ def test_no_packed_keys_left():
 
     import dcptool.replay
     import dcptool.report
-    import dcptool.structure
+    import dcptool.rules
 
-    for mod in (provenance, dcptool.structure, dcptool.replay):
+    for mod in (provenance, dcptool.rules, dcptool.replay):
         src = inspect.getsource(mod)
         assert "<< 48" not in src and "* (1 << 48)" not in src and "2**48" not in src, mod.__name__
     assert "* n_ranks" not in inspect.getsource(dcptool.report.timeline)

@@ -1,18 +1,28 @@
-"""Rules across observations: micro-batch slicing, shared buffers, all ranks adding up (DESIGN §3).
+"""DESIGN §3 in one file: the rule table, every check, and Finding (over 450 lines: issue 14 wants a rule's
+detection, message and fault in one file, found from its name).
 
-Each check is vectorised over the dump with numpy (sorts, gathers, segment reductions); Python
-runs only per problem found. Each returns (observation, rule, message, fields) tuples that
-replay turns into findings.
+The table says per rule: severity, its one-letter timeline code, the columns it needs (without them the
+check is skipped and the report says so), the check that detects it, and the simulated faults (runner.py /
+simulate.py) that must produce it. Checks are vectorised over the dump with numpy (sorts, gathers,
+segment reductions); Python runs only per problem found. A finding's message says what is wrong; where
+(step, site, rank, micro-batch) is a field that renderers compose (Finding.where, Finding.message).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
 import numpy as np
 
-from dcptool.dump import Dump, take
+from dcptool.dump import Dump, every, take
+from dcptool.provenance import Provenance, Source, expected_of
+from dcptool.reference import local_of
 from dcptool.schema import GraphMode
 from dcptool.segments import ragged
 from dcptool.slicing import (
+    first_disagreement,
     parse_engine_version,
     request_boundary_splits,
     sliced_last_cut,
@@ -22,14 +32,215 @@ from dcptool.slicing import (
     ubatch_bounds,
 )
 
-Issue = tuple[int, str, str, dict]
+if TYPE_CHECKING:
+    from dcptool.scan import Stats
+
+
+class Rule(NamedTuple):
+    name: str
+    severity: str  # error or warning
+    code: str  # one character in the timeline, distinct even ignoring case (initials collide: stale/stray/shape,
+    #            missing/mismatch, padding/pages); the legend under the timeline spells them out
+    needs: tuple[str, ...]  # columns it needs beyond the required ones (DESIGN §2)
+    check: str  # the function of this module that detects it
+    faults: tuple[str, ...]  # simulate's faults (DESIGN §4) that must produce it
+
+
+# DESIGN §3, in table order: findings of one observation are reported in this order.
+TABLE = (
+    Rule("missing", "error", "M", (), "check_missing", ("dummy-none", "dflash-capture-none", "ubatch-none")),
+    Rule("stale", "error", "S", (), "check_values", ("ubatch-parent-rows", "pcp-stale")),
+    Rule("global", "error", "G", (), "check_values", ()),
+    Rule("wrong-rank", "error", "R", (), "check_values", ()),
+    Rule("wrong-interleave", "error", "I", (), "check_values", ()),
+    Rule("mismatch", "error", "X", (), "check_values", ()),
+    Rule("padding", "error", "P", (), "check_padding", ("sentinel",)),
+    Rule("shape", "error", "L", (), "check_shape", ("pcp-unpadded",)),
+    Rule("stray", "warning", "Y", (), "check_stray", ()),
+    Rule("ubatch-slice", "error", "U", ("obs.parent", "obs.req_start", "obs.tok_start", "obs.tok_stop", "obs.qsl"),
+         "check_ubatch_slice", ()),
+    Rule("alias", "error", "A", ("obs.buffer",), "check_alias", ("capture-wrong-buffer", "graph-stale")),
+    Rule("rank-sum", "error", "K", (), "check_rank_sum", ()),
+    Rule("pages", "error", "B", ("rows.kv_pages",), "check_pages", ("flashinfer-global-pages",)),
+)
+RULE = {r.name: r for r in TABLE}
+RULES = tuple(RULE)
+SEVERITY = {r.name: r.severity for r in TABLE}
+RULE_CODES = {r.name: r.code for r in TABLE}
+RULE_OF_FAULT = {f: r.name for r in TABLE for f in r.faults}
+RULE_ORDER = {r: i for i, r in enumerate(RULES)}
+PARENT_ROWS_NEEDS = ("obs.parent", "obs.req_start")  # stale/parent-rows: the slice of the parent to compare
+
+
+class Issue(NamedTuple):
+    """What a vectorised check found at one observation; `fields` are Finding's keyword arguments."""
+
+    index: int
+    rule: str
+    text: str
+    fields: dict
+
+
+# --------------------------------------------------------------------------------------------
+# Findings
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    index: int  # position in the merged dump (observation order)
+    obs: int  # index in its file
+    file: str
+    step: int
+    site: str
+    rank: int
+    ubatch: int
+    row: int | None
+    recorded: int | None
+    expected: int | None
+    wrong_rows: int
+    text: str  # what is wrong; `message` prefixes where
+    source: Source | None = None
+    detail: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def severity(self) -> str:
+        return SEVERITY[self.rule]
+
+    @property
+    def where(self) -> str:
+        return f"step {self.step} {self.site} rank {self.rank}" + (f" ubatch {self.ubatch}" if self.ubatch >= 0 else "")
+
+    @property
+    def message(self) -> str:
+        """The one-line message: where, then what (the JSON "message")."""
+        return f"{self.where}: {self.text}"
+
+    def to_json(self) -> dict:
+        return {"type": "finding", "rule": self.rule, "severity": self.severity, "obs": self.obs,
+                "file": self.file, "step": self.step, "site": self.site, "rank": self.rank,
+                "ubatch": self.ubatch, "row": self.row, "recorded": self.recorded, "expected": self.expected,
+                "wrong_rows": self.wrong_rows, "source": None if self.source is None else self.source.to_json(),
+                "detail": self.detail, "message": self.message}
+
+
+def _mk(d: Dump, i: int, rule: str, text: str, *, row=None, recorded=None, expected=None, wrong_rows=0,
+        source=None, detail=None) -> Finding:
+    return Finding(rule=rule, index=int(i), obs=int(d.file_obs[i]), file=d.file_of(i), step=int(d["obs.step"][i]),
+                   site=d.site_name(i), rank=int(d["obs.rank"][i]), ubatch=int(d["obs.ubatch"][i]),
+                   row=None if row is None else int(row), recorded=None if recorded is None else int(recorded),
+                   expected=None if expected is None else int(expected), wrong_rows=int(wrong_rows),
+                   text=text, source=source, detail=detail or {})
+
+
+_EXPLAIN = {
+    "parent-rows": "copied from the parent batch (obs {obs}, {site}); recompute from the micro-batch's own seq_lens",
+    "earlier-in-step": "derived from an earlier batch of this step (obs {obs}, {site}), e.g. the global batch "
+                       "before the PCP partition; compute it from the final batch",
+    "earlier-step": "left over from step {step} (obs {obs}, {site}); the buffer was not refreshed "
+                    "(e.g. baked into a CUDA graph)",
+}
+
+
+def _value_finding(d: Dump, prov: Provenance, i: int, n_wrong: int, first: int) -> Finding:
+    c = d.config
+    nr = int(d["obs.num_reqs"][i])
+    view = d.dcp_of(i)
+    rec = np.asarray(view[: min(view.size, nr)], np.int64)
+    exp = expected_of(d, i, nr)
+    rule, src, detail = prov.explain(i, rec)
+    kw = dict(row=first, recorded=rec[first], expected=exp[first], wrong_rows=n_wrong, source=src, detail=detail)
+    rows = f"row {first} is {rec[first]}, expected {exp[first]} ({n_wrong} wrong row{'s' if n_wrong > 1 else ''})"
+    if rule == "stale":
+        why = _EXPLAIN[src.relation].format(obs=src.obs, site=src.site, step=src.step)
+        msg = f"stale DCP view, {why}; {rows}"
+    elif rule == "global":
+        msg = f"DCP view holds the global seq_lens, not this rank's local lengths; {rows}"
+    elif rule == "wrong-rank":
+        msg = f"DCP view holds rank {detail['rank']}'s local lengths; pass this rank's dcp_rank; {rows}"
+    elif rule == "wrong-interleave":
+        msg = (f"DCP view was computed with interleave {detail['interleave']}, the dump's is "
+               f"{c.cp_interleave} (check cp_kv_cache_interleave_size); {rows}")
+    else:
+        msg = rows
+    return _mk(d, i, rule, msg, **kw)
+
+
+def _page_finding(d: Dump, i: int, n_bad: int, j: int) -> Finding:
+    c = d.config
+    page = c.page_size
+    seq = int(d.seq_lens_of(i)[j])
+    local = local_of(seq, int(d["obs.rank"][i]), c.dcp_size, c.cp_interleave)  # Python ints: no numpy call
+    claimed, ok, glob = int(d.kv_pages_of(i)[j]), -(-local // page), -(-seq // page)
+    why = " = the global count: page counts were computed from the global length" if claimed == glob else ""
+    msg = (f"attention plan claims {claimed} pages for row {j}{why}; this rank owns {ok} "
+           f"(cdiv(local {local}, {page}))")
+    return _mk(d, i, "pages", msg, row=j, recorded=claimed, expected=ok, wrong_rows=n_bad,
+               detail={"claimed": claimed, "allowed": ok, "global": glob})
+
+
+def check_values(d: Dump, prov: Provenance, st: Stats) -> list[tuple[int, Finding]]:
+    """Wrong real rows (the scan's n_wrong): explained by provenance (stale, global, wrong-rank,
+    wrong-interleave) or a mismatch; `prov` has been prepared for these observations."""
+    return [(i, _value_finding(d, prov, i, n, j))
+            for i, n, j in every(d, zip(st.obs.tolist(), st.n_wrong.tolist(), st.first_wrong.tolist())) if n]
+
+
+def check_missing(d: Dump) -> list[tuple[int, Finding]]:
+    found = []
+    for i in np.flatnonzero(~d["obs.has_dcp"].astype(bool)):
+        msg = (f"dcp_local_seq_lens is None with dcp_size {d.config.dcp_size}; attention metadata would fail "
+               "with 'NoneType' object is not subscriptable")
+        found.append((int(i), _mk(d, i, "missing", msg)))
+    return found
+
+
+def check_padding(d: Dump, st: Stats) -> list[tuple[int, Finding]]:
+    found = []
+    for i, n, j in every(d, zip(st.obs.tolist(), st.n_pad.tolist(), st.first_pad.tolist())):
+        if n:
+            rec = int(d.dcp_of(i)[j])
+            msg = (f"padded row {j} holds {rec}, must be 0 "
+                   f"({n} bad padded row(s); rows >= num_reqs {int(d['obs.num_reqs'][i])})")
+            found.append((i, _mk(d, i, "padding", msg, row=j, recorded=rec, expected=0, wrong_rows=n)))
+    return found
+
+
+def check_shape(d: Dump) -> list[tuple[int, Finding]]:
+    found = []
+    has = d["obs.has_dcp"].astype(bool)
+    nrp = d["obs.num_reqs_padded"]
+    dlen = np.diff(d["obs.dcp_rows"])
+    for i in np.flatnonzero(has & (dlen != nrp)):
+        msg = f"DCP view has {int(dlen[i])} rows, must have num_reqs_padded = {int(nrp[i])}"
+        found.append((int(i), _mk(d, i, "shape", msg, detail={"length": int(dlen[i]),
+                                                              "expected_length": int(nrp[i])})))
+    return found
+
+
+def check_stray(d: Dump) -> list[tuple[int, Finding]]:
+    found = []
+    for i in np.flatnonzero(d["obs.has_dcp"].astype(bool)):
+        msg = "a DCP view is present with dcp_size 1; the engine should pass None"
+        found.append((int(i), _mk(d, i, "stray", msg)))
+    return found
+
+
+def check_pages(d: Dump, st: Stats) -> list[tuple[int, Finding]]:
+    return [(i, _page_finding(d, i, n, j))
+            for i, n, j in every(d, zip(st.obs.tolist(), st.n_pages.tolist(), st.first_pages.tolist())) if n]
+
+
+def findings_of(d: Dump, issues: list[Issue]) -> list[tuple[int, Finding]]:
+    return [(i, _mk(d, i, rule, text, **kw)) for i, rule, text, kw in issues]
+
+
+# --------------------------------------------------------------------------------------------
+# Rules across observations: shared buffers, all ranks adding up, micro-batch slicing
+
 CAPTURE, REPLAY = GraphMode.FULL_CAPTURE, GraphMode.FULL_REPLAY
 
 
-def where(d: Dump, i: int) -> str:
-    ub = int(d["obs.ubatch"][i])
-    return f"step {int(d['obs.step'][i])} {d.site_name(i)} rank {int(d['obs.rank'][i])}" + (
-        f" ubatch {ub}" if ub >= 0 else "")
 
 
 def _segments(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -61,9 +272,9 @@ def check_alias(d: Dump) -> list[Issue]:
         first = s[run]
         for k in np.flatnonzero(ub[s] != ub[first]):
             i, j = int(s[k]), int(first[k])
-            msg = (f"{where(d, i)}: micro-batch {int(ub[i])} reads the same DCP buffer as micro-batch {int(ub[j])} "
+            msg = (f"micro-batch {int(ub[i])} reads the same DCP buffer as micro-batch {int(ub[j])} "
                    f"(obs {int(d.file_obs[j])}); each micro-batch needs its own buffer")
-            out.append((i, "alias", msg, {"detail": {"buffer": int(buf[i]), "other_obs": int(d.file_obs[j])}}))
+            out.append(Issue(i, "alias", msg, {"detail": {"buffer": int(buf[i]), "other_obs": int(d.file_obs[j])}}))
     if "obs.graph" in d.columns:
         g = d["obs.graph"]
         sel = np.flatnonzero(((g == CAPTURE) | (g == REPLAY)) & (buf != 0))
@@ -86,9 +297,9 @@ def check_alias(d: Dump) -> list[Issue]:
             bad = np.flatnonzero((g[s] == REPLAY) & (last >= run) & (first_cap[pair[order]] > s))
             for k in bad:
                 i, j = int(s[k]), int(s[last[k]])
-                msg = (f"{where(d, i)}: full-graph replay reads DCP buffer {int(buf[i]):#x} but the graph was "
+                msg = (f"full-graph replay reads DCP buffer {int(buf[i]):#x} but the graph was "
                        f"captured on {int(buf[j]):#x} (obs {int(d.file_obs[j])}); the replay sees stale values")
-                out.append((i, "alias", msg, {"detail": {"buffer": int(buf[i]), "captured": int(buf[j]),
+                out.append(Issue(i, "alias", msg, {"detail": {"buffer": int(buf[i]), "captured": int(buf[j]),
                                                          "capture_obs": int(d.file_obs[j])}}))
     return out
 
@@ -164,9 +375,9 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
         group = mm[bounds[t] : bounds[t] + counts[t]]
         i, jr = int(group[-1]), int(rows[0])
         k = int(first_row[t]) + jr
-        msg = (f"{where(d, i)}: across the {N} ranks, local lengths of row {jr} add up to {int(total[k])}, "
+        msg = (f"across the {N} ranks, local lengths of row {jr} add up to {int(total[k])}, "
                f"not its seq_len {int(want[k])}")
-        out.append((i, "rank-sum", msg, {"row": jr, "recorded": int(total[k]), "expected": int(want[k]),
+        out.append(Issue(i, "rank-sum", msg, {"row": jr, "recorded": int(total[k]), "expected": int(want[k]),
                                          "wrong_rows": int(rows.size),
                                          "detail": {"obs": sorted(int(d.file_obs[x]) for x in group)}}))
     return out
@@ -246,9 +457,9 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue
     out: list[Issue] = []
     over = (r0 + nrp > qlen[p] - 1) | (r0 + nrp > np.diff(rows)[p])
     for i in cand[over]:
-        msg = (f"{where(d, int(i))}: requests [{int(rs[i])}, {int(rs[i]) + int(d['obs.num_reqs_padded'][i])}) run "
+        msg = (f"requests [{int(rs[i])}, {int(rs[i]) + int(d['obs.num_reqs_padded'][i])}) run "
                f"past the parent's {int(qlen[par[i]]) - 1}")
-        out.append((int(i), "ubatch-slice", msg, {"detail": {"field": "req_stop"}}))
+        out.append(Issue(int(i), "ubatch-slice", msg, {"detail": {"field": "req_stop"}}))
     ok = ~over
     cand, p, nrp, r0, ts0, te0 = cand[ok], p[ok], nrp[ok], r0[ok], ts0[ok], te0[ok]
     q = d["rows.query_start_loc"]
@@ -257,9 +468,9 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue
     bad_obs: dict[int, tuple] = {}
     bounds = _check_split_points(d, cand, engine_version) if parse_engine_version(engine_version) else {}
     for i, (field, _, rec, exp, k) in bounds.items():
-        msg = (f"{where(d, i)}: {field} is {rec}, but vLLM {engine_version} splits this batch (obs "
+        msg = (f"{field} is {rec}, but vLLM {engine_version} splits this batch (obs "
                f"{int(d.file_obs[par[i]])}) into {k} micro-batches with {field} {exp}")
-        out.append((i, "ubatch-slice", msg, {"recorded": rec, "expected": exp, "wrong_rows": 0,
+        out.append(Issue(i, "ubatch-slice", msg, {"recorded": rec, "expected": exp, "wrong_rows": 0,
                                              "detail": {"field": field, "parent_obs": int(d.file_obs[par[i]]),
                                                         "ubatches": k, "engine_version": engine_version}}))
     for k in np.flatnonzero(want_nr != d["obs.num_reqs"][cand]):
@@ -286,9 +497,39 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue
     for i in sorted(set(bad_obs) - set(bounds)):  # one finding per observation: the split is the first wrong
         field, row, rec, exp = bad_obs[i]
         k = idx[i]
-        msg = (f"{where(d, i)}: {field} disagrees with slicing the parent (obs {int(d.file_obs[p[k]])}) at requests "
+        msg = (f"{field} disagrees with slicing the parent (obs {int(d.file_obs[p[k]])}) at requests "
                f"[{int(r0[k])}, {int(r0[k] + nrp[k])}) tokens [{int(ts0[k])}, {int(te0[k])}): "
                + (f"row {row} is {rec}, slicing gives {exp}" if row is not None else f"{rec}, slicing gives {exp}"))
-        out.append((i, "ubatch-slice", msg, {"row": row, "recorded": rec, "expected": exp, "wrong_rows": 1,
+        out.append(Issue(i, "ubatch-slice", msg, {"row": row, "recorded": rec, "expected": exp, "wrong_rows": 1,
                                              "detail": {"field": field, "parent_obs": int(d.file_obs[p[k]])}}))
     return out
+
+
+def merge_split_findings(d: Dump, findings: list[Finding], splits: list) -> list[Finding]:
+    """Recorded micro-batches of a re-split batch (`--split`: replay.Split) must match the split
+    (else `ubatch-slice`)."""
+    if not d.has("obs.parent") or not splits:
+        return findings
+    by_parent = {(s.parent, s.ubatch): s for s in splits}
+    have = {(f.index, f.rule) for f in findings}
+    extra = []
+    k = max(x.ubatch for x in splits) + 1
+    par, ub = d["obs.parent"], d["obs.ubatch"]
+    for i in np.flatnonzero((ub >= 0) & (par >= 0)):
+        s = by_parent.get((int(par[i]), int(ub[i])))
+        if s is None or (int(i), "ubatch-slice") in have:
+            continue
+        got = {"num_reqs_padded": int(d["obs.num_reqs_padded"][i]), "num_reqs": int(d["obs.num_reqs"][i])}
+        for key, attr in (("obs.req_start", "req_start"), ("obs.tok_start", "tok_start"), ("obs.tok_stop", "tok_stop")):
+            if d.has(key) and d[key][i] >= 0:
+                got[attr] = int(d[key][i])
+        bad = first_disagreement(got, d.seq_lens_of(i)[: int(d["obs.num_reqs_padded"][i])], s.ub)
+        if bad:
+            f, rec, want = bad
+            msg = (f"recorded micro-batch disagrees with --split {k} of its parent "
+                   f"(obs {s.parent_obs}): {f} is {rec}, the split gives {want}")
+            detail = {"field": f, "parent_obs": s.parent_obs, "split": True}
+            extra.append(_mk(d, i, "ubatch-slice", msg, detail=detail))
+    if not extra:
+        return findings
+    return sorted(findings + extra, key=lambda f: (f.index, RULE_ORDER[f.rule]))
