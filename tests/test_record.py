@@ -77,3 +77,170 @@ def test_recorder_writes_the_columns_pack_writes(tmp_path):
     assert sorted(got) == sorted(want)
     for k in want:
         assert np.array_equal(got[k], want[k]), k
+
+
+# --------------------------------------------------------------------------------------------
+# No silent loss (issue 12 item 5): one recording per path, threads, scalars that are not integers
+
+CHILD = """
+import sys, warnings
+import numpy as np
+from dcptool.record import Recorder
+warnings.simplefilter("always")
+r = Recorder(sys.argv[1], 2, force=True)  # as the vLLM plugin: force, an engine is not stopped for old files
+for i in range(5):
+    r.observe(step=100 + i, site="child", rank=1, seq_lens=np.array([i + 1], np.int32), num_reqs=1, num_reqs_padded=1)
+print(r.close()[0])
+"""
+
+
+def test_two_processes_on_one_path_both_keep_their_recording(tmp_path):
+    """While this process records to run.safetensors, a second process (force=True, like the vLLM
+    plugin) recording to the same path exits 0 as before, but into its own file and with a warning;
+    both recordings are complete (today one of them was gone)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    path = tmp_path / "run.safetensors"
+    rec = Recorder(path, dcp_size=2)
+    rec.observe(step=0, site="parent", rank=0, seq_lens=[7], num_reqs=1, num_reqs_padded=1)
+    p = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    other = tmp_path / p.stdout.strip().rsplit("/", 1)[-1]
+    assert other.name.startswith("run.p") and other.name.endswith(".safetensors") and other != path
+    assert "is being recorded by another Recorder" in p.stderr and other.name in p.stderr
+    assert rec.close() == [path] and rec.path == path
+    mine, theirs = read_dump(path), read_dump(other)
+    assert mine.n == 1 and mine.config.sites == ("parent",)
+    assert theirs.n == 5 and theirs["obs.step"].tolist() == [100, 101, 102, 103, 104]
+
+
+def test_second_recorder_in_one_process_is_separated_and_the_name_is_free_after_close(tmp_path):
+    path = tmp_path / "r.safetensors"
+    a = Recorder(path, dcp_size=2)
+    with pytest.warns(RuntimeWarning, match="being recorded by another Recorder"):
+        b = Recorder(path, dcp_size=2, force=True)
+    assert b.path != path and b.requested_path == path and b.path.parent == tmp_path
+    a.observe(step=0, site="a", rank=0, seq_lens=[1], num_reqs=1, num_reqs_padded=1)
+    b.observe(step=0, site="b", rank=0, seq_lens=[2], num_reqs=1, num_reqs_padded=1)
+    b.close()
+    a.close()
+    assert read_dump(path).config.sites == ("a",) and read_dump(b.path).config.sites == ("b",)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nobody holds the path now: no separation, no warning
+        Recorder(path, dcp_size=2, force=True).close()
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted(["r.safetensors", b.path.name])  # no lock files
+
+
+def test_a_file_someone_else_wrote_is_never_replaced_at_a_write(tmp_path):
+    """Checked at every write, not only at construction: a file that appeared at our next target
+    (a writer that is no Recorder) stays, and our observations go to a separate name."""
+    from dcptool.dump import write_observations
+
+    path = tmp_path / "run.safetensors"
+    rec = Recorder(path, dcp_size=2, rollover=2)
+    for k in range(2):
+        rec.observe(step=k, site="mine", rank=0, seq_lens=[k + 1], num_reqs=1, num_reqs_padded=1)
+    assert rec.files == [tmp_path / "run.00000.safetensors"]
+    write_observations(tmp_path / "run.00001.safetensors", [obs(step=9, site="theirs")], DumpConfig(dcp_size=2))
+    with pytest.warns(RuntimeWarning, match=r"run\.00001\.safetensors was written by another writer"):
+        for k in range(2, 5):
+            rec.observe(step=k, site="mine", rank=0, seq_lens=[k + 1], num_reqs=1, num_reqs_padded=1)
+    files = rec.close()
+    assert read_dump(tmp_path / "run.00001.safetensors").config.sites[0] == "theirs"  # untouched
+    assert files[0].name == "run.00000.safetensors" and all(f.name.startswith("run.p") for f in files[1:])
+    d = open_dumps(files)
+    assert d.n == 5 and sorted(d["obs.step"].tolist()) == [0, 1, 2, 3, 4] and rec.write_errors == 0
+
+
+def test_threads_sharing_one_recorder_with_rollover(tmp_path):
+    """4 threads x 20,000 observations, rolling every 1,000: distinct indices, no drop, and the files
+    hold exactly what was observed, parents included (today a ValueError reached the engine and
+    indices repeated)."""
+    import threading
+
+    T, N = 4, 20_000
+    rec = Recorder(tmp_path / "t.safetensors", dcp_size=T, rollover=1000)
+    got: list[list[int]] = [[] for _ in range(T)]
+    start = threading.Barrier(T)
+
+    def work(t: int) -> None:
+        start.wait()
+        prev = None
+        for i in range(N):
+            prev = rec.observe(step=t * N + i, site=f"thread{t}", rank=t, seq_lens=np.array([t + 1, i], np.int32),
+                               num_reqs=2, num_reqs_padded=2, parent=prev if i % 2 else None)
+            got[t].append(prev)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(T)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        files = rec.close()
+    idx = np.concatenate([np.array(g) for g in got])
+    assert rec.dropped == 0 and np.array_equal(np.sort(idx), np.arange(T * N))
+    assert len(files) == T * N // 1000
+    d = open_dumps(files)
+    assert d.n == T * N
+    step, rank = d["obs.step"].astype(np.int64), d["obs.rank"]
+    rows = d["rows.seq_lens"].reshape(-1, 2)
+    assert np.array_equal(np.sort(step), np.arange(T * N))  # every observation once
+    assert np.array_equal(rows[:, 0], rank + 1) and np.array_equal(rows[:, 1], step - rank * N)
+    # each file's observation k is global index (file start + k): the index observe() returned for it
+    order = np.empty(T * N, np.int64)
+    order[idx] = np.concatenate([t * N + np.arange(N) for t in range(T)])
+    per_file = [read_dump(f) for f in files]
+    assert np.array_equal(np.concatenate([f["obs.step"] for f in per_file]), order)
+    start_of = 0
+    for f in per_file:  # a parent is the same thread's previous observation, or -1 in an earlier file
+        par = f["obs.parent"].astype(np.int64)
+        s = f["obs.step"].astype(np.int64)
+        has = par >= 0
+        assert np.array_equal(s[par[has]], s[has] - 1)
+        odd = (s % 2 == 1) & ~has
+        assert np.all(idx_of(order, s[odd] - 1) < start_of)  # its parent went to an earlier file
+        start_of += f.n
+
+
+def idx_of(order: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """The global index of the observations with these steps."""
+    inv = np.empty_like(order)
+    inv[order] = np.arange(order.size)
+    return inv[steps]
+
+
+@pytest.mark.parametrize("bad", [dict(step=1.9), dict(rank="1"), dict(rank=1.0), dict(num_reqs=np.float64(1.0)),
+                                 dict(num_reqs_padded=True), dict(ubatch=np.bool_(False)), dict(parent=0.5),
+                                 dict(graph=2.0), dict(tok_start="0"), dict(buffer=1.5),
+                                 dict(step=torch.tensor(1.0)), dict(num_reqs=torch.tensor([1]))])
+def test_scalars_that_are_not_integers_are_dropped_not_coerced(tmp_path, bad):
+    rec = Recorder(tmp_path / "r.safetensors", dcp_size=2)
+    rec.observe(step=0, site="x", rank=0, seq_lens=[3], num_reqs=1, num_reqs_padded=1)
+    kw = dict(step=1, site="x", rank=1, seq_lens=[5], num_reqs=1, num_reqs_padded=1)
+    with pytest.warns(RuntimeWarning, match="must be an integer"):
+        assert rec.observe(**{**kw, **bad}) == -1
+    assert rec.observe_many(**{**{k: v for k, v in kw.items() if k != "rank"}, "ranks": [0, "1"]}) == [-1, -1]
+    assert rec.dropped == 3
+    rec.close()
+    assert read_dump(tmp_path / "r.safetensors")["obs.step"].tolist() == [0]
+
+
+def test_numpy_and_host_tensor_integers_are_integers(tmp_path):
+    """The must-not-trigger side: numpy integer scalars (any width) and 0-d integer host tensors."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Recorder(tmp_path / "r.safetensors", dcp_size=2) as rec:
+            i = rec.observe(step=np.int64(2**40), site="x", rank=np.int32(1), seq_lens=[5, 0], num_reqs=np.uint8(1),
+                            num_reqs_padded=torch.tensor(2), ubatch=np.int16(-1), graph=np.int8(3))
+            rec.observe(step=1, site="x", rank=0, seq_lens=[5], num_reqs=1, num_reqs_padded=1, parent=np.int64(i),
+                        tok_start=np.int32(0), buffer=np.uint64(7))
+    d = read_dump(tmp_path / "r.safetensors")
+    assert rec.dropped == 0 and d["obs.step"].tolist() == [2**40, 1] and d["obs.parent"].tolist() == [-1, 0]
+    assert d["obs.rank"].tolist() == [1, 0] and d["obs.graph"].tolist() == [3, 0]
