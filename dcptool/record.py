@@ -136,18 +136,25 @@ class _Slot:
 
 
 class _HostEvent:
-    """The test ring's stand-in for a CUDA event: done at once, unless a test holds it back."""
+    """The host ring's stand-in for a CUDA event (CPU tests): done at once, unless a test sets `hold`;
+    synchronize() finishes it (and counts the wait)."""
 
     hold = False
+    waits = 0
+
+    def __init__(self):
+        self.done = True
 
     def record(self, stream=None) -> None:
-        pass
+        self.done = not _HostEvent.hold
 
     def query(self) -> bool:
-        return not _HostEvent.hold
+        return self.done or not _HostEvent.hold  # (released: the "GPU" caught up)
 
     def synchronize(self) -> None:
-        _HostEvent.hold = False
+        if not self.done:
+            _HostEvent.waits += 1
+        self.done = True
 
 
 class _SnapshotRing:
@@ -598,7 +605,7 @@ class Recorder:
             raise ValueError("negative seq_lens")
         nq = ns[2] if ns[2] >= 0 else host[2].size if host[2] is not None else None
         if nq is not None and nq != rows + 1:  # of no use to replay (as on the host path)
-            ns[2], host[2], args[8] = -1, None, -1
+            ns[2], host[2], args[11] = -1, None, -1
         kv = ns[3] if ns[3] >= 0 else host[3].size if host[3] is not None else None
         self._check_shared(vals, site, kv, rows)
         words = (HEADER + sum(n for n in ns if n > 0) + 7) & ~7
@@ -619,6 +626,9 @@ class Recorder:
             start = self._room(ring, words)
             raw = torch._C._cuda_getCurrentRawStream(device) if ring.device is not None else 0
             args[0] = ring.base + 4 * start
+            for k in range(4):
+                if ns[k] < 0:  # absent: any valid address keeps the argument an int64 (one compiled kernel)
+                    args[4 + 3 * k], args[5 + 3 * k] = ring.base, -1
             args[1] = index & 0x7FFFFFFF
             args[2] = nr
             args[3] = nrp
@@ -766,10 +776,10 @@ class Recorder:
             return self.path
         return self.path.with_name(f"{self.path.stem}.{len(self.files):05d}{self.path.suffix or '.safetensors'}")
 
-    def _pack(self) -> tuple[dict[str, np.ndarray], list | None]:
-        """The observations since the last file, as dump columns (site indices stable across rolled files),
-        and the file row of each kept observation (None when all were kept)."""
-        vals, sites, rows = self._vals, self._sites, self._rows
+    def _pack(self, n: int) -> tuple[dict[str, np.ndarray], list | None]:
+        """The first n observations since the last file, as dump columns (site indices stable across rolled
+        files), and the file row of each kept observation (None when all were kept)."""
+        vals, sites, rows = self._vals[:n], self._sites[:n], self._rows[:n]
         fs = self._file_start
         where = None
         if any(r is None for r in rows):  # dropped at harvest: renumber the rest and their parents
@@ -796,10 +806,11 @@ class Recorder:
         self.config, cols = columns(self.config, sites, cv, cr)
         return cols, where
 
-    def _write_current(self) -> None:
+    def _write_current(self, n: int | None = None) -> None:
+        """Write the first n observations kept (all by default) to the next file."""
         target = self._target()
-        n = len(self._sites)
-        cols, where = self._pack()
+        n = len(self._sites) if n is None else n
+        cols, where = self._pack(n)
         injected = None
         if self.injected is not None:
             lo, hi = self._file_start, self._file_start + n
@@ -816,17 +827,21 @@ class Recorder:
         self._stale = []
         self.files.append(target)
         self._file_start += n
-        self._vals, self._sites, self._rows = [], [], []
+        self._vals, self._sites, self._rows = self._vals[n:], self._sites[n:], self._rows[n:]
 
     def _flush(self, *, raise_errors: bool) -> None:
-        if self._ring is not None and self._ring.pending:  # device values of this file still in flight
+        n = None
+        ring = self._ring
+        if ring is not None and ring.pending:  # device values still in flight: write the observations before
             self._harvest(wait=raise_errors)
-            if self._ring.pending:
-                self._ring.fence(self._count)
-                self._retry_at = len(self._sites) + FENCE_EVERY  # write once they have landed
-                return
+            if ring.pending:
+                ring.fence(self._count)  # (so that they land soon)
+                n = ring.pending[0].index - self._file_start
+                if n == 0:
+                    self._retry_at = len(self._sites) + FENCE_EVERY  # try again once some have landed
+                    return
         try:
-            self._write_current()
+            self._write_current(n)
         except (OSError, DumpError) as e:
             self.write_errors += 1
             self.last_error = str(e)

@@ -244,3 +244,182 @@ def test_numpy_and_host_tensor_integers_are_integers(tmp_path):
     d = read_dump(tmp_path / "r.safetensors")
     assert rec.dropped == 0 and d["obs.step"].tolist() == [2**40, 1] and d["obs.parent"].tolist() == [-1, 0]
     assert d["obs.rank"].tolist() == [1, 0] and d["obs.graph"].tolist() == [3, 0]
+
+
+# --------------------------------------------------------------------------------------------
+# The device snapshot (issue 13 item 4), on the CPU: the kernel under the Triton interpreter and the
+# ring's logic with host tensors standing in for CUDA ones (the CUDA tests below use the real thing)
+
+from dcptool import record as R  # noqa: E402
+
+
+@pytest.mark.kernel
+def test_snapshot_kernel_slot_layout():
+    """One launch: header (seqno, num_reqs, num_reqs_padded, the four lengths, flags) then the
+    sections back to back; int64 sources narrowed with an overflow flag, unaligned views, absent
+    sections (-1) taking no room, a section longer than one block."""
+    from dcptool.kernel import SNAP_BLOCK, SNAP_HEADER, snapshot_kernel
+
+    assert SNAP_HEADER == R.HEADER
+    k = snapshot_kernel()
+    g = torch.Generator().manual_seed(5)
+    seq = torch.randint(0, 1 << 20, (SNAP_BLOCK * 2 + 37,), generator=g, dtype=torch.int32)
+    dcp64 = torch.randint(0, 1 << 20, (9,), generator=g, dtype=torch.int64)
+    base = torch.arange(10, dtype=torch.int32)
+    qsl = base[3:]  # unaligned: starts 12 bytes into its storage
+    n = seq.numel()
+    ring = torch.full((R.HEADER + n + 9 + 7 + 16,), -7, dtype=torch.int32)
+    r = ring.data_ptr()
+
+    def launch(seqno, dcp, flags_want):
+        ring.fill_(-7)
+        k[(1,)](r, seqno, 3, n, seq.data_ptr(), n, 0, dcp.data_ptr(), dcp.numel(), 1, qsl.data_ptr(), 7, 0,
+                r, -1, 0)
+        got = ring.numpy()
+        assert got[:8].tolist() == [seqno, 3, n, n, dcp.numel(), 7, -1, flags_want]
+        assert np.array_equal(got[8:8 + n], seq.numpy())
+        assert np.array_equal(got[8 + n:8 + n + 9], dcp.numpy().astype(np.int32))
+        assert got[8 + n + 9:8 + n + 16].tolist() == list(range(3, 10))
+        assert (got[8 + n + 16:] == -7).all()  # nothing past the slot
+
+    launch(41, dcp64, 0)
+    wide = dcp64.clone()
+    wide[4] = 2**33 + 5  # narrowed to 5 in the slot, flagged: the harvest drops the observation
+    launch(42, wide, 1)
+    neg = seq.clone()
+    seq[7] = -1
+    launch(43, dcp64, 2)
+    seq.copy_(neg)
+
+
+def _obs_stream(n: int, seed: int):
+    """Varied observations as an engine hands them over (host tensors here; CUDA in the GPU tests)."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        rows = int(rng.integers(1, 400))
+        nr = int(rng.integers(0, rows + 1))
+        seq = torch.from_numpy(rng.integers(0, 1 << 20, rows).astype(np.int32 if i % 5 else np.int64))
+        kw = dict(step=i // 4, site=("attn_metadata", "ubatch", "dummy")[i % 3], rank=i % 2, seq_lens=seq,
+                  num_reqs=nr, num_reqs_padded=rows, ubatch=0 if i % 3 == 1 else -1,
+                  parent=i - 1 if i % 3 == 1 else None)
+        if i % 7:
+            view = torch.from_numpy(rng.integers(0, 1 << 19, 2 * rows).astype(np.int32))
+            kw["dcp_local_seq_lens"] = view[::2] if i % 4 == 0 else view[1:rows + 1]  # strided / unaligned
+        q = np.concatenate([[0], np.cumsum(rng.integers(0, 3, rows))]).astype(np.int32)
+        kw["query_start_loc"] = q if i % 2 else torch.from_numpy(q)  # numpy: the host holds it (mixed)
+        if i % 6 == 0:
+            kw["kv_pages"] = torch.from_numpy(rng.integers(0, 50, rows).astype(np.int32))
+        if i % 11 == 0:
+            kw["query_start_loc"] = torch.zeros(rows, dtype=torch.int32)  # wrong length: not recorded
+        yield kw
+
+
+def _columns(files):
+    d = open_dumps(files)
+    return {k: np.asarray(v) for k, v in d.columns.items()}
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("ring_words", [4096, 1 << 16])
+def test_ring_records_what_the_host_path_records(tmp_path, ring_words):
+    """Through the ring (wrapping many times with 4,096 words) or the host path: the same file."""
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16)
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16)
+    ring = b._use_host_ring(ring_words)
+    for kw in _obs_stream(150, 3):
+        assert a.observe(**kw) == b.observe(**kw)
+    fa, fb = a.close(), b.close()
+    assert a.dropped == b.dropped == 0 and not ring.pending and ring.np.size == ring_words
+    ca, cb = _columns(fa), _columns(fb)
+    assert sorted(ca) == sorted(cb)
+    for key in ca:
+        assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
+
+
+@pytest.mark.kernel
+def test_a_full_ring_waits_and_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(R._HostEvent, "hold", True)  # no launch finishes until waited for
+    monkeypatch.setattr(R._HostEvent, "waits", 0)
+    rec = Recorder(tmp_path / "w.safetensors", dcp_size=2)
+    rec._use_host_ring(1024)
+    seen = []
+    for i in range(12):
+        seen.append(np.arange(i, i + 300, dtype=np.int32))
+        assert rec.observe(step=i, site="x", rank=0, seq_lens=torch.from_numpy(seen[-1]), num_reqs=300,
+                           num_reqs_padded=300) == i
+    assert R._HostEvent.waits == 3  # 3 slots of 312 words fit: the 4th, 7th and 10th waited for those before
+    rec.close()
+    d = read_dump(tmp_path / "w.safetensors")
+    assert rec.dropped == 0 and d.n == 12 and all(np.array_equal(d.seq_lens_of(i), seen[i]) for i in range(12))
+
+
+@pytest.mark.kernel
+def test_a_full_ring_drops_and_counts_when_told_to(tmp_path, monkeypatch):
+    monkeypatch.setattr(R._HostEvent, "hold", True)
+    rec = Recorder(tmp_path / "d.safetensors", dcp_size=2, ring_full="drop")
+    rec._use_host_ring(1024)
+    with pytest.warns(RuntimeWarning, match="snapshot ring is full"):
+        got = [rec.observe(step=i, site="x", rank=0, seq_lens=torch.full((300,), i, dtype=torch.int32),
+                           num_reqs=300, num_reqs_padded=300) for i in range(6)]
+    assert got == [0, 1, 2, -1, -1, -1] and rec.ring_drops == rec.dropped == 3
+    rec.close()
+    d = read_dump(tmp_path / "d.safetensors")
+    assert d.n == 3 and [int(d.seq_lens_of(i)[0]) for i in range(3)] == [0, 1, 2]  # the kept ones, intact
+
+
+@pytest.mark.kernel
+def test_device_values_that_cannot_be_stored_are_dropped_at_harvest(tmp_path):
+    """A negative seq_len or an int64 value int32 cannot hold is only seen when the slot is
+    harvested: that observation is dropped and counted, the others keep their rows, and a parent
+    pointing at a dropped one becomes unknown."""
+    rec = Recorder(tmp_path / "h.safetensors", dcp_size=2)
+    rec._use_host_ring()
+    t = torch.tensor
+    with pytest.warns(RuntimeWarning, match="int32 cannot hold"):
+        i0 = rec.observe(step=0, site="x", rank=0, seq_lens=t([5, 6], dtype=torch.int32), num_reqs=2,
+                         num_reqs_padded=2)
+        i1 = rec.observe(step=0, site="x", rank=0, seq_lens=t([5, 2**31], dtype=torch.int64), num_reqs=2,
+                         num_reqs_padded=2)
+        i2 = rec.observe(step=0, site="y", rank=0, seq_lens=t([8], dtype=torch.int32), num_reqs=1,
+                         num_reqs_padded=1, parent=i1)
+        i3 = rec.observe(step=1, site="y", rank=1, seq_lens=t([-3, 4], dtype=torch.int32), num_reqs=2,
+                         num_reqs_padded=2, parent=i0)
+        i4 = rec.observe(step=1, site="y", rank=1, seq_lens=t([9], dtype=torch.int32), num_reqs=1,
+                         num_reqs_padded=1, parent=i2, dcp_local_seq_lens=t([2**40], dtype=torch.int64))
+        i5 = rec.observe(step=2, site="y", rank=1, seq_lens=t([9], dtype=torch.int64), num_reqs=1,
+                         num_reqs_padded=1, parent=i2, dcp_local_seq_lens=t([-1], dtype=torch.int64))
+        rec.close()
+    assert [i0, i1, i2, i3, i4, i5] == list(range(6)) and rec.dropped == 3 and len(rec) == 3
+    d = read_dump(tmp_path / "h.safetensors")
+    assert d.n == 3 and d["obs.step"].tolist() == [0, 0, 2] and d["obs.parent"].tolist() == [-1, -1, 1]
+    assert d.dcp_of(2).tolist() == [-1]  # a -1 sentinel in the view is a finding to record, not a bad value
+
+
+@pytest.mark.kernel
+def test_rollover_waits_for_the_slots_of_its_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(R._HostEvent, "hold", True)
+    rec = Recorder(tmp_path / "r.safetensors", dcp_size=2, rollover=3)
+    rec._use_host_ring()
+    for i in range(10):
+        rec.observe(step=i, site="x", rank=0, seq_lens=torch.tensor([i], dtype=torch.int32), num_reqs=1,
+                    num_reqs_padded=1)
+    assert rec.files == []  # their values are still in flight: the write waits, the engine does not
+    monkeypatch.setattr(R._HostEvent, "hold", False)
+    for i in range(10, 80):
+        rec.observe(step=i, site="x", rank=0, seq_lens=torch.tensor([i], dtype=torch.int32), num_reqs=1,
+                    num_reqs_padded=1)
+    assert len(rec.files) >= 2
+    files = rec.close()
+    d = open_dumps(files)
+    assert d.n == 80 and d["rows.seq_lens"].tolist() == list(range(80)) and rec.write_errors == 0
+
+
+def test_nothing_is_recorded_inside_cuda_graph_capture(tmp_path):
+    rec = Recorder(tmp_path / "c.safetensors", dcp_size=2)
+    rec._dev = lambda x: isinstance(x, torch.Tensor)
+    rec._capturing = lambda: True
+    assert rec.observe(step=0, site="capture", rank=0, seq_lens=torch.tensor([3]), num_reqs=1,
+                       num_reqs_padded=1) == -1
+    assert rec.observe(step=0, site="x", rank=0, seq_lens=np.array([3]), num_reqs=1, num_reqs_padded=1) == 0
+    rec.close()
+    assert rec.skipped_capture == 1 and rec.dropped == 0 and read_dump(tmp_path / "c.safetensors").n == 1
