@@ -50,6 +50,7 @@ from dcptool.dump import (
     write_dump,
 )
 
+_INT_OR_NONE = (int, type(None))
 GRAPH = {"eager": 0, "piecewise": 1, "capture": 2, "full-capture": 2, "replay": 3, "full-replay": 3}
 _I64 = 2**63 - 1
 HEADER = 8  # = kernel.SNAP_HEADER (kept here so record.py needs no triton to describe a slot)
@@ -419,6 +420,13 @@ class Recorder:
     def _scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start, tok_stop,
                  num_tokens_padded, buffer, graph) -> tuple:
         """dump.FIELDS as Python ints (checked: never coerced); parent None when unknown."""
+        if (type(step) is int and type(rank) is int and type(ubatch) is int and type(num_reqs) is int
+                and type(num_reqs_padded) is int and type(parent) in _INT_OR_NONE and type(req_start) in _INT_OR_NONE
+                and type(tok_start) in _INT_OR_NONE and type(tok_stop) in _INT_OR_NONE
+                and type(num_tokens_padded) in _INT_OR_NONE and type(buffer) in _INT_OR_NONE
+                and type(graph) in _INT_OR_NONE):  # what engines pass: no conversion needed
+            return (step, rank, ubatch, num_reqs, num_reqs_padded, None if parent is None or parent < 0 else parent,
+                    req_start, tok_start, tok_stop, num_tokens_padded, buffer, graph)
         p = _opt(parent, "parent")
         g = GRAPH[graph] if isinstance(graph, str) else _opt(graph, "graph")
         return (_int(step, "step"), _int(rank, "rank"), _int(ubatch, "ubatch"), _int(num_reqs, "num_reqs"),
@@ -437,7 +445,9 @@ class Recorder:
         try:
             dev = self._dev
             srcs = (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)
-            if dev(seq_lens) or dev(dcp_local_seq_lens) or dev(query_start_loc) or dev(kv_pages):
+            on = (type(seq_lens) is not np.ndarray and dev(seq_lens), dev(dcp_local_seq_lens), dev(query_start_loc),
+                  kv_pages is not None and dev(kv_pages))
+            if on[0] or on[1] or on[2] or on[3]:
                 if self._capturing():
                     with self._lock:
                         self.skipped_capture += 1
@@ -447,7 +457,7 @@ class Recorder:
                 vals = self._scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
                                      tok_stop, num_tokens_padded, buffer, graph)
                 if self.cuda_mode == "async":
-                    got = self._observe_device(vals, site, srcs)
+                    got = self._observe_device(vals, site, srcs, on)
                     if got is not None:
                         return got
             else:
@@ -537,8 +547,8 @@ class Recorder:
 
     @staticmethod
     def _capturing() -> bool:
-        torch = sys.modules.get("torch")
-        return torch is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        """Inside CUDA-graph capture on the current stream (only asked once a CUDA tensor was seen)."""
+        return sys.modules["torch"].cuda.is_current_stream_capturing()
 
     def _drop(self, e: Exception, n: int = 1) -> None:
         with self._lock:
@@ -561,9 +571,10 @@ class Recorder:
 
     # ---- the device path -------------------------------------------------------------------------
 
-    def _observe_device(self, vals: tuple, site: str, srcs: tuple) -> int | None:
+    def _observe_device(self, vals: tuple, site: str, srcs: tuple, on: tuple) -> int | None:
         """Snapshot the observation's CUDA tensors in one launch; None: take the host path instead."""
         torch = sys.modules["torch"]
+        i32, i64 = torch.int32, torch.int64
         ns = [-1, -1, -1, -1]
         host: list = [None, None, None, None]
         args = [0, 0, 0, 0, 0, -1, 0, 0, -1, 0, 0, -1, 0, 0, -1, 0]  # (see kernel._snapshot_kernel)
@@ -571,28 +582,26 @@ class Recorder:
         keep = []  # converted copies: alive until the launch is queued (their memory is reused in stream order)
         for k in range(4):
             x = srcs[k]
-            if x is None:
-                continue
-            if not self._dev(x):
-                host[k] = _host_fast(x)
+            if not on[k]:
+                if x is not None:
+                    host[k] = _host_fast(x)
                 continue
             d = x.get_device()
             if device is None:
                 device = d
             elif d != device:
                 return None  # tensors on two devices: the host path copies them
-            if x.dim() != 1:
-                x = x.reshape(-1)
             dt = x.dtype
-            if dt is torch.int64:
-                args[6 + 3 * k] = 1
-            elif dt is not torch.int32:
-                if not _torch_int(dt):
-                    raise ValueError(f"integer values expected, got dtype {dt}")
-                x = x.to(torch.int32)  # a narrow integer type (no value can be lost); stays on the stream
-            if not x.is_contiguous():
-                x = x.contiguous()
-            if x is not srcs[k]:
+            if dt is not i32 or x.dim() != 1 or not x.is_contiguous():  # (the common case skips all of this)
+                x = x.reshape(-1)
+                if dt is i64:
+                    args[6 + 3 * k] = 1
+                elif dt is not i32:
+                    if not _torch_int(dt):
+                        raise ValueError(f"integer values expected, got dtype {dt}")
+                    x = x.to(i32)  # a narrow integer type (no value can be lost); stays on the stream
+                if not x.is_contiguous():
+                    x = x.contiguous()
                 keep.append(x)
             ns[k] = n = x.numel()
             args[4 + 3 * k] = x.data_ptr()
@@ -767,6 +776,7 @@ class Recorder:
         from dcptool import kernel as K
 
         self._dev = lambda x: isinstance(x, torch.Tensor)
+        self._capturing = lambda: False  # (a CPU build of torch has no capture to ask about)
         self._ring = _SnapshotRing(words, None)
         self._ring.kernel = K.snapshot_kernel()
         return self._ring

@@ -423,3 +423,114 @@ def test_nothing_is_recorded_inside_cuda_graph_capture(tmp_path):
     assert rec.observe(step=0, site="x", rank=0, seq_lens=np.array([3]), num_reqs=1, num_reqs_padded=1) == 0
     rec.close()
     assert rec.skipped_capture == 1 and rec.dropped == 0 and read_dump(tmp_path / "c.safetensors").n == 1
+
+
+# --------------------------------------------------------------------------------------------
+# The device snapshot on a GPU
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_observe_does_not_wait_and_keeps_the_values_of_observe_time(tmp_path):
+    dev = torch.device("cuda")
+    seq = torch.arange(1, 257, dtype=torch.int32, device=dev)
+    dcp = (seq // 2).to(torch.int32)
+    qsl = torch.arange(257, dtype=torch.int32, device=dev)
+    rec = Recorder(tmp_path / "a.safetensors", dcp_size=2)
+    kw = dict(site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
+              dcp_local_seq_lens=dcp, query_start_loc=qsl)
+    rec.observe(step=0, **kw)  # the first one starts the ring (and checks the kernel once, synchronously)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising torch call raises from here on
+    try:
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of queued GPU work ahead of the snapshot
+        assert rec.observe(step=1, **kw) == 1
+        busy = not torch.cuda.current_stream().query()
+        seq.fill_(12345)  # the engine overwrites its buffers right after the build (queued behind it)
+        dcp.fill_(77)
+        for i in range(2, 70):  # enough for a fence and a harvest attempt inside observe()
+            rec.observe(step=i, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert busy  # observe() returned while the GPU was still sleeping: it did not wait for the stream
+    rec.close()
+    d = read_dump(tmp_path / "a.safetensors")
+    assert rec.dropped == 0 and d.n == 69
+    want = np.arange(1, 257, dtype=np.int32)
+    assert np.array_equal(d.seq_lens_of(1), want) and np.array_equal(d.dcp_of(1), want // 2)
+    q = d["obs.qsl"]
+    assert np.array_equal(d["rows.query_start_loc"][q[1]:q[2]], np.arange(257))
+    assert (d.seq_lens_of(2) == 12345).all() and (d.dcp_of(68) == 77).all()
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("ring_bytes", [16 << 10, 4 << 20])
+def test_cuda_snapshot_records_what_the_synchronous_copy_records(tmp_path, ring_bytes):
+    """Varied CUDA observations (int64, strided and unaligned views, host parts, wrong lengths, a ring
+    small enough to wrap and grow): the same file as cuda_mode="sync"."""
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16, cuda_mode="sync")
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16, ring_bytes=ring_bytes)
+    for kw in _obs_stream(300, 4):
+        kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        if isinstance(kw.get("dcp_local_seq_lens"), torch.Tensor) and kw["step"] % 2:
+            full = torch.zeros(2 * kw["num_reqs_padded"] + 1, dtype=torch.int32, device="cuda")
+            full[1:2 * kw["num_reqs_padded"] + 1:2] = kw["dcp_local_seq_lens"]
+            kw["dcp_local_seq_lens"] = full[1::2]  # unaligned and strided on the device
+        assert a.observe(**kw) == b.observe(**kw)
+    fa, fb = a.close(), b.close()
+    assert a.dropped == b.dropped == 0 and b._ring is not None and not b._ring.pending
+    ca, cb = _columns(fa), _columns(fb)
+    assert sorted(ca) == sorted(cb)
+    for key in ca:
+        assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_graph_capture_records_nothing_and_counts_it(tmp_path):
+    seq = torch.arange(1, 9, dtype=torch.int32, device="cuda")
+    rec = Recorder(tmp_path / "g.safetensors", dcp_size=2)
+    rec.observe(step=0, site="x", rank=0, seq_lens=seq, num_reqs=8, num_reqs_padded=8)
+    out = seq * 2
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = seq * 2
+        assert rec.observe(step=1, site="capture", rank=0, seq_lens=seq, num_reqs=8, num_reqs_padded=8) == -1
+    seq.add_(1)
+    g.replay()  # the capture is intact (a host copy inside it would have invalidated it)
+    torch.cuda.synchronize()
+    assert out.tolist() == [2 * (i + 1) for i in range(1, 9)]
+    rec.close()
+    assert rec.skipped_capture == 1 and rec.dropped == 0 and read_dump(tmp_path / "g.safetensors").n == 1
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_threads_on_their_own_streams(tmp_path):
+    import threading
+
+    rec = Recorder(tmp_path / "s.safetensors", dcp_size=2, rollover=100)
+    bufs = [torch.zeros(64, dtype=torch.int32, device="cuda") for _ in range(2)]
+    torch.cuda.synchronize()
+
+    def work(t: int) -> None:
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            for i in range(1000):
+                bufs[t].fill_(t * 10_000 + i)
+                rec.observe(step=t * 10_000 + i, site=f"t{t}", rank=t, seq_lens=bufs[t], num_reqs=64,
+                            num_reqs_padded=64)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    d = open_dumps(rec.close())
+    assert rec.dropped == 0 and d.n == 2000
+    rows = d["rows.seq_lens"].reshape(-1, 64)
+    assert np.array_equal(rows[:, 0], d["obs.step"]) and (rows == rows[:, :1]).all()
