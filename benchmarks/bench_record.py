@@ -146,9 +146,28 @@ def bench_cuda(steps: int, reps: int, tmp: Path) -> None:
                         dcp_local_seq_lens=dcp, query_start_loc=qsl)
         us = (time.perf_counter() - t0) / n * 1e6
         ring = rec._ring
-        how = "" if ring is None else (" (compiled launcher)" if ring.run is not None else " (Triton dispatch)")
-        rec.close()
+        how = "" if ring is None else (" (compiled launcher)" if ring.run is not None else
+                                       f" (Triton dispatch: {ring.why_dispatch})")
         print(f"CPU per observe on an idle GPU, {mode}{how}: {us:.1f} µs (harvests included, close() excluded)")
+        if ring is not None:  # the launch alone, both ways (a slot at the start of the ring, rewritten)
+            args = [ring.base, 1, 250, 256, seq.data_ptr(), 256, 0, dcp.data_ptr(), 256, 0, qsl.data_ptr(), 257, 0,
+                    ring.base, -1, 0]
+            with rec._lock:
+                rec._harvest(wait=True)  # nothing in flight: slot 0 is free to overwrite
+            torch.cuda.synchronize()
+            for name, run in (("compiled launcher", ring.run), ("Triton dispatch", None)):
+                if name == "compiled launcher" and run is None:
+                    continue
+                saved, ring.run = ring.run, run
+                raw = torch.cuda.current_stream().cuda_stream
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    ring.launch(args, raw)
+                us = (time.perf_counter() - t0) / n * 1e6
+                torch.cuda.synchronize()
+                ring.run = saved
+                print(f"  the snapshot launch alone, {name}: {us:.1f} µs")
+        rec.close()
 
 
 def main() -> None:

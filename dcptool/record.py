@@ -179,6 +179,7 @@ class _SnapshotRing:
         self.free_events: list = []
         self.kernel = None
         self.run = None  # the compiled launcher (no Triton dispatch per launch) once it proved itself
+        self.why_dispatch = ""
         self.resize(words)
 
     def resize(self, words: int) -> None:
@@ -671,8 +672,9 @@ class Recorder:
                     ring.run = ck
                     try:
                         _self_check(ring, ck)
-                    except Exception:
+                    except Exception as e:
                         ring.run = None  # the compiled launcher is not callable here: Triton's dispatch
+                        ring.why_dispatch = repr(e)
             except Exception as e:
                 return self._no_ring(e)
         self._ring = ring

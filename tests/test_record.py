@@ -1,5 +1,6 @@
 """The Recorder of DESIGN §5: private copies, never raising into the engine, rollover, same columns as pack()."""
 
+import os
 import warnings
 
 import numpy as np
@@ -252,6 +253,11 @@ def test_numpy_and_host_tensor_integers_are_integers(tmp_path):
 
 from dcptool import record as R  # noqa: E402
 
+# The host ring runs the kernel in Triton's interpreter on host memory: not where a GPU compiles it
+# (there the CUDA tests below cover the same ground with real launches).
+hostring = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                              reason="interpreter-only (CPU); the CUDA tests cover this on a GPU")
+
 
 @pytest.mark.kernel
 def test_snapshot_kernel_slot_layout():
@@ -262,23 +268,24 @@ def test_snapshot_kernel_slot_layout():
 
     assert SNAP_HEADER == R.HEADER
     k = snapshot_kernel()
+    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     g = torch.Generator().manual_seed(5)
-    seq = torch.randint(0, 1 << 20, (SNAP_BLOCK * 2 + 37,), generator=g, dtype=torch.int32)
-    dcp64 = torch.randint(0, 1 << 20, (9,), generator=g, dtype=torch.int64)
-    base = torch.arange(10, dtype=torch.int32)
+    seq = torch.randint(0, 1 << 20, (SNAP_BLOCK * 2 + 37,), generator=g, dtype=torch.int32).to(dev)
+    dcp64 = torch.randint(0, 1 << 20, (9,), generator=g, dtype=torch.int64).to(dev)
+    base = torch.arange(10, dtype=torch.int32, device=dev)
     qsl = base[3:]  # unaligned: starts 12 bytes into its storage
     n = seq.numel()
-    ring = torch.full((R.HEADER + n + 9 + 7 + 16,), -7, dtype=torch.int32)
+    ring = torch.full((R.HEADER + n + 9 + 7 + 16,), -7, dtype=torch.int32, device=dev)
     r = ring.data_ptr()
 
     def launch(seqno, dcp, flags_want):
         ring.fill_(-7)
         k[(1,)](r, seqno, 3, n, seq.data_ptr(), n, 0, dcp.data_ptr(), dcp.numel(), 1, qsl.data_ptr(), 7, 0,
                 r, -1, 0)
-        got = ring.numpy()
+        got = ring.cpu().numpy()
         assert got[:8].tolist() == [seqno, 3, n, n, dcp.numel(), 7, -1, flags_want]
-        assert np.array_equal(got[8:8 + n], seq.numpy())
-        assert np.array_equal(got[8 + n:8 + n + 9], dcp.numpy().astype(np.int32))
+        assert np.array_equal(got[8:8 + n], seq.cpu().numpy())
+        assert np.array_equal(got[8 + n:8 + n + 9], dcp.cpu().numpy().astype(np.int32))
         assert got[8 + n + 9:8 + n + 16].tolist() == list(range(3, 10))
         assert (got[8 + n + 16:] == -7).all()  # nothing past the slot
 
@@ -319,6 +326,7 @@ def _columns(files):
     return {k: np.asarray(v) for k, v in d.columns.items()}
 
 
+@hostring
 @pytest.mark.kernel
 @pytest.mark.parametrize("ring_words", [4096, 1 << 16])
 def test_ring_records_what_the_host_path_records(tmp_path, ring_words):
@@ -336,6 +344,7 @@ def test_ring_records_what_the_host_path_records(tmp_path, ring_words):
         assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
 
 
+@hostring
 @pytest.mark.kernel
 def test_a_full_ring_waits_and_loses_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(R._HostEvent, "hold", True)  # no launch finishes until waited for
@@ -353,6 +362,7 @@ def test_a_full_ring_waits_and_loses_nothing(tmp_path, monkeypatch):
     assert rec.dropped == 0 and d.n == 12 and all(np.array_equal(d.seq_lens_of(i), seen[i]) for i in range(12))
 
 
+@hostring
 @pytest.mark.kernel
 def test_a_full_ring_drops_and_counts_when_told_to(tmp_path, monkeypatch):
     monkeypatch.setattr(R._HostEvent, "hold", True)
@@ -367,6 +377,7 @@ def test_a_full_ring_drops_and_counts_when_told_to(tmp_path, monkeypatch):
     assert d.n == 3 and [int(d.seq_lens_of(i)[0]) for i in range(3)] == [0, 1, 2]  # the kept ones, intact
 
 
+@hostring
 @pytest.mark.kernel
 def test_device_values_that_cannot_be_stored_are_dropped_at_harvest(tmp_path):
     """A negative seq_len or an int64 value int32 cannot hold is only seen when the slot is
@@ -395,6 +406,7 @@ def test_device_values_that_cannot_be_stored_are_dropped_at_harvest(tmp_path):
     assert d.dcp_of(2).tolist() == [-1]  # a -1 sentinel in the view is a finding to record, not a bad value
 
 
+@hostring
 @pytest.mark.kernel
 def test_rollover_waits_for_the_slots_of_its_file(tmp_path, monkeypatch):
     monkeypatch.setattr(R._HostEvent, "hold", True)
