@@ -158,14 +158,15 @@ def bench_cuda(steps: int, reps: int, tmp: Path) -> None:
             for name, run in (("compiled launcher", ring.run), ("Triton dispatch", None)):
                 if name == "compiled launcher" and run is None:
                     continue
-                saved, ring.run = ring.run, run
+                saved = ring.run
+                ring.use(run)
                 raw = torch.cuda.current_stream().cuda_stream
                 t0 = time.perf_counter()
                 for _ in range(n):
                     ring.launch(args, raw)
                 us = (time.perf_counter() - t0) / n * 1e6
                 torch.cuda.synchronize()
-                ring.run = saved
+                ring.use(saved)
                 print(f"  the snapshot launch alone, {name}: {us:.1f} µs")
         rec.close()
 

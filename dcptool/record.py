@@ -51,6 +51,7 @@ from dcptool.dump import (
 )
 
 _INT_OR_NONE = (int, type(None))
+_NO_ADDR = 1 << 40  # the address passed for an absent section (never read)
 GRAPH = {"eager": 0, "piecewise": 1, "capture": 2, "full-capture": 2, "replay": 3, "full-replay": 3}
 _I64 = 2**63 - 1
 HEADER = 8  # = kernel.SNAP_HEADER (kept here so record.py needs no triton to describe a slot)
@@ -119,6 +120,11 @@ def _is_cuda(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
 
 
+def _raw_stream(device: int) -> int:
+    """The current CUDA stream's handle (what Triton's own launch asks torch for)."""
+    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+
+
 def buffer_id(t) -> int:
     """Identity of the storage a tensor view aliases (0 when unknown): its storage's base address."""
     try:
@@ -179,6 +185,7 @@ class _SnapshotRing:
         self.free_events: list = []
         self.kernel = None
         self.run = None  # the compiled launcher (no Triton dispatch per launch) once it proved itself
+        self.fast = self.function = self.meta = None
         self.why_dispatch = ""
         self.resize(words)
 
@@ -225,6 +232,12 @@ class _SnapshotRing:
             ck.run(1, 1, 1, raw_stream, ck.function, ck.packed_metadata, None, None, None, *args)
         else:
             self.kernel[(1,)](*args)
+
+    def use(self, ck) -> None:
+        """Launch through this compiled kernel's launcher (bound once: no attribute lookups per launch)."""
+        self.run = ck
+        self.fast, self.function, self.meta = (None, None, None) if ck is None else (
+            ck.run, ck.function, ck.packed_metadata)
 
     def stream(self, raw: int):
         s = self.known.get(raw)
@@ -578,7 +591,10 @@ class Recorder:
         i32, i64 = torch.int32, torch.int64
         ns = [-1, -1, -1, -1]
         host: list = [None, None, None, None]
-        args = [0, 0, 0, 0, 0, -1, 0, 0, -1, 0, 0, -1, 0, 0, -1, 0]  # (see kernel._snapshot_kernel)
+        # (see kernel._snapshot_kernel; an absent source's address is never read, but must be int64 so that
+        # one compiled kernel serves every call)
+        args = [0, 0, 0, 0, _NO_ADDR, -1, 0, _NO_ADDR, -1, 0, _NO_ADDR, -1, 0, _NO_ADDR, -1, 0]
+        words = HEADER + 7
         device = None
         keep = []  # converted copies: alive until the launch is queued (their memory is reused in stream order)
         for k in range(4):
@@ -607,6 +623,7 @@ class Recorder:
             ns[k] = n = x.numel()
             args[4 + 3 * k] = x.data_ptr()
             args[5 + 3 * k] = n
+            words += n
         nr, nrp = vals[3], vals[4]
         rows = ns[0] if ns[0] >= 0 else host[0].size if host[0] is not None else -1
         if rows < 0 or not 0 <= nr <= nrp or rows < nr:
@@ -615,10 +632,11 @@ class Recorder:
             raise ValueError("negative seq_lens")
         nq = ns[2] if ns[2] >= 0 else host[2].size if host[2] is not None else None
         if nq is not None and nq != rows + 1:  # of no use to replay (as on the host path)
+            words -= max(ns[2], 0)
             ns[2], host[2], args[11] = -1, None, -1
         kv = ns[3] if ns[3] >= 0 else host[3].size if host[3] is not None else None
         self._check_shared(vals, site, kv, rows)
-        words = (HEADER + sum(n for n in ns if n > 0) + 7) & ~7
+        words &= ~7
         with self._lock:
             if self._closed:
                 raise RuntimeError("observe() after close()")
@@ -634,15 +652,15 @@ class Recorder:
             elif ring.device != (device if device >= 0 else None):
                 return None  # tensors of another device than the ring's: the host path copies them
             start = self._room(ring, words)
-            raw = torch._C._cuda_getCurrentRawStream(device) if ring.device is not None else 0
+            raw = _raw_stream(device) if ring.device is not None else 0
             args[0] = ring.base + 4 * start
-            for k in range(4):
-                if ns[k] < 0:  # absent: any valid address keeps the argument an int64 (one compiled kernel)
-                    args[4 + 3 * k], args[5 + 3 * k] = ring.base, -1
             args[1] = index & 0x7FFFFFFF
             args[2] = nr
             args[3] = nrp
-            ring.launch(args, raw)
+            if ring.fast is not None:
+                ring.fast(1, 1, 1, raw, ring.function, ring.meta, None, None, None, *args)
+            else:
+                ring.launch(args, raw)
             del keep
             if raw not in ring.streams:
                 ring.stream(raw)
@@ -669,11 +687,10 @@ class Recorder:
                 torch = ring.torch
                 with torch.cuda.device(device):
                     ck = _self_check(ring, None)
-                    ring.run = ck
                     try:
                         _self_check(ring, ck)
-                    except Exception as e:
-                        ring.run = None  # the compiled launcher is not callable here: Triton's dispatch
+                        ring.use(ck)
+                    except Exception as e:  # the compiled launcher is not callable so here: Triton's dispatch
                         ring.why_dispatch = repr(e)
             except Exception as e:
                 return self._no_ring(e)
