@@ -52,6 +52,7 @@ from dcptool.dump import (
 
 _INT_OR_NONE = (int, type(None))
 _NO_ADDR = 1 << 40  # the address passed for an absent section (never read)
+_CHECKED: dict = {}  # CUDA device -> (compiled kernel whose launcher proved itself, or None; why not)
 GRAPH = {"eager": 0, "piecewise": 1, "capture": 2, "full-capture": 2, "replay": 3, "full-replay": 3}
 _I64 = 2**63 - 1
 HEADER = 8  # = kernel.SNAP_HEADER (kept here so record.py needs no triton to describe a slot)
@@ -682,7 +683,10 @@ class Recorder:
             ring.kernel = K.snapshot_kernel()
         except Exception as e:
             return self._no_ring(e)
-        if device is not None:
+        if device is not None and device in _CHECKED:  # (checked once per process and device)
+            ring.use(_CHECKED[device][0])
+            ring.why_dispatch = _CHECKED[device][1]
+        elif device is not None:
             try:
                 torch = ring.torch
                 with torch.cuda.device(device):
@@ -692,6 +696,7 @@ class Recorder:
                         ring.use(ck)
                     except Exception as e:  # the compiled launcher is not callable so here: Triton's dispatch
                         ring.why_dispatch = repr(e)
+                _CHECKED[device] = (ring.run, ring.why_dispatch)
             except Exception as e:
                 return self._no_ring(e)
         self._ring = ring
