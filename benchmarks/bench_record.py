@@ -73,7 +73,7 @@ def bench_simulate(steps: int, tmp: Path) -> None:
           f"{sec / max(write, 1e-9):.0f}x | {(tmp / 's.safetensors').stat().st_size / 1e6:.0f} MB |")
 
 
-def bench_cuda(steps: int, reps: int, tmp: Path) -> None:
+def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=dev)
@@ -151,6 +151,17 @@ def bench_cuda(steps: int, reps: int, tmp: Path) -> None:
         how = "" if ring is None else (" (compiled launcher)" if ring.run is not None else
                                        f" (Triton dispatch: {ring.why_dispatch})")
         print(f"CPU per observe on an idle GPU, {mode}{how}: {us:.1f} µs (harvests included, close() excluded)")
+        if profile and mode == "async":  # where the CPU time goes (--profile)
+            import cProfile
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            for i in range(5000):
+                rec.observe(step=i, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
+                            dcp_local_seq_lens=dcp, query_start_loc=qsl)
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(14)
         if ring is not None:  # the launch alone, both ways (a slot at the start of the ring, rewritten)
             args = [ring.base, 1, 250, 256, seq.data_ptr(), 256, 0, dcp.data_ptr(), 256, 0, qsl.data_ptr(), 257, 0,
                     ring.base, -1, 0]
@@ -180,10 +191,11 @@ def main() -> None:
     ap.add_argument("--cuda", action="store_true", help="the engine-like loop on a GPU instead")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="with --cuda: where observe()'s CPU time goes")
     args = ap.parse_args()
     if args.cuda:
         with tempfile.TemporaryDirectory() as d:
-            bench_cuda(args.steps, args.reps, Path(d))
+            bench_cuda(args.steps, args.reps, Path(d), args.profile)
         return
     print("| what | cost | baseline | ratio | notes |")
     print("|---|---|---|---|---|")

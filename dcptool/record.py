@@ -56,7 +56,8 @@ _CHECKED: dict = {}  # CUDA device -> (compiled kernel whose launcher proved its
 GRAPH = {"eager": 0, "piecewise": 1, "capture": 2, "full-capture": 2, "replay": 3, "full-replay": 3}
 _I64 = 2**63 - 1
 HEADER = 8  # = kernel.SNAP_HEADER (kept here so record.py needs no triton to describe a slot)
-FENCE_EVERY = 32  # device observations between CUDA events (an event per launch would double the CPU cost)
+FENCE_EVERY = 64  # device observations between CUDA events (an event per launch would double the CPU cost)
+_HEAD = np.arange(8)  # (HEADER words)
 DEFAULT_RING_BYTES = 4 << 20  # ~1,300 observations of 256 requests in flight
 
 
@@ -121,9 +122,33 @@ def _is_cuda(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
 
 
-def _raw_stream(device: int) -> int:
-    """The current CUDA stream's handle (what Triton's own launch asks torch for)."""
-    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+class _Torch:
+    """torch, looked up on first use (record.py does not import it: a CPU-only engine may not have it)."""
+
+    def __getattr__(self, name):
+        import torch
+
+        for k in ("int32", "int64", "cuda", "_C"):
+            setattr(self, k, getattr(torch, k))
+        return getattr(torch, name)
+
+
+_T = _Torch()
+
+
+def _narrowed(x):
+    """A device tensor as a contiguous 1-D int32/int64 one (a copy on the stream when it is not): (tensor, wide)."""
+    x = x.reshape(-1)
+    dt = x.dtype
+    if dt is _T.int64:
+        wide = 1
+    elif dt is _T.int32:
+        wide = 0
+    elif not _torch_int(dt):
+        raise ValueError(f"integer values expected, got dtype {dt}")
+    else:
+        x, wide = x.to(_T.int32), 0  # a narrower integer type: no value can be lost
+    return (x if x.is_contiguous() else x.contiguous()), wide
 
 
 def buffer_id(t) -> int:
@@ -135,12 +160,26 @@ def buffer_id(t) -> int:
 
 
 class _Slot:
-    """One observation in flight: where its rows are in the ring, and the parts the host already holds."""
+    """One observation in flight: where its rows are in the ring, and the parts the host already holds;
+    once harvested, the private copy (blk, from ring word lo) its rows are cut from when written."""
 
-    __slots__ = ("index", "start", "words", "n", "host")
+    __slots__ = ("index", "start", "words", "n", "host", "blk", "lo")
 
-    def __init__(self, index: int, start: int, words: int, n: tuple, host: tuple):
+    def __init__(self, index: int, start: int, words: int, n: list, host: list):
         self.index, self.start, self.words, self.n, self.host = index, start, words, n, host
+        self.blk = None
+
+    def rows(self) -> tuple:
+        """(seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages): views of the private copy, or host arrays."""
+        o = self.start - self.lo + HEADER
+        out = []
+        for n, h in zip(self.n, self.host):
+            if n >= 0:
+                out.append(self.blk[o:o + n])
+                o += n
+            else:
+                out.append(h)
+        return tuple(out)
 
 
 class _HostEvent:
@@ -563,7 +602,7 @@ class Recorder:
     @staticmethod
     def _capturing() -> bool:
         """Inside CUDA-graph capture on the current stream (only asked once a CUDA tensor was seen)."""
-        return sys.modules["torch"].cuda.is_current_stream_capturing()
+        return _T._C._cuda_isCurrentStreamCapturing()  # (torch.cuda.is_current_stream_capturing)
 
     def _drop(self, e: Exception, n: int = 1) -> None:
         with self._lock:
@@ -587,57 +626,54 @@ class Recorder:
     # ---- the device path -------------------------------------------------------------------------
 
     def _observe_device(self, vals: tuple, site: str, srcs: tuple, on: tuple) -> int | None:
-        """Snapshot the observation's CUDA tensors in one launch; None: take the host path instead."""
-        torch = sys.modules["torch"]
-        i32, i64 = torch.int32, torch.int64
-        ns = [-1, -1, -1, -1]
-        host: list = [None, None, None, None]
-        # (see kernel._snapshot_kernel; an absent source's address is never read, but must be int64 so that
-        # one compiled kernel serves every call)
-        args = [0, 0, 0, 0, _NO_ADDR, -1, 0, _NO_ADDR, -1, 0, _NO_ADDR, -1, 0, _NO_ADDR, -1, 0]
+        """Snapshot the observation's CUDA tensors in one launch; None: take the host path instead.
+
+        (Written for speed: this is the engine's cost of recording, see benchmarks/bench_record.py --cuda.)
+        """
+        ns = []
+        host = []
+        # kernel._snapshot_kernel's arguments; an absent source's address is never read, but must be an int64
+        # so that one compiled kernel serves every call
+        args = [0, 0, vals[3], vals[4]]
         words = HEADER + 7
-        device = None
-        keep = []  # converted copies: alive until the launch is queued (their memory is reused in stream order)
-        for k in range(4):
-            x = srcs[k]
-            if not on[k]:
-                if x is not None:
-                    host[k] = _host_fast(x)
+        device = -2
+        keep = None  # converted copies: alive until the launch is queued (their memory is reused in stream order)
+        for x, d in zip(srcs, on):
+            if not d:
+                ns.append(-1)
+                host.append(None if x is None else _host_fast(x))
+                args += (_NO_ADDR, -1, 0)
                 continue
             d = x.get_device()
-            if device is None:
+            if d != device:
+                if device != -2:
+                    return None  # tensors on two devices: the host path copies them
                 device = d
-            elif d != device:
-                return None  # tensors on two devices: the host path copies them
-            dt = x.dtype
-            if dt is not i32 or x.dim() != 1 or not x.is_contiguous():  # (the common case skips all of this)
-                x = x.reshape(-1)
-                if dt is i64:
-                    args[6 + 3 * k] = 1
-                elif dt is not i32:
-                    if not _torch_int(dt):
-                        raise ValueError(f"integer values expected, got dtype {dt}")
-                    x = x.to(i32)  # a narrow integer type (no value can be lost); stays on the stream
-                if not x.is_contiguous():
-                    x = x.contiguous()
-                keep.append(x)
-            ns[k] = n = x.numel()
-            args[4 + 3 * k] = x.data_ptr()
-            args[5 + 3 * k] = n
+            if x.dtype is _T.int32 and x.is_contiguous() and x.dim() == 1:
+                n = x.numel()
+                args += (x.data_ptr(), n, 0)
+            else:
+                x, wide = _narrowed(x)
+                keep = [x] if keep is None else [*keep, x]
+                n = x.numel()
+                args += (x.data_ptr(), n, wide)
+            ns.append(n)
+            host.append(None)
             words += n
         nr, nrp = vals[3], vals[4]
         rows = ns[0] if ns[0] >= 0 else host[0].size if host[0] is not None else -1
-        if rows < 0 or not 0 <= nr <= nrp or rows < nr:
+        if rows < nr or not 0 <= nr <= nrp:
             raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {rows} seq_lens rows")
         if host[0] is not None and host[0].size and host[0].min() < 0:
             raise ValueError("negative seq_lens")
-        nq = ns[2] if ns[2] >= 0 else host[2].size if host[2] is not None else None
-        if nq is not None and nq != rows + 1:  # of no use to replay (as on the host path)
+        nq = ns[2] if ns[2] >= 0 else host[2].size if host[2] is not None else rows + 1
+        if nq != rows + 1:  # of no use to replay (as on the host path)
             words -= max(ns[2], 0)
             ns[2], host[2], args[11] = -1, None, -1
-        kv = ns[3] if ns[3] >= 0 else host[3].size if host[3] is not None else None
-        self._check_shared(vals, site, kv, rows)
+        self._check_shared(vals, site, ns[3] if ns[3] >= 0 else None if host[3] is None else host[3].size, rows)
         words &= ~7
+        if device < 0:
+            device = None  # (the host ring of the CPU tests)
         with self._lock:
             if self._closed:
                 raise RuntimeError("observe() after close()")
@@ -645,19 +681,19 @@ class Recorder:
             self._check_own(vals[1], vals[5], vals[10], index)
             ring = self._ring
             if ring is None:
-                if device != torch.cuda.current_device():
+                if device != _T.cuda.current_device():
                     return None  # (the ring's launcher is bound to the current device's context)
                 ring = self._start_ring(device)
                 if ring is None:
                     return None
-            elif ring.device != (device if device >= 0 else None):
+            elif ring.device != device:
                 return None  # tensors of another device than the ring's: the host path copies them
-            start = self._room(ring, words)
-            raw = _raw_stream(device) if ring.device is not None else 0
+            start = ring.alloc(words)
+            if start is None:
+                start = self._room(ring, words)
+            raw = _T._C._cuda_getCurrentRawStream(device) if device is not None else 0
             args[0] = ring.base + 4 * start
             args[1] = index & 0x7FFFFFFF
-            args[2] = nr
-            args[3] = nrp
             if ring.fast is not None:
                 ring.fast(1, 1, 1, raw, ring.function, ring.meta, None, None, None, *args)
             else:
@@ -665,13 +701,19 @@ class Recorder:
             del keep
             if raw not in ring.streams:
                 ring.stream(raw)
-            ring.pending.append(_Slot(index, start, words, tuple(ns), tuple(host)))
+            slot = _Slot(index, start, words, ns, host)
+            ring.pending.append(slot)
+            self._vals.append(vals)
+            self._sites.append(site)
+            self._rows.append(slot)
+            self._count = index + 1
+            if self.rollover is not None and len(self._sites) >= self._retry_at:
+                self._flush(raise_errors=False)
             ring.unfenced += 1
-            got = self._append(vals, site, ring.pending[-1])
             if ring.unfenced >= FENCE_EVERY:
                 ring.fence(self._count)
                 self._harvest(wait=False)
-            return got
+            return index
 
     def _start_ring(self, device: int | None) -> _SnapshotRing | None:
         """The ring, its kernel, and on a GPU a one-time check (one synchronisation) that a launch through
@@ -750,38 +792,30 @@ class Recorder:
                 return
 
     def _resolve(self, ring: _SnapshotRing, take: list[_Slot]) -> None:
-        """Turn finished slots into row tuples: one copy of each contiguous run, then views of that copy."""
+        """Finished slots: one private copy of each contiguous run of the ring, their headers checked at once
+        (seqno, flags); each observation's rows are cut out of that copy when its file is written."""
         i = 0
         while i < len(take):
             j = i + 1
             while j < len(take) and take[j].start == take[j - 1].start + take[j - 1].words:
                 j += 1
-            lo = take[i].start
-            blk = ring.np[lo:take[j - 1].start + take[j - 1].words].copy()
-            for s in take[i:j]:
-                o = s.start - lo
-                head = blk[o:o + HEADER].tolist()
-                pos = s.index - self._file_start
-                if head[0] != s.index & 0x7FFFFFFF or tuple(head[3:7]) != s.n or head[7]:
-                    self._rows[pos] = None
+            run = take[i:j]
+            lo = run[0].start
+            blk = ring.np[lo:run[-1].start + run[-1].words].copy()
+            heads = blk[np.fromiter([s.start for s in run], np.int64, len(run))[:, None] - lo + _HEAD]
+            seqno = np.fromiter([s.index for s in run], np.int64, len(run)) & 0x7FFFFFFF
+            bad = (heads[:, 0] != seqno) | (heads[:, 7] != 0)
+            for s in run:
+                s.blk, s.lo = blk, lo
+            if bad.any():
+                for k in np.flatnonzero(bad).tolist():
+                    s, flags = run[k], int(heads[k, 7])
+                    self._rows[s.index - self._file_start] = None
                     self._late += 1
-                    why = ("a negative seq_len" if head[7] & 2 else "a value int32 cannot hold" if head[7] & 1
+                    why = ("a negative seq_len" if flags & 2 else "a value int32 cannot hold" if flags & 1
                            else "a ring slot that does not hold it")
                     self._drop(ValueError(f"observation {s.index}: the device values hold {why}"))
-                    continue
-                o += HEADER
-                row = []
-                for k in range(4):
-                    n = s.n[k]
-                    if n >= 0:
-                        row.append(blk[o:o + n])
-                        o += n
-                    else:
-                        row.append(s.host[k])
-                self._rows[pos] = tuple(row)
             i = j
-
-    # ---- writing ---------------------------------------------------------------------------------
 
     def _abandon(self, e: Exception) -> None:
         """The slots in flight cannot be harvested: drop those observations (counted, warned)."""
@@ -814,6 +848,7 @@ class Recorder:
         """The first n observations since the last file, as dump columns (site indices stable across rolled
         files), and the file row of each kept observation (None when all were kept)."""
         vals, sites, rows = self._vals[:n], self._sites[:n], self._rows[:n]
+        rows = [r.rows() if type(r) is _Slot else r for r in rows]  # harvested device observations
         fs = self._file_start
         where = None
         if any(r is None for r in rows):  # dropped at harvest: renumber the rest and their parents
@@ -872,7 +907,8 @@ class Recorder:
                 ring.fence(self._count)  # (so that they land soon)
                 n = ring.pending[0].index - self._file_start
                 if n == 0:
-                    self._retry_at = len(self._sites) + FENCE_EVERY  # try again once some have landed
+                    # try again once some have landed (a rolled file may hold a few more than `rollover`)
+                    self._retry_at = len(self._sites) + min(FENCE_EVERY, self.rollover or FENCE_EVERY)
                     return
         try:
             self._write_current(n)

@@ -469,7 +469,7 @@ def test_cuda_observe_does_not_wait_and_keeps_the_values_of_observe_time(tmp_pat
     assert busy  # observe() returned while the GPU was still sleeping: it did not wait for the stream
     rec.close()
     d = read_dump(tmp_path / "a.safetensors")
-    assert rec.dropped == 0 and d.n == 69
+    assert rec.dropped == 0 and d.n == 70
     want = np.arange(1, 257, dtype=np.int32)
     assert np.array_equal(d.seq_lens_of(1), want) and np.array_equal(d.dcp_of(1), want // 2)
     q = d["obs.qsl"]
