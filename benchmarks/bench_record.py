@@ -168,21 +168,18 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
             with rec._lock:
                 rec._harvest(wait=True)  # nothing in flight: slot 0 is free to overwrite
             torch.cuda.synchronize()
-            ck, fast = ring.run, ring.fast
-            ways = [("the launcher's C call", fast)] if ck is not None and fast is not ck.run else []
-            ways += [("compiled launcher", None if ck is None else ck.run), ("Triton dispatch", None)]
-            raw = torch.cuda.current_stream().cuda_stream
-            for name, f in ways:
-                if f is None and name != "Triton dispatch":
+            for name, run in (("compiled launcher", ring.run), ("Triton dispatch", None)):
+                if name == "compiled launcher" and run is None:
                     continue
+                saved = ring.run
+                ring.use(run)
+                raw = torch.cuda.current_stream().cuda_stream
                 t0 = time.perf_counter()
                 for _ in range(n):
-                    if f is None:
-                        ring.kernel[(1,)](*args)
-                    else:
-                        f(1, 1, 1, raw, ck.function, ck.packed_metadata, None, None, None, *args)
+                    ring.launch(args, raw)
                 us = (time.perf_counter() - t0) / n * 1e6
                 torch.cuda.synchronize()
+                ring.use(saved)
                 print(f"  the snapshot launch alone, {name}: {us:.1f} µs")
         rec.close()
 

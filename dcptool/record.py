@@ -273,14 +273,11 @@ class _SnapshotRing:
         else:
             self.kernel[(1,)](*args)
 
-    def use(self, ck, direct=None) -> None:
-        """Launch through this compiled kernel's launcher (bound once: no attribute lookups per launch), or
-        through `direct` (_direct_launch: the launcher's own C call)."""
+    def use(self, ck) -> None:
+        """Launch through this compiled kernel's launcher (bound once: no attribute lookups per launch)."""
         self.run = ck
         self.fast, self.function, self.meta = (None, None, None) if ck is None else (
             ck.run, ck.function, ck.packed_metadata)
-        if direct is not None:
-            self.fast = direct
 
     def stream(self, raw: int):
         s = self.known.get(raw)
@@ -729,8 +726,8 @@ class Recorder:
         except Exception as e:
             return self._no_ring(e)
         if device is not None and device in _CHECKED:  # (checked once per process and device)
-            ck, ring.why_dispatch, fast = _CHECKED[device]
-            ring.use(ck, fast)
+            ring.use(_CHECKED[device][0])
+            ring.why_dispatch = _CHECKED[device][1]
         elif device is not None:
             try:
                 torch = ring.torch
@@ -741,14 +738,7 @@ class Recorder:
                         ring.use(ck)
                     except Exception as e:  # the compiled launcher is not callable so here: Triton's dispatch
                         ring.why_dispatch = repr(e)
-                    direct = _direct_launch(ck) if ring.run is not None else None
-                    if direct is not None:
-                        try:  # the launcher's own C call, without its per-call Python (checked the same way)
-                            _self_check(ring, ck, direct)
-                            ring.use(ck, direct)
-                        except Exception:
-                            pass
-                _CHECKED[device] = (ring.run, ring.why_dispatch, ring.fast)
+                _CHECKED[device] = (ring.run, ring.why_dispatch)
             except Exception as e:
                 return self._no_ring(e)
         self._ring = ring
@@ -973,59 +963,7 @@ class Recorder:
                           stacklevel=1)
 
 
-def _direct_launch(ck):
-    """The call Triton's launcher makes to its C `launch`, with everything fixed except the stream and the
-    arguments, or None. Read from the launcher's own source (its `self.launch(...)` call), and taken only
-    where every argument of that call is one we can supply exactly as the launcher would: its parameters,
-    its attributes, and scratch buffers that it allocates only when their size is not 0 (here 0)."""
-    import ast
-    import inspect
-    import textwrap
-
-    try:
-        launcher = ck.run
-        call = type(launcher).__call__
-        params = list(inspect.signature(call).parameters.values())[1:]
-        fixed = [1, 1, 1, "stream", ck.function, ck.packed_metadata, None, None, None]
-        if len(params) != 10 or params[-1].kind is not inspect.Parameter.VAR_POSITIONAL:
-            return None
-        known = {p.name: v for p, v in zip(params, fixed)}
-        known[params[-1].name] = "args"
-        if getattr(launcher, "global_scratch_size", 0) or getattr(launcher, "profile_scratch_size", 0):
-            return None
-        if getattr(launcher, "gsan_enabled", False):
-            return None
-        known.update(global_scratch=None, profile_scratch=None, kernel_args="args")
-        calls = [n for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(call))))
-                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "launch"
-                 and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
-        if len(calls) != 1 or calls[0].keywords:
-            return None
-        tmpl: list = []
-        for a in calls[0].args:
-            if isinstance(a, ast.Name) and a.id in known:
-                tmpl.append(known[a.id])
-            elif isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name) and a.value.id == "self":
-                tmpl.append(getattr(launcher, a.attr))
-            else:
-                return None  # an argument computed in a way we do not model: use the launcher itself
-        if tmpl.count("stream") != 1 or tmpl.count("args") != 1:
-            return None
-        i_stream, i_args = tmpl.index("stream"), tmpl.index("args")
-        c_launch = launcher.launch
-    except Exception:
-        return None
-
-    def direct(gx, gy, gz, stream, function, meta, lm, enter, exit_, *args):
-        t = tmpl.copy()
-        t[i_stream] = stream
-        t[i_args] = args
-        return c_launch(*t)
-
-    return direct
-
-
-def _self_check(ring: _SnapshotRing, ck, direct=None):
+def _self_check(ring: _SnapshotRing, ck):
     """Launch the kernel once on known values (unaligned, int64, an overflow) and compare; returns the
     compiled kernel when launched through Triton (ck None)."""
     torch = ring.torch
@@ -1036,10 +974,6 @@ def _self_check(ring: _SnapshotRing, ck, direct=None):
     args = (ring.base, 12345, 5, 5, a.data_ptr(), 5, 0, b.data_ptr(), 3, 1, ring.base, -1, 0, a.data_ptr(), 5, 0)
     if ck is None:
         got = ring.kernel[(1,)](*args)
-    elif direct is not None:
-        direct(1, 1, 1, torch._C._cuda_getCurrentRawStream(dev), ck.function, ck.packed_metadata, None, None, None,
-               *args)
-        got = ck
     else:
         ck.run(1, 1, 1, torch._C._cuda_getCurrentRawStream(dev), ck.function, ck.packed_metadata, None, None, None,
                *args)
