@@ -106,6 +106,7 @@ def replay(
     if backend not in ("auto", "triton", "torch"):
         raise _fail(f"--backend {backend!r}: choose auto, triton or torch")
     try:
+        dumps = _dump_args(dumps)
         if html is not None:
             _check_html_target(html, dumps, force)
         d = open_dumps([str(p) for p in dumps])
@@ -135,24 +136,39 @@ def replay(
     raise typer.Exit(1 if res.errors or (strict and res.warnings) else 0)
 
 
+def _natural(p: str) -> list:
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]
+
+
+def _dir_dumps(path: str) -> list[str]:
+    """A directory's *.safetensors (as the vLLM plugin and rollover write them), in natural order."""
+    import glob
+    import os
+
+    found = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")), key=_natural)
+    if not found:
+        raise Trouble(f"{path}: directory holds no *.safetensors dump")
+    return found
+
+
+def _dump_args(paths: list[Path]) -> list[Path]:
+    """DUMP arguments of replay/inspect: files as given, a directory as its *.safetensors (natural order)."""
+    return [q for p in paths for q in ([Path(f) for f in _dir_dumps(str(p))] if p.is_dir() else [p])]
+
+
 def _dump_side(spec: str) -> list[str]:
     """A side of `diff`: a file, a directory (its *.safetensors), a glob, or a comma-separated list of these."""
     import glob
     import os
-    import re
-
-    def natural(p: str) -> list:
-        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]
 
     out: list[str] = []
     for part in (p for p in spec.split(",") if p):
         if os.path.isdir(part):
-            found = sorted(glob.glob(os.path.join(glob.escape(part), "*.safetensors")), key=natural)
-            if not found:
-                raise Trouble(f"{part}: directory holds no *.safetensors dump")
-            out += found
+            out += _dir_dumps(part)
         elif not os.path.exists(part) and any(c in part for c in "*?["):
-            found = sorted(glob.glob(part), key=natural)
+            found = sorted(glob.glob(part), key=_natural)
             if not found:
                 raise Trouble(f"{part}: no file matches")
             out += found
@@ -203,8 +219,8 @@ def inspect(
     from dcptool.dump import DumpError, describe, open_dumps
 
     try:
-        info = describe(open_dumps([str(p) for p in dump]))
-    except DumpError as e:
+        info = describe(open_dumps([str(p) for p in _dump_args(dump)]))
+    except (DumpError, Trouble) as e:
         raise _fail(str(e)) from None
     if json_out:
         sys.stdout.write(report.inspect_json(info) + "\n")

@@ -38,11 +38,22 @@ def _header_and_data(cfg, cols, injected=None):
     return json.loads(head[8 : 8 + hlen]), b"".join(a.tobytes() for _, a in tensors)
 
 
-def test_round_trip_and_zero_copy(tmp_path):
+def test_round_trip_one_read_or_one_mapping(tmp_path):
+    """Read: every column is a view of one in-memory copy of the file (no mapping a truncation could
+    fault). Bounded (a dump larger than RAM): views of one mapping of the whole file."""
+    import mmap
+
     p = write(tmp_path / "a.safetensors", [obs(step=s, rank=r) for s in range(4) for r in range(2)])
     d = read_dump(p)
     assert d.n == 8 and d.config.dcp_size == 2 and d.config.sites == ("attn_metadata",)
-    assert isinstance(d.maps["rows.seq_lens"], np.memmap) and d["rows.seq_lens"].base is d.maps["rows.seq_lens"]
+    assert not d.maps and not d.bounded
+    assert len({id(d[k].base.obj) for k in d.columns if d[k].size}) == 1
+    assert isinstance(d["rows.seq_lens"].base.obj, bytearray)
+    b = read_dump(p, bounded=True)
+    assert b.bounded and set(b.maps) == {k for k in b.columns if b[k].size}
+    assert {id(m[0]) for m in b.maps.values()} == {id(b[k].base.obj) for k in b.maps}
+    assert isinstance(b["obs.step"].base.obj, mmap.mmap)
+    assert all(np.array_equal(b[k], d[k]) for k in d.columns)
     assert d.seq_lens_of(3).tolist() == [17, 25, 0, 0]
     assert d.dcp_of(3).tolist() == [9, 13, 0, 0] if d["obs.rank"][3] == 0 else [8, 12, 0, 0]
 
