@@ -85,7 +85,8 @@ def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
 @app.command()
 def replay(
     dumps: Annotated[list[Path], typer.Argument(metavar="DUMP",
-                                                help="Dump files (one run: per-rank files or chunks).")],
+                                                help="Dump files (one run: per-rank files or chunks) or "
+                                                             "directories of them.")],
     split: Annotated[int | None, typer.Option(
         "--split", min=1, help="Re-split every recorded full batch into K micro-batches and show what each must "
                                "carry.")] = None,
@@ -211,7 +212,7 @@ def diff(
 
 @app.command()
 def inspect(
-    dump: Annotated[list[Path], typer.Argument(metavar="DUMP", help="Dump file(s) to summarise.")],
+    dump: Annotated[list[Path], typer.Argument(metavar="DUMP", help="Dump file(s) or directories to summarise.")],
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
 ) -> None:
     """Summarise a dump: config, steps, sites, ranks, micro-batches, sizes, optional columns."""
