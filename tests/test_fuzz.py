@@ -40,7 +40,15 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from dcptool.cli import app
-from dcptool.dump import MAX_HEADER_BYTES, DumpConfig, DumpError, Observation, open_dumps, write_observations
+from dcptool.dump import (
+    MAX_DCP_SIZE,
+    MAX_HEADER_BYTES,
+    DumpConfig,
+    DumpError,
+    Observation,
+    open_dumps,
+    write_observations,
+)
 from dcptool.replay import RULES, local_np, replay
 
 PROFILE = os.environ.get("DCPTOOL_FUZZ", "ci")
@@ -1076,8 +1084,8 @@ def odd_dump(draw) -> tuple[list[Observation], DumpConfig]:
     """Observations the writer (hence the reader) accepts, with the values real engines never record: zero
     rows, num_reqs 0 with padding, views of any length, query_start_loc that runs backwards or past the
     batch, parents pointing anywhere (later observations too), slice bounds past the parent, micro-batch
-    indices in the billions, dcp_size 1 and 2^31-1, steps at the ends of int64."""
-    dcp = draw(st.sampled_from([1, 1, 2, 2, 3, 4, 8, 2**31 - 1]))
+    indices in the billions, dcp_size 1 and the reader's largest (MAX_DCP_SIZE), steps at the ends of int64."""
+    dcp = draw(st.sampled_from([1, 1, 2, 2, 3, 4, 8, MAX_DCP_SIZE]))
     il = draw(st.sampled_from([1, 1, 2, 16])) if dcp < 2**30 else 1
     page = draw(st.sampled_from([None, None, 1, 16]))
     n = draw(st.integers(0, 6))
