@@ -2,6 +2,8 @@
 # CI-sized fuzz run).  make fuzz: the long fuzz run (FUZZ_EXAMPLES random cases per command).
 # make test-vllm: tests/vllm against each of VLLM_VERSIONS' own code on CPU (a matrix: one release per hook table,
 # the newest pre-fix one first), each in its own venv ~/.cache/dcptool-vllm-<version> (built once, ~90 s and 3 GB each).
+# make test-oldest: the non-fuzz tests on the oldest numpy pyproject.toml claims (CPU torch 2.13), numpy
+# warnings as errors; its own venv .venv-oldest (built once, ~40 s), then about a minute.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +12,10 @@ SAMPLE ?= samples/legacy.safetensors
 VLLM_VERSIONS ?= 0.29.0 0.30.0 0.33.0 0.34.0
 FUZZ_EXAMPLES ?= 10000
 
-.PHONY: run test venv lint test-vllm bench fuzz
+NUMPY_OLDEST ?= 1.24.4
+OLDEST := .venv-oldest
+
+.PHONY: run test venv lint test-vllm bench fuzz test-oldest
 
 venv: $(STAMP)
 
@@ -34,6 +39,17 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	@echo "--- kernel tests once more, under the Triton interpreter (TRITON_INTERPRET=1)"
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel
+
+$(OLDEST)/.installed-stamp: pyproject.toml
+	test -x $(OLDEST)/bin/python || $(PY) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -c "import torch" 2>/dev/null || $(OLDEST)/bin/python -m pip install -q torch==2.13.0
+	$(OLDEST)/bin/python -m pip install -q -e '.[test]' numpy==$(NUMPY_OLDEST)
+	touch $@
+
+test-oldest: $(OLDEST)/.installed-stamp
+	$(OLDEST)/bin/python -c "import numpy; assert numpy.__version__ == '$(NUMPY_OLDEST)', numpy.__version__"
+	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider -W error::DeprecationWarning -W error::RuntimeWarning \
+		--ignore=tests/test_fuzz.py --ignore=tests/test_reliability.py
 
 test-vllm:
 	@failed=""; for v in $(VLLM_VERSIONS); do \

@@ -1,10 +1,19 @@
 """What recording costs: the Recorder per observation (256-row batch) and simulate's observations per second.
 
     python benchmarks/bench_record.py [--obs 20000] [--sim-steps 400]
+    python benchmarks/bench_record.py --cuda [--steps 300] [--reps 5]
 
 Baselines in the same run: for the Recorder, the bare host copies any recorder must make (three
 numpy copies of the same arrays) — the ratio is the Recorder's overhead over that floor; for
 simulate, writing the same observations' columns with one write_dump call (no simulation).
+
+--cuda (a GPU): an engine-like loop, each step 3 queued bf16 4096x4096 matmuls, an in-place update
+of the seq_lens buffer and 4 observations of seq_lens, dcp_local_seq_lens and query_start_loc (256
+requests, CUDA tensors), with recording off, with the synchronous copy (cuda_mode="sync", the
+baseline: what the Recorder did before) and with the device snapshot (the default), interleaved in
+one run; per-step time (median of --reps runs) and its slowdown against off, CPU µs per observe
+inside the loop and on an idle GPU. The recorded values are checked against what the buffer held at
+each observe (the update before it, not the ones queued after).
 """
 
 from __future__ import annotations
@@ -64,11 +73,130 @@ def bench_simulate(steps: int, tmp: Path) -> None:
           f"{sec / max(write, 1e-9):.0f}x | {(tmp / 's.safetensors').stat().st_size / 1e6:.0f} MB |")
 
 
+def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(4096, 4096, dtype=torch.bfloat16, device=dev)
+    c = torch.empty_like(a)
+    base = torch.randint(1, 1 << 17, (256,), dtype=torch.int32, device=dev)
+    seq = base.clone()
+    dcp = (seq // 2).to(torch.int32)
+    qsl = torch.arange(257, dtype=torch.int32, device=dev)
+    runs = 0
+
+    def loop(mode: str | None, n: int) -> tuple[float, float, Recorder | None]:
+        nonlocal runs
+        runs += 1
+        rec = None if mode is None else Recorder(tmp / f"c{runs}.safetensors", dcp_size=2, cuda_mode=mode)
+        seq.copy_(base)
+        torch.cuda.synchronize()
+        spent = 0.0
+        t0 = time.perf_counter()
+        for s in range(n):
+            seq.add_(1)  # the engine refreshes its metadata buffer on the stream every step
+            for k in range(4):
+                if k < 3:
+                    torch.mm(a, b, out=c)
+                if rec is not None:
+                    t = time.perf_counter()
+                    rec.observe(step=s, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250,
+                                num_reqs_padded=256, dcp_local_seq_lens=dcp, query_start_loc=qsl)
+                    spent += time.perf_counter() - t
+        torch.cuda.synchronize()
+        per = (time.perf_counter() - t0) / n
+        if rec is not None:
+            rec.close()
+        return per, spent / (4 * n), rec
+
+    for mode in (None, "sync", "async"):  # warm up: cuBLAS, the kernel's compilation, the pinned ring
+        loop(mode, 20)
+    per: dict = {None: [], "sync": [], "async": []}
+    cpu: dict = {"sync": [], "async": []}
+    for _ in range(reps):
+        for mode in (None, "sync", "async"):
+            p, o, rec = loop(mode, steps)
+            per[mode].append(p)
+            if rec is not None:
+                cpu[mode].append(o)
+                d = read_dump(rec.files[0])  # what was recorded is what the buffer held at each observe
+                first = d["rows.seq_lens"][d["obs.rows"][:-1]].astype(np.int64)
+                want = int(base[0]) + 1 + np.repeat(np.arange(steps), 4)
+                if not (d.n == 4 * steps and np.array_equal(first, want)):
+                    print(f"WRONG VALUES recorded with cuda_mode={mode}: {d.n} observations, first rows "
+                          f"{first[:8].tolist()}, want {want[:8].tolist()}")
+    off = float(np.median(per[None]))
+    print(f"engine-like loop on {torch.cuda.get_device_name()}: {steps} steps x {reps} runs, interleaved; "
+          f"step with recording off {off * 1e3:.3f} ms")
+    print("| recording | ms/step (median) | slowdown vs off | CPU µs/observe in the loop |")
+    print("|---|---|---|---|")
+    print(f"| off | {off * 1e3:.3f} | - | - |")
+    for mode, name in (("sync", "sync: .to('cpu') per tensor (before)"), ("async", "device snapshot (now)")):
+        m = float(np.median(per[mode]))
+        print(f"| {name} | {m * 1e3:.3f} | {(m / off - 1) * 100:+.1f}% | {np.median(cpu[mode]) * 1e6:.1f} |")
+    # CPU per observe on an idle GPU (no matmuls queued): the Recorder's own cost
+    for mode in ("sync", "async"):
+        rec = Recorder(tmp / f"idle-{mode}.safetensors", dcp_size=2, cuda_mode=mode)
+        n = 20000
+        for i in range(100):
+            rec.observe(step=i, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
+                        dcp_local_seq_lens=dcp, query_start_loc=qsl)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(n):
+            rec.observe(step=i, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
+                        dcp_local_seq_lens=dcp, query_start_loc=qsl)
+        us = (time.perf_counter() - t0) / n * 1e6
+        ring = rec._ring
+        how = "" if ring is None else (" (compiled launcher)" if ring.run is not None else
+                                       f" (Triton dispatch: {ring.why_dispatch})")
+        print(f"CPU per observe on an idle GPU, {mode}{how}: {us:.1f} µs (harvests included, close() excluded)")
+        if profile and mode == "async":  # where the CPU time goes (--profile)
+            import cProfile
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            for i in range(5000):
+                rec.observe(step=i, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
+                            dcp_local_seq_lens=dcp, query_start_loc=qsl)
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+        if ring is not None:  # the launch alone, both ways (a slot at the start of the ring, rewritten)
+            args = [ring.base, 1, 250, 256, seq.data_ptr(), 256, 0, dcp.data_ptr(), 256, 0, qsl.data_ptr(), 257, 0,
+                    ring.base, -1, 0]
+            with rec._lock:
+                rec._harvest(wait=True)  # nothing in flight: slot 0 is free to overwrite
+            torch.cuda.synchronize()
+            for name, run in (("compiled launcher", ring.run), ("Triton dispatch", None)):
+                if name == "compiled launcher" and run is None:
+                    continue
+                saved = ring.run
+                ring.use(run)
+                raw = torch.cuda.current_stream().cuda_stream
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    ring.launch(args, raw)
+                us = (time.perf_counter() - t0) / n * 1e6
+                torch.cuda.synchronize()
+                ring.use(saved)
+                print(f"  the snapshot launch alone, {name}: {us:.1f} µs")
+        rec.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--obs", type=int, default=20000)
     ap.add_argument("--sim-steps", type=int, default=4000)
+    ap.add_argument("--cuda", action="store_true", help="the engine-like loop on a GPU instead")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="with --cuda: where observe()'s CPU time goes")
     args = ap.parse_args()
+    if args.cuda:
+        with tempfile.TemporaryDirectory() as d:
+            bench_cuda(args.steps, args.reps, Path(d), args.profile)
+        return
     print("| what | cost | baseline | ratio | notes |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as d:

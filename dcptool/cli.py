@@ -244,7 +244,8 @@ def _check_engine_version(v: str | None) -> None:
 @app.command()
 def replay(
     dumps: Annotated[list[Path], typer.Argument(metavar="DUMP",
-                                                help="Dump files (one run: per-rank files or chunks).")],
+                                                help="Dump files (one run: per-rank files or chunks) or "
+                                                             "directories of them.")],
     split: Annotated[int | None, typer.Option(
         "--split", min=1, help="Re-split every recorded full batch into K micro-batches and show what each must "
                                "carry.")] = None,
@@ -269,6 +270,7 @@ def replay(
         raise _fail(f"--backend {backend!r}: choose auto, triton or torch")
     _check_engine_version(engine_version)
     try:
+        dumps = _dump_args(dumps)
         if html is not None:
             _check_html_target(html, dumps, force)
         d = open_dumps([str(p) for p in dumps])
@@ -300,24 +302,39 @@ def replay(
     raise typer.Exit(code)
 
 
+def _natural(p: str) -> list:
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]
+
+
+def _dir_dumps(path: str) -> list[str]:
+    """A directory's *.safetensors (as the vLLM plugin and rollover write them), in natural order."""
+    import glob
+    import os
+
+    found = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")), key=_natural)
+    if not found:
+        raise Trouble(f"{path}: directory holds no *.safetensors dump")
+    return found
+
+
+def _dump_args(paths: list[Path]) -> list[Path]:
+    """DUMP arguments of replay/inspect: files as given, a directory as its *.safetensors (natural order)."""
+    return [q for p in paths for q in ([Path(f) for f in _dir_dumps(str(p))] if p.is_dir() else [p])]
+
+
 def _dump_side(spec: str) -> list[str]:
     """A side of `diff`: a file, a directory (its *.safetensors), a glob, or a comma-separated list of these."""
     import glob
     import os
-    import re
-
-    def natural(p: str) -> list:
-        return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]
 
     out: list[str] = []
     for part in (p for p in spec.split(",") if p):
         if os.path.isdir(part):
-            found = sorted(glob.glob(os.path.join(glob.escape(part), "*.safetensors")), key=natural)
-            if not found:
-                raise Trouble(f"{part}: directory holds no *.safetensors dump")
-            out += found
+            out += _dir_dumps(part)
         elif not os.path.exists(part) and any(c in part for c in "*?["):
-            found = sorted(glob.glob(part), key=natural)
+            found = sorted(glob.glob(part), key=_natural)
             if not found:
                 raise Trouble(f"{part}: no file matches")
             out += found
@@ -361,7 +378,7 @@ def diff(
 
 @app.command()
 def inspect(
-    dump: Annotated[list[Path], typer.Argument(metavar="DUMP", help="Dump file(s) to summarise.")],
+    dump: Annotated[list[Path], typer.Argument(metavar="DUMP", help="Dump file(s) or directories to summarise.")],
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
 ) -> None:
     """Summarise a dump: config, steps, sites, ranks, micro-batches, sizes, optional columns."""
@@ -369,8 +386,8 @@ def inspect(
     from dcptool.dump import DumpError, describe, open_dumps
 
     try:
-        info = describe(open_dumps([str(p) for p in dump]))
-    except DumpError as e:
+        info = describe(open_dumps([str(p) for p in _dump_args(dump)]))
+    except (DumpError, Trouble) as e:
         raise _fail(str(e)) from None
     if json_out:
         sys.stdout.write(report.inspect_json(info) + "\n")

@@ -223,11 +223,14 @@ def _as_pair(first: np.ndarray, paired: np.ndarray, n: int) -> np.ndarray:
 
 
 def _key_cols(s: _Side, i: np.ndarray) -> list[np.ndarray]:
-    """Key columns of observations i (-1 -> a sentinel key that equals only itself)."""
+    """Key columns of observations i (-1 -> a sentinel key that equals only itself).
+
+    In int64: the int32 columns cannot hold the sentinel (numpy 2 raises OverflowError or wraps it
+    to 0, a real rank / micro-batch), and no int32 value can equal it once widened."""
     ok = i >= 0
     j = np.where(ok, i, 0)
-    return [np.where(ok, c[j], -(2**62)) for c in (s.d["obs.step"], s.site, s.d["obs.rank"], s.d["obs.ubatch"],
-                                                   s.occ)]
+    cols = (s.d["obs.step"], s.site, s.d["obs.rank"], s.d["obs.ubatch"], s.occ)
+    return [np.where(ok, c[j].astype(np.int64), np.int64(-(2**62))) for c in cols]
 
 
 # --------------------------------------------------------------------------------------------

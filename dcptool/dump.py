@@ -131,7 +131,7 @@ class Dump:
     file_obs: np.ndarray  # [n] int64: the observation's index inside its file
     injected: list[dict[str, list[int]] | None] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)  # bytes of each file
-    maps: dict[str, np.memmap] = field(default_factory=dict)  # the file mappings behind columns (one file)
+    maps: dict[str, tuple] = field(default_factory=dict)  # bounded: key -> (mmap, byte offset, itemsize)
     bounded: bool = False  # scan with bounded memory (pages dropped after each chunk): a dump too big for RAM
 
     @property
@@ -251,35 +251,43 @@ def _sniff(start: bytes) -> str:
     return "no safetensors header: an 8-byte length, then a JSON object"
 
 
-def read_header(path: str | os.PathLike) -> tuple[dict, int, int]:
-    """Parse and check the safetensors header; returns (header, data start, file size)."""
-    p = os.fspath(path)
+def _open(p: str):
+    """Open a dump file for reading: a regular file, else DumpError (a FIFO would block, a directory fail)."""
+    st = os.stat(p)
+    if stat.S_ISDIR(st.st_mode):
+        raise _fail(p, None, "is a directory, not a dump file")
+    if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
+        raise _fail(p, None, "is not a regular file (a pipe, socket or device); save the dump to a file first")
+    f = open(p, "rb")
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # replaced between the stat and the open
+        f.close()
+        raise _fail(p, None, "is not a regular file (a pipe, socket or device); save the dump to a file first")
+    return f
+
+
+def _header_of(p: str, f) -> tuple[dict, int, int]:
+    """Parse and check the safetensors header of the open file f; returns (header, data start, file size)."""
     try:
-        st = os.stat(p)
-        if stat.S_ISDIR(st.st_mode):
-            raise _fail(p, None, "is a directory, not a dump file")
-        if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
-            raise _fail(p, None, "is not a regular file (a pipe, socket or device); save the dump to a file first")
-        with open(p, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            start = f.read(72)
-            if size < 8 or len(start) < 8:
-                raise _fail(p, None, f"not a safetensors file ({size} bytes; a dump starts with an 8-byte "
-                                     "header length)" if size else "not a safetensors file (empty: 0 bytes)")
-            if start.startswith(b"version ") and b"git-lfs" in start.split(b"\n")[0]:
-                raise _fail(p, None, "is a Git LFS pointer, not the dump itself (run `git lfs pull`)")
-            if start[8:9] not in (b"", b"{"):  # a safetensors header is a JSON object
-                raise _fail(p, None, f"not a safetensors file ({_sniff(start)})")
-            (hlen,) = struct.unpack("<Q", start[:8])
-            f.seek(8)
-            if hlen > MAX_HEADER_BYTES:
-                raise _fail(p, None, f"not a safetensors file, or header too large ({hlen} bytes > "
-                                     f"{MAX_HEADER_BYTES})")
-            if 8 + hlen > size:
-                raise _fail(p, None, f"truncated: header declares {hlen} bytes but the file has {size - 8}")
-            raw = f.read(hlen)
-            if len(raw) != hlen:
-                raise _fail(p, None, f"truncated while reading: header declares {hlen} bytes, read {len(raw)}")
+        size = os.fstat(f.fileno()).st_size
+        f.seek(0)
+        start = f.read(72)
+        if size < 8 or len(start) < 8:
+            raise _fail(p, None, f"not a safetensors file ({size} bytes; a dump starts with an 8-byte "
+                                 "header length)" if size else "not a safetensors file (empty: 0 bytes)")
+        if start.startswith(b"version ") and b"git-lfs" in start.split(b"\n")[0]:
+            raise _fail(p, None, "is a Git LFS pointer, not the dump itself (run `git lfs pull`)")
+        if start[8:9] not in (b"", b"{"):  # a safetensors header is a JSON object
+            raise _fail(p, None, f"not a safetensors file ({_sniff(start)})")
+        (hlen,) = struct.unpack("<Q", start[:8])
+        f.seek(8)
+        if hlen > MAX_HEADER_BYTES:
+            raise _fail(p, None, f"not a safetensors file, or header too large ({hlen} bytes > "
+                                 f"{MAX_HEADER_BYTES})")
+        if 8 + hlen > size:
+            raise _fail(p, None, f"truncated: header declares {hlen} bytes but the file has {size - 8}")
+        raw = f.read(hlen)
+        if len(raw) != hlen:
+            raise _fail(p, None, f"truncated while reading: header declares {hlen} bytes, read {len(raw)}")
     except OSError as e:
         raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
     header = _loads(p, None, raw, "not a safetensors file (header is not UTF-8 JSON)")
@@ -289,6 +297,17 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int, int]:
     if bad is not None:
         raise _fail(p, bad, "tensor name is not valid Unicode (a lone surrogate escape)")
     return header, 8 + hlen, size
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict, int, int]:
+    """Parse and check the safetensors header; returns (header, data start, file size)."""
+    p = os.fspath(path)
+    try:
+        f = _open(p)
+    except OSError as e:
+        raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
+    with f:
+        return _header_of(p, f)
 
 
 def _check_entries(p: str, header: dict, data_start: int, size: int) -> dict[str, tuple[str, list, int, int]]:
@@ -419,51 +438,98 @@ def available_memory() -> int | None:
         return None
 
 
-def read_dump(path: str | os.PathLike, bounded: bool | None = None) -> Dump:
-    """Open one dump zero-copy (numpy memmap, copy-on-write) after validating all of DESIGN §2.
+def _changed(p: str, before: os.stat_result, after: os.stat_result) -> bool:
+    return (before.st_size, before.st_mtime_ns, before.st_ino, before.st_dev) != (
+        after.st_size, after.st_mtime_ns, after.st_ino, after.st_dev)
 
-    `bounded` (default: when the file is over half the memory available now) drops the pages of
-    each validated chunk again, so opening and scanning a dump larger than RAM stays flat.
+
+def _read_data(p: str, f, data_start: int, size: int, before: os.stat_result) -> bytearray:
+    """The file's data section, copied into memory, and proof that the file did not change meanwhile."""
+    buf = bytearray(size - data_start)
+    view = memoryview(buf)
+    f.seek(data_start)
+    got = 0
+    while got < len(buf):
+        k = f.readinto(view[got:])
+        if not k:
+            raise _fail(p, None, f"changed while being read: the file ended after {data_start + got} of {size} "
+                                 "bytes (truncated by another process?); read it again once it is complete")
+        got += k
+    if _changed(p, before, os.fstat(f.fileno())):
+        raise _fail(p, None, "changed while being read (size or modification time differ from when it was "
+                             "opened); read it again once it is complete")
+    return buf
+
+
+def read_dump(path: str | os.PathLike, bounded: bool | None = None) -> Dump:
+    """Open one dump after validating all of DESIGN §2; the file's descriptor is closed on return.
+
+    The data is copied into memory (one read), so a file truncated or rewritten while dcptool runs
+    cannot change what it reports or end it with SIGBUS; a change during the read itself (size,
+    mtime or inode differ after it) is a DumpError. `bounded` (default: when the file is over half
+    the memory available now) maps the file instead (one copy-on-write mapping, no descriptor kept
+    by numpy) and drops the pages of each validated chunk again, so opening and scanning a dump
+    larger than RAM stays flat; such a mapping is the one case a truncation can still interrupt
+    (docs/limits.md).
     """
     p = str(path)
-    header, data_start, size = read_header(p)
-    if bounded is None:
-        avail = available_memory()
-        bounded = avail is not None and size > avail // 2
-    meta = header.get("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise _fail(p, "__metadata__", "must map strings to strings")
-    entries = _check_entries(p, header, data_start, size)
-    cfg, injected = _parse_config(p, meta)
-    for key in REQUIRED:
-        if key not in entries:
-            raise _fail(p, key, "missing")
-    for group in _GROUPS:
-        present = [k for k in group if k in entries]
-        if present and len(present) != len(group):
-            raise _fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")
+    try:
+        f = _open(p)
+    except OSError as e:
+        raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
+    with f:
+        before = os.fstat(f.fileno())
+        header, data_start, size = _header_of(p, f)
+        if bounded is None:
+            avail = available_memory()
+            bounded = avail is not None and size > avail // 2
+        meta = header.get("__metadata__", {})
+        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            raise _fail(p, "__metadata__", "must map strings to strings")
+        entries = _check_entries(p, header, data_start, size)
+        cfg, injected = _parse_config(p, meta)
+        for key in REQUIRED:
+            if key not in entries:
+                raise _fail(p, key, "missing")
+        for group in _GROUPS:
+            present = [k for k in group if k in entries]
+            if present and len(present) != len(group):
+                raise _fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")
+        for key, (dt, shape, _a, _b) in entries.items():
+            if key not in COLUMNS:
+                continue  # unknown keys are allowed: a newer writer may add columns
+            if len(shape) != 1:
+                raise _fail(p, key, f"must be 1-D, got shape {shape}")
+            if dt != COLUMNS[key][0]:
+                raise _fail(p, key, f"dtype must be {COLUMNS[key][0]}, got {dt}")
+        try:
+            if bounded and size > data_start:
+                import mmap
+
+                # One mapping for the whole file (a numpy memmap per column would hold a descriptor each).
+                buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+                base = 0
+            else:
+                buf, base = _read_data(p, f, data_start, size, before), data_start
+        except OSError as e:
+            raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
     cols: dict[str, np.ndarray] = {}
-    maps: dict[str, np.memmap] = {}
+    maps: dict[str, tuple] = {}
     for key, (dt, shape, a, _b) in entries.items():
         if key not in COLUMNS:
-            continue  # unknown keys are allowed: a newer writer may add columns
-        want = COLUMNS[key][0]
-        if len(shape) != 1:
-            raise _fail(p, key, f"must be 1-D, got shape {shape}")
-        if dt != want:
-            raise _fail(p, key, f"dtype must be {want}, got {dt}")
+            continue
         if shape[0] == 0:
             cols[key] = np.zeros(0, _DTYPES[dt])
         else:
-            mm = np.memmap(p, dtype=_DTYPES[dt], mode="c", offset=data_start + a, shape=(shape[0],))
-            maps[key] = mm
-            cols[key] = mm.view(np.ndarray)  # plain arrays: memmap's __getitem__ is slow on hot paths
+            cols[key] = np.frombuffer(buf, dtype=_DTYPES[dt], count=shape[0], offset=data_start + a - base)
+            if bounded:
+                maps[key] = (buf, data_start + a, _DTYPES[dt].itemsize)
     drop = (lambda key, lo, hi: _release(maps[key], lo, hi) if key in maps else None) if bounded else None
     validate_columns(p, cfg, cols, injected, release=drop)
     n = cols["obs.step"].shape[0]
     return Dump(files=[p], config=cfg, columns=cols, file_index=np.zeros(n, np.int32),
                 file_obs=np.arange(n, dtype=np.int64), injected=[injected], sizes=[size], maps=maps,
-                bounded=bounded)
+                bounded=bool(bounded))
 
 
 def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected: dict | None = None,
@@ -541,11 +607,29 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
                 raise _fail(p, "dcptool.injected", f"{fault}: observation index out of range")
 
 
+def unique_files(paths: list[str | os.PathLike]) -> list[str | os.PathLike]:
+    """paths without a file named again (the same path, a symlink to it, a hard link, a directory's file
+    listed beside the directory): each file is read once, at its first name, never double-counted.
+    A path that cannot be stat'ed is kept, for the reader to report."""
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            out.append(p)
+            continue
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            out.append(p)
+    return out
+
+
 def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> Dump:
     """Read several files as one run: ordered by step, then file order, then order within a file."""
     if not paths:
         raise DumpError("no dump files given")
-    dumps = [read_dump(p, bounded) for p in paths]
+    dumps = [read_dump(p, bounded) for p in unique_files(paths)]
     if len(dumps) == 1:
         return dumps[0]
     base = dumps[0].config
@@ -935,16 +1019,16 @@ def describe(d: Dump) -> DumpInfo:
                     optional=[k for k in OPTIONAL if k in d.columns], injected=injected)
 
 
-def _release(arr: np.memmap, lo: int, hi: int) -> None:
-    """Drop the pages holding arr[lo:hi] from this process (the file is untouched)."""
-    mm = getattr(arr, "_mmap", None)
-    if mm is None or hi <= lo or not hasattr(mm, "madvise"):
+def _release(m: tuple, lo: int, hi: int) -> None:
+    """Drop the pages holding elements [lo, hi) of a mapped column (mmap, byte offset, itemsize) from
+    this process (the file is untouched)."""
+    mm, off, itemsize = m
+    if hi <= lo or not hasattr(mm, "madvise"):
         return
     import mmap
 
-    base = arr.offset - arr.offset % mmap.ALLOCATIONGRANULARITY  # where numpy's mapping starts
-    a = arr.offset - base + lo * arr.itemsize
-    b = arr.offset - base + hi * arr.itemsize
+    a = off + lo * itemsize
+    b = off + hi * itemsize
     page = mmap.PAGESIZE
     a = -(-a // page) * page
     b = b // page * page

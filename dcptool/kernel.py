@@ -134,3 +134,21 @@ def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dc
         k.check_rows_kernel[(ids.numel(),)](sub, ids, ids.numel(), *args, **const, BLOCK=FUSED_BLOCK)
         stats[:, ids] = sub.view(6, -1)
     return RowStats(*stats)
+
+
+# --------------------------------------------------------------------------------------------
+# The Recorder's device snapshot (dcptool.record): one launch copies an observation's device tensors
+
+SNAP_HEADER = 8  # int32 words before the rows in a ring slot (layout: dcptool.record, "Ring slots")
+SNAP_BLOCK = 512
+
+
+def snapshot_kernel():
+    """The Triton kernel behind Recorder.observe with CUDA tensors (compiled on first use).
+
+    Every argument is a runtime integer (addresses too: engine views need not be 16-byte aligned, and a
+    kernel that never specialises on them can be launched again through its compiled launcher with no
+    dispatch). One program copies up to four int32/int64 sources into one int32 ring slot, flags values
+    int32 cannot hold and negative seq_lens, and writes the slot's header last.
+    """
+    return _triton().snapshot_kernel

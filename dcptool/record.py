@@ -1,11 +1,38 @@
-"""The Recorder an engine calls: copy each observation to host memory at once, write dumps atomically."""
+"""The Recorder an engine calls: copy each observation to the host without stopping the engine; atomic writes.
+
+CUDA tensors are not copied with `.to("cpu")` (that waits for the engine's stream): one Triton launch
+on the engine's current stream snapshots all of an observation's device tensors into a slot of a
+pinned, device-mapped host ring, so the values are those at observe() time, and the slots are
+harvested later (every FENCE_EVERY observations, at a rollover and at close()) once a CUDA event
+says the launch finished. `cuda_mode="sync"` keeps the old synchronous copy.
+
+Ring slots (int32 words; `_SnapshotRing`; a later fused check kernel can read and extend them):
+
+    word 0  seqno            the observation's index & 0x7fffffff (checked at harvest)
+    word 1  num_reqs
+    word 2  num_reqs_padded
+    word 3  n_seq            rows of seq_lens in the slot
+    word 4  n_dcp            rows of dcp_local_seq_lens (-1: None, or held on the host)
+    word 5  n_qsl            rows of query_start_loc (-1: none, or held on the host)
+    word 6  n_kv             rows of kv_pages (-1: none, or held on the host)
+    word 7  flags            bit 0: a value int32 cannot hold; bit 1: a negative seq_len
+    then the sections seq_lens | dcp_local_seq_lens | query_start_loc | kv_pages, back to back
+    (absent ones take no room); a slot starts at a multiple of 8 words (32 bytes).
+"""
 
 from __future__ import annotations
 
 import atexit
+import errno
+import hashlib
+import operator
 import os
 import re
+import socket
+import sys
+import threading
 import warnings
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +52,14 @@ from dcptool.dump import (
 )
 from dcptool.schema import GraphMode
 
+_INT_OR_NONE = (int, type(None))
+_NO_ADDR = 1 << 40  # the address passed for an absent section (never read)
+_CHECKED: dict = {}  # CUDA device -> (compiled kernel whose launcher proved itself, or None; why not)
 _I64 = 2**63 - 1
+HEADER = 8  # = kernel.SNAP_HEADER (kept here so record.py needs no triton to describe a slot)
+FENCE_EVERY = 64  # device observations between CUDA events (an event per launch would double the CPU cost)
+_HEAD = np.arange(8)  # (HEADER words)
+DEFAULT_RING_BYTES = 4 << 20  # ~1,300 observations of 256 requests in flight
 
 
 def _int32(a: np.ndarray) -> np.ndarray:
@@ -59,6 +93,65 @@ def _host_fast(x) -> np.ndarray | None:
     return _host(x)
 
 
+def _int(v, name: str) -> int:
+    """An integer scalar as a Python int. 1.9, "7", 2.0, True and float arrays raise (the observation is
+    dropped and counted): a wrong type is a bug in the caller, and coercing it would record a made-up value.
+    numpy integer scalars and 0-d integer host tensors are integers."""
+    if type(v) is int:
+        return v
+    if isinstance(v, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an integer, got the bool {v!r}")
+    if hasattr(v, "detach") and (v.ndim or v.is_cuda or not _torch_int(v.dtype)):
+        raise ValueError(f"{name} must be an integer, got a tensor ({v.dtype}, {tuple(v.shape)}, {v.device})")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {type(v).__name__} {v!r}") from None
+
+
+def _opt(v, name: str) -> int | None:
+    return None if v is None else _int(v, name)
+
+
+def _torch_int(dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex) and str(dtype) != "torch.bool"
+
+
+def _is_cuda(x) -> bool:
+    """A CUDA tensor (checked without importing torch: nothing is one before torch is imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
+
+
+class _Torch:
+    """torch, looked up on first use (record.py does not import it: a CPU-only engine may not have it)."""
+
+    def __getattr__(self, name):
+        import torch
+
+        for k in ("int32", "int64", "cuda", "_C"):
+            setattr(self, k, getattr(torch, k))
+        return getattr(torch, name)
+
+
+_T = _Torch()
+
+
+def _narrowed(x):
+    """A device tensor as a contiguous 1-D int32/int64 one (a copy on the stream when it is not): (tensor, wide)."""
+    x = x.reshape(-1)
+    dt = x.dtype
+    if dt is _T.int64:
+        wide = 1
+    elif dt is _T.int32:
+        wide = 0
+    elif not _torch_int(dt):
+        raise ValueError(f"integer values expected, got dtype {dt}")
+    else:
+        x, wide = x.to(_T.int32), 0  # a narrower integer type: no value can be lost
+    return (x if x.is_contiguous() else x.contiguous()), wide
+
+
 def buffer_id(t) -> int:
     """Identity of the storage a tensor view aliases (0 when unknown): its storage's base address."""
     try:
@@ -67,50 +160,210 @@ def buffer_id(t) -> int:
         return 0
 
 
+class _Slot:
+    """One observation in flight: where its rows are in the ring, and the parts the host already holds;
+    once harvested, the private copy (blk, from ring word lo) its rows are cut from when written."""
+
+    __slots__ = ("index", "start", "words", "n", "host", "blk", "lo")
+
+    def __init__(self, index: int, start: int, words: int, n: list, host: list):
+        self.index, self.start, self.words, self.n, self.host = index, start, words, n, host
+        self.blk = None
+
+    def rows(self) -> tuple:
+        """(seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages): views of the private copy, or host arrays."""
+        o = self.start - self.lo + HEADER
+        out = []
+        for n, h in zip(self.n, self.host):
+            if n >= 0:
+                out.append(self.blk[o:o + n])
+                o += n
+            else:
+                out.append(h)
+        return tuple(out)
+
+
+class _HostEvent:
+    """The host ring's stand-in for a CUDA event (CPU tests): done at once, unless a test sets `hold`;
+    synchronize() finishes it (and counts the wait)."""
+
+    hold = False
+    waits = 0
+
+    def __init__(self):
+        self.done = True
+
+    def record(self, stream=None) -> None:
+        self.done = not _HostEvent.hold
+
+    def query(self) -> bool:
+        return self.done or not _HostEvent.hold  # (released: the "GPU" caught up)
+
+    def synchronize(self) -> None:
+        if not self.done:
+            _HostEvent.waits += 1
+        self.done = True
+
+
+class _SnapshotRing:
+    """A circular buffer of int32 words (pinned host memory the GPU writes into) holding slots in flight.
+
+    Slots are allocated in observation order; a fence is one CUDA event per stream that launched
+    slots since the last fence, and every slot before it is complete once its events are.
+    """
+
+    def __init__(self, words: int, device: int | None):
+        import torch
+
+        self.device = device  # CUDA device index; None: the host ring of the CPU tests (interpreted kernel)
+        self.torch = torch
+        self.words = 0
+        self.pending: deque[_Slot] = deque()
+        self.fences: deque[tuple[int, list]] = deque()  # (observations before it, its events)
+        self.unfenced = 0
+        self.streams: dict = {}  # raw stream -> stream object, for streams with slots not yet fenced
+        self.known: dict = {}
+        self.free_events: list = []
+        self.kernel = None
+        self.run = None  # the compiled launcher (no Triton dispatch per launch) once it proved itself
+        self.fast = self.function = self.meta = None
+        self.why_dispatch = ""
+        self.resize(words)
+
+    def resize(self, words: int) -> None:
+        assert not self.pending
+        self.buf = self.torch.empty(words, dtype=self.torch.int32, pin_memory=self.device is not None)
+        self.np = self.buf.numpy()
+        self.base = self.buf.data_ptr()
+        self.words = words
+
+    def alloc(self, need: int) -> int | None:
+        """Start of `need` free words, or None when the ring is full."""
+        if not self.pending:
+            return 0 if need <= self.words else None
+        tail = self.pending[0].start
+        last = self.pending[-1]
+        head = last.start + last.words
+        if last.start >= tail:  # not wrapped: room at the end, else at the start before the oldest slot
+            if head + need <= self.words:
+                return head
+            return 0 if need <= tail else None
+        return head if head + need <= tail else None
+
+    def event(self):
+        if self.free_events:
+            return self.free_events.pop()
+        return self.torch.cuda.Event() if self.device is not None else _HostEvent()
+
+    def fence(self, upto: int) -> None:
+        if not self.unfenced:
+            return
+        evs = []
+        for s in self.streams.values():
+            ev = self.event()
+            ev.record(s)
+            evs.append(ev)
+        self.streams.clear()
+        self.fences.append((upto, evs))
+        self.unfenced = 0
+
+    def launch(self, args: tuple, raw_stream: int) -> None:
+        if self.run is not None:
+            ck = self.run
+            ck.run(1, 1, 1, raw_stream, ck.function, ck.packed_metadata, None, None, None, *args)
+        else:
+            self.kernel[(1,)](*args)
+
+    def use(self, ck) -> None:
+        """Launch through this compiled kernel's launcher (bound once: no attribute lookups per launch)."""
+        self.run = ck
+        self.fast, self.function, self.meta = (None, None, None) if ck is None else (
+            ck.run, ck.function, ck.packed_metadata)
+
+    def stream(self, raw: int):
+        s = self.known.get(raw)
+        if s is None:
+            s = self.known[raw] = self.torch.cuda.current_stream(self.device) if self.device is not None else None
+        self.streams[raw] = s
+
+
 class Recorder:
     """Record observations; `close()` (or leaving a `with` block) writes the dump atomically.
 
-    `observe()` never raises into the engine: a value it cannot store is counted in `dropped` and
-    warned about once. With `rollover=K`, every K observations go to a new numbered file
-    (`run.00000.safetensors`, `run.00001.safetensors`, ...) so a long run never risks one huge file and
-    everything up to the last rollover survives a killed process. Read the files together.
+    `observe()` never raises into the engine: a value it cannot store (a bad length, a value int32
+    cannot hold, a scalar that is not an integer: `step=1.9`, `rank="7"` and bools are dropped, never
+    coerced) is counted in `dropped` and warned about once; an observation made inside CUDA-graph
+    capture is not recorded and counted in `skipped_capture`. observe() is thread-safe: index
+    allocation, appending and rollover happen under one lock.
+
+    With `rollover=K`, every K observations go to a new numbered file (`run.00000.safetensors`,
+    `run.00001.safetensors`, ...) so a long run never risks one huge file and everything up to the
+    last rollover survives a killed process. Read the files together.
+
+    CUDA tensors (`cuda_mode="async"`, the default) are snapshotted on the engine's current stream
+    with no host synchronisation (see the module docstring); their values are checked when the slot
+    is harvested, and an observation whose device values cannot be stored (a negative seq_len, an
+    int64 value int32 cannot hold) is dropped then: counted in `dropped`, and the index observe()
+    returned for it is not in the file (a `parent=` pointing at it is recorded as unknown). A full
+    ring waits for the oldest launches (`ring_full="wait"`) or drops the observation and counts it in
+    `ring_drops` (`ring_full="drop"`). `cuda_mode="sync"` copies with `.to("cpu")` as before.
 
     Nothing is lost quietly: an existing recording at `path` (or its numbered files) is refused
-    unless `force=True`, which replaces it (numbered files included); a rollover file that cannot
-    be written (disk full) is kept in memory, warned about, and retried at the next rollover and at
-    close(), which raises WriteError if it still fails (call it again once there is room). A
-    Recorder that was never closed is closed at interpreter exit. A killed process leaves every
-    file it completed intact, and at most a hidden `.NAME.*.tmp` temporary that no reader uses.
+    unless `force=True`, which replaces it (numbered files included). While a Recorder is open it
+    holds `path` on this host: a second Recorder (another process, or this one) for the same path
+    records to `STEM.pPID.SUFFIX` instead, says so in a RuntimeWarning, and `path` names where it
+    writes (`requested_path` what was asked for); every write also checks its file is still absent
+    (or the earlier recording being replaced) and moves to such a name if another writer made it.
+    A rollover file that cannot be written (disk full) is kept in memory, warned about, and retried
+    at the next rollover and at close(), which raises WriteError if it still fails (call it again
+    once there is room). A Recorder that was never closed is closed at interpreter exit. A killed
+    process leaves every file it completed intact, and at most a hidden `.NAME.*.tmp` temporary
+    that no reader uses.
     """
 
     def __init__(self, path: str | os.PathLike, dcp_size: int, cp_interleave: int = 1, *,
                  sites: tuple[str, ...] = (), pcp_size: int = 1, page_size: int | None = None,
                  engine: str | None = None, engine_version: str | None = None, note: str | None = None,
-                 rollover: int | None = None, force: bool = False):
-        self.path = Path(path)
+                 rollover: int | None = None, force: bool = False, cuda_mode: str = "async",
+                 ring_bytes: int = DEFAULT_RING_BYTES, ring_full: str = "wait"):
+        self.requested_path = Path(path)
         self.config = DumpConfig(dcp_size=dcp_size, cp_interleave=cp_interleave, sites=tuple(sites),
                                  pcp_size=pcp_size, page_size=page_size, engine=engine,
                                  engine_version=engine_version, note=note)
-        check_config(self.path, self.config)  # a bad config fails here, not hours later at close()
+        check_config(self.requested_path, self.config)  # a bad config fails here, not hours later at close()
         if rollover is not None and rollover < 1:
             raise ValueError(f"rollover must be >= 1, got {rollover}")
+        if cuda_mode not in ("async", "sync"):
+            raise ValueError(f"cuda_mode must be 'async' or 'sync', got {cuda_mode!r}")
+        if ring_full not in ("wait", "drop"):
+            raise ValueError(f"ring_full must be 'wait' or 'drop', got {ring_full!r}")
         self.rollover = rollover
-        self._stale = self._earlier_files()
-        if self._stale and not force:
-            raise OutputExistsError(f"{self._stale[0]}: exists (an earlier recording; pass force=True to replace it)")
+        self.cuda_mode = cuda_mode
+        self.ring_full = ring_full
+        self._ring_words = max(1024, int(ring_bytes) // 4)
+        self._lock = threading.RLock()
+        self._claim_sock = None
+        self.path = self.requested_path
+        self._stale = self._claim(force)
         self.injected: dict[str, list[int]] | None = None
         self.dropped = 0
+        self.skipped_capture = 0  # observations made inside CUDA-graph capture (not recorded)
+        self.ring_drops = 0  # device observations dropped because the ring was full (ring_full="drop")
         self.write_errors = 0  # failed writes (each retried later); the last one in `last_error`
         self.last_error: str | None = None
         self.files: list[Path] = []
         # One tuple of scalars and one of row arrays per observation, turned into columns only at write
-        # time (zip(*)): observe() stays a couple of appends, close() a handful of concatenations.
+        # time (zip(*)): observe() stays a couple of appends, close() a handful of concatenations. A row
+        # entry is a _Slot while its device values are in flight, None once dropped at harvest.
         self._vals: list[tuple] = []  # dump.FIELDS
         self._sites: list[str] = []
-        self._rows: list[tuple] = []  # (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)
-        self._count = 0  # observations accepted over all files
+        self._rows: list = []  # (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)
+        self._count = 0  # observation indices handed out over all files
+        self._late = 0  # of them, dropped at harvest
         self._file_start = 0  # global index of the current file's first observation
         self._retry_at = rollover  # pending observations that trigger the next write
+        self._ring: _SnapshotRing | None = None
+        self._dev = _is_cuda  # which values go through the ring (the CPU tests widen it to host tensors)
         self._warned = False
         self._warned_write = False
         self._closed = False
@@ -123,19 +376,77 @@ class Recorder:
         self.close()
 
     def __len__(self) -> int:
-        return self._count
+        return self._count - self._late
 
-    def _earlier_files(self) -> list[Path]:
+    # ---- one recording per path -----------------------------------------------------------------
+
+    def _earlier_files(self, path: Path) -> list[Path]:
         """What an earlier recording at this path left: the file, or with rollover its numbered files."""
         if self.rollover is None:
-            return [self.path] if os.path.lexists(self.path) else []
-        pat = re.compile(re.escape(self.path.stem) + r"\.\d{5}" + re.escape(self.path.suffix or ".safetensors"))
+            return [path] if os.path.lexists(path) else []
+        pat = re.compile(re.escape(path.stem) + r"\.\d{5}" + re.escape(path.suffix or ".safetensors"))
         try:
-            return sorted(self.path.parent / n for n in os.listdir(self.path.parent) if pat.fullmatch(n))
+            return sorted(path.parent / n for n in os.listdir(path.parent) if pat.fullmatch(n))
         except OSError:
             return []  # the directory may not exist yet; writing will say so
 
-    def _check_shared(self, vals: tuple, site, kv: np.ndarray | None, rows: int) -> None:
+    @staticmethod
+    def _hold(path: Path):
+        """Hold `path` for this Recorder's life: an abstract Unix socket named after it (this host, this
+        network namespace), which the kernel releases when the process dies, so a killed recording
+        leaves no lock file behind. None when another Recorder holds it; True where there are no such
+        sockets (the per-write existence check still guards)."""
+        try:
+            where = os.path.join(os.path.realpath(path.parent), path.name)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except (OSError, AttributeError):
+            return True
+        try:
+            s.bind(b"\0dcptool-recorder:" + hashlib.sha1(os.fsencode(where)).hexdigest().encode())
+        except OSError as e:
+            s.close()
+            return None if e.errno == errno.EADDRINUSE else True  # held by another; else: no such sockets
+        return s
+
+    def _claim(self, force: bool, taken: str | None = None) -> list[Path]:
+        """Take `self.path` (or, when another writer has it, the first free STEM.pPID[-k] beside it) and
+        return the earlier recording it replaces. Raises OutputExistsError for one without force."""
+        base = self.requested_path
+        suffix = base.suffix or ".safetensors"
+        for k in range(1000):
+            cand = base if k == 0 and taken is None else base.with_name(
+                f"{base.stem}.p{os.getpid()}{'' if k < 2 else f'-{k}'}{suffix}")
+            if k == 1 and taken is None:
+                taken = f"{base} is being recorded by another Recorder"
+            if cand == self.path and taken is not None:
+                continue
+            held = self._hold(cand)
+            if held is None:
+                continue
+            stale = self._earlier_files(cand)
+            if stale and (taken is not None or not force):
+                if held is not True:
+                    held.close()
+                if taken is None:
+                    raise OutputExistsError(f"{stale[0]}: exists (an earlier recording; pass force=True to replace it)")
+                continue  # a separated recording never replaces anything
+            if self._claim_sock is not None and self._claim_sock is not True:
+                self._claim_sock.close()
+            self._claim_sock = held
+            self.path = cand
+            if taken is not None:
+                warnings.warn(f"dcptool Recorder: {taken}; recording to {cand} instead", RuntimeWarning, stacklevel=3)
+            return stale
+        raise OutputExistsError(f"{base}: no free name beside it for a second recording")
+
+    def _release(self) -> None:
+        if self._claim_sock is not None and self._claim_sock is not True:
+            self._claim_sock.close()
+        self._claim_sock = None
+
+    # ---- checks ----------------------------------------------------------------------------------
+
+    def _check_shared(self, vals: tuple, site, kv_rows: int | None, rows: int) -> None:
         """What the dump format cannot hold (DESIGN §2) raises here and in _check_own, so a write never
         fails on it: the values one batch's observations share."""
         step, _, ubatch, _, nrp, _, rs, ts, te, ntp, _, graph = vals
@@ -149,7 +460,7 @@ class Recorder:
                 raise ValueError(f"req_start/tok_start/tok_stop/num_tokens_padded {v} out of range")
         if graph is not None and not 0 <= graph <= 3:
             raise ValueError(f"graph {graph} is not 0..3")
-        if kv is not None and (self.config.page_size is None or kv.size != rows):
+        if kv_rows is not None and (self.config.page_size is None or kv_rows != rows):
             raise ValueError(f"kv_pages needs page_size in the config and one value per seq_lens row ({rows})")
 
     def _check_own(self, rank: int, parent: int | None, buffer: int | None, index: int) -> None:
@@ -161,6 +472,26 @@ class Recorder:
         if buffer is not None and not -_I64 - 1 <= buffer <= _I64:
             raise ValueError(f"buffer {buffer} does not fit int64")
 
+    @staticmethod
+    def _scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start, tok_stop,
+                 num_tokens_padded, buffer, graph) -> tuple:
+        """dump.FIELDS as Python ints (checked: never coerced); parent None when unknown."""
+        if (type(step) is int and type(rank) is int and type(ubatch) is int and type(num_reqs) is int
+                and type(num_reqs_padded) is int and type(parent) in _INT_OR_NONE and type(req_start) in _INT_OR_NONE
+                and type(tok_start) in _INT_OR_NONE and type(tok_stop) in _INT_OR_NONE
+                and type(num_tokens_padded) in _INT_OR_NONE and type(buffer) in _INT_OR_NONE
+                and type(graph) in _INT_OR_NONE):  # what engines pass: no conversion needed
+            return (step, rank, ubatch, num_reqs, num_reqs_padded, None if parent is None or parent < 0 else parent,
+                    req_start, tok_start, tok_stop, num_tokens_padded, buffer, graph)
+        p = _opt(parent, "parent")
+        g = int(GraphMode.parse(graph)) if isinstance(graph, str) else _opt(graph, "graph")
+        return (_int(step, "step"), _int(rank, "rank"), _int(ubatch, "ubatch"), _int(num_reqs, "num_reqs"),
+                _int(num_reqs_padded, "num_reqs_padded"), None if p is None or p < 0 else p,
+                _opt(req_start, "req_start"), _opt(tok_start, "tok_start"), _opt(tok_stop, "tok_stop"),
+                _opt(num_tokens_padded, "num_tokens_padded"), _opt(buffer, "buffer"), g)
+
+    # ---- observe ---------------------------------------------------------------------------------
+
     def observe(self, *, step: int, site: str, rank: int, seq_lens, num_reqs: int, num_reqs_padded: int,
                 dcp_local_seq_lens=None, ubatch: int = -1, parent: int | None = None, req_start: int | None = None,
                 tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
@@ -168,22 +499,44 @@ class Recorder:
                 kv_pages=None) -> int:
         """Record one attention-metadata build; returns its index (pass it as `parent=` later), -1 if dropped."""
         try:
-            seq, nr, nrp, qsl, graph = self._batch(seq_lens, num_reqs, num_reqs_padded, query_start_loc, graph)
-            if buffer is None and dcp_local_seq_lens is not None and hasattr(dcp_local_seq_lens, "untyped_storage"):
-                buffer = buffer_id(dcp_local_seq_lens)
-            p = None if parent is None or parent < 0 else int(parent)  # made file-relative in _append
-            vals = (int(step), int(rank), int(ubatch), nr, nrp, p,
-                    None if req_start is None else int(req_start), None if tok_start is None else int(tok_start),
-                    None if tok_stop is None else int(tok_stop),
-                    None if num_tokens_padded is None else int(num_tokens_padded),
-                    None if buffer is None else int(buffer), None if graph is None else int(graph))
+            dev = self._dev
+            srcs = (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)
+            on = (type(seq_lens) is not np.ndarray and dev(seq_lens), dev(dcp_local_seq_lens), dev(query_start_loc),
+                  kv_pages is not None and dev(kv_pages))
+            if on[0] or on[1] or on[2] or on[3]:
+                if self._capturing():
+                    with self._lock:
+                        self.skipped_capture += 1
+                    return -1
+                if buffer is None and dcp_local_seq_lens is not None:
+                    buffer = buffer_id(dcp_local_seq_lens)
+                vals = self._scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
+                                     tok_stop, num_tokens_padded, buffer, graph)
+                if self.cuda_mode == "async":
+                    got = self._observe_device(vals, site, srcs, on)
+                    if got is not None:
+                        return got
+            else:
+                if buffer is None and dcp_local_seq_lens is not None and hasattr(dcp_local_seq_lens,
+                                                                                 "untyped_storage"):
+                    buffer = buffer_id(dcp_local_seq_lens)
+                vals = self._scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
+                                     tok_stop, num_tokens_padded, buffer, graph)
+            seq, qsl = self._batch(seq_lens, vals[3], vals[4], query_start_loc)
             row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages))
-            self._check_shared(vals, site, row[3], seq.size)
-            self._check_own(vals[1], p, vals[10], self._count)
+            self._check_shared(vals, site, None if row[3] is None else row[3].size, seq.size)
         except Exception as e:  # never break the engine
             self._drop(e)
             return -1
-        return self._append(vals, site, row)
+        with self._lock:
+            try:
+                if self._closed:
+                    raise RuntimeError("observe() after close()")
+                self._check_own(vals[1], vals[5], vals[10], self._count)
+            except Exception as e:
+                self._drop(e)
+                return -1
+            return self._append(vals, site, row)
 
     def observe_many(self, *, step: int, site: str, ranks, seq_lens, num_reqs: int, num_reqs_padded: int,
                      dcp_local_seq_lens=None, ubatch: int = -1, parents=None, req_start: int | None = None,
@@ -195,13 +548,17 @@ class Recorder:
         What the ranks share (seq_lens, query_start_loc and the scalars) is copied once;
         dcp_local_seq_lens and kv_pages are [ranks, rows] (kv_pages may also be one shared row);
         parents and buffers are per rank. For a simulator or a harness that holds every rank's
-        metadata at once (an engine process records its own rank with observe()). Returns the
-        indices; a batch that cannot be stored is dropped whole ([-1] * len(ranks)).
+        metadata at once (an engine process records its own rank with observe(); CUDA tensors are
+        copied here with `.to("cpu")`, which waits for the stream). Returns the indices; a batch that
+        cannot be stored is dropped whole ([-1] * len(ranks)).
         """
         ranks = list(ranks)
         k = len(ranks)
         try:
-            seq, nr, nrp, qsl, graph = self._batch(seq_lens, num_reqs, num_reqs_padded, query_start_loc, graph)
+            common = self._scalars(step, 0, ubatch, num_reqs, num_reqs_padded, None, req_start, tok_start,
+                                   tok_stop, num_tokens_padded, None, graph)
+            step, _, ubatch, nr, nrp, _, rs, ts, te, ntp, _, graph = common
+            seq, qsl = self._batch(seq_lens, nr, nrp, query_start_loc)
             dcp = None if dcp_local_seq_lens is None else _host(dcp_local_seq_lens).reshape(k, -1)
             kv = None
             if kv_pages is not None:
@@ -213,50 +570,53 @@ class Recorder:
             buffers = [None] * k if buffers is None else list(buffers)
             if len(parents) != k or len(buffers) != k or (kv is not None and kv.shape[0] != k):
                 raise ValueError(f"{k} ranks but {len(parents)} parents, {len(buffers)} buffers")
-            common = (None if req_start is None else int(req_start), None if tok_start is None else int(tok_start),
-                      None if tok_stop is None else int(tok_stop),
-                      None if num_tokens_padded is None else int(num_tokens_padded))
-            step, ubatch = int(step), int(ubatch)
-            graph = None if graph is None else int(graph)
-            ranks = [int(r) for r in ranks]
-            self._check_shared((step, 0, ubatch, nr, nrp, None, *common, None, graph), site,
-                               None if kv is None else kv[0], seq.size)
-            batch = []
-            for i in range(k):
-                p = None if parents[i] is None or parents[i] < 0 else int(parents[i])
-                b = None if buffers[i] is None else int(buffers[i])
-                self._check_own(ranks[i], p, b, self._count + i)
-                batch.append(((step, ranks[i], ubatch, nr, nrp, p, *common, b, graph),
-                              (seq, None if dcp is None else dcp[i], qsl, None if kv is None else kv[i])))
+            ranks = [_int(r, "rank") for r in ranks]
+            parents = [_opt(p, "parent") for p in parents]
+            parents = [None if p is None or p < 0 else p for p in parents]
+            buffers = [_opt(b, "buffer") for b in buffers]
+            self._check_shared(common, site, None if kv is None else kv.shape[1], seq.size)
         except Exception as e:
             self._drop(e, k)
             return [-1] * k
-        return [self._append(vals, site, row) for vals, row in batch]
+        with self._lock:
+            try:
+                if self._closed:
+                    raise RuntimeError("observe() after close()")
+                for i in range(k):
+                    self._check_own(ranks[i], parents[i], buffers[i], self._count + i)
+            except Exception as e:
+                self._drop(e, k)
+                return [-1] * k
+            return [self._append((step, ranks[i], ubatch, nr, nrp, parents[i], rs, ts, te, ntp, buffers[i], graph),
+                                 site, (seq, None if dcp is None else dcp[i], qsl, None if kv is None else kv[i]))
+                    for i in range(k)]
 
-    def _batch(self, seq_lens, num_reqs, num_reqs_padded, query_start_loc, graph):
-        """Checks and host copies shared by observe() and observe_many(); raises on what cannot be stored."""
-        if self._closed:
-            raise RuntimeError("observe() after close()")
+    def _batch(self, seq_lens, nr: int, nrp: int, query_start_loc):
+        """Host copies and checks shared by observe() and observe_many(); raises on what cannot be stored."""
         seq = _host_fast(seq_lens)
-        nr, nrp = int(num_reqs), int(num_reqs_padded)  # (their int32 range: _check)
         if not 0 <= nr <= nrp or seq.size < nr or (seq.size and seq.min() < 0):
             raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {seq.size} seq_lens rows")
         qsl = _host_fast(query_start_loc)
         if qsl is not None and qsl.size != seq.size + 1:
             qsl = None  # a query_start_loc that does not cover the rows is of no use to replay
-        return seq, nr, nrp, qsl, GraphMode.parse(graph) if isinstance(graph, str) else graph
+        return seq, qsl
+
+    @staticmethod
+    def _capturing() -> bool:
+        """Inside CUDA-graph capture on the current stream (only asked once a CUDA tensor was seen)."""
+        return _T._C._cuda_isCurrentStreamCapturing()  # (torch.cuda.is_current_stream_capturing)
 
     def _drop(self, e: Exception, n: int = 1) -> None:
-        self.dropped += n
-        if not self._warned:
+        with self._lock:
+            self.dropped += n
+            if self._warned:
+                return
             self._warned = True
-            warnings.warn(f"dcptool Recorder dropped an observation it cannot store ({e}); "
-                          "counting further drops silently", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"dcptool Recorder dropped an observation it cannot store ({e}); "
+                      "counting further drops silently", RuntimeWarning, stacklevel=3)
 
-    def _append(self, vals: tuple, site: str, row: tuple) -> int:
-        parent = vals[5]
-        if parent is not None:  # index in this file; -1 when the parent went to an earlier file
-            vals = (*vals[:5], parent - self._file_start if parent >= self._file_start else -1, *vals[6:])
+    def _append(self, vals: tuple, site: str, row) -> int:
+        """Under the lock: give the observation its index and keep it; roll over when a file is full."""
         self._vals.append(vals)
         self._sites.append(site)
         self._rows.append(row)
@@ -265,40 +625,298 @@ class Recorder:
             self._flush(raise_errors=False)
         return self._count - 1
 
+    # ---- the device path -------------------------------------------------------------------------
+
+    def _observe_device(self, vals: tuple, site: str, srcs: tuple, on: tuple) -> int | None:
+        """Snapshot the observation's CUDA tensors in one launch; None: take the host path instead.
+
+        (Written for speed: this is the engine's cost of recording, see benchmarks/bench_record.py --cuda.)
+        """
+        ns = []
+        host = []
+        # kernel._snapshot_kernel's arguments; an absent source's address is never read, but must be an int64
+        # so that one compiled kernel serves every call
+        args = [0, 0, vals[3], vals[4]]
+        words = HEADER + 7
+        device = -2
+        keep = None  # converted copies: alive until the launch is queued (their memory is reused in stream order)
+        for x, d in zip(srcs, on):
+            if not d:
+                ns.append(-1)
+                host.append(None if x is None else _host_fast(x))
+                args += (_NO_ADDR, -1, 0)
+                continue
+            d = x.get_device()
+            if d != device:
+                if device != -2:
+                    return None  # tensors on two devices: the host path copies them
+                device = d
+            if x.dtype is _T.int32 and x.is_contiguous() and x.dim() == 1:
+                n = x.numel()
+                args += (x.data_ptr(), n, 0)
+            else:
+                x, wide = _narrowed(x)
+                keep = [x] if keep is None else [*keep, x]
+                n = x.numel()
+                args += (x.data_ptr(), n, wide)
+            ns.append(n)
+            host.append(None)
+            words += n
+        nr, nrp = vals[3], vals[4]
+        rows = ns[0] if ns[0] >= 0 else host[0].size if host[0] is not None else -1
+        if rows < nr or not 0 <= nr <= nrp:
+            raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {rows} seq_lens rows")
+        if host[0] is not None and host[0].size and host[0].min() < 0:
+            raise ValueError("negative seq_lens")
+        nq = ns[2] if ns[2] >= 0 else host[2].size if host[2] is not None else rows + 1
+        if nq != rows + 1:  # of no use to replay (as on the host path)
+            words -= max(ns[2], 0)
+            ns[2], host[2], args[11] = -1, None, -1
+        self._check_shared(vals, site, ns[3] if ns[3] >= 0 else None if host[3] is None else host[3].size, rows)
+        words &= ~7
+        if device < 0:
+            device = None  # (the host ring of the CPU tests)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("observe() after close()")
+            index = self._count
+            self._check_own(vals[1], vals[5], vals[10], index)
+            ring = self._ring
+            if ring is None:
+                if device != _T.cuda.current_device():
+                    return None  # (the ring's launcher is bound to the current device's context)
+                ring = self._start_ring(device)
+                if ring is None:
+                    return None
+            elif ring.device != device:
+                return None  # tensors of another device than the ring's: the host path copies them
+            start = ring.alloc(words)
+            if start is None:
+                start = self._room(ring, words)
+            raw = _T._C._cuda_getCurrentRawStream(device) if device is not None else 0
+            args[0] = ring.base + 4 * start
+            args[1] = index & 0x7FFFFFFF
+            if ring.fast is not None:
+                ring.fast(1, 1, 1, raw, ring.function, ring.meta, None, None, None, *args)
+            else:
+                ring.launch(args, raw)
+            del keep
+            if raw not in ring.streams:
+                ring.stream(raw)
+            slot = _Slot(index, start, words, ns, host)
+            ring.pending.append(slot)
+            self._vals.append(vals)
+            self._sites.append(site)
+            self._rows.append(slot)
+            self._count = index + 1
+            if self.rollover is not None and len(self._sites) >= self._retry_at:
+                self._flush(raise_errors=False)
+            ring.unfenced += 1
+            if ring.unfenced >= FENCE_EVERY:
+                ring.fence(self._count)
+                self._harvest(wait=False)
+            return index
+
+    def _start_ring(self, device: int | None) -> _SnapshotRing | None:
+        """The ring, its kernel, and on a GPU a one-time check (one synchronisation) that a launch through
+        the compiled launcher writes what the kernel should; else Triton's own dispatch, else sync mode."""
+        from dcptool import kernel as K
+
+        ring = _SnapshotRing(self._ring_words, device)
+        try:
+            ring.kernel = K.snapshot_kernel()
+        except Exception as e:
+            return self._no_ring(e)
+        if device is not None and device in _CHECKED:  # (checked once per process and device)
+            ring.use(_CHECKED[device][0])
+            ring.why_dispatch = _CHECKED[device][1]
+        elif device is not None:
+            try:
+                torch = ring.torch
+                with torch.cuda.device(device):
+                    ck = _self_check(ring, None)
+                    try:
+                        _self_check(ring, ck)
+                        ring.use(ck)
+                    except Exception as e:  # the compiled launcher is not callable so here: Triton's dispatch
+                        ring.why_dispatch = repr(e)
+                _CHECKED[device] = (ring.run, ring.why_dispatch)
+            except Exception as e:
+                return self._no_ring(e)
+        self._ring = ring
+        return ring
+
+    def _no_ring(self, e: Exception) -> None:
+        self.cuda_mode = "sync"
+        warnings.warn(f"dcptool Recorder cannot snapshot CUDA tensors asynchronously here ({e}); copying them "
+                      "with .to('cpu'), which waits for the stream", RuntimeWarning, stacklevel=4)
+        return None
+
+    def _room(self, ring: _SnapshotRing, words: int) -> int:
+        """Start of a free slot of `words`: harvest finished slots, wait for the oldest or drop when full."""
+        start = ring.alloc(words)
+        if start is not None:
+            return start
+        if words > ring.words:  # bigger than the whole ring: finish what is in flight, then grow it
+            self._harvest(wait=True)
+            ring.resize(max(2 * ring.words, 2 * words))
+            return 0
+        self._harvest(wait=False)
+        while (start := ring.alloc(words)) is None:
+            if self.ring_full == "drop":
+                self.ring_drops += 1
+                raise ValueError("the snapshot ring is full (the GPU is far behind); ring_full='wait' waits instead")
+            ring.fence(self._count)
+            self._harvest(wait=True, one=True)
+        return start
+
+    def _harvest(self, *, wait: bool, one: bool = False) -> None:
+        """Under the lock: copy the finished slots out of the ring (wait: finish all in flight first)."""
+        ring = self._ring
+        if ring is None:
+            return
+        if wait and not one:
+            ring.fence(self._count)
+        while ring.fences:
+            upto, evs = ring.fences[0]
+            if not all(ev.query() for ev in evs):
+                if not wait:
+                    return
+                for ev in evs:
+                    ev.synchronize()
+            ring.fences.popleft()
+            ring.free_events.extend(evs)
+            take = []
+            while ring.pending and ring.pending[0].index < upto:
+                take.append(ring.pending.popleft())
+            self._resolve(ring, take)
+            if one:
+                return
+
+    def _resolve(self, ring: _SnapshotRing, take: list[_Slot]) -> None:
+        """Finished slots: one private copy of each contiguous run of the ring, their headers checked at once
+        (seqno, flags); each observation's rows are cut out of that copy when its file is written."""
+        i = 0
+        while i < len(take):
+            j = i + 1
+            while j < len(take) and take[j].start == take[j - 1].start + take[j - 1].words:
+                j += 1
+            run = take[i:j]
+            lo = run[0].start
+            blk = ring.np[lo:run[-1].start + run[-1].words].copy()
+            heads = blk[np.fromiter([s.start for s in run], np.int64, len(run))[:, None] - lo + _HEAD]
+            seqno = np.fromiter([s.index for s in run], np.int64, len(run)) & 0x7FFFFFFF
+            bad = (heads[:, 0] != seqno) | (heads[:, 7] != 0)
+            for s in run:
+                s.blk, s.lo = blk, lo
+            if bad.any():
+                for k in np.flatnonzero(bad).tolist():
+                    s, flags = run[k], int(heads[k, 7])
+                    self._rows[s.index - self._file_start] = None
+                    self._late += 1
+                    why = ("a negative seq_len" if flags & 2 else "a value int32 cannot hold" if flags & 1
+                           else "a ring slot that does not hold it")
+                    self._drop(ValueError(f"observation {s.index}: the device values hold {why}"))
+            i = j
+
+    def _abandon(self, e: Exception) -> None:
+        """The slots in flight cannot be harvested: drop those observations (counted, warned)."""
+        ring = self._ring
+        while ring.pending:
+            s = ring.pending.popleft()
+            self._rows[s.index - self._file_start] = None
+            self._late += 1
+            self._drop(ValueError(f"observation {s.index}: its device snapshot cannot be read ({e})"))
+        ring.fences.clear()
+
+    def _use_host_ring(self, words: int = 4096) -> _SnapshotRing:
+        """For the CPU tests: send host torch tensors through a (non-pinned) ring and the interpreted kernel."""
+        import torch
+
+        from dcptool import kernel as K
+
+        self._dev = lambda x: isinstance(x, torch.Tensor)
+        self._capturing = lambda: False  # (a CPU build of torch has no capture to ask about)
+        self._ring = _SnapshotRing(words, None)
+        self._ring.kernel = K.snapshot_kernel()
+        return self._ring
+
     def _target(self) -> Path:
         if self.rollover is None:
             return self.path
         return self.path.with_name(f"{self.path.stem}.{len(self.files):05d}{self.path.suffix or '.safetensors'}")
 
-    def _pack(self) -> dict[str, np.ndarray]:
-        """The observations since the last file, as dump columns (site indices stable across rolled files)."""
-        n = len(self._sites)
-        vals = dict(zip(FIELDS, zip(*self._vals))) if n else {f: () for f in FIELDS}
-        rows = dict(zip(ROW_FIELDS, zip(*self._rows))) if n else {k: () for k in ROW_FIELDS}
-        self.config, cols = columns(self.config, self._sites, vals, rows)
-        return cols
+    def _pack(self, n: int) -> tuple[dict[str, np.ndarray], list | None]:
+        """The first n observations since the last file, as dump columns (site indices stable across rolled
+        files), and the file row of each kept observation (None when all were kept)."""
+        vals, sites, rows = self._vals[:n], self._sites[:n], self._rows[:n]
+        rows = [r.rows() if type(r) is _Slot else r for r in rows]  # harvested device observations
+        fs = self._file_start
+        where = None
+        if any(r is None for r in rows):  # dropped at harvest: renumber the rest and their parents
+            where, k = [], 0
+            for r in rows:
+                where.append(k if r is not None else -1)
+                k += r is not None
+            keep = [i for i, r in enumerate(rows) if r is not None]
+            vals = [vals[i] for i in keep]
+            sites = [sites[i] for i in keep]
+            rows = [rows[i] for i in keep]
+        out = []
+        for v in vals:  # parent: index in this file, -1 when it went to an earlier file or was dropped
+            p = v[5]
+            if p is not None:
+                p = p - fs if p >= fs else -1
+                if where is not None and p >= 0:
+                    p = where[p]
+                v = (*v[:5], p, *v[6:])
+            out.append(v)
+        n = len(sites)
+        cv = dict(zip(FIELDS, zip(*out))) if n else {f: () for f in FIELDS}
+        cr = dict(zip(ROW_FIELDS, zip(*rows))) if n else {k: () for k in ROW_FIELDS}
+        self.config, cols = columns(self.config, sites, cv, cr)
+        return cols, where
 
-    def _write_current(self) -> None:
+    def _write_current(self, n: int | None = None) -> None:
+        """Write the first n observations kept (all by default) to the next file."""
         target = self._target()
-        n = len(self._sites)
-        cols = self._pack()
+        n = len(self._sites) if n is None else n
+        cols, where = self._pack(n)
         injected = None
         if self.injected is not None:
             lo, hi = self._file_start, self._file_start + n
-            injected = {k: [i - lo for i in v if lo <= i < hi] for k, v in self.injected.items()}
-        if self._stale:  # force=True: the earlier recording goes when this one has its first file
-            for f in self._stale:
-                if f != target:
-                    f.unlink(missing_ok=True)
-            self._stale = []
+            injected = {k: [i - lo if where is None else where[i - lo] for i in v if lo <= i < hi
+                            and (where is None or where[i - lo] >= 0)] for k, v in self.injected.items()}
+        replace = target in self._stale  # force=True: the earlier recording goes when this one has a file
+        for f in self._stale:
+            if f != target:
+                f.unlink(missing_ok=True)
+        if not replace and os.path.lexists(target):  # someone else wrote our file: never replace it
+            self._claim(False, taken=f"{target} was written by another writer")
+            target = self._target()
         write_dump(target, self.config, cols, injected)
+        self._stale = []
         self.files.append(target)
         self._file_start += n
-        self._vals, self._sites, self._rows = [], [], []
+        self._vals, self._sites, self._rows = self._vals[n:], self._sites[n:], self._rows[n:]
 
     def _flush(self, *, raise_errors: bool) -> None:
+        n = None
+        ring = self._ring
+        if ring is not None and ring.pending:  # device values still in flight: write the observations before
+            self._harvest(wait=raise_errors)
+            if ring.pending:
+                ring.fence(self._count)  # (so that they land soon)
+                n = ring.pending[0].index - self._file_start
+                if n == 0:
+                    # try again once some have landed (a rolled file may hold a few more than `rollover`)
+                    self._retry_at = len(self._sites) + min(FENCE_EVERY, self.rollover or FENCE_EVERY)
+                    return
         try:
-            self._write_current()
+            if n is None:
+                self._write_current()
+            else:
+                self._write_current(n)  # (the first n: the rest is still in flight)
         except (OSError, DumpError) as e:
             self.write_errors += 1
             self.last_error = str(e)
@@ -314,19 +932,30 @@ class Recorder:
             return
         self._retry_at = self.rollover
 
+    def harvest(self) -> None:
+        """Copy the finished device snapshots out of the ring now (no waiting): for a step boundary."""
+        with self._lock:
+            self._harvest(wait=False)
+
     def close(self) -> list[Path]:
         """Write what is left (atomically); returns the files written. Safe to call twice.
 
-        Raises WriteError (naming the file) when the last file cannot be written; the observations
-        stay in memory and a later close() tries again.
+        Waits for the device snapshots still in flight. Raises WriteError (naming the file) when the
+        last file cannot be written; the observations stay in memory and a later close() tries again.
         """
-        if self._closed:
+        with self._lock:
+            if self._closed:
+                return self.files
+            try:
+                self._harvest(wait=True)
+            except Exception as e:  # the device is gone (a CUDA error, interpreter exit): keep the rest
+                self._abandon(e)
+            if self._sites or not self.files:
+                self._flush(raise_errors=True)
+            self._closed = True
+            self._release()
+            atexit.unregister(self._at_exit)
             return self.files
-        if self._sites or not self.files:
-            self._flush(raise_errors=True)
-        self._closed = True
-        atexit.unregister(self._at_exit)
-        return self.files
 
     def discard(self) -> None:
         """Write nothing more, not even at exit, and drop what is not written yet: for a run that failed or
@@ -341,3 +970,25 @@ class Recorder:
         except WriteError as e:
             warnings.warn(f"dcptool Recorder lost {len(self._sites)} observations at exit: {e}", RuntimeWarning,
                           stacklevel=1)
+
+
+def _self_check(ring: _SnapshotRing, ck):
+    """Launch the kernel once on known values (unaligned, int64, an overflow) and compare; returns the
+    compiled kernel when launched through Triton (ck None)."""
+    torch = ring.torch
+    dev = ring.device
+    a = torch.arange(1, 7, dtype=torch.int32, device=dev)[1:]  # an unaligned view: 2..6
+    b = torch.tensor([7, -2, 2**40], dtype=torch.int64, device=dev)
+    ring.np[:32] = -9
+    args = (ring.base, 12345, 5, 5, a.data_ptr(), 5, 0, b.data_ptr(), 3, 1, ring.base, -1, 0, a.data_ptr(), 5, 0)
+    if ck is None:
+        got = ring.kernel[(1,)](*args)
+    else:
+        ck.run(1, 1, 1, torch._C._cuda_getCurrentRawStream(dev), ck.function, ck.packed_metadata, None, None, None,
+               *args)
+        got = ck
+    torch.cuda.synchronize(dev)
+    want = [12345, 5, 5, 5, 3, -1, 5, 1, 2, 3, 4, 5, 6, 7, -2, 0, 2, 3, 4, 5, 6]
+    if ring.np[:len(want)].tolist() != want:
+        raise RuntimeError(f"snapshot kernel self-check wrote {ring.np[:len(want)].tolist()}")
+    return got

@@ -290,7 +290,9 @@ def rows_view(d: Dump, i: int, findings: list[Finding]) -> RowsView:
     seq = d.seq_lens_of(i)
     exp = expected_of(d, i)
     view = d.dcp_of(i)
-    allr = local_np(seq[:nr].reshape(-1, 1), c.dcp_size, np.arange(c.dcp_size).reshape(1, -1), c.cp_interleave)
+    # (no real rows: no per-rank table; an arange of a 2^31-1 dcp_size would be 16 GB for nothing)
+    allr = local_np(seq[:nr].reshape(-1, 1), c.dcp_size, np.arange(c.dcp_size if nr else 1).reshape(1, -1),
+                    c.cp_interleave)
     verdict = []
     n = max(nrp, 0 if view is None else view.size)
     for j in range(n):

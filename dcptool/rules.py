@@ -484,8 +484,11 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue
         bad_obs.setdefault(int(cand[seg[k]]), ("query_start_loc", int(j[k]), int(got[k]), int(want[k])))
     for k in np.flatnonzero(qlen[cand] != nrp + 1):
         bad_obs.setdefault(int(cand[k]), ("query_start_loc", None, int(qlen[cand[k]]), int(nrp[k]) + 1))
-    # seq_lens: nrp rows each, the last reduced by the tokens of that request after te
-    seg, j, _ = ragged(np.zeros(cand.size, np.int64), nrp)
+    # seq_lens: nrp rows each, the last reduced by the tokens of that request after te. The reader
+    # accepts a micro-batch with fewer seq_lens rows than num_reqs_padded (only num_reqs are required):
+    # compare the rows it has, and report the short ones below rather than read past them.
+    have = np.diff(rows)[cand]
+    seg, j, _ = ragged(np.zeros(cand.size, np.int64), np.minimum(nrp, have))
     got = take(d, "rows.seq_lens", rows[cand][seg] + j).astype(np.int64)
     want = take(d, "rows.seq_lens", rows[p][seg] + r0[seg] + j).astype(np.int64)
     cut = sliced_last_cut(q[qo[p] + r0 + nrp].astype(np.int64), te0)
@@ -493,6 +496,8 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue
     want[last] -= cut[seg[last]]
     for k in np.flatnonzero(got != want):
         bad_obs.setdefault(int(cand[seg[k]]), ("seq_lens", int(j[k]), int(got[k]), int(want[k])))
+    for k in np.flatnonzero(have < nrp):
+        bad_obs.setdefault(int(cand[k]), ("seq_lens", None, int(have[k]), int(nrp[k])))
     idx = {int(c): k for k, c in enumerate(cand)}
     for i in sorted(set(bad_obs) - set(bounds)):  # one finding per observation: the split is the first wrong
         field, row, rec, exp = bad_obs[i]

@@ -555,7 +555,7 @@ class Runner:
         else:
             bufs = [self._buf(proc, home) for proc in procs]
         kw = dict(step=step, site=site, seq_lens=b.seq, num_reqs=nr, num_reqs_padded=nrp, ubatch=ubatch,
-                  query_start_loc=b.qsl, num_tokens_padded=b.ntp, graph=graph)
+                  query_start_loc=b.qsl, num_tokens_padded=b.ntp, graph=int(graph))
         if sl is not None:
             kw.update(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)
         if sink.shared:  # every rank in one file: one call records the batch on all N ranks

@@ -7,6 +7,8 @@ switched on the interpreter where there is no GPU (TRITON_INTERPRET must be set 
 import triton
 import triton.language as tl
 
+from dcptool.kernel import SNAP_BLOCK, SNAP_HEADER
+
 
 @triton.jit
 def _local(seq, rank, span, cp_interleave):
@@ -144,3 +146,54 @@ def check_rows_kernel(stats_ptr, ids_ptr, n_ids, seq_lens_ptr, rows_ptr, dcp_ptr
     tl.store(stats_ptr + 3 * n_ids + k, tl.where(fp == big, -1, fp))
     tl.store(stats_ptr + 4 * n_ids + k, tl.sum(n_pg, axis=0))
     tl.store(stats_ptr + 5 * n_ids + k, tl.where(fg == big, -1, fg))
+
+
+# --------------------------------------------------------------------------------------------
+# The Recorder's device snapshot (dcptool.record; kernel.snapshot_kernel() says what it does)
+
+_SNAP_BLOCK = tl.constexpr(SNAP_BLOCK)
+_SNAP_HEADER = tl.constexpr(SNAP_HEADER)
+
+
+@triton.jit
+def _snap_section(dst, src, n, wide):
+    # n < 0: no such section (a None value, or one the host holds); wide: 1 for int64 sources
+    out = dst.to(tl.pointer_type(tl.int32))
+    p32 = src.to(tl.pointer_type(tl.int32))
+    p64 = src.to(tl.pointer_type(tl.int64))
+    over = tl.zeros([_SNAP_BLOCK], tl.int32)
+    neg = tl.zeros([_SNAP_BLOCK], tl.int32)
+    for off in range(0, n, _SNAP_BLOCK):
+        idx = off + tl.arange(0, _SNAP_BLOCK)
+        m = idx < n
+        if wide != 0:
+            v = tl.load(p64 + idx, mask=m, other=0)
+        else:
+            v = tl.load(p32 + idx, mask=m, other=0).to(tl.int64)
+        w = v.to(tl.int32)
+        over = over | (w.to(tl.int64) != v).to(tl.int32)
+        neg = neg | (v < 0).to(tl.int32)
+        tl.store(out + idx, w, mask=m)
+    return tl.max(over, axis=0), tl.max(neg, axis=0)
+
+_SNAP_ARGS = ["slot", "seqno", "num_reqs", "num_reqs_padded", "src0", "n0", "w0", "src1", "n1", "w1", "src2", "n2",
+              "w2", "src3", "n3", "w3"]
+
+
+@triton.jit(do_not_specialize=_SNAP_ARGS)
+def snapshot_kernel(slot, seqno, num_reqs, num_reqs_padded, src0, n0, w0, src1, n1, w1, src2, n2, w2,
+                    src3, n3, w3):
+    # sections follow the header in this order, each as long as its n (absent ones take no room)
+    d0 = slot + 4 * _SNAP_HEADER
+    o0, g0 = _snap_section(d0, src0, n0, w0)
+    d1 = d0 + 4 * tl.maximum(n0, 0).to(tl.int64)
+    o1, g1 = _snap_section(d1, src1, n1, w1)
+    d2 = d1 + 4 * tl.maximum(n1, 0).to(tl.int64)
+    o2, g2 = _snap_section(d2, src2, n2, w2)
+    d3 = d2 + 4 * tl.maximum(n2, 0).to(tl.int64)
+    o3, g3 = _snap_section(d3, src3, n3, w3)
+    flags = (o0 | o1 | o2 | o3) | (g0 * 2)  # bit 0: a value int32 cannot hold; bit 1: a negative seq_len
+    h = tl.arange(0, _SNAP_HEADER)
+    head = tl.where(h == 0, seqno, tl.where(h == 1, num_reqs, tl.where(h == 2, num_reqs_padded, tl.where(
+        h == 3, n0, tl.where(h == 4, n1, tl.where(h == 5, n2, tl.where(h == 6, n3, flags)))))))
+    tl.store(slot.to(tl.pointer_type(tl.int32)) + h, head)

@@ -71,7 +71,7 @@ def test_warnings_exit_0_unless_strict(tmp_path):
 
 @pytest.mark.parametrize("args,needle,one_line", [
     (["replay", "MISSING.safetensors"], "MISSING.safetensors: cannot read", True),
-    (["replay", "DIR"], "is a directory", True),
+    (["replay", "DIR"], "directory holds no *.safetensors dump", True),  # a directory is its dumps
     (["replay", "GARBAGE"], "GARBAGE: not a safetensors file", True),
     (["inspect", "GARBAGE"], "GARBAGE: not a safetensors file", True),
     (["replay", "GOOD", "--obs", "99"], "has no observation 99", True),

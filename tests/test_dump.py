@@ -38,11 +38,22 @@ def _header_and_data(cfg, cols, injected=None):
     return json.loads(head[8 : 8 + hlen]), b"".join(a.tobytes() for _, a in tensors)
 
 
-def test_round_trip_and_zero_copy(tmp_path):
+def test_round_trip_one_read_or_one_mapping(tmp_path):
+    """Read: every column is a view of one in-memory copy of the file (no mapping a truncation could
+    fault). Bounded (a dump larger than RAM): views of one mapping of the whole file."""
+    import mmap
+
     p = write(tmp_path / "a.safetensors", [obs(step=s, rank=r) for s in range(4) for r in range(2)])
     d = read_dump(p)
     assert d.n == 8 and d.config.dcp_size == 2 and d.config.sites == ("attn_metadata",)
-    assert isinstance(d.maps["rows.seq_lens"], np.memmap) and d["rows.seq_lens"].base is d.maps["rows.seq_lens"]
+    assert not d.maps and not d.bounded
+    assert len({id(d[k].base.obj) for k in d.columns if d[k].size}) == 1
+    assert isinstance(d["rows.seq_lens"].base.obj, bytearray)
+    b = read_dump(p, bounded=True)
+    assert b.bounded and set(b.maps) == {k for k in b.columns if b[k].size}
+    assert {id(m[0]) for m in b.maps.values()} == {id(b[k].base.obj) for k in b.maps}
+    assert isinstance(b["obs.step"].base.obj, mmap.mmap)
+    assert all(np.array_equal(b[k], d[k]) for k in d.columns)
     assert d.seq_lens_of(3).tolist() == [17, 25, 0, 0]
     assert d.dcp_of(3).tolist() == [9, 13, 0, 0] if d["obs.rank"][3] == 0 else [8, 12, 0, 0]
 
@@ -259,3 +270,162 @@ def test_injected_metadata(tmp_path):
     assert read_dump(tmp_path / "a.safetensors").injected == [{"dummy-none": [0, 2]}]
     with pytest.raises(DumpError, match="dcptool.injected"):
         write_dump(tmp_path / "b.safetensors", cfg, cols, {"dummy-none": [7]})
+
+
+# --------------------------------------------------------------------------------------------
+# Many files, files named twice, files that change while read (issue 12, items 4 and 10)
+
+
+def _rollover_dir(tmp_path, n: int):
+    """n rollover files of 2 observations each (copies of one small dump: the reader sees n files)."""
+    import shutil
+
+    d = tmp_path / "rec"
+    d.mkdir()
+    first = write(d / "run.00000.safetensors", [obs(step=0, rank=0), obs(step=0, rank=1, view=None)])
+    for k in range(1, n):
+        shutil.copyfile(first, d / f"run.{k:05d}.safetensors")
+    return d
+
+
+def test_2000_rollover_files_under_ulimit_256(tmp_path):
+    """Each file's descriptor is closed once it is read: 2,000 files replay, inspect and diff with 256
+    descriptors (a numpy memmap per column kept 11 per file: EMFILE after ~20 files)."""
+    import resource
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    d = _rollover_dir(tmp_path, 2000)
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "dcptool", *args], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300,
+                              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)))
+
+    r = run("replay", str(d), "--json")
+    assert r.returncode == 1 and r.stderr == "", r.stderr[-2000:]
+    s = json.loads(r.stdout.splitlines()[-1])
+    assert s["observations"] == 4000 and s["by_rule"] == {"missing": 2000} and len(s["files"]) == 2000
+    r = run("inspect", str(d), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["observations"] == 4000, r.stderr[-2000:]
+    r = run("diff", str(d), str(d), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1])["compared"] == 4000, r.stderr[-2000:]
+
+
+def test_replay_and_inspect_take_a_directory(tmp_path):
+    from typer.testing import CliRunner
+
+    from dcptool.cli import app
+
+    d = tmp_path / "rec"
+    d.mkdir()
+    for k in (10, 9, 2):  # natural order: 2, 9, 10 (a plain sort would put 10 first)
+        write(d / f"rank0.{k}.safetensors", [obs(step=k, view=None if k == 9 else "auto")])
+    (d / "notes.txt").write_text("not a dump")
+    runner = CliRunner()
+    r = runner.invoke(app, ["replay", str(d), "--json"])
+    s = json.loads(r.stdout.splitlines()[-1])
+    assert r.exit_code == 1 and s["observations"] == 3 and s["by_rule"] == {"missing": 1}
+    assert [os.path.basename(f) for f in s["files"]] == ["rank0.2.safetensors", "rank0.9.safetensors",
+                                                         "rank0.10.safetensors"]
+    r = runner.invoke(app, ["inspect", str(d), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["observations"] == 3
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for cmd in ("replay", "inspect"):
+        r = runner.invoke(app, [cmd, str(empty)])
+        assert r.exit_code == 2 and r.stderr == f"dcptool: {empty}: directory holds no *.safetensors dump\n"
+
+
+def test_a_file_named_twice_is_read_once(tmp_path):
+    """The same path twice, a symlink, a hard link, or the directory plus a file in it: one file, read
+    once (at its first name), never double-counted."""
+    from typer.testing import CliRunner
+
+    from dcptool.cli import app
+
+    d = tmp_path / "rec"
+    d.mkdir()
+    a = write(d / "a.safetensors", [obs(step=0, view=None), obs(step=1)])
+    b = write(d / "b.safetensors", [obs(step=2, view=None)])
+    (tmp_path / "link.safetensors").symlink_to(a)
+    os.link(a, tmp_path / "hard.safetensors")
+    runner = CliRunner()
+    for args in ([a, a], [a, str(tmp_path / "link.safetensors")], [str(tmp_path / "hard.safetensors"), a],
+                 [str(d), a], [a, str(d)], [a, os.path.join(str(d), ".", "a.safetensors")]):
+        r = runner.invoke(app, ["replay", *args, "--json"])
+        s = json.loads(r.stdout.splitlines()[-1])
+        want = 3 if str(d) in args else 2
+        assert r.exit_code == 1 and s["observations"] == want and s["by_rule"] == {"missing": want - 1}, args
+        assert len(s["files"]) == len(set(s["files"])) == want - 1
+        r = runner.invoke(app, ["inspect", *args, "--json"])
+        assert json.loads(r.stdout)["observations"] == want
+    assert open_dumps([b, b, a]).n == 3
+
+
+@pytest.mark.parametrize("change", ["truncate", "rewrite", "replace", "append"])
+def test_file_changing_while_read_is_one_line(tmp_path, monkeypatch, change):
+    """A file truncated, rewritten in place, replaced (rename) or appended to between its header and its
+    data: exit 2 and one line naming it, never an IndexError, a ValueError or a SIGBUS."""
+    from typer.testing import CliRunner
+
+    import dcptool.dump as dump_mod
+    from dcptool.cli import app
+
+    p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(50)])
+    raw = open(p, "rb").read()
+    real = dump_mod._header_of
+
+    def header_then_change(path, f):
+        out = real(path, f)
+        if change == "truncate":
+            os.truncate(p, len(raw) - 100)
+        elif change == "rewrite":  # same size, other bytes, a later mtime
+            with open(p, "r+b") as g:
+                g.seek(len(raw) - 8)
+                g.write(b"\xff" * 8)
+            st = os.stat(p)
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        elif change == "replace":  # the path now names another file; the open one is the old: consistent
+            q = tmp_path / "new.safetensors"
+            write(q, [obs(step=99)])
+            os.replace(q, p)
+        else:
+            with open(p, "ab") as g:
+                g.write(b"\0" * 64)
+        return out
+
+    monkeypatch.setattr(dump_mod, "_header_of", header_then_change)
+    r = CliRunner().invoke(app, ["replay", p, "--json"])
+    if change == "replace":  # read from the descriptor opened first: the old file, whole and unchanged
+        assert r.exit_code == 0 and json.loads(r.stdout.splitlines()[-1])["observations"] == 50
+        return
+    assert r.exit_code == 2 and r.stdout == "" and r.stderr.count("\n") == 1, (r.stdout, r.stderr)
+    assert r.stderr.startswith(f"dcptool: {p}: changed while being read"), r.stderr
+
+
+def test_file_truncated_after_it_was_read_cannot_crash_the_replay(tmp_path):
+    """Once read, a dump no longer depends on its file: truncated to 0 bytes (or rewritten) before the
+    replay, the report is the one of what was read. A mapping would fault (SIGBUS) here: a subprocess."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2, view=None if s == 7 else "auto")
+                                             for s in range(5000)])
+    script = f"""
+import os, json
+from dcptool.dump import open_dumps
+from dcptool.replay import replay
+d = open_dumps([{p!r}])
+os.truncate({p!r}, 0)
+res = replay(d, "torch")
+print(json.dumps(res.by_rule()), d.n, int(d["rows.seq_lens"].sum()))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split() == ['{"missing":', "1}", "5000", str(5000 * 42)]

@@ -40,7 +40,15 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from dcptool.cli import app
-from dcptool.dump import MAX_HEADER_BYTES, DumpConfig, DumpError, Observation, open_dumps, write_observations
+from dcptool.dump import (
+    MAX_DCP_SIZE,
+    MAX_HEADER_BYTES,
+    DumpConfig,
+    DumpError,
+    Observation,
+    open_dumps,
+    write_observations,
+)
 from dcptool.replay import RULES, local_np, replay
 
 PROFILE = os.environ.get("DCPTOOL_FUZZ", "ci")
@@ -52,6 +60,8 @@ MEMORY_BOUND = 256 << 20  # bytes one case of a few-kB file may map beyond what 
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=PROFILE == "ci", database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture], print_blob=True)
+# odd-but-valid dumps (each runs 10 commands): CI 120, long 10x the random cases per command
+FUZZ_ODD = settings(FUZZ, max_examples=max(int(EXAMPLES // 2.5), 20) if PROFILE != "long" else EXAMPLES)
 VALUE_RULES = ("stale", "global", "wrong-rank", "wrong-interleave", "mismatch")
 
 
@@ -673,7 +683,7 @@ def run_command(cmd: Command, path: Path, v: Verdict) -> None:
     if v.error is not None:
         assert code == 2, f"{cmd.name} exit {code} on a file the reader rejects ({v.error})"
         want = v.error
-        if cmd.args[0] == "diff" and path.is_dir():  # diff reads a directory as the dumps inside it
+        if path.is_dir():  # every command reads a directory as the dumps inside it
             want = f"{path}: directory holds no *.safetensors dump"
         assert err == f"dcptool: {want}\n" and out == "", (out, err)
         return
@@ -1058,3 +1068,124 @@ def test_cli_subprocess_non_utf8_name_with_findings(tmp_path):
         assert name in r.stdout
         count_fuzz("subprocess")
 
+
+
+# --------------------------------------------------------------------------------------------
+# Whatever the reader accepts replays (issue 12, item 7): odd but structurally valid dumps, written
+# through dcptool's own writer, through every command. Mutations above mostly produce files the reader
+# rejects; these are all accepted, so every check, slicer and renderer has to cope with their values.
+
+ODD_INTS = (-1, 0, 1, 2, 3, 5, 7, 16, 2**31 - 1)
+ODD_SEQ = (0, 1, 2, 7, 16, 17, 100, 2**31 - 1)
+
+
+@st.composite
+def odd_dump(draw) -> tuple[list[Observation], DumpConfig]:
+    """Observations the writer (hence the reader) accepts, with the values real engines never record: zero
+    rows, num_reqs 0 with padding, views of any length, query_start_loc that runs backwards or past the
+    batch, parents pointing anywhere (later observations too), slice bounds past the parent, micro-batch
+    indices in the billions, dcp_size 1 and the reader's largest (MAX_DCP_SIZE), steps at the ends of int64."""
+    dcp = draw(st.sampled_from([1, 1, 2, 2, 3, 4, 8, MAX_DCP_SIZE]))
+    il = draw(st.sampled_from([1, 1, 2, 16])) if dcp < 2**30 else 1
+    page = draw(st.sampled_from([None, None, 1, 16]))
+    n = draw(st.integers(0, 6))
+    small = st.integers(0, 4)
+    opt = st.sampled_from(ODD_INTS + (0, 0, 1, 2))  # small values often: slices that reach the slicing checks
+    with_qsl, with_slice, with_buf = (draw(st.booleans()) for _ in range(3))
+    out = []
+    for i in range(n):
+        nr = draw(small)
+        nrp = nr + draw(st.sampled_from([0, 0, 1, 2, 3] + ([2**31 - 1 - nr] if nr < 3 else [])))
+        rows = draw(st.integers(nr, min(nrp, nr + 3) + 2))
+        seq = np.array(draw(st.lists(st.sampled_from(ODD_SEQ), min_size=rows, max_size=rows)), np.int32)
+        view = draw(st.one_of(st.none(), st.lists(st.sampled_from((-1, 0, 1, 8, 2**31 - 1)), max_size=6)))
+        if view is not None and draw(st.booleans()):  # the right view (padded), so checks go past the rules
+            good = np.zeros(min(nrp, 8), np.int64)
+            good[: min(nr, good.size)] = local_np(seq[: min(nr, good.size)], dcp, 0, il)
+            view = good.tolist()
+        kw: dict = {}
+        if with_slice or (with_qsl and draw(st.booleans())):
+            kind = draw(st.sampled_from(["cumsum", "any", "empty-batch"]))
+            if kind == "cumsum":
+                q = np.concatenate([[0], np.cumsum(draw(st.lists(st.integers(0, 5), min_size=rows, max_size=rows)))])
+            else:
+                q = np.array(draw(st.lists(st.sampled_from(ODD_INTS + (-7,)), min_size=rows + 1, max_size=rows + 1)))
+            kw["query_start_loc"] = q.astype(np.int32)
+            kw["num_tokens_padded"] = draw(opt)
+        ub = draw(st.sampled_from([-1, -1, 0, 1, 2, 2**31 - 1]))
+        if with_slice and i and draw(st.integers(0, 3)):
+            ub = max(ub, 0)
+            kw.update(parent=draw(st.sampled_from([0, 0, i - 1, n - 1, -1]).filter(lambda p, i=i: p != i)),
+                      req_start=draw(opt), tok_start=draw(opt), tok_stop=draw(opt))
+        if with_buf:
+            kw.update(buffer=draw(st.sampled_from([0, 4096, 8192])), graph=draw(st.integers(0, 3)))
+        if page:
+            kw["kv_pages"] = np.array(draw(st.lists(st.sampled_from((-1, 0, 1, 2, 2**31 - 1)), min_size=rows,
+                                                    max_size=rows)), np.int32)
+        out.append(Observation(
+            step=draw(st.sampled_from([0, 0, 1, 2, -(2**63), 2**63 - 1])),
+            site=draw(st.sampled_from(["attn_metadata", "ubatch", "dummy", "capture"])),
+            rank=draw(st.sampled_from([0, 1, dcp - 1])) % dcp, num_reqs=nr, num_reqs_padded=nrp, seq_lens=seq,
+            dcp_local_seq_lens=None if view is None else np.array(view, np.int32),
+            ubatch=ub, **kw))
+    return out, DumpConfig(dcp_size=dcp, cp_interleave=il, page_size=page, pcp_size=draw(st.sampled_from([1, 2])),
+                           engine="fuzz")
+
+
+ODD_COMMANDS = (("inspect", "FILE", "--json"), ("replay", "FILE", "--max-findings", "5"),
+                ("replay", "FILE", "--json"), ("replay", "FILE", "--html", "OUT", "--force"),
+                ("replay", "FILE", "--split", "2", "--json"), ("replay", "FILE", "--obs", "0"),
+                ("replay", "FILE", "--obs", "0", "--json"), ("diff", "FILE", "FILE", "--json"),
+                ("diff", "FILE", "OTHER"), ("diff", "SAMPLE", "FILE", "--json"))
+
+
+@FUZZ_ODD
+@given(case=odd_dump(), other=odd_dump())
+def test_every_accepted_dump_replays(case, other, case_dir, warm):
+    """Whatever the writer writes and `inspect` accepts, every command ends with exit 0 or 1 and no
+    exception (exit 2 only for `--obs 0` of an empty dump or of a batch too large to show row by row)."""
+    p, q = case_dir / "odd.safetensors", case_dir / "odd-other.safetensors"
+    write_observations(p, *case)
+    write_observations(q, *other)
+    subs = {"FILE": str(p), "OTHER": str(q), "OUT": str(HTML_OUT), "SAMPLE": str(SAMPLE)}
+    with bounded():
+        for args in ODD_COMMANDS:
+            code, out, err, crash = invoke([subs.get(a, a) for a in args])
+            if crash is not None:
+                raise AssertionError(f"{' '.join(args)} raised:\n" + "".join(traceback.format_exception(crash)))
+            if code == 2 and "--obs" in args:
+                assert err.startswith("dcptool: --obs") and err.count("\n") == 1, err
+                assert "has no observation 0" in err or "too large to show row by row" in err, err
+                continue
+            assert code in ((0,) if args[0] == "inspect" else (0, 1)), (args, code, err)
+            if args[0] == "diff" and args[1] == args[2]:
+                assert code == 0, f"a dump differs from itself: {out[-500:]}"
+    HTML_OUT.unlink(missing_ok=True)
+    count_fuzz("odd-dump")
+
+
+def test_micro_batch_without_rows_replays(tmp_path):
+    """num_reqs 0, num_reqs_padded 2 and no seq_lens rows: the reader accepts it (only num_reqs rows are
+    required), so the slicing check reports it (a 0-row slice of a 2-request range) instead of reading past
+    its rows (it was an IndexError in check_ubatch_slice)."""
+    seq = np.array([64, 96, 512, 32, 48], np.int32)
+    full = Observation(step=3, site="attn_metadata", rank=0, num_reqs=5, num_reqs_padded=5, seq_lens=seq,
+                       dcp_local_seq_lens=local_np(seq, 2, 0, 1).astype(np.int32),
+                       query_start_loc=np.array([0, 1, 2, 12, 13, 14], np.int32))
+    sub = Observation(step=3, site="ubatch", rank=0, ubatch=1, num_reqs=0, num_reqs_padded=2,
+                      seq_lens=np.zeros(0, np.int32), dcp_local_seq_lens=np.zeros(2, np.int32), parent=0,
+                      req_start=2, tok_start=7, tok_stop=14, query_start_loc=np.array([0], np.int32))
+    ok = Observation(**{**sub.__dict__, "num_reqs": 2, "seq_lens": np.array([512, 32], np.int32),
+                        "dcp_local_seq_lens": local_np(np.array([512, 32]), 2, 0, 1).astype(np.int32),
+                        "query_start_loc": np.array([0, 5, 6], np.int32)})
+    p, good = tmp_path / "ub.safetensors", tmp_path / "good.safetensors"
+    write_observations(p, [full, sub], DumpConfig(dcp_size=2))
+    write_observations(good, [full, ok], DumpConfig(dcp_size=2))
+    for args in (["replay", str(p), "--json"], ["replay", str(p), "--split", "2"], ["replay", str(p), "--obs", "1"],
+                 ["diff", str(p), str(good)]):
+        code, out, err, crash = invoke(args)
+        assert crash is None and code == 1 and err == "", (args, crash, err)
+    lines = [json.loads(x) for x in invoke(["replay", str(p), "--json"])[1].splitlines()]
+    assert [(x["obs"], x["rule"]) for x in lines if x["type"] == "finding"] == [(1, "ubatch-slice")]
+    code, out, err, crash = invoke(["replay", str(good), "--json"])  # the same slice with its rows: clean
+    assert (code, crash) == (0, None), out

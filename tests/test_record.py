@@ -1,5 +1,6 @@
 """The Recorder of DESIGN §5: private copies, never raising into the engine, rollover, same columns as pack()."""
 
+import os
 import warnings
 
 import numpy as np
@@ -77,3 +78,471 @@ def test_recorder_writes_the_columns_pack_writes(tmp_path):
     assert sorted(got) == sorted(want)
     for k in want:
         assert np.array_equal(got[k], want[k]), k
+
+
+# --------------------------------------------------------------------------------------------
+# No silent loss (issue 12 item 5): one recording per path, threads, scalars that are not integers
+
+CHILD = """
+import sys, warnings
+import numpy as np
+from dcptool.record import Recorder
+warnings.simplefilter("always")
+r = Recorder(sys.argv[1], 2, force=True)  # as the vLLM plugin: force, an engine is not stopped for old files
+for i in range(5):
+    r.observe(step=100 + i, site="child", rank=1, seq_lens=np.array([i + 1], np.int32), num_reqs=1, num_reqs_padded=1)
+print(r.close()[0])
+"""
+
+
+def test_two_processes_on_one_path_both_keep_their_recording(tmp_path):
+    """While this process records to run.safetensors, a second process (force=True, like the vLLM
+    plugin) recording to the same path exits 0 as before, but into its own file and with a warning;
+    both recordings are complete (today one of them was gone)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    path = tmp_path / "run.safetensors"
+    rec = Recorder(path, dcp_size=2)
+    rec.observe(step=0, site="parent", rank=0, seq_lens=[7], num_reqs=1, num_reqs_padded=1)
+    p = subprocess.run([sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    other = tmp_path / p.stdout.strip().rsplit("/", 1)[-1]
+    assert other.name.startswith("run.p") and other.name.endswith(".safetensors") and other != path
+    assert "is being recorded by another Recorder" in p.stderr and other.name in p.stderr
+    assert rec.close() == [path] and rec.path == path
+    mine, theirs = read_dump(path), read_dump(other)
+    assert mine.n == 1 and mine.config.sites == ("parent",)
+    assert theirs.n == 5 and theirs["obs.step"].tolist() == [100, 101, 102, 103, 104]
+
+
+def test_second_recorder_in_one_process_is_separated_and_the_name_is_free_after_close(tmp_path):
+    path = tmp_path / "r.safetensors"
+    a = Recorder(path, dcp_size=2)
+    with pytest.warns(RuntimeWarning, match="being recorded by another Recorder"):
+        b = Recorder(path, dcp_size=2, force=True)
+    assert b.path != path and b.requested_path == path and b.path.parent == tmp_path
+    a.observe(step=0, site="a", rank=0, seq_lens=[1], num_reqs=1, num_reqs_padded=1)
+    b.observe(step=0, site="b", rank=0, seq_lens=[2], num_reqs=1, num_reqs_padded=1)
+    b.close()
+    a.close()
+    assert read_dump(path).config.sites == ("a",) and read_dump(b.path).config.sites == ("b",)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nobody holds the path now: no separation, no warning
+        Recorder(path, dcp_size=2, force=True).close()
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted(["r.safetensors", b.path.name])  # no lock files
+
+
+def test_a_file_someone_else_wrote_is_never_replaced_at_a_write(tmp_path):
+    """Checked at every write, not only at construction: a file that appeared at our next target
+    (a writer that is no Recorder) stays, and our observations go to a separate name."""
+    from dcptool.dump import write_observations
+
+    path = tmp_path / "run.safetensors"
+    rec = Recorder(path, dcp_size=2, rollover=2)
+    for k in range(2):
+        rec.observe(step=k, site="mine", rank=0, seq_lens=[k + 1], num_reqs=1, num_reqs_padded=1)
+    assert rec.files == [tmp_path / "run.00000.safetensors"]
+    write_observations(tmp_path / "run.00001.safetensors", [obs(step=9, site="theirs")], DumpConfig(dcp_size=2))
+    with pytest.warns(RuntimeWarning, match=r"run\.00001\.safetensors was written by another writer"):
+        for k in range(2, 5):
+            rec.observe(step=k, site="mine", rank=0, seq_lens=[k + 1], num_reqs=1, num_reqs_padded=1)
+    files = rec.close()
+    assert read_dump(tmp_path / "run.00001.safetensors").config.sites[0] == "theirs"  # untouched
+    assert files[0].name == "run.00000.safetensors" and all(f.name.startswith("run.p") for f in files[1:])
+    d = open_dumps(files)
+    assert d.n == 5 and sorted(d["obs.step"].tolist()) == [0, 1, 2, 3, 4] and rec.write_errors == 0
+
+
+def test_threads_sharing_one_recorder_with_rollover(tmp_path):
+    """4 threads x 20,000 observations, rolling every 1,000: distinct indices, no drop, and the files
+    hold exactly what was observed, parents included (today a ValueError reached the engine and
+    indices repeated)."""
+    import threading
+
+    T, N = 4, 20_000
+    rec = Recorder(tmp_path / "t.safetensors", dcp_size=T, rollover=1000)
+    got: list[list[int]] = [[] for _ in range(T)]
+    start = threading.Barrier(T)
+
+    def work(t: int) -> None:
+        start.wait()
+        prev = None
+        for i in range(N):
+            prev = rec.observe(step=t * N + i, site=f"thread{t}", rank=t, seq_lens=np.array([t + 1, i], np.int32),
+                               num_reqs=2, num_reqs_padded=2, parent=prev if i % 2 else None)
+            got[t].append(prev)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(T)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        files = rec.close()
+    idx = np.concatenate([np.array(g) for g in got])
+    assert rec.dropped == 0 and np.array_equal(np.sort(idx), np.arange(T * N))
+    assert len(files) == T * N // 1000
+    d = open_dumps(files)
+    assert d.n == T * N
+    step, rank = d["obs.step"].astype(np.int64), d["obs.rank"]
+    rows = d["rows.seq_lens"].reshape(-1, 2)
+    assert np.array_equal(np.sort(step), np.arange(T * N))  # every observation once
+    assert np.array_equal(rows[:, 0], rank + 1) and np.array_equal(rows[:, 1], step - rank * N)
+    # each file's observation k is global index (file start + k): the index observe() returned for it
+    order = np.empty(T * N, np.int64)
+    order[idx] = np.concatenate([t * N + np.arange(N) for t in range(T)])
+    per_file = [read_dump(f) for f in files]
+    assert np.array_equal(np.concatenate([f["obs.step"] for f in per_file]), order)
+    start_of = 0
+    for f in per_file:  # a parent is the same thread's previous observation, or -1 in an earlier file
+        par = f["obs.parent"].astype(np.int64)
+        s = f["obs.step"].astype(np.int64)
+        has = par >= 0
+        assert np.array_equal(s[par[has]], s[has] - 1)
+        odd = (s % 2 == 1) & ~has
+        assert np.all(idx_of(order, s[odd] - 1) < start_of)  # its parent went to an earlier file
+        start_of += f.n
+
+
+def idx_of(order: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """The global index of the observations with these steps."""
+    inv = np.empty_like(order)
+    inv[order] = np.arange(order.size)
+    return inv[steps]
+
+
+@pytest.mark.parametrize("bad", [dict(step=1.9), dict(rank="1"), dict(rank=1.0), dict(num_reqs=np.float64(1.0)),
+                                 dict(num_reqs_padded=True), dict(ubatch=np.bool_(False)), dict(parent=0.5),
+                                 dict(graph=2.0), dict(tok_start="0"), dict(buffer=1.5),
+                                 dict(step=torch.tensor(1.0)), dict(num_reqs=torch.tensor([1]))])
+def test_scalars_that_are_not_integers_are_dropped_not_coerced(tmp_path, bad):
+    rec = Recorder(tmp_path / "r.safetensors", dcp_size=2)
+    rec.observe(step=0, site="x", rank=0, seq_lens=[3], num_reqs=1, num_reqs_padded=1)
+    kw = dict(step=1, site="x", rank=1, seq_lens=[5], num_reqs=1, num_reqs_padded=1)
+    with pytest.warns(RuntimeWarning, match="must be an integer"):
+        assert rec.observe(**{**kw, **bad}) == -1
+    assert rec.observe_many(**{**{k: v for k, v in kw.items() if k != "rank"}, "ranks": [0, "1"]}) == [-1, -1]
+    assert rec.dropped == 3
+    rec.close()
+    assert read_dump(tmp_path / "r.safetensors")["obs.step"].tolist() == [0]
+
+
+def test_numpy_and_host_tensor_integers_are_integers(tmp_path):
+    """The must-not-trigger side: numpy integer scalars (any width) and 0-d integer host tensors."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Recorder(tmp_path / "r.safetensors", dcp_size=2) as rec:
+            i = rec.observe(step=np.int64(2**40), site="x", rank=np.int32(1), seq_lens=[5, 0], num_reqs=np.uint8(1),
+                            num_reqs_padded=torch.tensor(2), ubatch=np.int16(-1), graph=np.int8(3))
+            rec.observe(step=1, site="x", rank=0, seq_lens=[5], num_reqs=1, num_reqs_padded=1, parent=np.int64(i),
+                        tok_start=np.int32(0), buffer=np.uint64(7))
+    d = read_dump(tmp_path / "r.safetensors")
+    assert rec.dropped == 0 and d["obs.step"].tolist() == [2**40, 1] and d["obs.parent"].tolist() == [-1, 0]
+    assert d["obs.rank"].tolist() == [1, 0] and d["obs.graph"].tolist() == [3, 0]
+
+
+# --------------------------------------------------------------------------------------------
+# The device snapshot (issue 13 item 4), on the CPU: the kernel under the Triton interpreter and the
+# ring's logic with host tensors standing in for CUDA ones (the CUDA tests below use the real thing)
+
+from dcptool import record as R  # noqa: E402
+
+# The host ring runs the kernel in Triton's interpreter on host memory: not where a GPU compiles it
+# (there the CUDA tests below cover the same ground with real launches).
+hostring = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                              reason="interpreter-only (CPU); the CUDA tests cover this on a GPU")
+
+
+@pytest.mark.kernel
+def test_snapshot_kernel_slot_layout():
+    """One launch: header (seqno, num_reqs, num_reqs_padded, the four lengths, flags) then the
+    sections back to back; int64 sources narrowed with an overflow flag, unaligned views, absent
+    sections (-1) taking no room, a section longer than one block."""
+    from dcptool.kernel import SNAP_BLOCK, SNAP_HEADER, snapshot_kernel
+
+    assert SNAP_HEADER == R.HEADER
+    k = snapshot_kernel()
+    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    g = torch.Generator().manual_seed(5)
+    seq = torch.randint(0, 1 << 20, (SNAP_BLOCK * 2 + 37,), generator=g, dtype=torch.int32).to(dev)
+    dcp64 = torch.randint(0, 1 << 20, (9,), generator=g, dtype=torch.int64).to(dev)
+    base = torch.arange(10, dtype=torch.int32, device=dev)
+    qsl = base[3:]  # unaligned: starts 12 bytes into its storage
+    n = seq.numel()
+    ring = torch.full((R.HEADER + n + 9 + 7 + 16,), -7, dtype=torch.int32, device=dev)
+    r = ring.data_ptr()
+
+    def launch(seqno, dcp, flags_want):
+        ring.fill_(-7)
+        k[(1,)](r, seqno, 3, n, seq.data_ptr(), n, 0, dcp.data_ptr(), dcp.numel(), 1, qsl.data_ptr(), 7, 0,
+                r, -1, 0)
+        got = ring.cpu().numpy()
+        assert got[:8].tolist() == [seqno, 3, n, n, dcp.numel(), 7, -1, flags_want]
+        assert np.array_equal(got[8:8 + n], seq.cpu().numpy())
+        assert np.array_equal(got[8 + n:8 + n + 9], dcp.cpu().numpy().astype(np.int32))
+        assert got[8 + n + 9:8 + n + 16].tolist() == list(range(3, 10))
+        assert (got[8 + n + 16:] == -7).all()  # nothing past the slot
+
+    launch(41, dcp64, 0)
+    wide = dcp64.clone()
+    wide[4] = 2**33 + 5  # narrowed to 5 in the slot, flagged: the harvest drops the observation
+    launch(42, wide, 1)
+    neg = seq.clone()
+    seq[7] = -1
+    launch(43, dcp64, 2)
+    seq.copy_(neg)
+
+
+def _obs_stream(n: int, seed: int):
+    """Varied observations as an engine hands them over (host tensors here; CUDA in the GPU tests)."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        rows = int(rng.integers(1, 400))
+        nr = int(rng.integers(0, rows + 1))
+        seq = torch.from_numpy(rng.integers(0, 1 << 20, rows).astype(np.int32 if i % 5 else np.int64))
+        kw = dict(step=i // 4, site=("attn_metadata", "ubatch", "dummy")[i % 3], rank=i % 2, seq_lens=seq,
+                  num_reqs=nr, num_reqs_padded=rows, ubatch=0 if i % 3 == 1 else -1,
+                  parent=i - 1 if i % 3 == 1 else None)
+        if i % 7:
+            view = torch.from_numpy(rng.integers(0, 1 << 19, 2 * rows).astype(np.int32))
+            kw["dcp_local_seq_lens"] = view[::2] if i % 4 == 0 else view[1:rows + 1]  # strided / unaligned
+        q = np.concatenate([[0], np.cumsum(rng.integers(0, 3, rows))]).astype(np.int32)
+        kw["query_start_loc"] = q if i % 2 else torch.from_numpy(q)  # numpy: the host holds it (mixed)
+        if i % 6 == 0:
+            kw["kv_pages"] = torch.from_numpy(rng.integers(0, 50, rows).astype(np.int32))
+        if i % 11 == 0:
+            kw["query_start_loc"] = torch.zeros(rows, dtype=torch.int32)  # wrong length: not recorded
+        yield kw
+
+
+def _columns(files):
+    d = open_dumps(files)
+    return {k: np.asarray(v) for k, v in d.columns.items()}
+
+
+@hostring
+@pytest.mark.kernel
+@pytest.mark.parametrize("ring_words", [4096, 1 << 16])
+def test_ring_records_what_the_host_path_records(tmp_path, ring_words):
+    """Through the ring (wrapping many times with 4,096 words) or the host path: the same file."""
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16)
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16)
+    ring = b._use_host_ring(ring_words)
+    for kw in _obs_stream(150, 3):
+        assert a.observe(**kw) == b.observe(**kw)
+    fa, fb = a.close(), b.close()
+    assert a.dropped == b.dropped == 0 and not ring.pending and ring.np.size == ring_words
+    ca, cb = _columns(fa), _columns(fb)
+    assert sorted(ca) == sorted(cb)
+    for key in ca:
+        assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
+
+
+@hostring
+@pytest.mark.kernel
+def test_a_full_ring_waits_and_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(R._HostEvent, "hold", True)  # no launch finishes until waited for
+    monkeypatch.setattr(R._HostEvent, "waits", 0)
+    rec = Recorder(tmp_path / "w.safetensors", dcp_size=2)
+    rec._use_host_ring(1024)
+    seen = []
+    for i in range(12):
+        seen.append(np.arange(i, i + 300, dtype=np.int32))
+        assert rec.observe(step=i, site="x", rank=0, seq_lens=torch.from_numpy(seen[-1]), num_reqs=300,
+                           num_reqs_padded=300) == i
+    assert R._HostEvent.waits == 3  # 3 slots of 312 words fit: the 4th, 7th and 10th waited for those before
+    rec.close()
+    d = read_dump(tmp_path / "w.safetensors")
+    assert rec.dropped == 0 and d.n == 12 and all(np.array_equal(d.seq_lens_of(i), seen[i]) for i in range(12))
+
+
+@hostring
+@pytest.mark.kernel
+def test_a_full_ring_drops_and_counts_when_told_to(tmp_path, monkeypatch):
+    monkeypatch.setattr(R._HostEvent, "hold", True)
+    rec = Recorder(tmp_path / "d.safetensors", dcp_size=2, ring_full="drop")
+    rec._use_host_ring(1024)
+    with pytest.warns(RuntimeWarning, match="snapshot ring is full"):
+        got = [rec.observe(step=i, site="x", rank=0, seq_lens=torch.full((300,), i, dtype=torch.int32),
+                           num_reqs=300, num_reqs_padded=300) for i in range(6)]
+    assert got == [0, 1, 2, -1, -1, -1] and rec.ring_drops == rec.dropped == 3
+    rec.close()
+    d = read_dump(tmp_path / "d.safetensors")
+    assert d.n == 3 and [int(d.seq_lens_of(i)[0]) for i in range(3)] == [0, 1, 2]  # the kept ones, intact
+
+
+@hostring
+@pytest.mark.kernel
+def test_device_values_that_cannot_be_stored_are_dropped_at_harvest(tmp_path):
+    """A negative seq_len or an int64 value int32 cannot hold is only seen when the slot is
+    harvested: that observation is dropped and counted, the others keep their rows, and a parent
+    pointing at a dropped one becomes unknown."""
+    rec = Recorder(tmp_path / "h.safetensors", dcp_size=2)
+    rec._use_host_ring()
+    t = torch.tensor
+    with pytest.warns(RuntimeWarning, match="int32 cannot hold"):
+        i0 = rec.observe(step=0, site="x", rank=0, seq_lens=t([5, 6], dtype=torch.int32), num_reqs=2,
+                         num_reqs_padded=2)
+        i1 = rec.observe(step=0, site="x", rank=0, seq_lens=t([5, 2**31], dtype=torch.int64), num_reqs=2,
+                         num_reqs_padded=2)
+        i2 = rec.observe(step=0, site="y", rank=0, seq_lens=t([8], dtype=torch.int32), num_reqs=1,
+                         num_reqs_padded=1, parent=i1)
+        i3 = rec.observe(step=1, site="y", rank=1, seq_lens=t([-3, 4], dtype=torch.int32), num_reqs=2,
+                         num_reqs_padded=2, parent=i0)
+        i4 = rec.observe(step=1, site="y", rank=1, seq_lens=t([9], dtype=torch.int32), num_reqs=1,
+                         num_reqs_padded=1, parent=i2, dcp_local_seq_lens=t([2**40], dtype=torch.int64))
+        i5 = rec.observe(step=2, site="y", rank=1, seq_lens=t([9], dtype=torch.int64), num_reqs=1,
+                         num_reqs_padded=1, parent=i2, dcp_local_seq_lens=t([-1], dtype=torch.int64))
+        rec.close()
+    assert [i0, i1, i2, i3, i4, i5] == list(range(6)) and rec.dropped == 3 and len(rec) == 3
+    d = read_dump(tmp_path / "h.safetensors")
+    assert d.n == 3 and d["obs.step"].tolist() == [0, 0, 2] and d["obs.parent"].tolist() == [-1, -1, 1]
+    assert d.dcp_of(2).tolist() == [-1]  # a -1 sentinel in the view is a finding to record, not a bad value
+
+
+@hostring
+@pytest.mark.kernel
+def test_rollover_waits_for_the_slots_of_its_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(R._HostEvent, "hold", True)
+    rec = Recorder(tmp_path / "r.safetensors", dcp_size=2, rollover=3)
+    rec._use_host_ring()
+    for i in range(10):
+        rec.observe(step=i, site="x", rank=0, seq_lens=torch.tensor([i], dtype=torch.int32), num_reqs=1,
+                    num_reqs_padded=1)
+    assert rec.files == []  # their values are still in flight: the write waits, the engine does not
+    monkeypatch.setattr(R._HostEvent, "hold", False)
+    for i in range(10, 80):
+        rec.observe(step=i, site="x", rank=0, seq_lens=torch.tensor([i], dtype=torch.int32), num_reqs=1,
+                    num_reqs_padded=1)
+    assert len(rec.files) >= 2
+    files = rec.close()
+    d = open_dumps(files)
+    assert d.n == 80 and d["rows.seq_lens"].tolist() == list(range(80)) and rec.write_errors == 0
+
+
+def test_nothing_is_recorded_inside_cuda_graph_capture(tmp_path):
+    rec = Recorder(tmp_path / "c.safetensors", dcp_size=2)
+    rec._dev = lambda x: isinstance(x, torch.Tensor)
+    rec._capturing = lambda: True
+    assert rec.observe(step=0, site="capture", rank=0, seq_lens=torch.tensor([3]), num_reqs=1,
+                       num_reqs_padded=1) == -1
+    assert rec.observe(step=0, site="x", rank=0, seq_lens=np.array([3]), num_reqs=1, num_reqs_padded=1) == 0
+    rec.close()
+    assert rec.skipped_capture == 1 and rec.dropped == 0 and read_dump(tmp_path / "c.safetensors").n == 1
+
+
+# --------------------------------------------------------------------------------------------
+# The device snapshot on a GPU
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_observe_does_not_wait_and_keeps_the_values_of_observe_time(tmp_path):
+    dev = torch.device("cuda")
+    seq = torch.arange(1, 257, dtype=torch.int32, device=dev)
+    dcp = (seq // 2).to(torch.int32)
+    qsl = torch.arange(257, dtype=torch.int32, device=dev)
+    rec = Recorder(tmp_path / "a.safetensors", dcp_size=2)
+    kw = dict(site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
+              dcp_local_seq_lens=dcp, query_start_loc=qsl)
+    rec.observe(step=0, **kw)  # the first one starts the ring (and checks the kernel once, synchronously)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising torch call raises from here on
+    try:
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of queued GPU work ahead of the snapshot
+        assert rec.observe(step=1, **kw) == 1
+        busy = not torch.cuda.current_stream().query()
+        seq.fill_(12345)  # the engine overwrites its buffers right after the build (queued behind it)
+        dcp.fill_(77)
+        for i in range(2, 70):  # enough for a fence and a harvest attempt inside observe()
+            rec.observe(step=i, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert busy  # observe() returned while the GPU was still sleeping: it did not wait for the stream
+    rec.close()
+    d = read_dump(tmp_path / "a.safetensors")
+    assert rec.dropped == 0 and d.n == 70
+    want = np.arange(1, 257, dtype=np.int32)
+    assert np.array_equal(d.seq_lens_of(1), want) and np.array_equal(d.dcp_of(1), want // 2)
+    q = d["obs.qsl"]
+    assert np.array_equal(d["rows.query_start_loc"][q[1]:q[2]], np.arange(257))
+    assert (d.seq_lens_of(2) == 12345).all() and (d.dcp_of(68) == 77).all()
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("ring_bytes", [16 << 10, 4 << 20])
+def test_cuda_snapshot_records_what_the_synchronous_copy_records(tmp_path, ring_bytes):
+    """Varied CUDA observations (int64, strided and unaligned views, host parts, wrong lengths, a ring
+    small enough to wrap and grow): the same file as cuda_mode="sync"."""
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16, cuda_mode="sync")
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16, ring_bytes=ring_bytes)
+    for kw in _obs_stream(300, 4):
+        kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        if isinstance(kw.get("dcp_local_seq_lens"), torch.Tensor) and kw["step"] % 2:
+            full = torch.zeros(2 * kw["num_reqs_padded"] + 1, dtype=torch.int32, device="cuda")
+            full[1:2 * kw["num_reqs_padded"] + 1:2] = kw["dcp_local_seq_lens"]
+            kw["dcp_local_seq_lens"] = full[1::2]  # unaligned and strided on the device
+        assert a.observe(**kw) == b.observe(**kw)
+    fa, fb = a.close(), b.close()
+    assert a.dropped == b.dropped == 0 and b._ring is not None and not b._ring.pending
+    ca, cb = _columns(fa), _columns(fb)
+    assert sorted(ca) == sorted(cb)
+    for key in ca:
+        assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_graph_capture_records_nothing_and_counts_it(tmp_path):
+    seq = torch.arange(1, 9, dtype=torch.int32, device="cuda")
+    rec = Recorder(tmp_path / "g.safetensors", dcp_size=2)
+    rec.observe(step=0, site="x", rank=0, seq_lens=seq, num_reqs=8, num_reqs_padded=8)
+    out = seq * 2
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = seq * 2
+        assert rec.observe(step=1, site="capture", rank=0, seq_lens=seq, num_reqs=8, num_reqs_padded=8) == -1
+    seq.add_(1)
+    g.replay()  # the capture is intact (a host copy inside it would have invalidated it)
+    torch.cuda.synchronize()
+    assert out.tolist() == [2 * (i + 1) for i in range(1, 9)]
+    rec.close()
+    assert rec.skipped_capture == 1 and rec.dropped == 0 and read_dump(tmp_path / "g.safetensors").n == 1
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_threads_on_their_own_streams(tmp_path):
+    import threading
+
+    rec = Recorder(tmp_path / "s.safetensors", dcp_size=2, rollover=100)
+    bufs = [torch.zeros(64, dtype=torch.int32, device="cuda") for _ in range(2)]
+    torch.cuda.synchronize()
+
+    def work(t: int) -> None:
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            for i in range(1000):
+                bufs[t].fill_(t * 10_000 + i)
+                rec.observe(step=t * 10_000 + i, site=f"t{t}", rank=t, seq_lens=bufs[t], num_reqs=64,
+                            num_reqs_padded=64)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    d = open_dumps(rec.close())
+    assert rec.dropped == 0 and d.n == 2000
+    rows = d["rows.seq_lens"].reshape(-1, 64)
+    assert np.array_equal(rows[:, 0], d["obs.step"]) and (rows == rows[:, :1]).all()

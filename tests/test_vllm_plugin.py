@@ -91,6 +91,10 @@ logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 import vllm.distributed.parallel_state as ps
 ps._DCP = ps.Group(2, 0)
 {before}
+class _Finder:  # a finder of the same class name as the plugin's, as virtualenv installs one (`_virtualenv._Finder`)
+    def find_spec(self, *a, **k):
+        return None
+sys.meta_path.append(_Finder())
 from dcptool.integrations import vllm as plugin
 plugin.register()
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
@@ -112,7 +116,9 @@ out = {{"results": [], "errors": []}}
 {body}
 out["files"] = [str(p) for p in plugin.close()]
 out["wrapped"] = bool(getattr(attn_utils.build_attn_metadata, "__wrapped_by_dcptool__", False))
-out["finder"] = any(type(f).__name__ == "_Finder" for f in sys.meta_path)
+# by identity: other finders share the name (virtualenv's `_virtualenv._Finder` is on many images' meta path)
+out["finder"] = any(isinstance(f, plugin._Finder) for f in sys.meta_path)
+out["other_finder"] = any(type(f) is _Finder for f in sys.meta_path)
 out["used"] = plugin._S.used
 print(json.dumps(out))
 """
@@ -167,6 +173,7 @@ def test_records_each_build_with_its_batch(tmp_path):
 
 def test_nothing_happens_without_the_variable(tmp_path):
     out = run_case(tmp_path, STEPS, env={"DCPTOOL_RECORD": ""})
+    assert out["other_finder"]  # the driver's own `_Finder` (as virtualenv's): not taken for the plugin's
     assert not out["wrapped"] and not out["finder"] and out["files"] == []
     assert out["results"][0] == {"num_reqs": 4, "dcp": [9, 13, 0, 0]}
     assert not (tmp_path / "rec").exists()

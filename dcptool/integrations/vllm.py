@@ -217,7 +217,7 @@ def _record_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> 
     else:
         graph = GraphMode.FULL_CAPTURE if sig.get(args, kwargs, "for_cudagraph_capture") else GraphMode.EAGER
     _observe(site="ubatch" if ub is not None else c.get("site", "attn_metadata"),
-             seq_lens=seq, num_reqs=nr, num_reqs_padded=nrp, dcp_local_seq_lens=dcp, graph=graph, **kw)
+             seq_lens=seq, num_reqs=nr, num_reqs_padded=nrp, dcp_local_seq_lens=dcp, graph=int(graph), **kw)
 
 
 def _cg(sig: _Sig, args: tuple, kwargs: dict) -> str | None:
@@ -690,7 +690,7 @@ def _observe_batch(site: str, batch, graph: int) -> int:
     nrp = batch.num_reqs_after_padding
     return _observe(site=site, seq_lens=batch.seq_lens, num_reqs=batch.num_reqs, num_reqs_padded=nrp,
                     dcp_local_seq_lens=batch.dcp_local_seq_lens, query_start_loc=batch.query_start_loc_np[: nrp + 1],
-                    num_tokens_padded=int(batch.num_tokens_after_padding), graph=graph)
+                    num_tokens_padded=int(batch.num_tokens_after_padding), graph=int(graph))
 
 
 # --------------------------------------------------------------------------------------------
