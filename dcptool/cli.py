@@ -277,8 +277,8 @@ def replay(
         i = _obs_index(d, obs) if obs is not None else None
         from dcptool.htmlreport import VIEW_FINDINGS
         from dcptool.kernel import BackendError
+        from dcptool.progress import Progress
         from dcptool.replay import replay as run_replay
-        from dcptool.report import Progress
 
         try:
             with Progress(d.n, "replay", not json_out and sys.stderr.isatty()) as bar:
@@ -432,6 +432,7 @@ def simulate(
     """Simulate a serving workload through a model of vLLM's runner; show or write its DCP metadata."""
     from dcptool import report
     from dcptool.dump import DumpError
+    from dcptool.progress import Progress
     from dcptool.simulate import SimConfig, SimError, compare
     from dcptool.simulate import simulate as run_sim
 
@@ -444,7 +445,7 @@ def simulate(
         cfg.validate()
         if per_rank and output is None:
             raise SimError("--per-rank needs -o")
-        bar = report.Progress(cfg.steps * (1 if output else 2), "simulate", not json_out and sys.stderr.isatty(),
+        bar = Progress(cfg.steps * (1 if output else 2), "simulate", not json_out and sys.stderr.isatty(),
                               unit="steps")
         with bar:
             if output is None:

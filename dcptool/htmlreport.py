@@ -7,7 +7,8 @@ from html import escape
 import numpy as np
 
 from dcptool import __version__
-from dcptool.report import Timeline, _cells, rank_window, timeline
+from dcptool.report import rank_window
+from dcptool.timeline import Timeline, cells, timeline
 
 HTML_COLUMNS = 240  # step buckets of the SVG timeline
 VIEW_FINDINGS = 200  # row views: the observations of the first 200 findings (and their stale sources) ...
@@ -168,7 +169,7 @@ def _svg(res, tl: Timeline) -> str:
     label = max(len(s) for s in tl.sites) + len(str(max(tl.ranks))) + 3
     left = int(label * 7.2) + 12
     width, height = left + tl.columns * cw + 8, top + len(tl.sites) * ch + 4
-    chars, kinds = _cells(tl)
+    chars, kinds = cells(tl)
     out = [f'<svg id="timeline-svg" role="img" aria-label="findings timeline" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}">']
     gap = (max(len(str(tl.first_step)), len(str(tl.last_step))) * 7 + 8) / cw  # label width in columns
