@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dcptool.schema import DcptoolError
+
 FORMAT_VERSION = "1"
 # safetensors' own reader refuses headers past 100 MB; a dcptool header is a few kB plus the
 # `dcptool.injected` index lists, so this bound is generous and keeps hostile files cheap.
@@ -62,7 +64,7 @@ _GROUPS = [("obs.qsl", "rows.query_start_loc")]
 
 
 
-class DumpError(ValueError):
+class DumpError(DcptoolError, ValueError):
     """A dump that cannot be used; the message names the file, the key and what is wrong."""
 
 

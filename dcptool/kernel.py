@@ -15,6 +15,7 @@ from types import ModuleType
 import torch
 
 from dcptool.reference import RowStats
+from dcptool.schema import DcptoolError
 
 BLOCK_SIZE = 128  # vLLM's launch: BLOCK_SIZE 128, grid cdiv(max_num_reqs, 128)
 FUSED_BLOCK = 256  # rows per inner step of the fused kernels (observations hold ~64-512 rows)
@@ -22,7 +23,7 @@ FUSED_WARPS = 2
 INT32_MAX = 2**31 - 1
 
 
-class BackendError(RuntimeError):
+class BackendError(DcptoolError, RuntimeError):
     """The requested backend cannot run here (says why and what to use instead)."""
 
 

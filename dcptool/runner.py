@@ -16,7 +16,7 @@ import numpy as np
 
 from dcptool.reference import local_of
 from dcptool.rules import RULE_OF_FAULT
-from dcptool.schema import GraphMode
+from dcptool.schema import DcptoolError, GraphMode
 from dcptool.slicing import (
     UbatchSlice,
     parse_engine_version,
@@ -72,7 +72,7 @@ MAX_GRAPH_TOKENS = 512
 RUNNER, PCP_BUF, DRAFTER, DFLASH, UBATCH = 1, 2, 3, 4, 8
 
 
-class SimError(ValueError):
+class SimError(DcptoolError, ValueError):
     """A configuration simulate cannot run (the CLI prints it and exits 2)."""
 
 

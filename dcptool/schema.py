@@ -1,9 +1,14 @@
-"""DESIGN §2 as code. For now: the one encoding of `obs.graph` (the column table, DumpConfig and the
-checks of a hostile file move here from dump.py once the reader's work has landed)."""
+"""DESIGN §2 as code. For now: the one encoding of `obs.graph` and the root of dcptool's exceptions (the
+column table, DumpConfig and the checks of a hostile file are still in dump.py)."""
 
 from __future__ import annotations
 
 from enum import IntEnum
+
+
+class DcptoolError(Exception):
+    """Bad input or usage that dcptool explains in one line (the CLI prints it and exits 2): DumpError and
+    its family, LimitError, SimError, BackendError and the CLI's own Trouble all derive from it."""
 
 
 class GraphMode(IntEnum):

@@ -23,3 +23,33 @@ def test_vllm_runtime_modes_and_dispatch_as_recorded():
     assert GraphMode.FULL_CAPTURE.recorded(capturing=False) is GraphMode.FULL_REPLAY
     assert GraphMode.PIECEWISE.recorded(capturing=True) is GraphMode.PIECEWISE
     assert not GraphMode.PIECEWISE.full and GraphMode.FULL_REPLAY.full
+
+
+def test_one_exception_root():
+    from dcptool.cli import Trouble
+    from dcptool.dump import DumpError, OutputExistsError, WriteError
+    from dcptool.kernel import BackendError
+    from dcptool.replay import LimitError
+    from dcptool.runner import SimError
+    from dcptool.schema import DcptoolError
+
+    for cls in (DumpError, WriteError, OutputExistsError, LimitError, SimError, BackendError, Trouble):
+        assert issubclass(cls, DcptoolError), cls
+    # the old bases stay, for callers that catch them
+    assert issubclass(DumpError, ValueError) and issubclass(SimError, ValueError)
+    assert issubclass(BackendError, RuntimeError) and issubclass(WriteError, OSError)
+
+
+def test_library_error_is_one_line_exit_2(tmp_path, monkeypatch):
+    """cli.py catches DcptoolError in one place: one line on stderr, exit 2, whatever raised it."""
+    from conftest import cli, obs, write
+
+    import dcptool.replay
+    from dcptool.replay import LimitError
+
+    def boom(*a, **k):
+        raise LimitError("somewhere deep: past a documented limit")
+
+    monkeypatch.setattr(dcptool.replay, "replay", boom)
+    r = cli("replay", write(tmp_path / "d.safetensors", [obs()]))
+    assert r.returncode == 2 and r.stderr == "dcptool: somewhere deep: past a documented limit\n" and r.stdout == ""
