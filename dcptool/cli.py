@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
+from dcptool.choices import Backend, CudaGraph, Pipeline, SpecMethod, metavar, spoken, values
 from dcptool.schema import DcptoolError  # stdlib only: --help stays light
 
 
@@ -249,7 +250,8 @@ def replay(
     split: Annotated[int | None, typer.Option(
         "--split", min=1, help="Re-split every recorded full batch into K micro-batches and show what each must "
                                "carry.")] = None,
-    backend: Annotated[str, typer.Option(help="auto (Triton on a GPU, torch on CPU), triton (the interpreter "
+    backend: Annotated[str, typer.Option(metavar=metavar(Backend),
+                                         help="auto (Triton on a GPU, torch on CPU), triton (the interpreter "
                                               "without a GPU) or torch.")] = "auto",
     obs: Annotated[str | None, typer.Option("--obs", help="Show one observation row by row: I or FILE:I.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="JSON Lines: findings, then a summary.")] = False,
@@ -266,8 +268,8 @@ def replay(
     """Recompute every observation's DCP metadata and report what was missing, stale or wrong."""
     from dcptool.dump import open_dumps
 
-    if backend not in ("auto", "triton", "torch"):
-        raise Trouble(f"--backend {backend!r}: choose auto, triton or torch")
+    if backend not in values(Backend):
+        raise Trouble(f"--backend {backend!r}: choose {spoken(Backend)}")
     _check_engine_version(engine_version)
     dumps = _dump_args(dumps)
     if html is not None:
@@ -389,12 +391,15 @@ def simulate(
     pcp: Annotated[int, typer.Option("--pcp", help="PCP world size P (P x N recording processes).")] = 1,
     steps: Annotated[int, typer.Option(help="Engine steps after start-up.")] = 32,
     spec_tokens: Annotated[int, typer.Option(help="Draft tokens K per decode (0: no speculative decoding).")] = 2,
-    spec_method: Annotated[str, typer.Option(help="mtp or dflash (DFlash captures its own graphs).")] = "mtp",
+    spec_method: Annotated[str, typer.Option(metavar=metavar(SpecMethod),
+                                             help="mtp or dflash (DFlash captures its own graphs).")] = "mtp",
     ubatches: Annotated[int, typer.Option(help="Micro-batches (DBO) when a batch passes vLLM's thresholds.")] = 2,
-    cudagraph: Annotated[str, typer.Option(help="none, piecewise, or full (FULL_AND_PIECEWISE).")] = "full",
+    cudagraph: Annotated[str, typer.Option(metavar=metavar(CudaGraph),
+                                           help="none, piecewise, or full (FULL_AND_PIECEWISE).")] = "full",
     dummy_every: Annotated[int, typer.Option(help="A dummy run every D steps (0: only the profile run).")] = 16,
     page_size: Annotated[int, typer.Option(help="KV page (block) size for attention page counts.")] = 16,
-    pipeline: Annotated[str, typer.Option(help="fixed (vLLM after the fix) or legacy (every pre-fix fault).")]
+    pipeline: Annotated[str, typer.Option(metavar=metavar(Pipeline),
+                                          help="fixed (vLLM after the fix) or legacy (every pre-fix fault).")]
     = "fixed",
     inject: Annotated[str | None, typer.Option(help="Faults to inject on the fixed pipeline, comma-separated, "
                                                     "with the vLLM releases that had each: dummy-none [0.27–0.29], "

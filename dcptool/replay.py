@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dcptool.choices import Backend, values
 from dcptool.dump import Dump, DumpError, take
 from dcptool.provenance import Provenance, Source, expected_of
 from dcptool.reference import local_np
@@ -207,7 +208,7 @@ def resolve_backend(name: str) -> tuple[str, str]:
     """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter."""
     import torch
 
-    if name not in ("auto", "triton", "torch"):
+    if name not in values(Backend):
         raise ValueError(f"unknown backend {name!r} (auto, triton or torch)")
     cuda = torch.cuda.is_available()
     if name == "auto":

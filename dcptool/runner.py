@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dcptool.choices import CudaGraph, Pipeline, SpecMethod, spoken, values
 from dcptool.reference import local_of
 from dcptool.rules import RULE_OF_FAULT
 from dcptool.schema import DcptoolError, GraphMode
@@ -60,9 +61,9 @@ FAULT_WHERE: dict[str, str] = {
     "flashinfer-global-pages": "0.27–0.29",
 }
 SITES = ("prepare_inputs", "pcp_partition", "attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft")
-PIPELINES = ("fixed", "legacy")
-CUDAGRAPH_CHOICES = ("none", "piecewise", "full")
-SPEC_METHODS = ("mtp", "dflash")
+PIPELINES = values(Pipeline)
+CUDAGRAPH_CHOICES = values(CudaGraph)
+SPEC_METHODS = values(SpecMethod)
 
 # vLLM defaults the model follows (ParallelConfig.dbo_*_token_threshold, CompilationConfig's ceiling).
 DBO_DECODE_TOKENS = 32
@@ -122,9 +123,9 @@ class SimConfig:
         need(self.spec_tokens >= 0, f"--spec-tokens must be >= 0, got {self.spec_tokens}")
         need(self.dummy_every >= 0, f"--dummy-every must be >= 0 (0: only the start-up profile run), got "
                                     f"{self.dummy_every}")
-        need(self.pipeline in PIPELINES, f"--pipeline {self.pipeline!r}: choose fixed or legacy")
-        need(self.cudagraph in CUDAGRAPH_CHOICES, f"--cudagraph {self.cudagraph!r}: choose none, piecewise or full")
-        need(self.spec_method in SPEC_METHODS, f"--spec-method {self.spec_method!r}: choose mtp or dflash")
+        need(self.pipeline in PIPELINES, f"--pipeline {self.pipeline!r}: choose {spoken(Pipeline)}")
+        need(self.cudagraph in CUDAGRAPH_CHOICES, f"--cudagraph {self.cudagraph!r}: choose {spoken(CudaGraph)}")
+        need(self.spec_method in SPEC_METHODS, f"--spec-method {self.spec_method!r}: choose {spoken(SpecMethod)}")
         unknown = [f for f in self.inject if f not in FAULTS]
         need(not unknown, f"--inject: unknown fault {', '.join(unknown)} (known: "
                           f"{', '.join(f'{f} [{FAULT_WHERE[f]}]' for f in FAULTS)})")
