@@ -11,7 +11,7 @@ def __getattr__(name: str):
 
         return getattr(dump, name)
     if name == "DcptoolError":
-        from dcptool.schema import DcptoolError
+        from dcptool.errors import DcptoolError
 
         return DcptoolError
     if name == "Recorder":

@@ -13,7 +13,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from dcptool.choices import Backend, CudaGraph, Pipeline, SpecMethod, metavar, spoken, values
-from dcptool.schema import DcptoolError  # stdlib only: --help stays light
+from dcptool.errors import DcptoolError  # stdlib only: --help stays light
 
 
 class Trouble(DcptoolError):

@@ -36,7 +36,14 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from dcptool.schema import GraphMode
+
+def _graph():
+    """schema.GraphMode, imported on the first observation (numpy: the Recorder needs it then anyway), not
+    when vLLM loads the plugin."""
+    from dcptool.schema import GraphMode
+
+    return GraphMode
+
 
 ENV_DIR = "DCPTOOL_RECORD"
 ENV_ROLLOVER = "DCPTOOL_ROLLOVER"
@@ -213,9 +220,9 @@ def _record_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> 
     if "capture_graph" in c:
         graph = c["capture_graph"]
     elif "cg" in c:
-        graph = GraphMode.of_vllm(c["cg"])
+        graph = _graph().of_vllm(c["cg"])
     else:
-        graph = GraphMode.FULL_CAPTURE if sig.get(args, kwargs, "for_cudagraph_capture") else GraphMode.EAGER
+        graph = _graph().FULL_CAPTURE if sig.get(args, kwargs, "for_cudagraph_capture") else _graph().EAGER
     _observe(site="ubatch" if ub is not None else c.get("site", "attn_metadata"),
              seq_lens=seq, num_reqs=nr, num_reqs_padded=nrp, dcp_local_seq_lens=dcp, graph=int(graph), **kw)
 
@@ -309,9 +316,9 @@ def _wrap_ubatch_prepare(orig, sig):
             capture = bool(sig.get(args, kwargs, "for_capture")) and "site" not in outer
             f = {"scope": True, "sliced": {}, "parent": -1}
             if capture:
-                f.update(site="capture", capture_graph=GraphMode.FULL_CAPTURE)
+                f.update(site="capture", capture_graph=_graph().FULL_CAPTURE)
             site = f.get("site", outer.get("site", "attn_metadata"))
-            graph = GraphMode.FULL_CAPTURE if capture else GraphMode.of_vllm(_cg(sig, args, kwargs))
+            graph = _graph().FULL_CAPTURE if capture else _graph().of_vllm(_cg(sig, args, kwargs))
             # The merged batch is no attention build, but it is what the micro-batches are sliced from:
             # record it when it carries a view (a capture's merged batch never gets one, legitimately).
             if batch.dcp_local_seq_lens is not None or _dcp()[0] == 1:
@@ -383,7 +390,7 @@ def _wrap_partition(orig, sig):
                 # global batch (and recomputes it from the local one). Anything that reaches the local batch
                 # from it is stale: record the source.
                 if batch.dcp_local_seq_lens is not None:
-                    _observe_batch("prepare_inputs", batch, GraphMode.of_vllm(_cg(sig, args, kwargs)))
+                    _observe_batch("prepare_inputs", batch, _graph().of_vllm(_cg(sig, args, kwargs)))
             except Exception as e:
                 _broken(e)
         return orig(*args, **kwargs)
