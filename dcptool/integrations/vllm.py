@@ -35,6 +35,18 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+
+class UbatchOf(NamedTuple):
+    """A micro-batch's attention build: which micro-batch, the observation it was sliced from, and the
+    slice (_slice_input_batch's request start and token range)."""
+
+    ubatch: int
+    parent: int
+    req_start: int
+    tok_start: int
+    tok_stop: int
 
 
 def _graph():
@@ -216,7 +228,8 @@ def _record_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> 
         kw["query_start_loc"] = sig.get(args, kwargs, "query_start_loc_cpu")
     ub = c.get("ubatch")
     if ub is not None:
-        kw.update(ubatch=ub[0], parent=ub[1], req_start=ub[2], tok_start=ub[3], tok_stop=ub[4])
+        kw.update(ubatch=ub.ubatch, parent=ub.parent, req_start=ub.req_start, tok_start=ub.tok_start,
+                  tok_stop=ub.tok_stop)
     if "capture_graph" in c:
         graph = c["capture_graph"]
     elif "cg" in c:
@@ -246,7 +259,7 @@ def _wrap_prepare_attn(orig, sig):
                 sliced = parent.get("sliced")
                 if sliced is not None and id(batch) in sliced:
                     i = int(sig.get(args, kwargs, "ubatch_idx")) if "ubatch_idx" in sig.pos else 0
-                    f["ubatch"] = (i, parent["parent"]) + sliced[id(batch)]
+                    f["ubatch"] = UbatchOf(i, parent["parent"], *sliced[id(batch)])
                     break
             return f
 
