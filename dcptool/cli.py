@@ -1,4 +1,5 @@
-"""Command line: parse, call the library, render; exit 0 clean, 1 findings, 2 bad usage/input or internal error."""
+"""Command line: parse, call the library, render; exit 0 clean, 1 findings, 2 bad usage/input or internal error.
+(Over 450 lines: the exit-code guard and the four commands' options, each a page of help text.)"""
 
 from __future__ import annotations
 

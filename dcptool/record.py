@@ -1,4 +1,5 @@
 """The Recorder an engine calls: copy each observation to the host without stopping the engine; atomic writes.
+(Over 450 lines: the host path, the CUDA snapshot ring and the file rollover share one Recorder's state.)
 
 CUDA tensors are not copied with `.to("cpu")` (that waits for the engine's stream): one Triton launch
 on the engine's current stream snapshots all of an observation's device tensors into a slot of a

@@ -1,4 +1,5 @@
 """vLLM general plugin: with DCPTOOL_RECORD=<dir>, record every attention-metadata build of model runner V2.
+(Over 450 lines: the hook table, per-release signature checks and the wrappers must be read together.)
 
 Install dcptool next to vLLM (entry point group `vllm.general_plugins`, name `dcptool`); vLLM calls
 `register()` in every process. Without DCPTOOL_RECORD it does nothing. With it, the worker
