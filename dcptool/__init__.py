@@ -1,7 +1,7 @@
 """dcptool: replay and debug decode-context-parallel (DCP) metadata recorded from serving engines."""
 
 __version__ = "0.1.0"
-__all__ = ["DumpConfig", "DumpError", "Observation", "Recorder", "__version__"]
+__all__ = ["DcptoolError", "DumpConfig", "DumpError", "Observation", "Recorder", "__version__"]
 
 
 def __getattr__(name: str):
@@ -10,6 +10,10 @@ def __getattr__(name: str):
         from dcptool import dump
 
         return getattr(dump, name)
+    if name == "DcptoolError":
+        from dcptool.errors import DcptoolError
+
+        return DcptoolError
     if name == "Recorder":
         from dcptool.record import Recorder
 

@@ -1,4 +1,5 @@
-"""Command line: parse, call the library, render; exit 0 clean, 1 findings, 2 bad usage/input or internal error."""
+"""Command line: parse, call the library, render; exit 0 clean, 1 findings, 2 bad usage/input or internal error.
+(Over 450 lines: the exit-code guard and the four commands' options, each a page of help text.)"""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
+from dcptool.choices import Backend, CudaGraph, Pipeline, SpecMethod, metavar, spoken, values
+from dcptool.errors import DcptoolError  # stdlib only: --help stays light
 
-class Trouble(Exception):
-    """Bad usage or bad input: one line on stderr, exit code 2."""
+
+class Trouble(DcptoolError):
+    """Bad usage or bad input found by the command line itself: one line on stderr, exit code 2."""
 
 
 def _say(msg: str) -> None:
@@ -22,11 +26,6 @@ def _say(msg: str) -> None:
     from dcptool.report import literal
 
     typer.echo(f"dcptool: {literal(msg)}", err=True)
-
-
-def _fail(msg: str) -> typer.Exit:
-    _say(msg)
-    return typer.Exit(2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,6 +125,9 @@ class _Guarded(TyperGroup):
             sys.stdout.flush()  # a buffered write to a full device or a closed pipe fails here, not at exit
         except _PASS:
             raise
+        except DcptoolError as e:  # bad input or usage, from the library or the command line: the one place
+            _say(str(e))
+            code = 2
         except KeyboardInterrupt:
             _say("interrupted")
             code = 130
@@ -230,7 +232,7 @@ def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
     try:  # WriteError names the file and the problem (disk full, ...), and the old file is unchanged
         atomic_write(path, [render_html(res, max_findings).encode("utf-8")], force=force, inputs=res.files)
     except DumpError as e:
-        raise _fail(f"--html {e}") from None
+        raise Trouble(f"--html {e}") from None
     _say(f"wrote {path}")
 
 
@@ -238,7 +240,7 @@ def _check_engine_version(v: str | None) -> None:
     from dcptool.slicing import parse_engine_version
 
     if v is not None and parse_engine_version(v) is None:
-        raise _fail(f"--engine-version {v!r}: expected a vLLM version such as 0.34.0")
+        raise Trouble(f"--engine-version {v!r}: expected a vLLM version such as 0.34.0")
 
 
 @app.command()
@@ -249,7 +251,8 @@ def replay(
     split: Annotated[int | None, typer.Option(
         "--split", min=1, help="Re-split every recorded full batch into K micro-batches and show what each must "
                                "carry.")] = None,
-    backend: Annotated[str, typer.Option(help="auto (Triton on a GPU, torch on CPU), triton (the interpreter "
+    backend: Annotated[str, typer.Option(metavar=metavar(Backend),
+                                         help="auto (Triton on a GPU, torch on CPU), triton (the interpreter "
                                               "without a GPU) or torch.")] = "auto",
     obs: Annotated[str | None, typer.Option("--obs", help="Show one observation row by row: I or FILE:I.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="JSON Lines: findings, then a summary.")] = False,
@@ -264,30 +267,23 @@ def replay(
                                  "dump names.")] = None,
 ) -> None:
     """Recompute every observation's DCP metadata and report what was missing, stale or wrong."""
-    from dcptool.dump import DumpError, open_dumps
+    from dcptool.dump import open_dumps
 
-    if backend not in ("auto", "triton", "torch"):
-        raise _fail(f"--backend {backend!r}: choose auto, triton or torch")
+    if backend not in values(Backend):
+        raise Trouble(f"--backend {backend!r}: choose {spoken(Backend)}")
     _check_engine_version(engine_version)
-    try:
-        dumps = _dump_args(dumps)
-        if html is not None:
-            _check_html_target(html, dumps, force)
-        d = open_dumps([str(p) for p in dumps])
-        i = _obs_index(d, obs) if obs is not None else None
-        from dcptool.htmlreport import VIEW_FINDINGS
-        from dcptool.kernel import BackendError
-        from dcptool.replay import replay as run_replay
-        from dcptool.report import Progress
+    dumps = _dump_args(dumps)
+    if html is not None:
+        _check_html_target(html, dumps, force)
+    d = open_dumps([str(p) for p in dumps])
+    i = _obs_index(d, obs) if obs is not None else None
+    from dcptool.htmlreport import VIEW_FINDINGS
+    from dcptool.progress import Progress
+    from dcptool.replay import replay as run_replay
 
-        try:
-            with Progress(d.n, "replay", not json_out and sys.stderr.isatty()) as bar:
-                res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS,
-                                 progress=bar, bounded=d.bounded, engine_version=engine_version)
-        except BackendError as e:
-            raise Trouble(str(e)) from None
-    except (DumpError, Trouble) as e:
-        raise _fail(str(e)) from None
+    with Progress(d.n, "replay", not json_out and sys.stderr.isatty()) as bar:
+        res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS,
+                         progress=bar, bounded=d.bounded, engine_version=engine_version)
     from dcptool import report
 
     code = 1 if res.errors or (strict and res.warnings) else 0
@@ -356,13 +352,10 @@ def diff(
 ) -> None:
     """Align two runs by (step, site, rank, micro-batch, occurrence) and report every recorded difference."""
     from dcptool.diff import diff as run_diff
-    from dcptool.dump import DumpError, open_dumps
+    from dcptool.dump import open_dumps
 
-    try:
-        da = open_dumps(_dump_side(a))
-        db = open_dumps(_dump_side(b))
-    except (DumpError, Trouble) as e:
-        raise _fail(str(e)) from None
+    da = open_dumps(_dump_side(a))
+    db = open_dumps(_dump_side(b))
     from dcptool import report
 
     limit = max_findings if (max_findings is not None or json_out) else report.TEXT_MAX_FINDINGS
@@ -383,12 +376,9 @@ def inspect(
 ) -> None:
     """Summarise a dump: config, steps, sites, ranks, micro-batches, sizes, optional columns."""
     from dcptool import report
-    from dcptool.dump import DumpError, describe, open_dumps
+    from dcptool.dump import describe, open_dumps
 
-    try:
-        info = describe(open_dumps([str(p) for p in _dump_args(dump)]))
-    except (DumpError, Trouble) as e:
-        raise _fail(str(e)) from None
+    info = describe(open_dumps([str(p) for p in _dump_args(dump)]))
     if json_out:
         sys.stdout.write(report.inspect_json(info) + "\n")
     else:
@@ -402,12 +392,15 @@ def simulate(
     pcp: Annotated[int, typer.Option("--pcp", help="PCP world size P (P x N recording processes).")] = 1,
     steps: Annotated[int, typer.Option(help="Engine steps after start-up.")] = 32,
     spec_tokens: Annotated[int, typer.Option(help="Draft tokens K per decode (0: no speculative decoding).")] = 2,
-    spec_method: Annotated[str, typer.Option(help="mtp or dflash (DFlash captures its own graphs).")] = "mtp",
+    spec_method: Annotated[str, typer.Option(metavar=metavar(SpecMethod),
+                                             help="mtp or dflash (DFlash captures its own graphs).")] = "mtp",
     ubatches: Annotated[int, typer.Option(help="Micro-batches (DBO) when a batch passes vLLM's thresholds.")] = 2,
-    cudagraph: Annotated[str, typer.Option(help="none, piecewise, or full (FULL_AND_PIECEWISE).")] = "full",
+    cudagraph: Annotated[str, typer.Option(metavar=metavar(CudaGraph),
+                                           help="none, piecewise, or full (FULL_AND_PIECEWISE).")] = "full",
     dummy_every: Annotated[int, typer.Option(help="A dummy run every D steps (0: only the profile run).")] = 16,
     page_size: Annotated[int, typer.Option(help="KV page (block) size for attention page counts.")] = 16,
-    pipeline: Annotated[str, typer.Option(help="fixed (vLLM after the fix) or legacy (every pre-fix fault).")]
+    pipeline: Annotated[str, typer.Option(metavar=metavar(Pipeline),
+                                          help="fixed (vLLM after the fix) or legacy (every pre-fix fault).")]
     = "fixed",
     inject: Annotated[str | None, typer.Option(help="Faults to inject on the fixed pipeline, comma-separated, "
                                                     "with the vLLM releases that had each: dummy-none [0.27–0.29], "
@@ -431,7 +424,7 @@ def simulate(
 ) -> None:
     """Simulate a serving workload through a model of vLLM's runner; show or write its DCP metadata."""
     from dcptool import report
-    from dcptool.dump import DumpError
+    from dcptool.progress import Progress
     from dcptool.simulate import SimConfig, SimError, compare
     from dcptool.simulate import simulate as run_sim
 
@@ -444,8 +437,8 @@ def simulate(
         cfg.validate()
         if per_rank and output is None:
             raise SimError("--per-rank needs -o")
-        bar = report.Progress(cfg.steps * (1 if output else 2), "simulate", not json_out and sys.stderr.isatty(),
-                              unit="steps")
+        bar = Progress(cfg.steps * (1 if output else 2), "simulate", not json_out and sys.stderr.isatty(),
+                       unit="steps")
         with bar:
             if output is None:
                 cmp = compare(cfg, progress=bar)
@@ -453,10 +446,12 @@ def simulate(
                 if output.parent and not output.parent.is_dir():
                     raise SimError(f"{output}: directory {output.parent} does not exist")
                 res = run_sim(cfg, output, per_rank=per_rank, force=force, progress=bar)
-    except (SimError, FileExistsError, DumpError) as e:
-        raise _fail(str(e)) from None
+    except DcptoolError:
+        raise
+    except FileExistsError as e:
+        raise Trouble(str(e)) from None
     except OSError as e:
-        raise _fail(f"{output}: cannot write: {e.strerror or e}") from None
+        raise Trouble(f"{output}: cannot write: {e.strerror or e}") from None
     if output is None:
         if json_out:
             for line in report.simulate_json_lines(cmp):

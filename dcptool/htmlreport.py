@@ -7,7 +7,8 @@ from html import escape
 import numpy as np
 
 from dcptool import __version__
-from dcptool.report import RULE_CODES, Timeline, _cells, rank_window, timeline
+from dcptool.report import rank_window
+from dcptool.timeline import Timeline, cells, timeline
 
 HTML_COLUMNS = 240  # step buckets of the SVG timeline
 VIEW_FINDINGS = 200  # row views: the observations of the first 200 findings (and their stale sources) ...
@@ -154,21 +155,21 @@ def _summary(res, shown: int) -> list[str]:
 
 
 def _code(rule: str) -> str:
-    from dcptool.replay import SEVERITY
+    from dcptool.rules import RULE_CODES, SEVERITY
 
     return f'<span class="code {_SEV_CLASS[SEVERITY[rule]]}">{RULE_CODES[rule]}</span>'
 
 
 def _svg(res, tl: Timeline) -> str:
     """The timeline as inline SVG: a <title> tooltip on every cell that has observations."""
-    from dcptool.replay import RULES
+    from dcptool.rules import RULES
 
     cw = max(4, min(22, 960 // max(tl.columns, 1)))
     ch, top = 18, 22
     label = max(len(s) for s in tl.sites) + len(str(max(tl.ranks))) + 3
     left = int(label * 7.2) + 12
     width, height = left + tl.columns * cw + 8, top + len(tl.sites) * ch + 4
-    chars, kinds = _cells(tl)
+    chars, kinds = cells(tl)
     out = [f'<svg id="timeline-svg" role="img" aria-label="findings timeline" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}">']
     gap = (max(len(str(tl.first_step)), len(str(tl.last_step))) * 7 + 8) / cw  # label width in columns
@@ -224,7 +225,7 @@ def _tooltip(res, tl: Timeline, r: int, c: int, rules) -> str:
 
 
 def _legend(tl: Timeline) -> str:
-    from dcptool.replay import RULES, SEVERITY
+    from dcptool.rules import RULES, SEVERITY
 
     present = [RULES[i] for i in np.unique(tl.worst()) if i >= 0]
     items = ['<span class="code ok">&nbsp;</span>clean', '<span class="code none">&nbsp;</span>no observations']
@@ -274,7 +275,7 @@ def _table(res, shown) -> list[str]:
                    f'<td data-k="{f.ubatch}">{"-" if f.ubatch < 0 else f.ubatch}</td>'
                    f'<td class="l rule {sev}">{_e(f.rule)}{"/" + _e(f.source.relation) if f.source else ""}</td>'
                    + num(f.row) + num(f.recorded) + num(f.expected) + f"<td>{f.wrong_rows}</td>"
-                   f'<td class="l src">{src}</td><td class="l msg">{_e(f.message.split(": ", 1)[-1])}</td></tr>')
+                   f'<td class="l src">{src}</td><td class="l msg">{_e(f.text)}</td></tr>')
     out.append("</tbody></table></section>")
     return out
 

@@ -7,17 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcptool.dump import Dump, take
+from dcptool.reference import local_np, ranks_giving
+from dcptool.segments import ragged
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
-
-
-def local_np(seq: np.ndarray, dcp_size: int, rank, cp_interleave: int) -> np.ndarray:
-    """The formula in numpy (int64), for the rows provenance and row views look at."""
-    L = np.asarray(seq, dtype=np.int64)
-    il = np.asarray(cp_interleave, np.int64)  # an int, or an array broadcasting against seq
-    span = dcp_size * il
-    rounds = L // span
-    return rounds * il + np.minimum(np.maximum(L - rounds * span - np.asarray(rank, np.int64) * il, 0), il)
 
 
 def expected_of(d: Dump, i: int, rows: int | None = None) -> np.ndarray:
@@ -33,17 +26,9 @@ def expected_of(d: Dump, i: int, rows: int | None = None) -> np.ndarray:
 
 
 def _other_rank(seq: np.ndarray, rec: np.ndarray, N: int, il: int, rank: int) -> int | None:
-    """The lowest rank other than `rank` whose local lengths are rec, without a loop over N ranks.
-
-    For one row, local(L, r) is rounds*I + I for r < rem // I, rounds*I + rem % I at r = rem // I,
-    and rounds*I from cdiv(rem, I) on: the ranks giving a value form one interval; intersect them.
-    """
-    L, v = seq.astype(np.int64), rec.astype(np.int64)
-    rounds, rem = L // (N * il), L % (N * il)
-    base = rounds * il
-    lo = np.where(v == base + il, 0, np.where(v == base, -(-rem // il), rem // il))
-    hi = np.where(v == base + il, rem // il, np.where(v == base, N, rem // il + 1))
-    ok = (v == base + il) | (v == base) | ((v == base + rem % il) & (rem % il != 0))
+    """The lowest rank other than `rank` whose local lengths are rec, without a loop over N ranks:
+    the ranks giving each row's value form one interval (reference.ranks_giving); intersect them."""
+    lo, hi, ok = ranks_giving(seq.astype(np.int64), rec.astype(np.int64), N, il)
     if not ok.all():
         return None
     a, b = int(lo.max(initial=0)), int(hi.min(initial=N))
@@ -93,14 +78,6 @@ def _mix(v: np.ndarray, j: np.ndarray, salt: int) -> np.ndarray:
         x = (x ^ (x >> np.uint64(27))) * c
         x ^= x >> np.uint64(31)
     return np.where(np.asarray(v) != 0, x, np.uint64(0))
-
-
-def _ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Segments (start, count) -> (segment of each element, index within it, absolute index)."""
-    counts = np.asarray(counts, np.int64)
-    seg = np.repeat(np.arange(counts.size), counts)
-    j = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    return seg, j, np.asarray(starts, np.int64)[seg] + j
 
 
 def _seg_sums(h: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -216,7 +193,7 @@ class Provenance:
         observation, [cs0, cs1]) where cs[first + k] - cs[first] hashes its first k rows."""
         d, c = self.d, self.d.config
         nr = d["obs.num_reqs"][obs].astype(np.int64)
-        seg, j, at = _ragged(d["obs.rows"][obs], nr)
+        seg, j, at = ragged(d["obs.rows"][obs], nr)
         e = local_np(take(d, "rows.seq_lens", at), c.dcp_size, d["obs.rank"][obs][seg], c.cp_interleave)
         cs = [np.concatenate([np.zeros(1, np.uint64), np.cumsum(_mix(e, j, salt), dtype=np.uint64)]) for salt in (0, 1)]
         return np.cumsum(nr) - nr, cs
@@ -236,7 +213,7 @@ class Provenance:
         if wrong.size == 0:
             return
         rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
-        seg, j, at = _ragged(view[wrong], m)
+        seg, j, at = ragged(view[wrong], m)
         rec = take(d, "rows.dcp_local_seq_lens", at).astype(np.int64)
         qh = [_seg_sums(_mix(rec, j, s), m) for s in (0, 1)]
         starts = np.cumsum(m) - m
@@ -278,7 +255,7 @@ class Provenance:
             mid = (lo + hi) // 2
             le = mq[np.minimum(mid, mq.size - 1)] <= nrc
             lo, hi = np.where(act & le, mid + 1, lo), np.where(act & ~le, mid, hi)
-        sidx, _, pos = _ragged(g0, lo - g0)
+        sidx, _, pos = ragged(g0, lo - g0)
         k = mq[pos]
         with np.errstate(over="ignore"):
             at = [c[first[sidx] + k] - c[first[sidx]] for c in cs]
@@ -299,7 +276,7 @@ class Provenance:
         global lengths; another rank (the interval argument of _other_rank); another interleave."""
         d, c = self.d, self.d.config
         N, il = c.dcp_size, c.cp_interleave
-        _, _, srow = _ragged(d["obs.rows"][q], m)  # the seq_lens rows under the recorded ones
+        _, _, srow = ragged(d["obs.rows"][q], m)  # the seq_lens rows under the recorded ones
         L = take(d, "rows.seq_lens", srow).astype(np.int64)
         rank = d["obs.rank"][q].astype(np.int64)
         starts = np.cumsum(m) - m
@@ -308,16 +285,11 @@ class Provenance:
             return np.bincount(seg, weights=~ok, minlength=q.size) == 0
 
         glob = every_row(rec == L)
-        rounds, rem = L // (N * il), L % (N * il)
-        base = rounds * il
-        full, empty = rec == base + il, rec == base
-        part = (rec == base + rem % il) & (rem % il != 0)
-        lo = np.where(full, 0, np.where(empty, -(-rem // il), rem // il))
-        hi = np.where(full, rem // il, np.where(empty, N, rem // il + 1))
+        lo, hi, ok = ranks_giving(L, rec, N, il)
         a = np.maximum(np.maximum.reduceat(lo, starts), 0)
         b = np.minimum(np.minimum.reduceat(hi, starts), N)
         other = np.where((a < b) & (a != rank), a, np.where((a + 1 < b) & (a + 1 != rank), a + 1, -1))
-        other = np.where(every_row(full | empty | part), other, -1)
+        other = np.where(every_row(ok), other, -1)
         extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
         ils = [x for x in INTERLEAVES + extra if x != il]
         inter = np.full(q.size, -1, np.int64)

@@ -1,4 +1,5 @@
 """The Recorder an engine calls: copy each observation to the host without stopping the engine; atomic writes.
+(Over 450 lines: the host path, the CUDA snapshot ring and the file rollover share one Recorder's state.)
 
 CUDA tensors are not copied with `.to("cpu")` (that waits for the engine's stream): one Triton launch
 on the engine's current stream snapshots all of an observation's device tensors into a slot of a
@@ -34,6 +35,7 @@ import threading
 import warnings
 from collections import deque
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,12 +52,16 @@ from dcptool.dump import (
     columns,
     write_dump,
 )
+from dcptool.schema import GraphMode
 
 _INT_OR_NONE = (int, type(None))
 _NO_ADDR = 1 << 40  # the address passed for an absent section (never read)
 _CHECKED: dict = {}  # CUDA device -> (compiled kernel whose launcher proved itself, or None; why not)
-GRAPH = {"eager": 0, "piecewise": 1, "capture": 2, "full-capture": 2, "replay": 3, "full-replay": 3}
 _I64 = 2**63 - 1
+# One observation's scalars, in dump.FIELDS order (step, rank, ubatch, num_reqs, num_reqs_padded, then the optional
+# fields parent ... graph): Python ints, None where unknown.
+Fields = NamedTuple("Fields", [(f, "int | None") for f in FIELDS])
+_NEW = tuple.__new__  # Fields without its Python-level __new__ on the per-observation path (0.3 us -> 0.1 us)
 HEADER = 8  # = kernel.SNAP_HEADER (kept here so record.py needs no triton to describe a slot)
 FENCE_EVERY = 64  # device observations between CUDA events (an event per launch would double the CPU cost)
 _HEAD = np.arange(8)  # (HEADER words)
@@ -355,7 +361,7 @@ class Recorder:
         # One tuple of scalars and one of row arrays per observation, turned into columns only at write
         # time (zip(*)): observe() stays a couple of appends, close() a handful of concatenations. A row
         # entry is a _Slot while its device values are in flight, None once dropped at harvest.
-        self._vals: list[tuple] = []  # dump.FIELDS
+        self._vals: list[Fields] = []
         self._sites: list[str] = []
         self._rows: list = []  # (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)
         self._count = 0  # observation indices handed out over all files
@@ -446,10 +452,10 @@ class Recorder:
 
     # ---- checks ----------------------------------------------------------------------------------
 
-    def _check_shared(self, vals: tuple, site, kv_rows: int | None, rows: int) -> None:
+    def _check_shared(self, vals: Fields, site, kv_rows: int | None, rows: int) -> None:
         """What the dump format cannot hold (DESIGN §2) raises here and in _check_own, so a write never
         fails on it: the values one batch's observations share."""
-        step, _, ubatch, _, nrp, _, rs, ts, te, ntp, _, graph = vals
+        step, _, ubatch, _, nrp, _, rs, ts, te, ntp, _, graph = vals  # Fields, in order (one unpack: the hot path)
         # any name a reader accepts (reports show markup and control characters literally); not lone surrogates
         if type(site) is not str or not _text_ok(site):
             raise ValueError(f"site must be a string of valid Unicode, got {site!r}")
@@ -474,21 +480,22 @@ class Recorder:
 
     @staticmethod
     def _scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start, tok_stop,
-                 num_tokens_padded, buffer, graph) -> tuple:
+                 num_tokens_padded, buffer, graph) -> Fields:
         """dump.FIELDS as Python ints (checked: never coerced); parent None when unknown."""
         if (type(step) is int and type(rank) is int and type(ubatch) is int and type(num_reqs) is int
                 and type(num_reqs_padded) is int and type(parent) in _INT_OR_NONE and type(req_start) in _INT_OR_NONE
                 and type(tok_start) in _INT_OR_NONE and type(tok_stop) in _INT_OR_NONE
                 and type(num_tokens_padded) in _INT_OR_NONE and type(buffer) in _INT_OR_NONE
                 and type(graph) in _INT_OR_NONE):  # what engines pass: no conversion needed
-            return (step, rank, ubatch, num_reqs, num_reqs_padded, None if parent is None or parent < 0 else parent,
-                    req_start, tok_start, tok_stop, num_tokens_padded, buffer, graph)
+            return _NEW(Fields, (step, rank, ubatch, num_reqs, num_reqs_padded,
+                                 None if parent is None or parent < 0 else parent, req_start, tok_start, tok_stop,
+                                 num_tokens_padded, buffer, graph))
         p = _opt(parent, "parent")
-        g = GRAPH[graph] if isinstance(graph, str) else _opt(graph, "graph")
-        return (_int(step, "step"), _int(rank, "rank"), _int(ubatch, "ubatch"), _int(num_reqs, "num_reqs"),
-                _int(num_reqs_padded, "num_reqs_padded"), None if p is None or p < 0 else p,
-                _opt(req_start, "req_start"), _opt(tok_start, "tok_start"), _opt(tok_stop, "tok_stop"),
-                _opt(num_tokens_padded, "num_tokens_padded"), _opt(buffer, "buffer"), g)
+        g = int(GraphMode.parse(graph)) if isinstance(graph, str) else _opt(graph, "graph")
+        return Fields(_int(step, "step"), _int(rank, "rank"), _int(ubatch, "ubatch"), _int(num_reqs, "num_reqs"),
+                      _int(num_reqs_padded, "num_reqs_padded"), None if p is None or p < 0 else p,
+                      _opt(req_start, "req_start"), _opt(tok_start, "tok_start"), _opt(tok_stop, "tok_stop"),
+                      _opt(num_tokens_padded, "num_tokens_padded"), _opt(buffer, "buffer"), g)
 
     # ---- observe ---------------------------------------------------------------------------------
 
@@ -522,7 +529,7 @@ class Recorder:
                     buffer = buffer_id(dcp_local_seq_lens)
                 vals = self._scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
                                      tok_stop, num_tokens_padded, buffer, graph)
-            seq, qsl = self._batch(seq_lens, vals[3], vals[4], query_start_loc)
+            seq, qsl = self._batch(seq_lens, vals.num_reqs, vals.num_reqs_padded, query_start_loc)
             row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages))
             self._check_shared(vals, site, None if row[3] is None else row[3].size, seq.size)
         except Exception as e:  # never break the engine
@@ -532,7 +539,7 @@ class Recorder:
             try:
                 if self._closed:
                     raise RuntimeError("observe() after close()")
-                self._check_own(vals[1], vals[5], vals[10], self._count)
+                self._check_own(vals.rank, vals.parent, vals.buffer, self._count)
             except Exception as e:
                 self._drop(e)
                 return -1
@@ -557,7 +564,7 @@ class Recorder:
         try:
             common = self._scalars(step, 0, ubatch, num_reqs, num_reqs_padded, None, req_start, tok_start,
                                    tok_stop, num_tokens_padded, None, graph)
-            step, _, ubatch, nr, nrp, _, rs, ts, te, ntp, _, graph = common
+            step, _, ubatch, nr, nrp, _, rs, ts, te, ntp, _, graph = common  # Fields, in order
             seq, qsl = self._batch(seq_lens, nr, nrp, query_start_loc)
             dcp = None if dcp_local_seq_lens is None else _host(dcp_local_seq_lens).reshape(k, -1)
             kv = None
@@ -587,8 +594,9 @@ class Recorder:
             except Exception as e:
                 self._drop(e, k)
                 return [-1] * k
-            return [self._append((step, ranks[i], ubatch, nr, nrp, parents[i], rs, ts, te, ntp, buffers[i], graph),
-                                 site, (seq, None if dcp is None else dcp[i], qsl, None if kv is None else kv[i]))
+            return [self._append(_NEW(Fields, (step, ranks[i], ubatch, nr, nrp, parents[i], rs, ts, te, ntp,
+                                               buffers[i], graph)), site, (seq, None if dcp is None else dcp[i], qsl,
+                                                       None if kv is None else kv[i]))
                     for i in range(k)]
 
     def _batch(self, seq_lens, nr: int, nrp: int, query_start_loc):
@@ -615,7 +623,7 @@ class Recorder:
         warnings.warn(f"dcptool Recorder dropped an observation it cannot store ({e}); "
                       "counting further drops silently", RuntimeWarning, stacklevel=3)
 
-    def _append(self, vals: tuple, site: str, row) -> int:
+    def _append(self, vals: Fields, site: str, row) -> int:
         """Under the lock: give the observation its index and keep it; roll over when a file is full."""
         self._vals.append(vals)
         self._sites.append(site)
@@ -627,7 +635,7 @@ class Recorder:
 
     # ---- the device path -------------------------------------------------------------------------
 
-    def _observe_device(self, vals: tuple, site: str, srcs: tuple, on: tuple) -> int | None:
+    def _observe_device(self, vals: Fields, site: str, srcs: tuple, on: tuple) -> int | None:
         """Snapshot the observation's CUDA tensors in one launch; None: take the host path instead.
 
         (Written for speed: this is the engine's cost of recording, see benchmarks/bench_record.py --cuda.)
@@ -636,7 +644,7 @@ class Recorder:
         host = []
         # kernel._snapshot_kernel's arguments; an absent source's address is never read, but must be an int64
         # so that one compiled kernel serves every call
-        args = [0, 0, vals[3], vals[4]]
+        args = [0, 0, vals.num_reqs, vals.num_reqs_padded]
         words = HEADER + 7
         device = -2
         keep = None  # converted copies: alive until the launch is queued (their memory is reused in stream order)
@@ -662,7 +670,7 @@ class Recorder:
             ns.append(n)
             host.append(None)
             words += n
-        nr, nrp = vals[3], vals[4]
+        nr, nrp = vals.num_reqs, vals.num_reqs_padded
         rows = ns[0] if ns[0] >= 0 else host[0].size if host[0] is not None else -1
         if rows < nr or not 0 <= nr <= nrp:
             raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {rows} seq_lens rows")
@@ -680,7 +688,7 @@ class Recorder:
             if self._closed:
                 raise RuntimeError("observe() after close()")
             index = self._count
-            self._check_own(vals[1], vals[5], vals[10], index)
+            self._check_own(vals.rank, vals.parent, vals.buffer, index)
             ring = self._ring
             if ring is None:
                 if device != _T.cuda.current_device():

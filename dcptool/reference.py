@@ -1,8 +1,79 @@
-"""Torch reference for DCP-local sequence lengths: the executable spec of DESIGN §1."""
+"""The executable spec of DESIGN §1: DCP-local sequence lengths, the one body of the formula.
+
+local(L, r) = rounds*I + min(max(rem - r*I, 0), I), rounds = L // (N*I), rem = L % (N*I).
+`local_of` is that body, written once against operators numpy arrays and torch tensors share; the
+numpy form (`local_np`), the torch form (`dcp_local_seq_lens`), the scan, provenance and the
+simulator call it. The Triton kernels (triton_kernels.py's `_local`) restate it in Triton, which
+cannot call Python; tests hold the two equal. torch is imported by the torch forms only: the numpy
+form serves the CPU replay, which never pays for importing torch.
+"""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+
+def rounds_rem(L, dcp_size: int, cp_interleave):
+    """(rounds, rem) with L = rounds * (N*I) + rem, 0 <= rem < N*I, in L's dtype (numpy or torch).
+
+    A power-of-two N*I on a numpy array is a shift and a mask (the scan's hot path; same floor
+    semantics as // and %)."""
+    span = dcp_size * cp_interleave
+    if isinstance(L, np.ndarray) and isinstance(span, int) and span & (span - 1) == 0:
+        return L >> (span.bit_length() - 1), L & (span - 1)
+    rounds = L // span
+    return rounds, L - rounds * span
+
+
+def _clip_np(x, lo, hi):
+    # np.minimum(np.maximum()) rather than np.clip (slow on small arrays, measured in the simulator), in place
+    # on a fresh array (the scan's chunks: one allocation less per pass)
+    if isinstance(x, np.ndarray):
+        np.maximum(x, lo, out=x)
+        return np.minimum(x, hi, out=x)
+    if isinstance(x, int):  # one value (a finding's row): Python ints, not a numpy call
+        return min(max(x, lo), hi)
+    return np.minimum(np.maximum(x, lo), hi)
+
+
+def local_of(L, rank, dcp_size: int, cp_interleave, clip: Callable = _clip_np):
+    """The formula's one body, computed in L's dtype (the caller picks int32 or int64): numpy arrays with
+    the default clip, torch tensors with clip=`_clip_torch`. rank and cp_interleave broadcast against L."""
+    rounds, rem = rounds_rem(L, dcp_size, cp_interleave)
+    out = clip(rem - rank * cp_interleave, 0, cp_interleave)  # fresh, of the full broadcast shape
+    out += rounds * cp_interleave
+    return out
+
+
+def local_np(seq: np.ndarray, dcp_size: int, rank, cp_interleave) -> np.ndarray:
+    """The formula in numpy (int64), for the rows provenance, row views and the simulator look at."""
+    il = np.asarray(cp_interleave, np.int64)  # an int, or an array broadcasting against seq
+    return local_of(np.asarray(seq, dtype=np.int64), np.asarray(rank, np.int64), dcp_size, il)
+
+
+def ranks_giving(L: np.ndarray, v: np.ndarray, dcp_size: int, cp_interleave: int):
+    """The formula inverted row by row (int64 arrays): the ranks r with local(L, r) == v are [lo, hi) where ok.
+
+    local(L, r) is rounds*I + I for r < rem // I, rounds*I + rem % I at r = rem // I, and rounds*I
+    from cdiv(rem, I) on: the ranks giving a value form one interval."""
+    il = cp_interleave
+    rounds, rem = rounds_rem(L, dcp_size, il)
+    base = rounds * il
+    full, empty = v == base + il, v == base
+    part = (v == base + rem % il) & (rem % il != 0)
+    lo = np.where(full, 0, np.where(empty, -(-rem // il), rem // il))
+    hi = np.where(full, rem // il, np.where(empty, dcp_size, rem // il + 1))
+    return lo, hi, full | empty | part
+
+
+def _clip_torch(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    return x.clamp(lo, hi)
 
 
 def dcp_local_seq_lens(seq_lens: torch.Tensor, dcp_size: int, dcp_rank: int | torch.Tensor,
@@ -12,18 +83,18 @@ def dcp_local_seq_lens(seq_lens: torch.Tensor, dcp_size: int, dcp_rank: int | to
     seq_lens: [n] any integer dtype; dcp_rank: an int or a tensor broadcastable to seq_lens.
     Returns [n] int32 on seq_lens' device. int64 inside, so no intermediate can overflow.
     """
+    import torch
+
     if dcp_size < 1 or cp_interleave < 1:
         raise ValueError(f"dcp_size and cp_interleave must be >= 1, got {dcp_size} and {cp_interleave}")
-    L = seq_lens.to(torch.int64)
-    span = dcp_size * cp_interleave
-    rounds = torch.div(L, span, rounding_mode="floor")
-    rem = L - rounds * span
     r = dcp_rank.to(torch.int64) if isinstance(dcp_rank, torch.Tensor) else dcp_rank
-    return (rounds * cp_interleave + (rem - r * cp_interleave).clamp(0, cp_interleave)).to(torch.int32)
+    return local_of(seq_lens.to(torch.int64), r, dcp_size, cp_interleave, _clip_torch).to(torch.int32)
 
 
 def dcp_local_seq_lens_all_ranks(seq_lens: torch.Tensor, dcp_size: int, cp_interleave: int = 1) -> torch.Tensor:
     """[n] -> [n, dcp_size]: every rank's local length (vLLM's get_dcp_local_seq_lens with rank=None)."""
+    import torch
+
     ranks = torch.arange(dcp_size, device=seq_lens.device)
     return dcp_local_seq_lens(seq_lens.reshape(-1, 1), dcp_size, ranks.reshape(1, -1), cp_interleave)
 
@@ -45,6 +116,8 @@ def expected_rows(seq_lens: torch.Tensor, offsets: torch.Tensor, num_reqs: torch
     seq_lens: [R] rows of all observations; offsets: [n+1]; num_reqs, ranks: [n].
     Row j of observation i is local(seq_lens[offsets[i]+j], ranks[i]) when j < num_reqs[i], else 0.
     """
+    import torch
+
     lens = offsets[1:] - offsets[:-1]
     obs = torch.repeat_interleave(torch.arange(lens.numel(), device=seq_lens.device), lens)
     j = torch.arange(seq_lens.numel(), device=seq_lens.device) - offsets[:-1][obs]
@@ -52,16 +125,33 @@ def expected_rows(seq_lens: torch.Tensor, offsets: torch.Tensor, num_reqs: torch
     return torch.where(j < num_reqs[obs], local, torch.zeros_like(local))
 
 
+class RowStats(NamedTuple):
+    """check_rows' answer, one [n] int32 tensor per field, one column per observation (-1 = none)."""
+
+    n_wrong: torch.Tensor  # real view rows != local(L, rank)
+    first_wrong: torch.Tensor  # the first such row
+    n_pad: torch.Tensor  # padded view rows [num_reqs, num_reqs_padded) that are not 0
+    first_pad: torch.Tensor
+    n_pages: torch.Tensor  # real rows whose kv_pages != cdiv(local, page_size) (kv_pages -1 = unknown)
+    first_pages: torch.Tensor
+
+    def stacked(self) -> torch.Tensor:
+        """[6, n] in field order."""
+        import torch
+
+        return torch.stack(tuple(self))
+
+
 def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dcp_rows: torch.Tensor,
                num_reqs: torch.Tensor, num_reqs_padded: torch.Tensor, ranks: torch.Tensor, dcp_size: int,
-               cp_interleave: int = 1, *, kv_pages: torch.Tensor | None = None, page_size: int = 1) -> torch.Tensor:
-    """Compare every recorded DCP view (and page count) with what it must hold; [6, n] int32 per
-    observation: wrong real rows, first wrong real row, bad padded rows, first bad padded row, real
-    rows whose kv_pages != cdiv(local, page_size), first such row (-1 where none; kv_pages -1 = unknown).
+               cp_interleave: int = 1, *, kv_pages: torch.Tensor | None = None, page_size: int = 1) -> RowStats:
+    """Compare every recorded DCP view (and page count) with what it must hold: RowStats.
 
     Only view rows [0, min(view length, num_reqs_padded)) are compared: a short or long view is a
     `shape` finding, not a value one. seq_lens/rows/kv_pages: [R]/[n+1]/[R]; dcp/dcp_rows: [D]/[n+1].
     """
+    import torch
+
     n = num_reqs.shape[0]
     dev = dcp.device
     out = torch.full((6, n), -1, dtype=torch.int32, device=dev)
@@ -96,4 +186,4 @@ def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dc
         allowed = -torch.div(-dcp_local_seq_lens(seq_lens, dcp_size, ranks[obs], cp_interleave).to(torch.int64),
                              page_size, rounding_mode="floor")
         reduce(4, obs, j, real & (kv_pages >= 0) & (kv_pages.to(torch.int64) != allowed))
-    return out
+    return RowStats(*out)

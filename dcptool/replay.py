@@ -1,4 +1,4 @@
-"""Replay: recompute what every observation's DCP view must hold and turn differences into findings."""
+"""Replay: the pipeline (scan -> rules, or skipped -> provenance -> findings), --split, --obs row views and the grid."""
 
 from __future__ import annotations
 
@@ -8,49 +8,33 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool.dump import Dump, DumpError, every, take
-from dcptool.provenance import Provenance, Source, expected_of, local_np
+from dcptool.choices import Backend, values
+from dcptool.dump import Dump, DumpError, take
+from dcptool.provenance import Provenance, Source, expected_of
+from dcptool.reference import local_np
+from dcptool.rules import (
+    PARENT_ROWS_NEEDS,
+    RULE,
+    RULE_ORDER,
+    RULES,
+    SEVERITY,
+    Finding,
+    check_alias,
+    check_missing,
+    check_padding,
+    check_pages,
+    check_rank_sum,
+    check_shape,
+    check_stray,
+    check_ubatch_slice,
+    check_values,
+    findings_of,
+    merge_split_findings,
+)
 from dcptool.slicing import Ubatch, engine_split
-from dcptool.structure import check_alias, check_rank_sum, check_ubatch_slice
-from dcptool.structure import where as _where
 
-# DESIGN §3, in table order: findings of one observation are reported in this order.
-RULES = ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
-         "stray", "ubatch-slice", "alias", "rank-sum", "pages")
-SEVERITY = {r: ("warning" if r == "stray" else "error") for r in RULES}
-_RULE_ORDER = {r: i for i, r in enumerate(RULES)}
-__all__ = ["Finding", "LimitError", "ReplayResult", "Source", "expected_of", "local_np", "replay", "resolve_backend",
-           "rows_view", "splits"]
-
-
-@dataclass(frozen=True)
-class Finding:
-    rule: str
-    index: int  # position in the merged dump (observation order)
-    obs: int  # index in its file
-    file: str
-    step: int
-    site: str
-    rank: int
-    ubatch: int
-    row: int | None
-    recorded: int | None
-    expected: int | None
-    wrong_rows: int
-    message: str
-    source: Source | None = None
-    detail: dict = field(default_factory=dict)
-
-    @property
-    def severity(self) -> str:
-        return SEVERITY[self.rule]
-
-    def to_json(self) -> dict:
-        return {"type": "finding", "rule": self.rule, "severity": self.severity, "obs": self.obs,
-                "file": self.file, "step": self.step, "site": self.site, "rank": self.rank,
-                "ubatch": self.ubatch, "row": self.row, "recorded": self.recorded, "expected": self.expected,
-                "wrong_rows": self.wrong_rows, "source": None if self.source is None else self.source.to_json(),
-                "detail": self.detail, "message": self.message}
+__all__ = ["RULES", "SEVERITY", "Finding", "LimitError", "ReplayResult", "Source", "expected_of", "local_np", "replay",
+           "resolve_backend", "rows_view", "splits"]
 
 
 @dataclass(frozen=True)
@@ -154,67 +138,6 @@ class ReplayResult:
                 "backend": self.backend, "device": self.device, "seconds": round(self.seconds, 4)}
 
 
-# --------------------------------------------------------------------------------------------
-# Findings
-
-
-def _mk(d: Dump, i: int, rule: str, message: str, *, row=None, recorded=None, expected=None, wrong_rows=0,
-        source=None, detail=None) -> Finding:
-    return Finding(rule=rule, index=int(i), obs=int(d.file_obs[i]), file=d.file_of(i), step=int(d["obs.step"][i]),
-                   site=d.site_name(i), rank=int(d["obs.rank"][i]), ubatch=int(d["obs.ubatch"][i]),
-                   row=None if row is None else int(row), recorded=None if recorded is None else int(recorded),
-                   expected=None if expected is None else int(expected), wrong_rows=int(wrong_rows),
-                   message=message, source=source, detail=detail or {})
-
-
-_EXPLAIN = {
-    "parent-rows": "copied from the parent batch (obs {obs}, {site}); recompute from the micro-batch's own seq_lens",
-    "earlier-in-step": "derived from an earlier batch of this step (obs {obs}, {site}), e.g. the global batch "
-                       "before the PCP partition; compute it from the final batch",
-    "earlier-step": "left over from step {step} (obs {obs}, {site}); the buffer was not refreshed "
-                    "(e.g. baked into a CUDA graph)",
-}
-
-
-def _value_finding(d: Dump, prov: Provenance, i: int, n_wrong: int, first: int) -> Finding:
-    c = d.config
-    nr = int(d["obs.num_reqs"][i])
-    view = d.dcp_of(i)
-    rec = np.asarray(view[: min(view.size, nr)], np.int64)
-    exp = expected_of(d, i, nr)
-    rule, src, detail = prov.explain(i, rec)
-    kw = dict(row=first, recorded=rec[first], expected=exp[first], wrong_rows=n_wrong, source=src, detail=detail)
-    w = _where(d, i)
-    rows = f"row {first} is {rec[first]}, expected {exp[first]} ({n_wrong} wrong row{'s' if n_wrong > 1 else ''})"
-    if rule == "stale":
-        why = _EXPLAIN[src.relation].format(obs=src.obs, site=src.site, step=src.step)
-        msg = f"{w}: stale DCP view, {why}; {rows}"
-    elif rule == "global":
-        msg = f"{w}: DCP view holds the global seq_lens, not this rank's local lengths; {rows}"
-    elif rule == "wrong-rank":
-        msg = f"{w}: DCP view holds rank {detail['rank']}'s local lengths; pass this rank's dcp_rank; {rows}"
-    elif rule == "wrong-interleave":
-        msg = (f"{w}: DCP view was computed with interleave {detail['interleave']}, the dump's is "
-               f"{c.cp_interleave} (check cp_kv_cache_interleave_size); {rows}")
-    else:
-        msg = f"{w}: {rows}"
-    return _mk(d, i, rule, msg, **kw)
-
-
-def _page_finding(d: Dump, i: int, n_bad: int, j: int) -> Finding:
-    c = d.config
-    page = c.page_size
-    seq = int(d.seq_lens_of(i)[j])
-    span, il = c.dcp_size * c.cp_interleave, c.cp_interleave  # one value: Python ints, not a numpy call
-    local = seq // span * il + min(max(seq % span - int(d["obs.rank"][i]) * il, 0), il)
-    claimed, ok, glob = int(d.kv_pages_of(i)[j]), -(-local // page), -(-seq // page)
-    why = " = the global count: page counts were computed from the global length" if claimed == glob else ""
-    msg = (f"{_where(d, i)}: attention plan claims {claimed} pages for row {j}{why}; this rank owns {ok} "
-           f"(cdiv(local {local}, {page}))")
-    return _mk(d, i, "pages", msg, row=j, recorded=claimed, expected=ok, wrong_rows=n_bad,
-               detail={"claimed": claimed, "allowed": ok, "global": glob})
-
-
 def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int | None = None,
            views: int = 0, bounded: bool = False, progress=None, engine_version: str | None = None) -> ReplayResult:
     """Check every observation of a dump; findings in observation order, then DESIGN §3 table order.
@@ -235,64 +158,44 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         check_split(d, split)  # before the scan: an absurd K is bad usage, not an hour of work
     backend, device = resolve_backend(backend)
     N = c.dcp_size
-    has = d["obs.has_dcp"].astype(bool)
-    nrp = d["obs.num_reqs_padded"]
-    dlen = np.diff(d["obs.dcp_rows"])
     found: list[tuple[int, Finding]] = []
     skipped: dict[str, str] = {}
     st = scan(d, backend, bounded=bounded, progress=progress)
     if N > 1:
-        for i in np.flatnonzero(~has):
-            msg = (f"{_where(d, i)}: dcp_local_seq_lens is None with dcp_size {N}; attention metadata would fail "
-                   "with 'NoneType' object is not subscriptable")
-            found.append((int(i), _mk(d, i, "missing", msg)))
+        found += check_missing(d)
         prov = Provenance(d)
         wrong = st.obs[st.n_wrong > 0]
         if wrong.size:  # every wrong view's sources are searched at once (a clean dump pays nothing)
             prov.prepare(wrong)
-        for i, n, j in every(d, zip(st.obs.tolist(), st.n_wrong.tolist(), st.first_wrong.tolist())):
-            if n:
-                found.append((i, _value_finding(d, prov, i, n, j)))
-        for i, n, j in every(d, zip(st.obs.tolist(), st.n_pad.tolist(), st.first_pad.tolist())):
-            if n:
-                rec = int(d.dcp_of(i)[j])
-                msg = (f"{_where(d, i)}: padded row {j} holds {rec}, must be 0 "
-                       f"({n} bad padded row(s); rows >= num_reqs {int(d['obs.num_reqs'][i])})")
-                found.append((i, _mk(d, i, "padding", msg, row=j, recorded=rec, expected=0, wrong_rows=n)))
-        for i in np.flatnonzero(has & (dlen != nrp)):
-            msg = f"{_where(d, i)}: DCP view has {int(dlen[i])} rows, must have num_reqs_padded = {int(nrp[i])}"
-            found.append((int(i), _mk(d, i, "shape", msg, detail={"length": int(dlen[i]),
-                                                                  "expected_length": int(nrp[i])})))
-        found += _issues(d, check_rank_sum(d, st.obs[st.n_wrong > 0]))
+        found += check_values(d, prov, st)
+        found += check_padding(d, st)
+        found += check_shape(d)
+        found += findings_of(d, check_rank_sum(d, wrong))
     else:
-        for i in np.flatnonzero(has):
-            msg = f"{_where(d, i)}: a DCP view is present with dcp_size 1; the engine should pass None"
-            found.append((int(i), _mk(d, i, "stray", msg)))
+        found += check_stray(d)
         skipped["rank-sum"] = "dcp_size is 1"
-    if d.has("obs.parent", "obs.req_start", "obs.tok_start", "obs.tok_stop", "obs.qsl"):
-        found += _issues(d, check_ubatch_slice(d, version))
+    if d.has(*RULE["ubatch-slice"].needs):
+        found += findings_of(d, check_ubatch_slice(d, version))
     else:
         skipped["ubatch-slice"] = "needs obs.parent, obs.req_start, obs.tok_start, obs.tok_stop and query_start_loc"
-    if not d.has("obs.parent", "obs.req_start"):
+    if not d.has(*PARENT_ROWS_NEEDS):
         skipped["stale/parent-rows"] = "needs obs.parent and obs.req_start"
-    if d.has("obs.buffer"):
-        found += _issues(d, check_alias(d))
+    if d.has(*RULE["alias"].needs):
+        found += findings_of(d, check_alias(d))
         if "obs.graph" not in d.columns:
             skipped["alias/graph"] = "needs obs.graph for capture/replay pairs"
     else:
         skipped["alias"] = "needs obs.buffer"
-    if d.has("rows.kv_pages"):
-        for i, n, j in every(d, zip(st.obs.tolist(), st.n_pages.tolist(), st.first_pages.tolist())):
-            if n:
-                found.append((i, _page_finding(d, i, n, j)))
+    if d.has(*RULE["pages"].needs):
+        found += check_pages(d, st)
     else:
         skipped["pages"] = "needs rows.kv_pages and page_size"
-    found.sort(key=lambda t: (t[0], _RULE_ORDER[t[1].rule]))
+    found.sort(key=lambda t: (t[0], RULE_ORDER[t[1].rule]))
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=[f for _, f in found], backend=backend,
                        device=device, seconds=0.0, skipped=skipped, grid=obs_grid(d))
     if split is not None:
         res.splits = splits(d, split, version)
-        res.findings = _merge_split_findings(d, res)
+        res.findings = merge_split_findings(d, res.findings, res.splits)
     if obs is not None:
         res.rows_view = rows_view(d, obs, [f for f in res.findings if f.index == obs])
     if views > 0:
@@ -301,15 +204,11 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     return res
 
 
-def _issues(d: Dump, issues) -> list[tuple[int, Finding]]:
-    return [(i, _mk(d, i, rule, msg, **kw)) for i, rule, msg, kw in issues]
-
-
 def resolve_backend(name: str) -> tuple[str, str]:
     """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter."""
     import torch
 
-    if name not in ("auto", "triton", "torch"):
+    if name not in values(Backend):
         raise ValueError(f"unknown backend {name!r} (auto, triton or torch)")
     cuda = torch.cuda.is_available()
     if name == "auto":
@@ -372,40 +271,6 @@ def splits(d: Dump, k: int, engine_version: str | None = None) -> list[Split]:
             out.append(Split(parent=int(i), parent_obs=int(d.file_obs[i]), file=d.file_of(i), ubatch=u, ub=ub,
                              dcp_local_seq_lens=dcp))
     return out
-
-
-def _merge_split_findings(d: Dump, res: ReplayResult) -> list[Finding]:
-    """Recorded micro-batches of a re-split batch must match the split (else `ubatch-slice`)."""
-    if not d.has("obs.parent") or not res.splits:
-        return res.findings
-    by_parent: dict[tuple[int, int], Split] = {(s.parent, s.ubatch): s for s in res.splits}
-    have = {(f.index, f.rule) for f in res.findings}
-    extra = []
-    k = max(x.ubatch for x in res.splits) + 1
-    par, ub = d["obs.parent"], d["obs.ubatch"]
-    for i in np.flatnonzero((ub >= 0) & (par >= 0)):
-        s = by_parent.get((int(par[i]), int(ub[i])))
-        if s is None or (int(i), "ubatch-slice") in have:
-            continue
-        got = {"num_reqs_padded": int(d["obs.num_reqs_padded"][i]), "num_reqs": int(d["obs.num_reqs"][i])}
-        want = {"num_reqs_padded": s.ub.num_reqs_padded, "num_reqs": s.ub.num_reqs}
-        for key, attr in (("obs.req_start", "req_start"), ("obs.tok_start", "tok_start"), ("obs.tok_stop", "tok_stop")):
-            if d.has(key) and d[key][i] >= 0:
-                got[attr], want[attr] = int(d[key][i]), getattr(s.ub.slice, attr)
-        seq = d.seq_lens_of(i)[: int(d["obs.num_reqs_padded"][i])]
-        bad = [k for k in got if got[k] != want[k]]
-        if not bad and not np.array_equal(seq, s.ub.seq_lens):
-            bad = ["seq_lens"]
-            got["seq_lens"], want["seq_lens"] = seq.tolist(), s.ub.seq_lens.tolist()
-        if bad:
-            f = bad[0]
-            msg = (f"{_where(d, i)}: recorded micro-batch disagrees with --split {k} of its parent "
-                   f"(obs {s.parent_obs}): {f} is {got[f]}, the split gives {want[f]}")
-            detail = {"field": f, "parent_obs": s.parent_obs, "split": True}
-            extra.append(_mk(d, i, "ubatch-slice", msg, detail=detail))
-    if not extra:
-        return res.findings
-    return sorted(res.findings + extra, key=lambda f: (f.index, _RULE_ORDER[f.rule]))
 
 
 MAX_VIEW_CELLS = 1 << 22  # a row view lays out rows + real rows x ranks cells; past this it is not built

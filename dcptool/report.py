@@ -1,4 +1,5 @@
-"""Rendering: rich text reports and JSON Lines; the only module that prints."""
+"""Rendering: rich text reports and JSON Lines; the only module that prints (over 450 lines: the text and JSON
+renderers of all four commands, which share its literal-text and no-hard-wrap helpers)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 from rich import box
@@ -16,15 +16,11 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from dcptool.timeline import CLEAN, TIMELINE_ROWS, Timeline, cells, timeline
+
 TEXT_MAX_FINDINGS = 100  # text default; JSON lists every finding unless --max-findings says otherwise
 BY_SITE_ROWS = 50  # rows of the text summary's by-site table (docs/limits.md)
 
-# One character per rule, distinct even ignoring case (initials collide: stale/stray/shape, missing/mismatch,
-# padding/pages); the legend under the timeline spells them out.
-RULE_CODES = {"missing": "M", "stale": "S", "global": "G", "wrong-rank": "R", "wrong-interleave": "I",
-              "mismatch": "X", "padding": "P", "shape": "L", "stray": "Y", "ubatch-slice": "U", "alias": "A",
-              "rank-sum": "K", "pages": "B"}
-CLEAN, EMPTY = "·", " "
 CELL_STYLE = {"clean": "green", "warning": "black on yellow", "error": "bold white on red"}
 
 
@@ -161,7 +157,7 @@ def findings_table(findings, title: str | None = None, width: int = 200) -> Tabl
     for f in findings:
         where = lit(f"{f.site} r{f.rank}" + ("" if f.ubatch < 0 else f" ub{f.ubatch}"))
         rule = f.rule + (f"/{f.source.relation}" if f.source is not None and wide else "")
-        msg = f.message.split(": ", 1)[-1]  # the row already says where
+        msg = f.text  # the row already says where
         cells = [str(f.obs), str(f.step), where, Text(rule, style=_style(f.severity))]
         if wide:
             cells += ["" if v is None else str(v) for v in (f.row, f.recorded, f.expected)]
@@ -210,138 +206,9 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         # cmp-style, the first finding last; its message only when the table above does not show it (each
         # finding's message is on exactly one line: `grep -c` counts findings)
         f = res.findings[0]
-        where = f.message.partition(": ")[0]
+        where = f.where
         say(console, ("first finding: ", "bold"), literal(f"{f.file} obs {f.obs} "), (f.rule, _style(f.severity)),
             literal(f" {f.message}" if not shown else f" {where} (the first row of the findings above)"))
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """The replay as a picture: one row per (site, rank), one column per `width` consecutive steps (from the first)."""
-
-    sites: list[str]  # per row
-    ranks: list[int]  # per row
-    first_step: int
-    last_step: int
-    width: int  # steps per column
-    obs: np.ndarray  # [rows, cols] observations
-    ub_obs: np.ndarray  # [rows, cols, U] observations by micro-batch: index u is micro-batch ubatches[u]
-    rules: np.ndarray  # [rows, cols, len(RULES)] findings by rule
-    ub_find: np.ndarray  # [rows, cols, U] findings by micro-batch
-    first: np.ndarray  # [rows, cols] position in res.findings of the cell's first finding, -1 if none
-    ubatches: list[int] | None = None  # the micro-batch of each ub_* index (-1 = full batch); None: u - 1
-    hidden_rows: int = 0  # (site, rank) rows past TIMELINE_ROWS, not drawn (their findings are in the table)
-    ub_folded: bool = False  # the last ub_* index also counts every higher micro-batch (past TIMELINE_UBATCHES)
-
-    @property
-    def columns(self) -> int:
-        return int(self.obs.shape[1])
-
-    def steps_of(self, col: int) -> tuple[int, int]:
-        lo = self.first_step + col * self.width
-        return lo, min(lo + self.width - 1, self.last_step)
-
-    def ticks(self, gap: float) -> list[tuple[int, int]]:
-        """(column, step) axis labels: multiples of a round number of steps, at least `gap` columns apart."""
-        every = round_up(gap * self.width, (1, 2, 5))
-        first = -(-self.first_step // every) * every
-        out = [((s - self.first_step) // self.width, s) for s in range(first, self.last_step + 1, every)]
-        if not out or out[0][0] >= gap:
-            out.insert(0, (0, self.first_step))
-        return out
-
-    def worst(self) -> np.ndarray:
-        """[rows, cols] index into RULES of each cell's worst finding (errors first, then table order), -1 if none."""
-        from dcptool.replay import RULES, SEVERITY
-
-        prio = np.array([i + (len(RULES) if SEVERITY[r] == "warning" else 0) for i, r in enumerate(RULES)])
-        masked = np.where(self.rules > 0, prio, 10 * len(RULES))
-        return np.where(self.rules.any(axis=2), masked.argmin(axis=2), -1)
-
-
-def round_up(x: float, mantissas=(1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8)) -> int:
-    """The smallest integer m * 10**e >= x (e >= 0): steps per column and label spacing people read at a glance."""
-    scale = 1
-    while True:
-        for m in mantissas:
-            if m * scale >= x and float(m * scale).is_integer():
-                return int(m * scale)
-        scale *= 10
-
-
-TIMELINE_ROWS = 256  # (site, rank) rows drawn at most: rows with findings first (docs/limits.md)
-TIMELINE_UBATCHES = 16  # distinct micro-batch indices kept apart in cell details; higher ones share the last
-
-
-def timeline(res, max_columns: int) -> Timeline | None:
-    """Bin the replay's observations and findings into at most `max_columns` step buckets (numpy, no loop per row).
-
-    Rows, micro-batch indices and steps are recorded numbers, so none of them may size an array: the
-    rows drawn are capped (TIMELINE_ROWS), micro-batch indices are indexed by the values present and
-    capped (TIMELINE_UBATCHES), and step offsets are taken modulo 2**64 (steps may span all of int64).
-    """
-    from dcptool.replay import RULES
-
-    g = res.grid
-    if g is None or g.count.size == 0:
-        return None
-    site_of = {s: i for i, s in enumerate(res.config.sites)}
-    rule_of = {r: i for i, r in enumerate(RULES)}
-    nf = len(res.findings)
-    fa = np.array([(site_of[f.site], f.rank, f.step, f.ubatch, rule_of[f.rule]) for f in res.findings],
-                  np.int64).reshape(nf, 5)
-    # rows: distinct (site, rank), compared as columns (no packing into one integer)
-    site = np.concatenate([g.site.astype(np.int64), fa[:, 0]])
-    rank = np.concatenate([g.rank.astype(np.int64), fa[:, 1]])
-    order = np.lexsort((rank, site))
-    new = np.ones(order.size, bool)
-    new[1:] = (site[order][1:] != site[order][:-1]) | (rank[order][1:] != rank[order][:-1])
-    row_all = np.empty(order.size, np.int64)
-    row_all[order] = np.cumsum(new) - 1
-    key_site, key_rank = site[order][new], rank[order][new]
-    n_rows = key_site.size
-    keep = np.arange(n_rows)
-    if n_rows > TIMELINE_ROWS:  # rows with findings first, then the rest, each in (site, rank) order
-        flagged = np.zeros(n_rows, bool)
-        flagged[row_all[g.site.size:]] = True
-        keep = np.sort(np.lexsort((np.arange(n_rows), ~flagged))[:TIMELINE_ROWS])
-    remap = np.full(n_rows, -1, np.int64)
-    remap[keep] = np.arange(keep.size)
-    row_g, row_f = remap[row_all[: g.site.size]], remap[row_all[g.site.size :]]
-    lo, hi = int(g.step.min()), int(g.step.max())
-    span = hi - lo + 1
-    width = round_up(span / max(max_columns, 1))  # a round number of steps per column, for readable labels
-    cols = -(-span // width)
-    ub_vals = np.unique(np.concatenate([g.ubatch.astype(np.int64), fa[:, 3]]))
-    folded = ub_vals.size > TIMELINE_UBATCHES
-    ub_vals = ub_vals[:TIMELINE_UBATCHES]
-
-    def column(steps) -> np.ndarray:
-        off = np.asarray(steps, np.int64).view(np.uint64) - np.uint64(lo % 2**64)
-        return (off // np.uint64(width)).astype(np.int64)
-
-    def ub_index(u) -> np.ndarray:
-        return np.minimum(np.searchsorted(ub_vals, u), ub_vals.size - 1)
-
-    sel = row_g >= 0
-    ub_obs = np.zeros((keep.size, cols, ub_vals.size), np.int64)
-    np.add.at(ub_obs, (row_g[sel], column(g.step[sel]), ub_index(g.ubatch[sel])), g.count[sel])
-    rules = np.zeros((keep.size, cols, len(RULES)), np.int64)
-    ub_find = np.zeros_like(ub_obs)
-    first = np.full((keep.size, cols), -1, np.int64)
-    sel = np.flatnonzero(row_f >= 0)
-    if sel.size:
-        fr, fc = row_f[sel], column(fa[sel, 2])
-        np.add.at(rules, (fr, fc, fa[sel, 4]), 1)
-        np.add.at(ub_find, (fr, fc, ub_index(fa[sel, 3])), 1)
-        # findings are in observation order, so the first one to land in a cell is its earliest
-        cell = fr * cols + fc
-        uniq, pos = np.unique(cell, return_index=True)
-        first.reshape(-1)[uniq] = sel[pos]
-    return Timeline(sites=[res.config.sites[int(k)] for k in key_site[keep]], ranks=[int(r) for r in key_rank[keep]],
-                    first_step=lo, last_step=hi, width=width, obs=ub_obs.sum(axis=2), ub_obs=ub_obs, rules=rules,
-                    ub_find=ub_find, first=first, ubatches=[int(u) for u in ub_vals], hidden_rows=n_rows - keep.size,
-                    ub_folded=bool(folded))
 
 
 def _axis(tl: Timeline) -> str:
@@ -354,20 +221,9 @@ def _axis(tl: Timeline) -> str:
     return "".join(out)
 
 
-def _cells(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
-    """Per cell: its character and its kind (empty, clean, warning, error)."""
-    from dcptool.replay import RULES, SEVERITY
-
-    worst = tl.worst()
-    codes = np.array([RULE_CODES[r] for r in RULES] + [CLEAN, EMPTY])
-    kinds = np.array([SEVERITY[r] for r in RULES] + ["clean", "empty"])
-    pick = np.where(worst >= 0, worst, np.where(tl.obs > 0, len(RULES), len(RULES) + 1))
-    return codes[pick], kinds[pick]
-
-
 def render_timeline(res, console: Console) -> None:
     """Timeline strip: rows (site, rank), columns step buckets sized to the console, worst finding per cell."""
-    from dcptool.replay import RULES, SEVERITY
+    from dcptool.rules import RULE_CODES, RULES, SEVERITY
 
     g = res.grid
     if g is None or g.count.size == 0:
@@ -380,7 +236,7 @@ def render_timeline(res, console: Console) -> None:
     _print_items(console, [Text.assemble(("Timeline", "bold"), f" of steps {tl.first_step}..{tl.last_step}"),
                            Text(f"({per} per column,"), Text("micro-batches folded in)")], " ")
     console.print(Text("step".ljust(label_w) + _axis(tl), style="dim"), no_wrap=True, overflow="crop")
-    chars, kinds = _cells(tl)
+    chars, kinds = cells(tl)
     for r, (site, rank) in enumerate(zip(tl.sites, tl.ranks)):
         shown = Text(literal(site) if r == 0 or tl.sites[r - 1] != site else "")
         shown.truncate(site_w, overflow="ellipsis", pad=True)
@@ -524,7 +380,7 @@ def inspect_json(info) -> str:
 def _rules(counts: dict[str, int]) -> Text:
     if not counts:
         return Text("clean", style="green")
-    from dcptool.replay import RULES
+    from dcptool.rules import RULES
 
     return Text(", ".join(f"{r} {counts[r]}" for r in RULES if r in counts), style="bold red")
 
@@ -597,55 +453,7 @@ def render_simulated(res, console: Console) -> None:
     say(console, literal(f"replay it: dcptool replay {' '.join(res.files)}"), style="dim")
 
 
-class Progress:
-    """A progress bar on stderr for long work (done / total, rate, time left): shown only once the
-    work has run for `delay` seconds, never when disabled (--json, or stderr not a terminal). Call it
-    with the units just done; safe from several threads."""
-
-    def __init__(self, total: int, what: str, enabled: bool, unit: str = "obs", delay: float = 1.0):
-        import threading
-        import time
-
-        self.total, self.what, self.unit, self.delay = total, what, unit, delay
-        self.enabled = enabled and total > 0
-        self._clock = time.monotonic
-        self._t0 = self._clock()
-        self._done = 0
-        self._bar = None
-        self._task = None
-        self._lock = threading.Lock()
-
-    def __call__(self, k: int) -> None:
-        if not self.enabled:
-            return
-        with self._lock:
-            self._done += k
-            if self._bar is None and self._clock() - self._t0 >= self.delay:
-                self._start()
-            if self._bar is not None:
-                self._bar.update(self._task, completed=min(self._done, self.total))
-
-    def _start(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, ProgressColumn, TextColumn, TimeRemainingColumn
-        from rich.progress import Progress as Bar
-
-        unit = self.unit
-
-        class Rate(ProgressColumn):
-            def render(self, task) -> Text:
-                return Text(f"{task.speed:,.0f} {unit}/s" if task.speed else "", style="progress.data.speed")
-
-        self._bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), Rate(),
-                        TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-        self._bar.start()
-        self._task = self._bar.add_task(self.what, total=self.total, completed=self._done)
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.stop()
+# --------------------------------------------------------------------------------------------
 # diff
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcptool.dump import Dump, release, take
+from dcptool.reference import RowStats, local_of
 
 CHUNK_ROWS = 1 << 18  # CPU: ~1 MB of int32 per array, so the passes over a chunk stay in L2
 GPU_CHUNK_ROWS = 1 << 26  # GPU: one launch per 64M rows bounds device memory
@@ -51,22 +52,6 @@ def bounds(rows: np.ndarray, target: int) -> np.ndarray:
     n = rows.size - 1
     cut = np.searchsorted(rows, np.arange(target, int(rows[-1]), target), side="right") - 1
     return np.unique(np.concatenate([[0], cut[cut > 0], [n]]))
-
-
-def _local(seq: np.ndarray, rank_i: np.ndarray | int, dcp_size: int, il: int) -> np.ndarray:
-    """local(L, r) on int32 rows in place-friendly steps (shift/mask when N*I is a power of two)."""
-    span = dcp_size * il
-    if span & (span - 1) == 0:
-        q = seq >> (span.bit_length() - 1)
-        rem = seq & (span - 1)
-    else:
-        q = seq // span
-        rem = seq - q * span
-    rem -= rank_i
-    np.clip(rem, 0, il, out=rem)
-    q *= il
-    q += rem
-    return q
 
 
 def _padded_positions(rows: np.ndarray, nr: np.ndarray, lo: int, hi: int, base: int) -> np.ndarray:
@@ -105,9 +90,9 @@ class _CpuScan:
         d, rows, drows = self.d, self.rows, self.drows
         a, b = int(rows[lo]), int(rows[hi])
         seq = np.asarray(d["rows.seq_lens"][a:b])  # read once from the map; the passes below stay in cache
-        ri = (int(self.rank[lo]) * self.I if self.one_rank else
-              np.repeat((self.rank[lo:hi] * self.I).astype(np.int32), rows[lo + 1 : hi + 1] - rows[lo:hi]))
-        exp = _local(seq, ri, self.N, self.I)
+        ri = (int(self.rank[lo]) if self.one_rank else
+              np.repeat(self.rank[lo:hi].astype(np.int32), rows[lo + 1 : hi + 1] - rows[lo:hi]))
+        exp = local_of(seq, ri, self.N, self.I)
         pad = _padded_positions(rows, self.nr, lo, hi, a)
         exp[pad] = 0
         out = []
@@ -183,12 +168,13 @@ def _irregular(d: Dump, sel: np.ndarray) -> Stats:
     try:
         st = check_rows(t(seq), t(seq_off), t(dcp), t(dcp_off), t(d["obs.num_reqs"][sel]),
                         t(d["obs.num_reqs_padded"][sel]), t(d["obs.rank"][sel]), d.config.dcp_size,
-                        d.config.cp_interleave).numpy().astype(np.int64)
+                        d.config.cp_interleave)
     finally:
         torch.set_num_threads(threads)
-    hit = (st[0] > 0) | (st[2] > 0)
+    st = RowStats(*st.stacked().numpy().astype(np.int64))
+    hit = (st.n_wrong > 0) | (st.n_pad > 0)
     z = np.zeros(int(hit.sum()), np.int64)
-    return Stats(sel[hit], st[0][hit], st[1][hit], st[2][hit], st[3][hit], z, z - 1)
+    return Stats(sel[hit], st.n_wrong[hit], st.first_wrong[hit], st.n_pad[hit], st.first_pad[hit], z, z - 1)
 
 
 def _merge(a: Stats, b: Stats) -> Stats:
@@ -226,11 +212,12 @@ def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bou
                         t(drows[lo : hi + 1] - da), t(d["obs.num_reqs"][lo:hi]), t(d["obs.num_reqs_padded"][lo:hi]),
                         t(d["obs.rank"][lo:hi]), c.dcp_size, c.cp_interleave,
                         kv_pages=None if kv is None else t(kv[a:e]), page_size=c.page_size or 1)
-        st = st.cpu().numpy().astype(np.int64)
+        st = RowStats(*st.stacked().cpu().numpy().astype(np.int64))  # one copy off the device
         if not check_views:  # dcp_size 1: a present view is `stray`, its values are not checked
-            st[0:4] = [[0], [-1], [0], [-1]]
-        hit = np.flatnonzero((st[0] > 0) | (st[2] > 0) | (st[4] > 0))
-        parts.append(Stats(hit + lo, *(st[k][hit] for k in range(6))))
+            none, zero = np.full_like(st.n_wrong, -1), np.zeros_like(st.n_wrong)
+            st = st._replace(n_wrong=zero, first_wrong=none, n_pad=zero, first_pad=none)
+        hit = np.flatnonzero((st.n_wrong > 0) | (st.n_pad > 0) | (st.n_pages > 0))
+        parts.append(Stats(hit + lo, *(x[hit] for x in st)))
         if bounded:
             release(d, lo, hi)
         if progress:

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from dcptool.segments import ragged
+
+if TYPE_CHECKING:
+    from dcptool.dump import Dump
 
 # --------------------------------------------------------------------------------------------
 # Which engine's split rule: vLLM changed it in 0.34.0 (create_ubatch_slices' uniform_token_count)
@@ -45,11 +51,18 @@ def request_boundary_split(num_tokens_padded: int, num_ubatches: int, uniform_to
     """vLLM 0.34's split point for a uniform batch of `uniform_token_count`-token queries: as many whole
     requests per micro-batch as fit in num_tokens_padded / K, i.e. (T // (q*K)) * q; None (the token
     midpoint applies) when q <= 1 or not even one whole request fits per micro-batch."""
-    q = uniform_token_count
-    if q is None or q <= 1:
+    if uniform_token_count is None:
         return None
-    per = num_tokens_padded // (q * num_ubatches)
-    return per * q if per > 0 else None
+    s = int(request_boundary_splits(num_tokens_padded, num_ubatches, uniform_token_count))
+    return s if s > 0 else None
+
+
+def request_boundary_splits(num_tokens_padded, num_ubatches, uniform_token_count):
+    """request_boundary_split over arrays (or ints): 0 where the token midpoint applies (q <= 1 or not
+    one whole request per micro-batch)."""
+    q = uniform_token_count
+    per = np.where(q > 1, num_tokens_padded // np.maximum(q * num_ubatches, 1), 0)
+    return per * q
 
 
 @dataclass(frozen=True)
@@ -110,6 +123,24 @@ def ubatch_slices(query_start_loc: np.ndarray, num_reqs: int, num_reqs_padded: i
     return out
 
 
+# The slicing rule (vLLM's _slice_input_batch), on scalars or on arrays of micro-batches at once:
+# slice_ubatch below and the recorded micro-batch checks (structure.check_ubatch_slice) both use these.
+
+def sliced_num_reqs(req_start, num_reqs_padded, parent_num_reqs):
+    """Real requests of micro-batch [req_start, req_start + num_reqs_padded) of a parent with parent_num_reqs."""
+    return np.maximum(0, np.minimum(req_start + num_reqs_padded, parent_num_reqs) - req_start)
+
+
+def sliced_query_start_loc(parent_qsl, tok_start, tok_stop):
+    """A micro-batch's query_start_loc from its parent's values qsl[req_start : req_stop + 1]."""
+    return np.clip(parent_qsl - tok_start, 0, tok_stop - tok_start)
+
+
+def sliced_last_cut(parent_qsl_at_stop, tok_stop):
+    """How much a micro-batch's last seq_len is reduced: the tokens of that request after tok_stop."""
+    return np.maximum(0, parent_qsl_at_stop - tok_stop)
+
+
 def slice_ubatch(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_reqs: int, sl: UbatchSlice) -> Ubatch:
     """One micro-batch's query_start_loc and seq_lens from its parent's (vLLM's _slice_input_batch).
 
@@ -118,12 +149,27 @@ def slice_ubatch(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_reqs: in
     """
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     nrp = sl.req_stop - sl.req_start
-    q = np.clip(qsl[sl.req_start : sl.req_stop + 1] - sl.tok_start, 0, sl.tok_stop - sl.tok_start)
+    q = sliced_query_start_loc(qsl[sl.req_start : sl.req_stop + 1], sl.tok_start, sl.tok_stop)
     seq = np.array(seq_lens[sl.req_start : sl.req_stop], dtype=np.int64)
     if nrp > 0:
-        seq[-1] -= max(0, int(qsl[sl.req_stop]) - sl.tok_stop)
-    return Ubatch(slice=sl, num_reqs=max(0, min(sl.req_stop, num_reqs) - sl.req_start), num_reqs_padded=nrp,
+        seq[-1] -= int(sliced_last_cut(int(qsl[sl.req_stop]), sl.tok_stop))
+    return Ubatch(slice=sl, num_reqs=int(sliced_num_reqs(sl.req_start, nrp, num_reqs)), num_reqs_padded=nrp,
                   query_start_loc=q.astype(np.int32), seq_lens=seq.astype(np.int32))
+
+
+def first_disagreement(recorded: dict[str, int], seq_lens: np.ndarray, ub: Ubatch) -> tuple[str, object, object] | None:
+    """The first way a recorded micro-batch differs from slice `ub`: (field, recorded, sliced), or None.
+
+    recorded: num_reqs_padded, num_reqs and whichever of req_start, tok_start, tok_stop the dump holds, in
+    that order; seq_lens: its first num_reqs_padded rows (compared only when every number agrees)."""
+    sliced = {"num_reqs_padded": ub.num_reqs_padded, "num_reqs": ub.num_reqs, "req_start": ub.slice.req_start,
+              "tok_start": ub.slice.tok_start, "tok_stop": ub.slice.tok_stop}
+    for f, v in recorded.items():
+        if v != sliced[f]:
+            return f, v, sliced[f]
+    if not np.array_equal(seq_lens, ub.seq_lens):
+        return "seq_lens", seq_lens.tolist(), ub.seq_lens.tolist()
+    return None
 
 
 def split_batch(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_reqs: int, num_reqs_padded: int,
@@ -145,6 +191,32 @@ def engine_split(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_reqs: in
     (and before 0.34) at the token midpoint."""
     q = uniform_query_len(query_start_loc, num_reqs) if splits_on_request_boundary(engine_version) else None
     return split_batch(query_start_loc, seq_lens, num_reqs, num_reqs_padded, num_tokens_padded, num_ubatches, q)
+
+
+def _ragged_searchsorted(d: Dump, parents: np.ndarray, x: np.ndarray, side: str) -> np.ndarray:
+    """searchsorted(cu, x[k], side) where cu = parents[k]'s real query_start_loc[:num_reqs+1], for all k
+    at once: the unique parents' cu arrays laid end to end, each lifted above the one before."""
+    up, inv = np.unique(parents, return_inverse=True)
+    inv = inv.ravel()
+    n = d["obs.num_reqs"][up].astype(np.int64) + 1
+    seg, j, idx = ragged(d["obs.qsl"][up].astype(np.int64), n)
+    lift = np.int64(1) << 34  # recorded values are int32: every segment gets its own range
+    keys = d["rows.query_start_loc"][idx].astype(np.int64) + seg * lift
+    start = np.cumsum(n) - n
+    return np.searchsorted(keys, x + inv * lift, side=side) - start[inv]
+
+
+def ubatch_bounds(d: Dump, p: np.ndarray, u: np.ndarray, k: np.ndarray, ntp: np.ndarray, s: np.ndarray):
+    """(req_start, req_stop, tok_start, tok_stop) of micro-batch u of k with split point s (ubatch_slices,
+    vectorised): tokens [s*u, s*(u+1)), the last micro-batch to the real end, padded to ntp / num_reqs_padded."""
+    nr = d["obs.num_reqs"][p].astype(np.int64)
+    nrp = d["obs.num_reqs_padded"][p].astype(np.int64)
+    last = u == k - 1
+    ts = s * u
+    end = np.where(last, d["rows.query_start_loc"][d["obs.qsl"][p] + nr].astype(np.int64), s * (u + 1))
+    rs = np.clip(_ragged_searchsorted(d, p, ts, "right") - 1, 0, np.maximum(nr - 1, 0))
+    re_ = np.maximum(np.minimum(_ragged_searchsorted(d, p, end, "left"), nrp), rs)
+    return rs, np.where(last, nrp, re_), ts, np.where(last, ntp, end)
 
 
 # --------------------------------------------------------------------------------------------

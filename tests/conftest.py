@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dcptool.dump import DumpConfig, Observation, write_observations
-from dcptool.replay import local_np
+from dcptool.reference import local_np
 
 ROOT = Path(__file__).resolve().parents[1]
 

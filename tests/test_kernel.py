@@ -73,8 +73,8 @@ def test_fused_kernels_match_reference(dev, n_obs, N, I):
     rng = np.random.default_rng(n_obs * 13 + N)
     seq, rows, dcp, drows, nreq, nrp, ranks = _random_dump(rng, n_obs, N, I)
     t = [torch.from_numpy(x) for x in (seq, rows, dcp, drows, nreq, nrp, ranks)]
-    ref = reference.check_rows(*t, N, I)
-    got = kernel.check_rows(*[x.to(dev) for x in t], N, I).cpu()
+    ref = reference.check_rows(*t, N, I).stacked()
+    got = kernel.check_rows(*[x.to(dev) for x in t], N, I).stacked().cpu()
     assert torch.equal(got, ref)
     assert int(ref[0].sum() + ref[2].sum()) > 0 or n_obs == 1  # the planted errors are seen
     exp_ref = reference.expected_rows(t[0], t[1], t[4], t[6], N, I)
@@ -89,10 +89,10 @@ def test_check_rows_reports_first_wrong_row(dev):
     kv = torch.tensor([1, 2, 0, 0], dtype=torch.int32)  # pages of 8: 9 -> 2 (row 0 claims 1), 13 -> 2
     args = (seq, rows, dcp, torch.tensor([0, 4]), torch.tensor([2]), torch.tensor([4]), torch.tensor([0]), 2, 1)
     want = [[1], [1], [1], [3], [1], [0]]
-    assert reference.check_rows(*args, kv_pages=kv, page_size=8).tolist() == want
+    assert reference.check_rows(*args, kv_pages=kv, page_size=8).stacked().tolist() == want
     got = kernel.check_rows(*[a.to(dev) if isinstance(a, torch.Tensor) else a for a in args], kv_pages=kv.to(dev),
                             page_size=8)
-    assert got.tolist() == want
+    assert got.stacked().tolist() == want
     with pytest.raises(ValueError, match="device"):
         kernel.check_rows(*args[:6], torch.tensor([0], device="meta"), 2, 1)
 
@@ -139,10 +139,10 @@ def test_backends_agree_at_int32_extremes(dev, N, I, page):
     args = (t["seq_lens"], t["rows"], t["dcp"], t["dcp_rows"], t["num_reqs"], t["num_reqs_padded"], t["ranks"])
     want = reference.check_rows(*args, N, I, kv_pages=t["kv_pages"], page_size=page)
     got = kernel.check_rows(*(a.to(dev) for a in args), N, I, kv_pages=t["kv_pages"].to(dev), page_size=page)
-    assert torch.equal(got.cpu(), want)
+    assert torch.equal(got.stacked().cpu(), want.stacked())
     half = c["num_reqs"].size // 2
-    assert (want[0, :half] == 0).all() and (want[0, half:] == 1).all()  # the planted wrong rows, nothing else
-    assert (want[4] == 0).all()  # page counts are right: no `pages` finding on either backend
+    assert (want.n_wrong[:half] == 0).all() and (want.n_wrong[half:] == 1).all()  # the planted wrong rows, nothing else
+    assert (want.n_pages == 0).all()  # page counts are right: no `pages` finding on either backend
     exp = kernel.expected_rows(t["seq_lens"].to(dev), t["rows"].to(dev), t["num_reqs"].to(dev), t["ranks"].to(dev),
                                N, I)
     assert torch.equal(exp.cpu(), reference.expected_rows(t["seq_lens"], t["rows"], t["num_reqs"], t["ranks"], N, I))
@@ -153,7 +153,7 @@ def test_issue_example_dcp1_page16_seq_max_is_clean_on_triton(dev):
     one = lambda *v, dt=torch.int32: torch.tensor(v, dtype=dt, device=dev)  # noqa: E731
     stats = kernel.check_rows(one(I32), one(0, 1, dt=torch.int64), one(I32), one(0, 1, dt=torch.int64), one(1),
                               one(1), one(0), 1, 1, kv_pages=one(2**27), page_size=16)
-    assert stats[4].tolist() == [0]
+    assert stats.n_pages.tolist() == [0]
 
 
 @pytest.mark.parametrize("N,I,rank", [(2, 2**30, 1), (I32, 1, I32 - 1), (65536, 65536, 65535), (3, 2**30, 2)])

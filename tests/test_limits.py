@@ -149,7 +149,8 @@ import json, io
 from rich.console import Console
 from dcptool.dump import open_dumps
 from dcptool.replay import replay
-from dcptool.report import timeline, render_replay
+from dcptool.report import render_replay
+from dcptool.timeline import timeline
 from dcptool.htmlreport import render_html
 res = replay(open_dumps([{str(p)!r}]), "torch", views=200)
 tl = timeline(res, 240)

@@ -5,22 +5,22 @@ import io
 from conftest import cli, obs, write
 from rich.console import Console
 
-from dcptool import report
+from dcptool import progress
 
 
 def test_disabled_or_quick_work_shows_nothing():
-    p = report.Progress(100, "replay", enabled=False)
+    p = progress.Progress(100, "replay", enabled=False)
     p(50)
     assert p._bar is None
-    q = report.Progress(100, "replay", enabled=True, delay=3600)
+    q = progress.Progress(100, "replay", enabled=True, delay=3600)
     q(100)
     assert q._bar is None
 
 
 def test_long_work_starts_a_bar_and_counts(monkeypatch):
     out = io.StringIO()
-    monkeypatch.setattr(report, "Console", lambda **kw: Console(file=out, force_terminal=True, width=100))
-    with report.Progress(1000, "replay", enabled=True, delay=0.0) as p:
+    monkeypatch.setattr(progress, "Console", lambda **kw: Console(file=out, force_terminal=True, width=100))
+    with progress.Progress(1000, "replay", enabled=True, delay=0.0) as p:
         p(400)
         p(400)
         assert p._bar is not None

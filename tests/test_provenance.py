@@ -199,13 +199,13 @@ def test_no_packed_keys_left():
     import inspect
 
     import dcptool.replay
-    import dcptool.report
-    import dcptool.structure
+    import dcptool.rules
+    import dcptool.timeline
 
-    for mod in (provenance, dcptool.structure, dcptool.replay):
+    for mod in (provenance, dcptool.rules, dcptool.replay):
         src = inspect.getsource(mod)
         assert "<< 48" not in src and "* (1 << 48)" not in src and "2**48" not in src, mod.__name__
-    assert "* n_ranks" not in inspect.getsource(dcptool.report.timeline)
+    assert "* n_ranks" not in inspect.getsource(dcptool.timeline.timeline)
 
 
 # --------------------------------------------------------------------------------------------

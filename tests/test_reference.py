@@ -1,5 +1,6 @@
 """The torch formula against DESIGN §1's examples, its properties, and a brute-force owner count."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -7,6 +8,8 @@ from dcptool.reference import (
     dcp_local_seq_lens,
     dcp_local_seq_lens_all_ranks,
     expected_rows,
+    local_np,
+    local_of,
     prepare_dcp_local_seq_lens,
 )
 
@@ -81,3 +84,19 @@ def test_expected_rows_layout():
     offs = torch.tensor([0, 3, 3, 7])
     out = expected_rows(seq, offs, torch.tensor([2, 0, 3]), torch.tensor([0, 1, 1]), 2, 1)
     assert out.tolist() == [9, 13, 0, 50, 0, 1, 0]
+
+
+def test_local_np_matches_reference():
+    L = np.arange(0, 3000)
+    for N, I in ((2, 1), (4, 16), (3, 5)):
+        for r in range(N):
+            assert np.array_equal(local_np(L, N, r, I), dcp_local_seq_lens(torch.from_numpy(L), N, r, I).numpy())
+
+
+def test_local_of_python_ints_match_the_arrays():
+    """One value (a finding's row) stays in Python ints and agrees with the numpy form."""
+    L = np.arange(0, 300)
+    for N, I in ((2, 1), (4, 16), (3, 5)):
+        for r in range(N):
+            got = [local_of(int(x), r, N, I) for x in L]
+            assert all(type(v) is int for v in got) and got == local_np(L, N, r, I).tolist()

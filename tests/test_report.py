@@ -18,7 +18,7 @@ import pytest
 from conftest import cli, expected_view, obs, write
 from rich.console import Console
 
-from dcptool import report
+from dcptool import report, timeline
 from dcptool.dump import open_dumps
 from dcptool.htmlreport import VIEW_FINDINGS, VIEW_ROWS, render_html
 from dcptool.replay import RULES, obs_grid, replay
@@ -119,7 +119,7 @@ def test_timeline_bins_steps_to_the_width(tmp_path):
         "              r1   · M               \n"
         "· clean  (blank) no observations\n"
         "M missing  S stale  P padding  L shape\n")
-    tl = report.timeline(res, 23)
+    tl = timeline.timeline(res, 23)
     assert (tl.width, tl.columns) == (2, 20) and tl.steps_of(19) == (38, 39)
     # every observation and every finding lands in exactly one cell
     assert tl.obs.sum() == res.observations and tl.rules.sum() == len(res.findings)
@@ -128,7 +128,7 @@ def test_timeline_bins_steps_to_the_width(tmp_path):
 @pytest.mark.parametrize("x,want", [(0.1, 1), (1, 1), (1.74, 2), (2.1, 3), (6.1, 8), (8.5, 10), (11, 12), (13, 15),
                                     (971.2, 1000), (2.6e6, 3_000_000)])
 def test_steps_per_column_are_round(x, want):
-    assert report.round_up(x) == want
+    assert timeline.round_up(x) == want
 
 
 @pytest.mark.parametrize("first,last,width,gap,want", [
@@ -141,7 +141,7 @@ def test_steps_per_column_are_round(x, want):
 ])
 def test_axis_labels_are_round_steps_in_their_columns(first, last, width, gap, want):
     z = np.zeros((1, -(-(last - first + 1) // width)), np.int64)
-    tl = report.Timeline(["s"], [0], first, last, width, z, z[..., None], z[..., None], z[..., None], z)
+    tl = timeline.Timeline(["s"], [0], first, last, width, z, z[..., None], z[..., None], z[..., None], z)
     assert tl.ticks(gap) == want
     assert all(tl.steps_of(c)[0] <= s <= tl.steps_of(c)[1] for c, s in want)  # each label sits in its step's column
 
@@ -159,9 +159,9 @@ def test_timeline_cells_agree_with_a_direct_count(rng, tmp_path, columns):
     o.sort(key=lambda x: x.step)
     d = open_dumps([write(tmp_path / "rnd.safetensors", o, dcp=4)])
     res = replay(d, "torch")
-    tl = report.timeline(res, columns)
+    tl = timeline.timeline(res, columns)
     span = tl.last_step - tl.first_step + 1
-    assert tl.columns == -(-span // tl.width) <= columns and tl.width == report.round_up(span / columns)
+    assert tl.columns == -(-span // tl.width) <= columns and tl.width == timeline.round_up(span / columns)
     row = {(s, r): k for k, (s, r) in enumerate(zip(tl.sites, tl.ranks))}
     assert list(row) == sorted(row, key=lambda t: (d.config.sites.index(t[0]), t[1]))  # config's site order
     want_obs, want_ub = Counter(), Counter()
@@ -213,7 +213,7 @@ def test_timeline_colours_only_on_a_colour_console(run12):
 
 def test_empty_dump_has_no_timeline(tmp_path):
     res = replay(open_dumps([write(tmp_path / "e.safetensors", [], sites=("attn_metadata",))]), "torch")
-    assert report.timeline(res, 80) is None and text_of(res, 80) == ""
+    assert timeline.timeline(res, 80) is None and text_of(res, 80) == ""
     assert "No observations" in render_html(res)
 
 
@@ -291,7 +291,7 @@ def test_html_structure(run12):
     assert [(int(r["data-step"]), r["data-site"], int(r["data-rank"]), r["data-rule"]) for r in t.rows.values()] == \
         [(f.step, f.site, f.rank, f.rule) for f in res.findings]
     # one timeline cell with a tooltip per (site, rank, step) that has observations (1 step per column here)
-    tl = report.timeline(res, 240)
+    tl = timeline.timeline(res, 240)
     assert tl.width == 1 and len(t.titles) == int((tl.obs > 0).sum()) == 2 * 12 + 2 * 10 + 2 * 2
     stale = [x for x in t.titles if x.startswith("step 6 · ubatch rank 1")]
     f = next(f for f in res.findings if f.step == 6 and f.rule == "stale")

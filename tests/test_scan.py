@@ -49,7 +49,8 @@ def reference_stats(d):
     kv = t("rows.kv_pages") if d.has("rows.kv_pages") else None
     st = check_rows(t("rows.seq_lens"), t("obs.rows"), t("rows.dcp_local_seq_lens"), t("obs.dcp_rows"),
                     t("obs.num_reqs"), t("obs.num_reqs_padded"), t("obs.rank"), d.config.dcp_size,
-                    d.config.cp_interleave, kv_pages=kv, page_size=d.config.page_size or 1).numpy().astype(np.int64)
+                    d.config.cp_interleave, kv_pages=kv, page_size=d.config.page_size or 1)
+    st = st.stacked().numpy().astype(np.int64)
     if d.config.dcp_size == 1:
         st[0:4] = [[0], [-1], [0], [-1]]
     hit = np.flatnonzero((st[0] > 0) | (st[2] > 0) | (st[4] > 0))

@@ -1,4 +1,5 @@
 """vLLM general plugin: with DCPTOOL_RECORD=<dir>, record every attention-metadata build of model runner V2.
+(Over 450 lines: the hook table, per-release signature checks and the wrappers must be read together.)
 
 Install dcptool next to vLLM (entry point group `vllm.general_plugins`, name `dcptool`); vLLM calls
 `register()` in every process. Without DCPTOOL_RECORD it does nothing. With it, the worker
@@ -35,13 +36,33 @@ import threading
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+
+class UbatchOf(NamedTuple):
+    """A micro-batch's attention build: which micro-batch, the observation it was sliced from, and the
+    slice (_slice_input_batch's request start and token range)."""
+
+    ubatch: int
+    parent: int
+    req_start: int
+    tok_start: int
+    tok_stop: int
+
+
+def _graph():
+    """schema.GraphMode, imported on the first observation (numpy: the Recorder needs it then anyway), not
+    when vLLM loads the plugin."""
+    from dcptool.schema import GraphMode
+
+    return GraphMode
+
 
 ENV_DIR = "DCPTOOL_RECORD"
 ENV_ROLLOVER = "DCPTOOL_ROLLOVER"
 ENV_UNTESTED = "DCPTOOL_VLLM_UNTESTED"
 DEFAULT_ROLLOVER = 10_000  # observations per file: a long run leaves many closed files, not one open one
 SITES = ("attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft", "prepare_inputs")
-GRAPH = {"NONE": 0, "PIECEWISE": 1, "FULL": 3}  # runtime cudagraph mode -> obs.graph (2 = capture)
 
 log = logging.getLogger("vllm.dcptool")
 
@@ -208,15 +229,16 @@ def _record_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> 
         kw["query_start_loc"] = sig.get(args, kwargs, "query_start_loc_cpu")
     ub = c.get("ubatch")
     if ub is not None:
-        kw.update(ubatch=ub[0], parent=ub[1], req_start=ub[2], tok_start=ub[3], tok_stop=ub[4])
+        kw.update(ubatch=ub.ubatch, parent=ub.parent, req_start=ub.req_start, tok_start=ub.tok_start,
+                  tok_stop=ub.tok_stop)
     if "capture_graph" in c:
         graph = c["capture_graph"]
     elif "cg" in c:
-        graph = GRAPH.get(c["cg"], 0)
+        graph = _graph().of_vllm(c["cg"])
     else:
-        graph = 2 if sig.get(args, kwargs, "for_cudagraph_capture") else 0
+        graph = _graph().FULL_CAPTURE if sig.get(args, kwargs, "for_cudagraph_capture") else _graph().EAGER
     _observe(site="ubatch" if ub is not None else c.get("site", "attn_metadata"),
-             seq_lens=seq, num_reqs=nr, num_reqs_padded=nrp, dcp_local_seq_lens=dcp, graph=graph, **kw)
+             seq_lens=seq, num_reqs=nr, num_reqs_padded=nrp, dcp_local_seq_lens=dcp, graph=int(graph), **kw)
 
 
 def _cg(sig: _Sig, args: tuple, kwargs: dict) -> str | None:
@@ -238,7 +260,7 @@ def _wrap_prepare_attn(orig, sig):
                 sliced = parent.get("sliced")
                 if sliced is not None and id(batch) in sliced:
                     i = int(sig.get(args, kwargs, "ubatch_idx")) if "ubatch_idx" in sig.pos else 0
-                    f["ubatch"] = (i, parent["parent"]) + sliced[id(batch)]
+                    f["ubatch"] = UbatchOf(i, parent["parent"], *sliced[id(batch)])
                     break
             return f
 
@@ -308,9 +330,9 @@ def _wrap_ubatch_prepare(orig, sig):
             capture = bool(sig.get(args, kwargs, "for_capture")) and "site" not in outer
             f = {"scope": True, "sliced": {}, "parent": -1}
             if capture:
-                f.update(site="capture", capture_graph=2)
+                f.update(site="capture", capture_graph=_graph().FULL_CAPTURE)
             site = f.get("site", outer.get("site", "attn_metadata"))
-            graph = 2 if capture else GRAPH.get(_cg(sig, args, kwargs), 0)
+            graph = _graph().FULL_CAPTURE if capture else _graph().of_vllm(_cg(sig, args, kwargs))
             # The merged batch is no attention build, but it is what the micro-batches are sliced from:
             # record it when it carries a view (a capture's merged batch never gets one, legitimately).
             if batch.dcp_local_seq_lens is not None or _dcp()[0] == 1:
@@ -382,7 +404,7 @@ def _wrap_partition(orig, sig):
                 # global batch (and recomputes it from the local one). Anything that reaches the local batch
                 # from it is stale: record the source.
                 if batch.dcp_local_seq_lens is not None:
-                    _observe_batch("prepare_inputs", batch, GRAPH.get(_cg(sig, args, kwargs), 0))
+                    _observe_batch("prepare_inputs", batch, _graph().of_vllm(_cg(sig, args, kwargs)))
             except Exception as e:
                 _broken(e)
         return orig(*args, **kwargs)
@@ -689,7 +711,7 @@ def _observe_batch(site: str, batch, graph: int) -> int:
     nrp = batch.num_reqs_after_padding
     return _observe(site=site, seq_lens=batch.seq_lens, num_reqs=batch.num_reqs, num_reqs_padded=nrp,
                     dcp_local_seq_lens=batch.dcp_local_seq_lens, query_start_loc=batch.query_start_loc_np[: nrp + 1],
-                    num_tokens_padded=int(batch.num_tokens_after_padding), graph=graph)
+                    num_tokens_padded=int(batch.num_tokens_after_padding), graph=int(graph))
 
 
 # --------------------------------------------------------------------------------------------

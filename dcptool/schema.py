@@ -1,0 +1,404 @@
+"""DESIGN §2 as code: the format's columns and limits, DumpConfig, the DumpError family, obs.graph's one
+encoding (GraphMode), and every check of a hostile file (header, entries, config, columns). dump.py reads,
+merges and writes through these."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from dcptool.errors import DcptoolError
+
+FORMAT_VERSION = "1"
+# safetensors' own reader refuses headers past 100 MB; a dcptool header is a few kB plus the
+# `dcptool.injected` index lists, so this bound is generous and keeps hostile files cheap.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+# JSON values (outside strings) one header, config or injected index may hold. A dcptool header
+# has a few hundred; an injected index list holds one per touched observation. The bound keeps a
+# hostile 100 MB header of `[],[],...` from growing into gigabytes of Python objects.
+MAX_JSON_VALUES = 2_000_000
+INT32_MAX = 2**31 - 1
+MAX_DCP_SIZE = 4096  # docs/limits.md
+
+_DTYPES = {"I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "U8": np.dtype("u1"), "I8": np.dtype("i1")}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+# Every safetensors dtype with its size in bits (sub-byte types pack several values in a byte).
+_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "F16": 16, "BF16": 16, "U32": 32, "I32": 32,
+               "F32": 32, "U64": 64, "I64": 64, "F64": 64, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F4": 4,
+               "F6_E2M3": 6, "F6_E3M2": 6, "C64": 64}
+
+# key -> (dtype, length kind): "n" per observation, "n+1" offsets, or the offsets key that sizes it.
+REQUIRED = {
+    "obs.step": ("I64", "n"),
+    "obs.site": ("I32", "n"),
+    "obs.rank": ("I32", "n"),
+    "obs.ubatch": ("I32", "n"),
+    "obs.num_reqs": ("I32", "n"),
+    "obs.num_reqs_padded": ("I32", "n"),
+    "obs.rows": ("I64", "n+1"),
+    "obs.has_dcp": ("U8", "n"),
+    "obs.dcp_rows": ("I64", "n+1"),
+    "rows.seq_lens": ("I32", "obs.rows"),
+    "rows.dcp_local_seq_lens": ("I32", "obs.dcp_rows"),
+}
+OPTIONAL = {
+    "obs.parent": ("I64", "n"),
+    "obs.req_start": ("I32", "n"),
+    "obs.tok_start": ("I32", "n"),
+    "obs.tok_stop": ("I32", "n"),
+    "obs.qsl": ("I64", "n+1"),
+    "rows.query_start_loc": ("I32", "obs.qsl"),
+    "obs.num_tokens_padded": ("I32", "n"),
+    "obs.buffer": ("I64", "n"),
+    "obs.graph": ("I8", "n"),
+    "rows.kv_pages": ("I32", "obs.rows"),
+}
+COLUMNS = {**REQUIRED, **OPTIONAL}
+# Optional columns come in groups: a key is only meaningful with its partners.
+_GROUPS = [("obs.qsl", "rows.query_start_loc")]
+
+
+
+class DumpError(DcptoolError, ValueError):
+    """A dump that cannot be used; the message names the file, the key and what is wrong."""
+
+
+class WriteError(DumpError, OSError):
+    """A dump that could not be written (disk full, no permission, ...); the old file is unchanged."""
+
+
+class OutputExistsError(WriteError, FileExistsError):
+    """The output exists and overwriting it was not asked for (--force)."""
+
+
+@dataclass(frozen=True)
+class DumpConfig:
+    """`dcptool.config`: the DCP layout every observation of a dump shares."""
+
+    dcp_size: int
+    cp_interleave: int = 1
+    sites: tuple[str, ...] = ()
+    pcp_size: int = 1
+    page_size: int | None = None
+    engine: str | None = None
+    engine_version: str | None = None
+    note: str | None = None
+
+    def to_json(self) -> dict:
+        d = {"dcp_size": self.dcp_size, "cp_interleave": self.cp_interleave, "sites": list(self.sites)}
+        if self.pcp_size != 1:
+            d["pcp_size"] = self.pcp_size
+        for k in ("page_size", "engine", "engine_version", "note"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return d
+
+
+class GraphMode(IntEnum):
+    """obs.graph: how the observed forward ran (DESIGN §2)."""
+
+    EAGER = 0
+    PIECEWISE = 1
+    FULL_CAPTURE = 2  # a full CUDA graph being captured: the buffer address it bakes in
+    FULL_REPLAY = 3  # a full CUDA graph replayed: must read the buffer its capture baked in
+
+    @property
+    def full(self) -> bool:
+        return self >= GraphMode.FULL_CAPTURE
+
+    def recorded(self, capturing: bool) -> GraphMode:
+        """A dispatched mode as obs.graph records it: a full graph is a capture while capturing, else a replay."""
+        if self.full:
+            return GraphMode.FULL_CAPTURE if capturing else GraphMode.FULL_REPLAY
+        return self
+
+    @classmethod
+    def parse(cls, name: str) -> GraphMode:
+        """Recorder.observe(graph=...) names; KeyError for any other (the observation is dropped)."""
+        return _NAMES[name]
+
+    @classmethod
+    def of_vllm(cls, name: str | None) -> GraphMode:
+        """vLLM's runtime CUDAGraphMode name as obs.graph (a capture is marked by the caller); others eager."""
+        return _VLLM.get(name, GraphMode.EAGER)
+
+
+_NAMES = {"eager": GraphMode.EAGER, "piecewise": GraphMode.PIECEWISE, "capture": GraphMode.FULL_CAPTURE,
+          "full-capture": GraphMode.FULL_CAPTURE, "replay": GraphMode.FULL_REPLAY, "full-replay": GraphMode.FULL_REPLAY}
+_VLLM = {"NONE": GraphMode.EAGER, "PIECEWISE": GraphMode.PIECEWISE, "FULL": GraphMode.FULL_REPLAY}
+
+
+# --------------------------------------------------------------------------------------------
+# Checks of a hostile file
+
+
+def _clean(s: object, limit: int = 200) -> str:
+    """Text from a file or a path, safe for a one-line message: escaped and clipped."""
+    s = str(s)
+    if not s.isprintable():
+        s = s.encode("unicode_escape", "backslashreplace").decode("ascii")
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _fail(path: str, key: str | None, what: str) -> DumpError:
+    # Everything here may come from a hostile file (keys, values) or an odd file name: one line, short.
+    p, what = _clean(path, 400), _clean(what, 400)
+    return DumpError(f"{p}: {_clean(key)}: {what}" if key else f"{p}: {what}")
+
+
+def _json_values(raw: bytes) -> int:
+    """How many JSON values json.loads would build from raw, counted without building them.
+
+    Structural characters outside strings (`,` `[` `{`) bound the values; strings are found by
+    their quotes once escaped backslashes and quotes are dropped. Counted in chunks with numpy,
+    so a 100 MB header costs a fraction of a second and a few MB.
+    """
+    a = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    count, inside = 0, 0
+    for k in range(0, a.size, 1 << 22):
+        c = a[k : k + (1 << 22)]
+        quotes = c == 34
+        # parity of the quotes up to here: 1 inside a string (uint8 wraps, parity survives)
+        par = (np.cumsum(quotes, dtype=np.uint8) + inside) & 1
+        count += int(np.count_nonzero(((c == 44) | (c == 91) | (c == 123)) & (par == 0)))
+        inside = int(par[-1])
+    return count + 1
+
+
+def _loads(p: str, key: str | None, raw: bytes | str, invalid: str):
+    """json.loads of text from a file, bounded in the values it may build; DumpError(invalid) if not JSON."""
+    b = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    n = _json_values(b)
+    if n > MAX_JSON_VALUES:
+        raise _fail(p, key, f"too many JSON values ({n} > {MAX_JSON_VALUES}): not a dcptool header")
+    try:
+        return json.loads(b.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: bad JSON, or a 5000-digit number
+        raise _fail(p, key, invalid) from None
+
+
+def _text_ok(s: str) -> bool:
+    """Valid Unicode (no lone surrogates from a JSON escape), so it can be printed anywhere."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_MAGIC = ((b"\x1f\x8b", "gzip-compressed: gunzip it first"), (b"\x28\xb5\x2f\xfd", "zstd-compressed: unzstd it first"),
+          (b"\xfd7zXZ", "xz-compressed: unxz it first"), (b"BZh", "bzip2-compressed: bunzip2 it first"),
+          (b"PK\x03\x04", "a zip archive: unzip it first"), (b"\x89PNG", "a PNG image"),
+          (b"\x80", "a Python pickle, e.g. from torch.save; dcptool never unpickles"))
+
+
+def _sniff(start: bytes) -> str:
+    """What a file that is not safetensors seems to be, from its first bytes."""
+    for magic, what in _MAGIC:
+        if start.startswith(magic):
+            return what
+    try:
+        text = start.decode("utf-8")
+    except UnicodeDecodeError:
+        text = ""
+    if text and all(c.isprintable() or c in "\t\r\n" for c in text):
+        return f"it is text: {_clean(text.splitlines()[0] if text.strip() else text, 40)!r}"
+    return "no safetensors header: an 8-byte length, then a JSON object"
+
+
+def _check_entries(p: str, header: dict, data_start: int, size: int) -> dict[str, tuple[str, list, int, int]]:
+    """Each tensor entry well-formed, in bounds, sized by its dtype and shape, not overlapping."""
+    data_len = size - data_start
+    entries = {}
+    for key, e in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or not isinstance(
+                e.get("shape"), list) or not isinstance(e.get("data_offsets"), list):
+            raise _fail(p, key, "malformed tensor entry (needs dtype, shape and data_offsets)")
+        dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+        if dt not in _DTYPE_BITS:
+            raise _fail(p, key, f"unknown dtype {dt!r}")
+        if not all(type(s) is int and s >= 0 for s in shape):
+            raise _fail(p, key, f"bad shape {shape!r}")
+        if len(offs) != 2 or not all(type(o) is int for o in offs) or not 0 <= offs[0] <= offs[1]:
+            raise _fail(p, key, f"bad data_offsets {offs!r}")
+        if offs[1] > data_len:
+            raise _fail(p, key, f"truncated: data runs to byte {offs[1]} but the file holds {data_len} "
+                                "bytes of data")
+        # Declared element count, compared with the bytes the offsets span; stop multiplying once it
+        # cannot fit (a shape of a million 2**62 dims would otherwise cost minutes of bignum work).
+        bits = 0 if 0 in shape else _DTYPE_BITS[dt]
+        for s in shape:
+            bits *= s
+            if bits > 8 * data_len:
+                break
+        if bits != 8 * (offs[1] - offs[0]):
+            need = "more than the file holds" if bits > 8 * data_len else f"{bits / 8:g} bytes"
+            raise _fail(p, key, f"data_offsets span {offs[1] - offs[0]} bytes, but {dt} of shape "
+                                f"{_clean(shape, 60)} needs {need}")
+        entries[key] = (dt, shape, offs[0], offs[1])
+    spans = sorted((v[2], v[3], k) for k, v in entries.items() if v[3] > v[2])
+    for (_a0, a1, ka), (b0, _b1, kb) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise _fail(p, kb, f"data overlaps {_clean(ka)}")
+    end = max((v[3] for v in entries.values()), default=0)
+    if end != data_len:
+        raise _fail(p, None, f"file size mismatch: tensors end at byte {end} of the data but the file "
+                             f"holds {data_len} (trailing bytes or a broken copy)")
+    return entries
+
+
+def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
+    fmt = meta.get("dcptool.format")
+    if fmt is None:
+        raise _fail(p, "__metadata__", "not a dcptool dump (no dcptool.format entry)")
+    if fmt != FORMAT_VERSION:
+        raise _fail(p, "dcptool.format", f"unknown format version {fmt!r} (this dcptool reads "
+                                         f"{FORMAT_VERSION!r}; upgrade dcptool)")
+    raw = meta.get("dcptool.config")
+    if raw is None:
+        raise _fail(p, "dcptool.config", "missing")
+    c = _loads(p, "dcptool.config", raw, "not valid JSON")
+    if not isinstance(c, dict):
+        raise _fail(p, "dcptool.config", "must be a JSON object")
+
+    def int_field(name: str, default: int | None, minimum: int = 1, nullable: bool = False) -> int | None:
+        if name not in c:
+            return default
+        v = c[name]
+        if v is None and nullable:  # page_size may be written as null: no pages
+            return None
+        if type(v) is not int:
+            raise _fail(p, "dcptool.config", f"{name} must be an integer, got {v!r}")
+        if v < minimum:
+            raise _fail(p, "dcptool.config", f"{name} must be >= {minimum}, got {v}")
+        if v > INT32_MAX:
+            raise _fail(p, "dcptool.config", f"{name} = {v} overflows int32")
+        return v
+
+    if "dcp_size" not in c:
+        raise _fail(p, "dcptool.config", "dcp_size missing")
+    dcp = int_field("dcp_size", None)
+    il = int_field("cp_interleave", 1)
+    pcp = int_field("pcp_size", 1)
+    page = int_field("page_size", None, nullable=True)
+    if dcp * il > INT32_MAX:
+        raise _fail(p, "dcptool.config", f"dcp_size * cp_interleave = {dcp * il} overflows int32 arithmetic")
+    if dcp > MAX_DCP_SIZE:  # a recorded number that sizes per-rank work; no engine runs DCP this wide
+        raise _fail(p, "dcptool.config", f"dcp_size = {dcp} is past dcptool's limit of {MAX_DCP_SIZE} (docs/limits.md)")
+    sites = c.get("sites")
+    # (may be empty in a dump without observations: validate_columns checks that)
+    if not isinstance(sites, list) or not all(isinstance(s, str) and _text_ok(s) for s in sites):
+        raise _fail(p, "dcptool.config", "sites must be a list of (valid Unicode) strings")
+    if len(set(sites)) != len(sites):
+        raise _fail(p, "dcptool.config", "sites lists a name twice")
+    strs = {}
+    for k in ("engine", "engine_version", "note"):
+        v = c.get(k)
+        if v is not None and not (isinstance(v, str) and _text_ok(v)):
+            raise _fail(p, "dcptool.config", f"{k} must be a (valid Unicode) string")
+        strs[k] = v
+    injected = None
+    if "dcptool.injected" in meta:
+        injected = _loads(p, "dcptool.injected", meta["dcptool.injected"], "not valid JSON")
+        if not isinstance(injected, dict) or not all(
+                _text_ok(k) and isinstance(v, list) and all(type(i) is int for i in v) for k, v in injected.items()):
+            raise _fail(p, "dcptool.injected", "must map fault names to lists of observation indices")
+    cfg = DumpConfig(dcp_size=dcp, cp_interleave=il, sites=tuple(sites), pcp_size=pcp, page_size=page, **strs)
+    return cfg, injected
+
+
+def _check_offsets(p: str, key: str, offs: np.ndarray, total: int) -> None:
+    if offs[0] != 0:
+        raise _fail(p, key, f"offsets must start at 0, got {offs[0]}")
+    d = np.diff(offs)
+    if d.size and d.min() < 0:
+        i = int(np.argmax(d < 0))
+        raise _fail(p, key, f"offsets not monotone at observation {i} ({offs[i]} > {offs[i + 1]})")
+    if offs[-1] != total:
+        raise _fail(p, key, f"offsets end at {offs[-1]} but the rows hold {total} values")
+
+
+def _first_bad(p: str, key: str, bad: np.ndarray, values: np.ndarray, what: str) -> None:
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise _fail(p, key, f"{what} at observation {i} (value {values[i]})")
+
+
+def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected: dict | None = None,
+                     release=None) -> None:
+    """Every structural and value rule of DESIGN §2 on in-memory columns (used on read and on write).
+    `release(key, lo, hi)`, when given, is told after each chunk of a row column has been checked."""
+    for key in REQUIRED:
+        if key not in c:
+            raise _fail(p, key, "missing")
+    n = c["obs.step"].shape[0]
+    if n and not cfg.sites:
+        raise _fail(p, "dcptool.config", "sites must be a non-empty list of strings")
+    for key, (_, kind) in COLUMNS.items():
+        if key not in c:
+            continue
+        if c[key].ndim != 1:
+            raise _fail(p, key, f"must be 1-D, got shape {list(c[key].shape)}")
+        if kind == "n" and c[key].shape[0] != n:
+            raise _fail(p, key, f"has {c[key].shape[0]} values but obs.step has {n} observations")
+        if kind == "n+1" and c[key].shape[0] != n + 1:
+            raise _fail(p, key, f"has {c[key].shape[0]} offsets, expected n+1 = {n + 1}")
+    for key, (_, kind) in COLUMNS.items():
+        if key in c and kind.startswith("obs."):
+            if kind not in c:
+                raise _fail(p, key, f"present without its offsets {kind}")
+            if key == "rows.kv_pages":
+                if c[key].shape[0] != c["rows.seq_lens"].shape[0]:
+                    raise _fail(p, key, f"has {c[key].shape[0]} rows but rows.seq_lens has "
+                                        f"{c['rows.seq_lens'].shape[0]}")
+                continue
+            _check_offsets(p, kind, c[kind], c[key].shape[0])
+    site, rank, ub = c["obs.site"], c["obs.rank"], c["obs.ubatch"]
+    nr, nrp, has = c["obs.num_reqs"], c["obs.num_reqs_padded"], c["obs.has_dcp"]
+    _first_bad(p, "obs.site", (site < 0) | (site >= len(cfg.sites)), site,
+               f"site index out of range (config lists {len(cfg.sites)} sites)")
+    _first_bad(p, "obs.rank", (rank < 0) | (rank >= cfg.dcp_size), rank,
+               f"rank out of range for dcp_size {cfg.dcp_size}")
+    _first_bad(p, "obs.ubatch", ub < -1, ub, "micro-batch index below -1")
+    _first_bad(p, "obs.num_reqs", nr < 0, nr, "negative length")
+    _first_bad(p, "obs.num_reqs_padded", nrp < 0, nrp, "negative length")
+    _first_bad(p, "obs.num_reqs_padded", nr > nrp, nr, "num_reqs > num_reqs_padded")
+    _first_bad(p, "obs.has_dcp", has > 1, has, "must be 0 or 1")
+    rows = np.diff(c["obs.rows"])
+    _first_bad(p, "obs.rows", rows < nr, rows, "fewer seq_lens rows than num_reqs")
+    dcp_rows = np.diff(c["obs.dcp_rows"])
+    _first_bad(p, "obs.dcp_rows", (has == 0) & (dcp_rows != 0), dcp_rows, "rows recorded for a None DCP view")
+    sl = c["rows.seq_lens"]
+    step = 1 << 22
+    for lo in range(0, sl.size, step):  # in chunks, so a bounded read never holds all rows at once
+        part = sl[lo : lo + step]
+        if part.min() < 0:
+            i = lo + int(np.argmax(part < 0))
+            raise _fail(p, "rows.seq_lens", f"negative length {sl[i]} at row {i}")
+        if release is not None:
+            release("rows.seq_lens", lo, lo + part.size)
+    if "obs.parent" in c:
+        par = c["obs.parent"]
+        _first_bad(p, "obs.parent", (par < -1) | (par >= n) | (par == np.arange(n)), par,
+                   "parent index out of range")
+    for key in ("obs.req_start", "obs.tok_start", "obs.tok_stop", "obs.num_tokens_padded"):
+        if key in c:
+            _first_bad(p, key, c[key] < -1, c[key], "negative (use -1 for unknown)")
+    if "obs.qsl" in c:
+        q = np.diff(c["obs.qsl"])
+        _first_bad(p, "obs.qsl", (q != rows + 1) & (q != 0), q,
+                   "query_start_loc must hold seq_lens rows + 1 values (or 0 when unknown)")
+    if "obs.graph" in c:
+        g = c["obs.graph"]
+        _first_bad(p, "obs.graph", (g < 0) | (g > 3), g, "must be 0..3 (eager, piecewise, capture, replay)")
+    if "rows.kv_pages" in c and cfg.page_size is None:
+        raise _fail(p, "rows.kv_pages", "present but dcptool.config has no page_size")
+    if injected:
+        for fault, idx in injected.items():
+            if any(not 0 <= i < n for i in idx):
+                raise _fail(p, "dcptool.injected", f"{fault}: observation index out of range")
