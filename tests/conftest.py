@@ -12,9 +12,10 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+import torch
 
-from dcptool.dump import DumpConfig, Observation, write_observations
-from dcptool.reference import local_np
+from dcptool.dump import DumpConfig, Observation, open_dumps, write_dump, write_observations
+from dcptool.reference import expected_rows, local_np
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +39,50 @@ def obs(step=0, site="attn_metadata", rank=0, seq=(17, 25, 0, 0), num_reqs=2, nu
 def write(path, observations, dcp=2, il=1, **cfg) -> str:
     write_observations(path, observations, DumpConfig(dcp_size=dcp, cp_interleave=il, **cfg))
     return str(path)
+
+
+def random_columns(rng, n, N, I, page=16, one_rank=False, kv=True) -> dict[str, np.ndarray]:
+    """The one random-dump builder of the tests: n observations of awkward sizes (0, 1, 127, 128, 129, 300,
+    1031 rows), mostly-right views with short/long/missing ones and a few wrong values (real and padded
+    rows), page counts with a few wrong or unknown; the columns of DESIGN §2."""
+    lens = rng.choice([0, 1, 127, 128, 129, 300, 1031], size=n).astype(np.int64)
+    nreq = np.array([rng.integers(0, x + 1) for x in lens])
+    rank = np.zeros(n, np.int32) if one_rank else rng.integers(0, N, n).astype(np.int32)
+    rows = np.zeros(n + 1, np.int64)
+    rows[1:] = np.cumsum(lens)
+    obs = np.repeat(np.arange(n), lens)
+    j = np.arange(rows[-1]) - rows[obs]
+    seq = np.where(j < nreq[obs], rng.integers(0, 1 << 20, rows[-1]), rng.integers(0, 3, rows[-1]) * 7)
+    seq = seq.astype(np.int32)  # padded rows sometimes non-zero: the scan must still expect 0 there
+    exp = expected_rows(torch.from_numpy(seq), torch.from_numpy(rows), torch.from_numpy(nreq),
+                        torch.from_numpy(rank), N, I).numpy()
+    has = (rng.random(n) > 0.1).astype(np.uint8)
+    dlen = np.where(has == 1, lens, 0)
+    odd = rng.random(n) < 0.1
+    dlen[odd & (has == 1)] = np.maximum(lens[odd & (has == 1)] + rng.integers(-3, 4, int((odd & (has == 1)).sum())), 0)
+    drows = np.zeros(n + 1, np.int64)
+    drows[1:] = np.cumsum(dlen)
+    dcp = np.concatenate([np.pad(exp[rows[i]:rows[i + 1]], (0, max(0, dlen[i] - lens[i])))[:dlen[i]]
+                          for i in range(n)] + [np.zeros(0, np.int32)]).astype(np.int32)
+    flip = rng.random(dcp.size) < 0.002
+    dcp[flip] = rng.integers(-1, 9, int(flip.sum()))
+    cols = {"obs.step": np.arange(n, dtype=np.int64), "obs.site": np.zeros(n, np.int32), "obs.rank": rank,
+            "obs.ubatch": np.full(n, -1, np.int32), "obs.num_reqs": nreq.astype(np.int32),
+            "obs.num_reqs_padded": lens.astype(np.int32), "obs.rows": rows, "obs.has_dcp": has,
+            "obs.dcp_rows": drows, "rows.seq_lens": seq, "rows.dcp_local_seq_lens": dcp}
+    if kv:
+        pages = -(-exp.astype(np.int64) // page)
+        pages[rng.random(pages.size) < 0.002] += 1
+        pages[rng.random(pages.size) < 0.01] = -1  # unknown
+        cols["rows.kv_pages"] = pages.astype(np.int32)
+    return cols
+
+
+def random_dump(path, rng, n, N, I, page=16, one_rank=False, kv=True):
+    """random_columns written to `path` and opened."""
+    cols = random_columns(rng, n, N, I, page, one_rank, kv)
+    write_dump(path, DumpConfig(dcp_size=N, cp_interleave=I, sites=("x",), page_size=page if kv else None), cols)
+    return open_dumps([str(path)])
 
 
 class Ran(NamedTuple):

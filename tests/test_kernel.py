@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from conftest import random_columns
 
 from dcptool import kernel, reference
 
@@ -45,26 +46,11 @@ def test_vllm_kernel_validates(dev):
         kernel.prepare_dcp_local_seq_lens(buf.long(), torch.zeros(4, dtype=torch.int32, device=dev), 2, 2, 0, 1)
 
 
-def _random_dump(rng, n_obs, N, I, wrong_rate=0.1):
-    lens = rng.choice([0, 1, 127, 128, 129, 300, 513], size=n_obs)
-    nreq = np.array([rng.integers(0, l + 1) for l in lens])
-    rows = np.zeros(n_obs + 1, np.int64)
-    rows[1:] = np.cumsum(lens)
-    seq = rng.integers(0, 1 << 20, rows[-1]).astype(np.int32)
-    ranks = rng.integers(0, N, n_obs).astype(np.int32)
-    exp = reference.expected_rows(torch.from_numpy(seq), torch.from_numpy(rows), torch.from_numpy(nreq),
-                                  torch.from_numpy(ranks), N, I).numpy()
-    # recorded views: mostly right, some short/long, some wrong values in real and padded rows
-    dlen = np.where(rng.random(n_obs) < 0.1, np.maximum(lens + rng.integers(-3, 4, n_obs), 0), lens)
-    drows = np.zeros(n_obs + 1, np.int64)
-    drows[1:] = np.cumsum(dlen)
-    dcp = np.zeros(drows[-1], np.int32)
-    for i in range(n_obs):
-        m = min(dlen[i], lens[i])
-        dcp[drows[i]:drows[i] + m] = exp[rows[i]:rows[i] + m]
-    flip = rng.random(dcp.size) < wrong_rate / 50
-    dcp[flip] = rng.integers(-1, 5000, int(flip.sum()))
-    return seq, rows, dcp, drows, nreq.astype(np.int32), lens.astype(np.int32), ranks
+def _random_dump(rng, n_obs, N, I):
+    """The shared builder's columns, as check_rows takes them."""
+    c = random_columns(rng, n_obs, N, I, kv=False)
+    return tuple(c[k] for k in ("rows.seq_lens", "obs.rows", "rows.dcp_local_seq_lens", "obs.dcp_rows", "obs.num_reqs",
+                                "obs.num_reqs_padded", "obs.rank"))
 
 
 @pytest.mark.parametrize("n_obs", [1, 7, 60])
