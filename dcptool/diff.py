@@ -56,7 +56,16 @@ class Difference:
     a: int | None
     b: int | None
     count: int  # differing rows (row fields), else 1
-    message: str
+    text: str  # what differs; the location and field are fields of their own (renderers compose them)
+
+    @property
+    def where(self) -> str:
+        return "config" if self.key is None else str(self.key)
+
+    @property
+    def message(self) -> str:
+        """The whole line, as JSON carries it: `WHERE: FIELD: TEXT`."""
+        return f"{self.where}: {self.field}: {self.text}"
 
     def to_json(self) -> dict:
         return {"type": "difference", "key": None if self.key is None else self.key.to_json(), "field": self.field,
@@ -262,7 +271,7 @@ def diff(a: Dump, b: Dump, max_differences: int | None = None) -> DiffResult:
     skipped: dict[str, str] = {}
     cfg_diffs = [Difference(key=None, field=f"config.{k}", a_obs=None, b_obs=None, a_file=None, b_file=None, row=None,
                             a=getattr(a.config, k), b=getattr(b.config, k), count=1,
-                            message=f"config: config.{k}: {getattr(a.config, k)} in A, {getattr(b.config, k)} in B")
+                            text=f"{getattr(a.config, k)} in A, {getattr(b.config, k)} in B")
                  for k in CONFIG_FIELDS if getattr(a.config, k) != getattr(b.config, k)]
 
     hits = _Hits()
@@ -370,12 +379,12 @@ class _Ctx:
             k = self.key(s, i)
             obs, f = int(s.d.file_obs[i]), s.d.file_of(i)
             view = "None" if not s.d["obs.has_dcp"][i] else f"{int(np.diff(s.d['obs.dcp_rows'])[i])} DCP rows"
-            msg = (f"{k}: only-in-{side.lower()}: obs {obs} of {side} (num_reqs {int(s.d['obs.num_reqs'][i])}, "
+            msg = (f"obs {obs} of {side} (num_reqs {int(s.d['obs.num_reqs'][i])}, "
                    f"{view}); {other} has no such observation")
             return Difference(key=k, field="only-in-a" if src == 0 else "only-in-b",
                               a_obs=obs if src == 0 else None, b_obs=obs if src == 1 else None,
                               a_file=f if src == 0 else None, b_file=f if src == 1 else None, row=None, a=None, b=None,
-                              count=1, message=msg)
+                              count=1, text=msg)
         h = src - 2
         name, p = self.hits.names[h], int(self.hits.pair[h][pos])
         ex = {k: v[pos] for k, v in self.hits.extra[h].items()}
@@ -390,21 +399,21 @@ class _Ctx:
             va = int(ra[row]) if row < ra.size else None
             vb = int(rb[row]) if row < rb.size else None
             size = f" ({ra.size} rows in A, {rb.size} in B)" if ra.size != rb.size else ""
-            msg = (f"{k}: {name}: {count} row(s) differ{size}, first row {row}: "
+            msg = (f"{count} row(s) differ{size}, first row {row}: "
                    f"{'absent' if va is None else va} in A, {'absent' if vb is None else vb} in B")
-            return Difference(**base, row=row, a=va, b=vb, count=count, message=msg)
+            return Difference(**base, row=row, a=va, b=vb, count=count, text=msg)
         if name == "has_dcp":
             va, vb = int(da["obs.has_dcp"][i]), int(db["obs.has_dcp"][j])
-            msg = (f"{k}: has_dcp: the DCP view is {'a tensor' if va else 'None'} in A, "
+            msg = (f"the DCP view is {'a tensor' if va else 'None'} in A, "
                    f"{'a tensor' if vb else 'None'} in B")
-            return Difference(**base, row=None, a=va, b=vb, count=1, message=msg)
+            return Difference(**base, row=None, a=va, b=vb, count=1, text=msg)
         if name == "parent":
             pa, pb = int(da["obs.parent"][i]), int(db["obs.parent"][j])
             wa = "none" if pa < 0 else f"obs {int(da.file_obs[pa])} ({self.key(self.a, pa)})"
             wb = "none" if pb < 0 else f"obs {int(db.file_obs[pb])} ({self.key(self.b, pb)})"
             return Difference(**base, row=None, a=None if pa < 0 else int(da.file_obs[pa]),
                               b=None if pb < 0 else int(db.file_obs[pb]), count=1,
-                              message=f"{k}: parent: derived from {wa} in A, from {wb} in B")
+                              text=f"derived from {wa} in A, from {wb} in B")
         if name == "buffer":
             fa, fb = int(ex["a_first"]), int(ex["b_first"])
 
@@ -417,10 +426,10 @@ class _Ctx:
 
             return Difference(**base, row=None, a=int(da.file_obs[fa]) if fa >= 0 else None,
                               b=int(db.file_obs[fb]) if fb >= 0 else None, count=1,
-                              message=f"{k}: buffer: the DCP view's buffer {first(da, self.a, fa, i)} in A, "
+                              text=f"the DCP view's buffer {first(da, self.a, fa, i)} in A, "
                                       f"{first(db, self.b, fb, j)} in B")
         va, vb = int(da[f"obs.{name}"][i]), int(db[f"obs.{name}"][j])
-        return Difference(**base, row=None, a=va, b=vb, count=1, message=f"{k}: {name}: {va} in A, {vb} in B")
+        return Difference(**base, row=None, a=va, b=vb, count=1, text=f"{va} in A, {vb} in B")
 
 
 def _row_values(d: Dump, name: str, i: int) -> np.ndarray:

@@ -480,7 +480,7 @@ def differences_table(diffs, title: str | None = None, width: int = 200) -> Tabl
     t.add_column("message", overflow="fold", ratio=1, min_width=20)
     for x in diffs:
         k = x.key
-        msg = lit(x.message.split(": ", 2)[-1])  # the row already says where and which field
+        msg = lit(x.text)  # the row already says where and which field
         field = lit(x.field, style="bold red")
         if not wide:
             where = "" if k is None else (f"{k.site} r{k.rank}" + ("" if k.ubatch < 0 else f" ub{k.ubatch}") +
@@ -527,9 +527,8 @@ def render_diff(res, console: Console) -> None:
         say(console, ("same", "green"), f": {a} and {b} record the same {res.compared} observations")
     else:
         f = res.first
-        where, _, detail = f.message.split(": ", 2)
-        say(console, f"{a} {b} differ: ", ("first divergence", "bold"), literal(f" at {where}: "),
-            (literal(f.field), "bold red"), literal(f": {detail}"))
+        say(console, f"{a} {b} differ: ", ("first divergence", "bold"), literal(f" at {f.where}: "),
+            (literal(f.field), "bold red"), literal(f": {f.text}"))
 
 
 def diff_json_lines(res) -> Iterator[str]:
