@@ -179,7 +179,6 @@ def _console() -> Console:
 
 def _obs_index(d, spec: str) -> int:
     """`--obs I` (index in the first file) or `--obs FILE:I`; returns the merged position."""
-    import numpy as np
 
     file, _, num = spec.rpartition(":")
     try:
@@ -192,11 +191,10 @@ def _obs_index(d, spec: str) -> int:
         fi = d.files.index(file)
     else:
         fi = 0
-    hit = np.flatnonzero((d.file_index == fi) & (d.file_obs == k))
-    if hit.size == 0:
+    i = d.index_of(fi, k)
+    if i is None:
         raise Trouble(f"--obs {spec!r}: {d.files[fi]} has no observation {k} "
                       f"(it has {int((d.file_index == fi).sum())})")
-    i = int(hit[0])
     from dcptool.replay import MAX_VIEW_CELLS, view_cells
 
     if view_cells(d, i) > MAX_VIEW_CELLS:

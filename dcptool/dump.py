@@ -115,6 +115,45 @@ class Dump:
     def file_of(self, i: int) -> str:
         return self.files[int(self.file_index[i])]
 
+    def index_of(self, file: int, k: int) -> int | None:
+        """The merged position of observation `k` of file number `file`, or None when it has none."""
+        hit = np.flatnonzero((self.file_index == file) & (self.file_obs == k))
+        return int(hit[0]) if hit.size else None
+
+    # Paging (bounded dumps): reads that drop the mapped pages they touched, so a dump bigger than RAM is
+    # read in bounded memory. Internal to the pipeline: callers use them instead of indexing columns.
+
+    def take(self, key: str, idx: np.ndarray) -> np.ndarray:
+        """self[key][idx]. In a bounded dump the gather goes in pieces, each piece's pages dropped after use:
+        the kernel maps whole page-cache folios on a fault, so even a sparse gather across a big file
+        would otherwise map most of it."""
+        arr = self[key]
+        if not self.bounded or key not in self.maps or idx.size == 0:
+            return arr[idx]
+        out = np.empty(idx.size, arr.dtype)
+        step = 1 << 16
+        for k in range(0, idx.size, step):
+            part = idx[k : k + step]
+            out[k : k + part.size] = arr[part]
+            _release(self.maps[key], int(part.min()), int(part.max()) + 1)
+        return out
+
+    def every(self, items, k: int = 256):
+        """Iterate items; in a bounded dump, drop every mapped page after each k of them (per-finding
+        work reads scattered rows, and each read maps a whole page-cache folio)."""
+        for n, x in enumerate(items, 1):
+            yield x
+            if self.bounded and n % k == 0:
+                self.release(0, self.n)
+
+    def release(self, lo: int, hi: int) -> None:
+        """Forget the row pages of observations [lo, hi): bounded memory for scans of huge dumps."""
+        for key, offs in (("rows.seq_lens", "obs.rows"), ("rows.kv_pages", "obs.rows"),
+                          ("rows.dcp_local_seq_lens", "obs.dcp_rows"), ("rows.query_start_loc", "obs.qsl")):
+            if key in self.maps:
+                o = self.columns[offs]
+                _release(self.maps[key], int(o[lo]), int(o[hi]))
+
 
 # --------------------------------------------------------------------------------------------
 # Reading
@@ -708,37 +747,3 @@ def _release(m: tuple, lo: int, hi: int) -> None:
     b = b // page * page
     if b > a:
         mm.madvise(mmap.MADV_DONTNEED, a, b - a)
-
-
-def take(d: Dump, key: str, idx: np.ndarray) -> np.ndarray:
-    """d[key][idx]. In a bounded dump the gather goes in pieces, each piece's pages dropped after use:
-    the kernel maps whole page-cache folios on a fault, so even a sparse gather across a big file
-    would otherwise map most of it."""
-    arr = d[key]
-    if not d.bounded or key not in d.maps or idx.size == 0:
-        return arr[idx]
-    out = np.empty(idx.size, arr.dtype)
-    step = 1 << 16
-    for k in range(0, idx.size, step):
-        part = idx[k : k + step]
-        out[k : k + part.size] = arr[part]
-        _release(d.maps[key], int(part.min()), int(part.max()) + 1)
-    return out
-
-
-def every(d: Dump, items, k: int = 256):
-    """Iterate items; in a bounded dump, drop every mapped page after each k of them (per-finding
-    work reads scattered rows, and each read maps a whole page-cache folio)."""
-    for n, x in enumerate(items, 1):
-        yield x
-        if d.bounded and n % k == 0:
-            release(d, 0, d.n)
-
-
-def release(d: Dump, lo: int, hi: int) -> None:
-    """Forget the row pages of observations [lo, hi): bounded memory for scans of huge dumps."""
-    for key, offs in (("rows.seq_lens", "obs.rows"), ("rows.kv_pages", "obs.rows"),
-                      ("rows.dcp_local_seq_lens", "obs.dcp_rows"), ("rows.query_start_loc", "obs.qsl")):
-        if key in d.maps:
-            o = d.columns[offs]
-            _release(d.maps[key], int(o[lo]), int(o[hi]))

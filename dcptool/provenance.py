@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcptool.dump import Dump, take
+from dcptool.dump import Dump
 from dcptool.reference import local_np, ranks_giving
 from dcptool.segments import ragged
 
@@ -184,7 +184,7 @@ class Provenance:
         nr = d["obs.num_reqs"]
         idx = np.flatnonzero(nr > j)
         out = np.zeros(d.n, np.int64)
-        out[idx] = local_np(take(d, "rows.seq_lens", d["obs.rows"][idx] + j), c.dcp_size, d["obs.rank"][idx],
+        out[idx] = local_np(d.take("rows.seq_lens", d["obs.rows"][idx] + j), c.dcp_size, d["obs.rank"][idx],
                             c.cp_interleave)
         return out
 
@@ -194,7 +194,7 @@ class Provenance:
         d, c = self.d, self.d.config
         nr = d["obs.num_reqs"][obs].astype(np.int64)
         seg, j, at = ragged(d["obs.rows"][obs], nr)
-        e = local_np(take(d, "rows.seq_lens", at), c.dcp_size, d["obs.rank"][obs][seg], c.cp_interleave)
+        e = local_np(d.take("rows.seq_lens", at), c.dcp_size, d["obs.rank"][obs][seg], c.cp_interleave)
         cs = [np.concatenate([np.zeros(1, np.uint64), np.cumsum(_mix(e, j, salt), dtype=np.uint64)]) for salt in (0, 1)]
         return np.cumsum(nr) - nr, cs
 
@@ -214,7 +214,7 @@ class Provenance:
             return
         rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
         seg, j, at = ragged(view[wrong], m)
-        rec = take(d, "rows.dcp_local_seq_lens", at).astype(np.int64)
+        rec = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
         qh = [_seg_sums(_mix(rec, j, s), m) for s in (0, 1)]
         starts = np.cumsum(m) - m
         r0 = rec[starts]
@@ -277,7 +277,7 @@ class Provenance:
         d, c = self.d, self.d.config
         N, il = c.dcp_size, c.cp_interleave
         _, _, srow = ragged(d["obs.rows"][q], m)  # the seq_lens rows under the recorded ones
-        L = take(d, "rows.seq_lens", srow).astype(np.int64)
+        L = d.take("rows.seq_lens", srow).astype(np.int64)
         rank = d["obs.rank"][q].astype(np.int64)
         starts = np.cumsum(m) - m
 

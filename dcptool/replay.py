@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcptool.choices import Backend, values
-from dcptool.dump import Dump, DumpError, take
+from dcptool.dump import Dump, DumpError
 from dcptool.provenance import Provenance, Source, expected_of
 from dcptool.reference import local_np
 from dcptool.rules import (
@@ -244,7 +244,7 @@ def check_split(d: Dump, k: int) -> None:
         raise LimitError(f"--split {k}: at most {MAX_SPLIT} micro-batches per batch (docs/limits.md)")
     idx = _splittable(d)
     if idx.size:
-        tok = take(d, "rows.query_start_loc", d["obs.qsl"][idx] + d["obs.num_reqs"][idx]).astype(np.int64)
+        tok = d.take("rows.query_start_loc", d["obs.qsl"][idx] + d["obs.num_reqs"][idx]).astype(np.int64)
         if d.has("obs.num_tokens_padded"):
             ntp = d["obs.num_tokens_padded"][idx].astype(np.int64)
             tok = np.where(ntp >= 0, ntp, tok)

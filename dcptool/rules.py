@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from dcptool.dump import Dump, every, take
+from dcptool.dump import Dump
 from dcptool.provenance import Provenance, Source, expected_of
 from dcptool.reference import local_of
 from dcptool.schema import GraphMode
@@ -183,7 +183,7 @@ def check_values(d: Dump, prov: Provenance, st: Stats) -> list[tuple[int, Findin
     """Wrong real rows (the scan's n_wrong): explained by provenance (stale, global, wrong-rank,
     wrong-interleave) or a mismatch; `prov` has been prepared for these observations."""
     return [(i, _value_finding(d, prov, i, n, j))
-            for i, n, j in every(d, zip(st.obs.tolist(), st.n_wrong.tolist(), st.first_wrong.tolist())) if n]
+            for i, n, j in d.every(zip(st.obs.tolist(), st.n_wrong.tolist(), st.first_wrong.tolist())) if n]
 
 
 def check_missing(d: Dump) -> list[tuple[int, Finding]]:
@@ -197,7 +197,7 @@ def check_missing(d: Dump) -> list[tuple[int, Finding]]:
 
 def check_padding(d: Dump, st: Stats) -> list[tuple[int, Finding]]:
     found = []
-    for i, n, j in every(d, zip(st.obs.tolist(), st.n_pad.tolist(), st.first_pad.tolist())):
+    for i, n, j in d.every(zip(st.obs.tolist(), st.n_pad.tolist(), st.first_pad.tolist())):
         if n:
             rec = int(d.dcp_of(i)[j])
             msg = (f"padded row {j} holds {rec}, must be 0 "
@@ -228,7 +228,7 @@ def check_stray(d: Dump) -> list[tuple[int, Finding]]:
 
 def check_pages(d: Dump, st: Stats) -> list[tuple[int, Finding]]:
     return [(i, _page_finding(d, i, n, j))
-            for i, n, j in every(d, zip(st.obs.tolist(), st.n_pages.tolist(), st.first_pages.tolist())) if n]
+            for i, n, j in d.every(zip(st.obs.tolist(), st.n_pages.tolist(), st.first_pages.tolist())) if n]
 
 
 def findings_of(d: Dump, issues: list[Issue]) -> list[tuple[int, Finding]]:
@@ -325,7 +325,7 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     ci, qi = _join([k[has] for k in key], [k[wrong] for k in key])
     m = has[np.isin(ci, qi)]  # recorded with a view, in a (step, site, ubatch, num_reqs) of a wrong one
     seg, j, at = ragged(d["obs.rows"][m], nr[m])
-    seq = take(d, "rows.seq_lens", at).astype(np.int64)
+    seq = d.take("rows.seq_lens", at).astype(np.int64)
     h = [_seg_sums(_mix(seq, j, salt), nr[m]) for salt in (0, 1)]
     batch = _group_ids([k[m] for k in key] + [x.view(np.int64) for x in h])
     # the hash groups equal seq_lens; confirm each member against its batch's first member exactly
@@ -363,10 +363,10 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     total = np.zeros(int(n.sum()), np.int64)
     base = np.repeat(np.cumsum(n) - n, n)  # each set's first row in total
     row_of = (np.cumsum(n) - n)[g[sg]] + jj
-    np.add.at(total, row_of, take(d, "rows.dcp_local_seq_lens", at).astype(np.int64))
+    np.add.at(total, row_of, d.take("rows.dcp_local_seq_lens", at).astype(np.int64))
     lead = mm[bounds]
     setrow = np.repeat(np.arange(bounds.size), n)
-    want = take(d, "rows.seq_lens", d["obs.rows"][lead][setrow] + (np.arange(total.size) - base)).astype(np.int64)
+    want = d.take("rows.seq_lens", d["obs.rows"][lead][setrow] + (np.arange(total.size) - base)).astype(np.int64)
     bad = total != want
     out: list[Issue] = []
     first_row = np.cumsum(n) - n
@@ -489,8 +489,8 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue
     # compare the rows it has, and report the short ones below rather than read past them.
     have = np.diff(rows)[cand]
     seg, j, _ = ragged(np.zeros(cand.size, np.int64), np.minimum(nrp, have))
-    got = take(d, "rows.seq_lens", rows[cand][seg] + j).astype(np.int64)
-    want = take(d, "rows.seq_lens", rows[p][seg] + r0[seg] + j).astype(np.int64)
+    got = d.take("rows.seq_lens", rows[cand][seg] + j).astype(np.int64)
+    want = d.take("rows.seq_lens", rows[p][seg] + r0[seg] + j).astype(np.int64)
     cut = sliced_last_cut(q[qo[p] + r0 + nrp].astype(np.int64), te0)
     last = j == nrp[seg] - 1
     want[last] -= cut[seg[last]]

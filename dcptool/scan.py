@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcptool.dump import Dump, release, take
+from dcptool.dump import Dump
 from dcptool.reference import RowStats, local_of
 
 CHUNK_ROWS = 1 << 18  # CPU: ~1 MB of int32 per array, so the passes over a chunk stay in L2
@@ -158,7 +158,7 @@ def _irregular(d: Dump, sel: np.ndarray) -> Stats:
         ln = offs[1:][sel] - offs[:-1][sel]
         new = np.zeros(sel.size + 1, np.int64)
         np.cumsum(ln, out=new[1:])
-        return take(d, key, np.repeat(offs[:-1][sel] - new[:-1], ln) + np.arange(new[-1])), new
+        return d.take(key, np.repeat(offs[:-1][sel] - new[:-1], ln) + np.arange(new[-1])), new
 
     seq, seq_off = gather(rows, "rows.seq_lens")
     dcp, dcp_off = gather(drows, "rows.dcp_local_seq_lens")
@@ -219,7 +219,7 @@ def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bou
         hit = np.flatnonzero((st.n_wrong > 0) | (st.n_pad > 0) | (st.n_pages > 0))
         parts.append(Stats(hit + lo, *(x[hit] for x in st)))
         if bounded:
-            release(d, lo, hi)
+            d.release(lo, hi)
         if progress:
             progress(hi - lo)
     return Stats.concat(parts)
@@ -241,7 +241,7 @@ def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = 
         lo, hi = int(lohi[0]), int(lohi[1])
         r = s.chunk(lo, hi)
         if bounded:
-            release(d, lo, hi)
+            d.release(lo, hi)
         if progress:
             progress(hi - lo)
         return r
