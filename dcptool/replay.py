@@ -156,7 +156,7 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     version = engine_version if engine_version is not None else c.engine_version
     if split is not None:
         check_split(d, split)  # before the scan: an absurd K is bad usage, not an hour of work
-    backend, device = resolve_backend(backend)
+    backend, device = resolve_backend(backend, d.n)
     N = c.dcp_size
     found: list[tuple[int, Finding]] = []
     skipped: dict[str, str] = {}
@@ -204,15 +204,18 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     return res
 
 
-def resolve_backend(name: str) -> tuple[str, str]:
-    """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter."""
+def resolve_backend(name: str, observations: int | None = None) -> tuple[str, str]:
+    """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter. With `observations`
+    given, auto keeps a dump smaller than scan.GPU_MIN_OBS on the CPU (where the GPU cannot win)."""
     import torch
+
+    from dcptool.scan import GPU_MIN_OBS
 
     if name not in values(Backend):
         raise ValueError(f"unknown backend {name!r} (auto, triton or torch)")
     cuda = torch.cuda.is_available()
     if name == "auto":
-        name = "triton" if cuda else "torch"
+        name = "triton" if cuda and (observations is None or observations >= GPU_MIN_OBS) else "torch"
     if name == "torch":
         return "torch", "cpu"
     return "triton", "cuda" if cuda else "cpu (Triton interpreter)"
