@@ -407,6 +407,7 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
                 v = np.where(v >= 0, inv[np.maximum(v, 0)], -1)
             cols[key] = v[order]
     files = _Files([d.files[0] for d in dumps], [d.idents[0] for d in dumps]) if lazy else None
+    in_order = bool((order == np.arange(order.size)).all())
     for offs_key, row_keys in (("obs.rows", ["rows.seq_lens", "rows.kv_pages"]),
                                ("obs.dcp_rows", ["rows.dcp_local_seq_lens"]),
                                ("obs.qsl", ["rows.query_start_loc"])):
@@ -425,6 +426,8 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
             if lazy:  # the rows stay in the files
                 cols[rk] = MergedRows(files, [d.row_parts.get(rk) for d in dumps], _DTYPES[COLUMNS[rk][0]],
                                       new_offs, starts_rows[order], before.astype(np.int64))
+            elif in_order:  # rollover files with steps in order: the merge is the files end to end
+                cols[rk] = np.concatenate([d[rk] for d in dumps])
             else:  # gather every row run in the new order with one vectorised index build
                 src = np.repeat(starts_rows[order] - new_offs[:-1], lens_o) + np.arange(new_offs[-1])
                 cols[rk] = np.concatenate([d[rk] for d in dumps])[src]

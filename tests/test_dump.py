@@ -501,6 +501,16 @@ def test_lazy_merge_equals_the_in_memory_merge(tmp_path, monkeypatch, seed):
     mem, lazy = open_dumps(paths, bounded=False), open_dumps(paths, bounded=True)
     assert not mem.bounded and lazy.bounded and isinstance(lazy["rows.seq_lens"], MergedRows)
     _same_dump(mem, lazy)
+    # against each file read alone: merged observation i is observation file_obs[i] of file file_index[i]
+    alone = [read_dump(p) for p in paths]
+    order = sorted(range(mem.n), key=lambda i: (mem["obs.step"][i], mem.file_index[i], mem.file_obs[i]))
+    assert order == list(range(mem.n))
+    for i in range(mem.n):
+        f, k = alone[mem.file_index[i]], int(mem.file_obs[i])
+        assert mem["obs.step"][i] == f["obs.step"][k] and mem.site_name(i) == f.site_name(k)
+        for rows in ("seq_lens_of", "dcp_of", "kv_pages_of"):
+            x, y = getattr(f, rows)(k), getattr(lazy, rows)(i)
+            assert (x is None and y is None) or np.array_equal(x, y)
     # reads the pipeline makes: slices at any bounds (empty, one row, across files), gathers, scalars
     for key in ("rows.seq_lens", "rows.dcp_local_seq_lens", "rows.kv_pages"):
         full, col = mem[key], lazy[key]
