@@ -516,6 +516,7 @@ class MergedRows:
 
     PIECE = 1 << 16  # rows gathered per file between page drops (a sparse gather maps whole folios)
     MARGIN = 2 << 20  # bytes dropped around what a read touched (see _from_file)
+    RUNS = 64  # a slice of at most this many runs is copied run by run; more (files interleaved): gathered
 
     def __init__(self, files: _Files, parts: list[tuple[int, int] | None], dtype, offs: np.ndarray,
                  src: np.ndarray, base: np.ndarray):
@@ -571,18 +572,26 @@ class MergedRows:
                 return self[np.arange(a, b, step)]
             if b <= a:
                 return np.zeros(0, self.dtype)
-            # The common case (rollover files, steps in order): the run is one contiguous range of one file.
+            # The common case (rollover files, steps in order): the range is a few runs of observations that
+            # lie end to end in the files too (constant shift), each copied as slices, split at file ends.
             k0 = int(np.searchsorted(self.offs, a, side="right")) - 1
             k1 = int(np.searchsorted(self.offs, b - 1, side="right")) - 1
-            shift = self.src[k0 : k1 + 1] - self.offs[k0 : k1 + 1]
             lens = self.offs[k0 + 1 : k1 + 2] - self.offs[k0 : k1 + 1]
-            shift = shift[lens > 0]
-            s0 = int(shift[0]) + a
-            f = int(np.searchsorted(self.base, s0, side="right")) - 1
-            if (shift == shift[0]).all() and s0 + (b - a) <= int(self.base[f + 1]):
+            ks = np.flatnonzero(lens > 0) + k0
+            shift = self.src[ks] - self.offs[ks]
+            runs = np.concatenate([[0], np.flatnonzero(np.diff(shift)) + 1])
+            if runs.size <= self.RUNS:
                 out = np.empty(b - a, self.dtype)
-                lo = s0 - int(self.base[f])
-                self._from_file(f, slice(lo, lo + b - a), out, slice(None))
+                ends = [int(self.offs[ks[r]]) for r in runs[1:].tolist()] + [b]
+                for r, p1 in zip(runs.tolist(), ends):
+                    p0 = max(a, int(self.offs[ks[r]]))
+                    s0, s1 = p0 + int(shift[r]), p1 + int(shift[r])
+                    while s0 < s1:
+                        f = int(np.searchsorted(self.base, s0, side="right")) - 1
+                        e = min(s1, int(self.base[f + 1]))
+                        lo = s0 - int(self.base[f])
+                        self._from_file(f, slice(lo, lo + e - s0), out, slice(p0 - a, p0 - a + e - s0))
+                        p0, s0 = p0 + e - s0, e
                 return out
             return self._gather(np.arange(a, b, dtype=np.int64))
         if isinstance(key, (int, np.integer)):
