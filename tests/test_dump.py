@@ -695,3 +695,27 @@ def test_commands_read_rollover_files_over_the_bound_lazily(tmp_path, monkeypatc
         runs[avail] = [(x.exit_code, parsed(x.stdout)) for x in r]
     assert [c for c, _ in runs[64]] == [1, 0, 0] and len(runs[64][0][1]) > 10
     assert runs[64] == runs[1 << 40]
+
+
+def test_a_lazily_merged_file_replaced_before_its_rows_are_read_is_one_line(tmp_path, monkeypatch):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    import dcptool.dump as dump_mod
+    import dcptool.replay as replay_mod
+    from dcptool.cli import app
+
+    paths = _rollover(tmp_path, np.random.default_rng(4), files=3)
+    monkeypatch.setattr(dump_mod, "available_memory", lambda: 64)
+    real = replay_mod.replay
+
+    def replaced_then_replay(*a, **k):
+        shutil.copyfile(paths[1], tmp_path / "copy")
+        os.replace(tmp_path / "copy", paths[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(replay_mod, "replay", replaced_then_replay)
+    r = CliRunner().invoke(app, ["replay", str(tmp_path), "--json"])
+    assert r.exit_code == 2 and r.stdout == "" and r.stderr.count("\n") == 1, (r.stdout, r.stderr)
+    assert r.stderr.startswith(f"dcptool: {paths[1]}: changed while being read"), r.stderr
