@@ -447,7 +447,7 @@ def test_index_of_finds_an_observation_of_a_file_in_the_merged_run(tmp_path):
 
 def _rollover(tmp_path, rng, n=240, files=4, sorted_steps=True, N=4, I=2):
     """Seeded random observations cut into `files` rollover files at random observation boundaries (an
-    empty file among them when `files` > n), steps repeated so that one step spans several files; with
+    empty file among them when `files` > 4), steps repeated so that one step spans several files; with
     sorted_steps=False the steps are in no order at all (every file interleaves with every other)."""
     from conftest import random_columns
 
@@ -456,6 +456,8 @@ def _rollover(tmp_path, rng, n=240, files=4, sorted_steps=True, N=4, I=2):
     cols["obs.site"] = rng.integers(0, 2, n).astype(np.int32)
     cols["obs.parent"] = np.full(n, -1, np.int64)
     cuts = np.concatenate([[0], np.sort(rng.integers(0, n + 1, files - 1)), [n]])
+    if files > 4:
+        cuts[2] = cuts[1]  # an empty file (a rollover with nothing recorded since)
     paths = []
     for f, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist())):
         c = {}
