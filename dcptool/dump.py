@@ -9,6 +9,7 @@ import os
 import stat
 import struct
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,7 +153,7 @@ class Dump:
         """Forget the row pages of observations [lo, hi): bounded memory for scans of huge dumps."""
         for v in self.columns.values():
             if isinstance(v, MergedRows):  # several files read lazily: each read drops its pages; unmap all too
-                v.files.open.clear()
+                v.files.clear()
         for key, offs in (("rows.seq_lens", "obs.rows"), ("rows.kv_pages", "obs.rows"),
                           ("rows.dcp_local_seq_lens", "obs.dcp_rows"), ("rows.query_start_loc", "obs.qsl")):
             if key in self.maps:
@@ -481,12 +482,22 @@ class _Files:
         self.paths, self.idents = paths, idents
         self.open: OrderedDict[int, object] = OrderedDict()
         self.cap = _max_open_files()
+        self.lock = threading.Lock()  # the scan may read from several threads
+
+    def clear(self) -> None:
+        """Unmap every file (each closes once no read holds it)."""
+        with self.lock:
+            self.open.clear()
 
     def map(self, f: int):
-        m = self.open.get(f)
-        if m is not None:
-            self.open.move_to_end(f)
-            return m
+        with self.lock:
+            m = self.open.get(f)
+            if m is not None:
+                self.open.move_to_end(f)
+                return m
+            return self._map(f)
+
+    def _map(self, f: int):
         import mmap
 
         p = self.paths[f]
@@ -494,8 +505,8 @@ class _Files:
             with open(p, "rb") as fh:
                 st = os.fstat(fh.fileno())
                 if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self.idents[f]:
-                    raise _fail(p, None, "changed while being read (size or modification time differ from when "
-                                         "it was opened); read it again once it is complete")
+                    raise _fail(p, None, "changed while being read (replaced, or its size or modification time "
+                                         "differ from when it was opened); read it again once it is complete")
                 m = mmap.mmap(fh.fileno(), st.st_size, access=mmap.ACCESS_READ)
         except OSError as e:
             raise _fail(p, None, f"cannot read: {e.strerror or e}") from None

@@ -190,3 +190,18 @@ def test_cuda_scan_in_chunks_equals_reference(tmp_path, monkeypatch, target):
     assert np.array_equal(got_obs, want_obs) and np.array_equal(got, want) and want_obs.size
     cpu_obs, cpu = as_array(scan_mod.scan(d, "torch"))
     assert np.array_equal(got_obs, cpu_obs) and np.array_equal(got, cpu)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_scan_of_rollover_files_read_lazily(tmp_path, monkeypatch, threads):
+    """The CPU scan over lazily merged files (interleaved; few files mapped at once; two threads sharing them)."""
+    from test_dump import _rollover
+
+    import dcptool.dump as dump_mod
+
+    monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 900)
+    monkeypatch.setattr(dump_mod, "_max_open_files", lambda: 2)
+    paths = _rollover(tmp_path, np.random.default_rng(6), n=150, files=5, sorted_steps=False)
+    want_obs, want = reference_stats(open_dumps(paths, bounded=False))
+    got_obs, got = as_array(scan_mod.scan(open_dumps(paths, bounded=True), "torch", bounded=True, threads=threads))
+    assert np.array_equal(got_obs, want_obs) and np.array_equal(got, want) and want_obs.size
