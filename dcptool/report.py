@@ -557,3 +557,15 @@ def problem_json_lines(problems) -> Iterator[str]:
     """`{"type": "problem", ...}` objects: each lists its findings by position in the finding stream."""
     for p in problems:
         yield json.dumps(p.to_json())
+
+
+def render_reduction(red, output: str, console: Console) -> None:
+    """What `dcptool reduce` kept: sizes before and after, the problem, the reduced recording's findings."""
+    b, a = red.before, red.after
+    say(console, ("dcptool reduce", "bold"), literal(f" kept {red.target.label} at {red.target.site}: "
+        f"{b['observations']} -> {a['observations']} observations, {b['steps']} -> {a['steps']} steps, "
+        f"{b['rows']} -> {a['rows']} rows ({red.candidates} replays, {red.seconds:.2f} s"
+        + (", stopped at --max-seconds" if red.stopped else "") + ")"))
+    for f in red.findings:
+        say(console, (f.rule, _style(f.severity)), literal(f" obs {f.obs} {f.message}"))
+    say(console, literal(f"wrote {output}; replay it: dcptool replay {output}"), style="dim")
