@@ -179,3 +179,23 @@ def test_replay_report_leads_with_problems_and_json_references_findings():
 def test_clean_dump_has_no_problems():
     r = cli("replay", SAMPLES / "fixed.safetensors")
     assert r.returncode == 0 and "Problems" not in r.stdout
+
+
+def test_known_bugs_ship_in_the_wheel(tmp_path):
+    """The data file is package data: a wheel built from a copy of the source holds it."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"
+    shutil.copytree(root / "dcptool", src / "dcptool", ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(root / f, src / f)
+    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                          str(tmp_path / "w"), str(src)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    (wheel,) = (tmp_path / "w").glob("dcptool-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "dcptool/known_bugs.json" in names and "dcptool/problems.py" in names
