@@ -365,8 +365,9 @@ def group(d: Dump, fa: FindingArrays, findings: list[Finding], engine_version: s
     site_key = np.where(bound, fa.site, -1).astype(np.int64)
     pos = np.arange(n, dtype=np.int64)
     # pass 1: every finding in its own key's group
-    order, g_sorted = _runs([pattern.astype(np.int64), site_key, fa.relation.astype(np.int64),
-                             fa.rule.astype(np.int64)])
+    # the straddling row is how a copied parent row usually shows, not another mechanism: one key with real rows
+    key_pattern = np.where(pattern == STRADDLE, REAL_ROWS, pattern).astype(np.int64)
+    order, g_sorted = _runs([key_pattern, site_key, fa.relation.astype(np.int64), fa.rule.astype(np.int64)])
     gid = np.empty(n, np.int64)
     gid[order] = g_sorted
     # pass 2: side findings join the main group of their observation (shape) or batch (rank-sum)
@@ -420,8 +421,13 @@ def group(d: Dump, fa: FindingArrays, findings: list[Finding], engine_version: s
             rs, cnt = np.unique(fa.rule[side_idx], return_counts=True)
             side = {str(rules[x]): int(c) for x, c in zip(rs.tolist(), cnt.tolist())}
         pat = int(pattern[rep])
+        straddle = int((pattern[own] == STRADDLE).sum())
+        if pat in (REAL_ROWS, STRADDLE):
+            pat = STRADDLE if straddle == own.size else REAL_ROWS
+        pat_text = PATTERNS[pat] if pat != REAL_ROWS or not straddle else \
+            f"real rows; in {straddle} only the row straddling the micro-batch split"
         all_global = bool(fa.claimed_global[own].all())
-        prob = Problem(number=num, rule=r_name, relation=rel, pattern=PATTERNS[pat], sites=s_names,
+        prob = Problem(number=num, rule=r_name, relation=rel, pattern=pat_text, sites=s_names,
                        count=int(own.size), side=side, findings=members.astype(np.int64),
                        observations=int(np.unique(fa.index[members]).size), steps=_steps(fa.step[own]),
                        ranks=tuple(np.unique(fa.rank[own]).tolist()), first=findings[int(rep)],

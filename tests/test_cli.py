@@ -113,6 +113,7 @@ def test_max_findings_limits_output_not_counts(tmp_path):
     p = write(tmp_path / "m.safetensors", [obs(step=i, view=None) for i in range(10)])
     r = cli("replay", p, "--json", "--max-findings", "3")
     lines = [json.loads(x) for x in r.stdout.splitlines()]
+    lines = [x for x in lines if x["type"] != "problem"]  # (issue 17: problem objects reference all 10)
     assert len(lines) == 4 and lines[-1]["findings"] == 10
 
 
@@ -199,7 +200,7 @@ def test_docs_format_examples_write_dumps_replay_reads(tmp_path):
         d.mkdir()
         subprocess.run([sys.executable, "-c", code], cwd=d, check=True, env={"PYTHONPATH": str(ROOT)})
         r = cli("replay", d / "run.safetensors", "--json")
-        found = [json.loads(x) for x in r.stdout.splitlines()][:-1]
+        found = [o for o in map(json.loads, r.stdout.splitlines()) if o["type"] == "finding"]
         assert r.returncode == 1 and [(f["obs"], f["rule"]) for f in found] == [(1, "missing")]
 
 
@@ -321,7 +322,7 @@ def test_head_reads_one_line_and_the_exit_code_is_the_verdict():
     p = subprocess.run(f"{sys.executable} -m dcptool replay {SAMPLES / 'legacy.safetensors'} --max-findings 2000 "
                        "| head -1; exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
                        text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)
-    assert p.returncode == 1 and p.stdout.startswith("Timeline") and p.stderr == ""
+    assert p.returncode == 1 and p.stdout.startswith("Problems") and p.stderr == ""
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")

@@ -61,6 +61,18 @@ def test_legacy_simulation_each_fault_is_a_problem(legacy_029):
     _each_fault_one_problem(*legacy_029)
 
 
+def test_pcp_legacy_simulation_copied_rows_are_one_problem(tmp_path):
+    # under PCP a micro-batch that copies its parent's rows is wrong in several rows, not only the straddling
+    # one: still one mechanism, one problem
+    out = tmp_path / "pcp.safetensors"
+    simulate(SimConfig(pipeline="legacy", dcp=4, pcp=2, steps=60), out)
+    d = open_dumps([str(out)])
+    res = replay(d, "torch")
+    _each_fault_one_problem(d, res)
+    copied = next(p for p in res.problems if p.relation == "parent-rows")
+    assert copied.pattern.startswith("real rows; in ") and "straddling" in copied.pattern
+
+
 def test_known_bugs_named_where_signature_and_version_match(legacy_029):
     d, res = legacy_029
     named = {p.rule + (f"/{p.relation}" if p.relation else "") + "@" + ",".join(p.sites): p.known.bug.id
