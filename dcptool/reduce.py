@@ -184,6 +184,54 @@ def drop_rows(d: Dump, drop: set[tuple[int, int]], name: str = "reduced") -> Dum
                 file_obs=np.arange(d.n, dtype=np.int64), injected=d.injected, sizes=[0])
 
 
+def row_units(d: Dump) -> list[tuple[int, int]]:
+    """The request rows reduce may drop: every row of every observation except micro-batches, whose rows are
+    their parent's rows [req_start, ...) and go with them (drop_requests)."""
+    rows = d["obs.rows"]
+    follows = _ubatch_children(d)
+    return [(i, j) for i in range(d.n) if i not in follows for j in range(int(rows[i + 1] - rows[i]))]
+
+
+def _ubatch_children(d: Dump) -> dict[int, int]:
+    """micro-batch observation -> its parent, where the slice is recorded (req_start) and the parent kept."""
+    if not d.has("obs.parent", "obs.req_start"):
+        return {}
+    kid = np.flatnonzero((d["obs.ubatch"] >= 0) & (d["obs.parent"] >= 0) & (d["obs.req_start"] >= 0))
+    return dict(zip(kid.tolist(), d["obs.parent"][kid].tolist()))
+
+
+def drop_requests(d: Dump, drop: set[tuple[int, int]], name: str = "reduced") -> Dump:
+    """drop_rows, where dropping a parent's row also drops that request's row in each of its micro-batches and
+    shifts their slices (req_start, and tok_start/tok_stop by the dropped tokens before them)."""
+    full = set(drop)
+    edits: dict[str, dict[int, int]] = {"obs.req_start": {}, "obs.tok_start": {}, "obs.tok_stop": {}}
+    by_parent: dict[int, np.ndarray] = {}
+    for i, j in drop:
+        by_parent.setdefault(i, []).append(j)
+    for c, p in _ubatch_children(d).items():
+        if p not in by_parent:
+            continue
+        ks = np.asarray(sorted(by_parent[p]), np.int64)
+        s = int(d["obs.req_start"][c])
+        n_c = int(d["obs.rows"][c + 1] - d["obs.rows"][c])
+        full |= {(c, int(k - s)) for k in ks if 0 <= k - s < n_c}
+        edits["obs.req_start"][c] = s - int((ks < s).sum())
+        q = d.qsl_of(p)
+        if q is not None and q.size >= 2 and d.has("obs.tok_start", "obs.tok_stop"):
+            q = q.astype(np.int64)
+            ks = ks[ks < q.size - 1]
+            lo, ql = q[ks], q[ks + 1] - q[ks]
+            for key in ("obs.tok_start", "obs.tok_stop"):
+                t = int(d[key][c])
+                if t >= 0:  # the tokens of dropped requests that lay before t
+                    edits[key][c] = t - int(np.clip(t - lo, 0, ql).sum())
+    out = drop_rows(d, full, name)
+    for key, vals in edits.items():
+        for i, v in vals.items():
+            out.columns[key][i] = v
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Delta debugging
 
@@ -285,11 +333,11 @@ def reduce_dump(d: Dump, target: Target, rules: set[str], *, max_seconds: float 
     base = cur
     obs_units = ddmin(obs_units, lambda u: check(by_obs(u, base)), deadline)
     cur = by_obs(obs_units, base)
-    rows = [(i, j) for i in range(cur.n) for j in range(int(cur["obs.rows"][i + 1] - cur["obs.rows"][i]))]
+    rows = row_units(cur)
     base = cur
     # rows to drop: the complement of the ones ddmin keeps
-    kept_rows = ddmin(rows, lambda u: check(drop_rows(base, set(rows) - set(u), name)), deadline)
-    cur = drop_rows(base, set(rows) - set(kept_rows), name)
+    kept_rows = ddmin(rows, lambda u: check(drop_requests(base, set(rows) - set(u), name)), deadline)
+    cur = drop_requests(base, set(rows) - set(kept_rows), name)
     stopped = time.monotonic() > deadline
     found = replay(cur, backend).findings
     return Reduction(target=target, dump=cur, before=sizes(d), after=sizes(cur), candidates=count[0],
