@@ -186,10 +186,23 @@ def drop_rows(d: Dump, drop: set[tuple[int, int]], name: str = "reduced") -> Dum
 
 def row_units(d: Dump) -> list[tuple[int, int]]:
     """The request rows reduce may drop: every row of every observation except micro-batches, whose rows are
-    their parent's rows [req_start, ...) and go with them (drop_requests)."""
+    their parent's rows [req_start, ...) and go with them, and the rows of another derived batch (a PCP-local
+    batch) that its parent also has, which go with the parent's row of the same index (drop_requests)."""
     rows = d["obs.rows"]
-    follows = _ubatch_children(d)
-    return [(i, j) for i in range(d.n) if i not in follows for j in range(int(rows[i + 1] - rows[i]))]
+    n_rows = (rows[1:] - rows[:-1]).tolist()
+    kids = _ubatch_children(d)
+    tied = _row_tied_children(d)
+    return [(i, j) for i in range(d.n) if i not in kids
+            for j in range(n_rows[i]) if i not in tied or j >= n_rows[tied[i]]]
+
+
+def _row_tied_children(d: Dump) -> dict[int, int]:
+    """Derived batches that are not micro-batches (a PCP-local batch) -> parent: their row j is taken to be the
+    parent's row j (decodes come first and are replicated whole); where it is not, the check refuses the cut."""
+    if not d.has("obs.parent"):
+        return {}
+    kid = np.flatnonzero((d["obs.parent"] >= 0) & (d["obs.ubatch"] < 0))
+    return dict(zip(kid.tolist(), d["obs.parent"][kid].tolist()))
 
 
 def _ubatch_children(d: Dump) -> dict[int, int]:
@@ -225,6 +238,9 @@ def drop_requests(d: Dump, drop: set[tuple[int, int]], name: str = "reduced") ->
                 t = int(d[key][c])
                 if t >= 0:  # the tokens of dropped requests that lay before t
                     edits[key][c] = t - int(np.clip(t - lo, 0, ql).sum())
+    for c, p in _row_tied_children(d).items():
+        n_c = int(d["obs.rows"][c + 1] - d["obs.rows"][c])
+        full |= {(c, j) for j in by_parent.get(p, ()) if j < n_c}
     out = drop_rows(d, full, name)
     for key, vals in edits.items():
         for i, v in vals.items():
