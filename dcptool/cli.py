@@ -492,8 +492,11 @@ def reduce(
         write_target(output)
     except DumpError as e:
         raise Trouble(f"-o {e}") from None
-    if output.exists() and not force:
-        raise Trouble(f"-o {output}: exists (use --force to overwrite)")
+    if output.exists():
+        if any(p.exists() and output.resolve() == p.resolve() for p in files):
+            raise Trouble(f"-o {output}: is one of the dumps being reduced; dcptool never modifies its input")
+        if not force:
+            raise Trouble(f"-o {output}: exists (use --force to overwrite)")
     d = open_dumps([str(p) for p in files])
     res = run_replay(d, "torch")
     target = find_target(str(files[0]), res.findings, finding, d)

@@ -551,3 +551,32 @@ def test_error_lines_escape_what_a_path_holds(tmp_path):
     assert "no\\x1b]0;title\\x07such.safetensors" in err
     code, out, err = run_cli("replay", write(tmp_path / "d.safetensors", [obs()]), "--obs", "x\x1b[2J")
     assert code == 2 and "\x1b" not in err and "x\\x1b[2J" in err
+
+
+# --------------------------------------------------------------------------------------------
+# issue 17: reduce and export-test (their behaviour: tests/test_reduce.py, tests/test_export.py)
+
+
+def test_diagnosis_commands_are_listed_and_need_their_options(tmp_path):
+    r = cli("--help")
+    assert "reduce" in r.stdout and "export-test" in r.stdout
+    h = cli("reduce", "--help")
+    assert h.returncode == 0 and "--max-seconds" in h.stdout and "RULE@OBS" in h.stdout
+    for args in (["reduce", SAMPLES / "legacy.safetensors", "-o", tmp_path / "o.safetensors"],
+                 ["reduce", SAMPLES / "legacy.safetensors", "--finding", "missing"],
+                 ["export-test", SAMPLES / "legacy.safetensors"],
+                 ["reduce", tmp_path / "none.safetensors", "--finding", "missing", "-o", tmp_path / "o.safetensors"]):
+        r = cli(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, args
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_reduce_refuses_to_write_over_its_input(tmp_path):
+    import shutil
+
+    dump = tmp_path / "legacy.safetensors"
+    shutil.copy(SAMPLES / "legacy.safetensors", dump)
+    before = dump.read_bytes()
+    r = cli("reduce", dump, "--finding", "missing", "-o", dump, "--force")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "input" in r.stderr
+    assert dump.read_bytes() == before
