@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 
 import numpy as np
@@ -306,7 +306,6 @@ class Problem:
     first: Finding
     explanation: str
     known: BugMatch | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
