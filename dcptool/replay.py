@@ -109,6 +109,7 @@ class ReplayResult:
     rows_view: RowsView | None = None
     grid: ObsGrid | None = None
     views: dict[int, RowsView] = field(default_factory=dict)  # merged index -> row view (for --html)
+    problems: list = field(default_factory=list)  # problems.Problem: the findings grouped by root cause
 
     @property
     def errors(self) -> int:
@@ -200,6 +201,9 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         res.rows_view = rows_view(d, obs, [f for f in res.findings if f.index == obs])
     if views > 0:
         res.views = finding_views(d, res.findings, views)
+    from dcptool.problems import problems
+
+    res.problems = problems(d, res.findings, version)
     res.seconds = time.perf_counter() - t0
     return res
 
