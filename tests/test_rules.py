@@ -23,10 +23,10 @@ def rules(res):
 def test_clean_dump_has_no_findings(tmp_path, backend, rng):
     o = []
     for step in range(6):
+        nr = int(rng.integers(0, 9))  # one batch per step, seen by every rank (else: rank-agree)
+        seq = np.zeros(nr + 3, np.int32)
+        seq[:nr] = rng.integers(1, 5000, nr)
         for rank in range(4):
-            nr = int(rng.integers(0, 9))
-            seq = np.zeros(nr + 3, np.int32)
-            seq[:nr] = rng.integers(1, 5000, nr)
             o.append(obs(step=step, rank=rank, seq=seq, num_reqs=nr, num_reqs_padded=nr + 3, dcp=4, il=16))
     res = run(tmp_path, o, backend, dcp=4, il=16)
     assert res.findings == [] and res.errors == 0
@@ -236,7 +236,7 @@ def test_table_is_design_s3():
     from dcptool.simulate import FAULTS
 
     assert RULES == ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
-                     "stray", "ubatch-slice", "alias", "rank-sum", "pages")
+                     "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree")
     assert len({c.lower() for c in RULE_CODES.values()}) == len(RULES)
     assert all(callable(getattr(dcptool.rules, r.check)) for r in TABLE)
     assert {f: rule for f, (rule, _) in FAULTS.items()} == {f: r.name for r in TABLE for f in r.faults}
