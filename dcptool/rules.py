@@ -553,6 +553,7 @@ def merge_split_findings(d: Dump, findings: list[Finding], splits: list) -> list
 
 MASK_ROWS_CHUNK = 1 << 22  # LSE rows whose masks are built at once (bounded memory on huge or hostile dumps)
 _SHOWN = 16  # masked rows listed in a finding's detail
+MASK_PAST_Q = 1 << 16  # LSE rows compared past the expected Q[-1] when the recorded Q runs further
 
 
 def lse_mask(q: np.ndarray, s: np.ndarray, rows: int) -> np.ndarray:
@@ -744,8 +745,10 @@ def check_empty_mask(d: Dump) -> list[Issue]:
     qexp_last = qsl_at(allpos, np.minimum(nd_exp, R), qlast_rec)
     all_dec = known & (nd_exp == R)
     T = np.where(all_dec & (ntp >= 0), np.maximum(ntp, qexp_last), qexp_last)
-    # rows past both Q[-1]s are masked in both masks: build rows up to there only
-    U = np.clip(np.minimum(T, np.maximum(qexp_last, qlast_rec)), 0, None) * ok
+    # rows past both Q[-1]s are masked in both masks: build rows up to there, and CUDA-graph padding rows
+    # (masked in both) only as far as a finding's detail shows them; bounds what a hostile Q[-1] can ask for
+    reach = np.maximum(qexp_last, np.minimum(qlast_rec, qexp_last + MASK_PAST_Q))
+    U = np.clip(np.minimum(T, reach + _SHOWN), 0, None) * ok
     wrong_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     all_masked: dict[int, list[int]] = {}
     pos_all = np.flatnonzero(ok & (U > 0))
