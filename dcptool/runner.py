@@ -410,7 +410,8 @@ class Runner:
             kw.update(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)
         if odd_seq is not None:  # the last rank records other seq_lens: one call per rank
             idxs = [sink.recorders[sink.file_of[proc]].observe(
-                rank=r, dcp_local_seq_lens=None if view is None else view[r], parent=None if parents is None else parents[r], buffer=bufs[r],
+                rank=r, dcp_local_seq_lens=None if view is None else view[r],
+                parent=None if parents is None else parents[r], buffer=bufs[r],
                 kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[r],
                 dcp_query_start_loc=None if dq is None else dq[r], dcp_tot_seq_lens=None if tot is None else tot[r],
                 **{**kw, "seq_lens": odd_seq if r == N - 1 else b.seq}) for r, proc in enumerate(procs)]

@@ -417,7 +417,8 @@ def test_issue15_faults_are_opt_in_not_legacy_and_fixed_records_the_decode_path(
     q, t = np.diff(d["obs.dqsl"]), np.diff(d["obs.tot"])
     assert (q > 0).sum() > 0 and np.array_equal(t[q > 0], q[q > 0] - 1)  # companion: num_decodes rows
     for i in np.flatnonzero(q > 0)[:50]:  # Q is query_start_loc's prefix, the same on every rank
-        assert np.array_equal(d.dqsl_of(i), d.qsl_of(i)[: q[i]]) and np.array_equal(d.tot_of(i), d.seq_lens_of(i)[: t[i]])
+        assert np.array_equal(d.dqsl_of(i), d.qsl_of(i)[: q[i]])
+        assert np.array_equal(d.tot_of(i), d.seq_lens_of(i)[: t[i]])
     sites = {d.site_name(i) for i in np.flatnonzero(q > 0)}
     assert "prepare_inputs" not in sites and "attn_metadata" in sites  # attention builds only
 
