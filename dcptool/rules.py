@@ -887,8 +887,6 @@ def check_rank_agree(d: Dump) -> list[Issue]:
     each rank in one (step, site, micro-batch); the majority's values are the reference (a tie: the lowest
     rank's). One finding per set, at the first observation of a differing rank, naming every differing
     rank and its first differing field. Vectorised: row hashes and sorts, Python per finding only."""
-    from dcptool.provenance import _mix, _seg_sums
-
     if d.config.dcp_size == 1 or d.n == 0:
         return []
     idx = np.arange(d.n, dtype=np.int64)
@@ -898,14 +896,9 @@ def check_rank_agree(d: Dump) -> list[Issue]:
     cols: dict[str, list[np.ndarray]] = {
         "num_reqs": [d["obs.num_reqs"].astype(np.int64)],
         "num_reqs_padded": [d["obs.num_reqs_padded"].astype(np.int64)]}
-    seg, j, _ = ragged(np.zeros(d.n, np.int64), rows)
-    seq = d["rows.seq_lens"].astype(np.int64)
-    cols["seq_lens"] = [rows] + [_seg_sums(_mix(seq, j, salt), rows).view(np.int64) for salt in (0, 1)]
+    cols["seq_lens"] = [rows, *_row_hashes(d, "obs.rows", "rows.seq_lens")]
     if d.has("obs.qsl"):
-        qn = np.diff(d["obs.qsl"])
-        seg, j, _ = ragged(np.zeros(d.n, np.int64), qn)
-        qv = d["rows.query_start_loc"].astype(np.int64)
-        cols["query_start_loc"] = [qn] + [_seg_sums(_mix(qv + 1, j, salt), qn).view(np.int64) for salt in (0, 1)]
+        cols["query_start_loc"] = [np.diff(d["obs.qsl"]), *_row_hashes(d, "obs.qsl", "rows.query_start_loc")]
     for name, key in (("num_tokens_padded", "obs.num_tokens_padded"), ("graph", "obs.graph")):
         if d.has(key):
             cols[name] = [d[key].astype(np.int64)]
@@ -943,6 +936,30 @@ def check_rank_agree(d: Dump) -> list[Issue]:
         out.append(Issue(i, "rank-agree", msg, {"detail": {
             "field": f, "ranks": [int(rank[x]) for x in odd], "fields": {str(k): v for k, v in fields.items()},
             "obs": [int(d.file_obs[x]) for x in members], "reference_obs": int(d.file_obs[r0])}}))
+    return out
+
+
+def _row_hashes(d: Dump, offs_key: str, rows_key: str, step: int = 1 << 22) -> tuple[np.ndarray, np.ndarray]:
+    """Two 64-bit hashes of each observation's rows (value and position; a 0 hashes like any value), in
+    chunks of about `step` rows so a dump bigger than RAM is hashed in bounded memory (pages released)."""
+    from dcptool.provenance import _mix, _seg_sums
+
+    offs = d[offs_key]
+    n = offs.size - 1
+    out = (np.zeros(n, np.int64), np.zeros(n, np.int64))
+    cuts = np.unique(np.concatenate([np.searchsorted(offs, np.arange(0, int(offs[-1]), step), "right") - 1, [n]]))
+    lo = 0
+    for hi in cuts.tolist():
+        if hi <= lo:
+            continue
+        cnt = np.diff(offs[lo : hi + 1])
+        _, j, at = ragged(offs[lo:hi], cnt)
+        v = d.take(rows_key, at).astype(np.int64) + 1  # (_mix hashes 0 as 0: shift so a 0 row counts)
+        for k, salt in enumerate((0, 1)):
+            out[k][lo:hi] = _seg_sums(_mix(v, j, salt), cnt).view(np.int64)
+        if d.bounded:
+            d.release(lo, hi)
+        lo = hi
     return out
 
 

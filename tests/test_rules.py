@@ -526,3 +526,19 @@ def test_rank_agree_in_replay_output_names_the_rule(tmp_path):
     assert [(x["rule"], x["obs"], x["detail"]["ranks"]) for x in lines if x["type"] == "finding"] == [
         ("rank-agree", 1, [1])]
     assert lines[-1]["by_rule"] == {"rank-agree": 1}
+
+
+def test_rank_agree_row_hashes_do_not_depend_on_the_chunking(rng):
+    from dcptool.rules import _row_hashes
+
+    o = [obs(step=k // 2, rank=k % 2, seq=rng.integers(0, 9, int(rng.integers(0, 7))).astype(np.int32),
+             num_reqs=0, num_reqs_padded=0, view=[]) for k in range(40)]
+    d = _dump(o, 2)
+    whole = _row_hashes(d, "obs.rows", "rows.seq_lens")
+    for step in (1, 3, 17):
+        parts = _row_hashes(d, "obs.rows", "rows.seq_lens", step)
+        assert all(np.array_equal(a, b) for a, b in zip(whole, parts)), step
+    # a trailing 0 changes the hash (the length is compared beside it too)
+    h = [_row_hashes(_dump([obs(seq=x, num_reqs=1, num_reqs_padded=2)], 2), "obs.rows", "rows.seq_lens")[0][0]
+         for x in ([3, 0], [3, 1])]
+    assert h[0] != h[1]
