@@ -751,8 +751,24 @@ def check_empty_mask(d: Dump) -> list[Issue]:
     U = np.clip(np.minimum(T, reach + _SHOWN), 0, None) * ok
     wrong_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     all_masked: dict[int, list[int]] = {}
-    pos_all = np.flatnonzero(ok & (U > 0))
     sets = _rank_sets(d, cand)
+    # Where Q is right, row t < Q[-1] belongs to the request j with Q[j] <= t < Q[j+1]: the masks differ exactly
+    # where a request with query tokens is empty in one S and not in the other. That test runs per request
+    # on every observation; LSE rows are built only for observations with a problem and their batch's ranks.
+    qok = ok.copy()
+    qok[list(problems)] = False
+    pq = np.flatnonzero(qok)
+    sq, jq, atq = ragged(d["obs.dcp_rows"][cand[pq]], nd[pq])
+    s_rec = d.take("rows.dcp_local_seq_lens", atq).astype(np.int64)
+    seq_r = d.take("rows.seq_lens", d["obs.rows"][cand[pq]][sq] + jq).astype(np.int64)
+    s_exp = np.where(jq < nr[pq][sq], local_of(seq_r, d["obs.rank"][cand[pq]][sq].astype(np.int64), N,
+                                               c.cp_interleave), 0)
+    tok = qv[first_entry[pq][sq] + jq + 1] > qv[first_entry[pq][sq] + jq]
+    flagged = np.zeros(cand.size, bool)
+    flagged[pq[np.unique(sq[tok & ((s_rec == 0) != (s_exp == 0))])]] = True
+    build = flagged | (ok & ~qok)
+    build |= np.isin(sets, sets[flagged])
+    pos_all = np.flatnonzero(build & ok & (U > 0))
     unmasked_any = None
     for lo_hi in _chunks(U[pos_all]):
         sub = pos_all[lo_hi[0] : lo_hi[1]]
@@ -939,14 +955,14 @@ def check_rank_agree(d: Dump) -> list[Issue]:
     return out
 
 
-def _row_hashes(d: Dump, offs_key: str, rows_key: str, step: int = 1 << 22) -> tuple[np.ndarray, np.ndarray]:
-    """Two 64-bit hashes of each observation's rows (value and position; a 0 hashes like any value), in
+def _row_hashes(d: Dump, offs_key: str, rows_key: str, step: int = 1 << 22) -> tuple[np.ndarray]:
+    """A 64-bit hash of each observation's rows (value and position; a 0 hashes like any value), in
     chunks of about `step` rows so a dump bigger than RAM is hashed in bounded memory (pages released)."""
     from dcptool.provenance import _mix, _seg_sums
 
     offs = d[offs_key]
     n = offs.size - 1
-    out = (np.zeros(n, np.int64), np.zeros(n, np.int64))
+    out = (np.zeros(n, np.int64),)  # (one salt: a collision needs two ranks' rows to agree on 64 bits by chance)
     cuts = np.unique(np.concatenate([np.searchsorted(offs, np.arange(0, int(offs[-1]), step), "right") - 1, [n]]))
     lo = 0
     for hi in cuts.tolist():
@@ -955,8 +971,7 @@ def _row_hashes(d: Dump, offs_key: str, rows_key: str, step: int = 1 << 22) -> t
         cnt = np.diff(offs[lo : hi + 1])
         _, j, at = ragged(offs[lo:hi], cnt)
         v = d.take(rows_key, at).astype(np.int64) + 1  # (_mix hashes 0 as 0: shift so a 0 row counts)
-        for k, salt in enumerate((0, 1)):
-            out[k][lo:hi] = _seg_sums(_mix(v, j, salt), cnt).view(np.int64)
+        out[0][lo:hi] = _seg_sums(_mix(v, j, 0), cnt).view(np.int64)
         if d.bounded:
             d.release(lo, hi)
         lo = hi
