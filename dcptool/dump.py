@@ -111,19 +111,19 @@ class Dump:
         r = self.columns["obs.rows"]
         return self.columns["rows.kv_pages"][r[i] : r[i + 1]]
 
+    def _ragged_of(self, offs_key: str, rows_key: str, i: int) -> np.ndarray | None:
+        if offs_key not in self.columns:
+            return None
+        q = self.columns[offs_key]
+        return self.columns[rows_key][q[i] : q[i + 1]]
+
     def dqsl_of(self, i: int) -> np.ndarray | None:
         """rows.dcp_query_start_loc of observation i (None: the dump lacks the column; empty: not recorded)."""
-        if "obs.dqsl" not in self.columns:
-            return None
-        q = self.columns["obs.dqsl"]
-        return self.columns["rows.dcp_query_start_loc"][q[i] : q[i + 1]]
+        return self._ragged_of("obs.dqsl", "rows.dcp_query_start_loc", i)
 
     def tot_of(self, i: int) -> np.ndarray | None:
         """rows.dcp_tot_seq_lens of observation i (None: the dump lacks the column)."""
-        if "obs.tot" not in self.columns:
-            return None
-        q = self.columns["obs.tot"]
-        return self.columns["rows.dcp_tot_seq_lens"][q[i] : q[i + 1]]
+        return self._ragged_of("obs.tot", "rows.dcp_tot_seq_lens", i)
 
     def site_name(self, i: int) -> str:
         return self.config.sites[int(self.columns["obs.site"][i])]
