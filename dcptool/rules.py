@@ -703,10 +703,24 @@ def check_empty_mask(d: Dump) -> list[Issue]:
         at = np.clip(qoff[pos] + entry, 0, max(qsl_rows.size - 1, 0))
         return np.where(known[pos], qsl_rows[at].astype(np.int64) if qsl_rows.size else 0, default)
 
-    R = np.where(known, np.minimum(nrp, rows), 0)
-    a, b = decode_counts(d, cand, R) if d.has("obs.qsl") else (nd, nd)
-    nd_exp = np.where(known, np.where(nd == b, b, a), nd)
-    bad_nd = known & (nd != a) & (nd != b)
+    # The builder's num_reqs: num_reqs_padded under a FULL graph, else num_reqs (DESIGN's consumers,
+    # build_attn_metadata). Which one a recording saw is not always known (obs.graph may be absent, and
+    # the two agree unless requests are padded): a Q that fits either is accepted; the expected one is
+    # the padded count for a FULL graph (and when obs.graph is absent), else num_reqs.
+    graph = d.has("obs.graph")
+    full = (d["obs.graph"][cand] >= 2) if graph else np.ones(cand.size, bool)
+    R_pad = np.where(known, np.minimum(nrp, rows), 0)
+    R_real = np.where(known, np.minimum(nr, rows), 0)
+    a, b = decode_counts(d, cand, R_pad) if d.has("obs.qsl") else (nd, nd)
+    a2, b2 = decode_counts(d, cand, R_real) if d.has("obs.qsl") else (nd, nd)
+    a_want = np.where(full, a, a2)
+    fits_pad = ((nd == a) | (nd == b)) & (full | ~graph)
+    fits_real = ((nd == a2) | (nd == b2)) & (~full | ~graph)
+    R = np.where(fits_pad | ~fits_real & full, R_pad, R_real)
+    nd_exp = np.where(known & (fits_pad | fits_real), nd, a_want)
+    nd_exp = np.where(known, nd_exp, nd)
+    bad_nd = known & ~fits_pad & ~fits_real
+    a = a_want
     note(np.flatnonzero(bad_nd),
          lambda k: (f"dcp_query_start_loc holds {int(m[k])} entries (num_decodes {int(nd[k])}), but this batch has "
                     f"{int(a[k])} decode rows (split_decodes_and_prefills, threshold 1; padded rows count): it must be "

@@ -366,6 +366,11 @@ def test_empty_mask_q_checks_and_short_view():
     assert _em(_dump(o, 2)) == []
     o = _batch(2, 1, [9, 5, 30], 3, [0, 1, 2, 12], 12, 0, Q=[0, 1, 2, 12])
     assert _em(_dump(o, 2)) == [(0, "num_decodes"), (1, "num_decodes")]
+    # the builder's num_reqs is num_reqs_padded under a FULL graph only: eager counts the real requests
+    o = _batch(2, 1, [9, 5], 3, [0, 1, 2, 2], 2, 0, Q=[0, 1, 2])
+    assert _em(_dump(o, 2)) == []
+    o = _batch(2, 1, [9, 5], 3, [0, 1, 2, 2], 2, 0, Q=[0, 1, 2, 2])
+    assert _em(_dump(o, 2)) == [(0, "num_decodes"), (1, "num_decodes")]
     # no query_start_loc recorded: Q checked on its own (starts at 0, never decreases), the mask from Q
     o = _batch(**base)
     for x in o:
@@ -401,9 +406,10 @@ def _reference_empty_mask(d: Dump) -> set[int]:
         nd = Q.size - 1
         qsl = d.qsl_of(i).astype(np.int64)
         nr, nrp = int(d["obs.num_reqs"][i]), int(d["obs.num_reqs_padded"][i])
-        ql = np.diff(qsl[: nrp + 1])
-        a = next((j for j in range(nrp) if ql[j] > 1), nrp)
-        b = a if not (nrp and ql[0] == 0 and a < nrp) else next(j for j in range(nrp) if ql[j] >= 1)
+        R = nrp if d["obs.graph"][i] >= 2 else nr  # the builder's num_reqs: padded under a FULL graph only
+        ql = np.diff(qsl[: R + 1])
+        a = next((j for j in range(R) if ql[j] > 1), R)
+        b = a if not (R and ql[0] == 0 and a < R) else next(j for j in range(R) if ql[j] >= 1)
         if Q[0] != 0 or (np.diff(Q) < 0).any() or nd not in (a, b) or not np.array_equal(Q, qsl[: nd + 1]):
             out.add(i)
             continue
@@ -414,7 +420,7 @@ def _reference_empty_mask(d: Dump) -> set[int]:
         seq = d.seq_lens_of(i).astype(np.int64)
         exp = np.array([local_np(seq[j], c.dcp_size, int(d["obs.rank"][i]), c.cp_interleave) if j < nr else 0
                         for j in range(nd)], np.int64)
-        T = max(int(d["obs.num_tokens_padded"][i]), int(qsl[nd])) if nd == nrp else int(qsl[nd])
+        T = max(int(d["obs.num_tokens_padded"][i]), int(qsl[nd])) if nd == R else int(qsl[nd])
         if not np.array_equal(lse_mask(Q, view[:nd], T), lse_mask(Q, exp, T)):
             out.add(i)
     return out
@@ -432,9 +438,11 @@ def test_empty_mask_seeded_random_matches_reference(rng):
             ql = np.concatenate([np.sort(rng.choice([1, 1, 1, 5], nr)), np.zeros(nrp - nr, np.int64)])
             qsl = np.concatenate([[0], np.cumsum(ql)])
             seq = np.concatenate([rng.integers(1, 3 * N * I, nr) + ql[:nr], np.zeros(nrp - nr, np.int64)])
-            nd = next((j for j in range(nrp) if ql[j] > 1), nrp)
-            batch = _batch(N, I, seq[:nr].tolist(), nrp, qsl, int(qsl[-1]) + int(rng.integers(0, 3)), 0, step=step,
-                           Q=qsl[: nd + 1])
+            graph = int(rng.choice([0, 3])) if nrp == nr else 3  # requests are padded for FULL graphs only
+            R = nrp if graph == 3 else nr
+            nd = next((j for j in range(R) if ql[j] > 1), R)
+            batch = _batch(N, I, seq[:nr].tolist(), nrp, qsl, int(qsl[-1]) + int(rng.integers(0, 3)), graph,
+                           step=step, Q=qsl[: nd + 1])
             for x in batch:
                 x.seq_lens = seq
                 u = rng.random()
