@@ -703,10 +703,10 @@ def check_empty_mask(d: Dump) -> list[Issue]:
         at = np.clip(qoff[pos] + entry, 0, max(qsl_rows.size - 1, 0))
         return np.where(known[pos], qsl_rows[at].astype(np.int64) if qsl_rows.size else 0, default)
 
-    # The builder's num_reqs: num_reqs_padded under a FULL graph, else num_reqs (DESIGN's consumers,
-    # build_attn_metadata). Which one a recording saw is not always known (obs.graph may be absent, and
-    # the two agree unless requests are padded): a Q that fits either is accepted; the expected one is
-    # the padded count for a FULL graph (and when obs.graph is absent), else num_reqs.
+    # The builder's num_reqs: num_reqs_padded under a FULL graph (build_attn_metadata); otherwise num_reqs,
+    # or the padded count where a path pads requests outside a FULL graph (a drafter's padded batch): a Q
+    # that fits either is accepted there. The expected one is the padded count for a FULL graph (and when
+    # obs.graph is absent), else num_reqs.
     graph = d.has("obs.graph")
     full = (d["obs.graph"][cand] >= 2) if graph else np.ones(cand.size, bool)
     R_pad = np.where(known, np.minimum(nrp, rows), 0)
@@ -714,8 +714,8 @@ def check_empty_mask(d: Dump) -> list[Issue]:
     a, b = decode_counts(d, cand, R_pad) if d.has("obs.qsl") else (nd, nd)
     a2, b2 = decode_counts(d, cand, R_real) if d.has("obs.qsl") else (nd, nd)
     a_want = np.where(full, a, a2)
-    fits_pad = ((nd == a) | (nd == b)) & (full | ~graph)
-    fits_real = ((nd == a2) | (nd == b2)) & (~full | ~graph)
+    fits_pad = (nd == a) | (nd == b)
+    fits_real = ((nd == a2) | (nd == b2)) & (~full | ~graph)  # (a FULL graph runs the padded batch)
     R = np.where(fits_pad | ~fits_real & full, R_pad, R_real)
     nd_exp = np.where(known & (fits_pad | fits_real), nd, a_want)
     nd_exp = np.where(known, nd_exp, nd)
@@ -784,7 +784,7 @@ def check_empty_mask(d: Dump) -> list[Issue]:
     build |= np.isin(sets, sets[flagged])
     pos_all = np.flatnonzero(build & ok & (U > 0))
     unmasked_any = None
-    for lo_hi in _chunks(U[pos_all]):
+    for lo_hi in _obs_chunks(U[pos_all], MASK_ROWS_CHUNK):
         sub = pos_all[lo_hi[0] : lo_hi[1]]
         if sub.size == 0:
             continue
@@ -857,16 +857,6 @@ def check_empty_mask(d: Dump) -> list[Issue]:
     return out
 
 
-def _chunks(sizes: np.ndarray) -> list[tuple[int, int]]:
-    """[lo, hi) ranges of consecutive entries whose sizes add up to about MASK_ROWS_CHUNK each."""
-    if sizes.size == 0:
-        return []
-    cs = np.cumsum(sizes)
-    cuts = np.searchsorted(cs, np.arange(MASK_ROWS_CHUNK, int(cs[-1]) + MASK_ROWS_CHUNK, MASK_ROWS_CHUNK), "left")
-    edges = np.unique(np.concatenate([[0], np.minimum(cuts + 1, sizes.size), [sizes.size]]))
-    return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
-
-
 def _rows_text(r: np.ndarray) -> str:
     r = np.asarray(r).tolist()
     if not r:
@@ -916,79 +906,115 @@ def check_rank_agree(d: Dump) -> list[Issue]:
     num_tokens_padded and the graph mode (the last three where recorded). Sets are the k-th recording of
     each rank in one (step, site, micro-batch); the majority's values are the reference (a tie: the lowest
     rank's). One finding per set, at the first observation of a differing rank, naming every differing
-    rank and its first differing field. Vectorised: row hashes and sorts, Python per finding only."""
+    rank and its first differing field.
+
+    Vectorised in two passes: every observation is compared exactly with its set's first member (a clean
+    dump ends here); only the members of sets that differ are hashed and grouped to find the majority.
+    Python runs per finding only."""
     if d.config.dcp_size == 1 or d.n == 0:
         return []
     idx = np.arange(d.n, dtype=np.int64)
     sets = _rank_sets(d, idx)
     size = np.bincount(sets)
-    rows = np.diff(d["obs.rows"])
-    cols: dict[str, list[np.ndarray]] = {
-        "num_reqs": [d["obs.num_reqs"].astype(np.int64)],
-        "num_reqs_padded": [d["obs.num_reqs_padded"].astype(np.int64)]}
-    cols["seq_lens"] = [rows, *_row_hashes(d, "obs.rows", "rows.seq_lens")]
-    if d.has("obs.qsl"):
-        cols["query_start_loc"] = [np.diff(d["obs.qsl"]), *_row_hashes(d, "obs.qsl", "rows.query_start_loc")]
-    for name, key in (("num_tokens_padded", "obs.num_tokens_padded"), ("graph", "obs.graph")):
-        if d.has(key):
-            cols[name] = [d[key].astype(np.int64)]
-    names = [f for f in _AGREE if f in cols]
-    flat = [c for f in names for c in cols[f]]
-    tup = _group_ids([sets] + flat)  # one id per (set, values)
+    order = np.lexsort((idx, sets))
+    head = np.ones(d.n, bool)
+    head[1:] = sets[order][1:] != sets[order][:-1]
+    lead = np.empty(size.size, np.int64)
+    lead[sets[order][head]] = order[head]
+    other = lead[sets]
+    scalars = {"num_reqs": "obs.num_reqs", "num_reqs_padded": "obs.num_reqs_padded",
+               "num_tokens_padded": "obs.num_tokens_padded", "graph": "obs.graph"}
+    ragged_cols = {"seq_lens": ("obs.rows", "rows.seq_lens"), "query_start_loc": ("obs.qsl", "rows.query_start_loc")}
+    names = [f for f in _AGREE if (f in scalars and d.has(scalars[f])) or (f in ragged_cols and
+                                                                          d.has(ragged_cols[f][0]))]
+    differ = np.zeros(d.n, bool)
+    for f in names:
+        differ |= d[scalars[f]] != d[scalars[f]][other] if f in scalars else _rows_differ(d, *ragged_cols[f], other)
+    bad = np.unique(sets[differ & (size[sets] >= 2)])
+    if bad.size == 0:
+        return []
+    m = np.flatnonzero(np.isin(sets, bad))  # members of the sets that disagree
+    cols: dict[str, list[np.ndarray]] = {}
+    for f in names:
+        if f in scalars:
+            cols[f] = [d[scalars[f]][m].astype(np.int64)]
+        else:
+            offs_key, rows_key = ragged_cols[f]
+            cols[f] = [np.diff(d[offs_key])[m], _row_hashes(d, offs_key, rows_key, m)]
+    sm = sets[m]
+    tup = _group_ids([sm] + [c for f in names for c in cols[f]])  # one id per (set, values)
     count = np.bincount(tup)
-    rank = d["obs.rank"].astype(np.int64)
+    rank = d["obs.rank"][m].astype(np.int64)
     # the reference of each set: most members, then the lowest rank, then the earliest
-    order = np.lexsort((idx, rank, -count[tup], sets))
-    first = np.ones(d.n, bool)
-    first[1:] = sets[order][1:] != sets[order][:-1]
-    ref = np.empty(int(sets.max()) + 1, np.int64)
-    ref[sets[order][first]] = order[first]
-    differ = (tup != tup[ref[sets]]) & (size[sets] >= 2)
+    order = np.lexsort((m, rank, -count[tup], sm))
+    first = np.ones(m.size, bool)
+    first[1:] = sm[order][1:] != sm[order][:-1]
+    ref = np.empty(int(sm.max()) + 1, np.int64)
+    ref[sm[order][first]] = order[first]  # a position in m
+    odd_all = tup != tup[ref[sm]]
     out: list[Issue] = []
-    if not differ.any():
-        return out
-    bad_sets = np.unique(sets[differ])
-    for sset in bad_sets.tolist():
-        members = np.flatnonzero(sets == sset)  # (per set with a disagreement only)
+    for sset in np.unique(sm[odd_all]).tolist():
+        members = np.flatnonzero(sm == sset)  # (positions in m; per set with a disagreement only)
         r0 = int(ref[sset])
-        odd = [int(i) for i in members if differ[i]]
+        odd = [int(k) for k in members if odd_all[k]]
         parts, fields = [], {}
-        for i in odd:
-            f = next(n for n in names if any((c[i] != c[r0]) for c in cols[n]))
-            fields[int(rank[i])] = f
-            parts.append(f"rank {int(rank[i])} {f} {_agree_value(d, i, f)}")
-        i = odd[0]
-        f = fields[int(rank[i])]
-        ranks_txt = ", ".join(str(int(rank[x])) for x in odd)
+        for k in odd:
+            f = next(n for n in names if any((c[k] != c[r0]) for c in cols[n]))
+            fields[int(rank[k])] = f
+            parts.append(f"rank {int(rank[k])} {f} {_agree_value(d, int(m[k]), f)}")
+        k = odd[0]
+        f = fields[int(rank[k])]
+        i0 = int(m[r0])
         msg = (f"ranks disagree on what every rank of this batch must share: {'; '.join(parts)}; rank "
-               f"{int(rank[r0])} (obs {int(d.file_obs[r0])}) and the majority have {f} {_agree_value(d, r0, f)} "
-               f"(ranks {ranks_txt} differ)")
-        out.append(Issue(i, "rank-agree", msg, {"detail": {
-            "field": f, "ranks": [int(rank[x]) for x in odd], "fields": {str(k): v for k, v in fields.items()},
-            "obs": [int(d.file_obs[x]) for x in members], "reference_obs": int(d.file_obs[r0])}}))
+               f"{int(rank[r0])} (obs {int(d.file_obs[i0])}) and the majority have {f} {_agree_value(d, i0, f)} "
+               f"(ranks {', '.join(str(int(rank[x])) for x in odd)} differ)")
+        out.append(Issue(int(m[k]), "rank-agree", msg, {"detail": {
+            "field": f, "ranks": [int(rank[x]) for x in odd], "fields": {str(r): v for r, v in fields.items()},
+            "obs": [int(d.file_obs[m[x]]) for x in members], "reference_obs": int(d.file_obs[i0])}}))
     return out
 
 
-def _row_hashes(d: Dump, offs_key: str, rows_key: str, step: int = 1 << 22) -> tuple[np.ndarray]:
-    """A 64-bit hash of each observation's rows (value and position; a 0 hashes like any value), in
-    chunks of about `step` rows so a dump bigger than RAM is hashed in bounded memory (pages released)."""
+def _obs_chunks(lens: np.ndarray, step: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of consecutive observations holding about `step` rows each (one may hold more)."""
+    if lens.size == 0:
+        return []
+    cs = np.cumsum(lens)
+    cuts = np.searchsorted(cs, np.arange(step, int(cs[-1]) + step, step), "left") + 1
+    edges = np.unique(np.concatenate([[0], np.minimum(cuts, lens.size), [lens.size]]))
+    return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+
+
+def _rows_differ(d: Dump, offs_key: str, rows_key: str, other: np.ndarray, step: int = 1 << 22) -> np.ndarray:
+    """For each observation i: its rows differ from observation other[i]'s (length or any value); exact, in
+    chunks of about `step` rows (pages released in a bounded dump)."""
+    offs = d[offs_key]
+    lens = np.diff(offs)
+    out = lens != lens[other]
+    for lo, hi in _obs_chunks(np.where(out[: lens.size], 0, lens), step):
+        sel = np.arange(lo, hi)[~out[lo:hi]]
+        seg, j, at = ragged(offs[sel], lens[sel])
+        bad = d.take(rows_key, at) != d.take(rows_key, offs[other[sel]][seg] + j)
+        out[sel[np.unique(seg[bad])]] = True
+        if d.bounded:
+            d.release(0, d.n)
+    return out
+
+
+def _row_hashes(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, step: int = 1 << 22) -> np.ndarray:
+    """A 64-bit hash of the rows of each observation in idx (value and position; a 0 hashes like any
+    value), in chunks of about `step` rows so a huge dump is hashed in bounded memory."""
     from dcptool.provenance import _mix, _seg_sums
 
     offs = d[offs_key]
-    n = offs.size - 1
-    out = (np.zeros(n, np.int64),)  # (one salt: a collision needs two ranks' rows to agree on 64 bits by chance)
-    cuts = np.unique(np.concatenate([np.searchsorted(offs, np.arange(0, int(offs[-1]), step), "right") - 1, [n]]))
-    lo = 0
-    for hi in cuts.tolist():
-        if hi <= lo:
-            continue
-        cnt = np.diff(offs[lo : hi + 1])
-        _, j, at = ragged(offs[lo:hi], cnt)
+    lens = np.diff(offs)[idx]
+    out = np.zeros(idx.size, np.int64)
+    for lo, hi in _obs_chunks(lens, step):
+        cnt = lens[lo:hi]
+        _, j, at = ragged(offs[idx[lo:hi]], cnt)
         v = d.take(rows_key, at).astype(np.int64) + 1  # (_mix hashes 0 as 0: shift so a 0 row counts)
-        out[0][lo:hi] = _seg_sums(_mix(v, j, 0), cnt).view(np.int64)
+        out[lo:hi] = _seg_sums(_mix(v, j, 0), cnt).view(np.int64)
         if d.bounded:
-            d.release(lo, hi)
-        lo = hi
+            d.release(0, d.n)
     return out
 
 
