@@ -588,17 +588,23 @@ def decode_counts(d: Dump, idx: np.ndarray, R: np.ndarray) -> tuple[np.ndarray, 
     decodes. With require_uniform, a batch whose first row has 0 query tokens (a micro-batch lying in
     token padding) ends its decodes at the first row with any query token instead. Returns (a, b)."""
     seg, j, ql = _ql_rows(d, idx, R)
-    a = R.astype(np.int64).copy()
-    np.minimum.at(a, seg[ql > 1], j[ql > 1])
-    b = a.copy()
+    a = _first_in_segment(seg, j, ql > 1, R)
     first0 = np.zeros(idx.size, bool)
     first0[seg[(j == 0) & (ql == 0)]] = True
     anylong = a < R
-    sel = first0[seg] & anylong[seg] & (ql >= 1)
-    b2 = R.astype(np.int64).copy()
-    np.minimum.at(b2, seg[sel], j[sel])
-    b = np.where(first0 & anylong, b2, a)
-    return a, b
+    b2 = _first_in_segment(seg, j, first0[seg] & anylong[seg] & (ql >= 1), R)
+    return a, np.where(first0 & anylong, b2, a)
+
+
+def _first_in_segment(seg: np.ndarray, j: np.ndarray, cond: np.ndarray, default: np.ndarray) -> np.ndarray:
+    """Per segment (seg sorted): the index j of its first element where cond holds, else default."""
+    out = np.asarray(default, np.int64).copy()
+    k = np.flatnonzero(cond)
+    if k.size:
+        first = np.ones(k.size, bool)
+        first[1:] = seg[k][1:] != seg[k][:-1]
+        out[seg[k][first]] = j[k][first]
+    return out
 
 
 def _rank_sets(d: Dump, idx: np.ndarray) -> np.ndarray:
@@ -712,7 +718,10 @@ def check_empty_mask(d: Dump) -> list[Issue]:
     R_pad = np.where(known, np.minimum(nrp, rows), 0)
     R_real = np.where(known, np.minimum(nr, rows), 0)
     a, b = decode_counts(d, cand, R_pad) if d.has("obs.qsl") else (nd, nd)
-    a2, b2 = decode_counts(d, cand, R_real) if d.has("obs.qsl") else (nd, nd)
+    padded = np.flatnonzero(R_real != R_pad)  # (request padding is rare: count those again only)
+    a2, b2 = a.copy(), b.copy()
+    if padded.size and d.has("obs.qsl"):
+        a2[padded], b2[padded] = decode_counts(d, cand[padded], R_real[padded])
     a_want = np.where(full, a, a2)
     fits_pad = (nd == a) | (nd == b)
     fits_real = ((nd == a2) | (nd == b2)) & (~full | ~graph)  # (a FULL graph runs the padded batch)
@@ -883,9 +892,11 @@ def check_tot_lens(d: Dump) -> list[Issue]:
     nbad = np.bincount(seg[bad], minlength=cand.size)
     first = np.full(cand.size, -1, np.int64)
     first[seg[bad][::-1]] = j[bad][::-1]
-    loc = local_of(want, d["obs.rank"][cand][seg].astype(np.int64), d.config.dcp_size, d.config.cp_interleave)
-    all_local = np.ones(cand.size, bool)
-    np.logical_and.at(all_local, seg, got == loc)
+    # (only for observations with a wrong row: does the companion hold this rank's local lengths?)
+    hit = nbad[seg] > 0
+    loc = local_of(want[hit], d["obs.rank"][cand][seg[hit]].astype(np.int64), d.config.dcp_size,
+                   d.config.cp_interleave)
+    all_local = np.bincount(seg[hit][got[hit] != loc], minlength=cand.size) == 0
     out: list[Issue] = []
     for p in np.flatnonzero(nbad).tolist():
         i, r = int(cand[p]), int(first[p])
