@@ -840,9 +840,10 @@ def check_empty_mask(d: Dump) -> list[Issue]:
             diff = np.setxor1d(mrec, mexp)
             t = int(diff[0])
             problems[k] = (
-                f"the empty-shard mask hides LSE rows {_rows_text(mrec)} but must hide {_rows_text(mexp)} (row {t} "
-                f"is {'masked' if t in set(mrec.tolist()) else 'kept'} wrongly): the DCP view's decode rows "
-                "give the wrong empty shards",
+                f"mask_dcp_empty_shards_ masks {_rows_text(mrec)} with the recorded local lengths, but the "
+                f"batch's local lengths mask {_rows_text(mexp)} (row {t} "
+                f"{'masked' if t in set(mrec.tolist()) else 'kept'} wrongly): the DCP view's decode rows give the "
+                "wrong empty shards, so the LSE merge weighs the wrong ranks",
                 {"field": "mask", "row": t, "recorded": int(t in set(mrec.tolist())),
                  "expected": int(t in set(mexp.tolist())), "wrong_rows": int(diff.size)})
         problems[k][1]["masked"] = mrec[:_SHOWN].tolist()
@@ -854,9 +855,9 @@ def check_empty_mask(d: Dump) -> list[Issue]:
         withf = [int(k) for k in members if int(k) in problems] or [int(members[0])]
         for k in withf:
             if k not in problems:
-                problems[k] = (f"LSE rows {_rows_text(np.array(ts))} of real requests are masked", {"field": "mask"})
+                problems[k] = (f"{_rows_text(np.array(ts))} of real requests are masked", {"field": "mask"})
             problems[k][1]["all_ranks_masked"] = ts[:_SHOWN]
-            problems[k] = (problems[k][0] + f"; rows {_rows_text(np.array(ts))} are masked on every rank (the "
+            problems[k] = (problems[k][0] + f"; {_rows_text(np.array(ts))} masked on every rank (the "
                            "merged output there is NaN)", problems[k][1])
     for k in sorted(problems):
         text, det = problems[k]
@@ -869,8 +870,8 @@ def check_empty_mask(d: Dump) -> list[Issue]:
 def _rows_text(r: np.ndarray) -> str:
     r = np.asarray(r).tolist()
     if not r:
-        return "none"
-    return "[" + ", ".join(map(str, r[:_SHOWN])) + (f", ... ({len(r)} rows)]" if len(r) > _SHOWN else "]")
+        return "no LSE row"
+    return "LSE rows [" + ", ".join(map(str, r[:_SHOWN])) + (f", ... ({len(r)} rows)]" if len(r) > _SHOWN else "]")
 
 
 def check_tot_lens(d: Dump) -> list[Issue]:
