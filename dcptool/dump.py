@@ -62,6 +62,8 @@ class Observation:
     buffer: int | None = None
     graph: int | None = None
     kv_pages: np.ndarray | None = None
+    dcp_query_start_loc: np.ndarray | None = None  # issue 15: Q of the empty-shard mask (None: not recorded)
+    dcp_tot_seq_lens: np.ndarray | None = None  # issue 15: the global companion (None: not recorded)
 
 
 @dataclass
@@ -112,6 +114,20 @@ class Dump:
         r = self.columns["obs.rows"]
         return self.columns["rows.kv_pages"][r[i] : r[i + 1]]
 
+    def _ragged_of(self, offs_key: str, rows_key: str, i: int) -> np.ndarray | None:
+        if offs_key not in self.columns:
+            return None
+        q = self.columns[offs_key]
+        return self.columns[rows_key][q[i] : q[i + 1]]
+
+    def dqsl_of(self, i: int) -> np.ndarray | None:
+        """rows.dcp_query_start_loc of observation i (None: the dump lacks the column; empty: not recorded)."""
+        return self._ragged_of("obs.dqsl", "rows.dcp_query_start_loc", i)
+
+    def tot_of(self, i: int) -> np.ndarray | None:
+        """rows.dcp_tot_seq_lens of observation i (None: the dump lacks the column)."""
+        return self._ragged_of("obs.tot", "rows.dcp_tot_seq_lens", i)
+
     def site_name(self, i: int) -> str:
         return self.config.sites[int(self.columns["obs.site"][i])]
 
@@ -155,7 +171,8 @@ class Dump:
             if isinstance(v, MergedRows):  # several files read lazily: each read drops its pages; unmap all too
                 v.files.clear()
         for key, offs in (("rows.seq_lens", "obs.rows"), ("rows.kv_pages", "obs.rows"),
-                          ("rows.dcp_local_seq_lens", "obs.dcp_rows"), ("rows.query_start_loc", "obs.qsl")):
+                          ("rows.dcp_local_seq_lens", "obs.dcp_rows"), ("rows.query_start_loc", "obs.qsl"),
+                          ("rows.dcp_query_start_loc", "obs.dqsl"), ("rows.dcp_tot_seq_lens", "obs.tot")):
             if key in self.maps:
                 o = self.columns[offs]
                 _release(self.maps[key], int(o[lo]), int(o[hi]))
@@ -411,7 +428,8 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
     in_order = bool((order == np.arange(order.size)).all())
     for offs_key, row_keys in (("obs.rows", ["rows.seq_lens", "rows.kv_pages"]),
                                ("obs.dcp_rows", ["rows.dcp_local_seq_lens"]),
-                               ("obs.qsl", ["rows.query_start_loc"])):
+                               ("obs.qsl", ["rows.query_start_loc"]),
+                               ("obs.dqsl", ["rows.dcp_query_start_loc"]), ("obs.tot", ["rows.dcp_tot_seq_lens"])):
         if offs_key not in keys:
             continue
         lens = np.concatenate([np.diff(d[offs_key]) for d in dumps])
@@ -631,6 +649,9 @@ OPTIONAL_FIELDS = {"parent": ("obs.parent", "<i8", -1), "req_start": ("obs.req_s
                    "graph": ("obs.graph", "i1", 0)}
 FIELDS = ("step", "rank", "ubatch", "num_reqs", "num_reqs_padded", *OPTIONAL_FIELDS)
 ROW_FIELDS = ("seq", "dcp", "qsl", "kv")  # seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages
+# issue 15: dcp_query_start_loc (obs.dqsl), dcp_tot_seq_lens (obs.tot); offsets columns, empty where not recorded
+ROW_FIELDS += ("dqsl", "tot")
+_RAGGED = {"dqsl": ("obs.dqsl", "rows.dcp_query_start_loc"), "tot": ("obs.tot", "rows.dcp_tot_seq_lens")}
 
 
 def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tuple[DumpConfig, dict[str, np.ndarray]]:
@@ -683,6 +704,11 @@ def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tup
     if any(a is not None for a in rows["kv"]):
         cols["rows.kv_pages"] = cat([np.full(q.size, -1, np.int32) if k is None else k
                                      for k, q in zip(rows["kv"], rows["seq"])], "rows.kv_pages")
+    for name, (offs_key, row_key) in _RAGGED.items():  # (absent from a caller that predates them: none)
+        got = rows.get(name)
+        if got is not None and any(a is not None for a in got):
+            cols[offs_key] = offsets(got)
+            cols[row_key] = cat(got, row_key)
     return cfg, cols
 
 
@@ -693,7 +719,9 @@ def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfi
 
     vals = {f: [getattr(o, f) for o in observations] for f in FIELDS}
     rows = {"seq": [arr(o.seq_lens) for o in observations], "dcp": [arr(o.dcp_local_seq_lens) for o in observations],
-            "qsl": [arr(o.query_start_loc) for o in observations], "kv": [arr(o.kv_pages) for o in observations]}
+            "qsl": [arr(o.query_start_loc) for o in observations], "kv": [arr(o.kv_pages) for o in observations],
+            "dqsl": [arr(o.dcp_query_start_loc) for o in observations],
+            "tot": [arr(o.dcp_tot_seq_lens) for o in observations]}
     return columns(config, [o.site for o in observations], vals, rows)
 
 

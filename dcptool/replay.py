@@ -20,12 +20,15 @@ from dcptool.rules import (
     SEVERITY,
     Finding,
     check_alias,
+    check_empty_mask,
     check_missing,
     check_padding,
     check_pages,
+    check_rank_agree,
     check_rank_sum,
     check_shape,
     check_stray,
+    check_tot_lens,
     check_ubatch_slice,
     check_values,
     findings_of,
@@ -191,6 +194,18 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         found += check_pages(d, st)
     else:
         skipped["pages"] = "needs rows.kv_pages and page_size"
+    # issue 15: the empty-shard mask, the global companion, rank agreement
+    for rule, check in (("empty-mask", check_empty_mask), ("tot-lens", check_tot_lens)):
+        if N == 1:
+            skipped[rule] = "dcp_size is 1"
+        elif d.has(*RULE[rule].needs):
+            found += findings_of(d, check(d))
+        else:
+            skipped[rule] = f"needs {' and '.join(RULE[rule].needs)} (not recorded in this dump)"
+    if N > 1:
+        found += findings_of(d, check_rank_agree(d))
+    else:
+        skipped["rank-agree"] = "dcp_size is 1"
     found.sort(key=lambda t: (t[0], RULE_ORDER[t[1].rule]))
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=[f for _, f in found], backend=backend,
                        device=device, seconds=0.0, skipped=skipped, grid=obs_grid(d))
