@@ -25,6 +25,8 @@ from dcptool.rules import (
     check_pages,
     check_rank_sum,
     check_shape,
+    check_slot_partition,
+    check_slots,
     check_stray,
     check_ubatch_slice,
     check_values,
@@ -190,6 +192,12 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         found += check_pages(d, st)
     else:
         skipped["pages"] = "needs rows.kv_pages and page_size"
+    # issue 15 item 3: which rank writes each KV slot
+    if d.has(*RULE["slots"].needs):
+        found += findings_of(d, check_slots(d))
+        found += findings_of(d, check_slot_partition(d))
+    else:
+        skipped["slots"] = "needs the slot columns (obs.slots, rows.positions, rows.slot_mapping, rows.slot_group)"
     found.sort(key=lambda t: (t[0], RULE_ORDER[t[1].rule]))
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=[f for _, f in found], backend=backend,
                        device=device, seconds=0.0, skipped=skipped, grid=obs_grid(d))
