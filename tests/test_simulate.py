@@ -116,6 +116,8 @@ EXERCISE = {
     "graph-stale": (2, 1, 1, 2, 2, "full", "mtp"),
     "sentinel": (4, 16, 1, 2, 1, "full", "mtp"),
     "flashinfer-global-pages": (8, 1, 1, 0, 1, "none", "mtp"),
+    "slot-wrong-group": (4, 2, 1, 2, 2, "full", "mtp"),
+    "slot-all-ranks": (3, 16, 1, 2, 2, "piecewise", "mtp"),
 }
 
 
