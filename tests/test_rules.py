@@ -359,7 +359,8 @@ def test_slots_message_names_owner_and_counts(tmp_path):
     f = next(f for f in res.findings if f.rule == "slots")
     assert f.rank == 1 and f.detail == {"kind": "non-owner", "group": 0, "position": 10, "token": 0, "slot": 1000,
                                         "owner": 0}
-    assert "belongs to rank 0 ((p // 1) % 2)" in f.message and "(8 wrong entries)" in f.message  # 4 not its own, 4 at wrong offsets
+    # 4 tokens it does not own, and its own 4 at wrong offsets
+    assert "belongs to rank 0 ((p // 1) % 2)" in f.message and "(8 wrong entries)" in f.message
     assert "0 (attn)" in f.message
 
 
@@ -384,7 +385,8 @@ def test_slot_partition_double_write_at_non_owner_and_unwritten_at_owner(tmp_pat
     res = run_slots(tmp_path, slot_batch(1, [5, 3], [0, 20], N, I_, edit=lose), N, I_)
     part = [f for f in res.findings if f.rule == "slot-partition"]
     assert [f.rank for f in part] == [1]
-    assert part[0].detail["unwritten"] == [2, 3]  # positions 0..4 and 20..22; rank 1 owns 2, 3 and "written by no rank" in part[0].message
+    # positions 0..4 and 20..22: rank 1 owns 2 and 3
+    assert part[0].detail["unwritten"] == [2, 3] and "written by no rank" in part[0].message
     # the rank's own slots rule is quiet: a build that writes nothing in a group is not asked to (dummy runs)
     assert [f.rule for f in res.findings] == ["slot-partition"]
 
