@@ -162,7 +162,9 @@ def tables(max_num_reqs: int, max_num_tokens: int, dcp: int, rank: int, il: int)
     bt.block_sizes, bt.num_kv_cache_groups, bt.kernel_block_sizes, bt.blocks_per_kv_block = [16], 1, [16], [1]
     bt.cp_size, bt.cp_rank, bt.cp_interleave = dcp, rank, il
     bt.input_block_tables = [torch.zeros(max_num_reqs, 64, dtype=torch.int32)]
-    bt.slot_mappings = torch.zeros(1, max_num_tokens, dtype=torch.int64)
+    # no slot mapping is ever computed on these tables: the buffer holds what get_dummy_slot_mappings leaves
+    # (PAD_SLOT_ID), so builds that read it write nothing (slot_tables has real ones)
+    bt.slot_mappings = torch.full((1, max_num_tokens), -1, dtype=torch.int64)
     bt._num_dirty_rows = 0
     return bt
 

@@ -105,3 +105,91 @@ def test_claiming_the_wrong_sharding_is_found(tmp_path):
     kinds = {f.detail.get("kind") for f in res.findings if f.rule == "slots"}
     assert {f.rank for f in res.findings if f.rule == "slots"} == set(range(N))
     assert "replicated-missing" in kinds
+
+
+# --------------------------------------------------------------------------------------------
+# Through the plugin: build_attn_metadata's slot mappings, as vLLM computes them, recorded per KV-cache group
+
+from types import SimpleNamespace  # noqa: E402
+
+from dcptool.integrations import vllm as plugin  # noqa: E402
+
+# two groups without attention layers: build_attn_metadata skips their builders, the slot mappings are still vLLM's
+KV2 = SimpleNamespace(num_blocks=64, kv_cache_tensors=[],
+                      kv_cache_groups=[SimpleNamespace(kv_cache_spec=None, layer_names=[]) for _ in range(2)])
+
+
+def _step(rank, dcp, il, q, seq, mode, ntp, ubatches):
+    bufs = E.buffers(16, 512)
+    bt = E.slot_tables([16, 32], [True, False], dcp, rank, il, max_num_reqs=16, max_num_tokens=512, seed=11)
+    b = E.prepare_inputs(q, seq, bufs, num_tokens_padded=ntp, dcp=(dcp, rank, il))
+    if E.DCP_IN_EXECUTE_MODEL:
+        E.dcp_step(b, bufs, dcp, rank, il)
+    sm = bt.compute_slot_mappings(E.torch.arange(len(q), dtype=E.torch.int32), b.query_start_loc, b.positions,
+                                  b.num_tokens_after_padding)
+    r = E.runner(bt, dcp, rank, il, bufs)
+    ms = E.model_state()
+    with plugin.step(runner=r):
+        if ubatches:
+            ur = E.ubatch_runner(ms, 16, dcp, rank, il)
+            ur.kv_cache_config, ur.attn_groups = KV2, [[], []]
+            kw = {"for_capture": False}
+            if E.UB_TAKES_DESC:
+                kw["batch_desc"] = E.desc(mode, b.num_tokens_after_padding, b.num_reqs_after_padding, num_ubatches=2)
+            else:
+                kw["cg_mode"] = E.MODES[mode]
+            ur.prepare(b, bt.get_dummy_block_tables(b.num_reqs_after_padding), sm, **kw)
+        else:
+            ms.prepare_attn(b, E.MODES[mode], bt.get_dummy_block_tables(b.num_reqs_after_padding), sm, [[], []], KV2)
+
+
+@pytest.mark.parametrize("dcp,il,ubatches", [(2, 1, False), (4, 8, False), (2, 1, True), (3, 16, True)])
+def test_plugin_records_slot_mappings_and_they_replay_clean(tmp_path, monkeypatch, dcp, il, ubatches):
+    if ubatches and not E.HAS_UBATCH:
+        pytest.skip(f"vLLM {E.VERSION} has no model-runner-V2 micro-batching")
+    q = [1, 1, 40, 1, 1]
+    seq = [64, 96, 512, 33, 200]
+    files = E.run_ranks(dcp, lambda rank: _step(rank, dcp, il, q, seq, "none", 52, ubatches), tmp_path, monkeypatch)
+    d = open_dumps(files)
+    res = replay(d, "torch")
+    slot_findings = [f.message for f in res.findings if f.rule in ("slots", "slot-partition")]
+    assert slot_findings == []
+    # what was recorded: both groups, as this release's kernel treats them, with the kernel's block sizes
+    want = E.vllm_groups([True, False])
+    assert [g.dcp for g in d.config.kv_groups] == want and [g.block_size for g in d.config.kv_groups] == [16, 32]
+    assert "slots" not in res.skipped and d.has("obs.slots")
+    att = [i for i in range(d.n) if d.site_name(i) in ("attn_metadata", "ubatch") and d["obs.ubatch"][i] >= (
+        0 if ubatches else -1)]
+    assert att, "slot mappings recorded at the attention builds"
+    writes = d["rows.slot_mapping"] >= 0
+    assert writes.any() and (d["rows.slot_group"][writes] == 1).any()
+    # tokens past the real 44 write nothing on any rank (CUDA-graph padding to 52)
+    sel = d["obs.ubatch"] == -1
+    for i in np.flatnonzero(sel):
+        lo, hi = d["obs.slots"][i], d["obs.slots"][i + 1]
+        g, sm = d["rows.slot_group"][lo:hi], d["rows.slot_mapping"][lo:hi]
+        for k in (0, 1):
+            assert (sm[g == k][44:] == -1).all()
+
+
+def test_plugin_recording_with_a_broken_slot_mask_is_caught(tmp_path, monkeypatch):
+    """vLLM's kernel with every rank writing every token of the sharded group (the non-owner mask dropped: what
+    vLLM #57260's class of bug leaves): slot-partition at the ranks that should not have written."""
+    dcp, il = 2, 1
+    orig = E.BlockTables.compute_slot_mappings
+
+    def all_ranks(self, idx, qsl, pos, ntp, out=None):
+        sm = orig(self, idx, qsl, pos, ntp, out)
+        rank = self.cp_rank
+        self.cp_rank = 1 - rank  # the other rank's slots for the tokens it owns: written here too
+        other = orig(self, idx, qsl, pos, ntp, self.slot_mappings.clone()).clone()
+        self.cp_rank = rank
+        sm[0] = E.torch.where(sm[0] >= 0, sm[0], other[0])
+        return sm
+
+    monkeypatch.setattr(E.BlockTables, "compute_slot_mappings", all_ranks)
+    files = E.run_ranks(dcp, lambda rank: _step(rank, dcp, il, [3, 1], [40, 9], "none", 4, False), tmp_path,
+                        monkeypatch)
+    res = replay(open_dumps(files), "torch")
+    part = [f for f in res.findings if f.rule == "slot-partition"]
+    assert {f.rank for f in part} == {0, 1} and all(f.detail["written_by_several"] for f in part)
