@@ -261,7 +261,8 @@ def _slot_kwargs(sig: _Sig, args: tuple, kwargs: dict, batch, kw: dict) -> None:
     if int(pos.shape[0]) < t:
         _S.skipped["slot mappings longer than the positions"] += 1
         return
-    groups = _kv_groups(sig.get(args, kwargs, "kv_cache_config"), int(sm.shape[0]))
+    kvc = sig.get(args, kwargs, "kv_cache_config") if "kv_cache_config" in sig.pos else None
+    groups = _kv_groups(kvc, int(sm.shape[0]))
     if _S.kv_groups is None:
         rec = _recorder()
         if rec is None:
@@ -491,6 +492,8 @@ class Table:
     hooks: Hooks
     sites: tuple[str, ...]
     why_not: str = ""  # the sites it cannot produce, and why
+    # issue 15: the slot columns (build_attn_metadata's slot_mappings, every release) and how groups are sharded
+    slots: str = "slot mappings per KV-cache group, sharded as BlockTables.dcp_sharded says"
 
 
 def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: tuple[str, tuple[str, ...]],
@@ -499,7 +502,7 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
     h: Hooks = {
         f"{W}.attn_utils": [("build_attn_metadata", _wrap_build,
                              ("num_reqs", "seq_lens", "dcp_local_seq_lens", "query_start_loc_cpu",
-                              "for_cudagraph_capture", "slot_mappings", "positions", "kv_cache_config"))],
+                              "for_cudagraph_capture"))],  # (+ slot_mappings, positions: read where present)
         f"{W}.model_states.default": [("DefaultModelState.prepare_attn", _wrap_prepare_attn, prep)],
         f"{W}.model_states.mamba_hybrid": [("MambaHybridModelState.prepare_attn", _wrap_prepare_attn, prep)],
         f"{W}.model_states.encoder_decoder": [("EncoderDecoderModelState.prepare_attn", _wrap_prepare_attn, prep)],
@@ -529,15 +532,17 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
 #  0.34  UBatchRunner.prepare(..., batch_desc, dp_sync_state, for_capture).
 _DRAFT = ("_build_attn_metadata", ("num_reqs", "batch_desc"))
 _NO_UBATCH = "ubatch: this release has no model-runner-V2 micro-batching (vllm/v1/worker/gpu/ubatch_utils.py)"
+_ALL_SHARDED = ("slot mappings per KV-cache group, every group DCP-sharded (this release's slot-mapping kernel has no "
+                "dcp_sharded flag: it localises every group)")
 TABLES: tuple[Table, ...] = (
     Table("0.29", ("0.29.",), ("0.29.0",),
           _hooks(ubatch_idx=False, ubatch_prepare=None,
                  draft=("_build_draft_attn_metadata", ("num_reqs", "num_reqs_padded")),
                  partition=("padded_num_tokens",)),
-          tuple(s for s in SITES if s != "ubatch"), _NO_UBATCH),
+          tuple(s for s in SITES if s != "ubatch"), _NO_UBATCH, _ALL_SHARDED),
     Table("0.30", ("0.30.",), ("0.30.0",),
           _hooks(ubatch_idx=True, ubatch_prepare=("cg_mode",), draft=_DRAFT,
-                 partition=("padded_num_tokens", "padded_num_reqs")), SITES),
+                 partition=("padded_num_tokens", "padded_num_reqs")), SITES, slots=_ALL_SHARDED),
     Table("0.31-0.33", ("0.31.", "0.32.", "0.33."), ("0.31.0", "0.32.0", "0.33.0"),
           _hooks(ubatch_idx=True, ubatch_prepare=("cg_mode",), draft=_DRAFT,
                  partition=("batch_desc",)), SITES),
@@ -818,7 +823,7 @@ def sites_note(version: str) -> str:
         return ""
     used = sorted(set(_S.used.values()))
     s = f"vLLM {version}, hook table {'/'.join(used) if used else t.line}; sites possible: {', '.join(t.sites)}"
-    return s + (f"; not possible: {t.why_not}" if t.why_not else "")
+    return s + (f"; not possible: {t.why_not}" if t.why_not else "") + f"; columns: {t.slots}"
 
 
 class step:

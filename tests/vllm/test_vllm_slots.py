@@ -158,6 +158,9 @@ def test_plugin_records_slot_mappings_and_they_replay_clean(tmp_path, monkeypatc
     want = E.vllm_groups([True, False])
     assert [g.dcp for g in d.config.kv_groups] == want and [g.block_size for g in d.config.kv_groups] == [16, 32]
     assert "slots" not in res.skipped and d.has("obs.slots")
+    # the dump's note (what `dcptool inspect` shows) says how this release shards the groups
+    assert "columns: slot mappings per KV-cache group" in d.config.note
+    assert ("every group DCP-sharded" in d.config.note) == (not E.HAS_DCP_SHARDED)
     att = [i for i in range(d.n) if d.site_name(i) in ("attn_metadata", "ubatch") and d["obs.ubatch"][i] >= (
         0 if ubatches else -1)]
     assert att, "slot mappings recorded at the attention builds"
