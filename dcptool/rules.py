@@ -311,6 +311,20 @@ def check_alias(d: Dump) -> list[Issue]:
     return out
 
 
+def _kth_per_rank(batch: np.ndarray, rank: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Set ids for members of cross-rank groups: in each batch the k-th member of every rank (in `idx` order,
+    i.e. observation order) joins the k-th set."""
+    from dcptool.provenance import _group_ids
+
+    order = np.lexsort((idx, rank, batch))
+    new = np.ones(idx.size, bool)
+    new[1:] = (batch[order][1:] != batch[order][:-1]) | (rank[order][1:] != rank[order][:-1])
+    starts = np.flatnonzero(new)
+    occ = np.empty(idx.size, np.int64)
+    occ[order] = np.arange(idx.size) - np.repeat(starts, np.diff(np.append(starts, idx.size)))
+    return _group_ids([batch, occ])
+
+
 def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     """The same batch recorded with a view on all N ranks must add up to seq_len on each real row.
 
@@ -342,14 +356,7 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     same = np.ones(m.size, bool)
     np.logical_and.at(same, seg, seq == seq[(np.cumsum(nr[m]) - nr[m])[ref] + j])
     m, batch = m[same], batch[same]
-    rank = d["obs.rank"][m].astype(np.int64)
-    order = np.lexsort((m, rank, batch))
-    pos = np.ones(m.size, bool)
-    pos[1:] = (batch[order][1:] != batch[order][:-1]) | (rank[order][1:] != rank[order][:-1])
-    starts = np.flatnonzero(pos)
-    occ = np.empty(m.size, np.int64)
-    occ[order] = np.arange(m.size) - np.repeat(starts, np.diff(np.append(starts, m.size)))
-    sets = _group_ids([batch, occ])  # the k-th recording of each rank of a batch
+    sets = _kth_per_rank(batch, d["obs.rank"][m].astype(np.int64), m)  # the k-th recording of each rank of a batch
     size = np.bincount(sets, minlength=int(sets.max(initial=-1)) + 1)
     hit = np.zeros(size.size, bool)
     hit[sets[np.isin(m, wrong)]] = True
@@ -604,17 +611,24 @@ def _slot_entries(d: Dump) -> _SlotEntries:
     pos = d["rows.positions"].astype(np.int64)
     slot = d["rows.slot_mapping"].astype(np.int64)
     grp = d["rows.slot_group"].astype(np.int64)
-    e = np.arange(obs.size, dtype=np.int64)
-    order = np.lexsort((e, grp, obs))  # by observation, then group, then entry order (= token order)
+    # by observation, then group, then entry order (= token order); the Recorder writes each observation's
+    # groups as ascending blocks, so the sort is only needed for a dump written otherwise
+    blocks = obs.size < 2 or not ((grp[1:] < grp[:-1]) & (obs[1:] == obs[:-1])).any()
+    order = None if blocks else np.lexsort((np.arange(obs.size), grp, obs))
+    so, sg = (obs, grp) if blocks else (obs[order], grp[order])
     new = np.ones(obs.size, bool)
     if obs.size:
-        new[1:] = (obs[order][1:] != obs[order][:-1]) | (grp[order][1:] != grp[order][:-1])
+        new[1:] = (so[1:] != so[:-1]) | (sg[1:] != sg[:-1])
     run_sorted = np.cumsum(new) - 1
     start = np.flatnonzero(new)
-    run = np.empty(obs.size, np.int64)
-    run[order] = run_sorted
-    tok = np.empty(obs.size, np.int64)
-    tok[order] = np.arange(obs.size) - start[run_sorted]
+    tok_sorted = np.arange(obs.size) - start[run_sorted]
+    if blocks:
+        run, tok = run_sorted, tok_sorted
+    else:
+        run = np.empty(obs.size, np.int64)
+        run[order] = run_sorted
+        tok = np.empty(obs.size, np.int64)
+        tok[order] = tok_sorted
     run_len = np.diff(np.append(start, obs.size))
     # the real token count: qsl[num_reqs] where query_start_loc was recorded, else every token of the group
     n_real = run_len[run]
@@ -663,9 +677,9 @@ def check_slots(d: Dump) -> list[Issue]:
     partner = np.full(s.obs.size, -1, np.int64)
     cand = np.flatnonzero(s.real & w)
     if cand.size:
-        o2 = cand[np.lexsort((cand, s.slot[cand], s.grp[cand], s.obs[cand]))]
-        same = (s.obs[o2][1:] == s.obs[o2][:-1]) & (s.grp[o2][1:] == s.grp[o2][:-1]) & (
-            s.slot[o2][1:] == s.slot[o2][:-1])
+        # one int64 key per written entry: its (observation, group) run, then its slot (0 <= slot < 2**31)
+        o2 = cand[np.argsort(s.run[cand] << 31 | s.slot[cand], kind="stable")]
+        same = (s.run[o2][1:] == s.run[o2][:-1]) & (s.slot[o2][1:] == s.slot[o2][:-1])
         dup[o2[1:][same]] = True
         partner[o2[1:][same]] = o2[:-1][same]
     kinds = [
@@ -727,15 +741,7 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     o = m_obs[m]
     key = [d["obs.step"][o], d["obs.site"][o].astype(np.int64), d["obs.ubatch"][o].astype(np.int64), m_grp[m],
            m_real[m], d["obs.num_reqs"][o].astype(np.int64)]
-    kid = _group_ids(key)
-    rank = d["obs.rank"][o].astype(np.int64)
-    order = np.lexsort((o, rank, kid))
-    pos_ = np.ones(m.size, bool)
-    pos_[1:] = (kid[order][1:] != kid[order][:-1]) | (rank[order][1:] != rank[order][:-1])
-    starts = np.flatnonzero(pos_)
-    occ = np.empty(m.size, np.int64)
-    occ[order] = np.arange(m.size) - np.repeat(starts, np.diff(np.append(starts, m.size)))
-    sets = _group_ids([kid, occ])
+    sets = _kth_per_rank(_group_ids(key), d["obs.rank"][o].astype(np.int64), o)
     size = np.bincount(sets)
     set_of_run = np.full(s.run_writes.size, -1, np.int64)
     set_of_run[m[size[sets] == N]] = sets[size[sets] == N]
@@ -777,14 +783,16 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     ent, eo = ent[order], eo[order]
     bounds = np.flatnonzero(np.r_[True, eo[1:] != eo[:-1]])
     ends = np.append(bounds[1:], ent.size)
-    members_of_set: dict[int, list[int]] = {}
+    # each set's member observations, in order (one sort, sliced per finding)
+    mr = np.flatnonzero(set_of_run >= 0)
+    mr = mr[np.lexsort((m_obs[mr], set_of_run[mr]))]
+    mset = set_of_run[mr]
     for a, b in zip(bounds.tolist(), ends.tolist()):
         mine = ent[a:b]
         i = int(eo[a])
         g = int(s.grp[mine[0]])
         st = int(set_of_run[s.run[mine[0]]])
-        if st not in members_of_set:
-            members_of_set[st] = sorted(int(x) for x in m_obs[np.flatnonzero(set_of_run == st)])
+        members = m_obs[mr[np.searchsorted(mset, st, "left"):np.searchsorted(mset, st, "right")]]
         sev = mine[(s.slot[mine] >= 0)]
         zero = mine[s.slot[mine] < 0]
         parts = []
@@ -800,7 +808,7 @@ def check_slot_partition(d: Dump) -> list[Issue]:
         k = int(mine[0])
         detail = {"group": g, "written_by_several": [int(x) for x in s.pos[sev][:64]],
                   "unwritten": [int(x) for x in s.pos[zero][:64]],
-                  "obs": [int(d.file_obs[x]) for x in members_of_set[st]]}
+                  "obs": [int(d.file_obs[x]) for x in members]}
         out.append(Issue(i, "slot-partition", text, {"row": int(s.tok[k]), "recorded": int(s.slot[k]),
                                                       "expected": None, "wrong_rows": int(mine.size),
                                                       "detail": detail}))
