@@ -400,3 +400,18 @@ def test_0_29_dflash_capture_buffer_is_not_a_fault(tmp_path):
                         num_reqs_padded=num_reqs, dcp_local_seq_lens=view)
     rr = replay(open_dumps([str(tmp_path / "d.safetensors")]), "torch")
     assert [(f.obs, f.rule) for f in rr.findings] == [(1, "shape")]
+
+
+def test_slot_faults_per_rank_files_like_one_file(tmp_path):
+    """Issue 15: the slot columns go through observe() per rank as through observe_many(), and each slot fault
+    is found exactly where it touched in either layout; the fixed pipeline writes them and replays clean."""
+    cfg = SimConfig(dcp=4, interleave=2, pcp=1, inject=("slot-wrong-group", "slot-all-ranks"), **SMALL)
+    one, d1, r1 = _run(cfg, tmp_path, "one.safetensors")
+    many, dn, rn = _run(cfg, tmp_path, "many.safetensors", per_rank=True)
+    assert d1.has("obs.slots") and dn.has("obs.slots") and d1.config.kv_groups == dn.config.kv_groups
+    assert np.array_equal(np.sort(d1["rows.slot_mapping"]), np.sort(dn["rows.slot_mapping"]))
+    for res, d, rr in ((one, d1, r1), (many, dn, rn)):
+        _verify(res, d, rr)
+        assert {"slots", "slot-partition"} <= set(rr.by_rule())
+    fixed = _run(SimConfig(dcp=4, interleave=2, pcp=1, **SMALL), tmp_path, "fixed.safetensors")[2]
+    assert fixed.findings == [] and "slots" not in fixed.skipped
