@@ -284,10 +284,23 @@ def _uses_kernel_block_sizes(cls) -> bool:
         return False
 
 
+def _spec_sharded(spec) -> bool | None:
+    """Whether DCP should shard this KV-cache spec's positions: its own `dcp_sharded` (0.31+: attention True,
+    Mamba/GDN False, a DCP-1 drafter's layers set False by the runner), else its kind (0.29-0.30 have no flag:
+    attention specs are sharded, anything else, Mamba state, is replicated); None when unknown."""
+    if spec is None:
+        return None
+    flag = getattr(spec, "dcp_sharded", None)
+    if isinstance(flag, bool):
+        return flag
+    return any(c.__name__ == "AttentionSpec" for c in type(spec).__mro__)
+
+
 def _kv_groups(kv_cache_config, count: int) -> list[dict]:
-    """The KV-cache groups as the slot-mapping kernel treats them: DCP-sharded as BlockTables.dcp_sharded says
-    (0.31+; 0.29-0.30 have no flag and localise every group), the block size its slots are counted in, and the
-    KV-cache spec's class as the name."""
+    """The KV-cache groups: whether DCP should shard each (its spec: _spec_sharded; without a spec, what the
+    slot-mapping kernel does: BlockTables.dcp_sharded on 0.31+, every group on 0.29-0.30), the block size its
+    slots are counted in, and the spec's class as the name. On 0.29-0.30 the kernel localises every group, so a
+    replicated group's mapping is reported (`slots`): that is the release's behaviour, not the recording's."""
     specs = [getattr(g, "kv_cache_spec", None) for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()]
     if len(specs) != count:
         specs = [None] * count
@@ -295,11 +308,10 @@ def _kv_groups(kv_cache_config, count: int) -> list[dict]:
     bt = _S.block_tables
     flags = getattr(bt, "dcp_sharded", None)
     if flags is not None and len(flags) == count:
-        dcp = [bool(x) for x in flags.tolist()]
-    elif bt is not None and "dcp_sharded" not in inspect.signature(type(bt).__init__).parameters:
-        dcp = [True] * count
+        kernel = [bool(x) for x in flags.tolist()]
     else:
-        dcp = [bool(getattr(x, "dcp_sharded", True)) for x in specs]
+        kernel = [True] * count  # 0.29-0.30 (no flag), or no block tables seen: attention's default
+    dcp = [k if _spec_sharded(x) is None else _spec_sharded(x) for x, k in zip(specs, kernel)]
     sizes = [None] * count
     if bt is not None:
         got = bt.kernel_block_sizes if _uses_kernel_block_sizes(type(bt)) else bt.block_sizes
@@ -493,7 +505,7 @@ class Table:
     sites: tuple[str, ...]
     why_not: str = ""  # the sites it cannot produce, and why
     # issue 15: the slot columns (build_attn_metadata's slot_mappings, every release) and how groups are sharded
-    slots: str = "slot mappings per KV-cache group, sharded as BlockTables.dcp_sharded says"
+    slots: str = "slot mappings per KV-cache group, each group's sharding from its spec (dcp_sharded)"
 
 
 def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: tuple[str, tuple[str, ...]],
@@ -532,8 +544,9 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
 #  0.34  UBatchRunner.prepare(..., batch_desc, dp_sync_state, for_capture).
 _DRAFT = ("_build_attn_metadata", ("num_reqs", "batch_desc"))
 _NO_UBATCH = "ubatch: this release has no model-runner-V2 micro-batching (vllm/v1/worker/gpu/ubatch_utils.py)"
-_ALL_SHARDED = ("slot mappings per KV-cache group, every group DCP-sharded (this release's slot-mapping kernel has no "
-                "dcp_sharded flag: it localises every group)")
+_ALL_SHARDED = ("slot mappings per KV-cache group, each group's sharding from its spec's kind; this release's "
+                "slot-mapping kernel has no dcp_sharded flag and localises every group (replay: slots on a "
+                "replicated group)")
 TABLES: tuple[Table, ...] = (
     Table("0.29", ("0.29.",), ("0.29.0",),
           _hooks(ubatch_idx=False, ubatch_prepare=None,

@@ -119,9 +119,9 @@ KV2 = SimpleNamespace(num_blocks=64, kv_cache_tensors=[],
                       kv_cache_groups=[SimpleNamespace(kv_cache_spec=None, layer_names=[]) for _ in range(2)])
 
 
-def _step(rank, dcp, il, q, seq, mode, ntp, ubatches):
+def _step(rank, dcp, il, q, seq, mode, ntp, ubatches, kv=KV2, flags=(True, False)):
     bufs = E.buffers(16, 512)
-    bt = E.slot_tables([16, 32], [True, False], dcp, rank, il, max_num_reqs=16, max_num_tokens=512, seed=11)
+    bt = E.slot_tables([16, 32], list(flags), dcp, rank, il, max_num_reqs=16, max_num_tokens=512, seed=11)
     b = E.prepare_inputs(q, seq, bufs, num_tokens_padded=ntp, dcp=(dcp, rank, il))
     if E.DCP_IN_EXECUTE_MODEL:
         E.dcp_step(b, bufs, dcp, rank, il)
@@ -132,7 +132,7 @@ def _step(rank, dcp, il, q, seq, mode, ntp, ubatches):
     with plugin.step(runner=r):
         if ubatches:
             ur = E.ubatch_runner(ms, 16, dcp, rank, il)
-            ur.kv_cache_config, ur.attn_groups = KV2, [[], []]
+            ur.kv_cache_config, ur.attn_groups = kv, [[], []]
             kw = {"for_capture": False}
             if E.UB_TAKES_DESC:
                 kw["batch_desc"] = E.desc(mode, b.num_tokens_after_padding, b.num_reqs_after_padding, num_ubatches=2)
@@ -140,7 +140,7 @@ def _step(rank, dcp, il, q, seq, mode, ntp, ubatches):
                 kw["cg_mode"] = E.MODES[mode]
             ur.prepare(b, bt.get_dummy_block_tables(b.num_reqs_after_padding), sm, **kw)
         else:
-            ms.prepare_attn(b, E.MODES[mode], bt.get_dummy_block_tables(b.num_reqs_after_padding), sm, [[], []], KV2)
+            ms.prepare_attn(b, E.MODES[mode], bt.get_dummy_block_tables(b.num_reqs_after_padding), sm, [[], []], kv)
 
 
 @pytest.mark.parametrize("dcp,il,ubatches", [(2, 1, False), (4, 8, False), (2, 1, True), (3, 16, True)])
@@ -160,7 +160,7 @@ def test_plugin_records_slot_mappings_and_they_replay_clean(tmp_path, monkeypatc
     assert "slots" not in res.skipped and d.has("obs.slots")
     # the dump's note (what `dcptool inspect` shows) says how this release shards the groups
     assert "columns: slot mappings per KV-cache group" in d.config.note
-    assert ("every group DCP-sharded" in d.config.note) == (not E.HAS_DCP_SHARDED)
+    assert ("has no dcp_sharded flag and localises every group" in d.config.note) == (not E.HAS_DCP_SHARDED)
     att = [i for i in range(d.n) if d.site_name(i) in ("attn_metadata", "ubatch") and d["obs.ubatch"][i] >= (
         0 if ubatches else -1)]
     assert att, "slot mappings recorded at the attention builds"
@@ -196,3 +196,36 @@ def test_plugin_recording_with_a_broken_slot_mask_is_caught(tmp_path, monkeypatc
     res = replay(open_dumps(files), "torch")
     part = [f for f in res.findings if f.rule == "slot-partition"]
     assert {f.rank for f in part} == {0, 1} and all(f.detail["written_by_several"] for f in part)
+
+
+def _specs():
+    """An attention group and a Mamba group as the release's own KV-cache spec classes (built without their
+    constructors: only their kind and class-level dcp_sharded default are read)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    return SimpleNamespace(num_blocks=64, kv_cache_tensors=[],
+                           kv_cache_groups=[SimpleNamespace(kv_cache_spec=cls.__new__(cls), layer_names=[])
+                                            for cls in (FullAttentionSpec, MambaSpec)])
+
+
+@pytest.mark.parametrize("kernel_flags", [(True, False), (True, True)], ids=["flags-right", "mamba-flagged-sharded"])
+def test_groups_are_named_by_their_spec_and_a_localised_mamba_group_is_found(tmp_path, monkeypatch, kernel_flags):
+    """The recording says what each group should be (its spec: attention sharded, Mamba replicated), not what the
+    kernel did: 0.31+ with the right flags replays clean; a kernel that localises the Mamba group (0.29-0.30,
+    which have no flag, or a wrong flag: the class of vLLM #57260) is reported as `slots` on the ranks that left
+    Mamba tokens unwritten."""
+    dcp, il = 2, 1
+    files = E.run_ranks(dcp, lambda rank: _step(rank, dcp, il, [3, 1, 5], [40, 9, 77], "none", 9, False,
+                                                kv=_specs(), flags=kernel_flags), tmp_path, monkeypatch)
+    d = open_dumps(files)
+    assert [(g.name, g.dcp) for g in d.config.kv_groups] == [("FullAttentionSpec", True), ("MambaSpec", False)]
+    res = replay(d, "torch")
+    localised = not E.HAS_DCP_SHARDED or kernel_flags[1]
+    kinds = {(f.rule, f.detail.get("kind"), f.detail.get("group")) for f in res.findings}
+    if localised:
+        # tokens of the other rank left unwritten, and its own at the localised offset instead of p % block_size
+        assert ("slots", "replicated-missing", 1) in kinds, [f.message for f in res.findings]
+        assert kinds <= {("slots", "replicated-missing", 1), ("slots", "offset", 1)}
+        assert {f.rank for f in res.findings} == {0, 1}
+    else:
+        assert res.findings == [], [f.message for f in res.findings]
