@@ -64,6 +64,10 @@ class Observation:
     kv_pages: np.ndarray | None = None
     dcp_query_start_loc: np.ndarray | None = None  # issue 15: Q of the empty-shard mask (None: not recorded)
     dcp_tot_seq_lens: np.ndarray | None = None  # issue 15: the global companion (None: not recorded)
+    # issue 15 (slots): each token's position, and the slot this rank writes per token (-1: none) for KV-cache
+    # group 0 (1-D), for groups 0.. ([groups, tokens]), or as {group index: 1-D} (see slot_entries)
+    positions: np.ndarray | None = None
+    slot_mapping: np.ndarray | dict | None = None
 
 
 @dataclass
@@ -172,7 +176,9 @@ class Dump:
                 v.files.clear()
         for key, offs in (("rows.seq_lens", "obs.rows"), ("rows.kv_pages", "obs.rows"),
                           ("rows.dcp_local_seq_lens", "obs.dcp_rows"), ("rows.query_start_loc", "obs.qsl"),
-                          ("rows.dcp_query_start_loc", "obs.dqsl"), ("rows.dcp_tot_seq_lens", "obs.tot")):
+                          ("rows.dcp_query_start_loc", "obs.dqsl"), ("rows.dcp_tot_seq_lens", "obs.tot"),
+                          ("rows.positions", "obs.slots"), ("rows.slot_mapping", "obs.slots"),
+                          ("rows.slot_group", "obs.slots")):
             if key in self.maps:
                 o = self.columns[offs]
                 _release(self.maps[key], int(o[lo]), int(o[hi]))
@@ -388,7 +394,7 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
     base = dumps[0].config
     for d in dumps[1:]:
         c = d.config
-        for k in ("dcp_size", "cp_interleave", "pcp_size", "page_size"):
+        for k in ("dcp_size", "cp_interleave", "pcp_size", "page_size", "kv_groups"):
             if getattr(c, k) != getattr(base, k):
                 raise DumpError(f"{d.files[0]}: dcptool.config: {k} = {getattr(c, k)} but {dumps[0].files[0]} "
                                 f"has {getattr(base, k)}; these files are not one run")
@@ -429,7 +435,8 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
     for offs_key, row_keys in (("obs.rows", ["rows.seq_lens", "rows.kv_pages"]),
                                ("obs.dcp_rows", ["rows.dcp_local_seq_lens"]),
                                ("obs.qsl", ["rows.query_start_loc"]),
-                               ("obs.dqsl", ["rows.dcp_query_start_loc"]), ("obs.tot", ["rows.dcp_tot_seq_lens"])):
+                               ("obs.dqsl", ["rows.dcp_query_start_loc"]), ("obs.tot", ["rows.dcp_tot_seq_lens"]),
+                               ("obs.slots", ["rows.positions", "rows.slot_mapping", "rows.slot_group"])):
         if offs_key not in keys:
             continue
         lens = np.concatenate([np.diff(d[offs_key]) for d in dumps])
@@ -652,6 +659,7 @@ ROW_FIELDS = ("seq", "dcp", "qsl", "kv")  # seq_lens, dcp_local_seq_lens, query_
 # issue 15: dcp_query_start_loc (obs.dqsl), dcp_tot_seq_lens (obs.tot); offsets columns, empty where not recorded
 ROW_FIELDS += ("dqsl", "tot")
 _RAGGED = {"dqsl": ("obs.dqsl", "rows.dcp_query_start_loc"), "tot": ("obs.tot", "rows.dcp_tot_seq_lens")}
+ROW_FIELDS += ("pos", "slot", "sgrp")  # issue 15: positions, slot_mapping, slot_group (per token and KV group)
 
 
 def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tuple[DumpConfig, dict[str, np.ndarray]]:
@@ -709,7 +717,37 @@ def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tup
         if got is not None and any(a is not None for a in got):
             cols[offs_key] = offsets(got)
             cols[row_key] = cat(got, row_key)
+    if any(a is not None for a in rows["pos"]):  # issue 15: slot entries (None: not recorded, 0 entries)
+        cols["obs.slots"] = offsets(rows["pos"])
+        for f, key in (("pos", "rows.positions"), ("slot", "rows.slot_mapping"), ("sgrp", "rows.slot_group")):
+            cols[key] = cat(rows[f], key)
     return cfg, cols
+
+
+def slot_entries(positions, slot_mapping, groups: int | None = None) -> tuple:
+    """(positions, slot_mapping, slot_group) per entry of the slot columns: one entry per token and KV-cache
+    group, groups ascending; or (None, None, None) when neither is given. `slot_mapping`: 1-D (group 0),
+    [groups, tokens], or {group index: 1-D}; host arrays (numpy or lists). ValueError for what cannot be
+    stored: one without the other, a length that is not one per position, a group outside [0, groups)."""
+    if positions is None and slot_mapping is None:
+        return (None, None, None)
+    if positions is None or slot_mapping is None:
+        raise ValueError("positions and slot_mapping go together")
+    pos = np.asarray(positions).reshape(-1)
+    if isinstance(slot_mapping, dict):
+        maps = slot_mapping
+    else:
+        m = np.asarray(slot_mapping)
+        maps = {0: m} if m.ndim == 1 else dict(enumerate(m))  # [groups, tokens]
+    keys = sorted(int(g) for g in maps)
+    hi = INT32_MAX if groups is None else groups - 1
+    if keys and not (0 <= keys[0] and keys[-1] <= hi):
+        raise ValueError(f"KV-cache group {keys[0] if keys[0] < 0 else keys[-1]} out of range")
+    slots = [np.asarray(maps[g]).reshape(-1) for g in keys]
+    if any(x.size != pos.size for x in slots):
+        raise ValueError(f"a slot mapping does not have one value per position ({pos.size})")
+    return (np.tile(pos, len(keys)), np.concatenate(slots) if slots else pos[:0],
+            np.repeat(np.array(keys, np.int64), pos.size))
 
 
 def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfig, dict[str, np.ndarray]]:
@@ -721,7 +759,9 @@ def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfi
     rows = {"seq": [arr(o.seq_lens) for o in observations], "dcp": [arr(o.dcp_local_seq_lens) for o in observations],
             "qsl": [arr(o.query_start_loc) for o in observations], "kv": [arr(o.kv_pages) for o in observations],
             "dqsl": [arr(o.dcp_query_start_loc) for o in observations],
-            "tot": [arr(o.dcp_tot_seq_lens) for o in observations]}
+            "tot": [arr(o.dcp_tot_seq_lens) for o in observations],
+            **dict(zip(("pos", "slot", "sgrp"), zip(*[slot_entries(o.positions, o.slot_mapping)
+                                                    for o in observations]) if observations else ((), (), ())))}
     return columns(config, [o.site for o in observations], vals, rows)
 
 

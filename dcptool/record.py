@@ -50,9 +50,10 @@ from dcptool.dump import (
     _text_ok,
     check_config,
     columns,
+    slot_entries,
     write_dump,
 )
-from dcptool.schema import GraphMode
+from dcptool.schema import GraphMode, KVGroup
 
 _INT_OR_NONE = (int, type(None))
 _NO_ADDR = 1 << 40  # the address passed for an absent section (never read)
@@ -345,11 +346,12 @@ class Recorder:
                  sites: tuple[str, ...] = (), pcp_size: int = 1, page_size: int | None = None,
                  engine: str | None = None, engine_version: str | None = None, note: str | None = None,
                  rollover: int | None = None, force: bool = False, cuda_mode: str = "async",
-                 ring_bytes: int = DEFAULT_RING_BYTES, ring_full: str = "wait"):
+                 ring_bytes: int = DEFAULT_RING_BYTES, ring_full: str = "wait", kv_groups=None):
         self.requested_path = Path(path)
         self.config = DumpConfig(dcp_size=dcp_size, cp_interleave=cp_interleave, sites=tuple(sites),
                                  pcp_size=pcp_size, page_size=page_size, engine=engine,
-                                 engine_version=engine_version, note=note)
+                                 engine_version=engine_version, note=note,
+                                 kv_groups=None if kv_groups is None else tuple(KVGroup.of(g) for g in kv_groups))
         check_config(self.requested_path, self.config)  # a bad config fails here, not hours later at close()
         if rollover is not None and rollover < 1:
             raise ValueError(f"rollover must be >= 1, got {rollover}")
@@ -384,6 +386,7 @@ class Recorder:
         self._retry_at = rollover  # pending observations that trigger the next write
         self._ring: _SnapshotRing | None = None
         self._dev = _is_cuda  # which values go through the ring (the CPU tests widen it to host tensors)
+        self._max_group = -1  # the highest KV-cache group index recorded (slot entries)
         self._warned = False
         self._warned_write = False
         self._closed = False
@@ -517,13 +520,19 @@ class Recorder:
                 dcp_local_seq_lens=None, ubatch: int = -1, parent: int | None = None, req_start: int | None = None,
                 tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
                 num_tokens_padded: int | None = None, buffer: int | None = None, graph: int | str | None = None,
-                kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None) -> int:
+                kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None, positions=None,
+                slot_mapping=None) -> int:
         """Record one attention-metadata build; returns its index (pass it as `parent=` later), -1 if dropped.
 
         dcp_query_start_loc / dcp_tot_seq_lens (issue 15; None: not recorded): the Q the DCP decode path
         hands the empty-shard mask, and the global companion of the local lengths; copied on the host
-        (a CUDA tensor there is copied with `.to("cpu")`)."""
+        (a CUDA tensor there is copied with `.to("cpu")`).
+
+        `positions` (each token's position in its sequence) and `slot_mapping` (the KV slot this rank writes
+        per token, -1 for none: a 1-D tensor for KV-cache group 0, a [groups, tokens] tensor, or a dict
+        {group index: 1-D tensor}) go together; they are copied on the host (CUDA tensors too, for now)."""
         try:
+            extra = (*_extra(dcp_query_start_loc, dcp_tot_seq_lens), *self._slots(positions, slot_mapping))
             dev = self._dev
             srcs = (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)
             on = (type(seq_lens) is not np.ndarray and dev(seq_lens), dev(dcp_local_seq_lens), dev(query_start_loc),
@@ -538,7 +547,7 @@ class Recorder:
                 vals = self._scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
                                      tok_stop, num_tokens_padded, buffer, graph)
                 if self.cuda_mode == "async":
-                    got = self._observe_device(vals, site, srcs, on, _extra(dcp_query_start_loc, dcp_tot_seq_lens))
+                    got = self._observe_device(vals, site, srcs, on, extra)
                     if got is not None:
                         return got
             else:
@@ -548,8 +557,7 @@ class Recorder:
                 vals = self._scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
                                      tok_stop, num_tokens_padded, buffer, graph)
             seq, qsl = self._batch(seq_lens, vals.num_reqs, vals.num_reqs_padded, query_start_loc)
-            row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages),
-                   *_extra(dcp_query_start_loc, dcp_tot_seq_lens))
+            row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages), *extra)
             self._check_shared(vals, site, None if row[3] is None else row[3].size, seq.size)
         except Exception as e:  # never break the engine
             self._drop(e)
@@ -568,7 +576,8 @@ class Recorder:
                      dcp_local_seq_lens=None, ubatch: int = -1, parents=None, req_start: int | None = None,
                      tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
                      num_tokens_padded: int | None = None, buffers=None, graph: int | str | None = None,
-                     kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None) -> list[int]:
+                     kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None, positions=None,
+                     slot_mapping=None) -> list[int]:
         """Record one batch as seen by several ranks: one observation per entry of `ranks`.
 
         What the ranks share (seq_lens, query_start_loc and the scalars) is copied once;
@@ -577,11 +586,18 @@ class Recorder:
         shared by every rank or [ranks, rows]. For a simulator or a harness that holds every rank's
         metadata at once (an engine process records its own rank with observe(); CUDA tensors are
         copied here with `.to("cpu")`, which waits for the stream). Returns the indices; a batch that
-        cannot be stored is dropped whole ([-1] * len(ranks)).
+        cannot be stored is dropped whole ([-1] * len(ranks)). `positions` are shared; `slot_mapping` is
+        per rank: [ranks, tokens] for group 0, or a dict {group index: [ranks, tokens]}.
         """
         ranks = list(ranks)
         k = len(ranks)
         try:
+            if slot_mapping is None:
+                extras = [self._slots(positions, None)] * k
+            else:
+                per = slot_mapping if isinstance(slot_mapping, dict) else {0: slot_mapping}
+                per = {g: _host(m).reshape(k, -1) for g, m in per.items()}
+                extras = [self._slots(positions, {g: m[i] for g, m in per.items()}) for i in range(k)]
             common = self._scalars(step, 0, ubatch, num_reqs, num_reqs_padded, None, req_start, tok_start,
                                    tok_stop, num_tokens_padded, None, graph)
             step, _, ubatch, nr, nrp, _, rs, ts, te, ntp, _, graph = common  # Fields, in order
@@ -618,7 +634,7 @@ class Recorder:
             return [self._append(_NEW(Fields, (step, ranks[i], ubatch, nr, nrp, parents[i], rs, ts, te, ntp,
                                                buffers[i], graph)), site, (seq, None if dcp is None else dcp[i], qsl,
                                                        None if kv is None else kv[i],
-                                                       *(None if x is None else x[i] for x in extra)))
+                                                       *(None if x is None else x[i] for x in extra), *extras[i]))
                     for i in range(k)]
 
     def _batch(self, seq_lens, nr: int, nrp: int, query_start_loc):
@@ -630,6 +646,37 @@ class Recorder:
         if qsl is not None and qsl.size != seq.size + 1:
             qsl = None  # a query_start_loc that does not cover the rows is of no use to replay
         return seq, qsl
+
+    def _slots(self, positions, slot_mapping) -> tuple:
+        """dump.slot_entries of host copies (int32-checked); raises on what cannot be stored (dropped)."""
+        if positions is None and slot_mapping is None:
+            return (None, None, None)
+        if positions is None or slot_mapping is None:
+            raise ValueError("positions and slot_mapping go together")
+        pos = _host(positions)
+        if pos.size and pos.min() < 0:
+            raise ValueError("negative positions")
+        if isinstance(slot_mapping, dict):
+            maps = {_int(g, "KV-cache group"): _host(m) for g, m in slot_mapping.items()}
+        else:
+            ndim = slot_mapping.ndim if hasattr(slot_mapping, "ndim") else np.ndim(slot_mapping)
+            maps = _host(slot_mapping) if ndim == 1 else dict(enumerate(_host(x) for x in slot_mapping))
+        kvg = self.config.kv_groups
+        out = slot_entries(pos, maps, None if kvg is None else len(kvg))
+        if out[2].size:
+            with self._lock:
+                self._max_group = max(self._max_group, int(out[2][-1]))
+        return out[0], out[1], out[2].astype(np.int32)
+
+    def set_kv_groups(self, kv_groups) -> None:
+        """Name the KV-cache groups (and whether DCP shards each) once they are known, e.g. by an engine
+        plugin after the KV cache is set up; ValueError if they do not cover the groups recorded so far."""
+        groups = tuple(KVGroup.of(g) for g in kv_groups)
+        with self._lock:
+            if len(groups) <= self._max_group:
+                raise ValueError(f"{len(groups)} KV-cache groups, but group {self._max_group} was recorded")
+            self.config = DumpConfig(**{**self.config.__dict__, "kv_groups": groups})
+            check_config(self.requested_path, self.config)
 
     @staticmethod
     def _capturing() -> bool:
@@ -657,8 +704,7 @@ class Recorder:
 
     # ---- the device path -------------------------------------------------------------------------
 
-    def _observe_device(self, vals: Fields, site: str, srcs: tuple, on: tuple,
-                        extra: tuple = (None, None)) -> int | None:
+    def _observe_device(self, vals: Fields, site: str, srcs: tuple, on: tuple, extra: tuple) -> int | None:
         """Snapshot the observation's CUDA tensors in one launch; None: take the host path instead.
 
         (Written for speed: this is the engine's cost of recording, see benchmarks/bench_record.py --cuda.)

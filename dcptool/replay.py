@@ -27,6 +27,8 @@ from dcptool.rules import (
     check_rank_agree,
     check_rank_sum,
     check_shape,
+    check_slot_partition,
+    check_slots,
     check_stray,
     check_tot_lens,
     check_ubatch_slice,
@@ -206,6 +208,12 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         found += findings_of(d, check_rank_agree(d))
     else:
         skipped["rank-agree"] = "dcp_size is 1"
+    # issue 15 item 3: which rank writes each KV slot
+    if d.has(*RULE["slots"].needs):
+        found += findings_of(d, check_slots(d))
+        found += findings_of(d, check_slot_partition(d))
+    else:
+        skipped["slots"] = "needs the slot columns (obs.slots, rows.positions, rows.slot_mapping, rows.slot_group)"
     found.sort(key=lambda t: (t[0], RULE_ORDER[t[1].rule]))
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=[f for _, f in found], backend=backend,
                        device=device, seconds=0.0, skipped=skipped, grid=obs_grid(d))

@@ -17,7 +17,7 @@ import numpy as np
 from dcptool.choices import CudaGraph, Pipeline, SpecMethod, spoken, values
 from dcptool.reference import local_of
 from dcptool.rules import RULE_OF_FAULT
-from dcptool.schema import DcptoolError, GraphMode
+from dcptool.schema import INT32_MAX, DcptoolError, GraphMode
 from dcptool.slicing import (
     UbatchSlice,
     parse_engine_version,
@@ -51,6 +51,11 @@ _FAULT_WHAT = {
 }
 # Faults of issue 15: real failure classes, but not the pre-fix ordering `--pipeline legacy` models.
 OPT_IN = frozenset({"dcp-qsl-local", "tot-local", "rank-disagree"})
+# issue 15 item 3: which rank writes each KV slot
+_FAULT_WHAT.update({
+    "slot-wrong-group": "the slot mapping localises a replicated KV-cache group (Mamba/GDN state) as DCP-sharded",
+    "slot-all-ranks": "every rank writes every token of a DCP-sharded group (the non-owner mask dropped)",
+})
 FAULTS: dict[str, tuple[str, str]] = {f: (RULE_OF_FAULT[f], what) for f, what in _FAULT_WHAT.items()}
 # Where each fault really occurred, read from vLLM's released code (0.27.0-0.34.0; docs/faults.md has
 # the code paths): a release range, "main only" (on vLLM main between releases, never released), or
@@ -69,7 +74,13 @@ FAULT_WHERE: dict[str, str] = {
     "dcp-qsl-local": "no release",
     "tot-local": "no release",
     "rank-disagree": "no release",
+    # 0.29-0.30's kernel localises every group (no dcp_sharded flag); vLLM #57260 reports it on a later main
+    "slot-wrong-group": "0.29–0.30",
+    "slot-all-ranks": "no release",
 }
+# The KV-cache groups simulate's engine has (rows.slot_group indexes it): the attention KV cache, DCP-sharded, and
+# a replicated one (Mamba/GDN state as vLLM 0.31+ keeps it under DCP); both in page_size blocks.
+KV_GROUPS = (("attn", True), ("mamba", False))
 SITES = ("prepare_inputs", "pcp_partition", "attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft")
 PIPELINES = values(Pipeline)
 CUDAGRAPH_CHOICES = values(CudaGraph)
@@ -188,6 +199,8 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "tot-local": None,
         "rank-disagree": None,
     }
+    slots = None if cfg.pcp == 1 else "needs --pcp 1 (simulate records slot mappings without PCP only)"
+    why.update({"slot-wrong-group": slots, "slot-all-ranks": slots})
     if cfg.dcp == 1:  # vLLM passes None everywhere: nothing DCP-specific can go wrong
         why = {f: "needs --dcp > 1" for f in why}
     return why
@@ -406,6 +419,7 @@ class Runner:
         dq, tot = self._decode_path(b, view, odd_seq, marks) if pages and view is not None else (None, None)
         kw = dict(step=step, site=site, seq_lens=b.seq, num_reqs=nr, num_reqs_padded=nrp, ubatch=ubatch,
                   query_start_loc=b.qsl, num_tokens_padded=b.ntp, graph=int(graph))
+        slots = self._slots(b, role, kind, 0 if sl is None else sl.req_start, marks)
         if sl is not None:
             kw.update(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)
         if odd_seq is not None:  # the last rank records other seq_lens: one call per rank
@@ -414,8 +428,11 @@ class Runner:
                 parent=None if parents is None else parents[r], buffer=bufs[r],
                 kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[r],
                 dcp_query_start_loc=None if dq is None else dq[r], dcp_tot_seq_lens=None if tot is None else tot[r],
+                **({} if slots is None else dict(positions=slots[0], slot_mapping=slots[1][r])),
                 **{**kw, "seq_lens": odd_seq if r == N - 1 else b.seq}) for r, proc in enumerate(procs)]
         elif sink.shared:  # every rank in one file: one call records the batch on all N ranks
+            if slots is not None:
+                kw.update(positions=slots[0], slot_mapping={g: slots[1][:, g] for g in range(len(KV_GROUPS))})
             idxs = sink.recorders[0].observe_many(ranks=range(N), dcp_local_seq_lens=view, parents=parents,
                                                   buffers=bufs, kv_pages=kv, dcp_query_start_loc=dq,
                                                   dcp_tot_seq_lens=tot, **kw)
@@ -424,7 +441,9 @@ class Runner:
                                                  parent=None if parents is None else parents[r], buffer=bufs[r],
                                                  kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[r],
                                                  dcp_query_start_loc=None if dq is None else dq[r],
-                                                 dcp_tot_seq_lens=None if tot is None else tot[r], **kw)
+                                                 dcp_tot_seq_lens=None if tot is None else tot[r], **kw,
+                                                 **({} if slots is None else dict(
+                                                     positions=slots[0], slot_mapping=slots[1][r])))
                     for r, proc in enumerate(procs)]
         for r, proc in enumerate(procs):
             idx, buf = idxs[r], bufs[r]
@@ -473,6 +492,52 @@ class Runner:
             real = min(nd, b.nr)
             marks.append(("tot-local", (tot[:, :real] != seqs[:, :real]).any(axis=1)))
         return dq, tot
+    def _slots(self, b: _Rows, role: str, kind: str, req0: int, marks: list) -> tuple | None:
+        """(positions [ntp], slot mappings [N, groups, ntp]) as vLLM's _compute_slot_mappings_kernel writes them
+        on every rank (issue 15), or None where simulate records none (PCP, drafts, the pre-partition batch).
+
+        Request k of the batch (k + req0 in a micro-batch's parent) owns blocks k * blocks_per_request + j, so
+        slots are distinct as vLLM's allocator makes them. Dummy runs and graph capture write nothing
+        (get_dummy_slot_mappings). Faults append (fault, [N] ranks) to `marks` where replay's `slots` /
+        `slot-partition` can see the change."""
+        if self.P > 1 or role in ("draft", "global"):
+            return None
+        N, I_, B = self.N, self.I, self.G
+        nr, ntp = b.nr, b.ntp
+        per_req = -(-self.cfg.max_model_len // B) + 1
+        if (req0 + b.nrp + 1) * per_req * B > INT32_MAX:
+            return None  # slot ids past int32: an engine this large records no slots here
+        q = np.diff(b.qsl[: nr + 1])
+        real = int(b.qsl[nr])
+        req = np.repeat(np.arange(nr), q)
+        pos = np.zeros(ntp, np.int64)
+        pos[:real] = b.seq[req] - q[req] + (np.arange(real) - b.qsl[req])
+        p = pos[:real]
+        ranks = self.ranks  # [N, 1]
+        vo = p % (B * N)
+        local = p // (B * N) * B + vo // (I_ * N) * I_ + vo % I_
+        owner = (p // I_) % N
+        base = (req + req0) * per_req
+        sharded = np.where(owner == ranks, (base + local // B) * B + local % B, -1)  # [N, real]
+        replicated = np.broadcast_to((base + p // B) * B + p % B, (N, real))
+        out = np.full((N, len(KV_GROUPS), ntp), -1, np.int64)
+        if kind in ("dummy", "capture") or role in ("dummy", "dflash"):
+            return pos, out
+        F = self.F
+        out[:, 0, :real] = sharded
+        out[:, 1, :real] = replicated
+        if "slot-wrong-group" in F:
+            out[:, 1, :real] = sharded
+            # what the `slots` rule can see on a rank: a token it does not own left unwritten while it writes
+            # others, or a slot at another block offset than p % B (a rank owning none of the tokens writes
+            # nothing at all in the group, which is what a dummy build looks like)
+            own = owner == ranks
+            moved = (own & (local % B != p % B)).any(axis=1)
+            marks.append(("slot-wrong-group", (own.any(axis=1) & (~own).any(axis=1)) | moved))
+        if "slot-all-ranks" in F:
+            out[:, 0, :real] = (base + local // B) * B + local % B  # no is_local mask: every rank writes
+            marks.append(("slot-all-ranks", (owner != ranks).any(axis=1)))
+        return pos, out
 
     def _faults(self, role, kind, b: _Rows, fixed, parent_views, global_views, sl, marks):
         """Every rank's view as the faulty engine records it instead of `fixed` ([N, nrp]), or None;

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,11 +61,17 @@ OPTIONAL = {
     "rows.dcp_query_start_loc": ("I32", "obs.dqsl"),
     "obs.tot": ("I64", "n+1"),
     "rows.dcp_tot_seq_lens": ("I32", "obs.tot"),
+    # issue 15 (slots): one entry per (token, KV-cache group) of each observation
+    "obs.slots": ("I64", "n+1"),
+    "rows.positions": ("I32", "obs.slots"),
+    "rows.slot_mapping": ("I32", "obs.slots"),
+    "rows.slot_group": ("I32", "obs.slots"),
 }
 COLUMNS = {**REQUIRED, **OPTIONAL}
 # Optional columns come in groups: a key is only meaningful with its partners.
+SLOT_COLUMNS = ("obs.slots", "rows.positions", "rows.slot_mapping", "rows.slot_group")
 _GROUPS = [("obs.qsl", "rows.query_start_loc"), ("obs.dqsl", "rows.dcp_query_start_loc"),
-           ("obs.tot", "rows.dcp_tot_seq_lens")]
+           ("obs.tot", "rows.dcp_tot_seq_lens"), SLOT_COLUMNS]
 
 
 
@@ -92,6 +99,7 @@ class DumpConfig:
     engine: str | None = None
     engine_version: str | None = None
     note: str | None = None
+    kv_groups: tuple[KVGroup, ...] | None = None  # rows.slot_group indexes it; None: every group DCP-sharded
 
     def to_json(self) -> dict:
         d = {"dcp_size": self.dcp_size, "cp_interleave": self.cp_interleave, "sites": list(self.sites)}
@@ -100,7 +108,61 @@ class DumpConfig:
         for k in ("page_size", "engine", "engine_version", "note"):
             if getattr(self, k) is not None:
                 d[k] = getattr(self, k)
+        if self.kv_groups is not None:
+            d["kv_groups"] = [g.to_json() for g in self.kv_groups]
         return d
+
+    def group_dcp(self, count: int) -> np.ndarray:
+        """[count] bool: whether each KV-cache group is DCP-sharded (without kv_groups: all are, as vLLM
+        0.29-0.30 shard every group and later releases every attention group)."""
+        out = np.ones(max(count, 0), bool)
+        if self.kv_groups is not None:
+            k = min(count, len(self.kv_groups))
+            out[:k] = [g.dcp for g in self.kv_groups[:k]]
+        return out
+
+    def group_block_size(self, count: int) -> np.ndarray:
+        """[count] int64: each KV-cache group's block size, 0 where unknown."""
+        out = np.zeros(max(count, 0), np.int64)
+        if self.kv_groups is not None:
+            k = min(count, len(self.kv_groups))
+            out[:k] = [g.block_size or 0 for g in self.kv_groups[:k]]
+        return out
+
+
+class KVGroup(NamedTuple):
+    """One KV-cache group of dcptool.config's `kv_groups`: its name, whether DCP shards its token
+    positions across ranks (vLLM's KVCacheSpec.dcp_sharded), and its block size when known."""
+
+    name: str
+    dcp: bool
+    block_size: int | None = None
+
+    def to_json(self) -> dict:
+        d = {"name": self.name, "dcp": self.dcp}
+        if self.block_size is not None:
+            d["block_size"] = self.block_size
+        return d
+
+    @classmethod
+    def of(cls, g) -> KVGroup:
+        """A KVGroup from one (a dict {"name", "dcp", "block_size"?} or a tuple); ValueError if malformed."""
+        if isinstance(g, KVGroup):
+            return g
+        if isinstance(g, dict):
+            extra = set(g) - {"name", "dcp", "block_size"}
+            if extra:
+                raise ValueError(f"unknown key {sorted(extra)[0]!r}")
+            name, dcp, bs = g.get("name"), g.get("dcp"), g.get("block_size")
+        else:
+            name, dcp, bs = (tuple(g) + (None, None, None))[:3]
+        if not (isinstance(name, str) and _text_ok(name)):
+            raise ValueError(f"name must be a string, got {name!r}")
+        if type(dcp) is not bool:
+            raise ValueError(f"dcp must be true or false, got {dcp!r}")
+        if bs is not None and not (type(bs) is int and 1 <= bs <= INT32_MAX):
+            raise ValueError(f"block_size must be an integer >= 1, got {bs!r}")
+        return cls(name, dcp, bs)
 
 
 class GraphMode(IntEnum):
@@ -314,7 +376,22 @@ def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
         if not isinstance(injected, dict) or not all(
                 _text_ok(k) and isinstance(v, list) and all(type(i) is int for i in v) for k, v in injected.items()):
             raise _fail(p, "dcptool.injected", "must map fault names to lists of observation indices")
-    cfg = DumpConfig(dcp_size=dcp, cp_interleave=il, sites=tuple(sites), pcp_size=pcp, page_size=page, **strs)
+    groups = None
+    if c.get("kv_groups") is not None:
+        raw_groups = c["kv_groups"]
+        if not isinstance(raw_groups, list):
+            raise _fail(p, "dcptool.config", "kv_groups must be a list of {\"name\", \"dcp\"} objects")
+        out = []
+        for k, g in enumerate(raw_groups):
+            if not isinstance(g, dict):
+                raise _fail(p, "dcptool.config", f"kv_groups[{k}] must be an object {{\"name\", \"dcp\"}}")
+            try:
+                out.append(KVGroup.of(g))
+            except ValueError as e:
+                raise _fail(p, "dcptool.config", f"kv_groups[{k}]: {e}") from None
+        groups = tuple(out)
+    cfg = DumpConfig(dcp_size=dcp, cp_interleave=il, sites=tuple(sites), pcp_size=pcp, page_size=page,
+                     kv_groups=groups, **strs)
     return cfg, injected
 
 
@@ -411,9 +488,30 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
         if t.size and t.min() < 0:
             i = int(np.argmax(t < 0))
             raise _fail(p, "rows.dcp_tot_seq_lens", f"negative length {t[i]} at row {i}")
+    if "obs.slots" in c:
+        _check_slots(p, cfg, c)
     if "rows.kv_pages" in c and cfg.page_size is None:
         raise _fail(p, "rows.kv_pages", "present but dcptool.config has no page_size")
     if injected:
         for fault, idx in injected.items():
             if any(not 0 <= i < n for i in idx):
                 raise _fail(p, "dcptool.injected", f"{fault}: observation index out of range")
+
+
+def _check_slots(p: str, cfg: DumpConfig, c: dict[str, np.ndarray]) -> None:
+    """Slot columns (issue 15): positions are token positions (>= 0); each entry's KV-cache group is one the
+    config lists (any index >= 0 without kv_groups). Slot values are findings, not file errors."""
+    for key in SLOT_COLUMNS[1:]:
+        if key not in c:
+            raise _fail(p, key, "missing (it goes with obs.slots)")
+    pos, grp = c["rows.positions"], c["rows.slot_group"]
+    if pos.size and pos.min() < 0:
+        i = int(np.argmax(pos < 0))
+        raise _fail(p, "rows.positions", f"negative position {pos[i]} at entry {i}")
+    if grp.size:
+        hi = INT32_MAX if cfg.kv_groups is None else len(cfg.kv_groups) - 1
+        bad = (grp < 0) | (grp > hi)
+        if bad.any():
+            i = int(np.argmax(bad))
+            what = "negative" if grp[i] < 0 else f"out of range (config lists {len(cfg.kv_groups)} kv_groups)"
+            raise _fail(p, "rows.slot_group", f"KV-cache group {grp[i]} at entry {i} is {what}")

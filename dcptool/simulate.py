@@ -15,6 +15,7 @@ from dcptool.record import Recorder
 from dcptool.runner import (  # noqa: F401 - SimConfig, SimError, FAULTS, FAULT_WHERE, applicability and capture_sizes are simulate's API
     FAULT_WHERE,
     FAULTS,
+    KV_GROUPS,
     SITES,
     Runner,
     SimConfig,
@@ -186,7 +187,10 @@ class _Sink:
         P, N = cfg.pcp, cfg.dcp
         version = cfg.engine_version or f"vLLM model runner V2 model ({cfg.pipeline} pipeline)"
         kw = dict(dcp_size=N, cp_interleave=cfg.interleave, sites=SITES, pcp_size=P, page_size=cfg.page_size,
-                  engine="dcptool simulate", engine_version=version, note=cfg.command())
+                  engine="dcptool simulate", engine_version=version, note=cfg.command(),
+                  # (slot mappings are recorded without PCP only: runner.Runner._slots)
+                  kv_groups=[{"name": n, "dcp": dcp, "block_size": cfg.page_size} for n, dcp in KV_GROUPS]
+                  if P == 1 else None)
         if per_rank:
             names = [f".pcp{p}.rank{r}" if P > 1 else f".rank{r}" for p in range(P) for r in range(N)]
             self.paths = [out.with_name(f"{out.stem}{n}{out.suffix or '.safetensors'}") for n in names]

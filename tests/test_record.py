@@ -598,3 +598,79 @@ def test_issue15_rows_through_the_ring_match_the_host_path(tmp_path):
     assert {"obs.dqsl", "obs.tot"} <= set(ca) and sorted(ca) == sorted(cb)
     for key in ca:
         assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
+# --------------------------------------------------------------------------------------------
+# issue 15 item 3: positions= and slot_mapping= (host path, CUDA tensors too for now), kv_groups=
+
+KV = [{"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False}]
+
+
+def test_slot_kwargs_round_trip_every_form(tmp_path):
+    """1-D (group 0), [groups, tokens], a dict of groups, torch int64 and lists: one entry per token and group,
+    groups ascending; observations without slots have none; observe_many takes one mapping per rank."""
+    with Recorder(tmp_path / "s.safetensors", dcp_size=2, kv_groups=KV) as rec:
+        rec.observe(**_base(0), positions=torch.tensor([3, 4], dtype=torch.int64), slot_mapping=torch.tensor([-1, 7]))
+        rec.observe(**_base(1), positions=[3, 4], slot_mapping=np.array([[5, -1], [30, 31]]))
+        rec.observe(**_base(0), positions=np.array([9, 10]), slot_mapping={1: [1, 2], 0: torch.tensor([-1, -1])})
+        rec.observe(**_base(1))
+        rec.observe_many(**{k: v for k, v in _base(0).items() if k not in ("rank", "dcp_local_seq_lens")}, ranks=[0, 1],
+                         dcp_local_seq_lens=np.array([[9, 13, 0, 0], [8, 12, 0, 0]]), positions=[0, 1],
+                         slot_mapping={0: np.array([[0, -1], [-1, 0]]), 1: torch.tensor([[0, 1], [0, 1]])})
+    d = read_dump(tmp_path / "s.safetensors")
+    assert rec.dropped == 0 and d.config.kv_groups[0].block_size == 16 and not d.config.kv_groups[1].dcp
+    assert d["obs.slots"].tolist() == [0, 2, 6, 10, 10, 14, 18]
+    assert d["rows.positions"].tolist() == [3, 4, 3, 4, 3, 4, 9, 10, 9, 10, 0, 1, 0, 1, 0, 1, 0, 1]
+    assert d["rows.slot_mapping"].tolist() == [-1, 7, 5, -1, 30, 31, -1, -1, 1, 2, 0, -1, 0, 1, -1, 0, 0, 1]
+    assert d["rows.slot_group"].tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
+    # pack() writes the same columns from Observation(positions=, slot_mapping=)
+    o = [obs(positions=[3, 4], slot_mapping=[-1, 7]), obs(step=1)]
+    _, cols = pack(o, DumpConfig(dcp_size=2))
+    assert cols["obs.slots"].tolist() == [0, 2, 2] and cols["rows.slot_group"].tolist() == [0, 0]
+
+
+def _base(rank):
+    return dict(step=0, site="attn_metadata", rank=rank, seq_lens=np.array([17, 25, 0, 0]), num_reqs=2,
+                num_reqs_padded=4, dcp_local_seq_lens=np.array([9, 13, 0, 0]) if rank == 0 else np.array([8, 12, 0, 0]))
+
+
+@pytest.mark.parametrize("bad", [
+    dict(positions=[1, 2]),  # without slot_mapping
+    dict(slot_mapping=[1, 2]),  # without positions
+    dict(positions=[1, 2], slot_mapping=[1, 2, 3]),  # not one per position
+    dict(positions=[1, 2], slot_mapping={2: [1, 2]}),  # a group the config does not list
+    dict(positions=[1, 2], slot_mapping={-1: [1, 2]}),
+    dict(positions=[1, -2], slot_mapping=[1, 2]),
+    dict(positions=[1, 2], slot_mapping=np.array([1, 2**31])),  # int32 cannot hold it
+    dict(positions=[1, 2], slot_mapping=np.array([1.5, 2])),
+], ids=["no-slots", "no-positions", "length", "group", "negative-group", "negative-position", "int64", "float"])
+def test_slot_values_that_cannot_be_stored_drop_the_observation(tmp_path, bad):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Recorder(tmp_path / "b.safetensors", dcp_size=2, kv_groups=KV) as rec:
+            assert rec.observe(**_base(0), **bad) == -1
+            assert rec.observe(**_base(1), positions=[1, 2], slot_mapping=[-1, 3]) == 0
+    assert rec.dropped == 1 and read_dump(tmp_path / "b.safetensors").n == 1
+
+
+def test_kv_groups_set_later_must_cover_what_was_recorded(tmp_path):
+    with Recorder(tmp_path / "k.safetensors", dcp_size=2) as rec:
+        rec.observe(**_base(0), positions=[1, 2], slot_mapping={1: [3, 4]})
+        with pytest.raises(ValueError, match="group 1 was recorded"):
+            rec.set_kv_groups([{"name": "attn", "dcp": True}])
+        rec.set_kv_groups(KV)
+    assert read_dump(tmp_path / "k.safetensors").config.kv_groups[1].name == "mamba"
+    with pytest.raises(ValueError, match="dcp must be true or false"):
+        Recorder(tmp_path / "x.safetensors", dcp_size=2, kv_groups=[{"name": "a", "dcp": "yes"}])
+
+
+def test_device_path_carries_slot_entries(tmp_path):
+    """Through the snapshot ring (host tensors in the CPU tests), slot entries ride along on the host."""
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, kv_groups=KV)
+    a._use_host_ring()
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, kv_groups=KV)
+    for rec in (a, b):
+        rec.observe(**{**_base(0), "seq_lens": torch.tensor([17, 25, 0, 0])}, positions=torch.tensor([16, 17]),
+                    slot_mapping=torch.tensor([[4, -1], [0, 1]]))
+        rec.close()
+    da, db = read_dump(tmp_path / "a.safetensors"), read_dump(tmp_path / "b.safetensors")
+    for k in ("obs.slots", "rows.positions", "rows.slot_mapping", "rows.slot_group", "rows.seq_lens"):
+        assert np.array_equal(da[k], db[k]), k

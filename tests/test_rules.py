@@ -7,6 +7,7 @@ from conftest import expected_view, obs, write
 from dcptool.dump import open_dumps
 from dcptool.replay import replay
 from dcptool.rules import RULE_CODES, RULES, TABLE, Finding
+from dcptool.schema import KVGroup
 from dcptool.slicing import split_batch
 
 BACKENDS = ["torch", "triton"]
@@ -236,7 +237,8 @@ def test_table_is_design_s3():
     from dcptool.simulate import FAULTS
 
     assert RULES == ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
-                     "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree")
+                     "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree",
+                     "slots", "slot-partition")
     assert len({c.lower() for c in RULE_CODES.values()}) == len(RULES)
     assert all(callable(getattr(dcptool.rules, r.check)) for r in TABLE)
     assert {f: rule for f, (rule, _) in FAULTS.items()} == {f: r.name for r in TABLE for f in r.faults}
@@ -558,3 +560,162 @@ def test_rank_agree_row_compare_and_hashes_do_not_depend_on_the_chunking(rng):
     d = _dump([obs(seq=[3, 0], num_reqs=1, num_reqs_padded=2), obs(seq=[3, 1], num_reqs=1, num_reqs_padded=2)], 2)
     h = _row_hashes(d, "obs.rows", "rows.seq_lens", np.arange(2))
     assert h[0] != h[1]
+# --------------------------------------------------------------------------------------------
+# issue 15 item 3: slots and slot-partition (vLLM's rule: tests/vllm/test_vllm_slots.py checks it against
+# vLLM's own kernel; here a numpy model of it builds the dumps)
+
+KV2 = ({"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False, "block_size": 16})
+
+
+def vllm_slot_mapping(q, comp, ntp, rank, N, I_, B=16, sharded=True):
+    """The slot this rank writes per token, as vLLM's _compute_slot_mappings_kernel does: request i's block k
+    is block i*4096 + k, the owner of position p in a sharded group is (p // I) % N, padding writes -1."""
+    pos = np.concatenate([np.arange(c, c + k) for c, k in zip(comp, q)] + [np.zeros(0, np.int64)]).astype(np.int64)
+    req = np.repeat(np.arange(len(q)), q)
+    if sharded:
+        vo = pos % (B * N)
+        local = pos // (B * N) * B + vo // (I_ * N) * I_ + vo % I_
+        mine = (pos // I_) % N == rank
+    else:
+        local, mine = pos, np.ones(pos.size, bool)
+    slot = np.where(mine, (req * 4096 + local // B) * B + local % B, -1)
+    full_pos = np.zeros(ntp, np.int64)
+    full_pos[: pos.size] = pos
+    full_slot = np.full(ntp, -1, np.int64)
+    full_slot[: pos.size] = slot
+    return full_pos, full_slot
+
+
+def slot_batch(step, q, comp, N, I_, ntp=None, site="attn_metadata", dummy=False, edit=None):
+    """One batch on every rank with both groups' slot mappings (dummy: all -1, as get_dummy_slot_mappings);
+    edit(rank, group, pos, slot) may change a rank's mapping in place."""
+    q, comp = np.asarray(q, np.int64), np.asarray(comp, np.int64)
+    ntp = int(q.sum()) if ntp is None else ntp
+    seq = (q + comp).astype(np.int32)
+    qsl = np.r_[0, np.cumsum(q)]
+    out = []
+    for r in range(N):
+        maps = {}
+        for g, kv in enumerate(KV2):
+            pos, slot = vllm_slot_mapping(q, comp, ntp, r, N, I_, kv["block_size"], kv["dcp"])
+            if dummy:
+                slot[:] = -1
+            if edit is not None:
+                edit(r, g, pos, slot)
+            maps[g] = slot
+        out.append(obs(step=step, site=site, rank=r, seq=seq, num_reqs=q.size, num_reqs_padded=q.size, dcp=N,
+                       il=I_, view=None if N == 1 else "auto", query_start_loc=qsl, num_tokens_padded=ntp,
+                       positions=pos, slot_mapping=maps))
+    return out
+
+
+def run_slots(tmp_path, observations, N, I_):
+    return run(tmp_path, observations, dcp=N, il=I_, kv_groups=tuple(KVGroup.of(g) for g in KV2))
+
+
+@pytest.mark.parametrize("N,I_", [(1, 1), (2, 1), (4, 16), (3, 2), (8, 4)])
+def test_slots_clean_on_random_batches_must_not_trigger(tmp_path, rng, N, I_):
+    o = []
+    for step, total in enumerate((0, 1, 127, 128, 129, 1031)):
+        n = min(total, int(rng.integers(1, 6))) if total else 0
+        q = np.diff(np.r_[0, np.sort(rng.choice(np.arange(1, total), n - 1, replace=False)), total]) if n > 1 else (
+            np.array([total] * n, np.int64))
+        comp = rng.integers(0, 5000, n)
+        o += slot_batch(step, q, comp, N, I_, ntp=total + int(rng.integers(0, 9)))
+        o += slot_batch(step, q, comp, N, I_, site="dummy", dummy=True)  # dummy runs write nothing: not a finding
+    res = run_slots(tmp_path, o, N, I_)
+    assert [f.message for f in res.findings] == []
+    assert "slots" not in res.skipped
+
+
+def _kinds(res):
+    return {(f.obs, f.rule, f.detail.get("kind")) for f in res.findings}
+
+
+def test_slots_each_kind_triggers(tmp_path):
+    N, I_ = 2, 1
+    q, comp = [3, 1, 4], [10, 26, 0]  # positions 10 11 12 | 26 | 0 1 2 3
+
+    def put(rank, group, token, value):
+        def edit(r, g, pos, slot):
+            if (r, g) == (rank, group):
+                slot[token] = value
+        return edit
+
+    cases = [
+        ("padded", put(0, 0, 9, 5), 0),  # token 9 of 10 padded tokens (8 real)
+        ("value", put(1, 1, 0, -7), 1),
+        ("non-owner", put(1, 0, 0, 123), 1),  # position 10 belongs to rank 0
+        ("owner-missing", put(0, 0, 0, -1), 0),
+        ("replicated-missing", put(1, 1, 2, -1), 1),
+        ("offset", put(0, 0, 0, 16 * 99 + 3), 0),  # position 10 sits at local offset 5 on rank 0
+        # position 26 takes position 10's slot (same block offset): two tokens, one slot
+        ("duplicate", put(0, 1, 3, int(vllm_slot_mapping(q, comp, 10, 0, N, I_, 16, False)[1][0])), 0),
+    ]
+    for step, (kind, edit, rank) in enumerate(cases):
+        res = run_slots(tmp_path, slot_batch(step, q, comp, N, I_, ntp=10, edit=edit), N, I_)
+        got = [(f.rank, f.rule, f.detail.get("kind")) for f in res.findings if f.rule == "slots"]
+        assert got == [(rank, "slots", kind)], (kind, [f.message for f in res.findings])
+        f = next(f for f in res.findings if f.rule == "slots")
+        assert f.severity == "error" and f.message.startswith(f"step {step} attn_metadata rank {rank}: token ")
+
+
+def test_slots_message_names_owner_and_counts(tmp_path):
+    def all_ranks(r, g, pos, slot):  # rank 1 also writes every token of the sharded group
+        if (r, g) == (1, 0):
+            slot[:8] = np.arange(8) + 1000
+    res = run_slots(tmp_path, slot_batch(0, [3, 1, 4], [10, 40, 0], 2, 1, edit=all_ranks), 2, 1)
+    f = next(f for f in res.findings if f.rule == "slots")
+    assert f.rank == 1 and f.detail == {"kind": "non-owner", "group": 0, "position": 10, "token": 0, "slot": 1000,
+                                        "owner": 0}
+    # 4 tokens it does not own, and its own 4 at wrong offsets
+    assert "belongs to rank 0 ((p // 1) % 2)" in f.message and "(8 wrong entries)" in f.message
+    assert "0 (attn)" in f.message
+
+
+def test_slot_partition_double_write_at_non_owner_and_unwritten_at_owner(tmp_path):
+    N, I_ = 4, 2
+
+    def steal(r, g, pos, slot):  # rank 3 writes positions it does not own (like vLLM #57260's mask missing)
+        if (r, g) == (3, 0):
+            slot[:4] = np.arange(4) + 7000
+
+    res = run_slots(tmp_path, slot_batch(0, [5, 3], [0, 20], N, I_, edit=steal), N, I_)
+    part = [f for f in res.findings if f.rule == "slot-partition"]
+    assert [(f.rank, f.obs) for f in part] == [(3, 3)]
+    # positions 0..3 of request 0: 0,1 belong to rank 0, 2,3 to rank 1
+    assert part[0].detail["written_by_several"] == [0, 1, 2, 3] and part[0].detail["unwritten"] == []
+    assert part[0].detail["obs"] == [0, 1, 2, 3] and "written by several ranks" in part[0].message
+
+    def lose(r, g, pos, slot):  # rank 1 writes nothing in the sharded group while the others write
+        if (r, g) == (1, 0):
+            slot[:] = -1
+
+    res = run_slots(tmp_path, slot_batch(1, [5, 3], [0, 20], N, I_, edit=lose), N, I_)
+    part = [f for f in res.findings if f.rule == "slot-partition"]
+    assert [f.rank for f in part] == [1]
+    # positions 0..4 and 20..22: rank 1 owns 2 and 3
+    assert part[0].detail["unwritten"] == [2, 3] and "written by no rank" in part[0].message
+    # the rank's own slots rule is quiet: a build that writes nothing in a group is not asked to (dummy runs)
+    assert [f.rule for f in res.findings] == ["slot-partition"]
+
+
+def test_slot_partition_needs_every_rank_and_ignores_replicated_groups(tmp_path):
+    N, I_ = 2, 1
+
+    def dup(r, g, pos, slot):
+        if (r, g) == (1, 0):
+            slot[0] = 555
+    o = slot_batch(0, [2], [0], N, I_, edit=dup)
+    res = run_slots(tmp_path, o[1:], N, I_)  # rank 0 not recorded: no set to partition
+    assert [f.rule for f in res.findings] == ["slots"]
+    res = run_slots(tmp_path, slot_batch(1, [6, 2], [3, 9], N, I_), N, I_)  # replicated: N writers each, fine
+    assert res.findings == []
+
+
+def test_slots_skipped_without_columns_and_group_defaults(tmp_path):
+    assert "slots" in run(tmp_path, [obs()]).skipped
+    # without kv_groups every group is DCP-sharded (vLLM 0.29-0.30 localise every group)
+    o = slot_batch(0, [4], [0], 2, 1)
+    res = run(tmp_path, o, dcp=2, il=1)
+    assert {f.detail["kind"] for f in res.findings if f.rule == "slots"} == {"non-owner"}  # group 1 looks sharded

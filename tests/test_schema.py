@@ -1,8 +1,9 @@
 """schema.py: the one encoding of obs.graph (DESIGN §2)."""
 
+import numpy as np
 import pytest
 
-from dcptool.schema import GraphMode
+from dcptool.schema import GraphMode, KVGroup
 
 
 def test_graph_mode_values_are_design_s2():
@@ -102,3 +103,76 @@ def test_issue15_columns_good_file_reads_and_inspect_lists_them(tmp_path):
     r = cli("inspect", p, "--json")
     assert r.returncode == 0 and {"obs.dqsl", "rows.dcp_query_start_loc", "obs.tot",
                                   "rows.dcp_tot_seq_lens"} <= set(__import__("json").loads(r.stdout)["optional"])
+# --------------------------------------------------------------------------------------------
+# issue 15 item 3: the slot columns and kv_groups (a bad one: exit 2, one line naming file and key)
+
+def _slot_dump(tmp_path, name="s.safetensors", config=None, **over):
+    """A two-rank dump with slot columns written by the safetensors library itself (no dcptool validation),
+    with `over` replacing columns and `config` keys."""
+    import json
+
+    from conftest import obs
+    from safetensors.numpy import save_file
+
+    from dcptool.dump import DumpConfig, pack
+
+    o = [obs(rank=r, query_start_loc=[0, 1, 2, 2, 2], positions=[16, 24], slot_mapping={0: [-1, 5], 1: [9, 2]})
+         for r in range(2)]
+    cfg, cols = pack(o, DumpConfig(dcp_size=2, kv_groups=(KVGroup("attn", True), KVGroup("mamba", False))))
+    cols.update(over)
+    c = cfg.to_json()
+    c.update(config or {})
+    path = tmp_path / name
+    save_file({k: np.ascontiguousarray(v) for k, v in cols.items()}, str(path),
+              metadata={"dcptool.format": "1", "dcptool.config": json.dumps(c)})
+    return str(path)
+
+
+def test_slot_columns_read_back(tmp_path):
+    from dcptool.dump import read_dump
+
+    d = read_dump(_slot_dump(tmp_path))
+    assert d["obs.slots"].tolist() == [0, 4, 8]
+    assert d["rows.slot_group"].tolist() == [0, 0, 1, 1] * 2 and d["rows.positions"].tolist() == [16, 24] * 4
+    assert d.config.kv_groups == (KVGroup("attn", True), KVGroup("mamba", False))
+
+
+@pytest.mark.parametrize("over,config,message", [
+    ({"rows.slot_group": np.array([0, 0, 2, 1, 0, 0, 1, 1], "<i4")}, None,
+     "rows.slot_group: KV-cache group 2 at entry 2 is out of range (config lists 2 kv_groups)"),
+    ({"rows.slot_group": np.array([0, 0, -1, 1, 0, 0, 1, 1], "<i4")}, None,
+     "rows.slot_group: KV-cache group -1 at entry 2 is negative"),
+    ({"rows.positions": np.array([16, -24, 16, 24, 16, 24, 16, 24], "<i4")}, None,
+     "rows.positions: negative position -24 at entry 1"),
+    ({"obs.slots": np.array([0, 4, 7], "<i8")}, None, "obs.slots: offsets end at 7"),
+    ({"rows.slot_mapping": np.array([1, 2, 3], "<i4")}, None, "obs.slots: offsets end at 8"),
+    ({"rows.slot_mapping": np.zeros(8, "<i8")}, None, "rows.slot_mapping: dtype must be I32"),
+    ({}, {"kv_groups": [{"name": "attn", "dcp": 1}]}, "kv_groups[0]: dcp must be true or false, got 1"),
+    ({}, {"kv_groups": ["attn"]}, "kv_groups[0] must be an object"),
+    ({}, {"kv_groups": {"attn": True}}, "kv_groups must be a list"),
+    ({}, {"kv_groups": [{"name": "a", "dcp": True, "block_size": 0}]}, "block_size must be an integer >= 1"),
+    ({}, {"kv_groups": [{"name": "a", "dcp": True, "page": 16}]}, "kv_groups[0]: unknown key 'page'"),
+], ids=["group-range", "group-negative", "position", "offsets", "short", "dtype", "dcp-int", "not-object",
+        "not-list", "block-size", "unknown-key"])
+def test_bad_slot_columns_exit_2_with_one_line(tmp_path, over, config, message):
+    from conftest import cli
+
+    p = _slot_dump(tmp_path, config=config, **over)
+    r = cli("replay", p)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.count("\n") == 1 and p in r.stderr and message in r.stderr, r.stderr
+
+
+def test_slot_columns_go_together(tmp_path):
+    from conftest import cli
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    p = _slot_dump(tmp_path)
+    with safe_open(p, "np") as f:
+        meta = f.metadata()
+    cols = load_file(p)
+    del cols["rows.slot_group"]
+    save_file(cols, p, metadata=meta)
+    r = cli("replay", p)
+    assert r.returncode == 2 and "rows.slot_group: missing (it goes with obs.slots)" in r.stderr

@@ -121,6 +121,8 @@ EXERCISE = {
     "dcp-qsl-local": (4, 1, 1, 0, 2, "piecewise", "mtp"),
     "tot-local": (2, 16, 1, 0, 1, "full", "mtp"),
     "rank-disagree": (2, 1, 1, 3, 2, "full", "mtp"),
+    "slot-wrong-group": (4, 2, 1, 2, 2, "full", "mtp"),
+    "slot-all-ranks": (3, 16, 1, 2, 2, "piecewise", "mtp"),
 }
 
 
@@ -435,3 +437,16 @@ def test_issue15_fault_found_exactly_where_it_touched_per_rank_files_too(fault, 
         assert res.faults[fault].count > 0
         _verify(res, d, rr)
         assert set(rr.by_rule()) == {FAULTS[fault][0]}
+def test_slot_faults_per_rank_files_like_one_file(tmp_path):
+    """Issue 15: the slot columns go through observe() per rank as through observe_many(), and each slot fault
+    is found exactly where it touched in either layout; the fixed pipeline writes them and replays clean."""
+    cfg = SimConfig(dcp=4, interleave=2, pcp=1, inject=("slot-wrong-group", "slot-all-ranks"), **SMALL)
+    one, d1, r1 = _run(cfg, tmp_path, "one.safetensors")
+    many, dn, rn = _run(cfg, tmp_path, "many.safetensors", per_rank=True)
+    assert d1.has("obs.slots") and dn.has("obs.slots") and d1.config.kv_groups == dn.config.kv_groups
+    assert np.array_equal(np.sort(d1["rows.slot_mapping"]), np.sort(dn["rows.slot_mapping"]))
+    for res, d, rr in ((one, d1, r1), (many, dn, rn)):
+        _verify(res, d, rr)
+        assert {"slots", "slot-partition"} <= set(rr.by_rule())
+    fixed = _run(SimConfig(dcp=4, interleave=2, pcp=1, **SMALL), tmp_path, "fixed.safetensors")[2]
+    assert fixed.findings == [] and "slots" not in fixed.skipped

@@ -78,6 +78,8 @@ class _State:
     recorder = None
     rank = None
     interleave: int | None = None
+    block_tables = None  # the runner's BlockTables, once seen (slot mappings' KV-cache groups: issue 15)
+    kv_groups: list | None = None  # the groups the recorder's config names (set with the first slot mapping)
     skipped: Counter = Counter()
     tables: list = []  # candidate hook tables, best first (set by register())
     modules: frozenset = frozenset()  # the modules any of them hooks
@@ -158,10 +160,14 @@ def _mode(m) -> str:
 
 
 def _learn(obj) -> None:
-    """Remember the interleave from an engine object that knows it (runner, block tables, ...)."""
+    """Remember the interleave from an engine object that knows it (runner, block tables, ...), and the block
+    tables (the slot mappings' KV-cache groups)."""
     il = getattr(obj, "cp_interleave", None)
     if isinstance(il, int) and il >= 1 and _S.interleave is None:
         _S.interleave = il
+    bt = obj if hasattr(obj, "slot_mappings") else getattr(obj, "block_tables", None)
+    if bt is not None and hasattr(bt, "slot_mappings") and hasattr(bt, "block_sizes"):
+        _S.block_tables = bt
 
 
 def _consumed(fn) -> frozenset[str]:
@@ -231,6 +237,7 @@ def _record_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> 
     if ub is not None:
         kw.update(ubatch=ub.ubatch, parent=ub.parent, req_start=ub.req_start, tok_start=ub.tok_start,
                   tok_stop=ub.tok_stop)
+    _slot_kwargs(sig, args, kwargs, batch, kw)
     if "capture_graph" in c:
         graph = c["capture_graph"]
     elif "cg" in c:
@@ -239,6 +246,78 @@ def _record_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> 
         graph = _graph().FULL_CAPTURE if sig.get(args, kwargs, "for_cudagraph_capture") else _graph().EAGER
     _observe(site="ubatch" if ub is not None else c.get("site", "attn_metadata"),
              seq_lens=seq, num_reqs=nr, num_reqs_padded=nrp, dcp_local_seq_lens=dcp, graph=int(graph), **kw)
+
+
+def _slot_kwargs(sig: _Sig, args: tuple, kwargs: dict, batch, kw: dict) -> None:
+    """Issue 15: the slot mappings build_attn_metadata hands every KV-cache group ([groups, tokens], what the KV
+    writes use) with the tokens' positions (the batch's, else the call's), and the groups' sharding."""
+    sm = sig.get(args, kwargs, "slot_mappings") if "slot_mappings" in sig.pos else None
+    pos = getattr(batch, "positions", None) if batch is not None else None
+    if pos is None and "positions" in sig.pos:
+        pos = sig.get(args, kwargs, "positions")
+    if sm is None or pos is None or getattr(sm, "ndim", 0) != 2 or getattr(pos, "ndim", 0) != 1:
+        return
+    t = int(sm.shape[1])
+    if int(pos.shape[0]) < t:
+        _S.skipped["slot mappings longer than the positions"] += 1
+        return
+    kvc = sig.get(args, kwargs, "kv_cache_config") if "kv_cache_config" in sig.pos else None
+    groups = _kv_groups(kvc, int(sm.shape[0]))
+    if _S.kv_groups is None:
+        rec = _recorder()
+        if rec is None:
+            return
+        rec.set_kv_groups(groups)  # (the recording's first slot mapping: no group recorded yet)
+        _S.kv_groups = groups
+    elif groups != _S.kv_groups:
+        _S.skipped["slot mappings of other KV-cache groups than the first build's"] += 1
+        return
+    kw.update(positions=pos[:t], slot_mapping=sm)
+
+
+@functools.cache
+def _uses_kernel_block_sizes(cls) -> bool:
+    """0.29-0.31's slot-mapping kernel addresses kernel blocks (kernel_block_sizes); 0.32+ KV blocks (block_sizes)."""
+    try:
+        return "kernel_block_sizes" in inspect.getsource(cls.init_block_table_layout_tensors)
+    except (OSError, TypeError, AttributeError):
+        return False
+
+
+def _spec_sharded(spec) -> bool | None:
+    """Whether DCP should shard this KV-cache spec's positions: its own `dcp_sharded` (0.31+: attention True,
+    Mamba/GDN False, a DCP-1 drafter's layers set False by the runner), else its kind (0.29-0.30 have no flag:
+    attention specs are sharded, anything else, Mamba state, is replicated); None when unknown."""
+    if spec is None:
+        return None
+    flag = getattr(spec, "dcp_sharded", None)
+    if isinstance(flag, bool):
+        return flag
+    return any(c.__name__ == "AttentionSpec" for c in type(spec).__mro__)
+
+
+def _kv_groups(kv_cache_config, count: int) -> list[dict]:
+    """The KV-cache groups: whether DCP should shard each (its spec: _spec_sharded; without a spec, what the
+    slot-mapping kernel does: BlockTables.dcp_sharded on 0.31+, every group on 0.29-0.30), the block size its
+    slots are counted in, and the spec's class as the name. On 0.29-0.30 the kernel localises every group, so a
+    replicated group's mapping is reported (`slots`): that is the release's behaviour, not the recording's."""
+    specs = [getattr(g, "kv_cache_spec", None) for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()]
+    if len(specs) != count:
+        specs = [None] * count
+    names = [type(x).__name__ if x is not None else f"group{i}" for i, x in enumerate(specs)]
+    bt = _S.block_tables
+    flags = getattr(bt, "dcp_sharded", None)
+    if flags is not None and len(flags) == count:
+        kernel = [bool(x) for x in flags.tolist()]
+    else:
+        kernel = [True] * count  # 0.29-0.30 (no flag), or no block tables seen: attention's default
+    dcp = [k if _spec_sharded(x) is None else _spec_sharded(x) for x, k in zip(specs, kernel)]
+    sizes = [None] * count
+    if bt is not None:
+        got = bt.kernel_block_sizes if _uses_kernel_block_sizes(type(bt)) else bt.block_sizes
+        if got is not None and len(got) == count:
+            sizes = [int(b) for b in got]
+    return [{"name": n, "dcp": f, **({"block_size": b} if b else {})} for n, f, b in zip(names, dcp, sizes)]
 
 
 def _cg(sig: _Sig, args: tuple, kwargs: dict) -> str | None:
@@ -425,6 +504,8 @@ class Table:
     hooks: Hooks
     sites: tuple[str, ...]
     why_not: str = ""  # the sites it cannot produce, and why
+    # issue 15: the slot columns (build_attn_metadata's slot_mappings, every release) and how groups are sharded
+    slots: str = "slot mappings per KV-cache group, each group's sharding from its spec (dcp_sharded)"
 
 
 def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: tuple[str, tuple[str, ...]],
@@ -433,7 +514,7 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
     h: Hooks = {
         f"{W}.attn_utils": [("build_attn_metadata", _wrap_build,
                              ("num_reqs", "seq_lens", "dcp_local_seq_lens", "query_start_loc_cpu",
-                              "for_cudagraph_capture"))],
+                              "for_cudagraph_capture"))],  # (+ slot_mappings, positions: read where present)
         f"{W}.model_states.default": [("DefaultModelState.prepare_attn", _wrap_prepare_attn, prep)],
         f"{W}.model_states.mamba_hybrid": [("MambaHybridModelState.prepare_attn", _wrap_prepare_attn, prep)],
         f"{W}.model_states.encoder_decoder": [("EncoderDecoderModelState.prepare_attn", _wrap_prepare_attn, prep)],
@@ -463,15 +544,18 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
 #  0.34  UBatchRunner.prepare(..., batch_desc, dp_sync_state, for_capture).
 _DRAFT = ("_build_attn_metadata", ("num_reqs", "batch_desc"))
 _NO_UBATCH = "ubatch: this release has no model-runner-V2 micro-batching (vllm/v1/worker/gpu/ubatch_utils.py)"
+_ALL_SHARDED = ("slot mappings per KV-cache group, each group's sharding from its spec's kind; this release's "
+                "slot-mapping kernel has no dcp_sharded flag and localises every group (replay: slots on a "
+                "replicated group)")
 TABLES: tuple[Table, ...] = (
     Table("0.29", ("0.29.",), ("0.29.0",),
           _hooks(ubatch_idx=False, ubatch_prepare=None,
                  draft=("_build_draft_attn_metadata", ("num_reqs", "num_reqs_padded")),
                  partition=("padded_num_tokens",)),
-          tuple(s for s in SITES if s != "ubatch"), _NO_UBATCH),
+          tuple(s for s in SITES if s != "ubatch"), _NO_UBATCH, _ALL_SHARDED),
     Table("0.30", ("0.30.",), ("0.30.0",),
           _hooks(ubatch_idx=True, ubatch_prepare=("cg_mode",), draft=_DRAFT,
-                 partition=("padded_num_tokens", "padded_num_reqs")), SITES),
+                 partition=("padded_num_tokens", "padded_num_reqs")), SITES, slots=_ALL_SHARDED),
     Table("0.31-0.33", ("0.31.", "0.32.", "0.33."), ("0.31.0", "0.32.0", "0.33.0"),
           _hooks(ubatch_idx=True, ubatch_prepare=("cg_mode",), draft=_DRAFT,
                  partition=("batch_desc",)), SITES),
@@ -752,7 +836,7 @@ def sites_note(version: str) -> str:
         return ""
     used = sorted(set(_S.used.values()))
     s = f"vLLM {version}, hook table {'/'.join(used) if used else t.line}; sites possible: {', '.join(t.sites)}"
-    return s + (f"; not possible: {t.why_not}" if t.why_not else "")
+    return s + (f"; not possible: {t.why_not}" if t.why_not else "") + f"; columns: {t.slots}"
 
 
 class step:
@@ -788,5 +872,7 @@ def close() -> list[Path]:
                      "; not recorded: " + ", ".join(f"{k} ({v})" for k, v in _S.skipped.items()) if _S.skipped else "")
         _S.step = -1
         _S.interleave = None
+        _S.block_tables = None
+        _S.kv_groups = None
         _S.skipped.clear()
         return files

@@ -162,7 +162,9 @@ def tables(max_num_reqs: int, max_num_tokens: int, dcp: int, rank: int, il: int)
     bt.block_sizes, bt.num_kv_cache_groups, bt.kernel_block_sizes, bt.blocks_per_kv_block = [16], 1, [16], [1]
     bt.cp_size, bt.cp_rank, bt.cp_interleave = dcp, rank, il
     bt.input_block_tables = [torch.zeros(max_num_reqs, 64, dtype=torch.int32)]
-    bt.slot_mappings = torch.zeros(1, max_num_tokens, dtype=torch.int64)
+    # no slot mapping is ever computed on these tables: the buffer holds what get_dummy_slot_mappings leaves
+    # (PAD_SLOT_ID), so builds that read it write nothing (slot_tables has real ones)
+    bt.slot_mappings = torch.full((1, max_num_tokens), -1, dtype=torch.int64)
     bt._num_dirty_rows = 0
     return bt
 
@@ -284,3 +286,60 @@ def run_ranks(dcp: int, drive, out_dir, monkeypatch) -> list:
         files += plugin.close()
     set_dcp(1, 0)
     return files
+
+
+# --------------------------------------------------------------------------------------------
+# Slot mappings (issue 15): vLLM's BlockTables.compute_slot_mappings and its Triton kernel on CPU
+
+# 0.31+ take which KV-cache groups DCP shards (KVCacheSpec.dcp_sharded); 0.29-0.30 localise every group
+HAS_DCP_SHARDED = "dcp_sharded" in inspect.signature(BlockTables.__init__).parameters
+
+
+def _interpreter_bool_masks() -> None:
+    """Triton's interpreter refuses a load mask that numpy does not hold as bool, and vLLM 0.31+'s slot-mapping
+    kernel builds one from a loaded torch.bool (on a GPU a mask is i1 whatever its source). Cast it there; every
+    value is still the kernel's."""
+    from triton.runtime import interpreter as it
+
+    orig = it.InterpreterBuilder.create_masked_load
+    if getattr(orig, "_dcptool_bool_masks", False):
+        return
+
+    def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        if mask.data.dtype != bool:
+            mask = it.TensorHandle(mask.data.astype(bool), mask.dtype)
+        return orig(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    create_masked_load._dcptool_bool_masks = True
+    it.InterpreterBuilder.create_masked_load = create_masked_load
+
+
+_interpreter_bool_masks()
+
+
+def slot_tables(block_sizes: list[int], dcp_sharded: list[bool], dcp: int, rank: int, il: int, *, max_num_reqs: int = 8,
+                max_blocks: int = 512, max_num_tokens: int = 4096, seed: int = 0) -> BlockTables:
+    """BlockTables with one group per block size, every request's blocks a random permutation (distinct block
+    ids, as vLLM's allocator hands out), built without vLLM's constructor (it pins host memory) and laid out by
+    vLLM's own init_block_table_layout_tensors. `dcp_sharded` reaches the kernel only on 0.31+."""
+    bt = BlockTables.__new__(BlockTables)
+    g = len(block_sizes)
+    bt.block_sizes, bt.kernel_block_sizes, bt.num_kv_cache_groups = list(block_sizes), list(block_sizes), g
+    bt.blocks_per_kv_block = [1] * g
+    bt.device, bt.max_num_reqs, bt.max_num_batched_tokens = CPU, max_num_reqs, max_num_tokens
+    bt.cp_size, bt.cp_rank, bt.cp_interleave = dcp, rank, il
+    gen = torch.Generator().manual_seed(seed)
+    bt.block_tables = [SimpleNamespace(gpu=torch.randperm(max_num_reqs * max_blocks, generator=gen)
+                                       .view(max_num_reqs, max_blocks).to(torch.int32)) for _ in range(g)]
+    bt.input_block_tables = [b.gpu.clone() for b in bt.block_tables]
+    bt._slot_mapping_enabled, bt._sliding_window_reach, bt._num_dirty_rows = [True] * g, [0] * g, 0
+    if HAS_DCP_SHARDED:
+        bt.dcp_sharded = torch.tensor(dcp_sharded, dtype=torch.bool)
+    bt.slot_mappings = torch.zeros(g, max_num_tokens, dtype=torch.int64)
+    bt.init_block_table_layout_tensors()
+    return bt
+
+
+def vllm_groups(dcp_sharded: list[bool]) -> list[bool]:
+    """Which groups this release's kernel shards: the flag on 0.31+, every group before."""
+    return list(dcp_sharded) if HAS_DCP_SHARDED else [True] * len(dcp_sharded)
