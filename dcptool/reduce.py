@@ -133,43 +133,60 @@ def subset(d: Dump, keep: np.ndarray, name: str = "reduced") -> Dump:
                 file_obs=np.arange(idx.size, dtype=np.int64), injected=injected or [None], sizes=[0])
 
 
+# How a dropped request row changes each ragged column (by its offsets key): "row" columns lose the row's
+# entry (seq_lens, kv_pages, the DCP view, the global companion); "starts" columns (query_start_loc and the
+# empty-shard mask's prefix of it) lose its boundary, later starts shifting down by its query length;
+# "tokens" columns (slot entries per token) are cleared for the observation (0 entries: not recorded).
+_DROP_KIND = {"obs.rows": "row", "obs.dcp_rows": "row", "obs.tot": "row", "obs.qsl": "starts",
+              "obs.dqsl": "starts", "obs.slots": "tokens"}
+
+
+def _drop_from(kind: str, v: np.ndarray, js: list[int]) -> np.ndarray:
+    """One observation's entries of a ragged column without the request rows js (see _DROP_KIND)."""
+    if not js or v.size == 0:
+        return v
+    if kind == "tokens":
+        return v[:0]
+    if kind == "row":
+        keep = np.ones(v.size, bool)
+        keep[[j for j in js if j < v.size]] = False
+        return v[keep]
+    if v.size < 2:
+        return v
+    q = v.astype(np.int64)
+    qlen = np.diff(q)
+    keep = np.ones(qlen.size, bool)
+    keep[[j for j in js if j < qlen.size]] = False
+    return np.concatenate([q[:1], q[0] + np.cumsum(qlen[keep])]).astype(v.dtype)
+
+
 def drop_rows(d: Dump, drop: set[tuple[int, int]], name: str = "reduced") -> Dump:
-    """d without the request rows `drop` ((observation, row) pairs): seq_lens, kv_pages, the DCP view's row,
-    the query_start_loc entry (later starts shift down by its query length) and the counts go together.
-    A loop over the observations that lose rows: this runs on an already reduced dump of a handful of them."""
+    """d without the request rows `drop` ((observation, row) pairs): every ragged column changes as
+    _DROP_KIND says, and the counts go together. A loop over the observations: this runs on an already
+    reduced dump of a handful of them."""
     by_obs: dict[int, list[int]] = {}
     for i, j in drop:
         by_obs.setdefault(i, []).append(j)
     cols = {k: v.copy() for k, v in d.columns.items() if COLUMNS.get(k, ("", ""))[1] == "n"}
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in d.columns if COLUMNS.get(k, ("", ""))[1] not in ("n", "n+1")}
-    lens: dict[str, list[int]] = {k: [] for k in ("obs.rows", "obs.dcp_rows", "obs.qsl") if k in d.columns}
+    groups = {o: [k for k in ks if k in d.columns] for o, ks in _offset_keys().items() if o in d.columns}
+    unknown = set(groups) - set(_DROP_KIND)
+    if unknown:  # a column added to the format without saying how a dropped row changes it
+        raise ValueError(f"reduce cannot drop rows of {sorted(unknown)}")
+    parts: dict[str, list[np.ndarray]] = {k: [] for ks in groups.values() for k in ks}
+    lens: dict[str, list[int]] = {o: [] for o in groups}
     for i in range(d.n):
         r0, r1 = int(d["obs.rows"][i]), int(d["obs.rows"][i + 1])
-        gone = np.zeros(r1 - r0, bool)
-        js = [j for j in by_obs.get(i, ()) if 0 <= j < r1 - r0]
-        gone[js] = True
-        for k in ("rows.seq_lens", "rows.kv_pages"):
-            if k in parts:
-                parts[k].append(d[k][r0:r1][~gone])
-        lens["obs.rows"].append(int((~gone).sum()))
-        a, b = int(d["obs.dcp_rows"][i]), int(d["obs.dcp_rows"][i + 1])
-        view = d["rows.dcp_local_seq_lens"][a:b]
-        vgone = np.zeros(view.size, bool)
-        vgone[[j for j in js if j < view.size]] = True
-        parts["rows.dcp_local_seq_lens"].append(view[~vgone])
-        lens["obs.dcp_rows"].append(int((~vgone).sum()))
-        if "obs.qsl" in lens:
-            q0, q1 = int(d["obs.qsl"][i]), int(d["obs.qsl"][i + 1])
-            q = d["rows.query_start_loc"][q0:q1].astype(np.int64)
-            if q.size >= 2:
-                qlen = np.diff(q)
-                qg = np.zeros(qlen.size, bool)
-                qg[[j for j in js if j < qlen.size]] = True
-                q = np.concatenate([q[:1], q[0] + np.cumsum(qlen[~qg])])
-                if js and "obs.num_tokens_padded" in cols and cols["obs.num_tokens_padded"][i] >= 0:
-                    cols["obs.num_tokens_padded"][i] -= int(qlen[qg].sum())
-            parts["rows.query_start_loc"].append(q.astype(np.int32))
-            lens["obs.qsl"].append(q.size)
+        js = sorted({j for j in by_obs.get(i, ()) if 0 <= j < r1 - r0})
+        for o, ks in groups.items():
+            a, b = int(d[o][i]), int(d[o][i + 1])
+            got = [_drop_from(_DROP_KIND[o], d[k][a:b], js) for k in ks]
+            for k, v in zip(ks, got):
+                parts[k].append(v)
+            lens[o].append(got[0].size if got else b - a)
+        if js and "obs.qsl" in d.columns and "obs.num_tokens_padded" in cols and cols["obs.num_tokens_padded"][i] >= 0:
+            q = d["rows.query_start_loc"][int(d["obs.qsl"][i]):int(d["obs.qsl"][i + 1])].astype(np.int64)
+            qlen = np.diff(q)
+            cols["obs.num_tokens_padded"][i] -= int(qlen[[j for j in js if j < qlen.size]].sum())
         if js:
             nr = int(cols["obs.num_reqs"][i])
             cols["obs.num_reqs"][i] = nr - sum(j < nr for j in js)

@@ -1107,9 +1107,10 @@ def _slot_entries(d: Dump) -> _SlotEntries:
     offs = d["obs.slots"]
     cnt = np.diff(offs)
     obs = np.repeat(np.arange(d.n, dtype=np.int64), cnt)
-    pos = d["rows.positions"].astype(np.int64)
-    slot = d["rows.slot_mapping"].astype(np.int64)
-    grp = d["rows.slot_group"].astype(np.int64)
+    # whole columns (np.asarray: a lazily merged set of files builds them; not bounded, docs/limits.md)
+    pos = np.asarray(d["rows.positions"]).astype(np.int64)
+    slot = np.asarray(d["rows.slot_mapping"]).astype(np.int64)
+    grp = np.asarray(d["rows.slot_group"]).astype(np.int64)
     # by observation, then group, then entry order (= token order); the Recorder writes each observation's
     # groups as ascending blocks, so the sort is only needed for a dump written otherwise
     blocks = obs.size < 2 or not ((grp[1:] < grp[:-1]) & (obs[1:] == obs[:-1])).any()

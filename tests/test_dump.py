@@ -667,7 +667,9 @@ def test_rollover_files_larger_than_the_bound_replay_in_bounded_memory(tmp_path)
 
     lazy, mem = run(40 << 20), run(1 << 40)
     assert lazy["bounded"] and not mem["bounded"]
-    assert lazy["findings"] == mem["findings"] and len(mem["findings"]) == 6 * 11
+    assert lazy["findings"] == mem["findings"]
+    # the copies record unrelated batches per rank, which rank-agree reports too; the rest is 11 per file
+    assert len([f for f in mem["findings"] if f["rule"] != "rank-agree"]) == 6 * 11
     assert mem["peak"] > total, (mem["peak"], total)
     assert lazy["peak"] < 24 << 20 < total // 3, (lazy["peak"], total)
 

@@ -150,3 +150,21 @@ def test_cli_reduce_subprocess_smoke(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "1136 -> 1 observations" in p.stdout
     assert open_dumps([str(out)]).n == 1
+
+
+def test_drop_rows_carries_the_issue15_columns(tmp_path):
+    """The empty-shard mask's Q loses the dropped request's boundary, the global companion its row, and the slot
+    entries of an observation that loses rows are cleared (0 entries: not recorded); the result is a valid dump."""
+    from dcptool.schema import validate_columns
+
+    qsl = np.array([0, 1, 2, 3], np.int32)
+    o = obs(seq=(64, 96, 32), num_reqs=3, num_reqs_padded=3, query_start_loc=qsl, num_tokens_padded=3,
+            dcp_query_start_loc=qsl, dcp_tot_seq_lens=np.array([64, 96, 32]),
+            positions=np.array([63, 95, 31]), slot_mapping=np.array([-1, 95, 31]))
+    d = open_dumps([write(tmp_path / "d.safetensors", [o])])
+    s = drop_rows(d, {(0, 1)})
+    validate_columns("reduced", s.config, s.columns)
+    assert s.dqsl_of(0).tolist() == [0, 1, 2] and s.tot_of(0).tolist() == [64, 32]
+    assert np.diff(s["obs.slots"]).tolist() == [0]
+    kept = drop_rows(d, {(1, 0)})  # no such observation: nothing changes
+    assert kept.dqsl_of(0).tolist() == [0, 1, 2, 3] and np.diff(kept["obs.slots"]).tolist() == [3]
