@@ -1010,7 +1010,7 @@ def _obs_chunks(lens: np.ndarray, step: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
 
 
-def _rows_differ(d: Dump, offs_key: str, rows_key: str, other: np.ndarray, step: int = 1 << 22) -> np.ndarray:
+def _rows_differ(d: Dump, offs_key: str, rows_key: str, other: np.ndarray, step: int = 1 << 18) -> np.ndarray:
     """For each observation i: its rows differ from observation other[i]'s (length or any value); exact, in
     chunks of about `step` rows (pages released in a bounded dump)."""
     offs = d[offs_key]
@@ -1026,7 +1026,7 @@ def _rows_differ(d: Dump, offs_key: str, rows_key: str, other: np.ndarray, step:
     return out
 
 
-def _row_hashes(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, step: int = 1 << 22) -> np.ndarray:
+def _row_hashes(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, step: int = 1 << 18) -> np.ndarray:
     """A 64-bit hash of the rows of each observation in idx (value and position; a 0 hashes like any
     value), in chunks of about `step` rows so a huge dump is hashed in bounded memory."""
     from dcptool.provenance import _mix, _seg_sums
