@@ -337,7 +337,7 @@ def test_ring_records_what_the_host_path_records(tmp_path, ring_words):
     for kw in _obs_stream(150, 3):
         assert a.observe(**kw) == b.observe(**kw)
     fa, fb = a.close(), b.close()
-    assert a.dropped == b.dropped == 0 and not ring.pending and ring.np.size == ring_words
+    assert a.dropped == b.dropped == 0 and not ring.pending and ring.words == ring_words
     ca, cb = _columns(fa), _columns(fb)
     assert sorted(ca) == sorted(cb)
     for key in ca:
@@ -356,7 +356,7 @@ def test_a_full_ring_waits_and_loses_nothing(tmp_path, monkeypatch):
         seen.append(np.arange(i, i + 300, dtype=np.int32))
         assert rec.observe(step=i, site="x", rank=0, seq_lens=torch.from_numpy(seen[-1]), num_reqs=300,
                            num_reqs_padded=300) == i
-    assert R._HostEvent.waits == 3  # 3 slots of 312 words fit: the 4th, 7th and 10th waited for those before
+    assert R._HostEvent.waits == 3  # 3 slots of 328 words fit: the 4th, 7th and 10th waited for those before
     rec.close()
     d = read_dump(tmp_path / "w.safetensors")
     assert rec.dropped == 0 and d.n == 12 and all(np.array_equal(d.seq_lens_of(i), seen[i]) for i in range(12))
