@@ -33,6 +33,7 @@ header's entries and needs no edit.
 from __future__ import annotations
 
 import atexit
+import bisect
 import errno
 import hashlib
 import operator
@@ -64,7 +65,6 @@ from dcptool.dump import (
 )
 from dcptool.schema import GraphMode
 
-_INT_OR_NONE = (int, type(None))
 _ABSENT = (0, -1, 0)  # a header entry of an absent section (or one the host holds): address, count, mode
 _CHECKED: dict = {}  # CUDA device -> (compiled kernel whose launcher proved itself, or None; why not)
 _I64 = 2**63 - 1
@@ -154,10 +154,18 @@ def _torch_int(dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex) and str(dtype) != "torch.bool"
 
 
-def _is_cuda(x) -> bool:
-    """A CUDA tensor (checked without importing torch: nothing is one before torch is imported)."""
+class _NoTensor:
+    pass
+
+
+_TENSOR: type = _NoTensor  # torch.Tensor once torch is imported (record.py does not import it)
+
+
+def _find_torch() -> None:
+    global _TENSOR
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
+    if torch is not None:
+        _TENSOR = torch.Tensor
 
 
 class _Torch:
@@ -210,25 +218,20 @@ class _Slot(tuple):
     __slots__ = ()
 
 
-class _Got(tuple):
-    """A harvested observation: (blk, o, host), its slot from word o of blk, a private copy of the ring."""
-
-    __slots__ = ()
-
-    def rows(self) -> tuple:
-        """One entry per section (dump.ROW_FIELDS order): a view of the private copy, a host array, or None."""
-        blk, o, host = self
-        k = int(blk[o + 4])
-        counts = blk[o + FIXED:o + FIXED + ENTRY * k].reshape(k, ENTRY)[:, 2].tolist()
-        p = o + FIXED + ENTRY * k
-        out = []
-        for j, n in enumerate(counts):
-            if n >= 0:
-                out.append(blk[p:p + n])
-                p += n
-            else:
-                out.append(None if host is None else host[j])
-        return tuple(out)
+def _slot_rows(blk: np.ndarray, o: int, host: list | None) -> tuple:
+    """A harvested slot's rows, from word o of blk (a private copy of the ring): one entry per section in
+    dump.ROW_FIELDS order, a view of the copy, a host array, or None."""
+    k = int(blk[o + 4])
+    counts = blk[o + FIXED:o + FIXED + ENTRY * k].reshape(k, ENTRY)[:, 2].tolist()
+    p = o + FIXED + ENTRY * k
+    out = []
+    for j, n in enumerate(counts):
+        if n >= 0:
+            out.append(blk[p:p + n])
+            p += n
+        else:
+            out.append(None if host is None else host[j])
+    return tuple(out)
 
 
 class _HostEvent:
@@ -401,7 +404,9 @@ class Recorder:
         self._file_start = 0  # global index of the current file's first observation
         self._retry_at = rollover  # pending observations that trigger the next write
         self._ring: _SnapshotRing | None = None
-        self._dev = _is_cuda  # which values go through the ring (the CPU tests widen it to host tensors)
+        self._landed: list[tuple[int, np.ndarray, int]] = []  # harvested runs: (first index, copy, its ring word)
+        self._on = "is_cuda"  # the tensor attribute that sends a value through the ring (CPU tests: "is_cpu")
+        _find_torch()
         self._site_ok: set[str] = set()  # site names already checked
         self._sections(SECTIONS)
         self._warned = False
@@ -493,6 +498,9 @@ class Recorder:
         self._head_words = FIXED + ENTRY * len(sections) + 7  # (+ 7: rounded down to 8 words at the end)
         self._modes = tuple(2 if x.nonneg else 0 for x in sections)  # header mode bit 1: negatives flagged
         self._rules = tuple((k, x) for k, x in enumerate(sections) if x.length != ANY or x.needs or x.nonneg)
+        self._plus1 = tuple(k for k, x in enumerate(sections) if x.length == ROWS_PLUS_1)
+        self._sized = tuple(k for k, x in enumerate(sections) if x.length == ROWS)
+        self._needs = tuple((k, x.needs) for k, x in enumerate(sections) if x.needs)
 
     def _check_shared(self, vals: Fields, site, kv_rows: int | None, rows: int) -> None:
         """What the dump format cannot hold (DESIGN §2) raises here and in _check_own, so a write never
@@ -533,10 +541,12 @@ class Recorder:
                  num_tokens_padded, buffer, graph) -> Fields:
         """dump.FIELDS as Python ints (checked: never coerced); parent None when unknown."""
         if (type(step) is int and type(rank) is int and type(ubatch) is int and type(num_reqs) is int
-                and type(num_reqs_padded) is int and type(parent) in _INT_OR_NONE and type(req_start) in _INT_OR_NONE
-                and type(tok_start) in _INT_OR_NONE and type(tok_stop) in _INT_OR_NONE
-                and type(num_tokens_padded) in _INT_OR_NONE and type(buffer) in _INT_OR_NONE
-                and type(graph) in _INT_OR_NONE):  # what engines pass: no conversion needed
+                and type(num_reqs_padded) is int and (parent is None or type(parent) is int)
+                and (req_start is None or type(req_start) is int) and (tok_start is None or type(tok_start) is int)
+                and (tok_stop is None or type(tok_stop) is int)
+                and (num_tokens_padded is None or type(num_tokens_padded) is int)
+                and (buffer is None or type(buffer) is int) and (graph is None or type(graph) is int)):
+            # what engines pass: no conversion needed
             return _NEW(Fields, (step, rank, ubatch, num_reqs, num_reqs_padded,
                                  None if parent is None or parent < 0 else parent, req_start, tok_start, tok_stop,
                                  num_tokens_padded, buffer, graph))
@@ -557,12 +567,16 @@ class Recorder:
         """Record one attention-metadata build; returns its index (pass it as `parent=` later), -1 if dropped."""
         try:
             srcs = (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)  # SECTIONS (dump.ROW_FIELDS) order
-            dev = self._dev
-            for x in srcs:
-                if x is not None and type(x) is not np.ndarray and dev(x):
-                    break  # a device tensor: the device path
-            else:
-                x = None
+            on = self._on
+            if _TENSOR is _NoTensor:
+                _find_torch()  # (torch imported after the Recorder was made)
+            x = seq_lens
+            if not (isinstance(x, _TENSOR) and getattr(x, on)):  # (the engine's case at once)
+                for x in srcs:
+                    if isinstance(x, _TENSOR) and getattr(x, on):
+                        break  # a device tensor: the device path
+                else:
+                    x = None
             if x is not None:
                 if self._capturing():
                     with self._lock:
@@ -695,7 +709,7 @@ class Recorder:
         with the rest of the header into the slot just before the launch. (Written for speed: this is the
         engine's cost of recording, see benchmarks/bench_record.py --cuda and --cuda-python.)
         """
-        dev = self._dev
+        on = self._on
         i32 = _T.int32
         modes = self._modes
         ent = []  # address, count, mode per section (count -1: absent, or held on the host)
@@ -708,7 +722,7 @@ class Recorder:
             k += 1
             if x is None:
                 ent += _ABSENT
-            elif dev(x):
+            elif isinstance(x, _TENSOR) and getattr(x, on):
                 d = x.get_device()
                 if d != device:
                     if device != -2:
@@ -732,24 +746,21 @@ class Recorder:
         rows = ent[1] if ent[1] >= 0 or host is None or host[0] is None else host[0].size
         if rows < nr or not 0 <= nr <= nrp:
             raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {rows} seq_lens rows")
-        for k, sec in self._rules:  # (qsl and kv by default: two short iterations)
-            n = ent[3 * k + 1]
-            h = None if host is None else host[k]
-            size = n if n >= 0 else -1 if h is None else h.size
-            if size < 0:
-                continue
-            if sec.needs and getattr(self.config, sec.needs) is None:
-                raise ValueError(f"{sec.name} needs {sec.needs} in the config")
-            if sec.length == ROWS_PLUS_1 and size != rows + 1:  # of no use to replay (as on the host path)
-                ent[3 * k + 1] = -1
-                if n >= 0:
+        if host is None:  # every section on the device (or absent): the length rules on the header's counts
+            for k in self._plus1:
+                n = ent[3 * k + 1]
+                if n >= 0 and n != rows + 1:  # of no use to replay (as on the host path)
+                    ent[3 * k + 1] = -1
                     words -= n
-                else:
-                    host[k] = None
-            elif sec.length == ROWS and size != rows:
-                raise ValueError(f"{sec.name} needs one value per seq_lens row ({rows}), got {size}")
-            elif sec.nonneg and h is not None and h.size and h.min() < 0:
-                raise ValueError(f"negative {sec.name}")
+            for k in self._sized:
+                n = ent[3 * k + 1]
+                if n >= 0 and n != rows:
+                    raise ValueError(f"{SECTIONS[k].name} needs one value per seq_lens row ({rows}), got {n}")
+            for k, need in self._needs:
+                if ent[3 * k + 1] >= 0 and getattr(self.config, need) is None:
+                    raise ValueError(f"{SECTIONS[k].name} needs {need} in the config")
+        else:
+            words = self._host_rules(ent, host, rows, words)
         self._check_vals(vals, site)
         words &= ~7
         if device < 0:
@@ -758,7 +769,10 @@ class Recorder:
             if self._closed:
                 raise RuntimeError("observe() after close()")
             index = self._count
-            self._check_own(vals[1], vals[5], vals[10], index)
+            rank, parent, buffer = vals[1], vals[5], vals[10]
+            if not 0 <= rank < self.config.dcp_size or (parent is not None and parent >= index) or (
+                    buffer is not None and not -_I64 - 1 <= buffer <= _I64):
+                self._check_own(rank, parent, buffer, index)  # (raises, saying which)
             ring = self._ring
             if ring is None:
                 if device != _T.cuda.current_device():
@@ -790,6 +804,28 @@ class Recorder:
                 ring.fence(self._count)
                 self._harvest(wait=False)
             return index
+
+    def _host_rules(self, ent: list, host: list, rows: int, words: int) -> int:
+        """_observe_device's length rules when the host holds some sections; returns the slot's words."""
+        for k, sec in self._rules:
+            n = ent[3 * k + 1]
+            h = host[k]
+            size = n if n >= 0 else -1 if h is None else h.size
+            if size < 0:
+                continue
+            if sec.needs and getattr(self.config, sec.needs) is None:
+                raise ValueError(f"{sec.name} needs {sec.needs} in the config")
+            if sec.length == ROWS_PLUS_1 and size != rows + 1:  # of no use to replay (as on the host path)
+                ent[3 * k + 1] = -1
+                if n >= 0:
+                    words -= n
+                else:
+                    host[k] = None
+            elif sec.length == ROWS and size != rows:
+                raise ValueError(f"{sec.name} needs one value per seq_lens row ({rows}), got {size}")
+            elif sec.nonneg and h is not None and h.size and h.min() < 0:
+                raise ValueError(f"negative {sec.name}")
+        return words
 
     def _start_ring(self, device: int | None) -> _SnapshotRing | None:
         """The ring, its kernel, and on a GPU a one-time check (one synchronisation each) that a launch writes
@@ -880,33 +916,27 @@ class Recorder:
                 return
 
     def _resolve(self, ring: _SnapshotRing, take: list[_Slot]) -> None:
-        """Finished slots: one private copy of each contiguous run of the ring, their headers checked at once
-        (done == seqno, flags); each observation's rows are cut out of that copy when its file is written."""
-        i = 0
-        fs = self._file_start
-        rows = self._rows
-        while i < len(take):
-            j = i + 1
-            while j < len(take) and take[j][1] == take[j - 1][1] + take[j - 1][2]:
-                j += 1
-            run = take[i:j]
-            lo = run[0][1]
-            blk = ring.np[lo:run[-1][1] + run[-1][2]].copy()
-            offs = np.fromiter([s[1] for s in run], np.int64, len(run)) - lo
-            seqno = np.fromiter([s[0] for s in run], np.int64, len(run)) & 0x7FFFFFFF
+        """Finished slots: one private copy of each contiguous run of the ring (kept in _landed until written),
+        their headers checked at once (done == seqno, flags); the rows are cut out of the copy at the write."""
+        starts = [s[1] for s in take]
+        ends = [s[1] + s[2] for s in take]
+        cut = [j for j in range(1, len(take)) if starts[j] != ends[j - 1]]  # (where the ring wrapped)
+        for i, j in zip([0, *cut], [*cut, len(take)]):
+            lo = starts[i]
+            blk = ring.np[lo:ends[j - 1]].copy()
+            self._landed.append((take[i][0], blk, lo))
+            offs = np.array(starts[i:j], np.int64) - lo
+            seqno = np.fromiter([s[0] for s in take[i:j]], np.int64, j - i) & 0x7FFFFFFF
             flags = blk[offs + 5]
             bad = (blk[offs + 1] != seqno) | (flags != 0)
-            for s, o in zip(run, offs.tolist()):
-                rows[s[0] - fs] = _NEW(_Got, (blk, o, s[3]))
             if bad.any():
                 for k in np.flatnonzero(bad).tolist():
-                    s, f = run[k], int(flags[k])
-                    rows[s[0] - fs] = None
+                    s, f = take[i + k], int(flags[k])
+                    self._rows[s[0] - self._file_start] = None
                     self._late += 1
                     why = ("a negative seq_len" if f & 2 else "a value int32 cannot hold" if f & 1
                            else "a ring slot that does not hold it")
                     self._drop(ValueError(f"observation {s[0]}: the device values hold {why}"))
-            i = j
 
     def _abandon(self, e: Exception) -> None:
         """The slots in flight cannot be harvested: drop those observations (counted, warned)."""
@@ -920,11 +950,10 @@ class Recorder:
 
     def _use_host_ring(self, words: int = 4096) -> _SnapshotRing:
         """For the CPU tests: send host torch tensors through a (non-pinned) ring and the interpreted kernel."""
-        import torch
 
         from dcptool import kernel as K
 
-        self._dev = lambda x: isinstance(x, torch.Tensor)
+        self._on = "is_cpu"
         self._capturing = lambda: False  # (a CPU build of torch has no capture to ask about)
         self._ring = _SnapshotRing(words, None)
         kern = self._ring.kernel = K.snapshot_kernel()
@@ -940,9 +969,15 @@ class Recorder:
         """The first n observations since the last file, as dump columns (site indices stable across rolled
         files), and the file row of each kept observation (None when all were kept)."""
         vals, sites, rows = self._vals[:n], self._sites[:n], self._rows[:n]
-        rows = [r.rows() if type(r) is _Got else r for r in rows]  # harvested device observations
-        if any(type(r) is _Slot for r in rows):
-            raise RuntimeError("dcptool Recorder: writing an observation whose device values are not harvested")
+        if any(type(r) is _Slot for r in rows):  # harvested device observations: their rows from the copies
+            firsts = [x[0] for x in self._landed]
+            rows = list(rows)
+            for i, r in enumerate(rows):
+                if type(r) is _Slot:
+                    first, blk, lo = self._landed[bisect.bisect_right(firsts, r[0]) - 1]
+                    if first > r[0] or (self._ring.pending and self._ring.pending[0][0] <= r[0]):
+                        raise RuntimeError(f"dcptool Recorder: observation {r[0]} is written before it landed")
+                    rows[i] = _slot_rows(blk, r[1] - lo, r[3])
         fs = self._file_start
         where = None
         if any(r is None for r in rows):  # dropped at harvest: renumber the rest and their parents
@@ -990,6 +1025,9 @@ class Recorder:
         self._stale = []
         self.files.append(target)
         self._file_start += n
+        if self._landed:  # the copies no observation still to write points into
+            firsts = [x[0] for x in self._landed]
+            del self._landed[:max(0, bisect.bisect_right(firsts, self._file_start) - 1)]
         self._vals, self._sites, self._rows = self._vals[n:], self._sites[n:], self._rows[n:]
 
     def _flush(self, *, raise_errors: bool) -> None:
