@@ -248,11 +248,11 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
     stand: dict = {k: [] for k in kinds}
     recs = {kind: setup(kind, tmp / f"py-{kind}.safetensors") for kind in kinds}
     block = 1000  # short blocks, interleaved, best of: the machine's other load hits some blocks, not the minimum
-    for kind, (rec, _) in recs.items():
+    for rec, _ in recs.values():
         for i in range(2000):  # warm up (the ring wraps: its pages are touched)
             rec.observe(step=i, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
                         dcp_local_seq_lens=dcp, query_start_loc=qsl)
-    for r in range(max(1, n // block) * reps):
+    for _ in range(max(1, n // block) * reps):
         for kind, (rec, alone) in recs.items():
             t0 = time.process_time()
             for i in range(block):
