@@ -155,8 +155,7 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
                         dcp_local_seq_lens=dcp, query_start_loc=qsl)
         us = (time.perf_counter() - t0) / n * 1e6
         ring = rec._ring
-        how = "" if ring is None else (" (compiled launcher)" if ring.run is not None else
-                                       f" (Triton dispatch: {ring.why_dispatch})")
+        how = "" if ring is None else f" (launch: {ring.how})"
         print(f"CPU per observe on an idle GPU, {mode}{how}: {us:.1f} µs (harvests included, close() excluded)")
         if profile and mode == "async":  # where the CPU time goes (--profile)
             import cProfile
@@ -169,25 +168,40 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
                             dcp_local_seq_lens=dcp, query_start_loc=qsl)
             pr.disable()
             pstats.Stats(pr).sort_stats("tottime").print_stats(14)
-        if ring is not None:  # the launch alone, both ways (a slot at the start of the ring, rewritten)
-            args = [ring.base, 1, 250, 256, seq.data_ptr(), 256, 0, dcp.data_ptr(), 256, 0, qsl.data_ptr(), 257, 0,
-                    ring.base, -1, 0]
+        if ring is not None:  # the launch alone, each way (a slot at the start of the ring, rewritten)
+            from dcptool import kernel as K
+            from dcptool import record as R
+
             with rec._lock:
                 rec._harvest(wait=True)  # nothing in flight: slot 0 is free to overwrite
+            ent = [seq.data_ptr(), 256, 2, dcp.data_ptr(), 256, 0, qsl.data_ptr(), 257, 0, 0, -1, 0]
+            R._head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
             torch.cuda.synchronize()
-            for name, run in (("compiled launcher", ring.run), ("Triton dispatch", None)):
-                if name == "compiled launcher" and run is None:
+            raw = torch.cuda.current_stream().cuda_stream
+            ck = K.snapshot_dispatch(raw, ring.base)  # (the compiled kernel)
+            ways = [("the launcher's C entry", R._direct_launch(ck)), ("Triton's compiled launcher",
+                                                                      R._compiled_launch(ck)),
+                    ("Triton's dispatch", K.snapshot_dispatch)]
+            for name, go in ways:
+                if go is None:
                     continue
-                saved = ring.run
-                ring.use(run)
-                raw = torch.cuda.current_stream().cuda_stream
                 t0 = time.perf_counter()
                 for _ in range(n):
-                    ring.launch(args, raw)
+                    go(raw, ring.base)
                 us = (time.perf_counter() - t0) / n * 1e6
                 torch.cuda.synchronize()
-                ring.use(saved)
-                print(f"  the snapshot launch alone, {name}: {us:.1f} µs")
+                print(f"  the snapshot launch alone, {name}: {us:.1f} µs of CPU")
+            # GPU time of one snapshot (the header read from host memory included): back-to-back launches
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            go = ring.go
+            torch.cuda._sleep(50_000_000)  # (the launches queue behind it: their GPU time alone is timed)
+            start.record()
+            for _ in range(2000):
+                go(raw, ring.base)
+            end.record()
+            torch.cuda.synchronize()
+            gpu = start.elapsed_time(end) / 2000 * 1e3
+            print(f"  GPU time per snapshot (256 x 3 rows, back to back): {gpu:.2f} µs")
         rec.close()
 
 

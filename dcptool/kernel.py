@@ -145,6 +145,7 @@ SNAP_ENTRY = 4  # int32 words per section entry in the header (address: 2, count
 SNAP_HEAD_READ = 64  # int32 words the kernel reads at once: the fixed header and up to 14 section entries
 SNAP_MAX_SECTIONS = (SNAP_HEAD_READ - SNAP_FIXED) // SNAP_ENTRY
 SNAP_BLOCK = 512
+SNAP_WARPS = 1  # one warp: reading the header's fields out of its one vector load is then warp shuffles only
 
 
 def snapshot_kernel():
@@ -158,3 +159,9 @@ def snapshot_kernel():
     hold and forbidden negatives, and writes `done` last.
     """
     return _triton().snapshot_kernel
+
+
+def snapshot_dispatch(raw_stream: int, slot: int):
+    """One snapshot launch through Triton's dispatch (on the current stream: raw_stream is that stream);
+    returns the compiled kernel, whose launcher record.py then calls directly."""
+    return _triton().snapshot_kernel[(1,)](slot, num_warps=SNAP_WARPS)

@@ -717,17 +717,14 @@ class Recorder:
         words = self._head_words
         device = -2
         keep = None  # converted copies: alive until the launch is queued (their memory is reused in stream order)
-        k = -1
-        for x in srcs:
-            k += 1
+        for k, x in enumerate(srcs):
             if x is None:
                 ent += _ABSENT
             elif isinstance(x, _TENSOR) and getattr(x, on):
-                d = x.get_device()
-                if d != device:
+                if x.get_device() != device:
                     if device != -2:
                         return None  # tensors on two devices: the host path copies them
-                    device = d
+                    device = x.get_device()
                 if x.dtype is i32 and x.is_contiguous():  # (contiguous: its values are numel() words at data_ptr)
                     n = x.numel()
                     ent += (x.data_ptr(), n, modes[k])
@@ -843,10 +840,9 @@ class Recorder:
         elif device is not None:
             try:
                 torch = ring.torch
-                kern = ring.kernel
                 with torch.cuda.device(device):
-                    ck = _self_check(ring, lambda raw, at: kern[(1,)](at))  # (compiles it)
-                    ring.go, ring.how = (lambda raw, at: kern[(1,)](at)), "Triton's dispatch"
+                    ck = _self_check(ring, K.snapshot_dispatch)  # (compiles it)
+                    ring.go, ring.how = K.snapshot_dispatch, "Triton's dispatch"
                     why = []
                     for how, go in (("the launcher's C entry", _direct_launch(ck)),
                                     ("Triton's compiled launcher", _compiled_launch(ck))):
@@ -956,8 +952,8 @@ class Recorder:
         self._on = "is_cpu"
         self._capturing = lambda: False  # (a CPU build of torch has no capture to ask about)
         self._ring = _SnapshotRing(words, None)
-        kern = self._ring.kernel = K.snapshot_kernel()
-        self._ring.go, self._ring.how = (lambda raw, at: kern[(1,)](at)), "the Triton interpreter"
+        self._ring.kernel = K.snapshot_kernel()
+        self._ring.go, self._ring.how = K.snapshot_dispatch, "the Triton interpreter"
         return self._ring
 
     def _target(self) -> Path:

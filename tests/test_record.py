@@ -266,7 +266,7 @@ def _kernel_device() -> str:
 def _launch_slot(secs: list[tuple], seqno: int = 41, nr: int = 3, nrp: int = 5, pad: int = 64):
     """Write a slot header describing `secs` (tensor or None, negatives flagged) into a ring, launch the
     kernel with the slot's address only, and return the ring's words (numpy) and the slot's words."""
-    from dcptool.kernel import snapshot_kernel
+    from dcptool.kernel import snapshot_dispatch
 
     ent, words = [], R.FIXED + R.ENTRY * len(secs)
     for t, nonneg in secs:
@@ -281,7 +281,7 @@ def _launch_slot(secs: list[tuple], seqno: int = 41, nr: int = 3, nrp: int = 5, 
     host = np.full(ring.numel(), -7, np.int32)
     R._head_struct(len(secs)).pack_into(host, 0, seqno, -1, nr, nrp, len(secs), 0, words, 0, *ent)
     ring.copy_(torch.from_numpy(host))  # (on a GPU the header is written to device memory here; same reads)
-    snapshot_kernel()[(1,)](ring.data_ptr())
+    snapshot_dispatch(0, ring.data_ptr())
     return ring.cpu().numpy(), words
 
 
