@@ -721,10 +721,11 @@ class Recorder:
             if x is None:
                 ent += _ABSENT
             elif isinstance(x, _TENSOR) and getattr(x, on):
-                if x.get_device() != device:
+                d = x.get_device()
+                if d != device:
                     if device != -2:
                         return None  # tensors on two devices: the host path copies them
-                    device = x.get_device()
+                    device = d
                 if x.dtype is i32 and x.is_contiguous():  # (contiguous: its values are numel() words at data_ptr)
                     n = x.numel()
                     ent += (x.data_ptr(), n, modes[k])
