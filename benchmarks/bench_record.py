@@ -141,6 +141,10 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
     for mode, name in (("sync", "sync: .to('cpu') per tensor (before)"), ("async", "device snapshot (now)")):
         m = float(np.median(per[mode]))
         print(f"| {name} | {m * 1e3:.3f} | {(m / off - 1) * 100:+.1f}% | {np.median(cpu[mode]) * 1e6:.1f} |")
+    slow = (float(np.median(per["async"])) / off - 1) * 100
+    loop_us = float(np.median(cpu["async"])) * 1e6
+    print(f"goal 1, <= 2% slower per step: {slow:+.1f}% ({'met' if slow <= 2 else 'NOT met'}); goal 2, <= 10 µs of "
+          f"CPU per observe: {loop_us:.1f} µs in the loop ({'met' if loop_us <= 10 else 'NOT met'}; idle GPU below)")
     # CPU per observe on an idle GPU (no matmuls queued): the Recorder's own cost
     for mode in ("sync", "async"):
         rec = Recorder(tmp / f"idle-{mode}.safetensors", dcp_size=2, cuda_mode=mode)
