@@ -198,7 +198,7 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
             # GPU time of one snapshot (the header read from host memory included): back-to-back launches
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             go = ring.go
-            torch.cuda._sleep(50_000_000)  # (the launches queue behind it: their GPU time alone is timed)
+            torch.cuda._sleep(200_000_000)  # (the launches queue behind it: their GPU time alone is timed)
             start.record()
             for _ in range(2000):
                 go(raw, ring.base)
