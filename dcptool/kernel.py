@@ -140,16 +140,28 @@ def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dc
 # --------------------------------------------------------------------------------------------
 # The Recorder's device snapshot (dcptool.record): one launch copies an observation's device tensors
 
-SNAP_HEADER = 8  # int32 words before the rows in a ring slot (layout: dcptool.record, "Ring slots")
+SNAP_FIXED = 8  # int32 words of a ring slot's fixed header (layout: dcptool.record, "Ring slots")
+SNAP_ENTRY = 4  # int32 words per section entry in the header (address: 2, count, mode)
+SNAP_HEAD_READ = 64  # int32 words the kernel reads at once: the fixed header and up to 14 section entries
+SNAP_MAX_SECTIONS = (SNAP_HEAD_READ - SNAP_FIXED) // SNAP_ENTRY
 SNAP_BLOCK = 512
+SNAP_WARPS = 1  # one warp: reading the header's fields out of its one vector load is then warp shuffles only
 
 
 def snapshot_kernel():
     """The Triton kernel behind Recorder.observe with CUDA tensors (compiled on first use).
 
-    Every argument is a runtime integer (addresses too: engine views need not be 16-byte aligned, and a
-    kernel that never specialises on them can be launched again through its compiled launcher with no
-    dispatch). One program copies up to four int32/int64 sources into one int32 ring slot, flags values
-    int32 cannot hold and negative seq_lens, and writes the slot's header last.
+    One argument, the slot's address (a runtime integer: one compiled kernel serves every slot, launched
+    through Triton's compiled launcher with no dispatch). The CPU writes the slot's header first: which
+    sources to copy (address, count, int64 or int32, negatives flagged or not), any number of sections up
+    to SNAP_MAX_SECTIONS. One program reads that header in one go, copies every section into the slot
+    back to back (int64 narrowed to int32; engine views need not be aligned), flags values int32 cannot
+    hold and forbidden negatives, and writes `done` last.
     """
     return _triton().snapshot_kernel
+
+
+def snapshot_dispatch(raw_stream: int, slot: int):
+    """One snapshot launch through Triton's dispatch (on the current stream: raw_stream is that stream);
+    returns the compiled kernel, whose launcher record.py then calls directly."""
+    return _triton().snapshot_kernel[(1,)](slot, num_warps=SNAP_WARPS)

@@ -1,35 +1,46 @@
 """The Recorder an engine calls: copy each observation to the host without stopping the engine; atomic writes.
 (Over 450 lines: the host path, the CUDA snapshot ring and the file rollover share one Recorder's state.)
 
-CUDA tensors are not copied with `.to("cpu")` (that waits for the engine's stream): one Triton launch
-on the engine's current stream snapshots all of an observation's device tensors into a slot of a
-pinned, device-mapped host ring, so the values are those at observe() time, and the slots are
-harvested later (every FENCE_EVERY observations, at a rollover and at close()) once a CUDA event
-says the launch finished. `cuda_mode="sync"` keeps the old synchronous copy.
+CUDA tensors are not copied with `.to("cpu")` (that waits for the engine's stream): observe() writes
+a descriptor of the observation into the header of a slot of a pinned, device-mapped host ring and
+launches one Triton kernel on the engine's current stream with one argument, the slot's address; the
+kernel reads the descriptor and copies every device section into the slot, so the values are those at
+observe() time. Slots are harvested later (every FENCE_EVERY observations, at a rollover and at
+close()) once a CUDA event says the launch finished. `cuda_mode="sync"` keeps the synchronous copy.
 
-Ring slots (int32 words; `_SnapshotRing`; a later fused check kernel can read and extend them):
+Ring slots (int32 words; a slot starts at a multiple of 8 words, 32 bytes; the CPU writes the
+header before the launch, the kernel writes `flags` and `done`; a slot describes itself, so a later
+fused check kernel can read, or extend, it):
 
-    word 0  seqno            the observation's index & 0x7fffffff (checked at harvest)
-    word 1  num_reqs
-    word 2  num_reqs_padded
-    word 3  n_seq            rows of seq_lens in the slot
-    word 4  n_dcp            rows of dcp_local_seq_lens (-1: None, or held on the host)
-    word 5  n_qsl            rows of query_start_loc (-1: none, or held on the host)
-    word 6  n_kv             rows of kv_pages (-1: none, or held on the host)
-    word 7  flags            bit 0: a value int32 cannot hold; bit 1: a negative seq_len
-    then the sections seq_lens | dcp_local_seq_lens | query_start_loc | kv_pages, back to back
-    (absent ones take no room); a slot starts at a multiple of 8 words (32 bytes).
+    word 0      seqno        the observation's index & 0x7fffffff (CPU)
+    word 1      done         -1 (CPU); the kernel writes seqno here last (checked at harvest)
+    word 2      num_reqs
+    word 3      num_reqs_padded
+    word 4      nsec         K, the number of section entries (= len(SECTIONS))
+    word 5      flags        0 (CPU); kernel: bit 0 a value int32 cannot hold, bit 1 a negative value in
+                             a section that forbids them (seq_lens)
+    word 6      words        the slot's size in words (header and rows, rounded up to 8)
+    word 7      0            (reserved)
+    words 8+4k .. 11+4k      section k, in dump.ROW_FIELDS order (SECTIONS): source address (int64,
+                             words 8+4k and 9+4k), count (word 10+4k; -1: absent, or held on the host),
+                             mode (word 11+4k; bit 0 int64 source, bit 1 negatives flagged)
+    then the rows of the sections with count >= 0, back to back, from word 8+4K.
+
+A row column is a SECTIONS entry (its observe() keyword, its length rule): the kernel loops over the
+header's entries and needs no edit.
 """
 
 from __future__ import annotations
 
 import atexit
+import bisect
 import errno
 import hashlib
 import operator
 import os
 import re
 import socket
+import struct
 import sys
 import threading
 import warnings
@@ -55,17 +66,43 @@ from dcptool.dump import (
 )
 from dcptool.schema import GraphMode, KVGroup
 
-_INT_OR_NONE = (int, type(None))
-_NO_ADDR = 1 << 40  # the address passed for an absent section (never read)
+_ABSENT = (0, -1, 0)  # a header entry of an absent section (or one the host holds): address, count, mode
 _CHECKED: dict = {}  # CUDA device -> (compiled kernel whose launcher proved itself, or None; why not)
 _I64 = 2**63 - 1
 # One observation's scalars, in dump.FIELDS order (step, rank, ubatch, num_reqs, num_reqs_padded, then the optional
 # fields parent ... graph): Python ints, None where unknown.
 Fields = NamedTuple("Fields", [(f, "int | None") for f in FIELDS])
 _NEW = tuple.__new__  # Fields without its Python-level __new__ on the per-observation path (0.3 us -> 0.1 us)
-HEADER = 8  # = kernel.SNAP_HEADER (kept here so record.py needs no triton to describe a slot)
+FIXED = 8  # = kernel.SNAP_FIXED: the fixed header words of a slot (record.py describes a slot without triton)
+ENTRY = 4  # = kernel.SNAP_ENTRY: header words per section
+HEAD_READ = 64  # = kernel.SNAP_HEAD_READ: words the kernel reads at a slot's start (the ring is padded by it)
 FENCE_EVERY = 64  # device observations between CUDA events (an event per launch would double the CPU cost)
-_HEAD = np.arange(8)  # (HEADER words)
+
+
+class Section(NamedTuple):
+    """One row column as observe() takes it and a ring slot holds it."""
+
+    field: str  # its dump.ROW_FIELDS name
+    name: str  # observe()'s keyword
+    length: int  # ANY; ROWS: one value per seq_lens row, else the observation is dropped; ROWS_PLUS_1: else
+    #              the section is not recorded (a query_start_loc that does not cover the rows)
+    nonneg: bool = False  # a negative value drops the observation
+    needs: str | None = None  # the DumpConfig setting it needs (else the observation is dropped)
+
+
+ANY, ROWS, ROWS_PLUS_1 = 0, 1, 2
+# The device path's row columns, in dump.ROW_FIELDS order; a new column is one entry here (and its keyword
+# in observe()'s `srcs`), no kernel code.
+SECTIONS = (Section("seq", "seq_lens", ANY, nonneg=True), Section("dcp", "dcp_local_seq_lens", ANY),
+            Section("qsl", "query_start_loc", ROWS_PLUS_1), Section("kv", "kv_pages", ROWS, needs="page_size"),
+            # issue 15: the empty-shard mask's Q and the global companion (device sections like the others)
+            Section("dqsl", "dcp_query_start_loc", ANY), Section("tot", "dcp_tot_seq_lens", ANY, nonneg=True),
+            # issue 15: slot entries (positions, slot mapping, KV-cache group), built on the host from the
+            # per-group slot mappings (dump.slot_entries), so always host-held sections
+            Section("pos", "positions", ANY), Section("slot", "slot_mapping", ANY), Section("sgrp", "slot_group", ANY))
+if tuple(s.field for s in SECTIONS) != ROW_FIELDS:
+    raise ImportError(f"record.SECTIONS {[s.field for s in SECTIONS]} must follow dump.ROW_FIELDS {ROW_FIELDS}")
+_NO_SLOTS = (None, None, None)  # observe() without slot entries
 DEFAULT_RING_BYTES = 4 << 20  # ~1,300 observations of 256 requests in flight
 
 
@@ -100,11 +137,6 @@ def _host_fast(x) -> np.ndarray | None:
     return _host(x)
 
 
-def _extra(dqsl, tot) -> tuple:
-    """Issue 15's row fields (dump.ROW_FIELDS after kv_pages) as private host copies, None where not recorded."""
-    return (None if dqsl is None else _host(dqsl), None if tot is None else _host(tot))
-
-
 def _per_rank(x, k: int) -> np.ndarray | None:
     """observe_many's issue-15 rows: one shared row (a read-only view for every rank) or [ranks, rows]."""
     if x is None:
@@ -112,6 +144,12 @@ def _per_rank(x, k: int) -> np.ndarray | None:
     flat = _host(x)
     one = (x.ndim if hasattr(x, "ndim") else np.ndim(x)) == 1
     return np.broadcast_to(flat, (k, flat.size)) if one else flat.reshape(k, -1)
+
+
+def _nonneg(a: np.ndarray | None, name: str) -> np.ndarray | None:
+    if a is not None and a.size and a.min() < 0:
+        raise ValueError(f"negative {name}")
+    return a
 
 
 def _int(v, name: str) -> int:
@@ -138,10 +176,18 @@ def _torch_int(dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex) and str(dtype) != "torch.bool"
 
 
-def _is_cuda(x) -> bool:
-    """A CUDA tensor (checked without importing torch: nothing is one before torch is imported)."""
+class _NoTensor:
+    pass
+
+
+_TENSOR: type = _NoTensor  # torch.Tensor once torch is imported (record.py does not import it)
+
+
+def _find_torch() -> None:
+    global _TENSOR
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
+    if torch is not None:
+        _TENSOR = torch.Tensor
 
 
 class _Torch:
@@ -174,34 +220,40 @@ def _narrowed(x):
 
 
 def buffer_id(t) -> int:
-    """Identity of the storage a tensor view aliases (0 when unknown): its storage's base address."""
+    """Identity of the storage a tensor view aliases (0 when unknown): its storage's base address. (Measured
+    on CPU tensors: 82 ns, against 148 ns for `data_ptr() - storage_offset() * element_size()`.)"""
     try:
         return int(t.untyped_storage().data_ptr())
     except Exception:
         return 0
 
 
-class _Slot:
-    """One observation in flight: where its rows are in the ring, and the parts the host already holds;
-    once harvested, the private copy (blk, from ring word lo) its rows are cut from when written."""
+def _head_struct(k: int) -> struct.Struct:
+    """A slot header with k section entries (the fixed words, then address, count, mode per section)."""
+    return struct.Struct("<8i" + "qii" * k)
 
-    __slots__ = ("index", "start", "words", "n", "host", "blk", "lo")
 
-    def __init__(self, index: int, start: int, words: int, n: list, host: list):
-        self.index, self.start, self.words, self.n, self.host = index, start, words, n, host
-        self.blk = None
+class _Slot(tuple):
+    """One observation in flight: (index, start, words, host); host holds, per section, the array of a
+    section the host holds (None: none does)."""
 
-    def rows(self) -> tuple:
-        """dump.ROW_FIELDS' rows: views of the private copy, or host arrays (issue 15's rows are always host)."""
-        o = self.start - self.lo + HEADER
-        out = []
-        for n, h in zip(self.n, self.host):
-            if n >= 0:
-                out.append(self.blk[o:o + n])
-                o += n
-            else:
-                out.append(h)
-        return tuple(out)
+    __slots__ = ()
+
+
+def _slot_rows(blk: np.ndarray, o: int, host: list | None) -> tuple:
+    """A harvested slot's rows, from word o of blk (a private copy of the ring): one entry per section in
+    dump.ROW_FIELDS order, a view of the copy, a host array, or None."""
+    k = int(blk[o + 4])
+    counts = blk[o + FIXED:o + FIXED + ENTRY * k].reshape(k, ENTRY)[:, 2].tolist()
+    p = o + FIXED + ENTRY * k
+    out = []
+    for j, n in enumerate(counts):
+        if n >= 0:
+            out.append(blk[p:p + n])
+            p += n
+        else:
+            out.append(None if host is None else host[j])
+    return tuple(out)
 
 
 class _HostEvent:
@@ -231,6 +283,7 @@ class _SnapshotRing:
 
     Slots are allocated in observation order; a fence is one CUDA event per stream that launched
     slots since the last fence, and every slot before it is complete once its events are.
+    `go(raw_stream, slot_address)` launches the kernel on one slot; `how` says through what.
     """
 
     def __init__(self, words: int, device: int | None):
@@ -246,14 +299,16 @@ class _SnapshotRing:
         self.known: dict = {}
         self.free_events: list = []
         self.kernel = None
-        self.run = None  # the compiled launcher (no Triton dispatch per launch) once it proved itself
-        self.fast = self.function = self.meta = None
-        self.why_dispatch = ""
+        self.go = None
+        self.how = ""
+        # the engine's current raw stream (the CPU tests' host ring has none)
+        self.raw = torch._C._cuda_getCurrentRawStream if device is not None else (lambda d: 0)
         self.resize(words)
 
     def resize(self, words: int) -> None:
         assert not self.pending
-        self.buf = self.torch.empty(words, dtype=self.torch.int32, pin_memory=self.device is not None)
+        # padded: the kernel reads HEAD_READ words from a slot's start in one go, also from the last slot
+        self.buf = self.torch.empty(words + HEAD_READ, dtype=self.torch.int32, pin_memory=self.device is not None)
         self.np = self.buf.numpy()
         self.base = self.buf.data_ptr()
         self.words = words
@@ -262,10 +317,10 @@ class _SnapshotRing:
         """Start of `need` free words, or None when the ring is full."""
         if not self.pending:
             return 0 if need <= self.words else None
-        tail = self.pending[0].start
+        tail = self.pending[0][1]
         last = self.pending[-1]
-        head = last.start + last.words
-        if last.start >= tail:  # not wrapped: room at the end, else at the start before the oldest slot
+        head = last[1] + last[2]
+        if last[1] >= tail:  # not wrapped: room at the end, else at the start before the oldest slot
             if head + need <= self.words:
                 return head
             return 0 if need <= tail else None
@@ -287,19 +342,6 @@ class _SnapshotRing:
         self.streams.clear()
         self.fences.append((upto, evs))
         self.unfenced = 0
-
-    def launch(self, args: tuple, raw_stream: int) -> None:
-        if self.run is not None:
-            ck = self.run
-            ck.run(1, 1, 1, raw_stream, ck.function, ck.packed_metadata, None, None, None, *args)
-        else:
-            self.kernel[(1,)](*args)
-
-    def use(self, ck) -> None:
-        """Launch through this compiled kernel's launcher (bound once: no attribute lookups per launch)."""
-        self.run = ck
-        self.fast, self.function, self.meta = (None, None, None) if ck is None else (
-            ck.run, ck.function, ck.packed_metadata)
 
     def stream(self, raw: int):
         s = self.known.get(raw)
@@ -385,7 +427,11 @@ class Recorder:
         self._file_start = 0  # global index of the current file's first observation
         self._retry_at = rollover  # pending observations that trigger the next write
         self._ring: _SnapshotRing | None = None
-        self._dev = _is_cuda  # which values go through the ring (the CPU tests widen it to host tensors)
+        self._landed: list[tuple[int, np.ndarray, int]] = []  # harvested runs: (first index, copy, its ring word)
+        self._on = "is_cuda"  # the tensor attribute that sends a value through the ring (CPU tests: "is_cpu")
+        _find_torch()
+        self._site_ok: set[str] = set()  # site names already checked
+        self._sections(SECTIONS)
         self._max_group = -1  # the highest KV-cache group index recorded (slot entries)
         self._warned = False
         self._warned_write = False
@@ -469,22 +515,41 @@ class Recorder:
 
     # ---- checks ----------------------------------------------------------------------------------
 
+    def _sections(self, sections: tuple[Section, ...]) -> None:
+        """What the device path derives from the section table (once, not per observation)."""
+        self._nsec = len(sections)
+        self._head = _head_struct(len(sections))
+        self._head_words = FIXED + ENTRY * len(sections) + 7  # (+ 7: rounded down to 8 words at the end)
+        self._modes = tuple(2 if x.nonneg else 0 for x in sections)  # header mode bit 1: negatives flagged
+        self._rules = tuple((k, x) for k, x in enumerate(sections) if x.length != ANY or x.needs or x.nonneg)
+        self._plus1 = tuple(k for k, x in enumerate(sections) if x.length == ROWS_PLUS_1)
+        self._sized = tuple(k for k, x in enumerate(sections) if x.length == ROWS)
+        self._needs = tuple((k, x.needs) for k, x in enumerate(sections) if x.needs)
+
     def _check_shared(self, vals: Fields, site, kv_rows: int | None, rows: int) -> None:
         """What the dump format cannot hold (DESIGN §2) raises here and in _check_own, so a write never
         fails on it: the values one batch's observations share."""
-        step, _, ubatch, _, nrp, _, rs, ts, te, ntp, _, graph = vals  # Fields, in order (one unpack: the hot path)
-        # any name a reader accepts (reports show markup and control characters literally); not lone surrogates
-        if type(site) is not str or not _text_ok(site):
-            raise ValueError(f"site must be a string of valid Unicode, got {site!r}")
-        if not (-_I64 - 1 <= step <= _I64 and -1 <= ubatch <= INT32_MAX and nrp <= INT32_MAX):
-            raise ValueError(f"step {step}, ubatch {ubatch} or num_reqs_padded {nrp} out of range")
-        for v in (rs, ts, te, ntp):
-            if v is not None and not -1 <= v <= INT32_MAX:
-                raise ValueError(f"req_start/tok_start/tok_stop/num_tokens_padded {v} out of range")
-        if graph is not None and not 0 <= graph <= 3:
-            raise ValueError(f"graph {graph} is not 0..3")
+        self._check_vals(vals, site)
         if kv_rows is not None and (self.config.page_size is None or kv_rows != rows):
             raise ValueError(f"kv_pages needs page_size in the config and one value per seq_lens row ({rows})")
+
+    def _check_vals(self, vals: Fields, site) -> None:
+        """The scalars and the site of _check_shared."""
+        step, _, ubatch, _, nrp, _, rs, ts, te, ntp, _, graph = vals  # Fields, in order (one unpack: the hot path)
+        # any name a reader accepts (reports show markup and control characters literally); not lone surrogates
+        if type(site) is not str or site not in self._site_ok:
+            if type(site) is not str or not _text_ok(site):
+                raise ValueError(f"site must be a string of valid Unicode, got {site!r}")
+            if len(self._site_ok) < 1024:
+                self._site_ok.add(site)
+        if not (-_I64 - 1 <= step <= _I64 and -1 <= ubatch <= INT32_MAX and nrp <= INT32_MAX):
+            raise ValueError(f"step {step}, ubatch {ubatch} or num_reqs_padded {nrp} out of range")
+        if rs is not None or ts is not None or te is not None or ntp is not None:
+            for v in (rs, ts, te, ntp):
+                if v is not None and not -1 <= v <= INT32_MAX:
+                    raise ValueError(f"req_start/tok_start/tok_stop/num_tokens_padded {v} out of range")
+        if graph is not None and not 0 <= graph <= 3:
+            raise ValueError(f"graph {graph} is not 0..3")
 
     def _check_own(self, rank: int, parent: int | None, buffer: int | None, index: int) -> None:
         """... and the values of one rank's observation (index: the one it will get)."""
@@ -500,10 +565,12 @@ class Recorder:
                  num_tokens_padded, buffer, graph) -> Fields:
         """dump.FIELDS as Python ints (checked: never coerced); parent None when unknown."""
         if (type(step) is int and type(rank) is int and type(ubatch) is int and type(num_reqs) is int
-                and type(num_reqs_padded) is int and type(parent) in _INT_OR_NONE and type(req_start) in _INT_OR_NONE
-                and type(tok_start) in _INT_OR_NONE and type(tok_stop) in _INT_OR_NONE
-                and type(num_tokens_padded) in _INT_OR_NONE and type(buffer) in _INT_OR_NONE
-                and type(graph) in _INT_OR_NONE):  # what engines pass: no conversion needed
+                and type(num_reqs_padded) is int and (parent is None or type(parent) is int)
+                and (req_start is None or type(req_start) is int) and (tok_start is None or type(tok_start) is int)
+                and (tok_stop is None or type(tok_stop) is int)
+                and (num_tokens_padded is None or type(num_tokens_padded) is int)
+                and (buffer is None or type(buffer) is int) and (graph is None or type(graph) is int)):
+            # what engines pass: no conversion needed
             return _NEW(Fields, (step, rank, ubatch, num_reqs, num_reqs_padded,
                                  None if parent is None or parent < 0 else parent, req_start, tok_start, tok_stop,
                                  num_tokens_padded, buffer, graph))
@@ -525,19 +592,27 @@ class Recorder:
         """Record one attention-metadata build; returns its index (pass it as `parent=` later), -1 if dropped.
 
         dcp_query_start_loc / dcp_tot_seq_lens (issue 15; None: not recorded): the Q the DCP decode path
-        hands the empty-shard mask, and the global companion of the local lengths; copied on the host
-        (a CUDA tensor there is copied with `.to("cpu")`).
-
-        `positions` (each token's position in its sequence) and `slot_mapping` (the KV slot this rank writes
-        per token, -1 for none: a 1-D tensor for KV-cache group 0, a [groups, tokens] tensor, or a dict
-        {group index: 1-D tensor}) go together; they are copied on the host (CUDA tensors too, for now)."""
+        hands the empty-shard mask, and the global companion of the local lengths (device sections, like
+        the other rows). `positions` (each token's position in its sequence) and `slot_mapping` (the KV
+        slot this rank writes per token, -1 for none: a 1-D tensor for KV-cache group 0, a [groups, tokens]
+        tensor, or a dict {group index: 1-D tensor}) go together; they are copied on the host (a CUDA
+        tensor there is copied with `.to("cpu")`, which waits for the stream)."""
         try:
-            extra = (*_extra(dcp_query_start_loc, dcp_tot_seq_lens), *self._slots(positions, slot_mapping))
-            dev = self._dev
-            srcs = (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)
-            on = (type(seq_lens) is not np.ndarray and dev(seq_lens), dev(dcp_local_seq_lens), dev(query_start_loc),
-                  kv_pages is not None and dev(kv_pages))
-            if on[0] or on[1] or on[2] or on[3]:
+            slots = _NO_SLOTS if positions is None and slot_mapping is None else self._slots(positions, slot_mapping)
+            # SECTIONS (dump.ROW_FIELDS) order
+            srcs = (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens,
+                    *slots)
+            on = self._on
+            if _TENSOR is _NoTensor:
+                _find_torch()  # (torch imported after the Recorder was made)
+            x = seq_lens
+            if not (isinstance(x, _TENSOR) and getattr(x, on)):  # (the engine's case at once)
+                for x in srcs:
+                    if isinstance(x, _TENSOR) and getattr(x, on):
+                        break  # a device tensor: the device path
+                else:
+                    x = None
+            if x is not None:
                 if self._capturing():
                     with self._lock:
                         self.skipped_capture += 1
@@ -547,7 +622,7 @@ class Recorder:
                 vals = self._scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
                                      tok_stop, num_tokens_padded, buffer, graph)
                 if self.cuda_mode == "async":
-                    got = self._observe_device(vals, site, srcs, on, extra)
+                    got = self._observe_device(vals, site, srcs)
                     if got is not None:
                         return got
             else:
@@ -557,7 +632,8 @@ class Recorder:
                 vals = self._scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
                                      tok_stop, num_tokens_padded, buffer, graph)
             seq, qsl = self._batch(seq_lens, vals.num_reqs, vals.num_reqs_padded, query_start_loc)
-            row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages), *extra)
+            row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages), _host_fast(dcp_query_start_loc),
+                   _nonneg(_host_fast(dcp_tot_seq_lens), "dcp_tot_seq_lens"), *slots)
             self._check_shared(vals, site, None if row[3] is None else row[3].size, seq.size)
         except Exception as e:  # never break the engine
             self._drop(e)
@@ -609,7 +685,7 @@ class Recorder:
                 one = (kv_pages.ndim if hasattr(kv_pages, "ndim") else np.ndim(kv_pages)) == 1
                 # one shared row: a read-only view of the private copy for every rank
                 kv = np.broadcast_to(flat, (k, flat.size)) if one else flat.reshape(k, -1)
-            extra = [_per_rank(x, k) for x in (dcp_query_start_loc, dcp_tot_seq_lens)]
+            extra = [_per_rank(dcp_query_start_loc, k), _nonneg(_per_rank(dcp_tot_seq_lens, k), "dcp_tot_seq_lens")]
             parents = [None] * k if parents is None else list(parents)
             buffers = [None] * k if buffers is None else list(buffers)
             if len(parents) != k or len(buffers) != k or (kv is not None and kv.shape[0] != k):
@@ -650,7 +726,7 @@ class Recorder:
     def _slots(self, positions, slot_mapping) -> tuple:
         """dump.slot_entries of host copies (int32-checked); raises on what cannot be stored (dropped)."""
         if positions is None and slot_mapping is None:
-            return (None, None, None)
+            return _NO_SLOTS
         if positions is None or slot_mapping is None:
             raise ValueError("positions and slot_mapping go together")
         pos = _host(positions)
@@ -704,52 +780,64 @@ class Recorder:
 
     # ---- the device path -------------------------------------------------------------------------
 
-    def _observe_device(self, vals: Fields, site: str, srcs: tuple, on: tuple, extra: tuple) -> int | None:
-        """Snapshot the observation's CUDA tensors in one launch; None: take the host path instead.
+    def _observe_device(self, vals: Fields, site: str, srcs: tuple) -> int | None:
+        """Snapshot the observation's device tensors in one launch; None: take the host path instead.
 
-        (Written for speed: this is the engine's cost of recording, see benchmarks/bench_record.py --cuda.)
+        The header's section entries are collected here, checked by the section table's rules, and written
+        with the rest of the header into the slot just before the launch. (Written for speed: this is the
+        engine's cost of recording, see benchmarks/bench_record.py --cuda and --cuda-python.)
         """
-        ns = []
-        host = []
-        # kernel._snapshot_kernel's arguments; an absent source's address is never read, but must be an int64
-        # so that one compiled kernel serves every call
-        args = [0, 0, vals.num_reqs, vals.num_reqs_padded]
-        words = HEADER + 7
+        on = self._on
+        i32 = _T.int32
+        modes = self._modes
+        ent = []  # address, count, mode per section (count -1: absent, or held on the host)
+        host = None  # the sections the host holds (None: none does)
+        words = self._head_words
         device = -2
         keep = None  # converted copies: alive until the launch is queued (their memory is reused in stream order)
-        for x, d in zip(srcs, on):
-            if not d:
-                ns.append(-1)
-                host.append(None if x is None else _host_fast(x))
-                args += (_NO_ADDR, -1, 0)
-                continue
-            d = x.get_device()
-            if d != device:
-                if device != -2:
-                    return None  # tensors on two devices: the host path copies them
-                device = d
-            if x.dtype is _T.int32 and x.is_contiguous() and x.dim() == 1:
-                n = x.numel()
-                args += (x.data_ptr(), n, 0)
+        for k, x in enumerate(srcs):
+            if x is None:
+                ent += _ABSENT
+            elif isinstance(x, _TENSOR) and getattr(x, on):
+                d = x.get_device()
+                if d != device:
+                    if device != -2:
+                        return None  # tensors on two devices: the host path copies them
+                    device = d
+                if x.dtype is i32 and x.is_contiguous():  # (contiguous: its values are numel() words at data_ptr)
+                    n = x.numel()
+                    ent += (x.data_ptr(), n, modes[k])
+                else:
+                    x, wide = _narrowed(x)
+                    keep = [x] if keep is None else [*keep, x]
+                    n = x.numel()
+                    ent += (x.data_ptr(), n, modes[k] | wide)
+                words += n
             else:
-                x, wide = _narrowed(x)
-                keep = [x] if keep is None else [*keep, x]
-                n = x.numel()
-                args += (x.data_ptr(), n, wide)
-            ns.append(n)
-            host.append(None)
-            words += n
-        nr, nrp = vals.num_reqs, vals.num_reqs_padded
-        rows = ns[0] if ns[0] >= 0 else host[0].size if host[0] is not None else -1
+                if host is None:
+                    host = [None] * len(srcs)
+                host[k] = _host_fast(x)
+                ent += _ABSENT
+        nr, nrp = vals[3], vals[4]
+        rows = ent[1] if ent[1] >= 0 or host is None or host[0] is None else host[0].size
         if rows < nr or not 0 <= nr <= nrp:
             raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {rows} seq_lens rows")
-        if host[0] is not None and host[0].size and host[0].min() < 0:
-            raise ValueError("negative seq_lens")
-        nq = ns[2] if ns[2] >= 0 else host[2].size if host[2] is not None else rows + 1
-        if nq != rows + 1:  # of no use to replay (as on the host path)
-            words -= max(ns[2], 0)
-            ns[2], host[2], args[11] = -1, None, -1
-        self._check_shared(vals, site, ns[3] if ns[3] >= 0 else None if host[3] is None else host[3].size, rows)
+        if host is None:  # every section on the device (or absent): the length rules on the header's counts
+            for k in self._plus1:
+                n = ent[3 * k + 1]
+                if n >= 0 and n != rows + 1:  # of no use to replay (as on the host path)
+                    ent[3 * k + 1] = -1
+                    words -= n
+            for k in self._sized:
+                n = ent[3 * k + 1]
+                if n >= 0 and n != rows:
+                    raise ValueError(f"{SECTIONS[k].name} needs one value per seq_lens row ({rows}), got {n}")
+            for k, need in self._needs:
+                if ent[3 * k + 1] >= 0 and getattr(self.config, need) is None:
+                    raise ValueError(f"{SECTIONS[k].name} needs {need} in the config")
+        else:
+            words = self._host_rules(ent, host, rows, words)
+        self._check_vals(vals, site)
         words &= ~7
         if device < 0:
             device = None  # (the host ring of the CPU tests)
@@ -757,7 +845,10 @@ class Recorder:
             if self._closed:
                 raise RuntimeError("observe() after close()")
             index = self._count
-            self._check_own(vals.rank, vals.parent, vals.buffer, index)
+            rank, parent, buffer = vals[1], vals[5], vals[10]
+            if not 0 <= rank < self.config.dcp_size or (parent is not None and parent >= index) or (
+                    buffer is not None and not -_I64 - 1 <= buffer <= _I64):
+                self._check_own(rank, parent, buffer, index)  # (raises, saying which)
             ring = self._ring
             if ring is None:
                 if device != _T.cuda.current_device():
@@ -770,17 +861,13 @@ class Recorder:
             start = ring.alloc(words)
             if start is None:
                 start = self._room(ring, words)
-            raw = _T._C._cuda_getCurrentRawStream(device) if device is not None else 0
-            args[0] = ring.base + 4 * start
-            args[1] = index & 0x7FFFFFFF
-            if ring.fast is not None:
-                ring.fast(1, 1, 1, raw, ring.function, ring.meta, None, None, None, *args)
-            else:
-                ring.launch(args, raw)
+            self._head.pack_into(ring.np, 4 * start, index & 0x7FFFFFFF, -1, nr, nrp, self._nsec, 0, words, 0, *ent)
+            raw = ring.raw(device)
+            ring.go(raw, ring.base + 4 * start)
             del keep
             if raw not in ring.streams:
                 ring.stream(raw)
-            slot = _Slot(index, start, words, ns + [-1] * len(extra), host + list(extra))
+            slot = _NEW(_Slot, (index, start, words, host))
             ring.pending.append(slot)
             self._vals.append(vals)
             self._sites.append(site)
@@ -794,9 +881,32 @@ class Recorder:
                 self._harvest(wait=False)
             return index
 
+    def _host_rules(self, ent: list, host: list, rows: int, words: int) -> int:
+        """_observe_device's length rules when the host holds some sections; returns the slot's words."""
+        for k, sec in self._rules:
+            n = ent[3 * k + 1]
+            h = host[k]
+            size = n if n >= 0 else -1 if h is None else h.size
+            if size < 0:
+                continue
+            if sec.needs and getattr(self.config, sec.needs) is None:
+                raise ValueError(f"{sec.name} needs {sec.needs} in the config")
+            if sec.length == ROWS_PLUS_1 and size != rows + 1:  # of no use to replay (as on the host path)
+                ent[3 * k + 1] = -1
+                if n >= 0:
+                    words -= n
+                else:
+                    host[k] = None
+            elif sec.length == ROWS and size != rows:
+                raise ValueError(f"{sec.name} needs one value per seq_lens row ({rows}), got {size}")
+            elif sec.nonneg and h is not None and h.size and h.min() < 0:
+                raise ValueError(f"negative {sec.name}")
+        return words
+
     def _start_ring(self, device: int | None) -> _SnapshotRing | None:
-        """The ring, its kernel, and on a GPU a one-time check (one synchronisation) that a launch through
-        the compiled launcher writes what the kernel should; else Triton's own dispatch, else sync mode."""
+        """The ring, its kernel, and on a GPU a one-time check (one synchronisation each) that a launch writes
+        what the kernel should, trying the cheapest launch first: the launcher's C entry called directly, then
+        Triton's compiled launcher, then Triton's dispatch; else sync mode."""
         from dcptool import kernel as K
 
         ring = _SnapshotRing(self._ring_words, device)
@@ -805,22 +915,32 @@ class Recorder:
         except Exception as e:
             return self._no_ring(e)
         if device is not None and device in _CHECKED:  # (checked once per process and device)
-            ring.use(_CHECKED[device][0])
-            ring.why_dispatch = _CHECKED[device][1]
+            ring.go, ring.how = _CHECKED[device]
         elif device is not None:
             try:
                 torch = ring.torch
                 with torch.cuda.device(device):
-                    ck = _self_check(ring, None)
-                    try:
-                        _self_check(ring, ck)
-                        ring.use(ck)
-                    except Exception as e:  # the compiled launcher is not callable so here: Triton's dispatch
-                        ring.why_dispatch = repr(e)
-                _CHECKED[device] = (ring.run, ring.why_dispatch)
+                    ck = _self_check(ring, K.snapshot_dispatch)  # (compiles it)
+                    ring.go, ring.how = K.snapshot_dispatch, "Triton's dispatch"
+                    why = []
+                    for how, go in (("the launcher's C entry", _direct_launch(ck)),
+                                    ("Triton's compiled launcher", _compiled_launch(ck))):
+                        try:
+                            if go is None:
+                                raise RuntimeError("not this Triton's launcher")
+                            _self_check(ring, go)
+                            ring.go, ring.how = go, how
+                            break
+                        except Exception as e:  # not callable so here: the next way
+                            why.append(f"{how}: {e!r}")
+                    if why:
+                        ring.how += f" ({'; '.join(why)})"
+                _CHECKED[device] = (ring.go, ring.how)
             except Exception as e:
                 return self._no_ring(e)
         self._ring = ring
+        if "_capturing" not in self.__dict__ and device is not None:
+            self._capturing = ring.torch._C._cuda_isCurrentStreamCapturing  # (no Python frame per observe)
         return ring
 
     def _no_ring(self, e: Exception) -> None:
@@ -864,58 +984,55 @@ class Recorder:
             ring.fences.popleft()
             ring.free_events.extend(evs)
             take = []
-            while ring.pending and ring.pending[0].index < upto:
+            while ring.pending and ring.pending[0][0] < upto:
                 take.append(ring.pending.popleft())
             self._resolve(ring, take)
             if one:
                 return
 
     def _resolve(self, ring: _SnapshotRing, take: list[_Slot]) -> None:
-        """Finished slots: one private copy of each contiguous run of the ring, their headers checked at once
-        (seqno, flags); each observation's rows are cut out of that copy when its file is written."""
-        i = 0
-        while i < len(take):
-            j = i + 1
-            while j < len(take) and take[j].start == take[j - 1].start + take[j - 1].words:
-                j += 1
-            run = take[i:j]
-            lo = run[0].start
-            blk = ring.np[lo:run[-1].start + run[-1].words].copy()
-            heads = blk[np.fromiter([s.start for s in run], np.int64, len(run))[:, None] - lo + _HEAD]
-            seqno = np.fromiter([s.index for s in run], np.int64, len(run)) & 0x7FFFFFFF
-            bad = (heads[:, 0] != seqno) | (heads[:, 7] != 0)
-            for s in run:
-                s.blk, s.lo = blk, lo
+        """Finished slots: one private copy of each contiguous run of the ring (kept in _landed until written),
+        their headers checked at once (done == seqno, flags); the rows are cut out of the copy at the write."""
+        starts = [s[1] for s in take]
+        ends = [s[1] + s[2] for s in take]
+        cut = [j for j in range(1, len(take)) if starts[j] != ends[j - 1]]  # (where the ring wrapped)
+        for i, j in zip([0, *cut], [*cut, len(take)]):
+            lo = starts[i]
+            blk = ring.np[lo:ends[j - 1]].copy()
+            self._landed.append((take[i][0], blk, lo))
+            offs = np.array(starts[i:j], np.int64) - lo
+            seqno = np.fromiter([s[0] for s in take[i:j]], np.int64, j - i) & 0x7FFFFFFF
+            flags = blk[offs + 5]
+            bad = (blk[offs + 1] != seqno) | (flags != 0)
             if bad.any():
                 for k in np.flatnonzero(bad).tolist():
-                    s, flags = run[k], int(heads[k, 7])
-                    self._rows[s.index - self._file_start] = None
+                    s, f = take[i + k], int(flags[k])
+                    self._rows[s[0] - self._file_start] = None
                     self._late += 1
-                    why = ("a negative seq_len" if flags & 2 else "a value int32 cannot hold" if flags & 1
+                    why = ("a negative seq_len" if f & 2 else "a value int32 cannot hold" if f & 1
                            else "a ring slot that does not hold it")
-                    self._drop(ValueError(f"observation {s.index}: the device values hold {why}"))
-            i = j
+                    self._drop(ValueError(f"observation {s[0]}: the device values hold {why}"))
 
     def _abandon(self, e: Exception) -> None:
         """The slots in flight cannot be harvested: drop those observations (counted, warned)."""
         ring = self._ring
         while ring.pending:
             s = ring.pending.popleft()
-            self._rows[s.index - self._file_start] = None
+            self._rows[s[0] - self._file_start] = None
             self._late += 1
-            self._drop(ValueError(f"observation {s.index}: its device snapshot cannot be read ({e})"))
+            self._drop(ValueError(f"observation {s[0]}: its device snapshot cannot be read ({e})"))
         ring.fences.clear()
 
     def _use_host_ring(self, words: int = 4096) -> _SnapshotRing:
         """For the CPU tests: send host torch tensors through a (non-pinned) ring and the interpreted kernel."""
-        import torch
 
         from dcptool import kernel as K
 
-        self._dev = lambda x: isinstance(x, torch.Tensor)
+        self._on = "is_cpu"
         self._capturing = lambda: False  # (a CPU build of torch has no capture to ask about)
         self._ring = _SnapshotRing(words, None)
         self._ring.kernel = K.snapshot_kernel()
+        self._ring.go, self._ring.how = K.snapshot_dispatch, "the Triton interpreter"
         return self._ring
 
     def _target(self) -> Path:
@@ -927,7 +1044,15 @@ class Recorder:
         """The first n observations since the last file, as dump columns (site indices stable across rolled
         files), and the file row of each kept observation (None when all were kept)."""
         vals, sites, rows = self._vals[:n], self._sites[:n], self._rows[:n]
-        rows = [r.rows() if type(r) is _Slot else r for r in rows]  # harvested device observations
+        if any(type(r) is _Slot for r in rows):  # harvested device observations: their rows from the copies
+            firsts = [x[0] for x in self._landed]
+            rows = list(rows)
+            for i, r in enumerate(rows):
+                if type(r) is _Slot:
+                    first, blk, lo = self._landed[bisect.bisect_right(firsts, r[0]) - 1]
+                    if first > r[0] or (self._ring.pending and self._ring.pending[0][0] <= r[0]):
+                        raise RuntimeError(f"dcptool Recorder: observation {r[0]} is written before it landed")
+                    rows[i] = _slot_rows(blk, r[1] - lo, r[3])
         fs = self._file_start
         where = None
         if any(r is None for r in rows):  # dropped at harvest: renumber the rest and their parents
@@ -975,6 +1100,9 @@ class Recorder:
         self._stale = []
         self.files.append(target)
         self._file_start += n
+        if self._landed:  # the copies no observation still to write points into
+            firsts = [x[0] for x in self._landed]
+            del self._landed[:max(0, bisect.bisect_right(firsts, self._file_start) - 1)]
         self._vals, self._sites, self._rows = self._vals[n:], self._sites[n:], self._rows[n:]
 
     def _flush(self, *, raise_errors: bool) -> None:
@@ -984,7 +1112,7 @@ class Recorder:
             self._harvest(wait=raise_errors)
             if ring.pending:
                 ring.fence(self._count)  # (so that they land soon)
-                n = ring.pending[0].index - self._file_start
+                n = ring.pending[0][0] - self._file_start
                 if n == 0:
                     # try again once some have landed (a rolled file may hold a few more than `rollover`)
                     self._retry_at = len(self._sites) + min(FENCE_EVERY, self.rollover or FENCE_EVERY)
@@ -1049,23 +1177,62 @@ class Recorder:
                           stacklevel=1)
 
 
-def _self_check(ring: _SnapshotRing, ck):
-    """Launch the kernel once on known values (unaligned, int64, an overflow) and compare; returns the
-    compiled kernel when launched through Triton (ck None)."""
+def _self_check(ring: _SnapshotRing, go):
+    """Launch the kernel through `go` once on known values (unaligned, int64, an overflow, an absent section)
+    and compare; returns what `go` returned (the compiled kernel, for Triton's dispatch)."""
     torch = ring.torch
     dev = ring.device
     a = torch.arange(1, 7, dtype=torch.int32, device=dev)[1:]  # an unaligned view: 2..6
     b = torch.tensor([7, -2, 2**40], dtype=torch.int64, device=dev)
-    ring.np[:32] = -9
-    args = (ring.base, 12345, 5, 5, a.data_ptr(), 5, 0, b.data_ptr(), 3, 1, ring.base, -1, 0, a.data_ptr(), 5, 0)
-    if ck is None:
-        got = ring.kernel[(1,)](*args)
-    else:
-        ck.run(1, 1, 1, torch._C._cuda_getCurrentRawStream(dev), ck.function, ck.packed_metadata, None, None, None,
-               *args)
-        got = ck
+    ring.np[:HEAD_READ] = -9
+    _head_struct(4).pack_into(ring.np, 0, 12345, -1, 5, 6, 4, 0, 40, 0, a.data_ptr(), 5, 2, 0, -1, 0, b.data_ptr(), 3,
+                              1, a.data_ptr(), 5, 0)
+    got = go(torch._C._cuda_getCurrentRawStream(dev), ring.base)
     torch.cuda.synchronize(dev)
-    want = [12345, 5, 5, 5, 3, -1, 5, 1, 2, 3, 4, 5, 6, 7, -2, 0, 2, 3, 4, 5, 6]
-    if ring.np[:len(want)].tolist() != want:
-        raise RuntimeError(f"snapshot kernel self-check wrote {ring.np[:len(want)].tolist()}")
+    want = [12345, 12345, 5, 6, 4, 1, 40, 0]
+    rows = [2, 3, 4, 5, 6, 7, -2, 0, 2, 3, 4, 5, 6]
+    have = ring.np[:FIXED].tolist(), ring.np[FIXED + 4 * ENTRY:FIXED + 4 * ENTRY + len(rows)].tolist()
+    if have != (want, rows):
+        raise RuntimeError(f"snapshot kernel self-check wrote {have}")
     return got
+
+
+def _compiled_launch(ck):
+    """A launch through Triton's compiled launcher (no dispatch: no argument binding, no cache lookup)."""
+    run, fn, meta = ck.run, ck.function, ck.packed_metadata
+    return lambda raw, at: run(1, 1, 1, raw, fn, meta, None, None, None, at)
+
+
+# The Python wrapper (CudaLauncher.__call__) of the launchers whose C entry `launch` is called directly: its
+# call of `self.launch`, whitespace removed. Another wrapper (another Triton) is used as it is.
+_WRAPPED = {  # triton 3.6: the kernel's arguments unpacked
+    "self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,self.launch_pdl,global_scratch,"
+    "profile_scratch,*args)": 36,
+    # triton 3.9: annotations, a signature and the kernel's arguments as one tuple
+    "self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,self.launch_pdl,kernel_metadata,"
+    "launch_metadata,launch_enter_hook,launch_exit_hook,global_scratch,profile_scratch,self.arg_annotations,"
+    "self.kernel_signature,kernel_args)": 39,
+}
+
+
+def _direct_launch(ck):
+    """A launch through the compiled launcher's C entry with the arguments its Python wrapper would pass (2-3 us
+    less per launch), for a wrapper known to pass exactly these (_WRAPPED) with no scratch memory to allocate;
+    else None. (_start_ring checks it against known values before using it.)"""
+    import inspect
+
+    run = ck.run
+    launch = getattr(run, "launch", None)
+    try:
+        src = "".join(inspect.getsource(type(run).__call__).split())
+    except (OSError, TypeError):
+        return None
+    kind = [v for k, v in _WRAPPED.items() if k in src]
+    if (launch is None or len(kind) != 1 or getattr(run, "global_scratch_size", 1) != 0
+            or getattr(run, "profile_scratch_size", 1) != 0 or getattr(run, "gsan_enabled", False)):
+        return None
+    fn, meta, coop, pdl = ck.function, ck.packed_metadata, run.launch_cooperative_grid, run.launch_pdl
+    if kind[0] == 36:
+        return lambda raw, at: launch(1, 1, 1, raw, fn, coop, pdl, None, None, meta, None, None, None, at)
+    ann, sig = run.arg_annotations, run.kernel_signature
+    return lambda raw, at: launch(1, 1, 1, raw, fn, coop, pdl, meta, None, None, None, None, None, ann, sig, (at,))

@@ -7,7 +7,7 @@ switched on the interpreter where there is no GPU (TRITON_INTERPRET must be set 
 import triton
 import triton.language as tl
 
-from dcptool.kernel import SNAP_BLOCK, SNAP_HEADER
+from dcptool.kernel import SNAP_BLOCK, SNAP_ENTRY, SNAP_FIXED, SNAP_HEAD_READ
 
 
 @triton.jit
@@ -152,13 +152,15 @@ def check_rows_kernel(stats_ptr, ids_ptr, n_ids, seq_lens_ptr, rows_ptr, dcp_ptr
 # The Recorder's device snapshot (dcptool.record; kernel.snapshot_kernel() says what it does)
 
 _SNAP_BLOCK = tl.constexpr(SNAP_BLOCK)
-_SNAP_HEADER = tl.constexpr(SNAP_HEADER)
+_SNAP_FIXED = tl.constexpr(SNAP_FIXED)
+_SNAP_ENTRY = tl.constexpr(SNAP_ENTRY)
+_SNAP_LANES = tl.constexpr(SNAP_HEAD_READ // 2)
 
 
 @triton.jit
-def _snap_section(dst, src, n, wide):
-    # n < 0: no such section (a None value, or one the host holds); wide: 1 for int64 sources
-    out = dst.to(tl.pointer_type(tl.int32))
+def _snap_section(out, src, n, wide):
+    # Copy n values (int64 when wide, else int32) from the address src to the int32 pointer out;
+    # returns (a value int32 cannot hold, a negative value) as 0/1. n < 0 (absent) copies nothing.
     p32 = src.to(tl.pointer_type(tl.int32))
     p64 = src.to(tl.pointer_type(tl.int64))
     over = tl.zeros([_SNAP_BLOCK], tl.int32)
@@ -176,24 +178,34 @@ def _snap_section(dst, src, n, wide):
         tl.store(out + idx, w, mask=m)
     return tl.max(over, axis=0), tl.max(neg, axis=0)
 
-_SNAP_ARGS = ["slot", "seqno", "num_reqs", "num_reqs_padded", "src0", "n0", "w0", "src1", "n1", "w1", "src2", "n2",
-              "w2", "src3", "n3", "w3"]
+
+@triton.jit
+def _lane(head, lane, k):
+    # int64 word k of the header, from the one vector read of it
+    return tl.sum(tl.where(lane == k, head, 0), axis=0)
 
 
-@triton.jit(do_not_specialize=_SNAP_ARGS)
-def snapshot_kernel(slot, seqno, num_reqs, num_reqs_padded, src0, n0, w0, src1, n1, w1, src2, n2, w2,
-                    src3, n3, w3):
-    # sections follow the header in this order, each as long as its n (absent ones take no room)
-    d0 = slot + 4 * _SNAP_HEADER
-    o0, g0 = _snap_section(d0, src0, n0, w0)
-    d1 = d0 + 4 * tl.maximum(n0, 0).to(tl.int64)
-    o1, g1 = _snap_section(d1, src1, n1, w1)
-    d2 = d1 + 4 * tl.maximum(n1, 0).to(tl.int64)
-    o2, g2 = _snap_section(d2, src2, n2, w2)
-    d3 = d2 + 4 * tl.maximum(n2, 0).to(tl.int64)
-    o3, g3 = _snap_section(d3, src3, n3, w3)
-    flags = (o0 | o1 | o2 | o3) | (g0 * 2)  # bit 0: a value int32 cannot hold; bit 1: a negative seq_len
-    h = tl.arange(0, _SNAP_HEADER)
-    head = tl.where(h == 0, seqno, tl.where(h == 1, num_reqs, tl.where(h == 2, num_reqs_padded, tl.where(
-        h == 3, n0, tl.where(h == 4, n1, tl.where(h == 5, n2, tl.where(h == 6, n3, flags)))))))
-    tl.store(slot.to(tl.pointer_type(tl.int32)) + h, head)
+@triton.jit(do_not_specialize=["slot"])
+def snapshot_kernel(slot):
+    # The slot's header describes the copy (layout: dcptool.record): one vector read of it (the ring is
+    # host memory: one PCIe round trip, not one per field), then each section's rows back to back after
+    # the header, then flags and `done` (= seqno) last.
+    p32 = slot.to(tl.pointer_type(tl.int32))
+    lane = tl.arange(0, _SNAP_LANES)
+    head = tl.load(slot.to(tl.pointer_type(tl.int64)) + lane, volatile=True)
+    w01 = _lane(head, lane, 0)  # words 0-1: seqno | done
+    nsec = _lane(head, lane, 2).to(tl.int32)  # words 4-5: nsec | flags
+    out = p32 + _SNAP_FIXED + _SNAP_ENTRY * nsec
+    over = nsec * 0
+    neg = nsec * 0
+    for k in range(nsec):
+        src = _lane(head, lane, _SNAP_FIXED // 2 + 2 * k)
+        e = _lane(head, lane, _SNAP_FIXED // 2 + 2 * k + 1)  # count | mode
+        n = e.to(tl.int32)
+        mode = (e >> 32).to(tl.int32)
+        o, g = _snap_section(out, src, n, mode & 1)
+        over = over | o
+        neg = neg | (g & (mode >> 1))  # mode bit 1: negative values are flagged in this section
+        out = out + tl.maximum(n, 0)
+    tl.store(p32 + 5, over | (neg * 2))  # flags, bit 0: a value int32 cannot hold; bit 1: a forbidden negative
+    tl.store(p32 + 1, w01.to(tl.int32))  # done: the seqno, written last

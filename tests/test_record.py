@@ -259,44 +259,142 @@ hostring = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRIT
                               reason="interpreter-only (CPU); the CUDA tests cover this on a GPU")
 
 
+def _kernel_device() -> str:
+    return "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def _launch_slot(secs: list[tuple], seqno: int = 41, nr: int = 3, nrp: int = 5, pad: int = 64):
+    """Write a slot header describing `secs` (tensor or None, negatives flagged) into a ring, launch the
+    kernel with the slot's address only, and return the ring's words (numpy) and the slot's words."""
+    from dcptool.kernel import snapshot_dispatch
+
+    ent, words = [], R.FIXED + R.ENTRY * len(secs)
+    for t, nonneg in secs:
+        if t is None:
+            ent += (0, -1, 0)
+        else:
+            ent += (t.data_ptr(), t.numel(), (t.dtype == torch.int64) | (2 if nonneg else 0))
+            words += t.numel()
+    words = (words + 7) & ~7
+    dev = _kernel_device()
+    ring = torch.full((words + R.HEAD_READ + pad,), -7, dtype=torch.int32, device=dev)
+    host = np.full(ring.numel(), -7, np.int32)
+    R._head_struct(len(secs)).pack_into(host, 0, seqno, -1, nr, nrp, len(secs), 0, words, 0, *ent)
+    ring.copy_(torch.from_numpy(host))  # (on a GPU the header is written to device memory here; same reads)
+    snapshot_dispatch(0, ring.data_ptr())
+    return ring.cpu().numpy(), words
+
+
 @pytest.mark.kernel
-def test_snapshot_kernel_slot_layout():
-    """One launch: header (seqno, num_reqs, num_reqs_padded, the four lengths, flags) then the
-    sections back to back; int64 sources narrowed with an overflow flag, unaligned views, absent
-    sections (-1) taking no room, a section longer than one block."""
-    from dcptool.kernel import SNAP_BLOCK, SNAP_HEADER, snapshot_kernel
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 1000, 1537])
+def test_snapshot_slot_read_back_equals_the_sources(n):
+    """The descriptor launch: the header the CPU wrote (seqno, num_reqs, num_reqs_padded, K, words and one
+    entry per section) stays, `done` becomes the seqno, flags 0, and the rows are the sources back to back
+    in section order (an int64 source narrowed, an unaligned view, absent sections taking no room), for
+    every section length around the kernel's block; nothing past the slot is written."""
+    from dcptool.kernel import SNAP_BLOCK, SNAP_ENTRY, SNAP_FIXED, SNAP_HEAD_READ, SNAP_MAX_SECTIONS
 
-    assert SNAP_HEADER == R.HEADER
-    k = snapshot_kernel()
-    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-    g = torch.Generator().manual_seed(5)
-    seq = torch.randint(0, 1 << 20, (SNAP_BLOCK * 2 + 37,), generator=g, dtype=torch.int32).to(dev)
-    dcp64 = torch.randint(0, 1 << 20, (9,), generator=g, dtype=torch.int64).to(dev)
-    base = torch.arange(10, dtype=torch.int32, device=dev)
-    qsl = base[3:]  # unaligned: starts 12 bytes into its storage
-    n = seq.numel()
-    ring = torch.full((R.HEADER + n + 9 + 7 + 16,), -7, dtype=torch.int32, device=dev)
-    r = ring.data_ptr()
+    assert (SNAP_FIXED, SNAP_ENTRY, SNAP_HEAD_READ) == (R.FIXED, R.ENTRY, R.HEAD_READ) and SNAP_BLOCK == 512
+    assert len(R.SECTIONS) <= SNAP_MAX_SECTIONS
+    dev = _kernel_device()
+    g = torch.Generator().manual_seed(n)
+    seq = torch.randint(0, 1 << 30, (n,), generator=g, dtype=torch.int32).to(dev)
+    wide = torch.randint(-(1 << 31), 1 << 31, (n + 1,), generator=g, dtype=torch.int64).to(dev)  # fits int32
+    base = torch.arange(n + 3, dtype=torch.int32, device=dev)
+    view = base[3:]  # unaligned: 12 bytes into its storage
+    got, words = _launch_slot([(seq, True), (None, False), (wide, False), (view, False), (None, True)], seqno=n)
+    hdr = got[:R.FIXED].tolist()
+    assert hdr == [n, n, 3, 5, 5, 0, words, 0]
+    counts = got[R.FIXED:R.FIXED + 5 * R.ENTRY].reshape(5, R.ENTRY)[:, 2].tolist()
+    assert counts == [n, -1, n + 1, n, -1]
+    rows = R._slot_rows(got, 0, None)
+    assert rows[1] is None and rows[4] is None
+    assert np.array_equal(rows[0], seq.cpu().numpy()) and np.array_equal(rows[2], wide.cpu().numpy())
+    assert np.array_equal(rows[3], np.arange(3, n + 3))
+    end = R.FIXED + 5 * R.ENTRY + 3 * n + 1
+    assert (got[end:] == -7).all()  # nothing past the slot's rows
 
-    def launch(seqno, dcp, flags_want):
-        ring.fill_(-7)
-        k[(1,)](r, seqno, 3, n, seq.data_ptr(), n, 0, dcp.data_ptr(), dcp.numel(), 1, qsl.data_ptr(), 7, 0,
-                r, -1, 0)
-        got = ring.cpu().numpy()
-        assert got[:8].tolist() == [seqno, 3, n, n, dcp.numel(), 7, -1, flags_want]
-        assert np.array_equal(got[8:8 + n], seq.cpu().numpy())
-        assert np.array_equal(got[8 + n:8 + n + 9], dcp.cpu().numpy().astype(np.int32))
-        assert got[8 + n + 9:8 + n + 16].tolist() == list(range(3, 10))
-        assert (got[8 + n + 16:] == -7).all()  # nothing past the slot
 
-    launch(41, dcp64, 0)
-    wide = dcp64.clone()
-    wide[4] = 2**33 + 5  # narrowed to 5 in the slot, flagged: the harvest drops the observation
-    launch(42, wide, 1)
-    neg = seq.clone()
-    seq[7] = -1
-    launch(43, dcp64, 2)
-    seq.copy_(neg)
+@pytest.mark.kernel
+def test_snapshot_flags_values_int32_cannot_hold_and_forbidden_negatives():
+    dev = _kernel_device()
+    ok = torch.arange(1, 200, dtype=torch.int32, device=dev)
+    big = torch.tensor([5, 2**33 + 7, 6], dtype=torch.int64, device=dev)
+    neg = torch.tensor([4, -1], dtype=torch.int32, device=dev)
+    got, _ = _launch_slot([(ok, True), (big, False)])
+    assert got[5] == 1 and got[1] == 41  # bit 0; done still written
+    assert R._slot_rows(got, 0, None)[1].tolist() == [5, 7, 6]  # narrowed (wrapped); the harvest drops it
+    got, _ = _launch_slot([(neg, True), (ok, False)])
+    assert got[5] == 2  # bit 1: a negative where the section forbids them
+    got, _ = _launch_slot([(ok, True), (neg, False)])
+    assert got[5] == 0  # a -1 in a view is a finding to record, not a bad value
+    got, _ = _launch_slot([(neg, True), (big, False)])
+    assert got[5] == 3
+
+
+@hostring
+@pytest.mark.kernel
+def test_a_fifth_section_is_a_table_entry_not_kernel_code(tmp_path, monkeypatch):
+    """Adding a row column to the device path: one SECTIONS entry (here two more past the table's own: one
+    value per token with negatives forbidden, and one value per seq_lens row); the same kernel copies them,
+    and their length rules apply."""
+    from dcptool.kernel import snapshot_kernel
+
+    kernel = snapshot_kernel()
+    K = len(R.SECTIONS)
+    monkeypatch.setattr(R, "SECTIONS", (*R.SECTIONS, R.Section("x1", "extra_tokens", R.ANY, nonneg=True),
+                                        R.Section("x2", "extra_rows", R.ROWS)))
+    rec = Recorder(tmp_path / "f.safetensors", dcp_size=2)
+    ring = rec._use_host_ring()
+    assert ring.kernel is kernel and rec._nsec == K + 2
+    seq = torch.tensor([5, 9, 0], dtype=torch.int32)
+    pos = torch.arange(11, dtype=torch.int64) * 3
+    tot = torch.tensor([7, 8, 9], dtype=torch.int32)
+    vals = rec._scalars(0, 1, -1, 2, 3, None, None, None, None, None, None, None)
+    pad = (None,) * (K - 4)
+    srcs = (seq, None, torch.tensor([0, 1, 2, 2], dtype=torch.int32), None, *pad, pos, tot)
+    assert rec._observe_device(vals, "x", srcs) == 0
+    with pytest.raises(ValueError, match="one value per seq_lens row"):  # (observe() drops and counts it)
+        rec._observe_device(vals, "x", (*srcs[:K + 1], tot[:2]))
+    bad = torch.tensor([1, -4], dtype=torch.int64)
+    assert rec._observe_device(vals, "x", (*srcs[:K], bad, tot)) == 1
+    with rec._lock, pytest.warns(RuntimeWarning, match="a negative"):
+        rec._harvest(wait=True)
+    assert rec.dropped == 1  # the negative value, found at harvest
+    first, blk, lo = rec._landed[0]
+    rows = R._slot_rows(blk, 0, None)
+    assert first == 0 and len(rows) == K + 2 and rows[1] is None and rows[3] is None
+    assert all(r is None for r in rows[4:K])
+    assert rows[0].tolist() == [5, 9, 0] and rows[2].tolist() == [0, 1, 2, 2]
+    assert rows[K].tolist() == list(range(0, 33, 3)) and rows[K + 1].tolist() == [7, 8, 9]
+    rec.discard()
+
+
+def test_the_direct_launch_passes_what_tritons_launcher_passes(monkeypatch):
+    """The launch through the compiled launcher's C entry gives `launch` exactly the arguments Triton's own
+    wrapper (CudaLauncher.__call__, as the compiled launcher is called) gives it, for this Triton; no GPU
+    needed: `launch` is a stand-in that records its arguments."""
+    import types
+
+    import triton
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", types.SimpleNamespace(), raising=False)
+    seen = []
+    run = object.__new__(CudaLauncher)
+    attrs = dict(launch=lambda *a: seen.append(a), num_ctas=1, global_scratch_size=0, global_scratch_align=1,
+                 profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False, launch_pdl=False,
+                 gsan_enabled=False, arg_annotations=[("slot", "i64")], kernel_signature=b"\x05")
+    for k, v in attrs.items():
+        setattr(run, k, v)
+    ck = types.SimpleNamespace(run=run, function=0xF00, packed_metadata=(4, 1, 0))
+    go = R._direct_launch(ck)
+    assert go is not None, "this Triton's launcher wrapper is not one _direct_launch knows"
+    R._compiled_launch(ck)(0x5EED, 0xAB00)
+    go(0x5EED, 0xAB00)
+    assert len(seen) == 2 and seen[0] == seen[1]
+    other = types.SimpleNamespace(run=types.SimpleNamespace(launch=print), function=1, packed_metadata=(4, 1, 0))
+    assert R._direct_launch(other) is None  # a wrapper it does not know: the compiled launcher is used as it is
 
 
 def _obs_stream(n: int, seed: int):
@@ -337,11 +435,16 @@ def test_ring_records_what_the_host_path_records(tmp_path, ring_words):
     for kw in _obs_stream(150, 3):
         assert a.observe(**kw) == b.observe(**kw)
     fa, fb = a.close(), b.close()
-    assert a.dropped == b.dropped == 0 and not ring.pending and ring.np.size == ring_words
+    assert a.dropped == b.dropped == 0 and not ring.pending and ring.words == ring_words
     ca, cb = _columns(fa), _columns(fb)
     assert sorted(ca) == sorted(cb)
     for key in ca:
         assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
+
+
+def _slot_words(rows: int) -> int:
+    """Words of a ring slot holding one section of `rows` values (the header grows with SECTIONS)."""
+    return (R.FIXED + R.ENTRY * len(R.SECTIONS) + rows + 7) & ~7
 
 
 @hostring
@@ -350,13 +453,13 @@ def test_a_full_ring_waits_and_loses_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(R._HostEvent, "hold", True)  # no launch finishes until waited for
     monkeypatch.setattr(R._HostEvent, "waits", 0)
     rec = Recorder(tmp_path / "w.safetensors", dcp_size=2)
-    rec._use_host_ring(1024)
+    rec._use_host_ring(3 * _slot_words(300) + 8)
     seen = []
     for i in range(12):
         seen.append(np.arange(i, i + 300, dtype=np.int32))
         assert rec.observe(step=i, site="x", rank=0, seq_lens=torch.from_numpy(seen[-1]), num_reqs=300,
                            num_reqs_padded=300) == i
-    assert R._HostEvent.waits == 3  # 3 slots of 312 words fit: the 4th, 7th and 10th waited for those before
+    assert R._HostEvent.waits == 3  # 3 slots fit: the 4th, 7th and 10th waited for those before
     rec.close()
     d = read_dump(tmp_path / "w.safetensors")
     assert rec.dropped == 0 and d.n == 12 and all(np.array_equal(d.seq_lens_of(i), seen[i]) for i in range(12))
@@ -367,7 +470,7 @@ def test_a_full_ring_waits_and_loses_nothing(tmp_path, monkeypatch):
 def test_a_full_ring_drops_and_counts_when_told_to(tmp_path, monkeypatch):
     monkeypatch.setattr(R._HostEvent, "hold", True)
     rec = Recorder(tmp_path / "d.safetensors", dcp_size=2, ring_full="drop")
-    rec._use_host_ring(1024)
+    rec._use_host_ring(3 * _slot_words(300) + 8)
     with pytest.warns(RuntimeWarning, match="snapshot ring is full"):
         got = [rec.observe(step=i, site="x", rank=0, seq_lens=torch.full((300,), i, dtype=torch.int32),
                            num_reqs=300, num_reqs_padded=300) for i in range(6)]
@@ -428,7 +531,7 @@ def test_rollover_waits_for_the_slots_of_its_file(tmp_path, monkeypatch):
 
 def test_nothing_is_recorded_inside_cuda_graph_capture(tmp_path):
     rec = Recorder(tmp_path / "c.safetensors", dcp_size=2)
-    rec._dev = lambda x: isinstance(x, torch.Tensor)
+    rec._on = "is_cpu"
     rec._capturing = lambda: True
     assert rec.observe(step=0, site="capture", rank=0, seq_lens=torch.tensor([3]), num_reqs=1,
                        num_reqs_padded=1) == -1
