@@ -11,6 +11,10 @@ from dcptool.reference import local_np, ranks_giving
 from dcptool.segments import ragged
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
+MISMATCH, GLOBAL, WRONG_RANK, WRONG_INTERLEAVE, STALE = range(5)  # explain_many's kinds (prepare: 0 = none of 3-5)
+KINDS = ("mismatch", "global", "wrong-rank", "wrong-interleave", "stale")
+_KIND = {k: i for i, k in enumerate(KINDS)}
+_RELATION = {"parent-rows": 0, "earlier-in-step": 1, "earlier-step": 2}  # findings.RELATIONS' order
 
 
 def expected_of(d: Dump, i: int, rows: int | None = None) -> np.ndarray:
@@ -170,6 +174,7 @@ class Provenance:
         self._prepared: set[int] = set()
         self._rows01: tuple[np.ndarray, np.ndarray] | None = None
         self._value: dict[int, tuple[str, dict] | None] = {}  # rules 3-5 per prepared observation (None: none)
+        self._bulk: list[tuple[np.ndarray, ...]] = []  # per prepare call: (obs, in_step, value kind, aux, earlier)
 
     # ----- bulk search
 
@@ -220,12 +225,16 @@ class Provenance:
         r0 = rec[starts]
         r1 = np.where(m > 1, rec[np.minimum(starts + 1, rec.size - 1)], 0)
         e0, e1 = self._lead()
-        self._search_in_step(wrong, m, qh, r0, rank, step, nr, e0)
-        self._by_values(wrong, m, seg, rec)
+        in_step = self._search_in_step(wrong, m, qh, r0, rank, step, nr, e0)
+        vkind, vaux = self._by_values(wrong, m, seg, rec)
         nz = np.flatnonzero(np.bincount(seg, weights=rec != 0, minlength=wrong.size) > 0)  # strip(rec) not empty
-        self._search_earlier_steps(wrong[nz], [h[nz] for h in qh], r0[nz], r1[nz], rank, step, nr, e0, e1)
+        earlier = np.full(wrong.size, -1, np.int64)
+        earlier[nz] = self._search_earlier_steps(wrong[nz], [h[nz] for h in qh], r0[nz], r1[nz], rank, step, nr,
+                                                 e0, e1)
+        # the answers as arrays too, for explain_many (wrong is sorted)
+        self._bulk.append((wrong, in_step, vkind, vaux, earlier))
 
-    def _search_in_step(self, q, m, qh, r0, rank, step, nr, e0) -> None:
+    def _search_in_step(self, q, m, qh, r0, rank, step, nr, e0) -> np.ndarray:
         """Rule 2: the latest s < i, same rank and step, num_reqs >= 1, whose expected rows zero-extended
         start with the recorded rows: (a) num_reqs_s >= m and its first m rows hash alike, or
         (b) num_reqs_s < m and all its rows hash like the recorded ones (the rest are zeros)."""
@@ -234,7 +243,7 @@ class Provenance:
         keep = np.isin(ci, qi)  # same rank, step and first row as some wrong observation: one group id
         cand, ci = cand[keep], ci[keep]
         if cand.size == 0:
-            return
+            return np.full(q.size, -1, np.int64)
         first, cs = self._prefix_sums(cand)
         nrc = nr[cand]
         with np.errstate(over="ignore"):
@@ -270,8 +279,9 @@ class Provenance:
         keep = np.isin(cb, qb)
         best = np.maximum(best, latest_before(cb[keep], cand[keep], nrc[keep], qb, q, m))
         self._in_step.update(zip(q.tolist(), best.tolist()))
+        return best
 
-    def _by_values(self, q, m, seg, rec) -> None:
+    def _by_values(self, q, m, seg, rec) -> tuple[np.ndarray, np.ndarray]:
         """Rules 3-5 for all wrong views at once (row-wise, then one reduction per observation): the
         global lengths; another rank (the interval argument of _other_rank); another interleave."""
         d, c = self.d, self.d.config
@@ -295,21 +305,25 @@ class Provenance:
         inter = np.full(q.size, -1, np.int64)
         for x in reversed(ils):  # the first interleave that fits wins
             inter = np.where(every_row(local_np(L, N, rank[seg], x) == rec), x, inter)
+        kind = np.where(glob, GLOBAL, np.where(other >= 0, WRONG_RANK, np.where(inter >= 0, WRONG_INTERLEAVE, 0)))
+        aux = np.where(glob, 0, np.where(other >= 0, other, np.where(inter >= 0, inter, 0)))
         for i, g, r, x in zip(q.tolist(), glob.tolist(), other.tolist(), inter.tolist()):
             self._value[i] = (("global", {}) if g else ("wrong-rank", {"rank": r}) if r >= 0 else
                               ("wrong-interleave", {"interleave": x}) if x >= 0 else None)
+        return kind.astype(np.int8), aux.astype(np.int64)
 
-    def _search_earlier_steps(self, q, qh, r0, r1, rank, step, nr, e0, e1) -> None:
+    def _search_earlier_steps(self, q, qh, r0, r1, rank, step, nr, e0, e1) -> np.ndarray:
         """Rule 6: the latest s < i of the same rank in an earlier step whose expected rows equal the
         recorded ones up to trailing zeros."""
+        none = np.full(q.size, -1, np.int64)
         if q.size == 0:
-            return
+            return none
         cand = np.flatnonzero(nr >= 1)
         ci, qi = _join([rank[cand], e0[cand], e1[cand]], [rank[q], r0, r1])
         keep = np.isin(ci, qi)
         cand, ci = cand[keep], ci[keep]
         if cand.size == 0:
-            return
+            return none
         first, cs = self._prefix_sums(cand)
         with np.errstate(over="ignore"):
             full = [c[first + nr[cand]] - c[first] for c in cs]
@@ -318,6 +332,128 @@ class Provenance:
         keep = np.isin(ci, qi)
         best = latest_before(ci[keep], cand[keep], step[cand][keep], qi, q, step[q])
         self._earlier.update(zip(q.tolist(), best.tolist()))
+        return best
+
+    # ----- every wrong view at once
+
+    def explain_many(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`explain` for many observations at once (their wrong views: the recorded real rows), prepared or not:
+        (kind: MISMATCH, GLOBAL, WRONG_RANK, WRONG_INTERLEAVE or STALE; source index, -1 none; relation, an
+        index into RELATIONS, -1 none; aux: the rank of wrong-rank, the interleave of wrong-interleave).
+        Every hit is confirmed row by row in one pass; a view whose hash hit fails to confirm (never seen)
+        takes `explain`'s exact path alone."""
+        d = self.d
+        obs = np.asarray(obs, np.int64)
+        n = obs.size
+        kind = np.zeros(n, np.int8)
+        src, rel, aux = np.full(n, -1, np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int64)
+        if n == 0:
+            return kind, src, rel, aux
+        self.prepare(obs)
+        nr = d["obs.num_reqs"].astype(np.int64)
+        has = d["obs.has_dcp"][obs] == 1
+        m = np.where(has, np.minimum(np.diff(d["obs.dcp_rows"])[obs], nr[obs]), 0)
+        todo = np.ones(n, bool)
+        if d.has("obs.parent", "obs.req_start"):  # 1. the parent's rows for this slice
+            p, rs = d["obs.parent"][obs].astype(np.int64), d["obs.req_start"][obs].astype(np.int64)
+            k = np.flatnonzero((p >= 0) & (rs >= 0))
+            hit = self._parent_rows(obs[k], m[k], p[k], rs[k])
+            k = k[hit]
+            kind[k], src[k], rel[k], todo[k] = STALE, p[k], 0, False
+        todo &= ~((m == 0) | ~has)  # no recorded real rows: a mismatch
+        q_all, in_step, vkind, vaux, earlier = self._bulk_answers()
+        pos = np.minimum(np.searchsorted(q_all, obs), max(q_all.size - 1, 0))
+        known = (q_all[pos] == obs) if q_all.size else np.zeros(n, bool)
+        alone = np.flatnonzero(todo & ~known)  # not prepared in bulk (cannot happen after prepare): one at a time
+        todo[alone] = False
+        # 2. earlier in the step: confirm the prefix of the expected rows
+        k = np.flatnonzero(todo)
+        s = in_step[pos[k]] if k.size else np.zeros(0, np.int64)
+        cand = s >= 0
+        ok = self._zero_ext_equal(obs[k[cand]], m[k[cand]], s[cand], m[k[cand]])
+        alone = np.concatenate([alone, k[cand][~ok]])
+        todo[k[cand][~ok]] = False
+        k = k[cand][ok]
+        kind[k], src[k], rel[k], todo[k] = STALE, in_step[pos[k]], 1, False
+        # 3-5. global, another rank, another interleave (decided in prepare)
+        k = np.flatnonzero(todo)
+        v = vkind[pos[k]] if k.size else np.zeros(0, np.int8)
+        k, v = k[v > 0], v[v > 0]
+        kind[k], aux[k], todo[k] = v, vaux[pos[k]], False
+        # 6. an earlier step: the whole expected rows, up to trailing zeros
+        k = np.flatnonzero(todo)
+        s = earlier[pos[k]] if k.size else np.zeros(0, np.int64)
+        step = d["obs.step"]
+        cand = (s >= 0) & (s < obs[k]) & (step[np.maximum(s, 0)] < step[obs[k]])
+        stale = s >= 0
+        ok = self._zero_ext_equal(obs[k[cand]], m[k[cand]], s[cand], np.maximum(nr[s[cand]], m[k[cand]]))
+        good = np.zeros(k.size, bool)
+        good[np.flatnonzero(cand)[ok]] = True
+        alone = np.concatenate([alone, k[stale & ~good]])  # a hit that did not confirm: the exact scan
+        k = k[good]
+        kind[k], src[k], rel[k] = STALE, earlier[pos[k]], 2
+        for t in np.unique(alone).tolist():
+            i = int(obs[t])
+            view = d.dcp_of(i)
+            rule, source, detail = self.explain(i, np.asarray(view[: int(m[t])], np.int64))
+            kind[t] = _KIND[rule]
+            if source is not None:
+                src[t], rel[t] = source.index, _RELATION[source.relation]
+            aux[t] = detail.get("rank", detail.get("interleave", 0))
+        return kind, src, rel, aux
+
+    def _bulk_answers(self) -> tuple[np.ndarray, ...]:
+        if not self._bulk:
+            z = np.zeros(0, np.int64)
+            return z, z, np.zeros(0, np.int8), z, z
+        if len(self._bulk) > 1:
+            cols = [np.concatenate(c) for c in zip(*self._bulk)]
+            order = np.argsort(cols[0], kind="stable")
+            self._bulk = [tuple(c[order] for c in cols)]
+        return self._bulk[0]
+
+    def _recorded(self, q: np.ndarray, m: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows [0, L) of the recorded views of q, zero past m: (segment, row, values)."""
+        d = self.d
+        seg, j, _ = ragged(np.zeros(q.size, np.int64), L)
+        real = j < m[seg]
+        v = np.zeros(j.size, np.int64)
+        v[real] = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][q][seg[real]] + j[real])
+        return seg, j, v
+
+    def _expected_rows(self, s: np.ndarray, seg: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Expected row `pos` of observation s[seg] (0 past its num_reqs), per element."""
+        d, c = self.d, self.d.config
+        ss = s[seg]
+        real = pos < d["obs.num_reqs"][ss]
+        out = np.zeros(pos.size, np.int64)
+        out[real] = local_np(d.take("rows.seq_lens", d["obs.rows"][ss[real]] + pos[real]), c.dcp_size,
+                             d["obs.rank"][ss[real]], c.cp_interleave)
+        return out
+
+    def _zero_ext_equal(self, q: np.ndarray, m: np.ndarray, s: np.ndarray, L: np.ndarray) -> np.ndarray:
+        """Per pair: rows [0, L) of q's recorded view (zero past m) equal s's expected rows (zero past num_reqs)."""
+        if q.size == 0:
+            return np.zeros(0, bool)
+        seg, j, rec = self._recorded(q, m, L)
+        bad = rec != self._expected_rows(s, seg, j)
+        return np.bincount(seg, weights=bad, minlength=q.size) == 0
+
+    def _parent_rows(self, q: np.ndarray, m: np.ndarray, p: np.ndarray, rs: np.ndarray) -> np.ndarray:
+        """Rule 1 per pair: q's recorded rows equal the parent's expected rows [rs, rs + m) (zero-extended), or
+        the parent's recorded rows there (a copy of a parent that was itself wrong is still a copy)."""
+        d = self.d
+        if q.size == 0:
+            return np.zeros(0, bool)
+        seg, j, rec = self._recorded(q, m, m)
+        ok = np.bincount(seg, weights=rec != self._expected_rows(p, seg, rs[seg] + j), minlength=q.size) == 0
+        plen = np.diff(d["obs.dcp_rows"])[p]
+        full = (d["obs.has_dcp"][p] == 1) & (plen - rs >= m)  # pv[rs:rs + m] has all m rows
+        inb = full[seg]
+        pv = np.zeros(j.size, np.int64)
+        pv[inb] = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][p[seg[inb]]] + rs[seg[inb]] + j[inb])
+        copy = full & (np.bincount(seg, weights=pv != rec, minlength=q.size) == 0)
+        return ok | copy
 
     # ----- exact checks
 

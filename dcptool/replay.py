@@ -10,12 +10,12 @@ import numpy as np
 
 from dcptool.choices import Backend, values
 from dcptool.dump import Dump, DumpError
+from dcptool.findings import Collector, FindingTable
 from dcptool.provenance import Provenance, Source, expected_of
 from dcptool.reference import local_np
 from dcptool.rules import (
     PARENT_ROWS_NEEDS,
     RULE,
-    RULE_ORDER,
     RULES,
     SEVERITY,
     Finding,
@@ -100,7 +100,7 @@ class ReplayResult:
     files: list[str]
     config: object
     observations: int
-    findings: list[Finding]
+    findings: FindingTable  # a Sequence of Finding, built as columns (findings.py)
     backend: str
     device: str
     seconds: float
@@ -112,19 +112,27 @@ class ReplayResult:
 
     @property
     def errors(self) -> int:
+        if isinstance(self.findings, FindingTable):
+            return self.findings.count_errors()[0]
         return sum(f.severity == "error" for f in self.findings)
 
     @property
     def warnings(self) -> int:
+        if isinstance(self.findings, FindingTable):
+            return self.findings.count_errors()[1]
         return sum(f.severity == "warning" for f in self.findings)
 
     def by_rule(self) -> dict[str, int]:
+        if isinstance(self.findings, FindingTable):
+            return self.findings.by_rule()
         out: dict[str, int] = {}
         for f in self.findings:
             out[f.rule] = out.get(f.rule, 0) + 1
         return {r: out[r] for r in RULES if r in out}
 
     def by_site(self) -> dict[str, dict[str, int]]:
+        if isinstance(self.findings, FindingTable):
+            return self.findings.by_site()
         out: dict[str, dict[str, int]] = defaultdict(dict)
         for f in self.findings:
             out[f.site][f.rule] = out[f.site].get(f.rule, 0) + 1
@@ -158,7 +166,7 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         check_split(d, split)  # before the scan: an absurd K is bad usage, not an hour of work
     backend, device = resolve_backend(backend)
     N = c.dcp_size
-    found: list[tuple[int, Finding]] = []
+    found = Collector(d)  # each check's findings as columns (findings.py); messages are rendered when read
     skipped: dict[str, str] = {}
     st = scan(d, backend, bounded=bounded, progress=progress)
     if N > 1:
@@ -190,14 +198,13 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         found += check_pages(d, st)
     else:
         skipped["pages"] = "needs rows.kv_pages and page_size"
-    found.sort(key=lambda t: (t[0], RULE_ORDER[t[1].rule]))
-    res = ReplayResult(files=d.files, config=c, observations=d.n, findings=[f for _, f in found], backend=backend,
+    res = ReplayResult(files=d.files, config=c, observations=d.n, findings=found.table(), backend=backend,
                        device=device, seconds=0.0, skipped=skipped, grid=obs_grid(d))
     if split is not None:
         res.splits = splits(d, split, version)
         res.findings = merge_split_findings(d, res.findings, res.splits)
     if obs is not None:
-        res.rows_view = rows_view(d, obs, [f for f in res.findings if f.index == obs])
+        res.rows_view = rows_view(d, obs, [res.findings[int(k)] for k in np.flatnonzero(res.findings.index == obs)])
     if views > 0:
         res.views = finding_views(d, res.findings, views)
     res.seconds = time.perf_counter() - t0
@@ -327,19 +334,24 @@ def obs_grid(d: Dump) -> ObsGrid:
                    ubatch=u[first].astype(np.int32), count=count.astype(np.int64))
 
 
-def finding_views(d: Dump, findings: list[Finding], limit: int) -> dict[int, RowsView]:
+def finding_views(d: Dump, findings: FindingTable, limit: int) -> dict[int, RowsView]:
     """Row views of the first `limit` observations with findings, plus the sources of their stale findings,
     within VIEW_BUDGET cells in all (a view's size is set by recorded numbers: see view_cells)."""
-    by_obs: dict[int, list[Finding]] = defaultdict(list)
-    for f in findings:  # per finding, to hand each view its own findings
-        by_obs[f.index].append(f)
-    want = list(by_obs)[:limit]
-    sources = [f.source.index for i in want for f in by_obs[i] if f.source is not None]
+    index = findings.index
+    uniq, first = np.unique(index, return_index=True)
+    want = uniq[np.argsort(first, kind="stable")][:limit]  # observations with findings, in report order
+    at = np.flatnonzero(np.isin(index, want))  # their findings, in report order
+    src = findings.source[at]
+    sources = src[src >= 0]
     out: dict[int, RowsView] = {}
     budget = VIEW_BUDGET
-    for i in dict.fromkeys(want + sources):  # observations with findings first, then sources, in order
+    mine = {int(i): [] for i in want}
+    for k in at.tolist():
+        mine[int(index[k])].append(k)
+    for i in dict.fromkeys(want.tolist() + sources.tolist()):  # observations with findings first, then sources
         cells = view_cells(d, i)
         if cells <= min(budget, MAX_VIEW_CELLS):
             budget -= cells
-            out[i] = rows_view(d, i, by_obs.get(i, []))
+            ks = mine.get(i, np.flatnonzero(index == i).tolist())
+            out[i] = rows_view(d, i, [findings[k] for k in ks])
     return dict(sorted(out.items()))
