@@ -84,6 +84,16 @@ def _mix(v: np.ndarray, j: np.ndarray, salt: int) -> np.ndarray:
     return np.where(np.asarray(v) != 0, x, np.uint64(0))
 
 
+# The provenance searches use one 64-bit row hash: every hit is confirmed exactly and a hit that fails
+# falls back to the exact search, so a collision costs time, never a wrong answer (rank-sum, which groups by
+# hash without a fallback, keeps two).
+SALTS = (0,)
+
+
+def _i64(hs: list[np.ndarray]) -> list[np.ndarray]:
+    return [h.view(np.int64) for h in hs]
+
+
 def _seg_sums(h: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Per segment: the wrapping sum of its elements (h in segment order)."""
     cs = np.concatenate([np.zeros(1, np.uint64), np.cumsum(h, dtype=np.uint64)])
@@ -175,6 +185,7 @@ class Provenance:
         self._rows01: tuple[np.ndarray, np.ndarray] | None = None
         self._value: dict[int, tuple[str, dict] | None] = {}  # rules 3-5 per prepared observation (None: none)
         self._bulk: list[tuple[np.ndarray, ...]] = []  # per prepare call: (obs, in_step, value kind, aux, earlier)
+        self._memo: tuple | None = None  # prepare's candidate hashes (see _prefix_sums)
 
     # ----- bulk search
 
@@ -195,12 +206,18 @@ class Provenance:
 
     def _prefix_sums(self, obs: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
         """Hashes of the expected real rows of observations `obs`, as prefix sums: (first row of each
-        observation, [cs0, cs1]) where cs[first + k] - cs[first] hashes its first k rows."""
+        observation, [cs]) where cs[first + k] - cs[first] hashes its first k rows. Computed once for the
+        candidates of both searches (`_memo`: sorted observations, their first rows, the sums)."""
+        if self._memo is not None:
+            have, first, cs = self._memo
+            pos = np.searchsorted(have, obs)
+            if pos.size == 0 or (pos.max() < have.size and np.array_equal(have[pos], obs)):
+                return first[pos], cs
         d, c = self.d, self.d.config
         nr = d["obs.num_reqs"][obs].astype(np.int64)
         seg, j, at = ragged(d["obs.rows"][obs], nr)
         e = local_np(d.take("rows.seq_lens", at), c.dcp_size, d["obs.rank"][obs][seg], c.cp_interleave)
-        cs = [np.concatenate([np.zeros(1, np.uint64), np.cumsum(_mix(e, j, salt), dtype=np.uint64)]) for salt in (0, 1)]
+        cs = [np.concatenate([np.zeros(1, np.uint64), np.cumsum(_mix(e, j, salt), dtype=np.uint64)]) for salt in SALTS]
         return np.cumsum(nr) - nr, cs
 
     def prepare(self, wrong: np.ndarray) -> None:
@@ -220,32 +237,47 @@ class Provenance:
         rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
         seg, j, at = ragged(view[wrong], m)
         rec = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
-        qh = [_seg_sums(_mix(rec, j, s), m) for s in (0, 1)]
+        qh = [_seg_sums(_mix(rec, j, s), m) for s in SALTS]
         starts = np.cumsum(m) - m
         r0 = rec[starts]
         r1 = np.where(m > 1, rec[np.minimum(starts + 1, rec.size - 1)], 0)
         e0, e1 = self._lead()
-        in_step = self._search_in_step(wrong, m, qh, r0, rank, step, nr, e0)
-        vkind, vaux = self._by_values(wrong, m, seg, rec)
         nz = np.flatnonzero(np.bincount(seg, weights=rec != 0, minlength=wrong.size) > 0)  # strip(rec) not empty
+        # candidates of both searches first, so that their rows are hashed once
+        cand = np.flatnonzero(nr >= 1)
+        c1 = self._narrow(cand, [rank, step, e0], [rank[wrong], step[wrong], r0])
+        c2 = self._narrow(cand, [rank, e0, e1], [rank[wrong[nz]], r0[nz], r1[nz]]) if nz.size else (cand[:0],) * 3
+        both = np.union1d(c1[0], c2[0])
+        self._memo = None
+        if both.size:
+            first, cs = self._prefix_sums(both)
+            self._memo = (both, first, cs)
+        in_step = self._search_in_step(wrong, m, qh, c1)
+        vkind, vaux = self._by_values(wrong, m, seg, rec)
         earlier = np.full(wrong.size, -1, np.int64)
-        earlier[nz] = self._search_earlier_steps(wrong[nz], [h[nz] for h in qh], r0[nz], r1[nz], rank, step, nr,
-                                                 e0, e1)
+        earlier[nz] = self._search_earlier_steps(wrong[nz], [h[nz] for h in qh], c2)
+        self._memo = None
         # the answers as arrays too, for explain_many (wrong is sorted)
         self._bulk.append((wrong, in_step, vkind, vaux, earlier))
 
-    def _search_in_step(self, q, m, qh, r0, rank, step, nr, e0) -> np.ndarray:
+    @staticmethod
+    def _narrow(cand: np.ndarray, c_key: list[np.ndarray], q_key: list[np.ndarray]):
+        """The candidates whose key (columns of c_key at cand) some query has, and the query ids of that key:
+        (candidates, their key ids, the queries' key ids)."""
+        ci, qi = _join([k[cand] for k in c_key], q_key)
+        keep = np.isin(ci, qi)
+        return cand[keep], ci[keep], qi
+
+    def _search_in_step(self, q, m, qh, cands) -> np.ndarray:
         """Rule 2: the latest s < i, same rank and step, num_reqs >= 1, whose expected rows zero-extended
         start with the recorded rows: (a) num_reqs_s >= m and its first m rows hash alike, or
-        (b) num_reqs_s < m and all its rows hash like the recorded ones (the rest are zeros)."""
-        cand = np.flatnonzero(nr >= 1)
-        ci, qi = _join([rank[cand], step[cand], e0[cand]], [rank[q], step[q], r0])
-        keep = np.isin(ci, qi)  # same rank, step and first row as some wrong observation: one group id
-        cand, ci = cand[keep], ci[keep]
+        (b) num_reqs_s < m and all its rows hash like the recorded ones (the rest are zeros).
+        `cands`: _narrow on (rank, step, first expected row)."""
+        cand, ci, qi = cands
         if cand.size == 0:
             return np.full(q.size, -1, np.int64)
         first, cs = self._prefix_sums(cand)
-        nrc = nr[cand]
+        nrc = self.d["obs.num_reqs"][cand].astype(np.int64)
         with np.errstate(over="ignore"):
             full = [c[first + nrc] - c[first] for c in cs]
         # (a) each candidate's prefix hash at every length a query of its group has (and it reaches):
@@ -268,14 +300,12 @@ class Provenance:
         k = mq[pos]
         with np.errstate(over="ignore"):
             at = [c[first[sidx] + k] - c[first[sidx]] for c in cs]
-        ca, qa = _join([ci[sidx], k, at[0].view(np.int64), at[1].view(np.int64)],
-                       [qi, m, qh[0].view(np.int64), qh[1].view(np.int64)])
+        ca, qa = _join([ci[sidx], k, *_i64(at)], [qi, m, *_i64(qh)])
         keep = np.isin(ca, qa)
         best = latest_before(ca[keep], cand[sidx][keep], np.zeros(int(keep.sum()), np.int64), qa, q,
                              np.ones(q.size, np.int64))
         # (b) whole rows of shorter candidates: value num_reqs_s must be < m
-        cb, qb = _join([ci, full[0].view(np.int64), full[1].view(np.int64)],
-                       [qi, qh[0].view(np.int64), qh[1].view(np.int64)])
+        cb, qb = _join([ci, *_i64(full)], [qi, *_i64(qh)])
         keep = np.isin(cb, qb)
         best = np.maximum(best, latest_before(cb[keep], cand[keep], nrc[keep], qb, q, m))
         self._in_step.update(zip(q.tolist(), best.tolist()))
@@ -291,20 +321,32 @@ class Provenance:
         rank = d["obs.rank"][q].astype(np.int64)
         starts = np.cumsum(m) - m
 
-        def every_row(ok: np.ndarray) -> np.ndarray:
-            return np.bincount(seg, weights=~ok, minlength=q.size) == 0
+        def every_row(test, views: np.ndarray) -> np.ndarray:
+            """Views (a mask) whose every row passes test(rows), tried on their first row first: most wrong
+            views fail there, and the rest of their rows are not looked at."""
+            views = views.copy()
+            views[views] = test(starts[views])
+            rows = views[seg]
+            if rows.any():
+                at = np.flatnonzero(rows)
+                views &= np.bincount(seg[at], weights=~test(at), minlength=q.size) == 0
+            return views
 
-        glob = every_row(rec == L)
+        alive = np.ones(q.size, bool)
+        glob = every_row(lambda at: rec[at] == L[at], alive)
         lo, hi, ok = ranks_giving(L, rec, N, il)
         a = np.maximum(np.maximum.reduceat(lo, starts), 0)
         b = np.minimum(np.minimum.reduceat(hi, starts), N)
         other = np.where((a < b) & (a != rank), a, np.where((a + 1 < b) & (a + 1 != rank), a + 1, -1))
-        other = np.where(every_row(ok), other, -1)
+        other = np.where(every_row(lambda at: ok[at], other >= 0), other, -1)
         extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
         ils = [x for x in INTERLEAVES + extra if x != il]
         inter = np.full(q.size, -1, np.int64)
-        for x in reversed(ils):  # the first interleave that fits wins
-            inter = np.where(every_row(local_np(L, N, rank[seg], x) == rec), x, inter)
+        todo = ~glob & (other < 0)  # (global and wrong-rank come first)
+        for x in ils:  # the first interleave that fits wins
+            hit = every_row(lambda at, x=x: local_np(L[at], N, rank[seg[at]], x) == rec[at], todo)
+            inter[hit] = x
+            todo &= ~hit
         kind = np.where(glob, GLOBAL, np.where(other >= 0, WRONG_RANK, np.where(inter >= 0, WRONG_INTERLEAVE, 0)))
         aux = np.where(glob, 0, np.where(other >= 0, other, np.where(inter >= 0, inter, 0)))
         for i, g, r, x in zip(q.tolist(), glob.tolist(), other.tolist(), inter.tolist()):
@@ -312,23 +354,18 @@ class Provenance:
                               ("wrong-interleave", {"interleave": x}) if x >= 0 else None)
         return kind.astype(np.int8), aux.astype(np.int64)
 
-    def _search_earlier_steps(self, q, qh, r0, r1, rank, step, nr, e0, e1) -> np.ndarray:
+    def _search_earlier_steps(self, q, qh, cands) -> np.ndarray:
         """Rule 6: the latest s < i of the same rank in an earlier step whose expected rows equal the
-        recorded ones up to trailing zeros."""
-        none = np.full(q.size, -1, np.int64)
-        if q.size == 0:
-            return none
-        cand = np.flatnonzero(nr >= 1)
-        ci, qi = _join([rank[cand], e0[cand], e1[cand]], [rank[q], r0, r1])
-        keep = np.isin(ci, qi)
-        cand, ci = cand[keep], ci[keep]
-        if cand.size == 0:
-            return none
+        recorded ones up to trailing zeros. `cands`: _narrow on (rank, expected rows 0 and 1)."""
+        cand, ci, qi = cands
+        if q.size == 0 or cand.size == 0:
+            return np.full(q.size, -1, np.int64)
+        d = self.d
+        step = d["obs.step"]
         first, cs = self._prefix_sums(cand)
         with np.errstate(over="ignore"):
-            full = [c[first + nr[cand]] - c[first] for c in cs]
-        ci, qi = _join([ci, full[0].view(np.int64), full[1].view(np.int64)],
-                       [qi, qh[0].view(np.int64), qh[1].view(np.int64)])
+            full = [c[first + d["obs.num_reqs"][cand].astype(np.int64)] - c[first] for c in cs]
+        ci, qi = _join([ci, *_i64(full)], [qi, *_i64(qh)])
         keep = np.isin(ci, qi)
         best = latest_before(ci[keep], cand[keep], step[cand][keep], qi, q, step[q])
         self._earlier.update(zip(q.tolist(), best.tolist()))
