@@ -114,6 +114,14 @@ def render_html(res, max_findings: int | None = None) -> str:
     return "\n".join(parts)
 
 
+def html_units(res, max_findings: int | None = None) -> int:
+    """The progress bar's estimate of render_html's work (replay.W_REPORT per table row and row view)."""
+    from dcptool.replay import W_REPORT
+
+    rows = min(len(res.findings), HTML_MAX_FINDINGS if max_findings is None else max_findings)
+    return round(W_REPORT * (rows + 4 * len(res.views)))
+
+
 def _positions(findings) -> dict[int, int]:
     """id(Finding) -> its position in the findings, for the Finding objects the row views hold (a FindingTable
     hands out the same object for a position each time: only those already made are looked at)."""

@@ -168,18 +168,25 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     N = c.dcp_size
     found = Collector(d)  # each check's findings as columns (findings.py); messages are rendered when read
     skipped: dict[str, str] = {}
+    bar = Phases(progress)
+    bar.plan(scan=d.n, checks=round(W_CHECKS * d.n), provenance=0, findings=0)
+    bar.phase("scan")
     st = scan(d, backend, bounded=bounded, progress=progress)
+    bar.plan(provenance=round(W_WRONG * int((st.n_wrong > 0).sum())), findings=round(W_FINDING * st.obs.size))
     if N > 1:
+        bar.phase("provenance")
         found += check_missing(d)
         prov = Provenance(d)
         wrong = st.obs[st.n_wrong > 0]
         if wrong.size:  # every wrong view's sources are searched at once (a clean dump pays nothing)
             prov.prepare(wrong)
         found += check_values(d, prov, st)
+        bar.phase("checks")
         found += check_padding(d, st)
         found += check_shape(d)
         found += findings_of(d, check_rank_sum(d, wrong))
     else:
+        bar.phase("checks")
         found += check_stray(d)
         skipped["rank-sum"] = "dcp_size is 1"
     if d.has(*RULE["ubatch-slice"].needs):
@@ -194,12 +201,14 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
             skipped["alias/graph"] = "needs obs.graph for capture/replay pairs"
     else:
         skipped["alias"] = "needs obs.buffer"
+    grid = obs_grid(d)
+    bar.phase("findings")
     if d.has(*RULE["pages"].needs):
         found += check_pages(d, st)
     else:
         skipped["pages"] = "needs rows.kv_pages and page_size"
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=found.table(), backend=backend,
-                       device=device, seconds=0.0, skipped=skipped, grid=obs_grid(d))
+                       device=device, seconds=0.0, skipped=skipped, grid=grid)
     if split is not None:
         res.splits = splits(d, split, version)
         res.findings = merge_split_findings(d, res.findings, res.splits)
@@ -207,8 +216,41 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         res.rows_view = rows_view(d, obs, [res.findings[int(k)] for k in np.flatnonzero(res.findings.index == obs)])
     if views > 0:
         res.views = finding_views(d, res.findings, views)
+    bar.done("findings")
     res.seconds = time.perf_counter() - t0
     return res
+
+
+# The progress bar's phase weights (progress.PHASES), in observation-scan equivalents: what one more
+# observation, wrong view or finding costs in that phase against the scan of one observation, measured with
+# `benchmarks/bench_replay.py --phases` on the 1%-findings dumps and the dense legacy recording (CPU, numpy
+# scan; docs/performance.md "The progress bar"). Estimates: the bar moves in proportion to the work left.
+W_CHECKS = 0.6  # per observation: rank-sum, micro-batch slices, aliases, the timeline grid
+W_WRONG = 25.0  # per wrong view: the bulk provenance search and its confirmation
+W_FINDING = 0.5  # per observation with a finding from the scan: building the columns
+W_REPORT = 10.0  # per finding the HTML page lays out (cli.py)
+
+
+class Phases:
+    """Phase calls on a progress bar that has them (progress.Progress); nothing on a plain `progress(k)`
+    callable or None, so library callers keep passing either."""
+
+    def __init__(self, progress):
+        self.p = progress if hasattr(progress, "phase") else None
+
+    def plan(self, **units: int) -> None:
+        if self.p is not None:
+            self.p.plan(**units)
+
+    def phase(self, name: str) -> None:
+        if self.p is not None:
+            self.p.phase(name)
+
+    def done(self, name: str) -> None:
+        """Phase `name` is over (the next one, if planned, has not started)."""
+        if self.p is not None:
+            self.p.phase(name)
+            self.p(self.p.total)
 
 
 def resolve_backend(name: str) -> tuple[str, str]:
