@@ -14,6 +14,7 @@ import dataclasses
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -287,49 +288,57 @@ class FindingTable(Sequence):
 
     # ----- JSON Lines, streamed from the columns
 
-    def json_lines(self) -> Iterator[str]:
-        """Each finding as its JSON line (as json.dumps(Finding.to_json()) writes it), from the columns."""
+    def json_lines(self, block: int = 8192) -> Iterator[str]:
+        """Each finding as its JSON line (as json.dumps(Finding.to_json()) writes it), from the columns, a block
+        of findings at a time: the texts of a block are rendered together (render_texts), the numbers read as
+        lists, and the JSON strings of names and messages made by the json module's own C encoder."""
         d = self.d
         c = self._cols
         rules, sev = _rules()
-        enc = json.dumps
+        enc = encode_basestring_ascii  # json.dumps(str) without the encoder object per call
         rule_j = [enc(r) for r in rules]
         sev_j = [enc(sev[r]) for r in rules]
         files_j = [enc(f) for f in d.files]
         sites_j = [enc(s) for s in d.config.sites]
-        rows = self._rows()
-        idx = c["index"][rows]
-        fobs, fidx = d.file_obs[idx].tolist(), d.file_index[idx].tolist()
-        step, site = d["obs.step"][idx].tolist(), d["obs.site"][idx].tolist()
-        rank, ub = d["obs.rank"][idx].tolist(), d["obs.ubatch"][idx].tolist()
-        code = c["rule_code"][rows].tolist()
-        opt = [np.where(c[m][rows], c[f][rows], -1).tolist() for f, m in zip(("row", "recorded", "expected"), _MASK)]
-        has = [c[m][rows].tolist() for m in _MASK]
-        wrong = c["wrong_rows"][rows].tolist()
-        src = c["source"][rows]
-        srcs = self._source_json(src)
-        for k, r in enumerate(rows.tolist()):
-            rule = rules[code[k]]
-            text, detail = self._text_detail(r, rule)
-            u = ub[k]
-            where = f"step {step[k]} {d.config.sites[site[k]]} rank {rank[k]}" + (f" ubatch {u}" if u >= 0 else "")
-            vals = [str(opt[j][k]) if has[j][k] else "null" for j in range(3)]
-            yield (f'{{"type": "finding", "rule": {rule_j[code[k]]}, "severity": {sev_j[code[k]]}, "obs": {fobs[k]}, '
-                   f'"file": {files_j[fidx[k]]}, "step": {step[k]}, "site": {sites_j[site[k]]}, "rank": {rank[k]}, '
-                   f'"ubatch": {u}, "row": {vals[0]}, "recorded": {vals[1]}, "expected": {vals[2]}, '
-                   f'"wrong_rows": {wrong[k]}, "source": {srcs.get(k, "null")}, "detail": {enc(detail)}, '
-                   f'"message": {enc(where + ": " + text)}}}')
+        sites = d.config.sites
+        every = self._rows()
+        for lo in range(0, every.size, block):
+            rows = every[lo : lo + block]
+            idx = c["index"][rows]
+            fobs, fidx = d.file_obs[idx].tolist(), d.file_index[idx].tolist()
+            step, site = d["obs.step"][idx].tolist(), d["obs.site"][idx].tolist()
+            rank, ub = d["obs.rank"][idx].tolist(), d["obs.ubatch"][idx].tolist()
+            code = c["rule_code"][rows].tolist()
+            vals = [[str(v) if h else "null" for v, h in zip(c[f][rows].tolist(), c[m][rows].tolist())]
+                    for f, m in zip(("row", "recorded", "expected"), _MASK)]
+            wrong = c["wrong_rows"][rows].tolist()
+            srcs = self._source_json(rows)
+            texts, details = render_texts(self, rows)
+            for k in range(rows.size):
+                u = ub[k]
+                where = f"step {step[k]} {sites[site[k]]} rank {rank[k]}" + (f" ubatch {u}" if u >= 0 else "")
+                yield (f'{{"type": "finding", "rule": {rule_j[code[k]]}, "severity": {sev_j[code[k]]}, '
+                       f'"obs": {fobs[k]}, "file": {files_j[fidx[k]]}, "step": {step[k]}, '
+                       f'"site": {sites_j[site[k]]}, "rank": {rank[k]}, "ubatch": {u}, "row": {vals[0][k]}, '
+                       f'"recorded": {vals[1][k]}, "expected": {vals[2][k]}, "wrong_rows": {wrong[k]}, '
+                       f'"source": {srcs.get(k, "null")}, "detail": {details[k]}, '
+                       f'"message": {enc(where + ": " + texts[k])}}}')
 
-    def _source_json(self, src: np.ndarray) -> dict[int, str]:
+    def _source_json(self, rows: np.ndarray) -> dict[int, str]:
+        """The JSON of the sources of column rows `rows` that have one, by position in `rows`."""
         d = self.d
-        out = {}
-        rel = self._col("relation")
-        for k in np.flatnonzero(src >= 0).tolist():
-            s = int(src[k])
-            out[k] = json.dumps({"obs": int(d.file_obs[s]), "relation": RELATIONS[int(rel[k])],
-                                 "step": int(d["obs.step"][s]), "site": d.site_name(s),
-                                 "ubatch": int(d["obs.ubatch"][s]), "file": d.file_of(s)})
-        return out
+        src = self._cols["source"][rows]
+        at = np.flatnonzero(src >= 0)
+        if at.size == 0:
+            return {}
+        s = src[at]
+        rel = self._cols["relation"][rows][at].tolist()
+        obs, step, ub = d.file_obs[s].tolist(), d["obs.step"][s].tolist(), d["obs.ubatch"][s].tolist()
+        site, fidx = d["obs.site"][s].tolist(), d.file_index[s].tolist()
+        enc = encode_basestring_ascii
+        return {k: f'{{"obs": {obs[n]}, "relation": "{RELATIONS[rel[n]]}", "step": {step[n]}, '
+                   f'"site": {enc(d.config.sites[site[n]])}, "ubatch": {ub[n]}, "file": {enc(d.files[fidx[n]])}}}'
+                for n, k in enumerate(at.tolist())}
 
     # ----- counts
 
@@ -359,6 +368,83 @@ class FindingTable(Sequence):
     def count_errors(self) -> tuple[int, int]:
         e = int(self.severity_code.sum())
         return e, len(self) - e
+
+
+def render_texts(t: FindingTable, rows: np.ndarray) -> tuple[list[str], list[str]]:
+    """The texts and the JSON of the details of many column rows at once (the JSON Lines writer): the columns
+    are read as lists once, then one f-string per finding, the same ones render_text writes."""
+    c, d = t._cols, t.d
+    cfg = d.config
+    n = rows.size
+    texts: list[str] = [""] * n
+    details: list[str] = ["{}"] * n
+    kind = c["kind"][rows]
+    rules = _rules()[0]
+    for kd in np.unique(kind).tolist():
+        at = np.flatnonzero(kind == kd)
+        r = rows[at]
+        pos = at.tolist()
+        if kd == STORED:
+            for k, rr in zip(pos, r.tolist()):
+                texts[k], det = t._stored[rr]
+                details[k] = json.dumps(det)
+            continue
+        row, rec, exp, wr, a0, a1 = (c[x][r].tolist() for x in ("row", "recorded", "expected", "wrong_rows", "a0",
+                                                                 "a1"))
+        if kd == MISSING:
+            msg = (f"dcp_local_seq_lens is None with dcp_size {cfg.dcp_size}; attention metadata would fail "
+                   "with 'NoneType' object is not subscriptable")
+            for k in pos:
+                texts[k] = msg
+        elif kd == STRAY:
+            for k in pos:
+                texts[k] = "a DCP view is present with dcp_size 1; the engine should pass None"
+        elif kd == SHAPE:
+            for m, k in enumerate(pos):
+                texts[k] = f"DCP view has {a0[m]} rows, must have num_reqs_padded = {a1[m]}"
+                details[k] = f'{{"length": {a0[m]}, "expected_length": {a1[m]}}}'
+        elif kd == PADDING:
+            for m, k in enumerate(pos):
+                texts[k] = (f"padded row {row[m]} holds {rec[m]}, must be 0 "
+                            f"({wr[m]} bad padded row(s); rows >= num_reqs {a0[m]})")
+        elif kd == PAGES:
+            page = cfg.page_size
+            glob_why = " = the global count: page counts were computed from the global length"
+            for m, k in enumerate(pos):
+                why = glob_why if rec[m] == a0[m] else ""
+                texts[k] = (f"attention plan claims {rec[m]} pages for row {row[m]}{why}; this rank owns {exp[m]} "
+                            f"(cdiv(local {a1[m]}, {page}))")
+                details[k] = f'{{"claimed": {rec[m]}, "allowed": {exp[m]}, "global": {a0[m]}}}'
+        else:  # VALUE
+            code = c["rule_code"][r].tolist()
+            src = c["source"][r]
+            has = src >= 0
+            s_obs = np.zeros(r.size, np.int64)
+            s_step = np.zeros(r.size, np.int64)
+            s_site = np.zeros(r.size, np.int64)
+            s_obs[has], s_step[has] = d.file_obs[src[has]], d["obs.step"][src[has]]
+            s_site[has] = d["obs.site"][src[has]]
+            s_obs, s_step, s_site = s_obs.tolist(), s_step.tolist(), s_site.tolist()
+            rel = c["relation"][r].tolist()
+            for m, k in enumerate(pos):
+                w = wr[m]
+                rws = f"row {row[m]} is {rec[m]}, expected {exp[m]} ({w} wrong row{'s' if w > 1 else ''})"
+                rule = rules[code[m]]
+                if rule == "stale":
+                    why = _EXPLAIN[RELATIONS[rel[m]]].format(obs=s_obs[m], site=cfg.sites[s_site[m]], step=s_step[m])
+                    texts[k] = f"stale DCP view, {why}; {rws}"
+                elif rule == "global":
+                    texts[k] = f"DCP view holds the global seq_lens, not this rank's local lengths; {rws}"
+                elif rule == "wrong-rank":
+                    texts[k] = f"DCP view holds rank {a0[m]}'s local lengths; pass this rank's dcp_rank; {rws}"
+                    details[k] = f'{{"rank": {a0[m]}}}'
+                elif rule == "wrong-interleave":
+                    texts[k] = (f"DCP view was computed with interleave {a0[m]}, the dump's is "
+                                f"{cfg.cp_interleave} (check cp_kv_cache_interleave_size); {rws}")
+                    details[k] = f'{{"interleave": {a0[m]}}}'
+                else:
+                    texts[k] = rws
+    return texts, details
 
 
 def render_text(t: FindingTable, r: int, rule: str, kind: int) -> str:
