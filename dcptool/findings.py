@@ -74,7 +74,7 @@ class Finding:
 
 # How a finding's text and detail are made from its columns. STORED: the check wrote them (an Issue);
 # the others are rendered on demand by _TEXT / _DETAIL below from the columns and the dump.
-STORED, VALUE, MISSING, PADDING, SHAPE, STRAY, PAGES = range(7)
+STORED, VALUE, MISSING, PADDING, SHAPE, STRAY, PAGES, ALIAS_UB, ALIAS_GRAPH = range(9)
 
 _EXPLAIN = {
     "parent-rows": "copied from the parent batch (obs {obs}, {site}); recompute from the micro-batch's own seq_lens",
@@ -86,7 +86,7 @@ _EXPLAIN = {
 
 # the integer columns besides index, rule and kind; `a0`/`a1` hold per-kind numbers for the text and detail
 # (wrong-rank: rank; wrong-interleave: interleave; shape: length, expected length; pages: global count,
-# local length; padding: num_reqs)
+# local length; padding: num_reqs; alias: the other observation, merged index)
 _INT = ("row", "recorded", "expected", "wrong_rows", "source", "relation", "a0", "a1")
 _MASK = ("has_row", "has_recorded", "has_expected")
 
@@ -284,7 +284,7 @@ class FindingTable(Sequence):
         kind = int(self._cols["kind"][r])
         if kind == STORED:
             return self._stored[r]
-        return render_text(self, r, rule, kind), _detail(self._cols, r, rule, kind)
+        return render_text(self, r, rule, kind), _detail(self._cols, r, rule, kind, self.d)
 
     # ----- JSON Lines, streamed from the columns
 
@@ -396,6 +396,10 @@ def render_texts(t: FindingTable, rows: np.ndarray) -> tuple[list[str], list[str
                    "with 'NoneType' object is not subscriptable")
             for k in pos:
                 texts[k] = msg
+        elif kd in (ALIAS_UB, ALIAS_GRAPH):
+            tx, dj, _ = _alias_texts(d, c["index"][r], c["a0"][r], kd)
+            for m, k in enumerate(pos):
+                texts[k], details[k] = tx[m], dj[m]
         elif kd == STRAY:
             for k in pos:
                 texts[k] = "a DCP view is present with dcp_size 1; the engine should pass None"
@@ -459,6 +463,8 @@ def render_text(t: FindingTable, r: int, rule: str, kind: int) -> str:
         return "a DCP view is present with dcp_size 1; the engine should pass None"
     if kind == SHAPE:
         return f"DCP view has {int(c['a0'][r])} rows, must have num_reqs_padded = {int(c['a1'][r])}"
+    if kind in (ALIAS_UB, ALIAS_GRAPH):
+        return _alias_texts(d, np.array([i]), np.array([int(c["a0"][r])]), kind)[0][0]
     row, rec, exp, n = (int(c[k][r]) for k in ("row", "recorded", "expected", "wrong_rows"))
     if kind == PADDING:
         return (f"padded row {row} holds {rec}, must be 0 "
@@ -485,7 +491,26 @@ def render_text(t: FindingTable, r: int, rule: str, kind: int) -> str:
     return rows
 
 
-def _detail(c: dict, r: int, rule: str, kind: int) -> dict:
+def _alias_texts(d, i: np.ndarray, j: np.ndarray, kind: int) -> tuple[list[str], list[str], list[dict]]:
+    """alias: observations i and the other observation j (the micro-batch sharing the buffer, or the capture):
+    (texts, details as JSON, details)."""
+    buf = d["obs.buffer"]
+    bi, bj, oj = buf[i].tolist(), buf[j].tolist(), d.file_obs[j].tolist()
+    if kind == ALIAS_UB:
+        ui, uj = d["obs.ubatch"][i].tolist(), d["obs.ubatch"][j].tolist()
+        texts = [f"micro-batch {a} reads the same DCP buffer as micro-batch {b} (obs {o}); each micro-batch "
+                 "needs its own buffer" for a, b, o in zip(ui, uj, oj)]
+        dets = [{"buffer": a, "other_obs": o} for a, o in zip(bi, oj)]
+        return texts, [f'{{"buffer": {a}, "other_obs": {o}}}' for a, o in zip(bi, oj)], dets
+    texts = [f"full-graph replay reads DCP buffer {a:#x} but the graph was captured on {b:#x} (obs {o}); the "
+             "replay sees stale values" for a, b, o in zip(bi, bj, oj)]
+    dets = [{"buffer": a, "captured": b, "capture_obs": o} for a, b, o in zip(bi, bj, oj)]
+    return texts, [f'{{"buffer": {a}, "captured": {b}, "capture_obs": {o}}}' for a, b, o in zip(bi, bj, oj)], dets
+
+
+def _detail(c: dict, r: int, rule: str, kind: int, d=None) -> dict:
+    if kind in (ALIAS_UB, ALIAS_GRAPH):
+        return _alias_texts(d, np.array([int(c["index"][r])]), np.array([int(c["a0"][r])]), kind)[2][0]
     if kind == SHAPE:
         return {"length": int(c["a0"][r]), "expected_length": int(c["a1"][r])}
     if kind == PAGES:

@@ -18,6 +18,8 @@ import numpy as np
 
 from dcptool.dump import Dump
 from dcptool.findings import (
+    ALIAS_GRAPH,
+    ALIAS_UB,
     MISSING,
     PADDING,
     PAGES,
@@ -145,9 +147,10 @@ def check_pages(d: Dump, st: Stats) -> FindingTable:
                               wrong_rows=st.n_pages[k], a0=-(-seq // page), a1=local)
 
 
-def findings_of(d: Dump, issues: list[Issue]) -> FindingTable:
-    """A check's Issues as findings (their texts and details kept as written)."""
-    return FindingTable.from_issues(d, issues)
+def findings_of(d: Dump, issues: list[Issue] | FindingTable) -> FindingTable:
+    """A check's Issues as findings (their texts and details kept as written); a check that finds many may
+    build its FindingTable itself (check_alias), which passes through."""
+    return issues if isinstance(issues, FindingTable) else FindingTable.from_issues(d, issues)
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,10 +176,11 @@ def _segments(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return order, run
 
 
-def check_alias(d: Dump) -> list[Issue]:
+def check_alias(d: Dump) -> FindingTable:
     """Micro-batches of one step sharing a DCP buffer; full-graph replays reading another buffer
-    than their capture (same file, rank, num_reqs_padded and micro-batch)."""
-    out: list[Issue] = []
+    than their capture (same file, rank, num_reqs_padded and micro-batch). A dense recording has one on a
+    quarter of its observations: built as columns, messages rendered when read (findings.ALIAS_*)."""
+    out: list[FindingTable] = []
     buf, ub, has = d["obs.buffer"], d["obs.ubatch"].astype(np.int64), d["obs.has_dcp"]
     fidx, rank, step = d.file_index.astype(np.int64), d["obs.rank"].astype(np.int64), d["obs.step"]
     sel = np.flatnonzero((ub >= 0) & (has == 1) & (buf != 0))
@@ -185,11 +189,8 @@ def check_alias(d: Dump) -> list[Issue]:
         s = sel[order]
         # same step, rank and buffer as an earlier member of its run, but another micro-batch
         first = s[run]
-        for k in np.flatnonzero(ub[s] != ub[first]):
-            i, j = int(s[k]), int(first[k])
-            msg = (f"micro-batch {int(ub[i])} reads the same DCP buffer as micro-batch {int(ub[j])} "
-                   f"(obs {int(d.file_obs[j])}); each micro-batch needs its own buffer")
-            out.append(Issue(i, "alias", msg, {"detail": {"buffer": int(buf[i]), "other_obs": int(d.file_obs[j])}}))
+        k = np.flatnonzero(ub[s] != ub[first])
+        out.append(FindingTable.build(d, s[k], "alias", ALIAS_UB, a0=first[k]))
     if "obs.graph" in d.columns:
         g = d["obs.graph"]
         sel = np.flatnonzero(((g == CAPTURE) | (g == REPLAY)) & (buf != 0))
@@ -210,13 +211,8 @@ def check_alias(d: Dump) -> list[Issue]:
             pos = np.arange(s.size)
             last = np.maximum.accumulate(np.where(g[s] == CAPTURE, pos, run - 1))  # latest capture in the run so far
             bad = np.flatnonzero((g[s] == REPLAY) & (last >= run) & (first_cap[pair[order]] > s))
-            for k in bad:
-                i, j = int(s[k]), int(s[last[k]])
-                msg = (f"full-graph replay reads DCP buffer {int(buf[i]):#x} but the graph was "
-                       f"captured on {int(buf[j]):#x} (obs {int(d.file_obs[j])}); the replay sees stale values")
-                out.append(Issue(i, "alias", msg, {"detail": {"buffer": int(buf[i]), "captured": int(buf[j]),
-                                                         "capture_obs": int(d.file_obs[j])}}))
-    return out
+            out.append(FindingTable.build(d, s[bad], "alias", ALIAS_GRAPH, a0=s[last[bad]]))
+    return FindingTable.concat(d, out)
 
 
 def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
