@@ -185,7 +185,6 @@ class Provenance:
         self._rows01: tuple[np.ndarray, np.ndarray] | None = None
         self._value: dict[int, tuple[str, dict] | None] = {}  # rules 3-5 per prepared observation (None: none)
         self._bulk: list[tuple[np.ndarray, ...]] = []  # per prepare call: (obs, in_step, value kind, aux, earlier)
-        self._memo: tuple | None = None  # prepare's candidate hashes (see _prefix_sums)
 
     # ----- bulk search
 
@@ -206,13 +205,7 @@ class Provenance:
 
     def _prefix_sums(self, obs: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
         """Hashes of the expected real rows of observations `obs`, as prefix sums: (first row of each
-        observation, [cs]) where cs[first + k] - cs[first] hashes its first k rows. Computed once for the
-        candidates of both searches (`_memo`: sorted observations, their first rows, the sums)."""
-        if self._memo is not None:
-            have, first, cs = self._memo
-            pos = np.searchsorted(have, obs)
-            if pos.size == 0 or (pos.max() < have.size and np.array_equal(have[pos], obs)):
-                return first[pos], cs
+        observation, [cs]) where cs[first + k] - cs[first] hashes its first k rows."""
         d, c = self.d, self.d.config
         nr = d["obs.num_reqs"][obs].astype(np.int64)
         seg, j, at = ragged(d["obs.rows"][obs], nr)
@@ -242,23 +235,61 @@ class Provenance:
         r0 = rec[starts]
         r1 = np.where(m > 1, rec[np.minimum(starts + 1, rec.size - 1)], 0)
         e0, e1 = self._lead()
-        nz = np.flatnonzero(np.bincount(seg, weights=rec != 0, minlength=wrong.size) > 0)  # strip(rec) not empty
-        # candidates of both searches first, so that their rows are hashed once
+        n = wrong.size
+        in_step, earlier = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        vkind, vaux = np.zeros(n, np.int8), np.zeros(n, np.int64)
         cand = np.flatnonzero(nr >= 1)
-        c1 = self._narrow(cand, [rank, step, e0], [rank[wrong], step[wrong], r0])
-        c2 = self._narrow(cand, [rank, e0, e1], [rank[wrong[nz]], r0[nz], r1[nz]]) if nz.size else (cand[:0],) * 3
-        both = np.union1d(c1[0], c2[0])
-        self._memo = None
-        if both.size:
-            first, cs = self._prefix_sums(both)
-            self._memo = (both, first, cs)
-        in_step = self._search_in_step(wrong, m, qh, c1)
-        vkind, vaux = self._by_values(wrong, m, seg, rec)
-        earlier = np.full(wrong.size, -1, np.int64)
-        earlier[nz] = self._search_earlier_steps(wrong[nz], [h[nz] for h in qh], c2)
-        self._memo = None
+
+        def sub(keep: np.ndarray):
+            rows = keep[seg]
+            return (wrong[keep], m[keep], (np.cumsum(keep) - 1)[seg[rows]], j[rows], rec[rows], [h[keep] for h in qh],
+                    r0[keep], r1[keep])
+
+        # DESIGN §3's precedence, each search only for the views no earlier rule explains: most wrong views of
+        # a pre-fix recording are stale copies of their parent or of an earlier batch of the step
+        todo = ~self._parent_hits(wrong, m)  # 1. (exact, no search)
+        q, mq, sq, jq, rq, hq, r0q, _ = sub(todo)  # 2. earlier in the step
+        in_step[todo] = self._search_in_step(q, mq, hq, self._narrow(cand, [rank, step, e0], [rank[q], step[q], r0q]))
+        hit = np.flatnonzero(in_step >= 0)
+        todo[hit[self._zero_ext_equal(wrong[hit], m[hit], in_step[hit], m[hit])]] = False
+        q, mq, sq, jq, rq, _, _, _ = sub(todo)  # 3-5. the values
+        vkind[todo], vaux[todo] = self._by_values(q, mq, sq, rq)
+        todo &= (vkind == 0) & (np.bincount(seg, weights=rec != 0, minlength=n) > 0)  # 6. needs strip(rec) non-empty
+        if todo.any():
+            q, mq, sq, jq, rq, hq, r0q, r1q = sub(todo)
+            ls = np.maximum.reduceat(np.where(rq != 0, jq + 1, 0), np.cumsum(mq) - mq)  # len(strip(rec))
+            key = self._narrow(cand, [rank, e0, e1, self._strip_lengths(cand)], [rank[q], r0q, r1q, ls])
+            earlier[todo] = self._search_earlier_steps(q, hq, key)
         # the answers as arrays too, for explain_many (wrong is sorted)
         self._bulk.append((wrong, in_step, vkind, vaux, earlier))
+
+    def _parent_hits(self, q: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """Rule 1 for views q (m recorded real rows each), exactly."""
+        d = self.d
+        out = np.zeros(q.size, bool)
+        if d.has("obs.parent", "obs.req_start"):
+            p, rs = d["obs.parent"][q].astype(np.int64), d["obs.req_start"][q].astype(np.int64)
+            k = np.flatnonzero((p >= 0) & (rs >= 0))
+            out[k] = self._parent_rows(q[k], m[k], p[k], rs[k])
+        return out
+
+    def _strip_lengths(self, obs: np.ndarray) -> np.ndarray:
+        """Per observation (of `obs`, all with num_reqs >= 1; indexed by merged index, 0 elsewhere): its expected
+        real rows' length without trailing zeros. One gather each, plus the rows of the few whose last row is 0."""
+        d, c = self.d, self.d.config
+        nr = d["obs.num_reqs"].astype(np.int64)
+        out = np.zeros(d.n, np.int64)
+        last = local_np(d.take("rows.seq_lens", d["obs.rows"][obs] + nr[obs] - 1), c.dcp_size, d["obs.rank"][obs],
+                        c.cp_interleave)
+        out[obs] = nr[obs]
+        z = obs[last == 0]
+        if z.size:
+            seg, j, at = ragged(d["obs.rows"][z], nr[z])
+            e = local_np(d.take("rows.seq_lens", at), c.dcp_size, d["obs.rank"][z][seg], c.cp_interleave)
+            ln = np.zeros(z.size, np.int64)
+            np.maximum.at(ln, seg, np.where(e != 0, j + 1, 0))
+            out[z] = ln
+        return out
 
     @staticmethod
     def _narrow(cand: np.ndarray, c_key: list[np.ndarray], q_key: list[np.ndarray]):
@@ -391,12 +422,9 @@ class Provenance:
         has = d["obs.has_dcp"][obs] == 1
         m = np.where(has, np.minimum(np.diff(d["obs.dcp_rows"])[obs], nr[obs]), 0)
         todo = np.ones(n, bool)
-        if d.has("obs.parent", "obs.req_start"):  # 1. the parent's rows for this slice
-            p, rs = d["obs.parent"][obs].astype(np.int64), d["obs.req_start"][obs].astype(np.int64)
-            k = np.flatnonzero((p >= 0) & (rs >= 0))
-            hit = self._parent_rows(obs[k], m[k], p[k], rs[k])
-            k = k[hit]
-            kind[k], src[k], rel[k], todo[k] = STALE, p[k], 0, False
+        k = np.flatnonzero(self._parent_hits(obs, m))  # 1. the parent's rows for this slice
+        if k.size:
+            kind[k], src[k], rel[k], todo[k] = STALE, d["obs.parent"][obs[k]], 0, False
         todo &= ~((m == 0) | ~has)  # no recorded real rows: a mismatch
         q_all, in_step, vkind, vaux, earlier = self._bulk_answers()
         pos = np.minimum(np.searchsorted(q_all, obs), max(q_all.size - 1, 0))
