@@ -249,7 +249,8 @@ class Provenance:
         # a pre-fix recording are stale copies of their parent or of an earlier batch of the step
         todo = ~self._parent_hits(wrong, m)  # 1. (exact, no search)
         q, mq, sq, jq, rq, hq, r0q, _ = sub(todo)  # 2. earlier in the step
-        in_step[todo] = self._search_in_step(q, mq, hq, self._narrow(cand, [rank, step, e0], [rank[q], step[q], r0q]))
+        c = cand[np.isin(step[cand], step[q])]  # (one key first: a sort of one column, not of three)
+        in_step[todo] = self._search_in_step(q, mq, hq, self._narrow(c, [rank, step, e0], [rank[q], step[q], r0q]))
         hit = np.flatnonzero(in_step >= 0)
         todo[hit[self._zero_ext_equal(wrong[hit], m[hit], in_step[hit], m[hit])]] = False
         q, mq, sq, jq, rq, _, _, _ = sub(todo)  # 3-5. the values
@@ -258,7 +259,8 @@ class Provenance:
         if todo.any():
             q, mq, sq, jq, rq, hq, r0q, r1q = sub(todo)
             ls = np.maximum.reduceat(np.where(rq != 0, jq + 1, 0), np.cumsum(mq) - mq)  # len(strip(rec))
-            key = self._narrow(cand, [rank, e0, e1, self._strip_lengths(cand)], [rank[q], r0q, r1q, ls])
+            c = cand[np.isin(e0[cand], r0q)]
+            key = self._narrow(c, [rank, e0, e1, self._strip_lengths(c)], [rank[q], r0q, r1q, ls])
             earlier[todo] = self._search_earlier_steps(q, hq, key)
         # the answers as arrays too, for explain_many (wrong is sorted)
         self._bulk.append((wrong, in_step, vkind, vaux, earlier))
