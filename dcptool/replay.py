@@ -169,10 +169,13 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     found = Collector(d)  # each check's findings as columns (findings.py); messages are rendered when read
     skipped: dict[str, str] = {}
     bar = Phases(progress)
-    bar.plan(scan=d.n, checks=round(W_CHECKS * d.n), provenance=0, findings=0)
+    w_checks = W_CHECKS + W_SLICES * d.has(*RULE["ubatch-slice"].needs) + W_ALIAS * d.has(*RULE["alias"].needs)
+    bar.plan(scan=d.n, checks=round(w_checks * d.n), provenance=0, findings=0)
     bar.phase("scan")
     st = scan(d, backend, bounded=bounded, progress=progress)
-    bar.plan(provenance=round(W_WRONG * int((st.n_wrong > 0).sum())), findings=round(W_FINDING * st.obs.size))
+    n_wrong = int((st.n_wrong > 0).sum())
+    bar.plan(provenance=round(W_PROVENANCE * d.n + W_WRONG * n_wrong) if n_wrong else 0,
+             findings=round(W_FINDING * st.obs.size))
     if N > 1:
         bar.phase("provenance")
         found += check_missing(d)
@@ -225,10 +228,13 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
 # observation, wrong view or finding costs in that phase against the scan of one observation, measured with
 # `benchmarks/bench_replay.py --phases` on the 1%-findings dumps and the dense legacy recording (CPU, numpy
 # scan; docs/performance.md "The progress bar"). Estimates: the bar moves in proportion to the work left.
-W_CHECKS = 0.6  # per observation: rank-sum, micro-batch slices, aliases, the timeline grid
-W_WRONG = 25.0  # per wrong view: the bulk provenance search and its confirmation
-W_FINDING = 0.5  # per observation with a finding from the scan: building the columns
-W_REPORT = 10.0  # per finding the HTML page lays out (cli.py)
+W_CHECKS = 0.2  # per observation: missing, padding, shape, rank-sum, the timeline grid
+W_SLICES = 1.2  # per observation, more when the dump has micro-batch slices (ubatch-slice)
+W_ALIAS = 0.5  # per observation, more when it records buffers (alias)
+W_PROVENANCE = 0.1  # per observation when some view is wrong: the joins' one-column pre-filters
+W_WRONG = 8.0  # per wrong view: the bulk provenance search and its confirmation
+W_FINDING = 0.2  # per observation with a finding from the scan: building the columns
+W_REPORT = 30.0  # per finding the HTML page lays out (cli.py)
 
 
 class Phases:

@@ -233,6 +233,7 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     nr = d["obs.num_reqs"].astype(np.int64)
     key = [d["obs.step"], d["obs.site"].astype(np.int64), d["obs.ubatch"].astype(np.int64), nr]
     has = np.flatnonzero(d["obs.has_dcp"] == 1)
+    has = has[np.isin(key[0][has], key[0][wrong])]  # (the step alone first: a sort of one column, not of four)
     ci, qi = _join([k[has] for k in key], [k[wrong] for k in key])
     m = has[np.isin(ci, qi)]  # recorded with a view, in a (step, site, ubatch, num_reqs) of a wrong one
     seg, j, at = ragged(d["obs.rows"][m], nr[m])
