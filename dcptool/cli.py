@@ -466,6 +466,88 @@ def simulate(
         report.render_simulated(res, _console())
 
 
+# --------------------------------------------------------------------------------------------
+# Diagnosis (issue 17): a minimal reproducer, and a regression test made from it
+
+
+@app.command()
+def reduce(
+    dump: Annotated[list[Path], typer.Argument(metavar="DUMP", help="The recording (files of one run, or a "
+                                                                    "directory of them).")],
+    finding: Annotated[str, typer.Option("--finding", help="The problem to keep: RULE, RULE/RELATION (stale) or "
+                                                           "RULE@OBS (that observation's finding, in the first "
+                                                           "file).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the reduced recording.")],
+    max_seconds: Annotated[float, typer.Option("--max-seconds", min=0.1, help="Stop shrinking after this long "
+                                                                              "and write the smallest so far.")]
+    = 60.0,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="One JSON object describing the reduction.")] = False,
+) -> None:
+    """Shrink a recording to the fewest steps, observations and rows that still show one problem."""
+    from dcptool import report
+    from dcptool.dump import DumpError, open_dumps, write_dump, write_target
+    from dcptool.progress import Progress
+    from dcptool.reduce import find_target, reduce_dump, reduced_config
+    from dcptool.replay import replay as run_replay
+
+    files = _dump_args(dump)
+    try:
+        write_target(output)
+    except DumpError as e:
+        raise Trouble(f"-o {e}") from None
+    if output.exists():
+        if any(p.exists() and output.resolve() == p.resolve() for p in files):
+            raise Trouble(f"-o {output}: is one of the dumps being reduced; dcptool never modifies its input")
+        if not force:
+            raise Trouble(f"-o {output}: exists (use --force to overwrite)")
+    d = open_dumps([str(p) for p in files])
+    res = run_replay(d, "torch")
+    target = find_target(str(files[0]), res.findings, finding, d)
+    with Progress(max(1, int(max_seconds)), "reduce", not json_out and sys.stderr.isatty(), unit="s") as bar:
+        red = reduce_dump(d, target, {f.rule for f in res.findings}, max_seconds=max_seconds, progress=bar,
+                          name=str(output))
+    cols = red.dump.columns
+    injected = red.dump.injected[0] if red.dump.injected else None
+    try:
+        write_dump(output, reduced_config(d, ", ".join(d.files), target), cols, injected, force=force,
+                   inputs=d.files)
+    except DumpError as e:
+        raise Trouble(str(e)) from None
+    if json_out:
+        sys.stdout.write(json.dumps({**red.to_json(), "output": str(output)}) + "\n")
+    else:
+        report.render_reduction(red, str(output), _console())
+
+
+@app.command("export-test")
+def export_test(
+    dump: Annotated[list[Path], typer.Argument(metavar="DUMP", help="A (reduced) recording with findings.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="The pytest file to write.")],
+    max_cases: Annotated[int, typer.Option("--max-cases", min=1, help="Embed at most this many observations "
+                                                                       "with findings.")] = 8,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
+) -> None:
+    """Write a pytest regression test embedding the recording's wrong observations as literal arrays."""
+    from dcptool.dump import DumpError, atomic_write, open_dumps
+    from dcptool.export import ExportError
+    from dcptool.export import export_test as build
+    from dcptool.replay import replay as run_replay
+
+    files = _dump_args(dump)
+    d = open_dumps([str(p) for p in files])
+    res = run_replay(d, "torch")
+    try:
+        text, cases = build(d, res.findings, max_cases=max_cases)
+    except ExportError as e:
+        raise Trouble(f"{files[0]}: {e}") from None
+    try:
+        atomic_write(output, [text.encode("utf-8")], force=force, inputs=d.files)
+    except DumpError as e:
+        raise Trouble(f"-o {e}") from None
+    _say(f"wrote {output}: {cases} case{'s' if cases != 1 else ''} (run it with pytest)")
+
+
 def main() -> None:
     # File names need not be UTF-8; Python hands them over surrogate-escaped and, outside the C
     # locale, stdout is strict, so printing one in a report would crash: write its bytes back.

@@ -9,6 +9,7 @@ import os
 import stat
 import struct
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,8 @@ class Observation:
     buffer: int | None = None
     graph: int | None = None
     kv_pages: np.ndarray | None = None
+    dcp_query_start_loc: np.ndarray | None = None  # issue 15: Q of the empty-shard mask (None: not recorded)
+    dcp_tot_seq_lens: np.ndarray | None = None  # issue 15: the global companion (None: not recorded)
 
 
 @dataclass
@@ -76,6 +79,8 @@ class Dump:
     sizes: list[int] = field(default_factory=list)  # bytes of each file
     maps: dict[str, tuple] = field(default_factory=dict)  # bounded: key -> (mmap, byte offset, itemsize)
     bounded: bool = False  # scan with bounded memory (pages dropped after each chunk): a dump too big for RAM
+    idents: list[tuple] = field(default_factory=list)  # (st_dev, st_ino, size, mtime_ns) of each file as read
+    row_parts: dict[str, tuple[int, int]] = field(default_factory=dict)  # see _obs_only
 
     @property
     def n(self) -> int:
@@ -108,6 +113,20 @@ class Dump:
             return None
         r = self.columns["obs.rows"]
         return self.columns["rows.kv_pages"][r[i] : r[i + 1]]
+
+    def _ragged_of(self, offs_key: str, rows_key: str, i: int) -> np.ndarray | None:
+        if offs_key not in self.columns:
+            return None
+        q = self.columns[offs_key]
+        return self.columns[rows_key][q[i] : q[i + 1]]
+
+    def dqsl_of(self, i: int) -> np.ndarray | None:
+        """rows.dcp_query_start_loc of observation i (None: the dump lacks the column; empty: not recorded)."""
+        return self._ragged_of("obs.dqsl", "rows.dcp_query_start_loc", i)
+
+    def tot_of(self, i: int) -> np.ndarray | None:
+        """rows.dcp_tot_seq_lens of observation i (None: the dump lacks the column)."""
+        return self._ragged_of("obs.tot", "rows.dcp_tot_seq_lens", i)
 
     def site_name(self, i: int) -> str:
         return self.config.sites[int(self.columns["obs.site"][i])]
@@ -148,8 +167,12 @@ class Dump:
 
     def release(self, lo: int, hi: int) -> None:
         """Forget the row pages of observations [lo, hi): bounded memory for scans of huge dumps."""
+        for v in self.columns.values():
+            if isinstance(v, MergedRows):  # several files read lazily: each read drops its pages; unmap all too
+                v.files.clear()
         for key, offs in (("rows.seq_lens", "obs.rows"), ("rows.kv_pages", "obs.rows"),
-                          ("rows.dcp_local_seq_lens", "obs.dcp_rows"), ("rows.query_start_loc", "obs.qsl")):
+                          ("rows.dcp_local_seq_lens", "obs.dcp_rows"), ("rows.query_start_loc", "obs.qsl"),
+                          ("rows.dcp_query_start_loc", "obs.dqsl"), ("rows.dcp_tot_seq_lens", "obs.tot")):
             if key in self.maps:
                 o = self.columns[offs]
                 _release(self.maps[key], int(o[lo]), int(o[hi]))
@@ -317,7 +340,7 @@ def read_dump(path: str | os.PathLike, bounded: bool | None = None) -> Dump:
     n = cols["obs.step"].shape[0]
     return Dump(files=[p], config=cfg, columns=cols, file_index=np.zeros(n, np.int32),
                 file_obs=np.arange(n, dtype=np.int64), injected=[injected], sizes=[size], maps=maps,
-                bounded=bool(bounded))
+                bounded=bool(bounded), idents=[(before.st_dev, before.st_ino, size, before.st_mtime_ns)])
 
 
 def unique_files(paths: list[str | os.PathLike]) -> list[str | os.PathLike]:
@@ -339,10 +362,27 @@ def unique_files(paths: list[str | os.PathLike]) -> list[str | os.PathLike]:
 
 
 def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> Dump:
-    """Read several files as one run: ordered by step, then file order, then order within a file."""
+    """Read several files as one run: ordered by step, then file order, then order within a file.
+
+    Files that together take more than half the memory available now (or `bounded=True`) are merged
+    lazily: each is validated in bounded mode, its per-observation columns are merged in memory (tens of
+    bytes an observation), and its row columns stay in the file, read on demand (MergedRows), so the
+    set replays in bounded memory like one large file. Otherwise everything is merged in memory.
+    """
     if not paths:
         raise DumpError("no dump files given")
-    dumps = [read_dump(p, bounded) for p in unique_files(paths)]
+    paths = unique_files(paths)
+    lazy = bool(bounded) and len(paths) > 1
+    if bounded is None and len(paths) > 1:
+        avail = available_memory()
+        total = 0
+        for p in paths:
+            try:
+                total += os.stat(p).st_size
+            except OSError:
+                pass  # read_dump reports it
+        lazy = avail is not None and total > avail // 2
+    dumps = [_obs_only(read_dump(p, True)) if lazy else read_dump(p, bounded) for p in paths]
     if len(dumps) == 1:
         return dumps[0]
     base = dumps[0].config
@@ -384,9 +424,12 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
             if key == "obs.parent":
                 v = np.where(v >= 0, inv[np.maximum(v, 0)], -1)
             cols[key] = v[order]
+    files = _Files([d.files[0] for d in dumps], [d.idents[0] for d in dumps]) if lazy else None
+    in_order = bool((order == np.arange(order.size)).all())
     for offs_key, row_keys in (("obs.rows", ["rows.seq_lens", "rows.kv_pages"]),
                                ("obs.dcp_rows", ["rows.dcp_local_seq_lens"]),
-                               ("obs.qsl", ["rows.query_start_loc"])):
+                               ("obs.qsl", ["rows.query_start_loc"]),
+                               ("obs.dqsl", ["rows.dcp_query_start_loc"]), ("obs.tot", ["rows.dcp_tot_seq_lens"])):
         if offs_key not in keys:
             continue
         lens = np.concatenate([np.diff(d[offs_key]) for d in dumps])
@@ -396,13 +439,203 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
         new_offs = np.zeros(order.size + 1, np.int64)
         np.cumsum(lens_o, out=new_offs[1:])
         cols[offs_key] = new_offs
-        # gather every row run in the new order with one vectorised index build
-        src = np.repeat(starts_rows[order] - new_offs[:-1], lens_o) + np.arange(new_offs[-1])
         for rk in row_keys:
-            if rk in keys:
+            if rk not in keys:
+                continue
+            if lazy:  # the rows stay in the files
+                cols[rk] = MergedRows(files, [d.row_parts.get(rk) for d in dumps], _DTYPES[COLUMNS[rk][0]],
+                                      new_offs, starts_rows[order], before.astype(np.int64))
+            elif in_order:  # rollover files with steps in order: the merge is the files end to end
+                cols[rk] = np.concatenate([d[rk] for d in dumps])
+            else:  # gather every row run in the new order with one vectorised index build
+                src = np.repeat(starts_rows[order] - new_offs[:-1], lens_o) + np.arange(new_offs[-1])
                 cols[rk] = np.concatenate([d[rk] for d in dumps])[src]
     return Dump(files=[f for d in dumps for f in d.files], config=cfg, columns=cols, file_index=fidx[order],
-                file_obs=fobs[order], injected=[d.injected[0] for d in dumps], sizes=[d.sizes[0] for d in dumps])
+                file_obs=fobs[order], injected=[d.injected[0] for d in dumps], sizes=[d.sizes[0] for d in dumps],
+                bounded=lazy, idents=[d.idents[0] for d in dumps])
+
+
+def _obs_only(d: Dump) -> Dump:
+    """A validated bounded dump without its mapping: per-observation columns copied out, row columns
+    replaced by where they lie in the file (row_parts: key -> (byte offset, count)); the mapping (and its
+    descriptor) is closed once nothing views it, so thousands of files need no descriptor each."""
+    parts: dict[str, tuple[int, int]] = {}
+    cols: dict[str, np.ndarray] = {}
+    for key, v in d.columns.items():
+        if key.startswith("obs."):
+            cols[key] = np.array(v)  # a copy: the mapping goes
+        else:
+            parts[key] = (d.maps[key][1], int(v.size)) if key in d.maps else (0, 0)
+            cols[key] = np.zeros(0, v.dtype)  # present (for the merge's key list), never read
+    return Dump(files=d.files, config=d.config, columns=cols, file_index=d.file_index, file_obs=d.file_obs,
+                injected=d.injected, sizes=d.sizes, idents=d.idents, row_parts=parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Several files in bounded memory: row columns read on demand from the files (issue 16 item 5)
+
+
+def _max_open_files() -> int:
+    """Mapped files kept open at once by a merged bounded dump: each mapping holds a descriptor (Python's
+    mmap keeps a duplicate), so a quarter of the soft RLIMIT_NOFILE, at least 4 and at most 256."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY or soft < 0:
+            soft = 1024
+    except (ImportError, OSError, ValueError):
+        soft = 1024
+    return max(4, min(256, soft // 4))
+
+
+class _Files:
+    """The files of a merged bounded dump, each mapped read-only on demand (a few at once, least recently
+    used closed first) and checked to be the file that was read and validated: same device, inode, size
+    and modification time, else DumpError ("changed while being read")."""
+
+    def __init__(self, paths: list[str], idents: list[tuple]):
+        from collections import OrderedDict
+
+        self.paths, self.idents = paths, idents
+        self.open: OrderedDict[int, object] = OrderedDict()
+        self.cap = _max_open_files()
+        self.lock = threading.Lock()  # the scan may read from several threads
+
+    def clear(self) -> None:
+        """Unmap every file (each closes once no read holds it)."""
+        with self.lock:
+            self.open.clear()
+
+    def map(self, f: int):
+        with self.lock:
+            m = self.open.get(f)
+            if m is not None:
+                self.open.move_to_end(f)
+                return m
+            return self._map(f)
+
+    def _map(self, f: int):
+        import mmap
+
+        p = self.paths[f]
+        try:
+            with open(p, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self.idents[f]:
+                    raise _fail(p, None, "changed while being read (replaced, or its size or modification time "
+                                         "differ from when it was opened); read it again once it is complete")
+                m = mmap.mmap(fh.fileno(), st.st_size, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
+        self.open[f] = m
+        while len(self.open) > self.cap:
+            self.open.popitem(last=False)  # closed once no array views it (gathers copy out, so at once)
+        return m
+
+
+class MergedRows:
+    """One row column of several files merged in the order of DESIGN §2, never held whole: reads (a slice,
+    an index array, a scalar) gather the rows from the files' mappings and drop the pages they touched, so a
+    set of files larger than memory is scanned like one bounded file. np.asarray() builds the whole column
+    (correct, not bounded: for the rare caller that needs it all).
+
+    Merged observation k's rows sit at [offs[k], offs[k+1]) here and at src[k] + (that - offs[k]) in the
+    files' rows laid end to end; file f's rows start there at base[f]."""
+
+    PIECE = 1 << 16  # rows gathered per file between page drops (a sparse gather maps whole folios)
+    MARGIN = 2 << 20  # bytes dropped around what a read touched (see _from_file)
+    RUNS = 64  # a slice of at most this many runs is copied run by run; more (files interleaved): gathered
+
+    def __init__(self, files: _Files, parts: list[tuple[int, int] | None], dtype, offs: np.ndarray,
+                 src: np.ndarray, base: np.ndarray):
+        self.files, self.parts, self.dtype = files, parts, np.dtype(dtype)  # parts[f]: (byte offset, count)
+        self.offs, self.src, self.base = offs, src, base
+        self.size = int(offs[-1])
+        self.shape = (self.size,)
+        self.ndim = 1
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[0 : self.size]
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def _from_file(self, f: int, local: np.ndarray | slice, out: np.ndarray, at) -> None:
+        import mmap
+
+        off, count = self.parts[f]
+        m = self.files.map(f)
+        arr = np.frombuffer(m, self.dtype, count, off)
+        if isinstance(local, slice):
+            out[at] = arr[local]
+            lo, hi = local.start, local.stop
+        else:
+            out[at] = arr[local]
+            lo, hi = int(local.min()), int(local.max()) + 1
+        del arr
+        # Outward, with a margin: a fault maps a whole folio around the row read (fault-around, large
+        # folios: up to 2 MB), and this read-only mapping has nothing of its own to lose.
+        a = max(off + lo * self.dtype.itemsize - self.MARGIN, 0)
+        b = min(off + hi * self.dtype.itemsize + self.MARGIN, len(m))
+        _release((m, 0, 1), a // mmap.PAGESIZE * mmap.PAGESIZE, b)
+
+    def _gather(self, pos: np.ndarray) -> np.ndarray:
+        """Rows at merged positions pos (int64, in range)."""
+        out = np.empty(pos.size, self.dtype)
+        for k in range(0, pos.size, self.PIECE):
+            p = pos[k : k + self.PIECE]
+            o = np.searchsorted(self.offs, p, side="right") - 1
+            s = self.src[o] + (p - self.offs[o])
+            f = np.searchsorted(self.base, s, side="right") - 1
+            for g in np.unique(f).tolist():
+                sel = np.flatnonzero(f == g)
+                self._from_file(g, s[sel] - self.base[g], out[k : k + p.size], sel)
+        return out
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            a, b, step = key.indices(self.size)
+            if step != 1:
+                return self[np.arange(a, b, step)]
+            if b <= a:
+                return np.zeros(0, self.dtype)
+            # The common case (rollover files, steps in order): the range is a few runs of observations that
+            # lie end to end in the files too (constant shift), each copied as slices, split at file ends.
+            k0 = int(np.searchsorted(self.offs, a, side="right")) - 1
+            k1 = int(np.searchsorted(self.offs, b - 1, side="right")) - 1
+            lens = self.offs[k0 + 1 : k1 + 2] - self.offs[k0 : k1 + 1]
+            ks = np.flatnonzero(lens > 0) + k0
+            shift = self.src[ks] - self.offs[ks]
+            runs = np.concatenate([[0], np.flatnonzero(np.diff(shift)) + 1])
+            if runs.size <= self.RUNS:
+                out = np.empty(b - a, self.dtype)
+                ends = [int(self.offs[ks[r]]) for r in runs[1:].tolist()] + [b]
+                for r, p1 in zip(runs.tolist(), ends):
+                    p0 = max(a, int(self.offs[ks[r]]))
+                    s0, s1 = p0 + int(shift[r]), p1 + int(shift[r])
+                    while s0 < s1:
+                        f = int(np.searchsorted(self.base, s0, side="right")) - 1
+                        e = min(s1, int(self.base[f + 1]))
+                        lo = s0 - int(self.base[f])
+                        self._from_file(f, slice(lo, lo + e - s0), out, slice(p0 - a, p0 - a + e - s0))
+                        p0, s0 = p0 + e - s0, e
+                return out
+            return self._gather(np.arange(a, b, dtype=np.int64))
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (self.size if key < 0 else 0)
+            if not 0 <= i < self.size:
+                raise IndexError(f"index {int(key)} out of range for {self.size} rows")
+            return self._gather(np.array([i], np.int64))[0]
+        idx = np.asarray(key)
+        if idx.dtype == bool:
+            idx = np.flatnonzero(idx)
+        idx = idx.astype(np.int64, copy=False)
+        flat = idx.reshape(-1)
+        if flat.size and (flat.min() < -self.size or flat.max() >= self.size):
+            raise IndexError(f"index out of range for {self.size} rows")
+        return self._gather(np.where(flat < 0, flat + self.size, flat)).reshape(idx.shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,6 +649,9 @@ OPTIONAL_FIELDS = {"parent": ("obs.parent", "<i8", -1), "req_start": ("obs.req_s
                    "graph": ("obs.graph", "i1", 0)}
 FIELDS = ("step", "rank", "ubatch", "num_reqs", "num_reqs_padded", *OPTIONAL_FIELDS)
 ROW_FIELDS = ("seq", "dcp", "qsl", "kv")  # seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages
+# issue 15: dcp_query_start_loc (obs.dqsl), dcp_tot_seq_lens (obs.tot); offsets columns, empty where not recorded
+ROW_FIELDS += ("dqsl", "tot")
+_RAGGED = {"dqsl": ("obs.dqsl", "rows.dcp_query_start_loc"), "tot": ("obs.tot", "rows.dcp_tot_seq_lens")}
 
 
 def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tuple[DumpConfig, dict[str, np.ndarray]]:
@@ -468,6 +704,11 @@ def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tup
     if any(a is not None for a in rows["kv"]):
         cols["rows.kv_pages"] = cat([np.full(q.size, -1, np.int32) if k is None else k
                                      for k, q in zip(rows["kv"], rows["seq"])], "rows.kv_pages")
+    for name, (offs_key, row_key) in _RAGGED.items():  # (absent from a caller that predates them: none)
+        got = rows.get(name)
+        if got is not None and any(a is not None for a in got):
+            cols[offs_key] = offsets(got)
+            cols[row_key] = cat(got, row_key)
     return cfg, cols
 
 
@@ -478,7 +719,9 @@ def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfi
 
     vals = {f: [getattr(o, f) for o in observations] for f in FIELDS}
     rows = {"seq": [arr(o.seq_lens) for o in observations], "dcp": [arr(o.dcp_local_seq_lens) for o in observations],
-            "qsl": [arr(o.query_start_loc) for o in observations], "kv": [arr(o.kv_pages) for o in observations]}
+            "qsl": [arr(o.query_start_loc) for o in observations], "kv": [arr(o.kv_pages) for o in observations],
+            "dqsl": [arr(o.dcp_query_start_loc) for o in observations],
+            "tot": [arr(o.dcp_tot_seq_lens) for o in observations]}
     return columns(config, [o.site for o in observations], vals, rows)
 
 

@@ -99,6 +99,20 @@ def _host_fast(x) -> np.ndarray | None:
     return _host(x)
 
 
+def _extra(dqsl, tot) -> tuple:
+    """Issue 15's row fields (dump.ROW_FIELDS after kv_pages) as private host copies, None where not recorded."""
+    return (None if dqsl is None else _host(dqsl), None if tot is None else _host(tot))
+
+
+def _per_rank(x, k: int) -> np.ndarray | None:
+    """observe_many's issue-15 rows: one shared row (a read-only view for every rank) or [ranks, rows]."""
+    if x is None:
+        return None
+    flat = _host(x)
+    one = (x.ndim if hasattr(x, "ndim") else np.ndim(x)) == 1
+    return np.broadcast_to(flat, (k, flat.size)) if one else flat.reshape(k, -1)
+
+
 def _int(v, name: str) -> int:
     """An integer scalar as a Python int. 1.9, "7", 2.0, True and float arrays raise (the observation is
     dropped and counted): a wrong type is a bug in the caller, and coercing it would record a made-up value.
@@ -177,7 +191,7 @@ class _Slot:
         self.blk = None
 
     def rows(self) -> tuple:
-        """(seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages): views of the private copy, or host arrays."""
+        """dump.ROW_FIELDS' rows: views of the private copy, or host arrays (issue 15's rows are always host)."""
         o = self.start - self.lo + HEADER
         out = []
         for n, h in zip(self.n, self.host):
@@ -363,7 +377,7 @@ class Recorder:
         # entry is a _Slot while its device values are in flight, None once dropped at harvest.
         self._vals: list[Fields] = []
         self._sites: list[str] = []
-        self._rows: list = []  # (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)
+        self._rows: list = []  # per dump.ROW_FIELDS: (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages, ...)
         self._count = 0  # observation indices handed out over all files
         self._late = 0  # of them, dropped at harvest
         self._file_start = 0  # global index of the current file's first observation
@@ -503,8 +517,12 @@ class Recorder:
                 dcp_local_seq_lens=None, ubatch: int = -1, parent: int | None = None, req_start: int | None = None,
                 tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
                 num_tokens_padded: int | None = None, buffer: int | None = None, graph: int | str | None = None,
-                kv_pages=None) -> int:
-        """Record one attention-metadata build; returns its index (pass it as `parent=` later), -1 if dropped."""
+                kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None) -> int:
+        """Record one attention-metadata build; returns its index (pass it as `parent=` later), -1 if dropped.
+
+        dcp_query_start_loc / dcp_tot_seq_lens (issue 15; None: not recorded): the Q the DCP decode path
+        hands the empty-shard mask, and the global companion of the local lengths; copied on the host
+        (a CUDA tensor there is copied with `.to("cpu")`)."""
         try:
             dev = self._dev
             srcs = (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages)
@@ -520,7 +538,7 @@ class Recorder:
                 vals = self._scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
                                      tok_stop, num_tokens_padded, buffer, graph)
                 if self.cuda_mode == "async":
-                    got = self._observe_device(vals, site, srcs, on)
+                    got = self._observe_device(vals, site, srcs, on, _extra(dcp_query_start_loc, dcp_tot_seq_lens))
                     if got is not None:
                         return got
             else:
@@ -530,7 +548,8 @@ class Recorder:
                 vals = self._scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
                                      tok_stop, num_tokens_padded, buffer, graph)
             seq, qsl = self._batch(seq_lens, vals.num_reqs, vals.num_reqs_padded, query_start_loc)
-            row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages))
+            row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages),
+                   *_extra(dcp_query_start_loc, dcp_tot_seq_lens))
             self._check_shared(vals, site, None if row[3] is None else row[3].size, seq.size)
         except Exception as e:  # never break the engine
             self._drop(e)
@@ -549,12 +568,13 @@ class Recorder:
                      dcp_local_seq_lens=None, ubatch: int = -1, parents=None, req_start: int | None = None,
                      tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
                      num_tokens_padded: int | None = None, buffers=None, graph: int | str | None = None,
-                     kv_pages=None) -> list[int]:
+                     kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None) -> list[int]:
         """Record one batch as seen by several ranks: one observation per entry of `ranks`.
 
         What the ranks share (seq_lens, query_start_loc and the scalars) is copied once;
         dcp_local_seq_lens and kv_pages are [ranks, rows] (kv_pages may also be one shared row);
-        parents and buffers are per rank. For a simulator or a harness that holds every rank's
+        parents and buffers are per rank; dcp_query_start_loc and dcp_tot_seq_lens (issue 15) are one row
+        shared by every rank or [ranks, rows]. For a simulator or a harness that holds every rank's
         metadata at once (an engine process records its own rank with observe(); CUDA tensors are
         copied here with `.to("cpu")`, which waits for the stream). Returns the indices; a batch that
         cannot be stored is dropped whole ([-1] * len(ranks)).
@@ -573,6 +593,7 @@ class Recorder:
                 one = (kv_pages.ndim if hasattr(kv_pages, "ndim") else np.ndim(kv_pages)) == 1
                 # one shared row: a read-only view of the private copy for every rank
                 kv = np.broadcast_to(flat, (k, flat.size)) if one else flat.reshape(k, -1)
+            extra = [_per_rank(x, k) for x in (dcp_query_start_loc, dcp_tot_seq_lens)]
             parents = [None] * k if parents is None else list(parents)
             buffers = [None] * k if buffers is None else list(buffers)
             if len(parents) != k or len(buffers) != k or (kv is not None and kv.shape[0] != k):
@@ -596,7 +617,8 @@ class Recorder:
                 return [-1] * k
             return [self._append(_NEW(Fields, (step, ranks[i], ubatch, nr, nrp, parents[i], rs, ts, te, ntp,
                                                buffers[i], graph)), site, (seq, None if dcp is None else dcp[i], qsl,
-                                                       None if kv is None else kv[i]))
+                                                       None if kv is None else kv[i],
+                                                       *(None if x is None else x[i] for x in extra)))
                     for i in range(k)]
 
     def _batch(self, seq_lens, nr: int, nrp: int, query_start_loc):
@@ -635,7 +657,8 @@ class Recorder:
 
     # ---- the device path -------------------------------------------------------------------------
 
-    def _observe_device(self, vals: Fields, site: str, srcs: tuple, on: tuple) -> int | None:
+    def _observe_device(self, vals: Fields, site: str, srcs: tuple, on: tuple,
+                        extra: tuple = (None, None)) -> int | None:
         """Snapshot the observation's CUDA tensors in one launch; None: take the host path instead.
 
         (Written for speed: this is the engine's cost of recording, see benchmarks/bench_record.py --cuda.)
@@ -711,7 +734,7 @@ class Recorder:
             del keep
             if raw not in ring.streams:
                 ring.stream(raw)
-            slot = _Slot(index, start, words, ns, host)
+            slot = _Slot(index, start, words, ns + [-1] * len(extra), host + list(extra))
             ring.pending.append(slot)
             self._vals.append(vals)
             self._sites.append(site)

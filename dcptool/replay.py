@@ -20,12 +20,15 @@ from dcptool.rules import (
     SEVERITY,
     Finding,
     check_alias,
+    check_empty_mask,
     check_missing,
     check_padding,
     check_pages,
+    check_rank_agree,
     check_rank_sum,
     check_shape,
     check_stray,
+    check_tot_lens,
     check_ubatch_slice,
     check_values,
     findings_of,
@@ -109,6 +112,7 @@ class ReplayResult:
     rows_view: RowsView | None = None
     grid: ObsGrid | None = None
     views: dict[int, RowsView] = field(default_factory=dict)  # merged index -> row view (for --html)
+    problems: list = field(default_factory=list)  # problems.Problem: the findings grouped by root cause
 
     @property
     def errors(self) -> int:
@@ -164,7 +168,7 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     version = engine_version if engine_version is not None else c.engine_version
     if split is not None:
         check_split(d, split)  # before the scan: an absurd K is bad usage, not an hour of work
-    backend, device = resolve_backend(backend)
+    backend, device = resolve_backend(backend, d.n)
     N = c.dcp_size
     found = Collector(d)  # each check's findings as columns (findings.py); messages are rendered when read
     skipped: dict[str, str] = {}
@@ -210,6 +214,18 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         found += check_pages(d, st)
     else:
         skipped["pages"] = "needs rows.kv_pages and page_size"
+    # issue 15: the empty-shard mask, the global companion, rank agreement
+    for rule, check in (("empty-mask", check_empty_mask), ("tot-lens", check_tot_lens)):
+        if N == 1:
+            skipped[rule] = "dcp_size is 1"
+        elif d.has(*RULE[rule].needs):
+            found += findings_of(d, check(d))
+        else:
+            skipped[rule] = f"needs {' and '.join(RULE[rule].needs)} (not recorded in this dump)"
+    if N > 1:
+        found += findings_of(d, check_rank_agree(d))
+    else:
+        skipped["rank-agree"] = "dcp_size is 1"
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=found.table(), backend=backend,
                        device=device, seconds=0.0, skipped=skipped, grid=grid)
     if split is not None:
@@ -219,6 +235,9 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         res.rows_view = rows_view(d, obs, [res.findings[int(k)] for k in np.flatnonzero(res.findings.index == obs)])
     if views > 0:
         res.views = finding_views(d, res.findings, views)
+    from dcptool.problems import problems
+
+    res.problems = problems(d, res.findings, version)
     bar.done("findings")
     res.seconds = time.perf_counter() - t0
     return res
@@ -259,15 +278,18 @@ class Phases:
             self.p(self.p.total)
 
 
-def resolve_backend(name: str) -> tuple[str, str]:
-    """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter."""
+def resolve_backend(name: str, observations: int | None = None) -> tuple[str, str]:
+    """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter. With `observations`
+    given, auto keeps a dump smaller than scan.GPU_MIN_OBS on the CPU (where the GPU cannot win)."""
     import torch
+
+    from dcptool.scan import GPU_MIN_OBS
 
     if name not in values(Backend):
         raise ValueError(f"unknown backend {name!r} (auto, triton or torch)")
     cuda = torch.cuda.is_available()
     if name == "auto":
-        name = "triton" if cuda else "torch"
+        name = "triton" if cuda and (observations is None or observations >= GPU_MIN_OBS) else "torch"
     if name == "torch":
         return "torch", "cpu"
     return "triton", "cuda" if cuda else "cpu (Triton interpreter)"

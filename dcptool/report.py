@@ -168,6 +168,7 @@ def findings_table(findings, title: str | None = None, width: int = 200) -> Tabl
 def render_replay(res, console: Console, max_findings: int | None = None) -> None:
     """Findings table, split and row views when asked, summary by rule and site, the first finding last."""
     limit = TEXT_MAX_FINDINGS if max_findings is None else max_findings
+    render_problems(getattr(res, "problems", []), console)
     if res.splits:
         render_splits(res.splits, console)
     if res.rows_view is not None:
@@ -344,6 +345,7 @@ def replay_json_lines(res, max_findings: int | None = None) -> Iterator[str]:
     else:
         for f in shown:
             yield json.dumps(f.to_json())
+    yield from problem_json_lines(getattr(res, "problems", []))
     yield json.dumps(res.summary_json())
 
 
@@ -538,3 +540,35 @@ def diff_json_lines(res) -> Iterator[str]:
     for x in res.differences:
         yield json.dumps(x.to_json())
     yield json.dumps(res.summary_json())
+
+
+# --------------------------------------------------------------------------------------------
+# Problems (issue 17): replay's report leads with one line per root cause
+
+
+def render_problems(problems, console: Console) -> None:
+    """One line per problem (problems.Problem.line), before the details; nothing when there are none."""
+    if not problems:
+        return
+    say(console, (f"Problems ({len(problems)})", "bold"))
+    for p in problems:
+        style = "bold red" if p.known is not None and p.known.named else ""
+        say(console, (literal(p.line), style))
+
+
+def problem_json_lines(problems) -> Iterator[str]:
+    """`{"type": "problem", ...}` objects: each lists its findings by position in the finding stream."""
+    for p in problems:
+        yield json.dumps(p.to_json())
+
+
+def render_reduction(red, output: str, console: Console) -> None:
+    """What `dcptool reduce` kept: sizes before and after, the problem, the reduced recording's findings."""
+    b, a = red.before, red.after
+    say(console, ("dcptool reduce", "bold"), literal(f" kept {red.target.label} at {red.target.site}: "
+        f"{b['observations']} -> {a['observations']} observations, {b['steps']} -> {a['steps']} steps, "
+        f"{b['rows']} -> {a['rows']} rows ({red.candidates} replays, {red.seconds:.2f} s"
+        + (", stopped at --max-seconds" if red.stopped else "") + ")"))
+    for f in red.findings:
+        say(console, (f.rule, _style(f.severity)), literal(f" obs {f.obs} {f.message}"))
+    say(console, literal(f"wrote {output}; replay it: dcptool replay {output}"), style="dim")

@@ -43,7 +43,14 @@ _FAULT_WHAT = {
     "graph-stale": "a per-step buffer baked into a full graph",
     "sentinel": "padded rows keep a -1 left in the buffer",
     "flashinfer-global-pages": "page counts from the global length",
+    # issue 15: what else DCP attention consumes (opt-in with --inject; not part of --pipeline legacy)
+    "dcp-qsl-local": "the empty-shard mask's dcp_query_start_loc counts only the query tokens of this rank's "
+                     "non-empty shards (rank-local) instead of query_start_loc[:num_decodes+1]",
+    "tot-local": "the global companion (dcp_tot_seq_lens) is passed this rank's local lengths",
+    "rank-disagree": "one DCP rank sees a request's seq_len off by one (ranks disagree on what must be replicated)",
 }
+# Faults of issue 15: real failure classes, but not the pre-fix ordering `--pipeline legacy` models.
+OPT_IN = frozenset({"dcp-qsl-local", "tot-local", "rank-disagree"})
 FAULTS: dict[str, tuple[str, str]] = {f: (RULE_OF_FAULT[f], what) for f, what in _FAULT_WHAT.items()}
 # Where each fault really occurred, read from vLLM's released code (0.27.0-0.34.0; docs/faults.md has
 # the code paths): a release range, "main only" (on vLLM main between releases, never released), or
@@ -59,6 +66,9 @@ FAULT_WHERE: dict[str, str] = {
     "graph-stale": "no release",
     "sentinel": "no release",
     "flashinfer-global-pages": "0.27–0.29",
+    "dcp-qsl-local": "no release",
+    "tot-local": "no release",
+    "rank-disagree": "no release",
 }
 SITES = ("prepare_inputs", "pcp_partition", "attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft")
 PIPELINES = values(Pipeline)
@@ -105,7 +115,7 @@ class SimConfig:
     @property
     def faults(self) -> tuple[str, ...]:
         """The faults this run injects, in the fault table's order."""
-        chosen = set(FAULTS) if self.pipeline == "legacy" else set(self.inject)
+        chosen = set(FAULTS) - OPT_IN if self.pipeline == "legacy" else set(self.inject)
         return tuple(f for f in FAULTS if f in chosen)
 
     @property
@@ -171,6 +181,12 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "graph-stale": None if graphs else "needs --cudagraph full",
         "sentinel": None if graphs else "needs --cudagraph full (only full graphs pad requests)",
         "flashinfer-global-pages": None,
+        # empty shards among decode rows (query length 1, the FlashInfer threshold under DCP): capture batches
+        # of 1-token requests without context
+        "dcp-qsl-local": None if cfg.cudagraph != "none" else "needs --cudagraph piecewise or full (capture "
+                         "batches of 1-token requests have empty shards)",
+        "tot-local": None,
+        "rank-disagree": None,
     }
     if cfg.dcp == 1:  # vLLM passes None everywhere: nothing DCP-specific can go wrong
         why = {f: "needs --dcp > 1" for f in why}
@@ -339,7 +355,7 @@ class Runner:
 
     def emit(self, p: int, b: _Rows, *, step: int, site: str, role: str, graph: GraphMode, slot: int, ubatch: int = -1,
              parents: list[int] | None = None, sl: UbatchSlice | None = None, parent_views: np.ndarray | None = None,
-             global_views: np.ndarray | None = None, kind: str = "step", pages: bool = True):
+             global_views: np.ndarray | None = None, kind: str = "step", pages: bool = True, disagree: bool = False):
         """Record batch `b` on DCP ranks 0..N-1 of PCP rank p.
 
         Every rank's view is computed at once ([N, rows]); returns (indices per rank, recorded views
@@ -348,6 +364,13 @@ class Runner:
         N, F, nr, nrp = self.N, self.F, b.nr, b.nrp
         loc = self._local(b.seq[:nr])  # [N, nr]
         marks: list[tuple[str, np.ndarray]] = []  # (fault, [N] bool: ranks it touched)
+        odd_seq = None  # rank-disagree: the last rank's seq_lens (its local lengths and pages follow them)
+        if disagree and "rank-disagree" in F and N > 1 and nr >= 1:
+            odd_seq = b.seq.copy()
+            odd_seq[0] += 1
+            loc = loc.copy()
+            loc[N - 1] = local_of(odd_seq[:nr], N - 1, N, self.I)
+            marks.append(("rank-disagree", np.arange(N) == N - 1))
         view = None
         if N > 1:
             fixed = np.zeros((N, nrp), np.int64)
@@ -359,8 +382,13 @@ class Runner:
             glob[nr:] = 0
             kv = np.zeros((N, nrp), np.int64)
             kv[:, :nr] = -(-loc // self.G) if N > 1 else glob[:nr]
+            if "flashinfer-global-pages" in F and odd_seq is not None:
+                glob = np.broadcast_to(glob, (N, nrp)).copy()
+                glob[N - 1] = -(-odd_seq // self.G)
+                glob[:, nr:] = 0
             if "flashinfer-global-pages" in F:
-                marks.append(("flashinfer-global-pages", (kv[:, :nr] != glob[:nr]).any(axis=1)))
+                marks.append(("flashinfer-global-pages", (kv[:, :nr] != glob[..., :nr]).any(axis=-1)
+                              if glob.ndim == 2 else (kv[:, :nr] != glob[:nr]).any(axis=1)))
                 kv = glob  # one row shared by every rank
         fresh = view is not None and graph == GraphMode.FULL_REPLAY and "graph-stale" in F
         home = slot
@@ -375,18 +403,28 @@ class Runner:
             bufs = [self._per_step_buf(proc) for proc in procs]
         else:
             bufs = [self._buf(proc, home) for proc in procs]
+        dq, tot = self._decode_path(b, view, odd_seq, marks) if pages and view is not None else (None, None)
         kw = dict(step=step, site=site, seq_lens=b.seq, num_reqs=nr, num_reqs_padded=nrp, ubatch=ubatch,
                   query_start_loc=b.qsl, num_tokens_padded=b.ntp, graph=int(graph))
         if sl is not None:
             kw.update(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)
-        if sink.shared:  # every rank in one file: one call records the batch on all N ranks
+        if odd_seq is not None:  # the last rank records other seq_lens: one call per rank
+            idxs = [sink.recorders[sink.file_of[proc]].observe(
+                rank=r, dcp_local_seq_lens=None if view is None else view[r],
+                parent=None if parents is None else parents[r], buffer=bufs[r],
+                kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[r],
+                dcp_query_start_loc=None if dq is None else dq[r], dcp_tot_seq_lens=None if tot is None else tot[r],
+                **{**kw, "seq_lens": odd_seq if r == N - 1 else b.seq}) for r, proc in enumerate(procs)]
+        elif sink.shared:  # every rank in one file: one call records the batch on all N ranks
             idxs = sink.recorders[0].observe_many(ranks=range(N), dcp_local_seq_lens=view, parents=parents,
-                                                  buffers=bufs, kv_pages=kv, **kw)
+                                                  buffers=bufs, kv_pages=kv, dcp_query_start_loc=dq,
+                                                  dcp_tot_seq_lens=tot, **kw)
         else:
             idxs = [sink.recorders[proc].observe(rank=r, dcp_local_seq_lens=None if view is None else view[r],
                                                  parent=None if parents is None else parents[r], buffer=bufs[r],
                                                  kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[r],
-                                                 **kw)
+                                                 dcp_query_start_loc=None if dq is None else dq[r],
+                                                 dcp_tot_seq_lens=None if tot is None else tot[r], **kw)
                     for r, proc in enumerate(procs)]
         for r, proc in enumerate(procs):
             idx, buf = idxs[r], bufs[r]
@@ -404,6 +442,37 @@ class Runner:
                 if hit[r]:
                     sink.mark(proc, idx, fault)
         return idxs, view
+
+    def _decode_path(self, b: _Rows, view: np.ndarray, odd_seq: np.ndarray | None, marks: list):
+        """What vLLM's FlashInfer decode path (0.30+) receives beside the local lengths, per rank ([N, ...]):
+        dcp_query_start_loc = query_start_loc[:num_decodes+1] and the global companion seq_lens[:num_decodes]
+        (as MLA's dcp_tot_seq_lens); num_decodes as split_decodes_and_prefills at threshold 1 (padded rows
+        count). (None, None) when the batch has no decode rows: no decode path. Applies issue 15's faults."""
+        N, F = self.N, self.F
+        ql = np.diff(b.qsl)
+        nd = int(np.argmax(ql > 1)) if (ql > 1).any() else b.nrp
+        if nd == 0:
+            return None, None
+        q = b.qsl[: nd + 1]
+        dq = np.broadcast_to(q, (N, nd + 1))
+        seqs = np.broadcast_to(b.seq[:nd], (N, nd)).copy()
+        if odd_seq is not None:
+            seqs[N - 1] = odd_seq[:nd]
+        tot = seqs
+        if "dcp-qsl-local" in F:
+            s = np.zeros((N, nd), np.int64)
+            k = min(nd, view.shape[1])
+            s[:, :k] = view[:, :k]
+            dq = np.zeros((N, nd + 1), np.int64)
+            np.cumsum(ql[:nd] * (s > 0), axis=1, out=dq[:, 1:])  # empty shards' query tokens dropped
+            marks.append(("dcp-qsl-local", (dq != q).any(axis=1)))
+        if "tot-local" in F:
+            k = min(nd, view.shape[1])
+            tot = seqs.copy()
+            tot[:, :k] = view[:, :k]
+            real = min(nd, b.nr)
+            marks.append(("tot-local", (tot[:, :real] != seqs[:, :real]).any(axis=1)))
+        return dq, tot
 
     def _faults(self, role, kind, b: _Rows, fixed, parent_views, global_views, sl, marks):
         """Every rank's view as the faulty engine records it instead of `fixed` ([N, nrp]), or None;
@@ -468,7 +537,7 @@ class Runner:
         for p in range(self.P):
             g = GraphMode.EAGER if split and kind != "capture" else graph
             top.append(self.emit(p, rows_of[p], step=step, site=site, role=role, graph=g, slot=slot,
-                                 parents=parents_of[p], kind=kind,
+                                 parents=parents_of[p], kind=kind, disagree=not split and kind == "step",
                                  global_views=None if global_views_of is None else global_views_of[p]))
         if not split:
             return
@@ -556,4 +625,5 @@ class Runner:
             seq = np.minimum(computed_after + k, cfg.max_model_len)
             rows = _rows(np.ones(n, np.int64), seq, desc.num_reqs or n, n)
             for p in range(self.P):
-                self.emit(p, rows, step=step, site="draft", role="draft", graph=GraphMode.EAGER, slot=DRAFTER)
+                self.emit(p, rows, step=step, site="draft", role="draft", graph=GraphMode.EAGER, slot=DRAFTER,
+                          disagree=True)

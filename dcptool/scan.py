@@ -19,7 +19,16 @@ from dcptool.dump import Dump
 from dcptool.reference import RowStats, local_of
 
 CHUNK_ROWS = 1 << 18  # CPU: ~1 MB of int32 per array, so the passes over a chunk stay in L2
-GPU_CHUNK_ROWS = 1 << 26  # GPU: one launch per 64M rows bounds device memory
+# GPU: rows per chunk of the pipelined transfer (16 MB per row column). Small enough that copying chunk
+# k+1 overlaps checking chunk k from the start, large enough that a chunk's fixed cost (two launches, one
+# sync, ~0.1 ms) is small against its copy (~1 ms for 48 MB at 50 GB/s).
+GPU_CHUNK_ROWS = 1 << 22
+STAGE_THREADS = 4  # host threads filling a pinned staging buffer (one memcpy thread does ~10 GB/s)
+# `auto` scans on the GPU from this many observations, on the CPU below: under it the GPU cannot win, because
+# a process's first GPU scan pays CUDA start-up and Triton's kernel load (~1.3 s on the H200) and the
+# transfers, against the CPU's ~100M rows/s. Measured by `python benchmarks/bench_scan.py` (crossover
+# printed, start-up included) on the H200; see docs/performance.md. PROVISIONAL until the lead's H200 run.
+GPU_MIN_OBS = 300_000
 
 
 @dataclass
@@ -50,6 +59,7 @@ class Stats:
 def bounds(rows: np.ndarray, target: int) -> np.ndarray:
     """Observation boundaries so each chunk holds about `target` rows (at least one observation)."""
     n = rows.size - 1
+    target = max(int(target), 1)
     cut = np.searchsorted(rows, np.arange(target, int(rows[-1]), target), side="right") - 1
     return np.unique(np.concatenate([[0], cut[cut > 0], [n]]))
 
@@ -188,40 +198,147 @@ def _merge(a: Stats, b: Stats) -> Stats:
     return _assemble([p for p in parts if p[1].size])
 
 
-def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bounded: bool = False) -> Stats:
-    """The fused Triton check, one launch per chunk of rows; views and page counts on the device."""
-    import torch
+class _Stager:
+    """Double-buffered host-to-device transfer of a dump in chunks of whole observations.
 
+    Two slots, each a set of staging buffers on the host (pinned on CUDA, so the copy is a DMA at full
+    link speed rather than the driver's pageable copy, ~6 GB/s) and of device buffers. `load(k)` fills
+    slot k % 2's host buffers (several threads: one memcpy thread is slower than the link) and queues the
+    copy to the device on a side stream; `get(k)` makes the compute stream wait for that copy and hands
+    out the device views; `done(k)` marks when the kernels reading the slot finish. So chunk k+1 is
+    staged and copied while chunk k is checked. Events keep each buffer from being overwritten while the
+    copy reading it or the kernel reading its device twin still runs. Without CUDA (the Triton
+    interpreter) the same code runs with ordinary buffers and no streams or events.
+    """
+
+    def __init__(self, d: Dump, chunks: list[tuple[int, int]], dev):
+        import torch
+
+        self.d, self.chunks, self.cuda = d, chunks, dev.type == "cuda"
+        self.rows, self.drows = d["obs.rows"], d["obs.dcp_rows"]
+        lo = np.array([c[0] for c in chunks], np.int64)
+        hi = np.array([c[1] for c in chunks], np.int64)
+        most = lambda o: int((o[hi] - o[lo]).max()) if chunks else 0  # noqa: E731
+        nobs = int((hi - lo).max()) if chunks else 0
+        self.kv = d.columns.get("rows.kv_pages")
+        i32, i64 = torch.int32, torch.int64
+        sizes = {"seq": (most(self.rows), i32), "rows": (nobs + 1, i64), "dcp": (most(self.drows), i32),
+                 "drows": (nobs + 1, i64), "nr": (nobs, i32), "nrp": (nobs, i32), "rank": (nobs, i32)}
+        if self.kv is not None:
+            sizes["kv"] = (most(self.rows), i32)
+        self.host = [{k: torch.empty(n, dtype=t, pin_memory=self.cuda) for k, (n, t) in sizes.items()}
+                     for _ in range(2)]
+        self.dev = [{k: torch.empty(n, dtype=t, device=dev) for k, (n, t) in sizes.items()} for _ in range(2)]
+        self.n: list[dict[str, int]] = [{}, {}]  # elements of each buffer the slot's chunk fills
+        self.pool = None
+        if STAGE_THREADS > 1:  # (its threads start on first use: only for a chunk of 2 pieces or more)
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(STAGE_THREADS)
+        if self.cuda:
+            self.stream = torch.cuda.Stream()
+            self.copied = [torch.cuda.Event(), torch.cuda.Event()]  # host slot read, device slot written
+            self.used = [torch.cuda.Event(), torch.cuda.Event()]  # kernels on the device slot finished
+            self.recorded = [False, False]
+
+    def sources(self, k: int) -> dict[str, np.ndarray]:
+        """Chunk k's columns, offsets made relative to the chunk."""
+        d, rows, drows = self.d, self.rows, self.drows
+        lo, hi = self.chunks[k]
+        a, e, da, de = int(rows[lo]), int(rows[hi]), int(drows[lo]), int(drows[hi])
+        src = {"seq": d["rows.seq_lens"][a:e], "rows": rows[lo : hi + 1] - a,
+               "dcp": d["rows.dcp_local_seq_lens"][da:de], "drows": drows[lo : hi + 1] - da,
+               "nr": d["obs.num_reqs"][lo:hi], "nrp": d["obs.num_reqs_padded"][lo:hi], "rank": d["obs.rank"][lo:hi]}
+        if self.kv is not None:
+            src["kv"] = self.kv[a:e]
+        return src
+
+    PIECE = 1 << 20  # elements: a staging copy is split in pieces of at least this many, one per thread
+
+    def _fill(self, dst: np.ndarray, src: np.ndarray) -> None:
+        if self.pool is None or src.size < 2 * self.PIECE:
+            np.copyto(dst, src, casting="unsafe")
+            return
+        # numpy releases the GIL for a plain copy: the pieces run in parallel
+        step = max(self.PIECE, -(-src.size // STAGE_THREADS))
+        list(self.pool.map(lambda i: np.copyto(dst[i : i + step], src[i : i + step], casting="unsafe"),
+                           range(0, src.size, step)))
+
+    def load(self, k: int) -> None:
+        import torch
+
+        slot = k % 2
+        if self.cuda and self.recorded[slot]:
+            self.copied[slot].synchronize()  # the previous copy out of this host slot is complete
+        src = self.sources(k)
+        self.n[slot] = {key: int(v.size) for key, v in src.items()}
+        for key, v in src.items():
+            self._fill(self.host[slot][key][: v.size].numpy(), np.asarray(v))
+        if not self.cuda:
+            for key, n in self.n[slot].items():
+                self.dev[slot][key][:n].copy_(self.host[slot][key][:n])
+            return
+        with torch.cuda.stream(self.stream):
+            if self.recorded[slot]:
+                self.stream.wait_event(self.used[slot])  # the kernels of chunk k-2 are done with the device slot
+            for key, n in self.n[slot].items():
+                self.dev[slot][key][:n].copy_(self.host[slot][key][:n], non_blocking=True)
+            self.copied[slot].record(self.stream)
+        self.recorded[slot] = True
+
+    def get(self, k: int) -> dict:
+        import torch
+
+        slot = k % 2
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.copied[slot])
+        return {key: self.dev[slot][key][:n] for key, n in self.n[slot].items()}
+
+    def done(self, k: int) -> None:
+        import torch
+
+        if self.cuda:
+            self.used[k % 2].record(torch.cuda.current_stream())
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bounded: bool = False) -> Stats:
+    """The fused Triton check over chunks of whole observations, each staged and copied to the device
+    while the one before it is checked (_Stager); views and page counts on the device."""
     from dcptool.kernel import check_rows, device
 
     dev = device()
     c = d.config
-    rows, drows = d["obs.rows"], d["obs.dcp_rows"]
-    kv = d.columns.get("rows.kv_pages")
-    # Without a GPU this is the Triton interpreter (tests): one launch over everything.
-    b = bounds(rows, GPU_CHUNK_ROWS if dev.type == "cuda" else max(int(rows[-1]), 1))
-
-    def t(x: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(x)).to(dev)
-
+    b = bounds(d["obs.rows"], GPU_CHUNK_ROWS)
+    chunks = list(zip(b[:-1].tolist(), b[1:].tolist()))
+    stage = _Stager(d, chunks, dev)
     parts = []
-    for lo, hi in zip(b[:-1].tolist(), b[1:].tolist()):
-        a, e = int(rows[lo]), int(rows[hi])
-        da, de = int(drows[lo]), int(drows[hi])
-        st = check_rows(t(d["rows.seq_lens"][a:e]), t(rows[lo : hi + 1] - a), t(d["rows.dcp_local_seq_lens"][da:de]),
-                        t(drows[lo : hi + 1] - da), t(d["obs.num_reqs"][lo:hi]), t(d["obs.num_reqs_padded"][lo:hi]),
-                        t(d["obs.rank"][lo:hi]), c.dcp_size, c.cp_interleave,
-                        kv_pages=None if kv is None else t(kv[a:e]), page_size=c.page_size or 1)
-        st = RowStats(*st.stacked().cpu().numpy().astype(np.int64))  # one copy off the device
-        if not check_views:  # dcp_size 1: a present view is `stray`, its values are not checked
-            none, zero = np.full_like(st.n_wrong, -1), np.zeros_like(st.n_wrong)
-            st = st._replace(n_wrong=zero, first_wrong=none, n_pad=zero, first_pad=none)
-        hit = np.flatnonzero((st.n_wrong > 0) | (st.n_pad > 0) | (st.n_pages > 0))
-        parts.append(Stats(hit + lo, *(x[hit] for x in st)))
-        if bounded:
-            d.release(lo, hi)
-        if progress:
-            progress(hi - lo)
+    try:
+        if chunks:
+            stage.load(0)
+        for k, (lo, hi) in enumerate(chunks):
+            if bounded:  # staged: its pages are no longer needed
+                d.release(lo, hi)
+            if k + 1 < len(chunks):
+                stage.load(k + 1)
+            t = stage.get(k)
+            st = check_rows(t["seq"], t["rows"], t["dcp"], t["drows"], t["nr"], t["nrp"], t["rank"], c.dcp_size,
+                            c.cp_interleave, kv_pages=t.get("kv"), page_size=c.page_size or 1)
+            stats = st.stacked()
+            stage.done(k)
+            st = RowStats(*stats.cpu().numpy().astype(np.int64))  # one copy off the device
+            if not check_views:  # dcp_size 1: a present view is `stray`, its values are not checked
+                none, zero = np.full_like(st.n_wrong, -1), np.zeros_like(st.n_wrong)
+                st = st._replace(n_wrong=zero, first_wrong=none, n_pad=zero, first_pad=none)
+            hit = np.flatnonzero((st.n_wrong > 0) | (st.n_pad > 0) | (st.n_pages > 0))
+            parts.append(Stats(hit + lo, *(x[hit] for x in st)))
+            if progress:
+                progress(hi - lo)
+    finally:
+        stage.close()
     return Stats.concat(parts)
 
 

@@ -55,10 +55,16 @@ OPTIONAL = {
     "obs.buffer": ("I64", "n"),
     "obs.graph": ("I8", "n"),
     "rows.kv_pages": ("I32", "obs.rows"),
+    # issue 15 (empty-mask, tot-lens): what the DCP decode path of attention receives beside the local lengths
+    "obs.dqsl": ("I64", "n+1"),
+    "rows.dcp_query_start_loc": ("I32", "obs.dqsl"),
+    "obs.tot": ("I64", "n+1"),
+    "rows.dcp_tot_seq_lens": ("I32", "obs.tot"),
 }
 COLUMNS = {**REQUIRED, **OPTIONAL}
 # Optional columns come in groups: a key is only meaningful with its partners.
-_GROUPS = [("obs.qsl", "rows.query_start_loc")]
+_GROUPS = [("obs.qsl", "rows.query_start_loc"), ("obs.dqsl", "rows.dcp_query_start_loc"),
+           ("obs.tot", "rows.dcp_tot_seq_lens")]
 
 
 
@@ -348,6 +354,10 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
             raise _fail(p, key, f"has {c[key].shape[0]} values but obs.step has {n} observations")
         if kind == "n+1" and c[key].shape[0] != n + 1:
             raise _fail(p, key, f"has {c[key].shape[0]} offsets, expected n+1 = {n + 1}")
+    for group in _GROUPS:  # (read_dump checks this on the file's entries first; here for writers)
+        present = [k for k in group if k in c]
+        if present and len(present) != len(group):
+            raise _fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")
     for key, (_, kind) in COLUMNS.items():
         if key in c and kind.startswith("obs."):
             if kind not in c:
@@ -396,6 +406,11 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
     if "obs.graph" in c:
         g = c["obs.graph"]
         _first_bad(p, "obs.graph", (g < 0) | (g > 3), g, "must be 0..3 (eager, piecewise, capture, replay)")
+    if "rows.dcp_tot_seq_lens" in c:  # global lengths: a negative one is no length (as rows.seq_lens)
+        t = c["rows.dcp_tot_seq_lens"]
+        if t.size and t.min() < 0:
+            i = int(np.argmax(t < 0))
+            raise _fail(p, "rows.dcp_tot_seq_lens", f"negative length {t[i]} at row {i}")
     if "rows.kv_pages" in c and cfg.page_size is None:
         raise _fail(p, "rows.kv_pages", "present but dcptool.config has no page_size")
     if injected:

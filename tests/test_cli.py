@@ -113,6 +113,7 @@ def test_max_findings_limits_output_not_counts(tmp_path):
     p = write(tmp_path / "m.safetensors", [obs(step=i, view=None) for i in range(10)])
     r = cli("replay", p, "--json", "--max-findings", "3")
     lines = [json.loads(x) for x in r.stdout.splitlines()]
+    lines = [x for x in lines if x["type"] != "problem"]  # (issue 17: problem objects reference all 10)
     assert len(lines) == 4 and lines[-1]["findings"] == 10
 
 
@@ -199,7 +200,7 @@ def test_docs_format_examples_write_dumps_replay_reads(tmp_path):
         d.mkdir()
         subprocess.run([sys.executable, "-c", code], cwd=d, check=True, env={"PYTHONPATH": str(ROOT)})
         r = cli("replay", d / "run.safetensors", "--json")
-        found = [json.loads(x) for x in r.stdout.splitlines()][:-1]
+        found = [o for o in map(json.loads, r.stdout.splitlines()) if o["type"] == "finding"]
         assert r.returncode == 1 and [(f["obs"], f["rule"]) for f in found] == [(1, "missing")]
 
 
@@ -321,7 +322,7 @@ def test_head_reads_one_line_and_the_exit_code_is_the_verdict():
     p = subprocess.run(f"{sys.executable} -m dcptool replay {SAMPLES / 'legacy.safetensors'} --max-findings 2000 "
                        "| head -1; exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
                        text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)
-    assert p.returncode == 1 and p.stdout.startswith("Timeline") and p.stderr == ""
+    assert p.returncode == 1 and p.stdout.startswith("Problems") and p.stderr == ""
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
@@ -550,3 +551,32 @@ def test_error_lines_escape_what_a_path_holds(tmp_path):
     assert "no\\x1b]0;title\\x07such.safetensors" in err
     code, out, err = run_cli("replay", write(tmp_path / "d.safetensors", [obs()]), "--obs", "x\x1b[2J")
     assert code == 2 and "\x1b" not in err and "x\\x1b[2J" in err
+
+
+# --------------------------------------------------------------------------------------------
+# issue 17: reduce and export-test (their behaviour: tests/test_reduce.py, tests/test_export.py)
+
+
+def test_diagnosis_commands_are_listed_and_need_their_options(tmp_path):
+    r = cli("--help")
+    assert "reduce" in r.stdout and "export-test" in r.stdout
+    h = cli("reduce", "--help")
+    assert h.returncode == 0 and "--max-seconds" in h.stdout and "RULE@OBS" in h.stdout
+    for args in (["reduce", SAMPLES / "legacy.safetensors", "-o", tmp_path / "o.safetensors"],
+                 ["reduce", SAMPLES / "legacy.safetensors", "--finding", "missing"],
+                 ["export-test", SAMPLES / "legacy.safetensors"],
+                 ["reduce", tmp_path / "none.safetensors", "--finding", "missing", "-o", tmp_path / "o.safetensors"]):
+        r = cli(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, args
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_reduce_refuses_to_write_over_its_input(tmp_path):
+    import shutil
+
+    dump = tmp_path / "legacy.safetensors"
+    shutil.copy(SAMPLES / "legacy.safetensors", dump)
+    before = dump.read_bytes()
+    r = cli("reduce", dump, "--finding", "missing", "-o", dump, "--force")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "input" in r.stderr
+    assert dump.read_bytes() == before

@@ -439,3 +439,310 @@ def test_index_of_finds_an_observation_of_a_file_in_the_merged_run(tmp_path):
     d = open_dumps([a, b])  # merged by step: a0, b0, a1
     assert [d.index_of(0, 0), d.index_of(1, 0), d.index_of(0, 1)] == [0, 1, 2]
     assert d.index_of(1, 1) is None and d.index_of(2, 0) is None
+
+
+# --------------------------------------------------------------------------------------------
+# Several files in bounded memory (issue 16 item 5): rows stay in the files, read on demand
+
+
+def _rollover(tmp_path, rng, n=240, files=4, sorted_steps=True, N=4, I=2):
+    """Seeded random observations cut into `files` rollover files at random observation boundaries (an
+    empty file among them when `files` > 4), steps repeated so that one step spans several files; with
+    sorted_steps=False the steps are in no order at all (every file interleaves with every other)."""
+    from conftest import random_columns
+
+    cols = random_columns(rng, n, N, I)
+    cols["obs.step"] = (np.sort(rng.integers(0, n // 3, n)) if sorted_steps else rng.integers(0, 9, n)).astype(np.int64)
+    cols["obs.site"] = rng.integers(0, 2, n).astype(np.int32)
+    cols["obs.parent"] = np.full(n, -1, np.int64)
+    cuts = np.concatenate([[0], np.sort(rng.integers(0, n + 1, files - 1)), [n]])
+    if files > 4:
+        cuts[2] = cuts[1]  # an empty file (a rollover with nothing recorded since)
+    paths = []
+    for f, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist())):
+        c = {}
+        for k, v in cols.items():
+            if k.startswith("obs.") and k not in ("obs.rows", "obs.dcp_rows"):
+                c[k] = v[a:b].copy()
+        if b - a > 1:  # parents within a file: a random earlier observation of the same file
+            kids = np.flatnonzero(rng.random(b - a) < 0.3)
+            kids = kids[kids > 0]
+            c["obs.parent"][kids] = (rng.random(kids.size) * kids).astype(np.int64)
+        for offs, keys in (("obs.rows", ["rows.seq_lens", "rows.kv_pages"]), ("obs.dcp_rows",
+                                                                             ["rows.dcp_local_seq_lens"])):
+            o = cols[offs]
+            c[offs] = o[a : b + 1] - o[a]
+            for k in keys:
+                c[k] = cols[k][o[a] : o[b]]
+        p = tmp_path / f"run.{f:05d}.safetensors"
+        # each file names its sites in its own order: the merge must remap them
+        sites = ("a", "b") if f % 2 == 0 else ("b", "a")
+        if f % 2:
+            c["obs.site"] = 1 - c["obs.site"]
+        write_dump(p, DumpConfig(dcp_size=N, cp_interleave=I, sites=sites, page_size=16), c)
+        paths.append(str(p))
+    return paths
+
+
+def _same_dump(a, b):
+    assert a.files == b.files and a.config == b.config and a.n == b.n
+    assert np.array_equal(a.file_index, b.file_index) and np.array_equal(a.file_obs, b.file_obs)
+    assert sorted(a.columns) == sorted(b.columns)
+    for k in a.columns:
+        assert np.array_equal(np.asarray(a[k]), np.asarray(b[k])), k
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lazy_merge_equals_the_in_memory_merge(tmp_path, monkeypatch, seed):
+    from dcptool import scan as scan_mod
+    from dcptool.dump import MergedRows
+    from dcptool.replay import replay
+
+    rng = np.random.default_rng(seed)
+    paths = _rollover(tmp_path, rng, files=[2, 4, 7][seed % 3], sorted_steps=seed < 3)
+    mem, lazy = open_dumps(paths, bounded=False), open_dumps(paths, bounded=True)
+    assert not mem.bounded and lazy.bounded and isinstance(lazy["rows.seq_lens"], MergedRows)
+    _same_dump(mem, lazy)
+    # against each file read alone: merged observation i is observation file_obs[i] of file file_index[i]
+    alone = [read_dump(p) for p in paths]
+    order = sorted(range(mem.n), key=lambda i: (mem["obs.step"][i], mem.file_index[i], mem.file_obs[i]))
+    assert order == list(range(mem.n))
+    for i in range(mem.n):
+        f, k = alone[mem.file_index[i]], int(mem.file_obs[i])
+        assert mem["obs.step"][i] == f["obs.step"][k] and mem.site_name(i) == f.site_name(k)
+        for rows in ("seq_lens_of", "dcp_of", "kv_pages_of"):
+            x, y = getattr(f, rows)(k), getattr(lazy, rows)(i)
+            assert (x is None and y is None) or np.array_equal(x, y)
+    # reads the pipeline makes: slices at any bounds (empty, one row, across files), gathers, scalars
+    for key in ("rows.seq_lens", "rows.dcp_local_seq_lens", "rows.kv_pages"):
+        full, col = mem[key], lazy[key]
+        for _ in range(50):
+            a, b = np.sort(rng.integers(0, full.size + 1, 2))
+            assert np.array_equal(col[a:b], full[a:b]) and np.array_equal(col[b:a], full[b:a])
+        idx = rng.integers(-full.size, full.size, 500)
+        assert np.array_equal(col[idx], full[idx]) and np.array_equal(lazy.take(key, idx % full.size),
+                                                                      full[idx % full.size])
+        assert col[full.size - 1] == full[-1] and col[-1] == full[-1] and len(col) == full.size
+    monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 500)  # chunks that straddle file boundaries
+    want, got = replay(mem, "torch"), replay(lazy, "torch", bounded=True)
+    assert [f.to_json() for f in got.findings] == [f.to_json() for f in want.findings]
+    assert len(want.findings) > 0
+
+
+def test_lazy_merge_keeps_the_order_rule_and_parents(tmp_path):
+    """DESIGN §2: by step, then file order, then order within the file; parents stay within their file."""
+    a = write(tmp_path / "r0.safetensors", [obs(step=0, site="x"), obs(step=1, site="x"),
+                                            obs(step=2, site="x", ubatch=0, parent=1)])
+    b = write(tmp_path / "r1.safetensors",
+              [obs(step=s, rank=1, site=site) for s, site in ((0, "y"), (1, "x"), (1, "x"))]
+              + [obs(step=3, rank=1, site="y", ubatch=0, parent=0)])
+    c = write(tmp_path / "r2.safetensors", [obs(step=2), obs(step=2, ubatch=0, parent=0), obs(step=0)])
+    d = open_dumps([a, b, c], bounded=True)
+    assert d.bounded and d["obs.step"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert d.file_index.tolist() == [0, 1, 2, 0, 1, 1, 0, 2, 2, 1]
+    assert d.file_obs.tolist() == [0, 0, 2, 1, 1, 2, 2, 0, 1, 3]
+    assert d["obs.parent"].tolist() == [-1, -1, -1, -1, -1, -1, 3, -1, 7, 1]
+    assert [d.site_name(i) for i in (0, 1, 9)] == ["x", "y", "y"]
+    _same_dump(open_dumps([a, b, c], bounded=False), d)
+    assert d.dcp_of(1).tolist() == [8, 12, 0, 0]  # rank 1's rows followed their observation, from file 1
+
+
+def test_lazy_merge_is_chosen_when_the_files_exceed_half_the_memory(tmp_path, monkeypatch):
+    import dcptool.dump as dump_mod
+
+    paths = _rollover(tmp_path, np.random.default_rng(3), files=3)
+    total = sum(os.path.getsize(p) for p in paths)
+    monkeypatch.setattr(dump_mod, "available_memory", lambda: 2 * total + 2)  # they fit: merged in memory
+    assert not open_dumps(paths).bounded
+    monkeypatch.setattr(dump_mod, "available_memory", lambda: 2 * total - 2)  # together over half: lazy
+    d = open_dumps(paths)
+    assert d.bounded and type(d["rows.seq_lens"]).__name__ == "MergedRows"
+    assert not open_dumps(paths[:1]).bounded  # one file alone is under the bound: read as before
+
+
+def test_lazy_merge_holds_few_files_open(tmp_path, monkeypatch):
+    """Each mapping keeps a descriptor: only a few files are mapped at a time (least recently used closed)."""
+    import dcptool.dump as dump_mod
+    from dcptool.replay import replay
+
+    monkeypatch.setattr(dump_mod, "_max_open_files", lambda: 4)
+    paths = _rollover(tmp_path, np.random.default_rng(5), n=300, files=12, sorted_steps=False)
+    lazy = open_dumps(paths, bounded=True)
+    got = replay(lazy, "torch", bounded=True)
+    files = lazy["rows.seq_lens"].files
+    assert len(files.open) <= 4
+    want = replay(open_dumps(paths, bounded=False), "torch")
+    assert [f.to_json() for f in got.findings] == [f.to_json() for f in want.findings]
+
+
+def test_lazy_merge_notices_a_file_replaced_after_it_was_read(tmp_path):
+    import shutil
+
+    paths = _rollover(tmp_path, np.random.default_rng(1), files=2)
+    d = open_dumps(paths, bounded=True)
+    shutil.copyfile(paths[0], tmp_path / "copy")
+    os.replace(tmp_path / "copy", paths[0])  # same bytes, another inode: not the file that was validated
+    with pytest.raises(DumpError, match=r"run\.00000\.safetensors: changed while being read"):
+        np.asarray(d["rows.seq_lens"])
+
+
+RSS_SCRIPT = """
+import json, sys
+import numpy, torch
+import dcptool.dump as dump_mod
+from dcptool.replay import replay
+def hwm():
+    return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+paths = sys.argv[1:]
+dump_mod.available_memory = lambda: AVAIL
+base = hwm()
+d = dump_mod.open_dumps(paths)
+res = replay(d, "torch", bounded=d.bounded)
+print(json.dumps({"bounded": d.bounded, "peak": hwm() - base, "findings": len(res.findings),
+                  "by_rule": res.by_rule(), "n": d.n}))
+"""
+
+
+def _big_rollover(tmp_path, files=4, rows=1 << 20, per_obs=1024, seed=0):
+    """`files` files of `rows` rows each (seq_lens, views and page counts: 12 bytes a row), views right but
+    for one wrong value in every 97th observation; steps continue across files, the last step of a file
+    is also the first of the next (a rollover mid-step)."""
+    from dcptool.reference import local_np
+
+    rng = np.random.default_rng(seed)
+    n = rows // per_obs
+    paths = []
+    for f in range(files):
+        seq = rng.integers(1, 1 << 16, rows).astype(np.int32)
+        rank = rng.integers(0, 4, n).astype(np.int32)
+        local = local_np(seq, 4, np.repeat(rank, per_obs), 1)
+        exp = local.astype(np.int32)
+        exp[np.arange(0, n, 97) * per_obs + 5] += 1
+        offs = np.arange(n + 1, dtype=np.int64) * per_obs
+        cols = {"obs.step": (np.arange(n) // 4 + f * (n // 4 - 1)).astype(np.int64), "obs.site": np.zeros(n, np.int32),
+                "obs.rank": rank, "obs.ubatch": np.full(n, -1, np.int32),
+                "obs.num_reqs": np.full(n, per_obs, np.int32), "obs.num_reqs_padded": np.full(n, per_obs, np.int32),
+                "obs.rows": offs, "rows.seq_lens": seq, "obs.has_dcp": np.ones(n, np.uint8), "obs.dcp_rows": offs,
+                "rows.dcp_local_seq_lens": exp, "rows.kv_pages": -(-local // 16)}
+        p = tmp_path / f"run.{f:05d}.safetensors"
+        write_dump(p, DumpConfig(dcp_size=4, sites=("x",), page_size=16), cols)
+        paths.append(str(p))
+    return paths
+
+
+RSS_SCRIPT = """
+import json, sys
+import numpy, torch
+import dcptool.dump as dump_mod
+from dcptool.replay import replay
+def hwm():
+    return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+paths = sys.argv[2:]
+dump_mod.available_memory = lambda: int(sys.argv[1])
+base = hwm()
+d = dump_mod.open_dumps(paths)
+res = replay(d, "torch", bounded=d.bounded)
+print(json.dumps({"bounded": d.bounded, "peak": hwm() - base, "findings": [f.to_json() for f in res.findings]}))
+"""
+
+
+def test_rollover_files_larger_than_the_bound_replay_in_bounded_memory(tmp_path):
+    """Six files of 12 MB whose sum (72 MB) is over the bound (half of a pretended 40 MB available): the
+    replay's peak resident memory grows by less than 24 MB (the scan's chunk buffers and gathers, whatever
+    the files add up to), where merging them in memory (the old way, and the control run here, told there
+    is plenty of memory) costs more than all of them together."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    paths = _big_rollover(tmp_path, files=6)
+    total = sum(os.path.getsize(p) for p in paths)
+
+    def run(avail: int) -> dict:
+        r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(avail), *paths], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.splitlines()[-1])
+
+    lazy, mem = run(40 << 20), run(1 << 40)
+    assert lazy["bounded"] and not mem["bounded"]
+    assert lazy["findings"] == mem["findings"] and len(mem["findings"]) == 6 * 11
+    assert mem["peak"] > total, (mem["peak"], total)
+    assert lazy["peak"] < 24 << 20 < total // 3, (lazy["peak"], total)
+
+
+def test_commands_read_rollover_files_over_the_bound_lazily(tmp_path, monkeypatch):
+    """replay, inspect and diff of a rollover directory: the same output whether merged in memory or lazily."""
+    from typer.testing import CliRunner
+
+    import dcptool.dump as dump_mod
+    from dcptool.cli import app
+
+    paths = _rollover(tmp_path, np.random.default_rng(9), files=5)
+    d = str(tmp_path)
+    runs = {}
+
+    def parsed(out: str) -> list:
+        rows = [json.loads(line) for line in out.splitlines()]
+        for row in rows:
+            if isinstance(row, dict):
+                row.pop("seconds", None)
+        return rows
+
+    for avail in (1 << 40, 64):  # plenty of memory, then none: lazy
+        monkeypatch.setattr(dump_mod, "available_memory", lambda avail=avail: avail)
+        r = [CliRunner().invoke(app, args) for args in (["replay", d, "--json"], ["inspect", d, "--json"],
+                                                         ["diff", d, ",".join(paths), "--json"])]
+        runs[avail] = [(x.exit_code, parsed(x.stdout)) for x in r]
+    assert [c for c, _ in runs[64]] == [1, 0, 0] and len(runs[64][0][1]) > 10
+    assert runs[64] == runs[1 << 40]
+
+
+def test_a_lazily_merged_file_replaced_before_its_rows_are_read_is_one_line(tmp_path, monkeypatch):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    import dcptool.dump as dump_mod
+    import dcptool.replay as replay_mod
+    from dcptool.cli import app
+
+    paths = _rollover(tmp_path, np.random.default_rng(4), files=3)
+    monkeypatch.setattr(dump_mod, "available_memory", lambda: 64)
+    real = replay_mod.replay
+
+    def replaced_then_replay(*a, **k):
+        shutil.copyfile(paths[1], tmp_path / "copy")
+        os.replace(tmp_path / "copy", paths[1])
+        return real(*a, **k)
+
+    monkeypatch.setattr(replay_mod, "replay", replaced_then_replay)
+    r = CliRunner().invoke(app, ["replay", str(tmp_path), "--json"])
+    assert r.exit_code == 2 and r.stdout == "" and r.stderr.count("\n") == 1, (r.stdout, r.stderr)
+    assert r.stderr.startswith(f"dcptool: {paths[1]}: changed while being read"), r.stderr
+
+
+@pytest.mark.parametrize("pipeline", ["legacy", "fixed"])
+def test_per_rank_simulation_replays_the_same_lazily(tmp_path, monkeypatch, pipeline):
+    """Per-rank files of a simulated run (every step in every file: the files interleave completely;
+    micro-batches with parents, query_start_loc, page counts): lazily merged, replay --json and
+    --split 2 give what the in-memory merge gives."""
+    from typer.testing import CliRunner
+
+    import dcptool.dump as dump_mod
+    from dcptool.cli import app
+
+    r = CliRunner().invoke(app, ["simulate", "--dcp", "4", "--steps", "40", "--pipeline", pipeline, "--per-rank",
+                                 "-o", str(tmp_path / "sim.safetensors")])
+    assert r.exit_code == 0, r.stderr
+    files = sorted(str(p) for p in tmp_path.iterdir())
+    assert len(files) == 4
+    out = {}
+    for avail in (1 << 40, 64):
+        monkeypatch.setattr(dump_mod, "available_memory", lambda avail=avail: avail)
+        assert open_dumps(files).bounded == (avail == 64)
+        runs = [CliRunner().invoke(app, ["replay", *files, "--json", *extra]) for extra in ([], ["--split", "2"])]
+        out[avail] = [(x.exit_code, [json.loads(line) for line in x.stdout.splitlines()][:-1]) for x in runs]
+    assert out[64] == out[1 << 40]
+    assert out[64][0][0] == (1 if pipeline == "legacy" else 0)

@@ -108,13 +108,15 @@ def test_messages_are_rendered_only_for_what_is_shown(monkeypatch, tmp_path):
     monkeypatch.setattr(F, "render_texts", lambda t, rows: calls.extend([1] * rows.size) or real_many(t, rows))
     d = open_dumps([LEGACY])
     res = replay(d, "torch")
-    assert len(res.findings) > 1000 and calls == []  # replay itself renders nothing
+    made = len(getattr(res, "problems", []))  # replay renders one finding per problem (its first), nothing else
+    assert len(res.findings) > 1000 and len(calls) <= made < 50
+    calls.clear()
     assert res.errors + res.warnings == len(res.findings) and res.by_site() and calls == []
     r = cli("replay", LEGACY)
-    assert r.returncode == 1 and 0 < len(calls) <= 101
+    assert r.returncode == 1 and 0 < len(calls) <= 101 + made
     calls.clear()
     r = cli("replay", LEGACY, "--json", "--max-findings", "5")
-    assert r.stdout.count('"type": "finding"') == 5 + 1 and 5 <= len(calls) <= 6  # 5 lines, the summary's first
+    assert r.stdout.count('"type": "finding"') == 5 + 1 and 5 <= len(calls) <= 6 + made  # 5 lines, the first
 
 
 def test_concat_sorts_stably_and_keeps_issue_texts(legacy):

@@ -546,3 +546,55 @@ def test_cuda_threads_on_their_own_streams(tmp_path):
     assert rec.dropped == 0 and d.n == 2000
     rows = d["rows.seq_lens"].reshape(-1, 64)
     assert np.array_equal(rows[:, 0], d["obs.step"]) and (rows == rows[:, :1]).all()
+
+
+# issue 15: dcp_query_start_loc and dcp_tot_seq_lens (host path)
+
+
+def test_issue15_rows_round_trip_observe_and_observe_many(tmp_path):
+    import torch
+
+    r = Recorder(tmp_path / "a.safetensors", dcp_size=2)
+    q = np.array([0, 1, 2, 3], np.int64)
+    i0 = r.observe(step=1, site="attn_metadata", rank=0, seq_lens=np.array([7, 40, 16], np.int32), num_reqs=3,
+                   num_reqs_padded=3, dcp_local_seq_lens=np.array([4, 20, 8], np.int32), dcp_query_start_loc=q,
+                   dcp_tot_seq_lens=torch.tensor([7, 40, 16]))
+    q[1] = 99  # copied at once: a later change of the engine's array is not recorded
+    i1 = r.observe(step=1, site="attn_metadata", rank=1, seq_lens=np.array([7, 40, 16], np.int32), num_reqs=3,
+                   num_reqs_padded=3, dcp_local_seq_lens=np.array([3, 20, 8], np.int32))  # not recorded: empty
+    many = r.observe_many(step=2, site="attn_metadata", ranks=[0, 1], seq_lens=np.array([9, 5]), num_reqs=2,
+                          num_reqs_padded=2, dcp_local_seq_lens=np.array([[5, 3], [4, 2]]),
+                          dcp_query_start_loc=np.array([0, 1, 2]), dcp_tot_seq_lens=np.array([[9, 5], [5, 3]]))
+    assert [i0, i1, *many] == [0, 1, 2, 3] and r.dropped == 0
+    d = read_dump(r.close()[0])
+    assert d.dqsl_of(0).tolist() == [0, 1, 2, 3] and d.dqsl_of(1).tolist() == []
+    assert d.dqsl_of(2).tolist() == d.dqsl_of(3).tolist() == [0, 1, 2]
+    assert [d.tot_of(i).tolist() for i in range(4)] == [[7, 40, 16], [], [9, 5], [5, 3]]
+    assert d["rows.dcp_query_start_loc"].dtype == np.int32 and d["obs.tot"].dtype == np.int64
+
+
+def test_issue15_rows_absent_when_never_given_and_bad_ones_dropped(tmp_path):
+    r = Recorder(tmp_path / "a.safetensors", dcp_size=2)
+    r.observe(step=1, site="s", rank=0, seq_lens=[3], num_reqs=1, num_reqs_padded=1, dcp_local_seq_lens=[2])
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        assert r.observe(step=1, site="s", rank=1, seq_lens=[3], num_reqs=1, num_reqs_padded=1,
+                         dcp_local_seq_lens=[1], dcp_tot_seq_lens=np.array([2**40])) == -1
+    d = read_dump(r.close()[0])
+    assert d.n == 1 and not d.has("obs.dqsl") and not d.has("obs.tot")
+
+
+@hostring
+@pytest.mark.kernel
+def test_issue15_rows_through_the_ring_match_the_host_path(tmp_path):
+    """The snapshot path keeps the issue-15 rows (host-copied for now) beside its ring slots, in ROW_FIELDS order."""
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16)
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16)
+    b._use_host_ring(4096)
+    for k, kw in enumerate(_obs_stream(40, 5)):
+        extra = {} if k % 3 == 0 else {"dcp_query_start_loc": torch.arange(k % 5 + 1),
+                                       "dcp_tot_seq_lens": torch.full((k % 4,), k)}
+        assert a.observe(**kw, **extra) == b.observe(**kw, **extra)
+    ca, cb = _columns(a.close()), _columns(b.close())
+    assert {"obs.dqsl", "obs.tot"} <= set(ca) and sorted(ca) == sorted(cb)
+    for key in ca:
+        assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key

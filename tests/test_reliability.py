@@ -171,7 +171,8 @@ def replay_clean(files: list[Path]) -> None:
     from dcptool.replay import replay
 
     res = replay(open_dumps(files), "torch")
-    assert {f.rule for f in res.findings} <= {"missing"}
+    # (gen's two ranks record unrelated batches at one step: rank-agree, issue 15, says so; not a damaged file)
+    assert {f.rule for f in res.findings} <= {"missing", "rank-agree"}
     assert sum(f.rule == "missing" for f in res.findings) == sum(
         gen(i)["dcp_local_seq_lens"] is None for i in range(res.observations))
 

@@ -61,3 +61,147 @@ def test_bounds_cover_everything_once():
     b = scan_mod.bounds(rows, 100)
     assert b[0] == 0 and b[-1] == 6 and (np.diff(b) > 0).all()
     assert scan_mod.bounds(np.array([0]), 100).tolist() == [0]
+
+
+# --------------------------------------------------------------------------------------------
+# The GPU path's pipelined transfer (issue 16 item 3): chunks of whole observations, double-buffered staging.
+# On CPU the same code runs with ordinary buffers (no pinned memory, streams or events) under the interpreter.
+
+CHUNKS = [0, 1, 127, 128, 129, 1000, 5000]
+
+
+def _walk(stage, n_chunks):
+    """Drive a _Stager as _gpu does (load k+1 before using k) and return each chunk's buffers as numpy."""
+    out = []
+    if n_chunks:
+        stage.load(0)
+    for k in range(n_chunks):
+        if k + 1 < n_chunks:
+            stage.load(k + 1)
+        out.append({key: v.cpu().numpy().copy() for key, v in stage.get(k).items()})
+        stage.done(k)
+    stage.close()
+    return out
+
+
+@pytest.mark.parametrize("target", CHUNKS)
+def test_stager_hands_out_every_chunk_whole_and_in_order(tmp_path, monkeypatch, target):
+    """Chunks cut only between observations (a target smaller than an observation still takes it whole),
+    cover every row once, and chunk k's buffers are intact after chunk k+1 was loaded into the other slot;
+    staging copies split across threads (pieces of 7 elements here) land where they belong."""
+    monkeypatch.setattr(scan_mod._Stager, "PIECE", 7)
+    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(3), 80, 4, 2)
+    rows, drows = d["obs.rows"], d["obs.dcp_rows"]
+    b = scan_mod.bounds(rows, target)
+    chunks = list(zip(b[:-1].tolist(), b[1:].tolist()))
+    got = _walk(scan_mod._Stager(d, chunks, torch.device("cpu")), len(chunks))
+    assert [c[0] for c in chunks] == [0] + [c[1] for c in chunks[:-1]] and chunks[-1][1] == d.n
+    if 1 <= target < 128:
+        assert len(chunks) > 40  # nearly one observation a chunk: the slots are reused many times
+    for (lo, hi), g in zip(chunks, got):
+        assert np.array_equal(g["seq"], d["rows.seq_lens"][rows[lo] : rows[hi]])
+        assert np.array_equal(g["dcp"], d["rows.dcp_local_seq_lens"][drows[lo] : drows[hi]])
+        assert np.array_equal(g["kv"], d["rows.kv_pages"][rows[lo] : rows[hi]])
+        assert np.array_equal(g["rows"], rows[lo : hi + 1] - rows[lo])
+        assert np.array_equal(g["drows"], drows[lo : hi + 1] - drows[lo])
+        for key, col in (("nr", "obs.num_reqs"), ("nrp", "obs.num_reqs_padded"), ("rank", "obs.rank")):
+            assert np.array_equal(g[key], d[col][lo:hi])
+    assert sum(g["seq"].size for g in got) == rows[-1]
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("target", CHUNKS)
+def test_triton_scan_in_chunks_equals_reference(tmp_path, monkeypatch, target):
+    monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", target)
+    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(11), 60, 4, 16)
+    want_obs, want = reference_stats(d)
+    got_obs, got = as_array(scan_mod.scan(d, "triton"))
+    assert np.array_equal(got_obs, want_obs) and np.array_equal(got, want) and want_obs.size
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_triton_scan_of_empty_dumps(tmp_path, monkeypatch, n):
+    """No observations, or observations of no rows at all: no chunk to stage, or chunks of nothing."""
+    from dcptool.dump import DumpConfig, write_dump
+
+    monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", 1)
+    z = np.zeros(n, np.int32)
+    cols = {"obs.step": np.arange(n, dtype=np.int64), "obs.site": z, "obs.rank": z, "obs.ubatch": z - 1,
+            "obs.num_reqs": z, "obs.num_reqs_padded": z, "obs.rows": np.zeros(n + 1, np.int64),
+            "rows.seq_lens": np.zeros(0, np.int32), "obs.has_dcp": np.ones(n, np.uint8),
+            "obs.dcp_rows": np.zeros(n + 1, np.int64), "rows.dcp_local_seq_lens": np.zeros(0, np.int32)}
+    write_dump(tmp_path / "e.safetensors", DumpConfig(dcp_size=2, sites=("x",)), cols)
+    d = open_dumps([str(tmp_path / "e.safetensors")])
+    for backend in ("triton", "torch"):
+        assert scan_mod.scan(d, backend).obs.size == 0
+
+
+@pytest.mark.kernel
+def test_triton_scan_of_rollover_files_read_lazily(tmp_path, monkeypatch):
+    """Several files merged lazily (rows gathered from the files per chunk): the staged chunks are those rows."""
+    from test_dump import _rollover
+
+    monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", 700)
+    paths = _rollover(tmp_path, np.random.default_rng(2), n=80, files=3, sorted_steps=False)
+    lazy = open_dumps(paths, bounded=True)
+    want_obs, want = reference_stats(open_dumps(paths, bounded=False))
+    got_obs, got = as_array(scan_mod.scan(lazy, "triton", bounded=True))
+    assert lazy.bounded and np.array_equal(got_obs, want_obs) and np.array_equal(got, want) and want_obs.size
+
+
+def test_auto_picks_the_cpu_below_the_measured_crossover(monkeypatch):
+    from dcptool.replay import resolve_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_backend("auto", scan_mod.GPU_MIN_OBS - 1) == ("torch", "cpu")
+    assert resolve_backend("auto", scan_mod.GPU_MIN_OBS) == ("triton", "cuda")
+    assert resolve_backend("auto") == ("triton", "cuda")  # size unknown: the GPU, as before
+    assert resolve_backend("triton", 10) == ("triton", "cuda")  # asked for by name: always honoured
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_backend("auto", 10**9) == ("torch", "cpu")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_cuda_staging_is_pinned_and_copies_on_a_side_stream(tmp_path):
+    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(4), 200, 4, 16)
+    b = scan_mod.bounds(d["obs.rows"], 500)
+    chunks = list(zip(b[:-1].tolist(), b[1:].tolist()))
+    stage = scan_mod._Stager(d, chunks, torch.device("cuda"))
+    assert all(t.is_pinned() for slot in stage.host for t in slot.values())
+    assert stage.stream != torch.cuda.current_stream()
+    got = _walk(stage, len(chunks))
+    rows = d["obs.rows"]
+    for (lo, hi), g in zip(chunks, got):
+        assert np.array_equal(g["seq"], d["rows.seq_lens"][rows[lo] : rows[hi]])
+
+
+@cuda
+@pytest.mark.parametrize("target", CHUNKS + [1 << 22])
+def test_cuda_scan_in_chunks_equals_reference(tmp_path, monkeypatch, target):
+    monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", target)
+    monkeypatch.setattr(scan_mod._Stager, "PIECE", 1000)  # threaded staging on these small chunks too
+    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(5), 400, 4, 16)
+    want_obs, want = reference_stats(d)
+    got_obs, got = as_array(scan_mod.scan(d, "triton"))
+    assert np.array_equal(got_obs, want_obs) and np.array_equal(got, want) and want_obs.size
+    cpu_obs, cpu = as_array(scan_mod.scan(d, "torch"))
+    assert np.array_equal(got_obs, cpu_obs) and np.array_equal(got, cpu)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_scan_of_rollover_files_read_lazily(tmp_path, monkeypatch, threads):
+    """The CPU scan over lazily merged files (interleaved; few files mapped at once; two threads sharing them)."""
+    from test_dump import _rollover
+
+    import dcptool.dump as dump_mod
+
+    monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 900)
+    monkeypatch.setattr(dump_mod, "_max_open_files", lambda: 2)
+    paths = _rollover(tmp_path, np.random.default_rng(6), n=150, files=5, sorted_steps=False)
+    want_obs, want = reference_stats(open_dumps(paths, bounded=False))
+    got_obs, got = as_array(scan_mod.scan(open_dumps(paths, bounded=True), "torch", bounded=True, threads=threads))
+    assert np.array_equal(got_obs, want_obs) and np.array_equal(got, want) and want_obs.size

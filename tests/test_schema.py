@@ -53,3 +53,52 @@ def test_library_error_is_one_line_exit_2(tmp_path, monkeypatch):
     monkeypatch.setattr(dcptool.replay, "replay", boom)
     r = cli("replay", write(tmp_path / "d.safetensors", [obs()]))
     assert r.returncode == 2 and r.stderr == "dcptool: somewhere deep: past a documented limit\n" and r.stdout == ""
+
+
+# issue 15: obs.dqsl / obs.tot (optional, with their row columns)
+
+
+def _raw(path, cols_change):
+    """A dump of two observations with both issue-15 columns, then `cols_change` applied, written unvalidated."""
+    import numpy as np
+    from conftest import obs
+
+    from dcptool.dump import DumpConfig, encode, pack
+
+    o = [obs(rank=r, dcp_query_start_loc=np.array([0, 1, 2]), dcp_tot_seq_lens=np.array([17, 25])) for r in (0, 1)]
+    cfg, cols = pack(o, DumpConfig(dcp_size=2))
+    cols_change(cols)
+    header, tensors = encode(cfg, cols)
+    path.write_bytes(header + b"".join(a.tobytes() for _, a in tensors))
+    return str(path)
+
+
+@pytest.mark.parametrize("change,key,what", [
+    (lambda c: c.__setitem__("obs.dqsl", c["obs.dqsl"][[0, 2, 1]]), "obs.dqsl", "not monotone"),
+    (lambda c: c.__setitem__("obs.tot", c["obs.tot"] + 1), "obs.tot", "must start at 0"),
+    (lambda c: c.__setitem__("obs.tot", c["obs.tot"][:2]), "obs.tot", "offsets, expected n+1"),
+    (lambda c: c.pop("rows.dcp_query_start_loc"), "rows.dcp_query_start_loc", "goes with obs.dqsl"),
+    (lambda c: c.pop("obs.tot"), "obs.tot", "goes with rows.dcp_tot_seq_lens"),
+    (lambda c: c["rows.dcp_tot_seq_lens"].__setitem__(1, -3), "rows.dcp_tot_seq_lens", "negative length -3"),
+    (lambda c: c["obs.dqsl"].__setitem__(-1, 7), "obs.dqsl", "offsets end at 7 but the rows hold 6"),
+])
+def test_issue15_columns_bad_offsets_and_partners_exit_2_one_line(tmp_path, change, key, what):
+    from conftest import cli
+
+    p = _raw(tmp_path / "bad.safetensors", change)
+    r = cli("replay", p)
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    assert r.stderr.count("\n") == 1 and p in r.stderr and key in r.stderr and what in r.stderr, r.stderr
+
+
+def test_issue15_columns_good_file_reads_and_inspect_lists_them(tmp_path):
+    from conftest import cli
+
+    from dcptool.dump import read_dump
+
+    p = _raw(tmp_path / "ok.safetensors", lambda c: None)
+    d = read_dump(p)
+    assert d.dqsl_of(1).tolist() == [0, 1, 2] and d.tot_of(0).tolist() == [17, 25]
+    r = cli("inspect", p, "--json")
+    assert r.returncode == 0 and {"obs.dqsl", "rows.dcp_query_start_loc", "obs.tot",
+                                  "rows.dcp_tot_seq_lens"} <= set(__import__("json").loads(r.stdout)["optional"])

@@ -12,6 +12,7 @@ from conftest import ROOT, cli, cli_subprocess
 from dcptool.dump import open_dumps, read_dump
 from dcptool.record import Recorder
 from dcptool.replay import replay
+from dcptool.runner import OPT_IN
 from dcptool.simulate import FAULTS, SimConfig, applicability, capture_sizes, simulate
 
 # Small engines (16 requests, 1024-token budget) keep each run quick while still crossing vLLM's
@@ -90,7 +91,8 @@ def test_matrix_fixed_clean_each_fault_exact_legacy_all(row, tmp_path):
     res, d, rr = _run(legacy, tmp_path, "legacy.safetensors")
     _verify(res, d, rr)
     why = applicability(legacy)
-    assert {f for f, r in res.faults.items() if r.applicable} == {f for f, w in why.items() if w is None}
+    # (issue 15's faults are opt-in: --inject only, not the pre-fix ordering legacy models)
+    assert {f for f, r in res.faults.items() if r.applicable} == {f for f, w in why.items() if w is None} - OPT_IN
     for fault in FAULTS:
         if why[fault] is None:
             _verify(*_run(_cfg(row, seed, inject=(fault,)), tmp_path, f"{fault}.safetensors"))
@@ -116,6 +118,9 @@ EXERCISE = {
     "graph-stale": (2, 1, 1, 2, 2, "full", "mtp"),
     "sentinel": (4, 16, 1, 2, 1, "full", "mtp"),
     "flashinfer-global-pages": (8, 1, 1, 0, 1, "none", "mtp"),
+    "dcp-qsl-local": (4, 1, 1, 0, 2, "piecewise", "mtp"),
+    "tot-local": (2, 16, 1, 0, 1, "full", "mtp"),
+    "rank-disagree": (2, 1, 1, 3, 2, "full", "mtp"),
 }
 
 
@@ -240,14 +245,15 @@ def test_cli_done_when_pcp_legacy_then_replay(tmp_path):
     assert {"missing", "stale", "shape", "alias", "padding", "pages"} <= set(summary["by_rule"])
     injected = read_dump(x).injected[0]
     touched = set().union(*map(set, injected.values()))
-    for f in objs[:-1]:
+    found = [o for o in objs if o["type"] == "finding"]  # (issue 17: problem objects come too)
+    for f in found:
         if f["rule"] == "rank-sum":
             assert set(f["detail"]["obs"]) & touched
         else:
             assert f["obs"] in touched
     for fault, idx in injected.items():
         rule = FAULTS[fault][0]
-        assert set(idx) <= {f["obs"] for f in objs[:-1] if f["rule"] in (rule, "shape")}, fault
+        assert set(idx) <= {f["obs"] for f in found if f["rule"] in (rule, "shape")}, fault
 
 
 def test_cli_output_refuses_overwrite_and_json(tmp_path):
@@ -314,7 +320,8 @@ def test_samples_are_small_replayable_and_regenerate_byte_identical(tmp_path):
     assert replay(fixed, "torch").findings == []
     rules = replay(legacy, "torch").by_rule()
     assert {"missing", "stale", "shape", "alias", "padding", "pages"} <= set(rules)
-    assert set(legacy.injected[0]) == {f for f, w in applicability(SimConfig(dcp=4, pcp=2)).items() if w is None}
+    assert set(legacy.injected[0]) == {f for f, w in applicability(SimConfig(dcp=4, pcp=2)).items()
+                                       if w is None} - OPT_IN
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +375,7 @@ def test_fault_labels_in_table_json_and_errors():
     r = run.invoke(app, [*args, "--json"])
     assert r.exit_code == 0, r.output
     rows = [json.loads(x) for x in r.output.splitlines() if '"type": "fault"' in x]
-    assert {x["fault"]: x["where"] for x in rows} == FAULT_WHERE
+    assert {x["fault"]: x["where"] for x in rows} == {f: w for f, w in FAULT_WHERE.items() if f not in OPT_IN}
     r = run.invoke(app, args, env={"COLUMNS": "250"})
     assert "in vLLM" in r.output and "0.27–0.28" in r.output and "main only" in r.output
     r = run.invoke(app, [*args, "--inject", "bogus"])
@@ -398,3 +405,33 @@ def test_0_29_dflash_capture_buffer_is_not_a_fault(tmp_path):
                         num_reqs_padded=num_reqs, dcp_local_seq_lens=view)
     rr = replay(open_dumps([str(tmp_path / "d.safetensors")]), "torch")
     assert [(f.obs, f.rule) for f in rr.findings] == [(1, "shape")]
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 15: the decode path's dcp_query_start_loc / global companion, and the faults of its rules
+
+
+def test_issue15_faults_are_opt_in_not_legacy_and_fixed_records_the_decode_path(tmp_path):
+    assert OPT_IN == {"dcp-qsl-local", "tot-local", "rank-disagree"} and OPT_IN <= set(FAULTS)
+    assert not OPT_IN & set(_cfg(MATRIX[2], 1, pipeline="legacy").faults)
+    res, d, rr = _run(_cfg(MATRIX[5], 1), tmp_path)
+    assert rr.findings == [] and not {"empty-mask", "tot-lens"} & set(rr.skipped)
+    q, t = np.diff(d["obs.dqsl"]), np.diff(d["obs.tot"])
+    assert (q > 0).sum() > 0 and np.array_equal(t[q > 0], q[q > 0] - 1)  # companion: num_decodes rows
+    for i in np.flatnonzero(q > 0)[:50]:  # Q is query_start_loc's prefix, the same on every rank
+        assert np.array_equal(d.dqsl_of(i), d.qsl_of(i)[: q[i]])
+        assert np.array_equal(d.tot_of(i), d.seq_lens_of(i)[: t[i]])
+    sites = {d.site_name(i) for i in np.flatnonzero(q > 0)}
+    assert "prepare_inputs" not in sites and "attn_metadata" in sites  # attention builds only
+
+
+@pytest.mark.parametrize("fault", ["dcp-qsl-local", "tot-local", "rank-disagree"])
+def test_issue15_fault_found_exactly_where_it_touched_per_rank_files_too(fault, tmp_path):
+    for per_rank in (False, True):
+        cfg = _cfg(EXERCISE[fault], 5, inject=(fault,))
+        res = simulate(cfg, tmp_path / f"{per_rank}.safetensors", force=True, per_rank=per_rank)
+        d = open_dumps(res.files)
+        rr = replay(d, "torch")
+        assert res.faults[fault].count > 0
+        _verify(res, d, rr)
+        assert set(rr.by_rule()) == {FAULTS[fault][0]}
