@@ -1,5 +1,5 @@
 """Columnar findings (issue 16 item 2): the FindingTable, lazy messages, and output byte-identical to the
-per-finding Finding objects replay built before (golden outputs captured on main da219d5)."""
+per-finding Finding objects replay built before (golden outputs made by main a364428)."""
 
 from __future__ import annotations
 
