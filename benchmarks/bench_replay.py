@@ -139,7 +139,16 @@ def child_phases(path: str, backend: str) -> dict:
         found += timed("checks", lambda: R.findings_of(d, R.check_ubatch_slice(d)))
     if d.has(*R.RULE["alias"].needs):
         found += timed("checks", lambda: R.findings_of(d, R.check_alias(d)))
+    for rule, name in (("empty-mask", "check_empty_mask"), ("tot-lens", "check_tot_lens"),
+                       ("rank-agree", "check_rank_agree")):  # issue 15's checks, where this version has them
+        check = getattr(R, name, None)
+        if check is not None and rule in R.RULE and d.has(*R.RULE[rule].needs):
+            found += timed("checks", lambda c=check: R.findings_of(d, c(d)))
     timed("checks", obs_grid, d)
+    if hasattr(R, "check_empty_mask"):
+        from dcptool.problems import problems
+
+        timed("findings", problems, d, found.table())
     if d.has(*R.RULE["pages"].needs):
         found += timed("findings", R.check_pages, d, st)
     t = timed("findings", found.table)
