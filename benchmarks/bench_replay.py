@@ -2,6 +2,13 @@
 
     python benchmarks/bench_replay.py                    # 1e4, 1e5, 1e6 (dumps cached in bench-data/)
     python benchmarks/bench_replay.py --sizes 1e4,1e5 --backend torch
+    python benchmarks/bench_replay.py --sizes 1e5,1e6,dense --no-baseline-above 1e5 --phases   # issue 16's set
+
+`dense` is the finding-dense legacy recording of issue 16 (`simulate --dcp 8 --steps 3000 --pipeline
+legacy`: 99,008 observations, 138,839 findings), made once into bench-data/. `--phases` adds the time of
+each replay phase and its cost in observation-scan units (the progress bar's weights, replay.W_*).
+The peak memory of replay is also measured with tracemalloc in a run of its own (numpy's buffers are
+traced): traced peak / dump size is the "≤ 2x the dump" goal.
 
 Each measurement runs in its own child process so its peak memory (ru_maxrss) is its own, and
 times exclude interpreter/torch start-up except the end-to-end CLI run. Prints one table: time,
@@ -97,6 +104,80 @@ def _value_keys(findings) -> list:
                    if f["rule"] in value | {"stale", "global", "wrong-rank", "wrong-interleave", "mismatch"}})
 
 
+def child_phases(path: str, backend: str) -> dict:
+    """Each phase of replay timed alone (warm), as replay runs them; costs per observation, wrong view, finding."""
+    import torch  # noqa: F401
+
+    from dcptool import rules as R
+    from dcptool.dump import open_dumps
+    from dcptool.findings import Collector
+    from dcptool.provenance import Provenance
+    from dcptool.replay import obs_grid, replay
+    from dcptool.scan import scan
+
+    replay(open_dumps([path]), backend)  # warm
+    d = open_dumps([path])
+    T: dict[str, float] = {}
+
+    def timed(name, f, *a):
+        t = time.perf_counter()
+        r = f(*a)
+        T[name] = T.get(name, 0.0) + time.perf_counter() - t
+        return r
+
+    st = timed("scan", scan, d, backend)
+    found = Collector(d)
+    wrong = st.obs[st.n_wrong > 0]
+    prov = Provenance(d)
+    timed("provenance", prov.prepare, wrong)
+    found += timed("provenance", R.check_values, d, prov, st)
+    found += timed("checks", R.check_missing, d)
+    found += timed("checks", R.check_padding, d, st)
+    found += timed("checks", R.check_shape, d)
+    found += timed("checks", lambda: R.findings_of(d, R.check_rank_sum(d, wrong)))
+    if d.has(*R.RULE["ubatch-slice"].needs):
+        found += timed("checks", lambda: R.findings_of(d, R.check_ubatch_slice(d)))
+    if d.has(*R.RULE["alias"].needs):
+        found += timed("checks", lambda: R.findings_of(d, R.check_alias(d)))
+    for rule, name in (("empty-mask", "check_empty_mask"), ("tot-lens", "check_tot_lens"),
+                       ("rank-agree", "check_rank_agree")):  # issue 15's checks, where this version has them
+        check = getattr(R, name, None)
+        if check is not None and rule in R.RULE and d.has(*R.RULE[rule].needs):
+            found += timed("checks", lambda c=check: R.findings_of(d, c(d)))
+    timed("checks", obs_grid, d)
+    if hasattr(R, "check_empty_mask"):
+        from dcptool.problems import problems
+
+        timed("findings", problems, d, found.table())
+    if d.has(*R.RULE["pages"].needs):
+        found += timed("findings", R.check_pages, d, st)
+    t = timed("findings", found.table)
+    lines = timed("json", lambda: sum(1 for _ in t.json_lines()))
+    from dcptool.htmlreport import render_html
+
+    res = replay(d, backend, views=200)
+    timed("html", render_html, res)
+    return {"phases": T, "obs": d.n, "wrong": int(wrong.size), "scanned": int(st.obs.size), "findings": lines,
+            "html_rows": min(lines, 5000), "views": len(res.views)}
+
+
+def child_memory(path: str, backend: str) -> dict:
+    """replay's peak traced memory (tracemalloc: Python objects and numpy's buffers), the dump's read included."""
+    import tracemalloc
+
+    import torch  # noqa: F401
+
+    from dcptool.dump import open_dumps
+    from dcptool.replay import replay
+
+    replay(open_dumps([path]), backend)  # warm: one-time allocations are not the replay's
+    tracemalloc.start()
+    res = replay(open_dumps([path]), backend)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {"traced_peak_mb": peak / 1e6, "findings": len(res.findings)}
+
+
 def child_replay(path: str, backend: str) -> dict:
     import torch  # noqa: F401  (start-up, not measured)
 
@@ -115,7 +196,10 @@ def child_replay(path: str, backend: str) -> dict:
     t = time.perf_counter()
     scan(d, res.backend)  # the row pass alone: every view and page count against the formula
     scan_s = time.perf_counter() - t
-    return {"seconds": sec, "cold": cold, "scan": scan_s, "keys": _value_keys([f.to_json() for f in res.findings]),
+    import json as js
+
+    return {"seconds": sec, "cold": cold, "scan": scan_s,
+            "keys": _value_keys([js.loads(x) for x in res.findings.json_lines()]), "findings": len(res.findings),
             "backend": res.backend, "device": res.device}
 
 
@@ -128,7 +212,9 @@ def child_bounded(path: str, backend: str) -> dict:
 
     t = time.perf_counter()
     res = replay(open_dumps([path], bounded=True), backend, bounded=True)
-    return {"seconds": time.perf_counter() - t, "keys": _value_keys([f.to_json() for f in res.findings])}
+    import json as js
+
+    return {"seconds": time.perf_counter() - t, "keys": _value_keys([js.loads(x) for x in res.findings.json_lines()])}
 
 
 def child_baseline(path: str) -> dict:
@@ -201,57 +287,94 @@ def run_cli(path: str, backend: str) -> dict:
     return {"seconds": sec, "keys": _value_keys([x for x in lines if x["type"] == "finding"]), "peak_mb": peak}
 
 
+def make_dense(path: Path) -> None:
+    """Issue 16's finding-dense recording: vLLM's legacy ordering, DCP 8, 3,000 steps."""
+    subprocess.run([sys.executable, "-m", "dcptool", "simulate", "--dcp", "8", "--steps", "3000", "--pipeline",
+                    "legacy", "-o", str(path), "--force"], check=True, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+UNIT = {"provenance": "wrong", "checks": "obs", "findings": "scanned", "json": "findings", "html": "html_rows"}
+
+
+def print_phases(rows: list) -> None:
+    """Phase times and their cost in observation-scan units per item (the progress bar's weights)."""
+    print()
+    print("| dump | scan s | " + " | ".join(f"{p} s (units per {UNIT[p]})" for p in UNIT) + " |")
+    print("|" + "---|" * (2 + len(UNIT)))
+    for name, r in rows:
+        T = r["phases"]
+        per_obs = T["scan"] / r["obs"]
+        cells = []
+        for p, what in UNIT.items():
+            n = r[what] + (4 * r["views"] if p == "html" else 0)
+            cells.append(f"{T.get(p, 0):.3f} ({T.get(p, 0) / per_obs / max(n, 1):.2f})")
+        print(f"| {name} | {T['scan']:.3f} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="1e4,1e5,1e6")
+    ap.add_argument("--sizes", default="1e4,1e5,1e6", help="observation counts, and `dense` for the legacy recording")
     ap.add_argument("--data", default=str(ROOT / "bench-data"))
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--no-baseline-above", type=float, default=float("inf"),
                     help="skip the per-observation baseline for larger dumps")
+    ap.add_argument("--no-cli", action="store_true", help="skip the end-to-end CLI run")
+    ap.add_argument("--phases", action="store_true", help="also time each phase (the progress bar's weights)")
     args = ap.parse_args()
     Path(args.data).mkdir(exist_ok=True)
-    table = []
-    for size in [int(float(s)) for s in args.sizes.split(",")]:
-        path = Path(args.data) / f"bench-{size}.safetensors"
+    table, phases = [], []
+    for spec in args.sizes.split(","):
+        dense = spec == "dense"
+        path = Path(args.data) / ("legacy-dcp8-3000.safetensors" if dense else f"bench-{int(float(spec))}.safetensors")
         if not path.exists():
             t = time.perf_counter()
-            make_dump(path, size)
+            make_dense(path) if dense else make_dump(path, int(float(spec)))
             print(f"made {path} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t:.1f} s", flush=True)
         mb = path.stat().st_size / 1e6
         p = str(path)
+        from dcptool.dump import read_dump
+
+        size = read_dump(p).n
+        rows = int(read_dump(p)["obs.rows"][-1])
         run_child("load", p)  # warm the page cache once, so every path reads from memory
         load = run_child("load", p)
         lib = run_child("replay", p, args.backend)
+        mem = run_child("memory", p, args.backend)
         bnd = run_child("bounded", p, args.backend)
-        cli = run_cli(p, args.backend)
-        base = run_child("baseline", p) if size <= args.no_baseline_above else None
+        cli = None if args.no_cli else run_cli(p, args.backend)
+        base = run_child("baseline", p) if size <= args.no_baseline_above and not dense else None
         same = [[tuple(k) for k in r["keys"]] for r in (lib, cli, base, bnd) if r]
         if any(s != same[0] for s in same):
-            raise SystemExit(f"findings differ at {size}: lib {len(lib['keys'])}, cli {len(cli['keys'])}, "
-                             f"baseline {len(base['keys']) if base else '-'}")
-        from dcptool.dump import read_dump
-
-        rows = int(read_dump(p)["obs.rows"][-1])
-        table.append((size, rows, mb, load, lib, cli, base, bnd))
+            raise SystemExit(f"findings differ at {spec}: lib {len(lib['keys'])}, "
+                             f"cli {len(cli['keys']) if cli else '-'}, baseline {len(base['keys']) if base else '-'}")
+        if args.phases:
+            phases.append((path.stem, run_child("phases", p, args.backend)))
+        name = "dense legacy" if dense else f"{size:,}"
+        table.append((name, size, rows, mb, load, lib, cli, base, bnd, mem))
         base_s = f"{base['seconds']:.2f} s" if base else "skipped"
-        print(f"{size:>9,} obs: load {load['seconds']:.3f} s, replay {lib['seconds']:.3f} s "
-              f"(first call {lib['cold']:.3f} s, {lib['backend']} on {lib['device']}), cli {cli['seconds']:.2f} s, "
+        cli_s = f"{cli['seconds']:.2f} s" if cli else "skipped"
+        print(f"{name:>12} obs: load {load['seconds']:.3f} s, replay {lib['seconds']:.3f} s "
+              f"(first call {lib['cold']:.3f} s, {lib['backend']} on {lib['device']}), cli {cli_s}, "
               f"baseline {base_s}", flush=True)
     print()
-    print("| obs | rows | dump MB | load s | row scan s | replay s | rows/s | replay CLI s | baseline s "
-          "| peak MB load/replay/base | bounded replay s, peak MB | replay/baseline | scan/load | replay/load "
-          "| findings |")
-    print("|" + "---|" * 15)
-    for size, rows, mb, load, lib, cli, base, bnd in table:
+    print("| dump | obs | findings | dump MB | load s | row scan s | replay s | rows/s | replay CLI s | baseline s "
+          "| peak MB load/replay/base (VmHWM) | replay traced peak MB | bounded replay s, peak MB | replay/baseline "
+          "| scan/load | **replay/load** | **traced peak/dump** |")
+    print("|" + "---|" * 17)
+    for name, size, rows, mb, load, lib, cli, base, bnd, mem in table:
         bs = f"{base['seconds']:.2f}" if base else "-"
         speed = f"{base['seconds'] / lib['seconds']:.0f}x faster" if base else "-"
         bpk = f"{base['peak_mb']:.0f}" if base else "-"
-        print(f"| {size:,} | {rows / 1e6:.1f}M | {mb:.0f} | {load['seconds']:.3f} | {lib['scan']:.3f} | "
-              f"{lib['seconds']:.3f} | "
-              f"{rows / lib['seconds'] / 1e6:.0f}M | {cli['seconds']:.2f} | {bs} | "
-              f"{load['peak_mb']:.0f}/{lib['peak_mb']:.0f}/{bpk} | {bnd['seconds']:.2f}, {bnd['peak_mb']:.0f} | "
-              f"{speed} | {lib['scan'] / load['seconds']:.2f} | "
-              f"{lib['seconds'] / load['seconds']:.2f} | {len(lib['keys'])} |")
+        cs = f"{cli['seconds']:.2f}" if cli else "-"
+        print(f"| {name} | {size:,} | {lib['findings']:,} | {mb:.0f} | {load['seconds']:.3f} | {lib['scan']:.3f} | "
+              f"{lib['seconds']:.3f} | {rows / lib['seconds'] / 1e6:.0f}M | {cs} | {bs} | "
+              f"{load['peak_mb']:.0f}/{lib['peak_mb']:.0f}/{bpk} | {mem['traced_peak_mb']:.0f} | "
+              f"{bnd['seconds']:.2f}, {bnd['peak_mb']:.0f} | {speed} | {lib['scan'] / load['seconds']:.2f} | "
+              f"**{lib['seconds'] / load['seconds']:.2f}** | **{mem['traced_peak_mb'] / mb:.2f}** |")
+    print(f"(backend {table[0][5]['backend']} on {table[0][5]['device']})" if table else "")
+    if phases:
+        print_phases(phases)
 
 
 if __name__ == "__main__":

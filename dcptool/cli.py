@@ -279,14 +279,18 @@ def replay(
     from dcptool.progress import Progress
     from dcptool.replay import replay as run_replay
 
-    with Progress(d.n, "replay", not json_out and sys.stderr.isatty()) as bar:
+    with Progress(d.n, "replay", not json_out and sys.stderr.isatty()) as bar:  # phases: replay.Phases
         res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS,
                          progress=bar, bounded=d.bounded, engine_version=engine_version)
+        if html is not None:  # first: a reader of stdout that stops early (`| head`) must not cost the file
+            from dcptool.htmlreport import html_units
+
+            bar.plan(report=html_units(res, max_findings))
+            bar.phase("report")
+            _write_html(html, res, max_findings, force)
     from dcptool import report
 
     code = 1 if res.errors or (strict and res.warnings) else 0
-    if html is not None:  # first: a reader of stdout that stops early (`| head`) must not cost the file
-        _write_html(html, res, max_findings, force)
     _verdict(code)
     if json_out:
         for line in report.replay_json_lines(res, max_findings):

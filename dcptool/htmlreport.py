@@ -86,7 +86,7 @@ def _e(x) -> str:
 def render_html(res, max_findings: int | None = None) -> str:
     """The whole page as one string: configuration and summary, timeline, findings table, row views."""
     shown = res.findings[: HTML_MAX_FINDINGS if max_findings is None else max_findings]
-    pos = {id(f): k for k, f in enumerate(res.findings)}
+    pos = _positions(res.findings)
     title = "dcptool replay: " + ", ".join(res.files)
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -112,6 +112,21 @@ def render_html(res, max_findings: int | None = None) -> str:
     parts += _views(res, pos, len(shown))
     parts.append(f"<script>{_JS}</script></body></html>\n")
     return "\n".join(parts)
+
+
+def html_units(res, max_findings: int | None = None) -> int:
+    """The progress bar's estimate of render_html's work (replay.W_REPORT per table row and row view)."""
+    from dcptool.replay import W_REPORT
+
+    rows = min(len(res.findings), HTML_MAX_FINDINGS if max_findings is None else max_findings)
+    return round(W_REPORT * (rows + 4 * len(res.views)))
+
+
+def _positions(findings) -> dict[int, int]:
+    """id(Finding) -> its position in the findings, for the Finding objects the row views hold (a FindingTable
+    hands out the same object for a position each time: only those already made are looked at)."""
+    made = findings.made() if hasattr(findings, "made") else dict(enumerate(findings))
+    return {id(f): k for k, f in made.items()}
 
 
 def _finding_ref(k: int | None, text: str, shown: int) -> str:
@@ -286,16 +301,20 @@ def _views(res, pos: dict, shown: int) -> list[str]:
     views = dict(res.views)
     if res.rows_view is not None:
         views.setdefault(res.rows_view.index, res.rows_view)
-    with_findings = len({f.index for f in res.findings})
+    index = np.asarray([f.index for f in res.findings] if isinstance(res.findings, list) else res.findings.index)
+    with_findings = np.unique(index).size
     out.append(f'<p class="note">What each observation holds row by row (as <code>--obs</code> shows it), for the '
                f"first {VIEW_FINDINGS} observations with findings (of {with_findings:,}) and the source observations "
                f"of their stale findings; at most {VIEW_ROWS} rows each, starting near the first wrong row. "
                "Columns r0, r1, ...: the expected local length on each DCP rank (* marks the observation's own "
                "rank).</p>")
     cited: dict[int, list[int]] = {}
-    for k, f in enumerate(res.findings):
-        if f.source is not None:
-            cited.setdefault(f.source.index, []).append(k)
+    if isinstance(res.findings, list):
+        source = np.array([-1 if f.source is None else f.source.index for f in res.findings], np.int64)
+    else:
+        source = res.findings.source
+    for k in np.flatnonzero(source >= 0).tolist():  # the stale findings only
+        cited.setdefault(int(source[k]), []).append(k)
     for i in sorted(views):
         out += _view(views[i], pos, cited.get(i, []), res, shown)
     out.append("</section>")

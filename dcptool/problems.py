@@ -61,6 +61,8 @@ class FindingArrays:
 
 def finding_arrays(findings: list[Finding], sites: tuple[str, ...]) -> FindingArrays:
     """The one adapter from Finding objects to FindingArrays (columnar findings replace this loop)."""
+    if hasattr(findings, "rule_code"):  # a findings.FindingTable: its arrays, no Finding objects
+        return table_arrays(findings, sites)
     site_of = {s: i for i, s in enumerate(sites)}
     extra = [f.site for f in findings if f.site not in site_of]
     sites = tuple(sites) + tuple(dict.fromkeys(extra))
@@ -81,6 +83,18 @@ def finding_arrays(findings: list[Finding], sites: tuple[str, ...]) -> FindingAr
         length=arr(lambda f: f.detail.get("length", -1) if f.rule == "shape" else -1, np.int64),
         claimed_global=arr(lambda f: f.rule == "pages" and f.detail.get("claimed") == f.detail.get("global"), bool),
         sites=sites)
+
+
+def table_arrays(t, sites: tuple[str, ...]) -> FindingArrays:
+    """FindingArrays from a findings.FindingTable's columns (its relations are RELATIONS[1:], -1 for none)."""
+    from dcptool.findings import PAGES, SHAPE
+
+    kind, rule = t.kind, t.rule_code.astype(np.int16)
+    return FindingArrays(rule=rule, relation=(t.relation + 1).astype(np.int8), site=t.site_code.astype(np.int32),
+                         step=t.step, rank=t.rank.astype(np.int32), ubatch=t.ubatch.astype(np.int32), index=t.index,
+                         row=np.where(t.has_row, t.row, -1), wrong_rows=t.wrong_rows,
+                         length=np.where(kind == SHAPE, t.a0, -1),
+                         claimed_global=(kind == PAGES) & (t.recorded == t.a0), sites=tuple(sites))
 
 
 def row_patterns(d: Dump, fa: FindingArrays) -> np.ndarray:

@@ -11,6 +11,10 @@ from dcptool.reference import local_np, ranks_giving
 from dcptool.segments import ragged
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
+MISMATCH, GLOBAL, WRONG_RANK, WRONG_INTERLEAVE, STALE = range(5)  # explain_many's kinds (prepare: 0 = none of 3-5)
+KINDS = ("mismatch", "global", "wrong-rank", "wrong-interleave", "stale")
+_KIND = {k: i for i, k in enumerate(KINDS)}
+_RELATION = {"parent-rows": 0, "earlier-in-step": 1, "earlier-step": 2}  # findings.RELATIONS' order
 
 
 def expected_of(d: Dump, i: int, rows: int | None = None) -> np.ndarray:
@@ -78,6 +82,16 @@ def _mix(v: np.ndarray, j: np.ndarray, salt: int) -> np.ndarray:
         x = (x ^ (x >> np.uint64(27))) * c
         x ^= x >> np.uint64(31)
     return np.where(np.asarray(v) != 0, x, np.uint64(0))
+
+
+# The provenance searches use one 64-bit row hash: every hit is confirmed exactly and a hit that fails
+# falls back to the exact search, so a collision costs time, never a wrong answer (rank-sum, which groups by
+# hash without a fallback, keeps two).
+SALTS = (0,)
+
+
+def _i64(hs: list[np.ndarray]) -> list[np.ndarray]:
+    return [h.view(np.int64) for h in hs]
 
 
 def _seg_sums(h: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -170,6 +184,7 @@ class Provenance:
         self._prepared: set[int] = set()
         self._rows01: tuple[np.ndarray, np.ndarray] | None = None
         self._value: dict[int, tuple[str, dict] | None] = {}  # rules 3-5 per prepared observation (None: none)
+        self._bulk: list[tuple[np.ndarray, ...]] = []  # per prepare call: (obs, in_step, value kind, aux, earlier)
 
     # ----- bulk search
 
@@ -190,12 +205,12 @@ class Provenance:
 
     def _prefix_sums(self, obs: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
         """Hashes of the expected real rows of observations `obs`, as prefix sums: (first row of each
-        observation, [cs0, cs1]) where cs[first + k] - cs[first] hashes its first k rows."""
+        observation, [cs]) where cs[first + k] - cs[first] hashes its first k rows."""
         d, c = self.d, self.d.config
         nr = d["obs.num_reqs"][obs].astype(np.int64)
         seg, j, at = ragged(d["obs.rows"][obs], nr)
         e = local_np(d.take("rows.seq_lens", at), c.dcp_size, d["obs.rank"][obs][seg], c.cp_interleave)
-        cs = [np.concatenate([np.zeros(1, np.uint64), np.cumsum(_mix(e, j, salt), dtype=np.uint64)]) for salt in (0, 1)]
+        cs = [np.concatenate([np.zeros(1, np.uint64), np.cumsum(_mix(e, j, salt), dtype=np.uint64)]) for salt in SALTS]
         return np.cumsum(nr) - nr, cs
 
     def prepare(self, wrong: np.ndarray) -> None:
@@ -215,28 +230,87 @@ class Provenance:
         rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
         seg, j, at = ragged(view[wrong], m)
         rec = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
-        qh = [_seg_sums(_mix(rec, j, s), m) for s in (0, 1)]
+        qh = [_seg_sums(_mix(rec, j, s), m) for s in SALTS]
         starts = np.cumsum(m) - m
         r0 = rec[starts]
         r1 = np.where(m > 1, rec[np.minimum(starts + 1, rec.size - 1)], 0)
         e0, e1 = self._lead()
-        self._search_in_step(wrong, m, qh, r0, rank, step, nr, e0)
-        self._by_values(wrong, m, seg, rec)
-        nz = np.flatnonzero(np.bincount(seg, weights=rec != 0, minlength=wrong.size) > 0)  # strip(rec) not empty
-        self._search_earlier_steps(wrong[nz], [h[nz] for h in qh], r0[nz], r1[nz], rank, step, nr, e0, e1)
+        n = wrong.size
+        in_step, earlier = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        vkind, vaux = np.zeros(n, np.int8), np.zeros(n, np.int64)
+        cand = np.flatnonzero(nr >= 1)
 
-    def _search_in_step(self, q, m, qh, r0, rank, step, nr, e0) -> None:
+        def sub(keep: np.ndarray):
+            rows = keep[seg]
+            return (wrong[keep], m[keep], (np.cumsum(keep) - 1)[seg[rows]], j[rows], rec[rows], [h[keep] for h in qh],
+                    r0[keep], r1[keep])
+
+        # DESIGN §3's precedence, each search only for the views no earlier rule explains: most wrong views of
+        # a pre-fix recording are stale copies of their parent or of an earlier batch of the step
+        todo = ~self._parent_hits(wrong, m)  # 1. (exact, no search)
+        q, mq, sq, jq, rq, hq, r0q, _ = sub(todo)  # 2. earlier in the step
+        c = cand[np.isin(step[cand], step[q])]  # (one key first: a sort of one column, not of three)
+        in_step[todo] = self._search_in_step(q, mq, hq, self._narrow(c, [rank, step, e0], [rank[q], step[q], r0q]))
+        hit = np.flatnonzero(in_step >= 0)
+        todo[hit[self._zero_ext_equal(wrong[hit], m[hit], in_step[hit], m[hit])]] = False
+        q, mq, sq, jq, rq, _, _, _ = sub(todo)  # 3-5. the values
+        vkind[todo], vaux[todo] = self._by_values(q, mq, sq, rq)
+        todo &= (vkind == 0) & (np.bincount(seg, weights=rec != 0, minlength=n) > 0)  # 6. needs strip(rec) non-empty
+        if todo.any():
+            q, mq, sq, jq, rq, hq, r0q, r1q = sub(todo)
+            ls = np.maximum.reduceat(np.where(rq != 0, jq + 1, 0), np.cumsum(mq) - mq)  # len(strip(rec))
+            c = cand[np.isin(e0[cand], r0q)]
+            key = self._narrow(c, [rank, e0, e1, self._strip_lengths(c)], [rank[q], r0q, r1q, ls])
+            earlier[todo] = self._search_earlier_steps(q, hq, key)
+        # the answers as arrays too, for explain_many (wrong is sorted)
+        self._bulk.append((wrong, in_step, vkind, vaux, earlier))
+
+    def _parent_hits(self, q: np.ndarray, m: np.ndarray) -> np.ndarray:
+        """Rule 1 for views q (m recorded real rows each), exactly."""
+        d = self.d
+        out = np.zeros(q.size, bool)
+        if d.has("obs.parent", "obs.req_start"):
+            p, rs = d["obs.parent"][q].astype(np.int64), d["obs.req_start"][q].astype(np.int64)
+            k = np.flatnonzero((p >= 0) & (rs >= 0))
+            out[k] = self._parent_rows(q[k], m[k], p[k], rs[k])
+        return out
+
+    def _strip_lengths(self, obs: np.ndarray) -> np.ndarray:
+        """Per observation (of `obs`, all with num_reqs >= 1; indexed by merged index, 0 elsewhere): its expected
+        real rows' length without trailing zeros. One gather each, plus the rows of the few whose last row is 0."""
+        d, c = self.d, self.d.config
+        nr = d["obs.num_reqs"].astype(np.int64)
+        out = np.zeros(d.n, np.int64)
+        last = local_np(d.take("rows.seq_lens", d["obs.rows"][obs] + nr[obs] - 1), c.dcp_size, d["obs.rank"][obs],
+                        c.cp_interleave)
+        out[obs] = nr[obs]
+        z = obs[last == 0]
+        if z.size:
+            seg, j, at = ragged(d["obs.rows"][z], nr[z])
+            e = local_np(d.take("rows.seq_lens", at), c.dcp_size, d["obs.rank"][z][seg], c.cp_interleave)
+            ln = np.zeros(z.size, np.int64)
+            np.maximum.at(ln, seg, np.where(e != 0, j + 1, 0))
+            out[z] = ln
+        return out
+
+    @staticmethod
+    def _narrow(cand: np.ndarray, c_key: list[np.ndarray], q_key: list[np.ndarray]):
+        """The candidates whose key (columns of c_key at cand) some query has, and the query ids of that key:
+        (candidates, their key ids, the queries' key ids)."""
+        ci, qi = _join([k[cand] for k in c_key], q_key)
+        keep = np.isin(ci, qi)
+        return cand[keep], ci[keep], qi
+
+    def _search_in_step(self, q, m, qh, cands) -> np.ndarray:
         """Rule 2: the latest s < i, same rank and step, num_reqs >= 1, whose expected rows zero-extended
         start with the recorded rows: (a) num_reqs_s >= m and its first m rows hash alike, or
-        (b) num_reqs_s < m and all its rows hash like the recorded ones (the rest are zeros)."""
-        cand = np.flatnonzero(nr >= 1)
-        ci, qi = _join([rank[cand], step[cand], e0[cand]], [rank[q], step[q], r0])
-        keep = np.isin(ci, qi)  # same rank, step and first row as some wrong observation: one group id
-        cand, ci = cand[keep], ci[keep]
+        (b) num_reqs_s < m and all its rows hash like the recorded ones (the rest are zeros).
+        `cands`: _narrow on (rank, step, first expected row)."""
+        cand, ci, qi = cands
         if cand.size == 0:
-            return
+            return np.full(q.size, -1, np.int64)
         first, cs = self._prefix_sums(cand)
-        nrc = nr[cand]
+        nrc = self.d["obs.num_reqs"][cand].astype(np.int64)
         with np.errstate(over="ignore"):
             full = [c[first + nrc] - c[first] for c in cs]
         # (a) each candidate's prefix hash at every length a query of its group has (and it reaches):
@@ -259,19 +333,18 @@ class Provenance:
         k = mq[pos]
         with np.errstate(over="ignore"):
             at = [c[first[sidx] + k] - c[first[sidx]] for c in cs]
-        ca, qa = _join([ci[sidx], k, at[0].view(np.int64), at[1].view(np.int64)],
-                       [qi, m, qh[0].view(np.int64), qh[1].view(np.int64)])
+        ca, qa = _join([ci[sidx], k, *_i64(at)], [qi, m, *_i64(qh)])
         keep = np.isin(ca, qa)
         best = latest_before(ca[keep], cand[sidx][keep], np.zeros(int(keep.sum()), np.int64), qa, q,
                              np.ones(q.size, np.int64))
         # (b) whole rows of shorter candidates: value num_reqs_s must be < m
-        cb, qb = _join([ci, full[0].view(np.int64), full[1].view(np.int64)],
-                       [qi, qh[0].view(np.int64), qh[1].view(np.int64)])
+        cb, qb = _join([ci, *_i64(full)], [qi, *_i64(qh)])
         keep = np.isin(cb, qb)
         best = np.maximum(best, latest_before(cb[keep], cand[keep], nrc[keep], qb, q, m))
         self._in_step.update(zip(q.tolist(), best.tolist()))
+        return best
 
-    def _by_values(self, q, m, seg, rec) -> None:
+    def _by_values(self, q, m, seg, rec) -> tuple[np.ndarray, np.ndarray]:
         """Rules 3-5 for all wrong views at once (row-wise, then one reduction per observation): the
         global lengths; another rank (the interval argument of _other_rank); another interleave."""
         d, c = self.d, self.d.config
@@ -281,43 +354,173 @@ class Provenance:
         rank = d["obs.rank"][q].astype(np.int64)
         starts = np.cumsum(m) - m
 
-        def every_row(ok: np.ndarray) -> np.ndarray:
-            return np.bincount(seg, weights=~ok, minlength=q.size) == 0
+        def every_row(test, views: np.ndarray) -> np.ndarray:
+            """Views (a mask) whose every row passes test(rows), tried on their first row first: most wrong
+            views fail there, and the rest of their rows are not looked at."""
+            views = views.copy()
+            views[views] = test(starts[views])
+            rows = views[seg]
+            if rows.any():
+                at = np.flatnonzero(rows)
+                views &= np.bincount(seg[at], weights=~test(at), minlength=q.size) == 0
+            return views
 
-        glob = every_row(rec == L)
+        alive = np.ones(q.size, bool)
+        glob = every_row(lambda at: rec[at] == L[at], alive)
         lo, hi, ok = ranks_giving(L, rec, N, il)
         a = np.maximum(np.maximum.reduceat(lo, starts), 0)
         b = np.minimum(np.minimum.reduceat(hi, starts), N)
         other = np.where((a < b) & (a != rank), a, np.where((a + 1 < b) & (a + 1 != rank), a + 1, -1))
-        other = np.where(every_row(ok), other, -1)
+        other = np.where(every_row(lambda at: ok[at], other >= 0), other, -1)
         extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
         ils = [x for x in INTERLEAVES + extra if x != il]
         inter = np.full(q.size, -1, np.int64)
-        for x in reversed(ils):  # the first interleave that fits wins
-            inter = np.where(every_row(local_np(L, N, rank[seg], x) == rec), x, inter)
+        todo = ~glob & (other < 0)  # (global and wrong-rank come first)
+        for x in ils:  # the first interleave that fits wins
+            hit = every_row(lambda at, x=x: local_np(L[at], N, rank[seg[at]], x) == rec[at], todo)
+            inter[hit] = x
+            todo &= ~hit
+        kind = np.where(glob, GLOBAL, np.where(other >= 0, WRONG_RANK, np.where(inter >= 0, WRONG_INTERLEAVE, 0)))
+        aux = np.where(glob, 0, np.where(other >= 0, other, np.where(inter >= 0, inter, 0)))
         for i, g, r, x in zip(q.tolist(), glob.tolist(), other.tolist(), inter.tolist()):
             self._value[i] = (("global", {}) if g else ("wrong-rank", {"rank": r}) if r >= 0 else
                               ("wrong-interleave", {"interleave": x}) if x >= 0 else None)
+        return kind.astype(np.int8), aux.astype(np.int64)
 
-    def _search_earlier_steps(self, q, qh, r0, r1, rank, step, nr, e0, e1) -> None:
+    def _search_earlier_steps(self, q, qh, cands) -> np.ndarray:
         """Rule 6: the latest s < i of the same rank in an earlier step whose expected rows equal the
-        recorded ones up to trailing zeros."""
-        if q.size == 0:
-            return
-        cand = np.flatnonzero(nr >= 1)
-        ci, qi = _join([rank[cand], e0[cand], e1[cand]], [rank[q], r0, r1])
-        keep = np.isin(ci, qi)
-        cand, ci = cand[keep], ci[keep]
-        if cand.size == 0:
-            return
+        recorded ones up to trailing zeros. `cands`: _narrow on (rank, expected rows 0 and 1)."""
+        cand, ci, qi = cands
+        if q.size == 0 or cand.size == 0:
+            return np.full(q.size, -1, np.int64)
+        d = self.d
+        step = d["obs.step"]
         first, cs = self._prefix_sums(cand)
         with np.errstate(over="ignore"):
-            full = [c[first + nr[cand]] - c[first] for c in cs]
-        ci, qi = _join([ci, full[0].view(np.int64), full[1].view(np.int64)],
-                       [qi, qh[0].view(np.int64), qh[1].view(np.int64)])
+            full = [c[first + d["obs.num_reqs"][cand].astype(np.int64)] - c[first] for c in cs]
+        ci, qi = _join([ci, *_i64(full)], [qi, *_i64(qh)])
         keep = np.isin(ci, qi)
         best = latest_before(ci[keep], cand[keep], step[cand][keep], qi, q, step[q])
         self._earlier.update(zip(q.tolist(), best.tolist()))
+        return best
+
+    # ----- every wrong view at once
+
+    def explain_many(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`explain` for many observations at once (their wrong views: the recorded real rows), prepared or not:
+        (kind: MISMATCH, GLOBAL, WRONG_RANK, WRONG_INTERLEAVE or STALE; source index, -1 none; relation, an
+        index into RELATIONS, -1 none; aux: the rank of wrong-rank, the interleave of wrong-interleave).
+        Every hit is confirmed row by row in one pass; a view whose hash hit fails to confirm (never seen)
+        takes `explain`'s exact path alone."""
+        d = self.d
+        obs = np.asarray(obs, np.int64)
+        n = obs.size
+        kind = np.zeros(n, np.int8)
+        src, rel, aux = np.full(n, -1, np.int64), np.full(n, -1, np.int64), np.zeros(n, np.int64)
+        if n == 0:
+            return kind, src, rel, aux
+        self.prepare(obs)
+        nr = d["obs.num_reqs"].astype(np.int64)
+        has = d["obs.has_dcp"][obs] == 1
+        m = np.where(has, np.minimum(np.diff(d["obs.dcp_rows"])[obs], nr[obs]), 0)
+        todo = np.ones(n, bool)
+        k = np.flatnonzero(self._parent_hits(obs, m))  # 1. the parent's rows for this slice
+        if k.size:
+            kind[k], src[k], rel[k], todo[k] = STALE, d["obs.parent"][obs[k]], 0, False
+        todo &= ~((m == 0) | ~has)  # no recorded real rows: a mismatch
+        q_all, in_step, vkind, vaux, earlier = self._bulk_answers()
+        pos = np.minimum(np.searchsorted(q_all, obs), max(q_all.size - 1, 0))
+        known = (q_all[pos] == obs) if q_all.size else np.zeros(n, bool)
+        alone = np.flatnonzero(todo & ~known)  # not prepared in bulk (cannot happen after prepare): one at a time
+        todo[alone] = False
+        # 2. earlier in the step: confirm the prefix of the expected rows
+        k = np.flatnonzero(todo)
+        s = in_step[pos[k]] if k.size else np.zeros(0, np.int64)
+        cand = s >= 0
+        ok = self._zero_ext_equal(obs[k[cand]], m[k[cand]], s[cand], m[k[cand]])
+        alone = np.concatenate([alone, k[cand][~ok]])
+        todo[k[cand][~ok]] = False
+        k = k[cand][ok]
+        kind[k], src[k], rel[k], todo[k] = STALE, in_step[pos[k]], 1, False
+        # 3-5. global, another rank, another interleave (decided in prepare)
+        k = np.flatnonzero(todo)
+        v = vkind[pos[k]] if k.size else np.zeros(0, np.int8)
+        k, v = k[v > 0], v[v > 0]
+        kind[k], aux[k], todo[k] = v, vaux[pos[k]], False
+        # 6. an earlier step: the whole expected rows, up to trailing zeros
+        k = np.flatnonzero(todo)
+        s = earlier[pos[k]] if k.size else np.zeros(0, np.int64)
+        step = d["obs.step"]
+        cand = (s >= 0) & (s < obs[k]) & (step[np.maximum(s, 0)] < step[obs[k]])
+        stale = s >= 0
+        ok = self._zero_ext_equal(obs[k[cand]], m[k[cand]], s[cand], np.maximum(nr[s[cand]], m[k[cand]]))
+        good = np.zeros(k.size, bool)
+        good[np.flatnonzero(cand)[ok]] = True
+        alone = np.concatenate([alone, k[stale & ~good]])  # a hit that did not confirm: the exact scan
+        k = k[good]
+        kind[k], src[k], rel[k] = STALE, earlier[pos[k]], 2
+        for t in np.unique(alone).tolist():
+            i = int(obs[t])
+            view = d.dcp_of(i)
+            rule, source, detail = self.explain(i, np.asarray(view[: int(m[t])], np.int64))
+            kind[t] = _KIND[rule]
+            if source is not None:
+                src[t], rel[t] = source.index, _RELATION[source.relation]
+            aux[t] = detail.get("rank", detail.get("interleave", 0))
+        return kind, src, rel, aux
+
+    def _bulk_answers(self) -> tuple[np.ndarray, ...]:
+        if not self._bulk:
+            z = np.zeros(0, np.int64)
+            return z, z, np.zeros(0, np.int8), z, z
+        if len(self._bulk) > 1:
+            cols = [np.concatenate(c) for c in zip(*self._bulk)]
+            order = np.argsort(cols[0], kind="stable")
+            self._bulk = [tuple(c[order] for c in cols)]
+        return self._bulk[0]
+
+    def _recorded(self, q: np.ndarray, m: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows [0, L) of the recorded views of q, zero past m: (segment, row, values)."""
+        d = self.d
+        seg, j, _ = ragged(np.zeros(q.size, np.int64), L)
+        real = j < m[seg]
+        v = np.zeros(j.size, np.int64)
+        v[real] = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][q][seg[real]] + j[real])
+        return seg, j, v
+
+    def _expected_rows(self, s: np.ndarray, seg: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Expected row `pos` of observation s[seg] (0 past its num_reqs), per element."""
+        d, c = self.d, self.d.config
+        ss = s[seg]
+        real = pos < d["obs.num_reqs"][ss]
+        out = np.zeros(pos.size, np.int64)
+        out[real] = local_np(d.take("rows.seq_lens", d["obs.rows"][ss[real]] + pos[real]), c.dcp_size,
+                             d["obs.rank"][ss[real]], c.cp_interleave)
+        return out
+
+    def _zero_ext_equal(self, q: np.ndarray, m: np.ndarray, s: np.ndarray, L: np.ndarray) -> np.ndarray:
+        """Per pair: rows [0, L) of q's recorded view (zero past m) equal s's expected rows (zero past num_reqs)."""
+        if q.size == 0:
+            return np.zeros(0, bool)
+        seg, j, rec = self._recorded(q, m, L)
+        bad = rec != self._expected_rows(s, seg, j)
+        return np.bincount(seg, weights=bad, minlength=q.size) == 0
+
+    def _parent_rows(self, q: np.ndarray, m: np.ndarray, p: np.ndarray, rs: np.ndarray) -> np.ndarray:
+        """Rule 1 per pair: q's recorded rows equal the parent's expected rows [rs, rs + m) (zero-extended), or
+        the parent's recorded rows there (a copy of a parent that was itself wrong is still a copy)."""
+        d = self.d
+        if q.size == 0:
+            return np.zeros(0, bool)
+        seg, j, rec = self._recorded(q, m, m)
+        ok = np.bincount(seg, weights=rec != self._expected_rows(p, seg, rs[seg] + j), minlength=q.size) == 0
+        plen = np.diff(d["obs.dcp_rows"])[p]
+        full = (d["obs.has_dcp"][p] == 1) & (plen - rs >= m)  # pv[rs:rs + m] has all m rows
+        inb = full[seg]
+        pv = np.zeros(j.size, np.int64)
+        pv[inb] = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][p[seg[inb]]] + rs[seg[inb]] + j[inb])
+        copy = full & (np.bincount(seg, weights=pv != rec, minlength=q.size) == 0)
+        return ok | copy
 
     # ----- exact checks
 

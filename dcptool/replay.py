@@ -10,12 +10,12 @@ import numpy as np
 
 from dcptool.choices import Backend, values
 from dcptool.dump import Dump, DumpError
+from dcptool.findings import Collector, FindingTable
 from dcptool.provenance import Provenance, Source, expected_of
 from dcptool.reference import local_np
 from dcptool.rules import (
     PARENT_ROWS_NEEDS,
     RULE,
-    RULE_ORDER,
     RULES,
     SEVERITY,
     Finding,
@@ -105,7 +105,7 @@ class ReplayResult:
     files: list[str]
     config: object
     observations: int
-    findings: list[Finding]
+    findings: FindingTable  # a Sequence of Finding, built as columns (findings.py)
     backend: str
     device: str
     seconds: float
@@ -118,19 +118,27 @@ class ReplayResult:
 
     @property
     def errors(self) -> int:
+        if isinstance(self.findings, FindingTable):
+            return self.findings.count_errors()[0]
         return sum(f.severity == "error" for f in self.findings)
 
     @property
     def warnings(self) -> int:
+        if isinstance(self.findings, FindingTable):
+            return self.findings.count_errors()[1]
         return sum(f.severity == "warning" for f in self.findings)
 
     def by_rule(self) -> dict[str, int]:
+        if isinstance(self.findings, FindingTable):
+            return self.findings.by_rule()
         out: dict[str, int] = {}
         for f in self.findings:
             out[f.rule] = out.get(f.rule, 0) + 1
         return {r: out[r] for r in RULES if r in out}
 
     def by_site(self) -> dict[str, dict[str, int]]:
+        if isinstance(self.findings, FindingTable):
+            return self.findings.by_site()
         out: dict[str, dict[str, int]] = defaultdict(dict)
         for f in self.findings:
             out[f.site][f.rule] = out[f.site].get(f.rule, 0) + 1
@@ -164,20 +172,30 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         check_split(d, split)  # before the scan: an absurd K is bad usage, not an hour of work
     backend, device = resolve_backend(backend, d.n)
     N = c.dcp_size
-    found: list[tuple[int, Finding]] = []
+    found = Collector(d)  # each check's findings as columns (findings.py); messages are rendered when read
     skipped: dict[str, str] = {}
+    bar = Phases(progress)
+    w_checks = W_CHECKS + W_SLICES * d.has(*RULE["ubatch-slice"].needs) + W_ALIAS * d.has(*RULE["alias"].needs)
+    bar.plan(scan=d.n, checks=round(w_checks * d.n), provenance=0, findings=0)
+    bar.phase("scan")
     st = scan(d, backend, bounded=bounded, progress=progress)
+    n_wrong = int((st.n_wrong > 0).sum())
+    bar.plan(provenance=round(W_PROVENANCE * d.n + W_WRONG * n_wrong) if n_wrong else 0,
+             findings=round(W_FINDING * st.obs.size))
     if N > 1:
+        bar.phase("provenance")
         found += check_missing(d)
         prov = Provenance(d)
         wrong = st.obs[st.n_wrong > 0]
         if wrong.size:  # every wrong view's sources are searched at once (a clean dump pays nothing)
             prov.prepare(wrong)
         found += check_values(d, prov, st)
+        bar.phase("checks")
         found += check_padding(d, st)
         found += check_shape(d)
         found += findings_of(d, check_rank_sum(d, wrong))
     else:
+        bar.phase("checks")
         found += check_stray(d)
         skipped["rank-sum"] = "dcp_size is 1"
     if d.has(*RULE["ubatch-slice"].needs):
@@ -192,6 +210,8 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
             skipped["alias/graph"] = "needs obs.graph for capture/replay pairs"
     else:
         skipped["alias"] = "needs obs.buffer"
+    grid = obs_grid(d)
+    bar.phase("findings")
     if d.has(*RULE["pages"].needs):
         found += check_pages(d, st)
     else:
@@ -214,21 +234,56 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         found += findings_of(d, check_slot_partition(d))
     else:
         skipped["slots"] = "needs the slot columns (obs.slots, rows.positions, rows.slot_mapping, rows.slot_group)"
-    found.sort(key=lambda t: (t[0], RULE_ORDER[t[1].rule]))
-    res = ReplayResult(files=d.files, config=c, observations=d.n, findings=[f for _, f in found], backend=backend,
-                       device=device, seconds=0.0, skipped=skipped, grid=obs_grid(d))
+    res = ReplayResult(files=d.files, config=c, observations=d.n, findings=found.table(), backend=backend,
+                       device=device, seconds=0.0, skipped=skipped, grid=grid)
     if split is not None:
         res.splits = splits(d, split, version)
         res.findings = merge_split_findings(d, res.findings, res.splits)
     if obs is not None:
-        res.rows_view = rows_view(d, obs, [f for f in res.findings if f.index == obs])
+        res.rows_view = rows_view(d, obs, [res.findings[int(k)] for k in np.flatnonzero(res.findings.index == obs)])
     if views > 0:
         res.views = finding_views(d, res.findings, views)
     from dcptool.problems import problems
 
     res.problems = problems(d, res.findings, version)
+    bar.done("findings")
     res.seconds = time.perf_counter() - t0
     return res
+
+
+# The progress bar's phase weights (progress.PHASES), in observation-scan equivalents: what one more
+# observation, wrong view or finding costs in that phase against the scan of one observation, measured with
+# `benchmarks/bench_replay.py --phases` on the 1%-findings dumps and the dense legacy recording (CPU, numpy
+# scan; docs/performance.md "The progress bar"). Estimates: the bar moves in proportion to the work left.
+W_CHECKS = 0.2  # per observation: missing, padding, shape, rank-sum, the timeline grid
+W_SLICES = 1.2  # per observation, more when the dump has micro-batch slices (ubatch-slice)
+W_ALIAS = 0.5  # per observation, more when it records buffers (alias)
+W_PROVENANCE = 0.1  # per observation when some view is wrong: the joins' one-column pre-filters
+W_WRONG = 8.0  # per wrong view: the bulk provenance search and its confirmation
+W_FINDING = 0.2  # per observation with a finding from the scan: building the columns
+W_REPORT = 30.0  # per finding the HTML page lays out (cli.py)
+
+
+class Phases:
+    """Phase calls on a progress bar that has them (progress.Progress); nothing on a plain `progress(k)`
+    callable or None, so library callers keep passing either."""
+
+    def __init__(self, progress):
+        self.p = progress if hasattr(progress, "phase") else None
+
+    def plan(self, **units: int) -> None:
+        if self.p is not None:
+            self.p.plan(**units)
+
+    def phase(self, name: str) -> None:
+        if self.p is not None:
+            self.p.phase(name)
+
+    def done(self, name: str) -> None:
+        """Phase `name` is over (the next one, if planned, has not started)."""
+        if self.p is not None:
+            self.p.phase(name)
+            self.p(self.p.total)
 
 
 def resolve_backend(name: str, observations: int | None = None) -> tuple[str, str]:
@@ -357,19 +412,24 @@ def obs_grid(d: Dump) -> ObsGrid:
                    ubatch=u[first].astype(np.int32), count=count.astype(np.int64))
 
 
-def finding_views(d: Dump, findings: list[Finding], limit: int) -> dict[int, RowsView]:
+def finding_views(d: Dump, findings: FindingTable, limit: int) -> dict[int, RowsView]:
     """Row views of the first `limit` observations with findings, plus the sources of their stale findings,
     within VIEW_BUDGET cells in all (a view's size is set by recorded numbers: see view_cells)."""
-    by_obs: dict[int, list[Finding]] = defaultdict(list)
-    for f in findings:  # per finding, to hand each view its own findings
-        by_obs[f.index].append(f)
-    want = list(by_obs)[:limit]
-    sources = [f.source.index for i in want for f in by_obs[i] if f.source is not None]
+    index = findings.index
+    uniq, first = np.unique(index, return_index=True)
+    want = uniq[np.argsort(first, kind="stable")][:limit]  # observations with findings, in report order
+    at = np.flatnonzero(np.isin(index, want))  # their findings, in report order
+    src = findings.source[at]
+    sources = src[src >= 0]
     out: dict[int, RowsView] = {}
     budget = VIEW_BUDGET
-    for i in dict.fromkeys(want + sources):  # observations with findings first, then sources, in order
+    mine = {int(i): [] for i in want}
+    for k in at.tolist():
+        mine[int(index[k])].append(k)
+    for i in dict.fromkeys(want.tolist() + sources.tolist()):  # observations with findings first, then sources
         cells = view_cells(d, i)
         if cells <= min(budget, MAX_VIEW_CELLS):
             budget -= cells
-            out[i] = rows_view(d, i, by_obs.get(i, []))
+            ks = mine.get(i, np.flatnonzero(index == i).tolist())
+            out[i] = rows_view(d, i, [findings[k] for k in ks])
     return dict(sorted(out.items()))

@@ -340,8 +340,11 @@ def replay_json_lines(res, max_findings: int | None = None) -> Iterator[str]:
     if res.rows_view is not None:
         yield json.dumps(res.rows_view.to_json())
     shown = res.findings if max_findings is None else res.findings[:max_findings]
-    for f in shown:
-        yield json.dumps(f.to_json())
+    if hasattr(shown, "json_lines"):  # a FindingTable: streamed from its columns, no Finding objects
+        yield from shown.json_lines()
+    else:
+        for f in shown:
+            yield json.dumps(f.to_json())
     yield from problem_json_lines(getattr(res, "problems", []))
     yield json.dumps(res.summary_json())
 

@@ -4,21 +4,33 @@ detection, message and fault in one file, found from its name).
 The table says per rule: severity, its one-letter timeline code, the columns it needs (without them the
 check is skipped and the report says so), the check that detects it, and the simulated faults (runner.py /
 simulate.py) that must produce it. Checks are vectorised over the dump with numpy (sorts, gathers,
-segment reductions); Python runs only per problem found. A finding's message says what is wrong; where
-(step, site, rank, micro-batch) is a field that renderers compose (Finding.where, Finding.message).
+segment reductions); Python runs only per problem found. The checks that find many (the row checks) hand
+back a findings.FindingTable of columns whose messages are rendered only when read; the others return Issue
+lists (findings_of turns them into a table). A finding's message says what is wrong; where (step, site,
+rank, micro-batch) is a field that renderers compose (Finding.where, Finding.message).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from dcptool.dump import Dump
-from dcptool.provenance import Provenance, Source, expected_of
-from dcptool.reference import local_of
+from dcptool.findings import (
+    ALIAS_GRAPH,
+    ALIAS_UB,
+    MISSING,
+    PADDING,
+    PAGES,
+    SHAPE,
+    STRAY,
+    VALUE,
+    Finding,  # noqa: F401 - rules.Finding, as before
+    FindingTable,
+)
+from dcptool.provenance import KINDS, Provenance
+from dcptool.reference import local_np, local_of
 from dcptool.schema import GraphMode
 from dcptool.segments import ragged
 from dcptool.slicing import (
@@ -96,157 +108,63 @@ class Issue(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------
-# Findings
+# Findings: built as columns (findings.FindingTable), their messages rendered only when read
 
 
-@dataclass(frozen=True)
-class Finding:
-    rule: str
-    index: int  # position in the merged dump (observation order)
-    obs: int  # index in its file
-    file: str
-    step: int
-    site: str
-    rank: int
-    ubatch: int
-    row: int | None
-    recorded: int | None
-    expected: int | None
-    wrong_rows: int
-    text: str  # what is wrong; `message` prefixes where
-    source: Source | None = None
-    detail: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def severity(self) -> str:
-        return SEVERITY[self.rule]
-
-    @property
-    def where(self) -> str:
-        return f"step {self.step} {self.site} rank {self.rank}" + (f" ubatch {self.ubatch}" if self.ubatch >= 0 else "")
-
-    @property
-    def message(self) -> str:
-        """The one-line message: where, then what (the JSON "message")."""
-        return f"{self.where}: {self.text}"
-
-    def to_json(self) -> dict:
-        return {"type": "finding", "rule": self.rule, "severity": self.severity, "obs": self.obs,
-                "file": self.file, "step": self.step, "site": self.site, "rank": self.rank,
-                "ubatch": self.ubatch, "row": self.row, "recorded": self.recorded, "expected": self.expected,
-                "wrong_rows": self.wrong_rows, "source": None if self.source is None else self.source.to_json(),
-                "detail": self.detail, "message": self.message}
-
-
-def _mk(d: Dump, i: int, rule: str, text: str, *, row=None, recorded=None, expected=None, wrong_rows=0,
-        source=None, detail=None) -> Finding:
-    return Finding(rule=rule, index=int(i), obs=int(d.file_obs[i]), file=d.file_of(i), step=int(d["obs.step"][i]),
-                   site=d.site_name(i), rank=int(d["obs.rank"][i]), ubatch=int(d["obs.ubatch"][i]),
-                   row=None if row is None else int(row), recorded=None if recorded is None else int(recorded),
-                   expected=None if expected is None else int(expected), wrong_rows=int(wrong_rows),
-                   text=text, source=source, detail=detail or {})
-
-
-_EXPLAIN = {
-    "parent-rows": "copied from the parent batch (obs {obs}, {site}); recompute from the micro-batch's own seq_lens",
-    "earlier-in-step": "derived from an earlier batch of this step (obs {obs}, {site}), e.g. the global batch "
-                       "before the PCP partition; compute it from the final batch",
-    "earlier-step": "left over from step {step} (obs {obs}, {site}); the buffer was not refreshed "
-                    "(e.g. baked into a CUDA graph)",
-}
-
-
-def _value_finding(d: Dump, prov: Provenance, i: int, n_wrong: int, first: int) -> Finding:
-    c = d.config
-    nr = int(d["obs.num_reqs"][i])
-    view = d.dcp_of(i)
-    rec = np.asarray(view[: min(view.size, nr)], np.int64)
-    exp = expected_of(d, i, nr)
-    rule, src, detail = prov.explain(i, rec)
-    kw = dict(row=first, recorded=rec[first], expected=exp[first], wrong_rows=n_wrong, source=src, detail=detail)
-    rows = f"row {first} is {rec[first]}, expected {exp[first]} ({n_wrong} wrong row{'s' if n_wrong > 1 else ''})"
-    if rule == "stale":
-        why = _EXPLAIN[src.relation].format(obs=src.obs, site=src.site, step=src.step)
-        msg = f"stale DCP view, {why}; {rows}"
-    elif rule == "global":
-        msg = f"DCP view holds the global seq_lens, not this rank's local lengths; {rows}"
-    elif rule == "wrong-rank":
-        msg = f"DCP view holds rank {detail['rank']}'s local lengths; pass this rank's dcp_rank; {rows}"
-    elif rule == "wrong-interleave":
-        msg = (f"DCP view was computed with interleave {detail['interleave']}, the dump's is "
-               f"{c.cp_interleave} (check cp_kv_cache_interleave_size); {rows}")
-    else:
-        msg = rows
-    return _mk(d, i, rule, msg, **kw)
-
-
-def _page_finding(d: Dump, i: int, n_bad: int, j: int) -> Finding:
-    c = d.config
-    page = c.page_size
-    seq = int(d.seq_lens_of(i)[j])
-    local = local_of(seq, int(d["obs.rank"][i]), c.dcp_size, c.cp_interleave)  # Python ints: no numpy call
-    claimed, ok, glob = int(d.kv_pages_of(i)[j]), -(-local // page), -(-seq // page)
-    why = " = the global count: page counts were computed from the global length" if claimed == glob else ""
-    msg = (f"attention plan claims {claimed} pages for row {j}{why}; this rank owns {ok} "
-           f"(cdiv(local {local}, {page}))")
-    return _mk(d, i, "pages", msg, row=j, recorded=claimed, expected=ok, wrong_rows=n_bad,
-               detail={"claimed": claimed, "allowed": ok, "global": glob})
-
-
-def check_values(d: Dump, prov: Provenance, st: Stats) -> list[tuple[int, Finding]]:
+def check_values(d: Dump, prov: Provenance, st: Stats) -> FindingTable:
     """Wrong real rows (the scan's n_wrong): explained by provenance (stale, global, wrong-rank,
-    wrong-interleave) or a mismatch; `prov` has been prepared for these observations."""
-    return [(i, _value_finding(d, prov, i, n, j))
-            for i, n, j in d.every(zip(st.obs.tolist(), st.n_wrong.tolist(), st.first_wrong.tolist())) if n]
+    wrong-interleave) or a mismatch, all at once; `prov` has been prepared for these observations."""
+    k = st.n_wrong > 0
+    i, first = st.obs[k].astype(np.int64), st.first_wrong[k].astype(np.int64)
+    c = d.config
+    rec = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][i] + first).astype(np.int64)
+    exp = local_np(d.take("rows.seq_lens", d["obs.rows"][i] + first), c.dcp_size, d["obs.rank"][i], c.cp_interleave)
+    kind, src, rel, aux = prov.explain_many(i)
+    rule = np.array([RULES.index(k) for k in KINDS], np.int8)[kind]
+    return FindingTable.build(d, i, rule, VALUE, row=first, recorded=rec, expected=exp, wrong_rows=st.n_wrong[k],
+                              source=src, relation=rel, a0=aux)
 
 
-def check_missing(d: Dump) -> list[tuple[int, Finding]]:
-    found = []
-    for i in np.flatnonzero(~d["obs.has_dcp"].astype(bool)):
-        msg = (f"dcp_local_seq_lens is None with dcp_size {d.config.dcp_size}; attention metadata would fail "
-               "with 'NoneType' object is not subscriptable")
-        found.append((int(i), _mk(d, i, "missing", msg)))
-    return found
+def check_missing(d: Dump) -> FindingTable:
+    return FindingTable.build(d, np.flatnonzero(~d["obs.has_dcp"].astype(bool)), "missing", MISSING)
 
 
-def check_padding(d: Dump, st: Stats) -> list[tuple[int, Finding]]:
-    found = []
-    for i, n, j in d.every(zip(st.obs.tolist(), st.n_pad.tolist(), st.first_pad.tolist())):
-        if n:
-            rec = int(d.dcp_of(i)[j])
-            msg = (f"padded row {j} holds {rec}, must be 0 "
-                   f"({n} bad padded row(s); rows >= num_reqs {int(d['obs.num_reqs'][i])})")
-            found.append((i, _mk(d, i, "padding", msg, row=j, recorded=rec, expected=0, wrong_rows=n)))
-    return found
+def check_padding(d: Dump, st: Stats) -> FindingTable:
+    k = st.n_pad > 0
+    i, j = st.obs[k].astype(np.int64), st.first_pad[k].astype(np.int64)
+    rec = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][i] + j)
+    return FindingTable.build(d, i, "padding", PADDING, row=j, recorded=rec, expected=0, wrong_rows=st.n_pad[k],
+                              a0=d["obs.num_reqs"][i])
 
 
-def check_shape(d: Dump) -> list[tuple[int, Finding]]:
-    found = []
+def check_shape(d: Dump) -> FindingTable:
     has = d["obs.has_dcp"].astype(bool)
     nrp = d["obs.num_reqs_padded"]
     dlen = np.diff(d["obs.dcp_rows"])
-    for i in np.flatnonzero(has & (dlen != nrp)):
-        msg = f"DCP view has {int(dlen[i])} rows, must have num_reqs_padded = {int(nrp[i])}"
-        found.append((int(i), _mk(d, i, "shape", msg, detail={"length": int(dlen[i]),
-                                                              "expected_length": int(nrp[i])})))
-    return found
+    i = np.flatnonzero(has & (dlen != nrp))
+    return FindingTable.build(d, i, "shape", SHAPE, a0=dlen[i], a1=nrp[i])
 
 
-def check_stray(d: Dump) -> list[tuple[int, Finding]]:
-    found = []
-    for i in np.flatnonzero(d["obs.has_dcp"].astype(bool)):
-        msg = "a DCP view is present with dcp_size 1; the engine should pass None"
-        found.append((int(i), _mk(d, i, "stray", msg)))
-    return found
+def check_stray(d: Dump) -> FindingTable:
+    return FindingTable.build(d, np.flatnonzero(d["obs.has_dcp"].astype(bool)), "stray", STRAY)
 
 
-def check_pages(d: Dump, st: Stats) -> list[tuple[int, Finding]]:
-    return [(i, _page_finding(d, i, n, j))
-            for i, n, j in d.every(zip(st.obs.tolist(), st.n_pages.tolist(), st.first_pages.tolist())) if n]
+def check_pages(d: Dump, st: Stats) -> FindingTable:
+    c = d.config
+    k = st.n_pages > 0
+    i, j = st.obs[k].astype(np.int64), st.first_pages[k].astype(np.int64)
+    page = c.page_size
+    seq = d.take("rows.seq_lens", d["obs.rows"][i] + j).astype(np.int64)
+    local = local_np(seq, c.dcp_size, d["obs.rank"][i], c.cp_interleave)
+    claimed = d.take("rows.kv_pages", d["obs.rows"][i] + j).astype(np.int64)
+    return FindingTable.build(d, i, "pages", PAGES, row=j, recorded=claimed, expected=-(-local // page),
+                              wrong_rows=st.n_pages[k], a0=-(-seq // page), a1=local)
 
 
-def findings_of(d: Dump, issues: list[Issue]) -> list[tuple[int, Finding]]:
-    return [(i, _mk(d, i, rule, text, **kw)) for i, rule, text, kw in issues]
+def findings_of(d: Dump, issues: list[Issue] | FindingTable) -> FindingTable:
+    """A check's Issues as findings (their texts and details kept as written); a check that finds many may
+    build its FindingTable itself (check_alias), which passes through."""
+    return issues if isinstance(issues, FindingTable) else FindingTable.from_issues(d, issues)
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,10 +190,11 @@ def _segments(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return order, run
 
 
-def check_alias(d: Dump) -> list[Issue]:
+def check_alias(d: Dump) -> FindingTable:
     """Micro-batches of one step sharing a DCP buffer; full-graph replays reading another buffer
-    than their capture (same file, rank, num_reqs_padded and micro-batch)."""
-    out: list[Issue] = []
+    than their capture (same file, rank, num_reqs_padded and micro-batch). A dense recording has one on a
+    quarter of its observations: built as columns, messages rendered when read (findings.ALIAS_*)."""
+    out: list[FindingTable] = []
     buf, ub, has = d["obs.buffer"], d["obs.ubatch"].astype(np.int64), d["obs.has_dcp"]
     fidx, rank, step = d.file_index.astype(np.int64), d["obs.rank"].astype(np.int64), d["obs.step"]
     sel = np.flatnonzero((ub >= 0) & (has == 1) & (buf != 0))
@@ -284,11 +203,8 @@ def check_alias(d: Dump) -> list[Issue]:
         s = sel[order]
         # same step, rank and buffer as an earlier member of its run, but another micro-batch
         first = s[run]
-        for k in np.flatnonzero(ub[s] != ub[first]):
-            i, j = int(s[k]), int(first[k])
-            msg = (f"micro-batch {int(ub[i])} reads the same DCP buffer as micro-batch {int(ub[j])} "
-                   f"(obs {int(d.file_obs[j])}); each micro-batch needs its own buffer")
-            out.append(Issue(i, "alias", msg, {"detail": {"buffer": int(buf[i]), "other_obs": int(d.file_obs[j])}}))
+        k = np.flatnonzero(ub[s] != ub[first])
+        out.append(FindingTable.build(d, s[k], "alias", ALIAS_UB, a0=first[k]))
     if "obs.graph" in d.columns:
         g = d["obs.graph"]
         sel = np.flatnonzero(((g == CAPTURE) | (g == REPLAY)) & (buf != 0))
@@ -309,13 +225,8 @@ def check_alias(d: Dump) -> list[Issue]:
             pos = np.arange(s.size)
             last = np.maximum.accumulate(np.where(g[s] == CAPTURE, pos, run - 1))  # latest capture in the run so far
             bad = np.flatnonzero((g[s] == REPLAY) & (last >= run) & (first_cap[pair[order]] > s))
-            for k in bad:
-                i, j = int(s[k]), int(s[last[k]])
-                msg = (f"full-graph replay reads DCP buffer {int(buf[i]):#x} but the graph was "
-                       f"captured on {int(buf[j]):#x} (obs {int(d.file_obs[j])}); the replay sees stale values")
-                out.append(Issue(i, "alias", msg, {"detail": {"buffer": int(buf[i]), "captured": int(buf[j]),
-                                                         "capture_obs": int(d.file_obs[j])}}))
-    return out
+            out.append(FindingTable.build(d, s[bad], "alias", ALIAS_GRAPH, a0=s[last[bad]]))
+    return FindingTable.concat(d, out)
 
 
 def _kth_per_rank(batch: np.ndarray, rank: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -350,6 +261,7 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     nr = d["obs.num_reqs"].astype(np.int64)
     key = [d["obs.step"], d["obs.site"].astype(np.int64), d["obs.ubatch"].astype(np.int64), nr]
     has = np.flatnonzero(d["obs.has_dcp"] == 1)
+    has = has[np.isin(key[0][has], key[0][wrong])]  # (the step alone first: a sort of one column, not of four)
     ci, qi = _join([k[has] for k in key], [k[wrong] for k in key])
     m = has[np.isin(ci, qi)]  # recorded with a view, in a (step, site, ubatch, num_reqs) of a wrong one
     seg, j, at = ragged(d["obs.rows"][m], nr[m])
@@ -531,19 +443,19 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue
     return out
 
 
-def merge_split_findings(d: Dump, findings: list[Finding], splits: list) -> list[Finding]:
+def merge_split_findings(d: Dump, findings: FindingTable, splits: list) -> FindingTable:
     """Recorded micro-batches of a re-split batch (`--split`: replay.Split) must match the split
     (else `ubatch-slice`)."""
     if not d.has("obs.parent") or not splits:
         return findings
     by_parent = {(s.parent, s.ubatch): s for s in splits}
-    have = {(f.index, f.rule) for f in findings}
-    extra = []
+    have = set(findings.index[findings.rule_code == RULES.index("ubatch-slice")].tolist())
+    extra: list[Issue] = []
     k = max(x.ubatch for x in splits) + 1
     par, ub = d["obs.parent"], d["obs.ubatch"]
     for i in np.flatnonzero((ub >= 0) & (par >= 0)):
         s = by_parent.get((int(par[i]), int(ub[i])))
-        if s is None or (int(i), "ubatch-slice") in have:
+        if s is None or int(i) in have:
             continue
         got = {"num_reqs_padded": int(d["obs.num_reqs_padded"][i]), "num_reqs": int(d["obs.num_reqs"][i])}
         for key, attr in (("obs.req_start", "req_start"), ("obs.tok_start", "tok_start"), ("obs.tok_stop", "tok_stop")):
@@ -554,11 +466,11 @@ def merge_split_findings(d: Dump, findings: list[Finding], splits: list) -> list
             f, rec, want = bad
             msg = (f"recorded micro-batch disagrees with --split {k} of its parent "
                    f"(obs {s.parent_obs}): {f} is {rec}, the split gives {want}")
-            detail = {"field": f, "parent_obs": s.parent_obs, "split": True}
-            extra.append(_mk(d, i, "ubatch-slice", msg, detail=detail))
+            extra.append(Issue(int(i), "ubatch-slice", msg, {"detail": {"field": f, "parent_obs": s.parent_obs,
+                                                                        "split": True}}))
     if not extra:
         return findings
-    return sorted(findings + extra, key=lambda f: (f.index, RULE_ORDER[f.rule]))
+    return FindingTable.concat(d, [findings, findings_of(d, extra)])
 
 
 
@@ -1010,7 +922,7 @@ def _obs_chunks(lens: np.ndarray, step: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
 
 
-def _rows_differ(d: Dump, offs_key: str, rows_key: str, other: np.ndarray, step: int = 1 << 18) -> np.ndarray:
+def _rows_differ(d: Dump, offs_key: str, rows_key: str, other: np.ndarray, step: int = 1 << 16) -> np.ndarray:
     """For each observation i: its rows differ from observation other[i]'s (length or any value); exact, in
     chunks of about `step` rows (pages released in a bounded dump)."""
     offs = d[offs_key]
@@ -1026,7 +938,7 @@ def _rows_differ(d: Dump, offs_key: str, rows_key: str, other: np.ndarray, step:
     return out
 
 
-def _row_hashes(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, step: int = 1 << 18) -> np.ndarray:
+def _row_hashes(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, step: int = 1 << 16) -> np.ndarray:
     """A 64-bit hash of the rows of each observation in idx (value and position; a 0 hashes like any
     value), in chunks of about `step` rows so a huge dump is hashed in bounded memory."""
     from dcptool.provenance import _mix, _seg_sums

@@ -81,11 +81,9 @@ def timeline(res, max_columns: int) -> Timeline | None:
     g = res.grid
     if g is None or g.count.size == 0:
         return None
-    site_of = {s: i for i, s in enumerate(res.config.sites)}
-    rule_of = {r: i for i, r in enumerate(RULES)}
-    nf = len(res.findings)
-    fa = np.array([(site_of[f.site], f.rank, f.step, f.ubatch, rule_of[f.rule]) for f in res.findings],
-                  np.int64).reshape(nf, 5)
+    from dcptool.findings import finding_columns
+
+    fa = finding_columns(res.findings, res.config)  # from the columns: no Finding object per finding
     # rows: distinct (site, rank), compared as columns (no packing into one integer)
     site = np.concatenate([g.site.astype(np.int64), fa[:, 0]])
     rank = np.concatenate([g.rank.astype(np.int64), fa[:, 1]])

@@ -1,0 +1,561 @@
+"""Findings as columns (issue 16 item 2): one numpy array per field, messages rendered only for what is shown.
+
+A dense recording has a finding on most observations (138,839 in 99,008 observations of `simulate --dcp 8
+--pipeline legacy`); building a Finding object and its message for each cost more than the scan. The checks
+hand their results over as arrays (or as rules.Issue lists, for the checks that find few), a FindingTable
+holds them as columns, and a Finding object with its message is made only when a finding is read one at a
+time: the text report's first 100, the HTML table, a test. Vectorised consumers (counts, the timeline) read
+the arrays; the JSON Lines writer streams from the columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dcptool.provenance import Source
+
+if TYPE_CHECKING:
+    from dcptool.dump import Dump
+
+RELATIONS = ("parent-rows", "earlier-in-step", "earlier-step")  # Source.relation, by code
+
+
+def _rules():
+    from dcptool.rules import RULES, SEVERITY  # (rules imports this module: resolved at call time)
+
+    return RULES, SEVERITY
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    index: int  # position in the merged dump (observation order)
+    obs: int  # index in its file
+    file: str
+    step: int
+    site: str
+    rank: int
+    ubatch: int
+    row: int | None
+    recorded: int | None
+    expected: int | None
+    wrong_rows: int
+    text: str  # what is wrong; `message` prefixes where
+    source: Source | None = None
+    detail: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def severity(self) -> str:
+        return _rules()[1][self.rule]
+
+    @property
+    def where(self) -> str:
+        return f"step {self.step} {self.site} rank {self.rank}" + (f" ubatch {self.ubatch}" if self.ubatch >= 0 else "")
+
+    @property
+    def message(self) -> str:
+        """The one-line message: where, then what (the JSON "message")."""
+        return f"{self.where}: {self.text}"
+
+    def to_json(self) -> dict:
+        return {"type": "finding", "rule": self.rule, "severity": self.severity, "obs": self.obs,
+                "file": self.file, "step": self.step, "site": self.site, "rank": self.rank,
+                "ubatch": self.ubatch, "row": self.row, "recorded": self.recorded, "expected": self.expected,
+                "wrong_rows": self.wrong_rows, "source": None if self.source is None else self.source.to_json(),
+                "detail": self.detail, "message": self.message}
+
+
+# How a finding's text and detail are made from its columns. STORED: the check wrote them (an Issue);
+# the others are rendered on demand by _TEXT / _DETAIL below from the columns and the dump.
+STORED, VALUE, MISSING, PADDING, SHAPE, STRAY, PAGES, ALIAS_UB, ALIAS_GRAPH = range(9)
+
+_EXPLAIN = {
+    "parent-rows": "copied from the parent batch (obs {obs}, {site}); recompute from the micro-batch's own seq_lens",
+    "earlier-in-step": "derived from an earlier batch of this step (obs {obs}, {site}), e.g. the global batch "
+                       "before the PCP partition; compute it from the final batch",
+    "earlier-step": "left over from step {step} (obs {obs}, {site}); the buffer was not refreshed "
+                    "(e.g. baked into a CUDA graph)",
+}
+
+# the integer columns besides index, rule and kind; `a0`/`a1` hold per-kind numbers for the text and detail
+# (wrong-rank: rank; wrong-interleave: interleave; shape: length, expected length; pages: global count,
+# local length; padding: num_reqs; alias: the other observation, merged index)
+_INT = ("row", "recorded", "expected", "wrong_rows", "source", "relation", "a0", "a1")
+_MASK = ("has_row", "has_recorded", "has_expected")
+
+
+class FindingTable(Sequence):
+    """Findings in observation order (then DESIGN §3's table order), as columns.
+
+    A Sequence of Finding: `t[k]`, iteration and slices (`t[:100]`, a table again) work as on the list replay
+    used to return; a Finding and its message are made only when one is read (and `t[k]` keeps it, so the
+    same object comes back). Arrays for vectorised readers: `index`, `rule_code` (into rules.RULES), `rule`
+    (names), `obs`, `file_index`, `step`, `site_code` (into config.sites), `site`, `rank`, `ubatch`, `row`,
+    `recorded`, `expected` (with `has_row`, `has_recorded`, `has_expected`: False where the field is None),
+    `wrong_rows`, `source` (merged index, -1 none), `relation` (into RELATIONS, -1 none), `severity_code`
+    (1 error, 0 warning).
+    """
+
+    def __init__(self, d: Dump | None, cols: dict[str, np.ndarray], stored: dict[int, tuple[str, dict]],
+                 sel: np.ndarray | None = None):
+        self.d = d
+        self._cols = cols  # all of the same length; `sel` picks (and orders) the rows this table shows
+        self._stored = stored  # row -> (text, detail) for STORED rows
+        self._sel = sel
+        self._cache: dict[int, Finding] = {}
+
+    # ----- building
+
+    @classmethod
+    def empty(cls, d: Dump | None = None) -> FindingTable:
+        return cls.build(d, np.zeros(0, np.int64), "missing", MISSING)
+
+    @classmethod
+    def build(cls, d: Dump | None, index: np.ndarray, rule: str | np.ndarray, kind: int, **cols) -> FindingTable:
+        """Findings of one check: `index` the observations; `rule` a name or codes; other columns by name
+        (missing integer columns are 0, -1 for source and relation; a mask column is True where its
+        field was given)."""
+        rules = _rules()[0]
+        index = np.asarray(index, np.int64)
+        n = index.size
+        code = (np.full(n, rules.index(rule), np.int8) if isinstance(rule, str) else np.asarray(rule, np.int8))
+        out = {"index": index, "rule_code": code, "kind": np.full(n, kind, np.int8)}
+        for k in _INT:
+            v = cols.get(k)
+            out[k] = (np.full(n, -1 if k in ("source", "relation") else 0, np.int64) if v is None
+                      else np.broadcast_to(np.asarray(v, np.int64), (n,)).copy())
+        for k, field in zip(_MASK, ("row", "recorded", "expected")):
+            v = cols.get(k)
+            out[k] = np.full(n, field in cols, bool) if v is None else np.asarray(v, bool)
+        return cls(d, out, {})
+
+    @classmethod
+    def from_issues(cls, d: Dump, issues: list) -> FindingTable:
+        """rules.Issue lists (checks that find few): their texts and details are kept as written."""
+        n = len(issues)
+        cols: dict[str, list] = {k: [0] * n for k in ("row", "recorded", "expected", "wrong_rows")}
+        masks = {k: [False] * n for k in _MASK}
+        src, rel = [-1] * n, [-1] * n
+        stored = {}
+        for k, (_, _, text, kw) in enumerate(issues):
+            for f, m in zip(("row", "recorded", "expected"), _MASK):
+                v = kw.get(f)
+                if v is not None:
+                    cols[f][k], masks[m][k] = int(v), True
+            cols["wrong_rows"][k] = int(kw.get("wrong_rows", 0))
+            s = kw.get("source")
+            if s is not None:
+                src[k], rel[k] = s.index, RELATIONS.index(s.relation)
+            stored[k] = (text, kw.get("detail") or {})
+        rules = _rules()[0]
+        t = cls.build(d, np.array([x[0] for x in issues], np.int64),
+                      np.array([rules.index(x[1]) for x in issues], np.int8), STORED,
+                      source=np.array(src, np.int64), relation=np.array(rel, np.int64),
+                      **{k: np.array(v, np.int64) for k, v in cols.items()},
+                      **{k: np.array(v, bool) for k, v in masks.items()})
+        t._stored = stored
+        return t
+
+    @classmethod
+    def concat(cls, d: Dump | None, parts: list[FindingTable]) -> FindingTable:
+        """One table of several, sorted by (observation, DESIGN §3 table order), stably (ties keep part order)."""
+        if not parts:
+            return cls.empty(d)
+        parts = [p._compact() for p in parts]
+        cols = {k: np.concatenate([p._cols[k] for p in parts]) for k in parts[0]._cols}
+        stored, base = {}, 0
+        for p in parts:
+            stored.update({base + k: v for k, v in p._stored.items()})
+            base += len(p)
+        return cls(d, cols, stored, np.lexsort((cols["rule_code"], cols["index"])))
+
+    def _compact(self) -> FindingTable:
+        """The same findings with `sel` applied to the columns (for concatenation)."""
+        if self._sel is None:
+            return self
+        pos = {int(r): k for k, r in enumerate(self._sel.tolist()) if int(r) in self._stored} if self._stored else {}
+        return FindingTable(self.d, {k: v[self._sel] for k, v in self._cols.items()},
+                            {k: self._stored[r] for r, k in pos.items()})
+
+    # ----- arrays
+
+    @property
+    def index(self) -> np.ndarray:  # (the array of observations: it replaces Sequence.index(value), unused here)
+        return self._col("index")
+
+    def _col(self, k: str) -> np.ndarray:
+        v = self._cols[k]
+        return v if self._sel is None else v[self._sel]
+
+    def _rows(self) -> np.ndarray:
+        return np.arange(self._cols["index"].size) if self._sel is None else self._sel
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in ("index", "rule_code", "kind", *_INT, *_MASK):
+            return self._col(name)
+        d = self.d
+        if name in ("obs", "file_index", "step", "rank", "ubatch", "site_code"):
+            idx = self._col("index")
+            if name == "obs":
+                return d.file_obs[idx].astype(np.int64)
+            if name == "file_index":
+                return d.file_index[idx].astype(np.int64)
+            key = {"site_code": "obs.site"}.get(name, f"obs.{name}")
+            return d[key][idx].astype(np.int64)
+        if name == "rule":
+            return np.asarray(_rules()[0], dtype=object)[self.rule_code]
+        if name == "site":
+            return np.asarray(d.config.sites, dtype=object)[self.site_code]
+        if name == "severity_code":
+            rules, sev = _rules()
+            return np.array([sev[r] == "error" for r in rules], np.int8)[self.rule_code]
+        raise AttributeError(name)
+
+    # ----- the Sequence
+
+    def __len__(self) -> int:
+        return int(self._cols["index"].size if self._sel is None else self._sel.size)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return FindingTable(self.d, self._cols, self._stored, self._rows()[k])
+        if isinstance(k, (list, np.ndarray)):
+            return FindingTable(self.d, self._cols, self._stored, self._rows()[np.asarray(k, np.int64)])
+        n = len(self)
+        k = int(k)
+        if k < 0:
+            k += n
+        if not 0 <= k < n:
+            raise IndexError("finding index out of range")
+        f = self._cache.get(k)
+        if f is None:
+            f = self._cache[k] = self._make(int(self._rows()[k]))
+        return f
+
+    def made(self) -> dict[int, Finding]:
+        """position -> Finding, for the findings already read by position (t[k])."""
+        return dict(self._cache)
+
+    def __iter__(self) -> Iterator[Finding]:
+        for k in range(len(self)):
+            f = self._cache.get(k)
+            yield f if f is not None else self._make(int(self._rows()[k]))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (FindingTable, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # a mutable-looking sequence, like the list it replaces
+
+    def __repr__(self) -> str:
+        return f"FindingTable({len(self)} findings)"
+
+    # ----- one finding
+
+    def _make(self, r: int) -> Finding:
+        """Finding of column row r, its text and detail rendered now."""
+        c, d = self._cols, self.d
+        i = int(c["index"][r])
+        rule = _rules()[0][int(c["rule_code"][r])]
+        opt = [int(c[f][r]) if c[m][r] else None for f, m in zip(("row", "recorded", "expected"), _MASK)]
+        s = int(c["source"][r])
+        source = None
+        if s >= 0:
+            source = Source(index=s, obs=int(d.file_obs[s]), file=d.file_of(s),
+                            relation=RELATIONS[int(c["relation"][r])], step=int(d["obs.step"][s]),
+                            site=d.site_name(s), ubatch=int(d["obs.ubatch"][s]))
+        text, detail = self._text_detail(r, rule)
+        return Finding(rule=rule, index=i, obs=int(d.file_obs[i]), file=d.file_of(i), step=int(d["obs.step"][i]),
+                       site=d.site_name(i), rank=int(d["obs.rank"][i]), ubatch=int(d["obs.ubatch"][i]),
+                       row=opt[0], recorded=opt[1], expected=opt[2], wrong_rows=int(c["wrong_rows"][r]), text=text,
+                       source=source, detail=detail)
+
+    def _text_detail(self, r: int, rule: str) -> tuple[str, dict]:
+        kind = int(self._cols["kind"][r])
+        if kind == STORED:
+            return self._stored[r]
+        return render_text(self, r, rule, kind), _detail(self._cols, r, rule, kind, self.d)
+
+    # ----- JSON Lines, streamed from the columns
+
+    def json_lines(self, block: int = 8192) -> Iterator[str]:
+        """Each finding as its JSON line (as json.dumps(Finding.to_json()) writes it), from the columns, a block
+        of findings at a time: the texts of a block are rendered together (render_texts), the numbers read as
+        lists, and the JSON strings of names and messages made by the json module's own C encoder."""
+        d = self.d
+        c = self._cols
+        rules, sev = _rules()
+        enc = encode_basestring_ascii  # json.dumps(str) without the encoder object per call
+        rule_j = [enc(r) for r in rules]
+        sev_j = [enc(sev[r]) for r in rules]
+        files_j = [enc(f) for f in d.files]
+        sites_j = [enc(s) for s in d.config.sites]
+        sites = d.config.sites
+        every = self._rows()
+        for lo in range(0, every.size, block):
+            rows = every[lo : lo + block]
+            idx = c["index"][rows]
+            fobs, fidx = d.file_obs[idx].tolist(), d.file_index[idx].tolist()
+            step, site = d["obs.step"][idx].tolist(), d["obs.site"][idx].tolist()
+            rank, ub = d["obs.rank"][idx].tolist(), d["obs.ubatch"][idx].tolist()
+            code = c["rule_code"][rows].tolist()
+            vals = [[str(v) if h else "null" for v, h in zip(c[f][rows].tolist(), c[m][rows].tolist())]
+                    for f, m in zip(("row", "recorded", "expected"), _MASK)]
+            wrong = c["wrong_rows"][rows].tolist()
+            srcs = self._source_json(rows)
+            texts, details = render_texts(self, rows)
+            for k in range(rows.size):
+                u = ub[k]
+                where = f"step {step[k]} {sites[site[k]]} rank {rank[k]}" + (f" ubatch {u}" if u >= 0 else "")
+                yield (f'{{"type": "finding", "rule": {rule_j[code[k]]}, "severity": {sev_j[code[k]]}, '
+                       f'"obs": {fobs[k]}, "file": {files_j[fidx[k]]}, "step": {step[k]}, '
+                       f'"site": {sites_j[site[k]]}, "rank": {rank[k]}, "ubatch": {u}, "row": {vals[0][k]}, '
+                       f'"recorded": {vals[1][k]}, "expected": {vals[2][k]}, "wrong_rows": {wrong[k]}, '
+                       f'"source": {srcs.get(k, "null")}, "detail": {details[k]}, '
+                       f'"message": {enc(where + ": " + texts[k])}}}')
+
+    def _source_json(self, rows: np.ndarray) -> dict[int, str]:
+        """The JSON of the sources of column rows `rows` that have one, by position in `rows`."""
+        d = self.d
+        src = self._cols["source"][rows]
+        at = np.flatnonzero(src >= 0)
+        if at.size == 0:
+            return {}
+        s = src[at]
+        rel = self._cols["relation"][rows][at].tolist()
+        obs, step, ub = d.file_obs[s].tolist(), d["obs.step"][s].tolist(), d["obs.ubatch"][s].tolist()
+        site, fidx = d["obs.site"][s].tolist(), d.file_index[s].tolist()
+        enc = encode_basestring_ascii
+        return {k: f'{{"obs": {obs[n]}, "relation": "{RELATIONS[rel[n]]}", "step": {step[n]}, '
+                   f'"site": {enc(d.config.sites[site[n]])}, "ubatch": {ub[n]}, "file": {enc(d.files[fidx[n]])}}}'
+                for n, k in enumerate(at.tolist())}
+
+    # ----- counts
+
+    def by_rule(self) -> dict[str, int]:
+        rules = _rules()[0]
+        n = np.bincount(self.rule_code.astype(np.int64), minlength=len(rules))
+        return {r: int(n[k]) for k, r in enumerate(rules) if n[k]}
+
+    def by_site(self) -> dict[str, dict[str, int]]:
+        """Counts by site then rule, each in order of first appearance (as a loop over the findings built it)."""
+        if len(self) == 0:
+            return {}
+        rules = _rules()[0]
+        site, code = self.site_code, self.rule_code.astype(np.int64)
+        pair = site * len(rules) + code
+        uniq, first, count = np.unique(pair, return_index=True, return_counts=True)
+        s_uniq, s_first = np.unique(site, return_index=True)
+        s_rank = dict(zip(s_uniq.tolist(), s_first.tolist()))
+        order = sorted(range(uniq.size), key=lambda k: (s_rank[int(uniq[k]) // len(rules)], int(first[k])))
+        out: dict[str, dict[str, int]] = {}
+        names = self.d.config.sites
+        for k in order:
+            s, r = divmod(int(uniq[k]), len(rules))
+            out.setdefault(names[s], {})[rules[r]] = int(count[k])
+        return out
+
+    def count_errors(self) -> tuple[int, int]:
+        e = int(self.severity_code.sum())
+        return e, len(self) - e
+
+
+def render_texts(t: FindingTable, rows: np.ndarray) -> tuple[list[str], list[str]]:
+    """The texts and the JSON of the details of many column rows at once (the JSON Lines writer): the columns
+    are read as lists once, then one f-string per finding, the same ones render_text writes."""
+    c, d = t._cols, t.d
+    cfg = d.config
+    n = rows.size
+    texts: list[str] = [""] * n
+    details: list[str] = ["{}"] * n
+    kind = c["kind"][rows]
+    rules = _rules()[0]
+    for kd in np.unique(kind).tolist():
+        at = np.flatnonzero(kind == kd)
+        r = rows[at]
+        pos = at.tolist()
+        if kd == STORED:
+            for k, rr in zip(pos, r.tolist()):
+                texts[k], det = t._stored[rr]
+                details[k] = json.dumps(det)
+            continue
+        row, rec, exp, wr, a0, a1 = (c[x][r].tolist() for x in ("row", "recorded", "expected", "wrong_rows", "a0",
+                                                                 "a1"))
+        if kd == MISSING:
+            msg = (f"dcp_local_seq_lens is None with dcp_size {cfg.dcp_size}; attention metadata would fail "
+                   "with 'NoneType' object is not subscriptable")
+            for k in pos:
+                texts[k] = msg
+        elif kd in (ALIAS_UB, ALIAS_GRAPH):
+            tx, dj, _ = _alias_texts(d, c["index"][r], c["a0"][r], kd)
+            for m, k in enumerate(pos):
+                texts[k], details[k] = tx[m], dj[m]
+        elif kd == STRAY:
+            for k in pos:
+                texts[k] = "a DCP view is present with dcp_size 1; the engine should pass None"
+        elif kd == SHAPE:
+            for m, k in enumerate(pos):
+                texts[k] = f"DCP view has {a0[m]} rows, must have num_reqs_padded = {a1[m]}"
+                details[k] = f'{{"length": {a0[m]}, "expected_length": {a1[m]}}}'
+        elif kd == PADDING:
+            for m, k in enumerate(pos):
+                texts[k] = (f"padded row {row[m]} holds {rec[m]}, must be 0 "
+                            f"({wr[m]} bad padded row(s); rows >= num_reqs {a0[m]})")
+        elif kd == PAGES:
+            page = cfg.page_size
+            glob_why = " = the global count: page counts were computed from the global length"
+            for m, k in enumerate(pos):
+                why = glob_why if rec[m] == a0[m] else ""
+                texts[k] = (f"attention plan claims {rec[m]} pages for row {row[m]}{why}; this rank owns {exp[m]} "
+                            f"(cdiv(local {a1[m]}, {page}))")
+                details[k] = f'{{"claimed": {rec[m]}, "allowed": {exp[m]}, "global": {a0[m]}}}'
+        else:  # VALUE
+            code = c["rule_code"][r].tolist()
+            src = c["source"][r]
+            has = src >= 0
+            s_obs = np.zeros(r.size, np.int64)
+            s_step = np.zeros(r.size, np.int64)
+            s_site = np.zeros(r.size, np.int64)
+            s_obs[has], s_step[has] = d.file_obs[src[has]], d["obs.step"][src[has]]
+            s_site[has] = d["obs.site"][src[has]]
+            s_obs, s_step, s_site = s_obs.tolist(), s_step.tolist(), s_site.tolist()
+            rel = c["relation"][r].tolist()
+            for m, k in enumerate(pos):
+                w = wr[m]
+                rws = f"row {row[m]} is {rec[m]}, expected {exp[m]} ({w} wrong row{'s' if w > 1 else ''})"
+                rule = rules[code[m]]
+                if rule == "stale":
+                    why = _EXPLAIN[RELATIONS[rel[m]]].format(obs=s_obs[m], site=cfg.sites[s_site[m]], step=s_step[m])
+                    texts[k] = f"stale DCP view, {why}; {rws}"
+                elif rule == "global":
+                    texts[k] = f"DCP view holds the global seq_lens, not this rank's local lengths; {rws}"
+                elif rule == "wrong-rank":
+                    texts[k] = f"DCP view holds rank {a0[m]}'s local lengths; pass this rank's dcp_rank; {rws}"
+                    details[k] = f'{{"rank": {a0[m]}}}'
+                elif rule == "wrong-interleave":
+                    texts[k] = (f"DCP view was computed with interleave {a0[m]}, the dump's is "
+                                f"{cfg.cp_interleave} (check cp_kv_cache_interleave_size); {rws}")
+                    details[k] = f'{{"interleave": {a0[m]}}}'
+                else:
+                    texts[k] = rws
+    return texts, details
+
+
+def render_text(t: FindingTable, r: int, rule: str, kind: int) -> str:
+    """The text of column row r (everything after "where: "), as the per-finding builders wrote it."""
+    c, d = t._cols, t.d
+    cfg = d.config
+    i = int(c["index"][r])
+    if kind == MISSING:
+        return (f"dcp_local_seq_lens is None with dcp_size {cfg.dcp_size}; attention metadata would fail "
+                "with 'NoneType' object is not subscriptable")
+    if kind == STRAY:
+        return "a DCP view is present with dcp_size 1; the engine should pass None"
+    if kind == SHAPE:
+        return f"DCP view has {int(c['a0'][r])} rows, must have num_reqs_padded = {int(c['a1'][r])}"
+    if kind in (ALIAS_UB, ALIAS_GRAPH):
+        return _alias_texts(d, np.array([i]), np.array([int(c["a0"][r])]), kind)[0][0]
+    row, rec, exp, n = (int(c[k][r]) for k in ("row", "recorded", "expected", "wrong_rows"))
+    if kind == PADDING:
+        return (f"padded row {row} holds {rec}, must be 0 "
+                f"({n} bad padded row(s); rows >= num_reqs {int(c['a0'][r])})")
+    if kind == PAGES:
+        glob, local = int(c["a0"][r]), int(c["a1"][r])
+        why = " = the global count: page counts were computed from the global length" if rec == glob else ""
+        return (f"attention plan claims {rec} pages for row {row}{why}; this rank owns {exp} "
+                f"(cdiv(local {local}, {cfg.page_size}))")
+    rows = f"row {row} is {rec}, expected {exp} ({n} wrong row{'s' if n > 1 else ''})"
+    if rule == "stale":
+        s = int(c["source"][r])
+        why = _EXPLAIN[RELATIONS[int(c["relation"][r])]].format(obs=int(d.file_obs[s]), site=d.site_name(s),
+                                                                  step=int(d["obs.step"][s]))
+        return f"stale DCP view, {why}; {rows}"
+    if rule == "global":
+        return f"DCP view holds the global seq_lens, not this rank's local lengths; {rows}"
+    if rule == "wrong-rank":
+        return f"DCP view holds rank {int(c['a0'][r])}'s local lengths; pass this rank's dcp_rank; {rows}"
+    if rule == "wrong-interleave":
+        return (f"DCP view was computed with interleave {int(c['a0'][r])}, the dump's is "
+                f"{cfg.cp_interleave} (check cp_kv_cache_interleave_size); {rows}")
+    del i
+    return rows
+
+
+def _alias_texts(d, i: np.ndarray, j: np.ndarray, kind: int) -> tuple[list[str], list[str], list[dict]]:
+    """alias: observations i and the other observation j (the micro-batch sharing the buffer, or the capture):
+    (texts, details as JSON, details)."""
+    buf = d["obs.buffer"]
+    bi, bj, oj = buf[i].tolist(), buf[j].tolist(), d.file_obs[j].tolist()
+    if kind == ALIAS_UB:
+        ui, uj = d["obs.ubatch"][i].tolist(), d["obs.ubatch"][j].tolist()
+        texts = [f"micro-batch {a} reads the same DCP buffer as micro-batch {b} (obs {o}); each micro-batch "
+                 "needs its own buffer" for a, b, o in zip(ui, uj, oj)]
+        dets = [{"buffer": a, "other_obs": o} for a, o in zip(bi, oj)]
+        return texts, [f'{{"buffer": {a}, "other_obs": {o}}}' for a, o in zip(bi, oj)], dets
+    texts = [f"full-graph replay reads DCP buffer {a:#x} but the graph was captured on {b:#x} (obs {o}); the "
+             "replay sees stale values" for a, b, o in zip(bi, bj, oj)]
+    dets = [{"buffer": a, "captured": b, "capture_obs": o} for a, b, o in zip(bi, bj, oj)]
+    return texts, [f'{{"buffer": {a}, "captured": {b}, "capture_obs": {o}}}' for a, b, o in zip(bi, bj, oj)], dets
+
+
+def _detail(c: dict, r: int, rule: str, kind: int, d=None) -> dict:
+    if kind in (ALIAS_UB, ALIAS_GRAPH):
+        return _alias_texts(d, np.array([int(c["index"][r])]), np.array([int(c["a0"][r])]), kind)[2][0]
+    if kind == SHAPE:
+        return {"length": int(c["a0"][r]), "expected_length": int(c["a1"][r])}
+    if kind == PAGES:
+        return {"claimed": int(c["recorded"][r]), "allowed": int(c["expected"][r]), "global": int(c["a0"][r])}
+    if rule == "wrong-rank":
+        return {"rank": int(c["a0"][r])}
+    if rule == "wrong-interleave":
+        return {"interleave": int(c["a0"][r])}
+    return {}
+
+
+def finding_columns(findings, config) -> np.ndarray:
+    """[k, 5] int64: (site index, rank, step, ubatch, rule index) per finding, from a FindingTable's arrays or
+    from Finding objects (the timeline's input)."""
+    if isinstance(findings, FindingTable):
+        return np.stack([findings.site_code, findings.rank, findings.step, findings.ubatch,
+                         findings.rule_code.astype(np.int64)], axis=1).reshape(len(findings), 5)
+    rules = _rules()[0]
+    site_of = {s: i for i, s in enumerate(config.sites)}
+    rule_of = {r: i for i, r in enumerate(rules)}
+    return np.array([(site_of[f.site], f.rank, f.step, f.ubatch, rule_of[f.rule]) for f in findings],
+                    np.int64).reshape(len(findings), 5)
+
+
+class Collector:
+    """The checks' results gathered with `+=` (a FindingTable, a list of rules.Issue, or the (index, Finding)
+    pairs checks used to return), made one table in observation order by `table()`."""
+
+    def __init__(self, d: Dump):
+        self.d = d
+        self.parts: list[FindingTable] = []
+
+    def __iadd__(self, part) -> Collector:
+        if not isinstance(part, FindingTable):
+            part = list(part)
+            if part and isinstance(part[0], tuple) and len(part[0]) == 2 and isinstance(part[0][1], Finding):
+                part = [_issue_of(f) for _, f in part]
+            part = FindingTable.from_issues(self.d, part)
+        self.parts.append(part)
+        return self
+
+    def table(self) -> FindingTable:
+        return FindingTable.concat(self.d, self.parts)
+
+
+def _issue_of(f: Finding) -> tuple:
+    return (f.index, f.rule, f.text, {"row": f.row, "recorded": f.recorded, "expected": f.expected,
+                                      "wrong_rows": f.wrong_rows, "source": f.source, "detail": f.detail})
