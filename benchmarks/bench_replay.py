@@ -41,11 +41,14 @@ def make_dump(path: Path, n: int, seed: int = 0) -> None:
     from dcptool.replay import local_np
 
     rng = np.random.default_rng(seed)
-    lens = rng.choice([64, 128, 192, 256, 320, 384, 448, 512], size=n).astype(np.int64)
-    lens += rng.integers(-8, 9, n)
-    pad = rng.integers(0, 8, n)
+    # every step is one batch seen by its N ranks (as an engine records it: rank-agree has nothing to say)
+    steps = -(-n // N)
+    lens = rng.choice([64, 128, 192, 256, 320, 384, 448, 512], size=steps).astype(np.int64)
+    lens += rng.integers(-8, 9, steps)
+    lens = np.repeat(lens, N)[:n]
+    pad = np.repeat(rng.integers(0, 8, steps), N)[:n]
     nreq = np.maximum(lens - pad, 0)
-    rank = rng.integers(0, N, n).astype(np.int32)
+    rank = (np.arange(n) % N).astype(np.int32)
     rows = np.zeros(n + 1, np.int64)
     np.cumsum(lens, out=rows[1:])
     seq = np.zeros(rows[-1], np.int32)
@@ -56,7 +59,9 @@ def make_dump(path: Path, n: int, seed: int = 0) -> None:
         obs = np.repeat(np.arange(lo, hi), lens[lo:hi])
         j = np.arange(a, b) - rows[obs]
         real = j < nreq[obs]
-        s = np.where(real, rng.integers(1, 1 << 17, b - a), 0).astype(np.int32)
+        step = obs // N  # the same seq_lens on every rank of a step: a hash of (step, row), not a draw per row
+        h = (step * 2654435761 + j * 40503 + seed) % ((1 << 17) - 1)
+        s = np.where(real, h + 1, 0).astype(np.int32)
         seq[a:b] = s
         dcp[a:b] = np.where(real, local_np(s, N, rank[obs], I), 0)
     has = np.ones(n, np.uint8)

@@ -890,14 +890,21 @@ def check_rank_agree(d: Dump) -> list[Issue]:
     ref = np.empty(int(sm.max()) + 1, np.int64)
     ref[sm[order][first]] = order[first]  # a position in m
     odd_all = tup != tup[ref[sm]]
+    # each member's first field that differs from its set's reference (names order), all at once
+    refk = ref[sm]
+    diff = np.stack([np.any([c != c[refk] for c in cols[f]], axis=0) for f in names])  # [fields, members]
+    first_f = np.argmax(diff, axis=0)
+    # members grouped by set once (a stable sort: positions in m stay in order), sliced per finding
+    by_set = np.argsort(sm, kind="stable")
+    sm_sorted = sm[by_set]
     out: list[Issue] = []
     for sset in np.unique(sm[odd_all]).tolist():
-        members = np.flatnonzero(sm == sset)  # (positions in m; per set with a disagreement only)
+        members = by_set[np.searchsorted(sm_sorted, sset, "left"):np.searchsorted(sm_sorted, sset, "right")]
         r0 = int(ref[sset])
-        odd = [int(k) for k in members if odd_all[k]]
+        odd = [int(k) for k in members[odd_all[members]]]
         parts, fields = [], {}
         for k in odd:
-            f = next(n for n in names if any((c[k] != c[r0]) for c in cols[n]))
+            f = names[int(first_f[k])]
             fields[int(rank[k])] = f
             parts.append(f"rank {int(rank[k])} {f} {_agree_value(d, int(m[k]), f)}")
         k = odd[0]
