@@ -414,7 +414,8 @@ def test_0_29_dflash_capture_buffer_is_not_a_fault(tmp_path):
 
 
 def test_issue15_faults_are_opt_in_not_legacy_and_fixed_records_the_decode_path(tmp_path):
-    assert OPT_IN == {"dcp-qsl-local", "tot-local", "rank-disagree"} and OPT_IN <= set(FAULTS)
+    assert OPT_IN == {"dcp-qsl-local", "tot-local", "rank-disagree", "slot-wrong-group", "slot-all-ranks"}
+    assert OPT_IN <= set(FAULTS)
     assert not OPT_IN & set(_cfg(MATRIX[2], 1, pipeline="legacy").faults)
     res, d, rr = _run(_cfg(MATRIX[5], 1), tmp_path)
     assert rr.findings == [] and not {"empty-mask", "tot-lens"} & set(rr.skipped)
