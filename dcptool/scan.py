@@ -25,10 +25,10 @@ CHUNK_ROWS = 1 << 18  # CPU: ~1 MB of int32 per array, so the passes over a chun
 GPU_CHUNK_ROWS = 1 << 22
 STAGE_THREADS = 4  # host threads filling a pinned staging buffer (one memcpy thread does ~10 GB/s)
 # `auto` scans on the GPU from this many observations, on the CPU below: under it the GPU cannot win, because
-# a process's first GPU scan pays CUDA start-up and Triton's kernel load (~1.3 s on the H200) and the
-# transfers, against the CPU's ~100M rows/s. Measured by `python benchmarks/bench_scan.py` (crossover
-# printed, start-up included) on the H200; see docs/performance.md. PROVISIONAL until the lead's H200 run.
-GPU_MIN_OBS = 300_000
+# a process's first GPU scan pays CUDA start-up and Triton's kernel load (0.76 s on the H200) and the
+# transfers, against the CPU's ~140M rows/s. Measured by `python benchmarks/bench_scan.py` on the H200
+# (2026-12-03: the GPU with its start-up wins from 10^6 observations; docs/performance.md).
+GPU_MIN_OBS = 1_000_000
 
 
 @dataclass

@@ -582,6 +582,31 @@ def test_cuda_observe_does_not_wait_and_keeps_the_values_of_observe_time(tmp_pat
 
 @pytest.mark.cuda
 @cuda
+def test_cuda_snapshot_carries_issue15_rows_like_the_synchronous_copy(tmp_path):
+    """dcp_query_start_loc and the global companion go through the ring as device sections (a negative
+    companion dropped at harvest), slot entries ride along on the host: the same file as cuda_mode="sync"."""
+    kv = [{"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False}]
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16, cuda_mode="sync", kv_groups=kv)
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16, kv_groups=kv)
+    for k, kw in enumerate(_obs_stream(120, 6)):
+        kw = {x: v.cuda() if isinstance(v, torch.Tensor) else v for x, v in kw.items()}
+        extra = {} if k % 3 == 0 else {"dcp_query_start_loc": torch.arange(k % 5 + 1, device="cuda"),
+                                       "dcp_tot_seq_lens": torch.full((k % 4,), k, device="cuda")}
+        if k % 4 == 1:
+            extra["positions"] = torch.arange(3, device="cuda") + k
+            extra["slot_mapping"] = {0: torch.tensor([k, -1, k + 2], device="cuda"),
+                                     1: torch.arange(3, device="cuda") + 3 * k}
+        assert a.observe(**kw, **extra) == b.observe(**kw, **extra)
+    fa, fb = a.close(), b.close()
+    assert a.dropped == b.dropped == 0 and b._ring is not None and not b._ring.pending
+    ca, cb = _columns(fa), _columns(fb)
+    assert {"obs.dqsl", "obs.tot", "obs.slots"} <= set(ca) and sorted(ca) == sorted(cb)
+    for key in ca:
+        assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
+
+
+@pytest.mark.cuda
+@cuda
 @pytest.mark.parametrize("ring_bytes", [16 << 10, 4 << 20])
 def test_cuda_snapshot_records_what_the_synchronous_copy_records(tmp_path, ring_bytes):
     """Varied CUDA observations (int64, strided and unaligned views, host parts, wrong lengths, a ring
@@ -765,6 +790,8 @@ def test_kv_groups_set_later_must_cover_what_was_recorded(tmp_path):
         Recorder(tmp_path / "x.safetensors", dcp_size=2, kv_groups=[{"name": "a", "dcp": "yes"}])
 
 
+@hostring
+@pytest.mark.kernel
 def test_device_path_carries_slot_entries(tmp_path):
     """Through the snapshot ring (host tensors in the CPU tests), slot entries ride along on the host."""
     a = Recorder(tmp_path / "a.safetensors", dcp_size=2, kv_groups=KV)
