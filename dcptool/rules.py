@@ -538,15 +538,7 @@ def _rank_sets(d: Dump, idx: np.ndarray) -> np.ndarray:
     (step, site, micro-batch) making set k (how every rank records the same sequence of builds)."""
     step, site = d["obs.step"][idx], d["obs.site"][idx].astype(np.int64)
     ub, rank = d["obs.ubatch"][idx].astype(np.int64), d["obs.rank"][idx].astype(np.int64)
-    key = _group_ids([step, site, ub, rank])
-    order = np.lexsort((idx, key))
-    ks = key[order]
-    start = np.ones(idx.size, bool)
-    start[1:] = ks[1:] != ks[:-1]
-    first = np.maximum.accumulate(np.where(start, np.arange(idx.size), 0))
-    occ = np.empty(idx.size, np.int64)
-    occ[order] = np.arange(idx.size) - first
-    return _group_ids([step, site, ub, occ])
+    return _kth_per_rank(_group_ids([step, site, ub]), rank, idx)
 
 
 def _group_ids(cols: list[np.ndarray]) -> np.ndarray:
