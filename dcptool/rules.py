@@ -1006,66 +1006,94 @@ _SLOT_KIND_TEXT = {
 _SLOT_KINDS = tuple(_SLOT_KIND_TEXT)
 
 
-class _SlotEntries(NamedTuple):
-    obs: np.ndarray  # per entry: observation
-    pos: np.ndarray
-    slot: np.ndarray
+SLOT_CHUNK = 1 << 22  # slot entries per chunk (whole observations; whole rank-sets for slot-partition)
+_SLOT_CAP = 64  # positions kept per finding's detail
+
+
+class _SlotChunk(NamedTuple):
+    """The slot entries of some observations, with their (observation, group) runs. Per entry: `at` the
+    entry's index in the dump, `eo` its observation (index into the chunk's `ob`), `run` its run, `tok` the
+    token's index within the run, `n_real` the real token count; per run: its observation (into `ob`), group,
+    first and last entry (into the chunk) and length."""
+    at: np.ndarray
+    eo: np.ndarray
     grp: np.ndarray
-    tok: np.ndarray  # index of the token within its (observation, group)
-    real: np.ndarray  # bool: a real token (t < the observation's real token count)
-    sharded: np.ndarray  # bool: its group is DCP-sharded
-    owner: np.ndarray  # the rank that owns its position
-    run: np.ndarray  # id of its (observation, group)
-    run_writes: np.ndarray  # per run: some real token writes a slot
-    n_real: np.ndarray  # per entry: the observation's real token count (its group's token count if unknown)
+    run: np.ndarray
+    tok: np.ndarray
+    n_real: np.ndarray
+    run_eo: np.ndarray
+    run_grp: np.ndarray
+    run_first: np.ndarray
+    run_last: np.ndarray
+    run_len: np.ndarray
+    run_real: np.ndarray
 
 
-def _slot_entries(d: Dump) -> _SlotEntries:
-    c = d.config
-    N, I_ = c.dcp_size, c.cp_interleave
-    offs = d["obs.slots"]
-    cnt = np.diff(offs)
-    obs = np.repeat(np.arange(d.n, dtype=np.int64), cnt)
-    # whole columns (np.asarray: a lazily merged set of files builds them; not bounded, docs/limits.md)
-    pos = np.asarray(d["rows.positions"]).astype(np.int64)
-    slot = np.asarray(d["rows.slot_mapping"]).astype(np.int64)
-    grp = np.asarray(d["rows.slot_group"]).astype(np.int64)
-    # by observation, then group, then entry order (= token order); the Recorder writes each observation's
-    # groups as ascending blocks, so the sort is only needed for a dump written otherwise
-    blocks = obs.size < 2 or not ((grp[1:] < grp[:-1]) & (obs[1:] == obs[:-1])).any()
-    order = None if blocks else np.lexsort((np.arange(obs.size), grp, obs))
-    so, sg = (obs, grp) if blocks else (obs[order], grp[order])
-    new = np.ones(obs.size, bool)
-    if obs.size:
-        new[1:] = (so[1:] != so[:-1]) | (sg[1:] != sg[:-1])
-    run_sorted = np.cumsum(new) - 1
-    start = np.flatnonzero(new)
-    tok_sorted = np.arange(obs.size) - start[run_sorted]
-    if blocks:
-        run, tok = run_sorted, tok_sorted
-    else:
-        run = np.empty(obs.size, np.int64)
-        run[order] = run_sorted
-        tok = np.empty(obs.size, np.int64)
-        tok[order] = tok_sorted
-    run_len = np.diff(np.append(start, obs.size))
-    # the real token count: qsl[num_reqs] where query_start_loc was recorded, else every token of the group
-    n_real = run_len[run]
+def _real_tokens(d: Dump) -> np.ndarray:
+    """Per observation: its real token count qsl[num_reqs] where query_start_loc was recorded, else -1 (then
+    every token of a group counts as real)."""
+    out = np.full(d.n, -1, np.int64)
     if d.has("obs.qsl"):
         q = d["obs.qsl"]
-        known = np.diff(q) > 0
-        nr = d["obs.num_reqs"].astype(np.int64)
-        real_tokens = np.full(d.n, -1, np.int64)
-        k = np.flatnonzero(known)
-        real_tokens[k] = d["rows.query_start_loc"][q[k] + nr[k]]
-        rt = real_tokens[obs]
-        n_real = np.where(rt >= 0, rt, n_real)
-    real = tok < n_real
-    sharded = c.group_dcp(int(grp.max(initial=-1)) + 1)[grp]
-    owner = (pos // I_) % N
-    run_writes = np.zeros(start.size, bool)
-    run_writes[run[real & (slot >= 0)]] = True
-    return _SlotEntries(obs, pos, slot, grp, tok, real, sharded, owner, run, run_writes, n_real)
+        k = np.flatnonzero(np.diff(q) > 0)
+        out[k] = d.take("rows.query_start_loc", q[k] + d["obs.num_reqs"][k].astype(np.int64))
+    return out
+
+
+def _group_tables(d: Dump) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per KV-cache group: DCP-sharded, block size (0: unknown); None without kv_groups (every group sharded,
+    block size unknown: schema lets a group index be any int32 then, so no table by index)."""
+    kv = d.config.kv_groups
+    if kv is None:
+        return None
+    return d.config.group_dcp(len(kv)), d.config.group_block_size(len(kv))
+
+
+def _slot_chunk(d: Dump, ob: np.ndarray, real_tokens: np.ndarray, lo: int | None = None) -> _SlotChunk:
+    """Read the slot entries of observations `ob` (ascending; `lo`: they are lo, lo+1, ... and are read as
+    one slice) and find their runs: by observation, then group, then entry order (= token order), as the
+    Recorder writes them; only a chunk written otherwise is sorted."""
+    offs = d["obs.slots"]
+    cnt = np.diff(offs)[ob]
+    if lo is not None:
+        a, b = int(offs[lo]), int(offs[lo + ob.size])
+        at = np.arange(a, b, dtype=np.int64)
+        grp = np.asarray(d["rows.slot_group"][a:b]).astype(np.int32, copy=False)
+    else:
+        _, _, at = ragged(offs[ob], cnt)
+        grp = d.take("rows.slot_group", at).astype(np.int32, copy=False)
+    n = at.size
+    eo = np.repeat(np.arange(ob.size, dtype=np.int32), cnt)
+    same_obs = eo[1:] == eo[:-1]
+    blocks = n < 2 or not ((grp[1:] < grp[:-1]) & same_obs).any()
+    order = None if blocks else np.lexsort((np.arange(n), grp, eo))
+    so, sg = (eo, grp) if blocks else (eo[order], grp[order])
+    new = np.ones(n, bool)
+    if n:
+        new[1:] = (sg[1:] != sg[:-1]) | ((so[1:] != so[:-1]) if order is not None else ~same_obs)
+    run_s = np.cumsum(new, dtype=np.int64) - 1
+    start = np.flatnonzero(new)
+    tok_s = (np.arange(n, dtype=np.int64) - start[run_s]).astype(np.int32)
+    run_len = np.diff(np.append(start, n))
+    ends = start + run_len - 1
+    if blocks:
+        run, tok, first, last = run_s, tok_s, start, ends
+    else:
+        run = np.empty(n, np.int64)
+        run[order] = run_s
+        tok = np.empty(n, np.int32)
+        tok[order] = tok_s
+        first, last = order[start], order[ends]
+    rt = real_tokens[ob]
+    run_eo = eo[first]
+    run_real = np.where(rt[run_eo] >= 0, rt[run_eo], run_len)
+    return _SlotChunk(at, eo, grp, run, tok, run_real[run], run_eo, grp[first], first, last, run_len, run_real)
+
+
+def _group_lookup(tables, grp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if tables is None:
+        return np.ones(grp.size, bool), np.zeros(grp.size, np.int64)
+    return tables[0][grp], tables[1][grp]
 
 
 def _group_name(d: Dump, g: int) -> str:
@@ -1077,62 +1105,120 @@ def check_slots(d: Dump) -> list[Issue]:
     """Per observation: each token's slot against vLLM's ownership rule (module comment above): padded
     tokens and non-owners of a DCP-sharded position write -1; the owner, and every rank in a replicated
     group, writes a slot (unless the build writes nothing at all); where the group's block size is known, a
-    slot sits at vLLM's local block offset; no two tokens of one build write the same slot."""
+    slot sits at vLLM's local block offset; no two tokens of one build write the same slot.
+
+    In chunks of about SLOT_CHUNK entries (whole observations): memory bounded by the chunk, not the dump.
+    The cheap tests run on every entry; the offset only on written entries of known block size, the
+    duplicate sort only on runs whose written slots do not strictly increase, the kind only on bad entries."""
     c = d.config
     N, I_ = c.dcp_size, c.cp_interleave
-    s = _slot_entries(d)
-    if s.obs.size == 0:
+    offs = d["obs.slots"]
+    if d.n == 0 or int(offs[-1]) == 0:
         return []
-    rank = d["obs.rank"].astype(np.int64)[s.obs]
-    writes = s.run_writes[s.run]
-    w = s.slot >= 0
-    bs = c.group_block_size(int(s.grp.max()) + 1)[s.grp]
-    vb = np.maximum(bs, 1)
-    vo = s.pos % (vb * N)
-    want_off = np.where(s.sharded, vo // (I_ * N) * I_ + vo % I_, s.pos % vb)
-    # offsets are vLLM's only where its own precondition holds (block_size a multiple of the interleave)
-    off_known = (bs > 0) & (~s.sharded | (bs % I_ == 0))
-    dup = np.zeros(s.obs.size, bool)
-    partner = np.full(s.obs.size, -1, np.int64)
-    cand = np.flatnonzero(s.real & w)
-    if cand.size:
-        # one int64 key per written entry: its (observation, group) run, then its slot (0 <= slot < 2**31)
-        o2 = cand[np.argsort(s.run[cand] << 31 | s.slot[cand], kind="stable")]
-        same = (s.run[o2][1:] == s.run[o2][:-1]) & (s.slot[o2][1:] == s.slot[o2][:-1])
-        dup[o2[1:][same]] = True
-        partner[o2[1:][same]] = o2[:-1][same]
-    kinds = [
-        ~s.real & (s.slot != -1),
-        s.slot < -1,
-        s.real & s.sharded & w & (rank != s.owner),
-        s.real & s.sharded & (s.slot == -1) & (rank == s.owner) & writes,
-        s.real & ~s.sharded & (s.slot == -1) & writes,
-        s.real & w & off_known & (s.slot % vb != want_off) & (~s.sharded | (rank == s.owner)),
-        dup,
-    ]
-    kind = np.select(kinds, np.arange(len(kinds)), -1)
-    bad = np.flatnonzero(kind >= 0)
-    if bad.size == 0:
-        return []
-    obs_bad, first, count = np.unique(s.obs[bad], return_index=True, return_counts=True)
+    real_tokens = _real_tokens(d)
+    tables = _group_tables(d)
+    rank_all = d["obs.rank"].astype(np.int32)
     out: list[Issue] = []
-    for o, k, n in zip(obs_bad.tolist(), bad[first].tolist(), count.tolist()):
-        name = _SLOT_KINDS[int(kind[k])]
-        g, p, sl, t = int(s.grp[k]), int(s.pos[k]), int(s.slot[k]), int(s.tok[k])
-        B = int(bs[k])
-        kw = dict(t=t, p=p, s=sl, g=_group_name(d, g), o=int(s.owner[k]), I=I_, N=N, real=int(s.n_real[k]),
-                  B=B, off=sl % max(B, 1), want=int(want_off[k]), t2=None, p2=None)
-        if name == "duplicate":
-            j = int(partner[k])
-            kw.update(t2=int(s.tok[j]), p2=int(s.pos[j]))
-        text = _SLOT_KIND_TEXT[name].format(**kw) + (f" ({n} wrong entries)" if n > 1 else "")
-        detail = {"kind": name, "group": g, "position": p, "token": t, "slot": sl}
-        if name in ("non-owner", "owner-missing"):
-            detail["owner"] = int(s.owner[k])
-        expected = -1 if name in ("padded", "non-owner") else None
-        out.append(Issue(o, "slots", text, {"row": t, "recorded": sl, "expected": expected, "wrong_rows": n,
-                                            "detail": detail}))
+    for lo, hi in _obs_chunks(np.diff(offs), SLOT_CHUNK):
+        ob = np.arange(lo, hi)
+        s = _slot_chunk(d, ob, real_tokens, lo)
+        a, b = int(offs[lo]), int(offs[hi])
+        pos = np.asarray(d["rows.positions"][a:b]).astype(np.int32, copy=False)
+        slot = np.asarray(d["rows.slot_mapping"][a:b]).astype(np.int32, copy=False)
+        if d.bounded:
+            d.release(lo, hi)
+        if pos.size == 0:
+            continue
+        sharded, bs = _group_lookup(tables, s.grp)
+        real = s.tok < s.n_real
+        w = slot >= 0
+        nil = slot == -1
+        rw = real & w
+        run_writes = np.zeros(s.run_len.size, bool)
+        run_writes[s.run[rw]] = True
+        mine = ~sharded | (rank_all[lo:hi][s.eo] == (pos // I_) % N)  # this rank writes the position
+        bad = (~real & ~nil) | (slot < -1) | (real & ((w & ~mine) | (nil & mine & run_writes[s.run])))
+        # offsets are vLLM's only where its own precondition holds (block_size a multiple of the interleave)
+        oc = np.flatnonzero(rw & mine & (bs > 0) & (~sharded | (bs % I_ == 0)))
+        offbad = oc[(slot[oc] % bs[oc]) != _want_offset(pos[oc], bs[oc], sharded[oc], N, I_)]
+        bad[offbad] = True
+        # duplicates: one int64 key per written real entry, its run then its slot (0 <= slot < 2**31); a run
+        # whose keys strictly increase in entry order has none, so only the other runs are sorted
+        partner = None
+        cand = np.flatnonzero(rw)
+        key = s.run[cand] << 31 | slot[cand].astype(np.int64)
+        dec = np.diff(key) <= 0
+        if dec.any():
+            # runs one after another in entry order (the Recorder's layout): a run with a repeated slot has two
+            # consecutive keys that do not increase, so sort only those runs; otherwise sort every written entry
+            if _runs_contiguous(s):
+                sub = np.flatnonzero(np.isin(s.run[cand], s.run[cand[1:][dec]]))
+            else:
+                sub = np.arange(cand.size)
+            o2 = sub[np.argsort(key[sub], kind="stable")]
+            same = key[o2][1:] == key[o2][:-1]
+            dups = cand[o2[1:][same]]
+            if dups.size:
+                bad[dups] = True
+                partner = np.full(slot.size, -1, np.int64)
+                partner[dups] = cand[o2[:-1][same]]
+        idx = np.flatnonzero(bad)
+        if idx.size == 0:
+            continue
+        eb = s.eo[idx]
+        head = np.flatnonzero(np.r_[True, eb[1:] != eb[:-1]])
+        count = np.diff(np.append(head, idx.size))
+        for k, n in zip(idx[head].tolist(), count.tolist()):
+            j = None if partner is None else int(partner[k])
+            out.append(_slot_issue(d, s, k, n, int(pos[k]), int(slot[k]), bool(real[k]), bool(sharded[k]),
+                                   int(bs[k]), bool(mine[k]), bool(run_writes[s.run[k]]), j, pos, lo))
     return out
+
+
+def _runs_contiguous(s: _SlotChunk) -> bool:
+    return bool((s.run_last - s.run_first + 1 == s.run_len).all())
+
+
+def _want_offset(pos: np.ndarray, bs: np.ndarray, sharded: np.ndarray, N: int, I_: int) -> np.ndarray:
+    """vLLM's local offset of each position in its block of `bs` tokens (module comment above)."""
+    p = pos.astype(np.int64)
+    vb = np.maximum(bs, 1).astype(np.int64)
+    vo = p % (vb * N)
+    return np.where(sharded, vo // (I_ * N) * I_ + vo % I_, p % vb)
+
+
+def _slot_issue(d: Dump, s: _SlotChunk, k: int, n: int, p: int, sl: int, real: bool, sharded: bool, B: int,
+                mine: bool, writes: bool, partner: int | None, pos: np.ndarray, lo: int) -> Issue:
+    """The finding of one observation whose first wrong entry is chunk entry k (n wrong entries in all)."""
+    c = d.config
+    N, I_ = c.dcp_size, c.cp_interleave
+    want = int(_want_offset(np.array([p]), np.array([B]), np.array([sharded]), N, I_)[0])
+    vb = max(B, 1)
+    if not real and sl != -1:
+        name = "padded"
+    elif sl < -1:
+        name = "value"
+    elif sl >= 0 and not mine:
+        name = "non-owner"
+    elif sl == -1 and mine and writes:
+        name = "owner-missing" if sharded else "replicated-missing"
+    elif sl >= 0 and B > 0 and (not sharded or B % I_ == 0) and sl % vb != want:
+        name = "offset"
+    else:
+        name = "duplicate"
+    g, t = int(s.grp[k]), int(s.tok[k])
+    owner = (p // I_) % N
+    kw = dict(t=t, p=p, s=sl, g=_group_name(d, g), o=owner, I=I_, N=N, real=int(s.n_real[k]), B=B, off=sl % vb,
+              want=want, t2=None, p2=None)
+    if name == "duplicate":
+        kw.update(t2=int(s.tok[partner]), p2=int(pos[partner]))
+    text = _SLOT_KIND_TEXT[name].format(**kw) + (f" ({n} wrong entries)" if n > 1 else "")
+    detail = {"kind": name, "group": g, "position": p, "token": t, "slot": sl}
+    if name in ("non-owner", "owner-missing"):
+        detail["owner"] = owner
+    expected = -1 if name in ("padded", "non-owner") else None
+    return Issue(lo + int(s.eo[k]), "slots", text, {"row": t, "recorded": sl, "expected": expected, "wrong_rows": n,
+                                                      "detail": detail})
 
 
 def check_slot_partition(d: Dump) -> list[Issue]:
@@ -1140,100 +1226,145 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     recording of each rank makes the k-th set), each real token of a DCP-sharded group must be written by
     exactly one rank. A position written by several ranks is reported at the ranks that do not own it, one
     written by none at its owner (so the finding sits where the write went wrong). Sets whose ranks write
-    nothing at all (dummy runs, capture) are not asked to."""
+    nothing at all (dummy runs, capture) are not asked to.
+
+    Bounded memory: the (observation, group) runs are summarised in chunks first, the sets formed from the
+    summaries, then the entries of about SLOT_CHUNK entries' worth of whole sets gathered at a time (a set's
+    members can lie far apart in the file); per token a bincount, no sort. A finding keeps its first
+    _SLOT_CAP positions of each kind and the counts."""
     from dcptool.provenance import _group_ids
 
     c = d.config
-    N = c.dcp_size
-    s = _slot_entries(d)
-    if N == 1 or s.obs.size == 0:
+    N, I_ = c.dcp_size, c.cp_interleave
+    offs = d["obs.slots"]
+    if N == 1 or d.n == 0 or int(offs[-1]) == 0:
         return []
-    # one member per (observation, sharded group) run: its first entry
-    first = np.full(s.run_writes.size, s.obs.size, np.int64)
-    np.minimum.at(first, s.run, np.arange(s.obs.size))
-    m_obs, m_grp = s.obs[first], s.grp[first]
-    m_real = s.n_real[first]
-    keep = s.sharded[first]
-    m = np.flatnonzero(keep)
-    if m.size == 0:
+    real_tokens = _real_tokens(d)
+    tables = _group_tables(d)
+    # one member per (observation, DCP-sharded group) run, in (observation, group) order
+    parts = []
+    for lo, hi in _obs_chunks(np.diff(offs), SLOT_CHUNK):
+        s = _slot_chunk(d, np.arange(lo, hi), real_tokens, lo)
+        if d.bounded:
+            d.release(lo, hi)
+        keep = _group_lookup(tables, s.run_grp)[0]
+        first = s.at[s.run_first[keep]] if s.at.size else np.zeros(0, np.int64)
+        parts.append((lo + s.run_eo[keep].astype(np.int64), s.run_grp[keep].astype(np.int64),
+                      s.run_real[keep].astype(np.int64), first,
+                      (s.run_last[keep] - s.run_first[keep] + 1).astype(np.int64), s.run_len[keep]))
+    if not parts:
         return []
-    o = m_obs[m]
-    key = [d["obs.step"][o], d["obs.site"][o].astype(np.int64), d["obs.ubatch"][o].astype(np.int64), m_grp[m],
-           m_real[m], d["obs.num_reqs"][o].astype(np.int64)]
-    sets = _kth_per_rank(_group_ids(key), d["obs.rank"][o].astype(np.int64), o)
-    size = np.bincount(sets)
-    set_of_run = np.full(s.run_writes.size, -1, np.int64)
-    set_of_run[m[size[sets] == N]] = sets[size[sets] == N]
-    # entries of full sets, real tokens: count the ranks writing each token
-    es = set_of_run[s.run]
-    sel = np.flatnonzero((es >= 0) & s.real)
-    if sel.size == 0:
+    m_obs, m_grp, m_real, m_first, m_span, m_len = (np.concatenate(x) for x in zip(*parts))
+    if m_obs.size == 0:
         return []
-    tid = _group_ids([es[sel], s.tok[sel]])
-    wr = (s.slot[sel] >= 0).astype(np.int64)
-    writers = np.bincount(tid, weights=wr).astype(np.int64)
-    nt = writers.size
-    pmin = np.full(nt, np.iinfo(np.int64).max)
-    pmax = np.full(nt, -1, np.int64)
-    np.minimum.at(pmin, tid, s.pos[sel])
-    np.maximum.at(pmax, tid, s.pos[sel])
-    set_writes = np.zeros(int(es.max()) + 1, bool)
-    set_writes[es[sel][wr > 0]] = True
-    tset = np.zeros(nt, np.int64)
-    tset[tid] = es[sel]
-    bad_tok = (writers != 1) & (pmin == pmax) & set_writes[tset]
-    if not bad_tok.any():
+    key = [d["obs.step"][m_obs], d["obs.site"][m_obs].astype(np.int64), d["obs.ubatch"][m_obs].astype(np.int64),
+           m_grp, m_real, d["obs.num_reqs"][m_obs].astype(np.int64)]
+    rank = d["obs.rank"].astype(np.int64)
+    sets = _kth_per_rank(_group_ids(key), rank[m_obs], m_obs)
+    full = np.bincount(sets)[sets] == N
+    # the members of full sets, by set then observation: N in a row each
+    mr = np.flatnonzero(full)
+    mr = mr[np.lexsort((m_obs[mr], sets[mr]))]
+    mset = sets[mr]
+    nset = mr.size // N
+    if nset == 0:
         return []
-    erank = d["obs.rank"].astype(np.int64)[s.obs[sel]]
-    bt = bad_tok[tid]
-    many = bt & (writers[tid] >= 2) & (wr > 0) & (erank != s.owner[sel])
-    # a position several ranks write but none of them owns it: every writer is at fault
-    owner_writes = np.zeros(nt, bool)
-    owner_writes[tid[(wr > 0) & (erank == s.owner[sel])]] = True
-    many |= bt & (writers[tid] >= 2) & (wr > 0) & ~owner_writes[tid]
-    none = bt & (writers[tid] == 0) & (erank == s.owner[sel])
-    blame = many | none
-    ent = sel[blame]
-    if ent.size == 0:
+    tokens = np.minimum(m_real, m_len)[mr].reshape(nset, N).max(axis=1)  # real tokens per set (token ids)
+    found = []
+    for slo, shi in _obs_chunks(m_span[mr].reshape(nset, N).sum(axis=1), SLOT_CHUNK):
+        mm = mr[slo * N : shi * N]
+        seg, _, at = ragged(m_first[mm], m_span[mm])
+        if (m_span[mm] != m_len[mm]).any():  # a run interleaved with other groups (not the Recorder's layout)
+            k = d.take("rows.slot_group", at) == m_grp[mm][seg]
+            seg, at = seg[k], at[k]
+        tok = np.arange(at.size) - np.searchsorted(seg, np.arange(mm.size))[seg]
+        k = np.flatnonzero(tok < m_real[mm][seg])  # real tokens only
+        seg, at, tok = seg[k], at[k], tok[k]
+        pos = d.take("rows.positions", at).astype(np.int32, copy=False)
+        slot = d.take("rows.slot_mapping", at).astype(np.int32, copy=False)
+        if d.bounded:
+            d.release(0, d.n)
+        if at.size == 0:
+            continue
+        # per token of the batch's sets: how many ranks write it, whether every rank has it at one position
+        ls = seg // N
+        ntok = tokens[slo:shi]
+        base = np.cumsum(ntok) - ntok
+        tid = base[ls] + tok
+        nt = int(ntok.sum())
+        wr = slot >= 0
+        writers = np.bincount(tid[wr], minlength=nt)
+        ref = np.zeros(nt, np.int32)
+        ref[tid] = pos
+        moved = np.bincount(tid[pos != ref[tid]], minlength=nt) > 0
+        set_writes = np.bincount(ls[wr], minlength=shi - slo) > 0
+        bad_tok = (writers != 1) & ~moved & np.repeat(set_writes, ntok)
+        b = np.flatnonzero(bad_tok[tid])
+        if b.size == 0:
+            continue
+        bo = m_obs[mm][seg[b]]
+        er = rank[bo]
+        own = er == (pos[b] // I_) % N
+        w, bt, nw = wr[b], tid[b], writers[tid[b]]
+        owner_writes = np.zeros(nt, bool)
+        owner_writes[bt[w & own]] = True
+        # several writers: those that do not own the position (every writer where none owns it); none: the owner
+        blame = ((nw >= 2) & w & (~own | ~owner_writes[bt])) | ((nw == 0) & own)
+        e = b[blame]
+        found.append(_cap_per_obs(at[e], bo[blame], (slot[e] < 0).astype(np.int8), pos[e], slot[e], tok[e],
+                                  m_grp[mm][seg[e]], mset[slo * N + seg[e]]))
+    if not found:
         return []
+    f = _cap_per_obs(*[np.concatenate(x) for x in zip(*[r[0] for r in found])])
+    cnt_keys = np.concatenate([r[1] for r in found])
+    cnt = np.concatenate([r[2] for r in found])
+    ck, inv = np.unique(cnt_keys, return_inverse=True)
+    total = np.bincount(inv.ravel(), weights=cnt).astype(np.int64)  # per (observation, kind)
+    at, eo, kind, pos, slot, tok, grp, st = f[0]
+    heads = np.flatnonzero(np.r_[True, eo[1:] != eo[:-1]])
     out: list[Issue] = []
-    eo = s.obs[ent]
-    order = np.argsort(eo, kind="stable")
-    ent, eo = ent[order], eo[order]
-    bounds = np.flatnonzero(np.r_[True, eo[1:] != eo[:-1]])
-    ends = np.append(bounds[1:], ent.size)
-    # each set's member observations, in order (one sort, sliced per finding)
-    mr = np.flatnonzero(set_of_run >= 0)
-    mr = mr[np.lexsort((m_obs[mr], set_of_run[mr]))]
-    mset = set_of_run[mr]
-    for a, b in zip(bounds.tolist(), ends.tolist()):
-        mine = ent[a:b]
+    for a, z in zip(heads.tolist(), np.append(heads[1:], eo.size).tolist()):
         i = int(eo[a])
-        g = int(s.grp[mine[0]])
-        st = int(set_of_run[s.run[mine[0]]])
-        members = m_obs[mr[np.searchsorted(mset, st, "left"):np.searchsorted(mset, st, "right")]]
-        sev = mine[(s.slot[mine] >= 0)]
-        zero = mine[s.slot[mine] < 0]
-        parts = []
+        r = np.arange(a, z)
+        k = r[np.argmin(at[a:z])]  # the observation's first wrong entry
+        sev, zero = r[kind[a:z] == 0], r[kind[a:z] == 1]
+        n_sev = int(total[np.searchsorted(ck, 2 * i)]) if sev.size else 0
+        n_zero = int(total[np.searchsorted(ck, 2 * i + 1)]) if zero.size else 0
+        g = int(grp[k])
+        ms = int(st[k])
+        members = m_obs[mr[np.searchsorted(mset, ms, "left"):np.searchsorted(mset, ms, "right")]]
+        text = []
         if sev.size:
-            pl = s.pos[sev]
-            parts.append(f"position{'s' if pl.size > 1 else ''} {_few(pl)} written by several ranks, this one "
-                         f"not the owner (rank {int(s.owner[sev[0]])} owns position {int(pl[0])})")
+            pl = pos[sev]
+            text.append(f"position{'s' if n_sev > 1 else ''} {_few(pl, n=n_sev)} written by several ranks, this "
+                        f"one not the owner (rank {(int(pl[0]) // I_) % N} owns position {int(pl[0])})")
         if zero.size:
-            parts.append(f"position{'s' if zero.size > 1 else ''} {_few(s.pos[zero])} of this rank written by no "
-                         "rank")
-        text = (f"across the {N} ranks, DCP-sharded group {_group_name(d, g)}: " + "; ".join(parts)
-                + "; each position must be written by exactly one rank, its owner")
-        k = int(mine[0])
-        detail = {"group": g, "written_by_several": [int(x) for x in s.pos[sev][:64]],
-                  "unwritten": [int(x) for x in s.pos[zero][:64]],
-                  "obs": [int(d.file_obs[x]) for x in members]}
-        out.append(Issue(i, "slot-partition", text, {"row": int(s.tok[k]), "recorded": int(s.slot[k]),
-                                                      "expected": None, "wrong_rows": int(mine.size),
-                                                      "detail": detail}))
+            text.append(f"position{'s' if n_zero > 1 else ''} {_few(pos[zero], n=n_zero)} of this rank written by "
+                        "no rank")
+        msg = (f"across the {N} ranks, DCP-sharded group {_group_name(d, g)}: " + "; ".join(text)
+               + "; each position must be written by exactly one rank, its owner")
+        detail = {"group": g, "written_by_several": [int(x) for x in pos[sev]],
+                  "unwritten": [int(x) for x in pos[zero]], "obs": [int(d.file_obs[x]) for x in members]}
+        out.append(Issue(i, "slot-partition", msg, {"row": int(tok[k]), "recorded": int(slot[k]), "expected": None,
+                                                     "wrong_rows": n_sev + n_zero, "detail": detail}))
     return out
 
 
-def _few(a: np.ndarray, k: int = 6) -> str:
+def _cap_per_obs(at, eo, kind, *cols):
+    """Blamed entries -> (their first _SLOT_CAP of each (observation, kind) in entry order, sorted by
+    observation, kind, entry), keys 2 * observation + kind, and each key's count."""
+    order = np.lexsort((at, kind, eo))
+    at, eo, kind = at[order], eo[order], kind[order]
+    cols = [x[order] for x in cols]
+    key = 2 * eo + kind
+    head = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    n = np.diff(np.append(head, key.size))
+    keep = np.arange(key.size) - np.repeat(head, n) < _SLOT_CAP
+    return ([at[keep], eo[keep], kind[keep]] + [x[keep] for x in cols]), key[head], n
+
+
+def _few(a: np.ndarray, k: int = 6, n: int | None = None) -> str:
+    """The first k values of a, and how many there are in all (n: of which `a` is the start)."""
+    n = a.size if n is None else n
     v = [int(x) for x in a[:k]]
-    return ", ".join(map(str, v)) + (f", ... ({a.size} in all)" if a.size > k else "")
+    return ", ".join(map(str, v)) + (f", ... ({n} in all)" if n > k else "")
