@@ -1010,25 +1010,6 @@ SLOT_CHUNK = 1 << 22  # slot entries per chunk (whole observations; whole rank-s
 _SLOT_CAP = 64  # positions kept per finding's detail
 
 
-class _SlotChunk(NamedTuple):
-    """The slot entries of some observations, with their (observation, group) runs. Per entry: `at` the
-    entry's index in the dump, `eo` its observation (index into the chunk's `ob`), `run` its run, `tok` the
-    token's index within the run, `n_real` the real token count; per run: its observation (into `ob`), group,
-    first and last entry (into the chunk) and length."""
-    at: np.ndarray
-    eo: np.ndarray
-    grp: np.ndarray
-    run: np.ndarray
-    tok: np.ndarray
-    n_real: np.ndarray
-    run_eo: np.ndarray
-    run_grp: np.ndarray
-    run_first: np.ndarray
-    run_last: np.ndarray
-    run_len: np.ndarray
-    run_real: np.ndarray
-
-
 def _real_tokens(d: Dump) -> np.ndarray:
     """Per observation: its real token count qsl[num_reqs] where query_start_loc was recorded, else -1 (then
     every token of a group counts as real)."""
@@ -1040,65 +1021,50 @@ def _real_tokens(d: Dump) -> np.ndarray:
     return out
 
 
-def _group_tables(d: Dump) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per KV-cache group: DCP-sharded, block size (0: unknown); None without kv_groups (every group sharded,
-    block size unknown: schema lets a group index be any int32 then, so no table by index)."""
+def _group_tables(d: Dump, grp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per entry of `grp` (KV-cache groups): DCP-sharded, block size (0: unknown). Without kv_groups every
+    group is sharded of unknown block size (schema lets a group index be any int32 then: no table by index)."""
     kv = d.config.kv_groups
     if kv is None:
-        return None
-    return d.config.group_dcp(len(kv)), d.config.group_block_size(len(kv))
-
-
-def _slot_chunk(d: Dump, ob: np.ndarray, real_tokens: np.ndarray, lo: int | None = None) -> _SlotChunk:
-    """Read the slot entries of observations `ob` (ascending; `lo`: they are lo, lo+1, ... and are read as
-    one slice) and find their runs: by observation, then group, then entry order (= token order), as the
-    Recorder writes them; only a chunk written otherwise is sorted."""
-    offs = d["obs.slots"]
-    cnt = np.diff(offs)[ob]
-    if lo is not None:
-        a, b = int(offs[lo]), int(offs[lo + ob.size])
-        at = np.arange(a, b, dtype=np.int64)
-        grp = np.asarray(d["rows.slot_group"][a:b]).astype(np.int32, copy=False)
-    else:
-        _, _, at = ragged(offs[ob], cnt)
-        grp = d.take("rows.slot_group", at).astype(np.int32, copy=False)
-    n = at.size
-    eo = np.repeat(np.arange(ob.size, dtype=np.int32), cnt)
-    same_obs = eo[1:] == eo[:-1]
-    blocks = n < 2 or not ((grp[1:] < grp[:-1]) & same_obs).any()
-    order = None if blocks else np.lexsort((np.arange(n), grp, eo))
-    so, sg = (eo, grp) if blocks else (eo[order], grp[order])
-    new = np.ones(n, bool)
-    if n:
-        new[1:] = (sg[1:] != sg[:-1]) | ((so[1:] != so[:-1]) if order is not None else ~same_obs)
-    run_s = np.cumsum(new, dtype=np.int64) - 1
-    start = np.flatnonzero(new)
-    tok_s = (np.arange(n, dtype=np.int64) - start[run_s]).astype(np.int32)
-    run_len = np.diff(np.append(start, n))
-    ends = start + run_len - 1
-    if blocks:
-        run, tok, first, last = run_s, tok_s, start, ends
-    else:
-        run = np.empty(n, np.int64)
-        run[order] = run_s
-        tok = np.empty(n, np.int32)
-        tok[order] = tok_s
-        first, last = order[start], order[ends]
-    rt = real_tokens[ob]
-    run_eo = eo[first]
-    run_real = np.where(rt[run_eo] >= 0, rt[run_eo], run_len)
-    return _SlotChunk(at, eo, grp, run, tok, run_real[run], run_eo, grp[first], first, last, run_len, run_real)
-
-
-def _group_lookup(tables, grp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    if tables is None:
         return np.ones(grp.size, bool), np.zeros(grp.size, np.int64)
-    return tables[0][grp], tables[1][grp]
+    return d.config.group_dcp(len(kv))[grp], d.config.group_block_size(len(kv))[grp]
+
+
+def _slot_runs(grp: np.ndarray, cnt: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """The (observation, group) runs of consecutive observations' entries (`cnt` each): by observation, then
+    group, then entry order (= token order). The Recorder writes each observation's groups as ascending
+    blocks; entries written otherwise are put in that order first -> (that order or None, the groups in it,
+    each run's first entry in it)."""
+    n = grp.size
+    obs_start = (np.cumsum(cnt) - cnt)[cnt > 0]
+    dec = np.flatnonzero(grp[1:] < grp[:-1]) + 1
+    order = None
+    if dec.size and not np.isin(dec, obs_start).all():
+        order = np.lexsort((grp, np.repeat(np.arange(cnt.size), cnt)))  # (stable: entry order within a group)
+        grp = grp[order]
+    new = np.empty(n, bool)
+    if n:
+        new[0] = True
+        np.not_equal(grp[1:], grp[:-1], out=new[1:])
+        new[obs_start] = True
+    return order, grp, np.flatnonzero(new)
 
 
 def _group_name(d: Dump, g: int) -> str:
     kv = d.config.kv_groups
     return f"{g} ({kv[g].name})" if kv is not None and g < len(kv) else str(g)
+
+
+def _want_offset(pos, bs, sharded, N: int, I_: int):
+    """vLLM's local offset of each position in its block of `bs` tokens (module comment above); numpy
+    arrays (int64) or Python ints."""
+    vb = np.maximum(bs, 1)
+    vo = pos % (vb * N)
+    return np.where(sharded, vo // (I_ * N) * I_ + vo % I_, pos % vb)
+
+
+def _spread(per_run, run_len: np.ndarray) -> np.ndarray:
+    return np.repeat(per_run, run_len)
 
 
 def check_slots(d: Dump) -> list[Issue]:
@@ -1108,92 +1074,117 @@ def check_slots(d: Dump) -> list[Issue]:
     slot sits at vLLM's local block offset; no two tokens of one build write the same slot.
 
     In chunks of about SLOT_CHUNK entries (whole observations): memory bounded by the chunk, not the dump.
-    The cheap tests run on every entry; the offset only on written entries of known block size, the
-    duplicate sort only on runs whose written slots do not strictly increase, the kind only on bad entries."""
+    Per-run facts (rank, group, real token count) are spread over the run's entries with np.repeat; the
+    sharded offset only on the owners' written entries, the duplicate sort only on runs whose written slots
+    do not strictly increase, the kind only on an observation's first wrong entry."""
     c = d.config
     N, I_ = c.dcp_size, c.cp_interleave
     offs = d["obs.slots"]
     if d.n == 0 or int(offs[-1]) == 0:
         return []
     real_tokens = _real_tokens(d)
-    tables = _group_tables(d)
-    rank_all = d["obs.rank"].astype(np.int32)
+    rank_all = d["obs.rank"].astype(np.int64)
     out: list[Issue] = []
     for lo, hi in _obs_chunks(np.diff(offs), SLOT_CHUNK):
-        ob = np.arange(lo, hi)
-        s = _slot_chunk(d, ob, real_tokens, lo)
         a, b = int(offs[lo]), int(offs[hi])
+        if a == b:
+            continue
+        cnt = np.diff(offs[lo : hi + 1])
+        order, grp, start = _slot_runs(np.asarray(d["rows.slot_group"][a:b]).astype(np.int32, copy=False), cnt)
         pos = np.asarray(d["rows.positions"][a:b]).astype(np.int32, copy=False)
         slot = np.asarray(d["rows.slot_mapping"][a:b]).astype(np.int32, copy=False)
         if d.bounded:
             d.release(lo, hi)
-        if pos.size == 0:
-            continue
-        sharded, bs = _group_lookup(tables, s.grp)
-        real = s.tok < s.n_real
+        if order is not None:
+            pos, slot = pos[order], slot[order]
+        n = slot.size
+        run_len = np.diff(np.append(start, n))
+        run_obs = np.searchsorted(np.cumsum(cnt), start, "right")  # (into the chunk)
+        r_grp = grp[start]
+        r_sh, r_bs = _group_tables(d, r_grp)
+        rt = real_tokens[lo + run_obs]
+        r_real = np.where(rt >= 0, rt, run_len)
+        nr = np.minimum(r_real, run_len)
+        real = np.repeat(np.tile(np.array([True, False]), start.size), np.stack([nr, run_len - nr], 1).ravel())
         w = slot >= 0
         nil = slot == -1
         rw = real & w
-        run_writes = np.zeros(s.run_len.size, bool)
-        run_writes[s.run[rw]] = True
-        mine = ~sharded | (rank_all[lo:hi][s.eo] == (pos // I_) % N)  # this rank writes the position
-        bad = (~real & ~nil) | (slot < -1) | (real & ((w & ~mine) | (nil & mine & run_writes[s.run])))
+        r_writes = np.logical_or.reduceat(rw, start)
+        mine = None  # this rank writes the position: every rank in a replicated group, the owner in a sharded one
+        if r_sh.any():
+            own = pos // I_ if I_ > 1 else pos
+            own = own & (N - 1) if N & (N - 1) == 0 else own % N
+            mine = own == _spread(rank_all[lo + run_obs].astype(np.int32), run_len)
+            if not r_sh.all():
+                mine |= _spread(~r_sh, run_len)
+        if mine is None:
+            bad = (~real & ~nil) | (slot < -1) | (real & nil & _spread(r_writes, run_len))
+        else:
+            bad = (~real & ~nil) | (slot < -1) | (real & ((w & ~mine) | (nil & mine & _spread(r_writes, run_len))))
         # offsets are vLLM's only where its own precondition holds (block_size a multiple of the interleave)
-        oc = np.flatnonzero(rw & mine & (bs > 0) & (~sharded | (bs % I_ == 0)))
-        offbad = oc[(slot[oc] % bs[oc]) != _want_offset(pos[oc], bs[oc], sharded[oc], N, I_)]
-        bad[offbad] = True
-        # duplicates: one int64 key per written real entry, its run then its slot (0 <= slot < 2**31); a run
-        # whose keys strictly increase in entry order has none, so only the other runs are sorted
+        known = (r_bs > 0) & (~r_sh | (r_bs % I_ == 0))
+        rep = known & ~r_sh  # replicated: offset p % B, i.e. (slot - p) % B == 0
+        if rep.any():
+            B = np.unique(r_bs[rep])
+            Be = int(B[0]) if B.size == 1 else _spread(np.where(rep, r_bs, 1).astype(np.int32), run_len)
+            m = (slot - pos) % Be != 0
+            m &= rw
+            m &= _spread(rep, run_len)
+            bad |= m
+        shk = known & r_sh
+        if shk.any():
+            oc = np.flatnonzero(rw & mine & _spread(shk, run_len))
+            rr = np.searchsorted(start, oc, "right") - 1
+            p = pos[oc].astype(np.int64)
+            bad[oc[slot[oc] % r_bs[rr] != _want_offset(p, r_bs[rr], True, N, I_)]] = True
+        # duplicates: in entry order a run whose written slots strictly increase has none; sort the others' by
+        # one int64 key, their run then their slot (0 <= slot < 2**31), ties in entry order
         partner = None
         cand = np.flatnonzero(rw)
-        key = s.run[cand] << 31 | slot[cand].astype(np.int64)
-        dec = np.diff(key) <= 0
-        if dec.any():
-            # runs one after another in entry order (the Recorder's layout): a run with a repeated slot has two
-            # consecutive keys that do not increase, so sort only those runs; otherwise sort every written entry
-            if _runs_contiguous(s):
-                sub = np.flatnonzero(np.isin(s.run[cand], s.run[cand[1:][dec]]))
-            else:
-                sub = np.arange(cand.size)
-            o2 = sub[np.argsort(key[sub], kind="stable")]
-            same = key[o2][1:] == key[o2][:-1]
-            dups = cand[o2[1:][same]]
-            if dups.size:
+        sc = slot[cand]
+        flag = np.flatnonzero(sc[1:] <= sc[:-1])
+        if flag.size:
+            r1 = np.searchsorted(start, cand[flag], "right") - 1
+            r2 = np.searchsorted(start, cand[flag + 1], "right") - 1
+            runs = np.unique(r1[r1 == r2])
+            if runs.size:
+                seg, _, e = ragged(start[runs], run_len[runs])
+                keep = rw[e]
+                e = e[keep]
+                key = runs[seg[keep]].astype(np.int64) << 31 | slot[e].astype(np.int64)
+                o2 = np.argsort(key, kind="stable")
+                same = key[o2][1:] == key[o2][:-1]
+                dups = e[o2[1:][same]]
                 bad[dups] = True
-                partner = np.full(slot.size, -1, np.int64)
-                partner[dups] = cand[o2[:-1][same]]
+                partner = np.full(n, -1, np.int64)
+                partner[dups] = e[o2[:-1][same]]
         idx = np.flatnonzero(bad)
         if idx.size == 0:
             continue
-        eb = s.eo[idx]
-        head = np.flatnonzero(np.r_[True, eb[1:] != eb[:-1]])
+        if order is not None:  # the first wrong entry of each observation in entry order
+            idx = idx[np.argsort(order[idx])]
+        eo = np.searchsorted(np.cumsum(cnt), order[idx] if order is not None else idx, "right")
+        head = np.flatnonzero(np.r_[True, eo[1:] != eo[:-1]])
         count = np.diff(np.append(head, idx.size))
-        for k, n in zip(idx[head].tolist(), count.tolist()):
+        ks = idx[head]
+        rk = np.searchsorted(start, ks, "right") - 1
+        for o, k, r, n_bad in zip(eo[head].tolist(), ks.tolist(), rk.tolist(), count.tolist()):
             j = None if partner is None else int(partner[k])
-            out.append(_slot_issue(d, s, k, n, int(pos[k]), int(slot[k]), bool(real[k]), bool(sharded[k]),
-                                   int(bs[k]), bool(mine[k]), bool(run_writes[s.run[k]]), j, pos, lo))
+            two = None if j is None or j < 0 else (j - int(start[r]), int(pos[j]))
+            out.append(_slot_issue(d, lo + o, n_bad, k - int(start[r]), int(r_grp[r]), int(r_real[r]), int(pos[k]),
+                                   int(slot[k]), bool(real[k]), bool(r_sh[r]), int(r_bs[r]),
+                                   True if mine is None else bool(mine[k]), bool(r_writes[r]), two))
     return out
 
 
-def _runs_contiguous(s: _SlotChunk) -> bool:
-    return bool((s.run_last - s.run_first + 1 == s.run_len).all())
-
-
-def _want_offset(pos: np.ndarray, bs: np.ndarray, sharded: np.ndarray, N: int, I_: int) -> np.ndarray:
-    """vLLM's local offset of each position in its block of `bs` tokens (module comment above)."""
-    p = pos.astype(np.int64)
-    vb = np.maximum(bs, 1).astype(np.int64)
-    vo = p % (vb * N)
-    return np.where(sharded, vo // (I_ * N) * I_ + vo % I_, p % vb)
-
-
-def _slot_issue(d: Dump, s: _SlotChunk, k: int, n: int, p: int, sl: int, real: bool, sharded: bool, B: int,
-                mine: bool, writes: bool, partner: int | None, pos: np.ndarray, lo: int) -> Issue:
-    """The finding of one observation whose first wrong entry is chunk entry k (n wrong entries in all)."""
+def _slot_issue(d: Dump, i: int, n: int, t: int, g: int, n_real: int, p: int, sl: int, real: bool, sharded: bool,
+                B: int, mine: bool, writes: bool, two: tuple[int, int] | None) -> Issue:
+    """The finding of observation i, whose first wrong entry is token t of group g (n wrong entries in all)."""
     c = d.config
     N, I_ = c.dcp_size, c.cp_interleave
-    want = int(_want_offset(np.array([p]), np.array([B]), np.array([sharded]), N, I_)[0])
     vb = max(B, 1)
+    vo = p % (vb * N)
+    want = vo // (I_ * N) * I_ + vo % I_ if sharded else p % vb
     if not real and sl != -1:
         name = "padded"
     elif sl < -1:
@@ -1206,19 +1197,17 @@ def _slot_issue(d: Dump, s: _SlotChunk, k: int, n: int, p: int, sl: int, real: b
         name = "offset"
     else:
         name = "duplicate"
-    g, t = int(s.grp[k]), int(s.tok[k])
     owner = (p // I_) % N
-    kw = dict(t=t, p=p, s=sl, g=_group_name(d, g), o=owner, I=I_, N=N, real=int(s.n_real[k]), B=B, off=sl % vb,
+    kw = dict(t=t, p=p, s=sl, g=_group_name(d, g), o=owner, I=I_, N=N, real=n_real, B=B, off=sl % vb,
               want=want, t2=None, p2=None)
     if name == "duplicate":
-        kw.update(t2=int(s.tok[partner]), p2=int(pos[partner]))
+        kw.update(t2=two[0], p2=two[1])
     text = _SLOT_KIND_TEXT[name].format(**kw) + (f" ({n} wrong entries)" if n > 1 else "")
     detail = {"kind": name, "group": g, "position": p, "token": t, "slot": sl}
     if name in ("non-owner", "owner-missing"):
         detail["owner"] = owner
     expected = -1 if name in ("padded", "non-owner") else None
-    return Issue(lo + int(s.eo[k]), "slots", text, {"row": t, "recorded": sl, "expected": expected, "wrong_rows": n,
-                                                      "detail": detail})
+    return Issue(i, "slots", text, {"row": t, "recorded": sl, "expected": expected, "wrong_rows": n, "detail": detail})
 
 
 def check_slot_partition(d: Dump) -> list[Issue]:
@@ -1240,18 +1229,26 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     if N == 1 or d.n == 0 or int(offs[-1]) == 0:
         return []
     real_tokens = _real_tokens(d)
-    tables = _group_tables(d)
-    # one member per (observation, DCP-sharded group) run, in (observation, group) order
+    # one member per (observation, DCP-sharded group) run, in (observation, group) order: its first entry and
+    # length where its entries are consecutive (the Recorder's layout), else its observation's entries
     parts = []
     for lo, hi in _obs_chunks(np.diff(offs), SLOT_CHUNK):
-        s = _slot_chunk(d, np.arange(lo, hi), real_tokens, lo)
+        a, b = int(offs[lo]), int(offs[hi])
+        cnt = np.diff(offs[lo : hi + 1])
+        order, grp, start = _slot_runs(np.asarray(d["rows.slot_group"][a:b]).astype(np.int32, copy=False), cnt)
         if d.bounded:
             d.release(lo, hi)
-        keep = _group_lookup(tables, s.run_grp)[0]
-        first = s.at[s.run_first[keep]] if s.at.size else np.zeros(0, np.int64)
-        parts.append((lo + s.run_eo[keep].astype(np.int64), s.run_grp[keep].astype(np.int64),
-                      s.run_real[keep].astype(np.int64), first,
-                      (s.run_last[keep] - s.run_first[keep] + 1).astype(np.int64), s.run_len[keep]))
+        run_len = np.diff(np.append(start, grp.size))
+        run_obs = np.searchsorted(np.cumsum(cnt), start, "right")
+        keep = _group_tables(d, grp[start])[0]
+        run_obs, start, run_len = run_obs[keep], start[keep], run_len[keep]
+        rt = real_tokens[lo + run_obs]
+        if order is None:
+            first, span = a + start, run_len
+        else:
+            first, span = offs[lo + run_obs], cnt[run_obs]
+        parts.append((lo + run_obs, grp[start].astype(np.int64), np.where(rt >= 0, rt, run_len), first, span,
+                      run_len))
     if not parts:
         return []
     m_obs, m_grp, m_real, m_first, m_span, m_len = (np.concatenate(x) for x in zip(*parts))
@@ -1273,13 +1270,15 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     found = []
     for slo, shi in _obs_chunks(m_span[mr].reshape(nset, N).sum(axis=1), SLOT_CHUNK):
         mm = mr[slo * N : shi * N]
-        seg, _, at = ragged(m_first[mm], m_span[mm])
         if (m_span[mm] != m_len[mm]).any():  # a run interleaved with other groups (not the Recorder's layout)
+            seg, _, at = ragged(m_first[mm], m_span[mm])
             k = d.take("rows.slot_group", at) == m_grp[mm][seg]
             seg, at = seg[k], at[k]
-        tok = np.arange(at.size) - np.searchsorted(seg, np.arange(mm.size))[seg]
-        k = np.flatnonzero(tok < m_real[mm][seg])  # real tokens only
-        seg, at, tok = seg[k], at[k], tok[k]
+            tok = np.arange(at.size) - np.searchsorted(seg, np.arange(mm.size))[seg]
+            k = np.flatnonzero(tok < m_real[mm][seg])  # real tokens only
+            seg, at, tok = seg[k], at[k], tok[k]
+        else:  # the run's first min(real, length) entries are its real tokens
+            seg, tok, at = ragged(m_first[mm], np.minimum(m_real[mm], m_len[mm]))
         pos = d.take("rows.positions", at).astype(np.int32, copy=False)
         slot = d.take("rows.slot_mapping", at).astype(np.int32, copy=False)
         if d.bounded:
