@@ -1142,11 +1142,13 @@ def check_slots(d: Dump) -> list[Issue]:
         partner = None
         cand = np.flatnonzero(rw)
         sc = slot[cand]
-        flag = np.flatnonzero(sc[1:] <= sc[:-1])
+        flag = np.flatnonzero(sc[1:] <= sc[:-1])  # (and at most run boundaries)
         if flag.size:
             r1 = np.searchsorted(start, cand[flag], "right") - 1
             r2 = np.searchsorted(start, cand[flag + 1], "right") - 1
-            runs = np.unique(r1[r1 == r2])
+            mark = np.zeros(start.size, bool)
+            mark[r1[r1 == r2]] = True
+            runs = np.flatnonzero(mark)
             if runs.size:
                 seg, _, e = ragged(start[runs], run_len[runs])
                 keep = rw[e]
@@ -1158,17 +1160,23 @@ def check_slots(d: Dump) -> list[Issue]:
                 bad[dups] = True
                 partner = np.full(n, -1, np.int64)
                 partner[dups] = e[o2[:-1][same]]
+        if order is not None:  # the first wrong entry of each observation in entry order
+            inv = np.empty(n, np.int64)
+            inv[order] = np.arange(n)
+            bad = bad[inv]
         idx = np.flatnonzero(bad)
         if idx.size == 0:
             continue
-        if order is not None:  # the first wrong entry of each observation in entry order
-            idx = idx[np.argsort(order[idx])]
-        eo = np.searchsorted(np.cumsum(cnt), order[idx] if order is not None else idx, "right")
-        head = np.flatnonzero(np.r_[True, eo[1:] != eo[:-1]])
-        count = np.diff(np.append(head, idx.size))
-        ks = idx[head]
+        # per observation (its entries are [cs - cnt, cs)): the first wrong entry and how many
+        cs = np.cumsum(cnt)
+        f0, f1 = np.searchsorted(idx, cs - cnt), np.searchsorted(idx, cs)
+        eo = np.flatnonzero(f1 > f0)
+        count = (f1 - f0)[eo]
+        ks = idx[f0[eo]]
+        if order is not None:
+            ks = inv[ks]
         rk = np.searchsorted(start, ks, "right") - 1
-        for o, k, r, n_bad in zip(eo[head].tolist(), ks.tolist(), rk.tolist(), count.tolist()):
+        for o, k, r, n_bad in zip(eo.tolist(), ks.tolist(), rk.tolist(), count.tolist()):
             j = None if partner is None else int(partner[k])
             two = None if j is None or j < 0 else (j - int(start[r]), int(pos[j]))
             out.append(_slot_issue(d, lo + o, n_bad, k - int(start[r]), int(r_grp[r]), int(r_real[r]), int(pos[k]),
@@ -1321,31 +1329,35 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     total = np.bincount(inv.ravel(), weights=cnt).astype(np.int64)  # per (observation, kind)
     at, eo, kind, pos, slot, tok, grp, st = f[0]
     heads = np.flatnonzero(np.r_[True, eo[1:] != eo[:-1]])
+    ends = np.append(heads[1:], eo.size)
+    n_sev = np.bincount(np.repeat(np.arange(heads.size), ends - heads), weights=kind == 0,
+                        minlength=heads.size).astype(np.int64)  # kept positions of each kind, per finding
+    o = eo[heads]
+    tot_sev = np.where(n_sev > 0, total[np.minimum(np.searchsorted(ck, 2 * o), ck.size - 1)], 0)
+    tot_zero = np.where(ends - heads > n_sev, total[np.minimum(np.searchsorted(ck, 2 * o + 1), ck.size - 1)], 0)
+    # the observation's first wrong entry: the first of either kind (each kind's entries are in entry order)
+    z0 = np.minimum(heads + n_sev, eo.size - 1)
+    k = np.where((n_sev == 0) | ((ends - heads > n_sev) & (at[z0] < at[heads])), z0, heads)
+    lo_m = np.searchsorted(mset, st[k], "left")
+    hi_m = np.searchsorted(mset, st[k], "right")
+    members = d.file_obs[m_obs[mr]].tolist()
+    pos_l = pos.tolist()
     out: list[Issue] = []
-    for a, z in zip(heads.tolist(), np.append(heads[1:], eo.size).tolist()):
-        i = int(eo[a])
-        r = np.arange(a, z)
-        k = r[np.argmin(at[a:z])]  # the observation's first wrong entry
-        sev, zero = r[kind[a:z] == 0], r[kind[a:z] == 1]
-        n_sev = int(total[np.searchsorted(ck, 2 * i)]) if sev.size else 0
-        n_zero = int(total[np.searchsorted(ck, 2 * i + 1)]) if zero.size else 0
-        g = int(grp[k])
-        ms = int(st[k])
-        members = m_obs[mr[np.searchsorted(mset, ms, "left"):np.searchsorted(mset, ms, "right")]]
+    for i, a, z, ns, ts, tz, kk, g, ml, mh in zip(o.tolist(), heads.tolist(), ends.tolist(), n_sev.tolist(),
+                                                  tot_sev.tolist(), tot_zero.tolist(), k.tolist(), grp[k].tolist(),
+                                                  lo_m.tolist(), hi_m.tolist()):
+        sev, zero = pos_l[a : a + ns], pos_l[a + ns : z]
         text = []
-        if sev.size:
-            pl = pos[sev]
-            text.append(f"position{'s' if n_sev > 1 else ''} {_few(pl, n=n_sev)} written by several ranks, this "
-                        f"one not the owner (rank {(int(pl[0]) // I_) % N} owns position {int(pl[0])})")
-        if zero.size:
-            text.append(f"position{'s' if n_zero > 1 else ''} {_few(pos[zero], n=n_zero)} of this rank written by "
-                        "no rank")
+        if sev:
+            text.append(f"position{'s' if ts > 1 else ''} {_few(sev, n=ts)} written by several ranks, this "
+                        f"one not the owner (rank {(sev[0] // I_) % N} owns position {sev[0]})")
+        if zero:
+            text.append(f"position{'s' if tz > 1 else ''} {_few(zero, n=tz)} of this rank written by no rank")
         msg = (f"across the {N} ranks, DCP-sharded group {_group_name(d, g)}: " + "; ".join(text)
                + "; each position must be written by exactly one rank, its owner")
-        detail = {"group": g, "written_by_several": [int(x) for x in pos[sev]],
-                  "unwritten": [int(x) for x in pos[zero]], "obs": [int(d.file_obs[x]) for x in members]}
-        out.append(Issue(i, "slot-partition", msg, {"row": int(tok[k]), "recorded": int(slot[k]), "expected": None,
-                                                     "wrong_rows": n_sev + n_zero, "detail": detail}))
+        detail = {"group": g, "written_by_several": sev, "unwritten": zero, "obs": members[ml:mh]}
+        out.append(Issue(i, "slot-partition", msg, {"row": int(tok[kk]), "recorded": int(slot[kk]),
+                                                     "expected": None, "wrong_rows": ts + tz, "detail": detail}))
     return out
 
 
@@ -1362,8 +1374,8 @@ def _cap_per_obs(at, eo, kind, *cols):
     return ([at[keep], eo[keep], kind[keep]] + [x[keep] for x in cols]), key[head], n
 
 
-def _few(a: np.ndarray, k: int = 6, n: int | None = None) -> str:
+def _few(a: np.ndarray | list[int], k: int = 6, n: int | None = None) -> str:
     """The first k values of a, and how many there are in all (n: of which `a` is the start)."""
-    n = a.size if n is None else n
+    n = len(a) if n is None else n
     v = [int(x) for x in a[:k]]
     return ", ".join(map(str, v)) + (f", ... ({n} in all)" if n > k else "")
