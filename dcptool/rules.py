@@ -1131,10 +1131,11 @@ def check_slots(d: Dump) -> list[Issue]:
             m &= rw
             m &= _spread(rep, run_len)
             bad |= m
+        runid = _spread(np.arange(start.size, dtype=np.int32), run_len)
         shk = known & r_sh
         if shk.any():
             oc = np.flatnonzero(rw & mine & _spread(shk, run_len))
-            rr = np.searchsorted(start, oc, "right") - 1
+            rr = runid[oc]
             p = pos[oc].astype(np.int64)
             bad[oc[slot[oc] % r_bs[rr] != _want_offset(p, r_bs[rr], True, N, I_)]] = True
         # duplicates: in entry order a run whose written slots strictly increase has none; sort the others' by
@@ -1144,8 +1145,7 @@ def check_slots(d: Dump) -> list[Issue]:
         sc = slot[cand]
         flag = np.flatnonzero(sc[1:] <= sc[:-1])  # (and at most run boundaries)
         if flag.size:
-            r1 = np.searchsorted(start, cand[flag], "right") - 1
-            r2 = np.searchsorted(start, cand[flag + 1], "right") - 1
+            r1, r2 = runid[cand[flag]], runid[cand[flag + 1]]
             mark = np.zeros(start.size, bool)
             mark[r1[r1 == r2]] = True
             runs = np.flatnonzero(mark)
@@ -1175,7 +1175,7 @@ def check_slots(d: Dump) -> list[Issue]:
         ks = idx[f0[eo]]
         if order is not None:
             ks = inv[ks]
-        rk = np.searchsorted(start, ks, "right") - 1
+        rk = runid[ks]
         for o, k, r, n_bad in zip(eo.tolist(), ks.tolist(), rk.tolist(), count.tolist()):
             j = None if partner is None else int(partner[k])
             two = None if j is None or j < 0 else (j - int(start[r]), int(pos[j]))
@@ -1318,8 +1318,20 @@ def check_slot_partition(d: Dump) -> list[Issue]:
         # several writers: those that do not own the position (every writer where none owns it); none: the owner
         blame = ((nw >= 2) & w & (~own | ~owner_writes[bt])) | ((nw == 0) & own)
         e = b[blame]
-        found.append(_cap_per_obs(at[e], bo[blame], (slot[e] < 0).astype(np.int8), pos[e], slot[e], tok[e],
-                                  m_grp[mm][seg[e]], mset[slo * N + seg[e]]))
+        if e.size > 2 * _SLOT_CAP * mm.size:  # keep each member's first _SLOT_CAP of each kind (and the counts)
+            mk = seg[e] * 2 + (slot[e] < 0)
+            o = np.argsort(mk, kind="stable")  # (mostly in order already: e is by member, then entry)
+            e, mk = e[o], mk[o]
+            head = np.flatnonzero(np.r_[True, mk[1:] != mk[:-1]])
+            n = np.diff(np.append(head, mk.size))
+            kept = np.arange(mk.size) - np.repeat(head, n) < _SLOT_CAP
+            extra = np.zeros(e.size, np.int64)  # the members' dropped entries, counted at the first one kept
+            extra[head] = n - np.minimum(n, _SLOT_CAP)
+            e, extra = e[kept], extra[kept]
+        else:
+            extra = None
+        found.append(_cap_per_obs(at[e], m_obs[mm][seg[e]], (slot[e] < 0).astype(np.int8), pos[e], slot[e], tok[e],
+                                  m_grp[mm][seg[e]], mset[slo * N + seg[e]], extra=extra))
     if not found:
         return []
     f = _cap_per_obs(*[np.concatenate(x) for x in zip(*[r[0] for r in found])])
@@ -1361,9 +1373,10 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     return out
 
 
-def _cap_per_obs(at, eo, kind, *cols):
+def _cap_per_obs(at, eo, kind, *cols, extra=None):
     """Blamed entries -> (their first _SLOT_CAP of each (observation, kind) in entry order, sorted by
-    observation, kind, entry), keys 2 * observation + kind, and each key's count."""
+    observation, kind, entry), keys 2 * observation + kind, and each key's count (`extra`: per entry, more
+    entries it stands for)."""
     order = np.lexsort((at, kind, eo))
     at, eo, kind = at[order], eo[order], kind[order]
     cols = [x[order] for x in cols]
@@ -1371,6 +1384,8 @@ def _cap_per_obs(at, eo, kind, *cols):
     head = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
     n = np.diff(np.append(head, key.size))
     keep = np.arange(key.size) - np.repeat(head, n) < _SLOT_CAP
+    if extra is not None and key.size:
+        n = n + np.add.reduceat(extra[order], head)
     return ([at[keep], eo[keep], kind[keep]] + [x[keep] for x in cols]), key[head], n
 
 
