@@ -888,3 +888,24 @@ def test_slot_checks_read_the_dump_a_chunk_at_a_time(tmp_path, monkeypatch):
     assert R.check_slots(d) == want[0] and len(want[0]) > 0
     assert R.check_slot_partition(d) == want[1] and len(want[1]) > 0
     assert log and max(log) <= 1000 + 4 * most < total // 4, (max(log), total)
+
+
+def test_slot_partition_many_wrong_entries_per_member_equal_the_reference(tmp_path, monkeypatch):
+    """A rank writing all 1031 tokens (more than the 64 positions a finding keeps): counts and the first
+    positions as the whole-column reference has them, in chunks too."""
+    import dcptool.rules as R
+    from slot_reference import old_check_slot_partition, old_check_slots
+
+    def all_ranks(r, g, pos, slot):
+        if r in (1, 3) and g == 0:
+            slot[:] = np.arange(slot.size) + 9000
+            slot[r * 100: r * 100 + 70] = -1  # and some of its own positions unwritten
+
+    o = slot_batch(0, [1000, 31], [5, 77], 4, 1, edit=all_ranks) + slot_batch(1, [129], [0], 4, 1, edit=all_ranks)
+    write(tmp_path / "m.safetensors", o, dcp=4, il=1, kv_groups=tuple(KVGroup.of(g) for g in KV2))
+    d = open_dumps([str(tmp_path / "m.safetensors")])
+    want = old_check_slots(d), old_check_slot_partition(d)
+    assert len(want[1]) >= 4 and max(i.fields["wrong_rows"] for i in want[1]) > 700
+    for chunk in (7, 1 << 22):
+        monkeypatch.setattr(R, "SLOT_CHUNK", chunk)
+        assert (R.check_slots(d), R.check_slot_partition(d)) == want
