@@ -893,8 +893,9 @@ def test_slot_checks_read_the_dump_a_chunk_at_a_time(tmp_path, monkeypatch):
 def test_slot_partition_many_wrong_entries_per_member_equal_the_reference(tmp_path, monkeypatch):
     """A rank writing all 1031 tokens (more than the 64 positions a finding keeps): counts and the first
     positions as the whole-column reference has them, in chunks too."""
-    import dcptool.rules as R
     from slot_reference import old_check_slot_partition, old_check_slots
+
+    import dcptool.rules as R
 
     def all_ranks(r, g, pos, slot):
         if r in (1, 3) and g == 0:
