@@ -1030,6 +1030,13 @@ def _group_tables(d: Dump, grp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return d.config.group_dcp(len(kv))[grp], d.config.group_block_size(len(kv))[grp]
 
 
+def _slot_rows(d: Dump, key: str, a: int, b: int) -> np.ndarray:
+    """Entries [a, b) of a slot row column as int32; in a bounded dump a copy, so that dropping the
+    chunk's pages really frees them."""
+    v = d[key][a:b]
+    return np.array(v, np.int32) if d.bounded else np.asarray(v).astype(np.int32, copy=False)
+
+
 def _slot_runs(grp: np.ndarray, cnt: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """The (observation, group) runs of consecutive observations' entries (`cnt` each): by observation, then
     group, then entry order (= token order). The Recorder writes each observation's groups as ascending
@@ -1090,9 +1097,9 @@ def check_slots(d: Dump) -> list[Issue]:
         if a == b:
             continue
         cnt = np.diff(offs[lo : hi + 1])
-        order, grp, start = _slot_runs(np.asarray(d["rows.slot_group"][a:b]).astype(np.int32, copy=False), cnt)
-        pos = np.asarray(d["rows.positions"][a:b]).astype(np.int32, copy=False)
-        slot = np.asarray(d["rows.slot_mapping"][a:b]).astype(np.int32, copy=False)
+        order, grp, start = _slot_runs(_slot_rows(d, "rows.slot_group", a, b), cnt)
+        pos = _slot_rows(d, "rows.positions", a, b)
+        slot = _slot_rows(d, "rows.slot_mapping", a, b)
         if d.bounded:
             d.release(lo, hi)
         if order is not None:
@@ -1243,7 +1250,7 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     for lo, hi in _obs_chunks(np.diff(offs), SLOT_CHUNK):
         a, b = int(offs[lo]), int(offs[hi])
         cnt = np.diff(offs[lo : hi + 1])
-        order, grp, start = _slot_runs(np.asarray(d["rows.slot_group"][a:b]).astype(np.int32, copy=False), cnt)
+        order, grp, start = _slot_runs(_slot_rows(d, "rows.slot_group", a, b), cnt)
         if d.bounded:
             d.release(lo, hi)
         run_len = np.diff(np.append(start, grp.size))
