@@ -1337,8 +1337,9 @@ def check_slot_partition(d: Dump) -> list[Issue]:
             e, extra = e[kept], extra[kept]
         else:
             extra = None
-        found.append(_cap_per_obs(at[e], m_obs[mm][seg[e]], (slot[e] < 0).astype(np.int8), pos[e], slot[e], tok[e],
-                                  m_grp[mm][seg[e]], mset[slo * N + seg[e]], extra=extra))
+        found.append(_cap_per_obs(at[e], m_obs[mm][seg[e]], (slot[e] < 0).astype(np.int8), pos[e], slot[e],
+                                  tok[e].astype(np.int32), m_grp[mm][seg[e]].astype(np.int32),
+                                  mset[slo * N + seg[e]], extra=extra))
     if not found:
         return []
     f = _cap_per_obs(*[np.concatenate(x) for x in zip(*[r[0] for r in found])])
@@ -1360,12 +1361,11 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     lo_m = np.searchsorted(mset, st[k], "left")
     hi_m = np.searchsorted(mset, st[k], "right")
     members = d.file_obs[m_obs[mr]].tolist()
-    pos_l = pos.tolist()
     out: list[Issue] = []
     for i, a, z, ns, ts, tz, kk, g, ml, mh in zip(o.tolist(), heads.tolist(), ends.tolist(), n_sev.tolist(),
                                                   tot_sev.tolist(), tot_zero.tolist(), k.tolist(), grp[k].tolist(),
                                                   lo_m.tolist(), hi_m.tolist()):
-        sev, zero = pos_l[a : a + ns], pos_l[a + ns : z]
+        sev, zero = pos[a : a + ns].tolist(), pos[a + ns : z].tolist()
         text = []
         if sev:
             text.append(f"position{'s' if ts > 1 else ''} {_few(sev, n=ts)} written by several ranks, this "
