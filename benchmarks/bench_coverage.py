@@ -2,6 +2,14 @@
 
     python benchmarks/bench_coverage.py                  # DCP 4, PCP 2, 400 steps, decodes without drafts
     python benchmarks/bench_coverage.py --steps 2000
+    python benchmarks/bench_coverage.py --slots          # issue 16: slots + slot-partition, old vs new
+    python benchmarks/bench_coverage.py --slots --inject slot-wrong-group,slot-all-ranks   # with findings
+    python benchmarks/bench_coverage.py --slots --dump x.safetensors
+
+--slots: on a dense recording (DCP 8, 3000 steps, fixed pipeline: 99,008 observations, 86 million slot
+entries, 1.1 GB) prints each slot check's time, old (the whole-column implementation, kept in
+tests/slot_reference.py) vs new, that they agree, and per variant a replay in a fresh process: load time,
+replay time, replay/load ratio and its peak RSS against the dump's size.
 
 Prints the replay time with and without the three checks (best of 5, same process, same dump) and their
 ratio, then each check's own time. The dump records dcp_query_start_loc and the global companion on every
@@ -11,6 +19,9 @@ FlashInfer decode build, so empty-mask and tot-lens run on most observations.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +48,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--backend", default="torch")
+    ap.add_argument("--slots", action="store_true", help="time slots and slot-partition, old vs new")
+    ap.add_argument("--inject", default="", help="--slots: faults to inject (simulate's --inject)")
+    ap.add_argument("--dump", help="--slots: this recording instead of a simulated one")
+    ap.add_argument("--no-old-replay", action="store_true", help="--slots: skip the old replay (~1 min, 16 GB)")
     a = ap.parse_args()
+    if a.slots:
+        return slots(a)
     with tempfile.TemporaryDirectory() as tmp:
         res = simulate(SimConfig(dcp=4, pcp=2, steps=a.steps, spec_tokens=0, cudagraph="piecewise"),
                        Path(tmp) / "b.safetensors", force=True)
@@ -55,6 +72,67 @@ def main() -> None:
     print(f"replay: {with_:.3f} s with the issue-15 checks, {without:.3f} s without (ratio {with_ / without:.2f})")
     for name, f in zip(("empty-mask", "tot-lens", "rank-agree"), checks):
         print(f"  {name}: {best(lambda f=f: f(d)):.4f} s")
+
+
+_REPLAY = """
+import json, resource, sys, time
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+import dcptool.replay as R
+from dcptool.dump import open_dumps
+if {old!r}:
+    import slot_reference as ref
+    R.check_slots, R.check_slot_partition = ref.old_check_slots, ref.old_check_slot_partition
+t0 = time.perf_counter(); d = open_dumps([{path!r}]); t1 = time.perf_counter()
+res = R.replay(d, {backend!r}); t2 = time.perf_counter()
+# VmHWM: this process's own peak (ru_maxrss also counts the parent's RSS at fork: Linux keeps it over exec)
+hwm = [int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:")]
+rss = hwm[0] * 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({{"load": t1 - t0, "replay": t2 - t1, "findings": len(res.findings), "rss": rss}}))
+"""
+
+
+def slots(a) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import slot_reference as ref
+    from typer.testing import CliRunner
+
+    import dcptool.rules as R
+    from dcptool.cli import app
+    from dcptool.dump import open_dumps
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = a.dump
+        if path is None:
+            path = str(Path(tmp) / "dense.safetensors")
+            args = ["simulate", "--dcp", "8", "--steps", "3000", "--pipeline", "fixed", "-o", path, "--force"]
+            r = CliRunner().invoke(app, args + (["--inject", a.inject] if a.inject else []))  # as the CLI makes it
+            assert r.exit_code == 0, r.output
+        size = os.path.getsize(path)
+        d = open_dumps([path])
+        print(f"{d.n} observations, {int(d['obs.slots'][-1])} slot entries, {size / 2**30:.2f} GiB")
+        tot = {"old": 0.0, "new": 0.0}
+        for name in ("check_slots", "check_slot_partition"):
+            t0 = time.perf_counter()
+            new = getattr(R, name)(d)
+            t1 = time.perf_counter()
+            old = getattr(ref, "old_" + name)(d)
+            t2 = time.perf_counter()
+            tot["new"] += t1 - t0
+            tot["old"] += t2 - t1
+            print(f"  {name}: old {t2 - t1:.2f} s, new {t1 - t0:.2f} s (ratio {(t2 - t1) / (t1 - t0):.1f}), "
+                  f"{len(new)} findings, {'same' if new == old else 'DIFFERENT'} as old")
+        print(f"  both: old {tot['old']:.2f} s, new {tot['new']:.2f} s")
+        del d
+        for variant in ("old", "new"):
+            if variant == "old" and a.no_old_replay:
+                continue
+            code = _REPLAY.format(root=str(ROOT), tests=str(ROOT / "tests"), old=variant == "old", path=path,
+                                  backend=a.backend)
+            r = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                          check=True).stdout.strip().splitlines()[-1])
+            print(f"replay ({variant} slot checks, fresh process): load {r['load']:.2f} s, replay {r['replay']:.2f} s "
+                  f"(replay/load {r['replay'] / r['load']:.1f}), {r['findings']} findings, peak RSS "
+                  f"{r['rss'] / 2**30:.2f} GiB = {r['rss'] / size:.2f}x the dump")
 
 
 if __name__ == "__main__":

@@ -719,3 +719,194 @@ def test_slots_skipped_without_columns_and_group_defaults(tmp_path):
     o = slot_batch(0, [4], [0], 2, 1)
     res = run(tmp_path, o, dcp=2, il=1)
     assert {f.detail["kind"] for f in res.findings if f.rule == "slots"} == {"non-owner"}  # group 1 looks sharded
+
+
+# issue 16: the slot checks in chunks (SLOT_CHUNK entries; whole rank-sets for slot-partition) give the same
+# findings as the whole-column implementation they replaced (tests/slot_reference.py), on seeded random dumps
+
+KV3 = (KVGroup("attn", True, 16), KVGroup("mamba", False, 16), KVGroup("big", True, 32))
+
+
+def random_slot_dump(path, rng, batches, N, I_, kv=KV3, bounded=None):
+    """`batches` batches on (mostly) every rank, observations shuffled so a set's members lie far apart: real
+    token counts 0, 1, 127, 128, 129, 1000+, padding, dummy builds, with wrong entries of every kind (padded
+    writes, bad values, non-owners, missing owners, wrong offsets, duplicates), groups sometimes out of order
+    or interleaved, query_start_loc sometimes not recorded."""
+    groups = [(True, 0)] if kv is None else [(g.dcp, g.block_size or 0) for g in kv]
+    per = []  # (step, rank, nreq, qsl or None, [(group, pos, slot)])
+    for b in range(batches):
+        T = int(rng.choice([0, 1, 5, 127, 128, 129, 1031]))
+        nreq = int(min(T, rng.integers(0, 4))) if T else 0
+        cuts = np.sort(rng.choice(np.arange(1, T), nreq - 1, replace=False)) if nreq > 1 else np.zeros(0, int)
+        qsl = np.r_[0, cuts, T][: nreq + 1] if nreq else np.zeros(1, np.int64)
+        ntp = T + int(rng.integers(0, 9))
+        comp = int(rng.integers(0, 3000))
+        dummy = rng.random() < 0.1
+        ranks = [r for r in range(N) if rng.random() > 0.05]
+        ranks += [int(rng.integers(0, N))] if rng.random() < 0.05 else []  # a rank twice
+        for r in ranks:
+            ents = []
+            for g, (sh, B) in enumerate(groups):
+                if rng.random() < 0.1:
+                    continue  # the group not recorded in this build
+                pos = np.zeros(ntp, np.int64)
+                pos[:T] = comp + np.arange(T)
+                Bv = max(B, 1)
+                if sh:
+                    vo = pos % (Bv * N)
+                    local = pos // (Bv * N) * Bv + vo // (I_ * N) * I_ + vo % I_
+                    mine = (pos // I_) % N == r
+                else:
+                    local, mine = pos, np.ones(ntp, bool)
+                slot = np.where(mine, 7 * Bv * 4096 + local, -1)
+                slot[T:] = -1
+                if dummy:
+                    slot[:] = -1
+                if rng.random() < 0.6:
+                    k = rng.random(ntp)
+                    slot[k < 0.004] = -1  # owner missing
+                    slot[(k > 0.996)] = slot[k > 0.996] + 1  # wrong offset (or a -1 turned 0: a non-owner writes)
+                    hit = rng.random(ntp) < 0.003
+                    slot[hit] = rng.choice([-7, 5, 123456])  # bad value, stray writes
+                w = np.flatnonzero(slot[:T] >= 0)
+                if w.size > 1 and rng.random() < 0.3:  # a duplicate: a later token at the same block offset
+                    same = w[1:][(local[w[1:]] - local[w[0]]) % Bv == 0]
+                    if same.size:
+                        slot[same[-1]] = slot[w[0]]
+                ents.append((g, pos, slot))
+            per.append((b // 2, r, nreq, qsl if rng.random() < 0.8 else None, ents))
+    order = rng.permutation(len(per))
+    cols = {k: [] for k in ("step", "rank", "nreq", "qsl", "cnt", "pos", "slot", "grp")}
+    for i in order:
+        step, r, nreq, qsl, ents = per[i]
+        g = np.concatenate([np.full(p.size, gi, np.int32) for gi, p, _ in ents] + [np.zeros(0, np.int32)])
+        p = np.concatenate([p for _, p, _ in ents] + [np.zeros(0, np.int64)])
+        s = np.concatenate([s for _, _, s in ents] + [np.zeros(0, np.int64)])
+        if g.size and rng.random() < 0.1:  # groups out of the Recorder's order: reversed, or interleaved
+            o = np.argsort(-g, kind="stable") if rng.random() < 0.5 else np.argsort(rng.random(g.size) < 0.5,
+                                                                                    kind="stable")
+            g, p, s = g[o], p[o], s[o]
+        cols["step"].append(step)
+        cols["rank"].append(r)
+        cols["nreq"].append(nreq)
+        cols["qsl"].append(qsl)
+        cols["cnt"].append(g.size)
+        cols["pos"].append(p)
+        cols["slot"].append(s)
+        cols["grp"].append(g)
+    n = len(order)
+    nreq = np.array(cols["nreq"], np.int64)
+    rows = np.r_[0, np.cumsum(nreq)]
+    qlen = np.array([0 if q is None else q.size for q in cols["qsl"]], np.int64)
+    out = {"obs.step": np.array(cols["step"], np.int64), "obs.site": np.zeros(n, np.int32),
+           "obs.rank": np.array(cols["rank"], np.int32), "obs.ubatch": np.full(n, -1, np.int32),
+           "obs.num_reqs": nreq.astype(np.int32), "obs.num_reqs_padded": nreq.astype(np.int32), "obs.rows": rows,
+           "obs.has_dcp": np.zeros(n, np.uint8), "obs.dcp_rows": np.zeros(n + 1, np.int64),
+           "rows.seq_lens": np.full(int(rows[-1]), 5000, np.int32), "rows.dcp_local_seq_lens": np.zeros(0, np.int32),
+           "obs.qsl": np.r_[0, np.cumsum(qlen)],
+           "rows.query_start_loc": np.concatenate([q for q in cols["qsl"] if q is not None] + [np.zeros(0)]).astype(
+               np.int32),
+           "obs.slots": np.r_[0, np.cumsum(cols["cnt"])].astype(np.int64)}
+    for key, name in (("pos", "positions"), ("slot", "slot_mapping"), ("grp", "slot_group")):
+        out["rows." + name] = np.concatenate(cols[key] + [np.zeros(0)]).astype(np.int32)
+    from dcptool.dump import DumpConfig, write_dump
+
+    write_dump(path, DumpConfig(dcp_size=N, cp_interleave=I_, sites=("x",), kv_groups=kv), out)
+    return open_dumps([str(path)], bounded=bounded)
+
+
+@pytest.mark.parametrize("seed,N,I_,kv", [(0, 4, 1, KV3), (1, 8, 4, KV3), (2, 3, 2, KV3), (3, 2, 1, None),
+                                          (4, 4, 16, KV3[:2]), (5, 1, 1, KV3)])
+def test_slot_checks_in_chunks_equal_the_whole_column_reference(tmp_path, monkeypatch, seed, N, I_, kv):
+    from slot_reference import old_check_slot_partition, old_check_slots
+
+    import dcptool.rules as R
+
+    rng = np.random.default_rng(seed)
+    d = random_slot_dump(tmp_path / "s.safetensors", rng, 60, N, I_, kv)
+    want = old_check_slots(d), old_check_slot_partition(d)
+    assert len(want[0]) > 10 and (N == 1 or len(want[1]) > 0)  # the dump has findings of both rules
+    kinds = {i.fields["detail"]["kind"] for i in want[0]}
+    assert kinds >= {"padded", "value", "owner-missing", "duplicate"} | ({"non-owner"} if N > 1 else set()) | (
+        {"offset"} if kv else set())
+    for chunk in (1, 7, 128, 1 << 22):
+        monkeypatch.setattr(R, "SLOT_CHUNK", chunk)
+        assert R.check_slots(d) == want[0], chunk
+        assert R.check_slot_partition(d) == want[1], chunk
+    b = open_dumps([str(tmp_path / "s.safetensors")], bounded=True)
+    monkeypatch.setattr(R, "SLOT_CHUNK", 129)
+    assert (R.check_slots(b), R.check_slot_partition(b)) == want
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 129, 1031])
+def test_slot_checks_in_chunks_clean_and_awkward_sizes_must_not_trigger(tmp_path, monkeypatch, size):
+    from slot_reference import old_check_slot_partition, old_check_slots
+
+    import dcptool.rules as R
+
+    o = slot_batch(0, [size], [3], 4, 2) + slot_batch(1, [size], [17], 4, 2, ntp=size + 3)
+    write(tmp_path / "c.safetensors", o, dcp=4, il=2, kv_groups=tuple(KVGroup.of(g) for g in KV2))
+    d = open_dumps([str(tmp_path / "c.safetensors")])
+    for chunk in (1, 7, 128):
+        monkeypatch.setattr(R, "SLOT_CHUNK", chunk)
+        assert R.check_slots(d) == [] == old_check_slots(d)
+        assert R.check_slot_partition(d) == [] == old_check_slot_partition(d)
+
+
+class _ReadSpy:
+    """A row column that records the largest read (a slice or an index array) and a read of it whole."""
+
+    def __init__(self, a, log):
+        self.a, self.log, self.size, self.shape, self.dtype, self.ndim = a, log, a.size, a.shape, a.dtype, 1
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, k):
+        out = self.a[k]
+        self.log.append(np.size(out))
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        self.log.append(self.size)
+        return self.a if dtype is None else self.a.astype(dtype)
+
+
+def test_slot_checks_read_the_dump_a_chunk_at_a_time(tmp_path, monkeypatch):
+    """Peak memory bounded by the chunk, not the dump: no read of a slot column is much larger than
+    SLOT_CHUNK entries (the whole-column implementation read every column whole)."""
+    import dcptool.rules as R
+
+    d = random_slot_dump(tmp_path / "s.safetensors", np.random.default_rng(7), 80, 4, 1)
+    want = R.check_slots(d), R.check_slot_partition(d)
+    total = int(d["obs.slots"][-1])
+    log: list[int] = []
+    for k in ("rows.positions", "rows.slot_mapping", "rows.slot_group"):
+        d.columns[k] = _ReadSpy(d.columns[k], log)
+    monkeypatch.setattr(R, "SLOT_CHUNK", 1000)
+    most = int(np.diff(d["obs.slots"]).max())
+    assert R.check_slots(d) == want[0] and len(want[0]) > 0
+    assert R.check_slot_partition(d) == want[1] and len(want[1]) > 0
+    assert log and max(log) <= 1000 + 4 * most < total // 4, (max(log), total)
+
+
+def test_slot_partition_many_wrong_entries_per_member_equal_the_reference(tmp_path, monkeypatch):
+    """A rank writing all 1031 tokens (more than the 64 positions a finding keeps): counts and the first
+    positions as the whole-column reference has them, in chunks too."""
+    from slot_reference import old_check_slot_partition, old_check_slots
+
+    import dcptool.rules as R
+
+    def all_ranks(r, g, pos, slot):
+        if r in (1, 3) and g == 0:
+            slot[:] = np.arange(slot.size) + 9000
+            slot[r * 100: r * 100 + 70] = -1  # and some of its own positions unwritten
+
+    o = slot_batch(0, [1000, 31], [5, 77], 4, 1, edit=all_ranks) + slot_batch(1, [129], [0], 4, 1, edit=all_ranks)
+    write(tmp_path / "m.safetensors", o, dcp=4, il=1, kv_groups=tuple(KVGroup.of(g) for g in KV2))
+    d = open_dumps([str(tmp_path / "m.safetensors")])
+    want = old_check_slots(d), old_check_slot_partition(d)
+    assert len(want[1]) >= 4 and max(i.fields["wrong_rows"] for i in want[1]) > 700
+    for chunk in (7, 1 << 22):
+        monkeypatch.setattr(R, "SLOT_CHUNK", chunk)
+        assert (R.check_slots(d), R.check_slot_partition(d)) == want
