@@ -8,7 +8,7 @@ import numpy as np
 
 from dcptool.dump import Dump
 from dcptool.reference import local_np, ranks_giving
-from dcptool.segments import ragged
+from dcptool.segments import join, mix, ragged, seg_sums
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
 MISMATCH, GLOBAL, WRONG_RANK, WRONG_INTERLEAVE, STALE = range(5)  # explain_many's kinds (prepare: 0 = none of 3-5)
@@ -69,21 +69,6 @@ class Source:
 # views with zeros past num_reqs), and a prefix hash is a cumulative sum. Two independent 64-bit
 # sums make an accidental (or crafted) collision practically impossible; every hit is confirmed
 # exactly anyway, and a failed confirmation falls back to the exact scan of that one finding.
-_MIX = ((0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB),
-        (0xD6E8FEB86659FD93, 0xA0761D6478BD642F, 0xE7037ED1A0B428DB))
-
-
-def _mix(v: np.ndarray, j: np.ndarray, salt: int) -> np.ndarray:
-    """splitmix64 of (value, row), 0 where value is 0; uint64, wrapping arithmetic."""
-    a, b, c = (np.uint64(x) for x in _MIX[salt])
-    with np.errstate(over="ignore"):
-        x = np.asarray(v, np.int64).view(np.uint64) * a + np.asarray(j, np.int64).view(np.uint64) * b + c
-        x = (x ^ (x >> np.uint64(30))) * b
-        x = (x ^ (x >> np.uint64(27))) * c
-        x ^= x >> np.uint64(31)
-    return np.where(np.asarray(v) != 0, x, np.uint64(0))
-
-
 # The provenance searches use one 64-bit row hash: every hit is confirmed exactly and a hit that fails
 # falls back to the exact search, so a collision costs time, never a wrong answer (rank-sum, which groups by
 # hash without a fallback, keeps two).
@@ -92,37 +77,6 @@ SALTS = (0,)
 
 def _i64(hs: list[np.ndarray]) -> list[np.ndarray]:
     return [h.view(np.int64) for h in hs]
-
-
-def _seg_sums(h: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Per segment: the wrapping sum of its elements (h in segment order)."""
-    cs = np.concatenate([np.zeros(1, np.uint64), np.cumsum(h, dtype=np.uint64)])
-    ends = np.cumsum(np.asarray(counts, np.int64))
-    with np.errstate(over="ignore"):
-        return cs[ends] - cs[ends - counts]
-
-
-def _group_ids(cols: list[np.ndarray]) -> np.ndarray:
-    """One dense id per distinct row of the columns (compared column by column: no packing of values
-    into one integer, so keys cannot collide)."""
-    n = cols[0].size
-    if n == 0:
-        return np.zeros(0, np.int64)
-    order = np.lexsort(cols[::-1])
-    new = np.zeros(n, bool)
-    new[0] = True
-    for c in cols:
-        s = c[order]
-        new[1:] |= s[1:] != s[:-1]
-    ids = np.empty(n, np.int64)
-    ids[order] = np.cumsum(new) - 1
-    return ids
-
-
-def _join(c_key: list[np.ndarray], q_key: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Dense ids of candidate and query keys in one id space."""
-    ids = _group_ids([np.concatenate([a, b]) for a, b in zip(c_key, q_key)])
-    return ids[: c_key[0].size], ids[c_key[0].size :]
 
 
 def latest_before(c_run: np.ndarray, c_idx: np.ndarray, c_val: np.ndarray, q_run: np.ndarray, q_idx: np.ndarray,
@@ -173,7 +127,7 @@ class Provenance:
 
     The two searches over other observations (earlier in the step, earlier steps) run for all wrong
     observations at once (`prepare`): candidates are narrowed by a join on their leading expected
-    rows, then matched by a join on row hashes (see _mix) and `latest_before` picks the most
+    rows, then matched by a join on row hashes (see segments.mix) and `latest_before` picks the most
     recent; a hit is confirmed exactly. Nothing is quadratic in observations per step or rank.
     """
 
@@ -210,7 +164,7 @@ class Provenance:
         nr = d["obs.num_reqs"][obs].astype(np.int64)
         seg, j, at = ragged(d["obs.rows"][obs], nr)
         e = local_np(d.take("rows.seq_lens", at), c.dcp_size, d["obs.rank"][obs][seg], c.cp_interleave)
-        cs = [np.concatenate([np.zeros(1, np.uint64), np.cumsum(_mix(e, j, salt), dtype=np.uint64)]) for salt in SALTS]
+        cs = [np.concatenate([np.zeros(1, np.uint64), np.cumsum(mix(e, j, salt), dtype=np.uint64)]) for salt in SALTS]
         return np.cumsum(nr) - nr, cs
 
     def prepare(self, wrong: np.ndarray) -> None:
@@ -230,7 +184,7 @@ class Provenance:
         rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
         seg, j, at = ragged(view[wrong], m)
         rec = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
-        qh = [_seg_sums(_mix(rec, j, s), m) for s in SALTS]
+        qh = [seg_sums(mix(rec, j, s), m) for s in SALTS]
         starts = np.cumsum(m) - m
         r0 = rec[starts]
         r1 = np.where(m > 1, rec[np.minimum(starts + 1, rec.size - 1)], 0)
@@ -297,7 +251,7 @@ class Provenance:
     def _narrow(cand: np.ndarray, c_key: list[np.ndarray], q_key: list[np.ndarray]):
         """The candidates whose key (columns of c_key at cand) some query has, and the query ids of that key:
         (candidates, their key ids, the queries' key ids)."""
-        ci, qi = _join([k[cand] for k in c_key], q_key)
+        ci, qi = join([k[cand] for k in c_key], q_key)
         keep = np.isin(ci, qi)
         return cand[keep], ci[keep], qi
 
@@ -333,12 +287,12 @@ class Provenance:
         k = mq[pos]
         with np.errstate(over="ignore"):
             at = [c[first[sidx] + k] - c[first[sidx]] for c in cs]
-        ca, qa = _join([ci[sidx], k, *_i64(at)], [qi, m, *_i64(qh)])
+        ca, qa = join([ci[sidx], k, *_i64(at)], [qi, m, *_i64(qh)])
         keep = np.isin(ca, qa)
         best = latest_before(ca[keep], cand[sidx][keep], np.zeros(int(keep.sum()), np.int64), qa, q,
                              np.ones(q.size, np.int64))
         # (b) whole rows of shorter candidates: value num_reqs_s must be < m
-        cb, qb = _join([ci, *_i64(full)], [qi, *_i64(qh)])
+        cb, qb = join([ci, *_i64(full)], [qi, *_i64(qh)])
         keep = np.isin(cb, qb)
         best = np.maximum(best, latest_before(cb[keep], cand[keep], nrc[keep], qb, q, m))
         self._in_step.update(zip(q.tolist(), best.tolist()))
@@ -398,7 +352,7 @@ class Provenance:
         first, cs = self._prefix_sums(cand)
         with np.errstate(over="ignore"):
             full = [c[first + d["obs.num_reqs"][cand].astype(np.int64)] - c[first] for c in cs]
-        ci, qi = _join([ci, *_i64(full)], [qi, *_i64(qh)])
+        ci, qi = join([ci, *_i64(full)], [qi, *_i64(qh)])
         keep = np.isin(ci, qi)
         best = latest_before(ci[keep], cand[keep], step[cand][keep], qi, q, step[q])
         self._earlier.update(zip(q.tolist(), best.tolist()))

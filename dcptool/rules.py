@@ -32,7 +32,7 @@ from dcptool.findings import (
 from dcptool.provenance import KINDS, Provenance
 from dcptool.reference import local_np, local_of
 from dcptool.schema import GraphMode
-from dcptool.segments import ragged
+from dcptool.segments import group_ids, join, mix, ragged, seg_sums
 from dcptool.slicing import (
     first_disagreement,
     parse_engine_version,
@@ -232,15 +232,13 @@ def check_alias(d: Dump) -> FindingTable:
 def _kth_per_rank(batch: np.ndarray, rank: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """Set ids for members of cross-rank groups: in each batch the k-th member of every rank (in `idx` order,
     i.e. observation order) joins the k-th set."""
-    from dcptool.provenance import _group_ids
-
     order = np.lexsort((idx, rank, batch))
     new = np.ones(idx.size, bool)
     new[1:] = (batch[order][1:] != batch[order][:-1]) | (rank[order][1:] != rank[order][:-1])
     starts = np.flatnonzero(new)
     occ = np.empty(idx.size, np.int64)
     occ[order] = np.arange(idx.size) - np.repeat(starts, np.diff(np.append(starts, idx.size)))
-    return _group_ids([batch, occ])
+    return group_ids([batch, occ])
 
 
 def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
@@ -252,8 +250,6 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     finding goes to the observation that completes it. Vectorised (sorts and joins on the key
     columns and a hash of the real seq_lens, confirmed exactly): no loop over members.
     """
-    from dcptool.provenance import _group_ids, _join, _mix, _seg_sums
-
     N = d.config.dcp_size
     if N == 1 or wrong.size == 0:
         return []
@@ -262,12 +258,12 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     key = [d["obs.step"], d["obs.site"].astype(np.int64), d["obs.ubatch"].astype(np.int64), nr]
     has = np.flatnonzero(d["obs.has_dcp"] == 1)
     has = has[np.isin(key[0][has], key[0][wrong])]  # (the step alone first: a sort of one column, not of four)
-    ci, qi = _join([k[has] for k in key], [k[wrong] for k in key])
+    ci, qi = join([k[has] for k in key], [k[wrong] for k in key])
     m = has[np.isin(ci, qi)]  # recorded with a view, in a (step, site, ubatch, num_reqs) of a wrong one
     seg, j, at = ragged(d["obs.rows"][m], nr[m])
     seq = d.take("rows.seq_lens", at).astype(np.int64)
-    h = [_seg_sums(_mix(seq, j, salt), nr[m]) for salt in (0, 1)]
-    batch = _group_ids([k[m] for k in key] + [x.view(np.int64) for x in h])
+    h = [seg_sums(mix(seq, j, salt), nr[m]) for salt in (0, 1)]
+    batch = group_ids([k[m] for k in key] + [x.view(np.int64) for x in h])
     # the hash groups equal seq_lens; confirm each member against its batch's first member exactly
     first = np.full(int(batch.max(initial=-1)) + 1, np.iinfo(np.int64).max)
     np.minimum.at(first, batch, np.arange(m.size))
@@ -538,13 +534,7 @@ def _rank_sets(d: Dump, idx: np.ndarray) -> np.ndarray:
     (step, site, micro-batch) making set k (how every rank records the same sequence of builds)."""
     step, site = d["obs.step"][idx], d["obs.site"][idx].astype(np.int64)
     ub, rank = d["obs.ubatch"][idx].astype(np.int64), d["obs.rank"][idx].astype(np.int64)
-    return _kth_per_rank(_group_ids([step, site, ub]), rank, idx)
-
-
-def _group_ids(cols: list[np.ndarray]) -> np.ndarray:
-    from dcptool.provenance import _group_ids as g
-
-    return g(cols)
+    return _kth_per_rank(group_ids([step, site, ub]), rank, idx)
 
 
 def _count_le(seg_q: np.ndarray, v_q: np.ndarray, seg_t: np.ndarray, v_t: np.ndarray) -> np.ndarray:
@@ -745,7 +735,7 @@ def check_empty_mask(d: Dump) -> list[Issue]:
         unmasked_any = part if unmasked_any is None else np.concatenate([unmasked_any, part], axis=1)
     if unmasked_any is not None and unmasked_any.shape[1]:
         size = np.bincount(sets, minlength=int(sets.max()) + 1)
-        g = _group_ids([unmasked_any[0], unmasked_any[1]])
+        g = group_ids([unmasked_any[0], unmasked_any[1]])
         un = np.zeros(int(g.max()) + 1, np.int64)
         np.add.at(un, g, unmasked_any[2])
         members = np.zeros(int(g.max()) + 1, np.int64)
@@ -872,7 +862,7 @@ def check_rank_agree(d: Dump) -> list[Issue]:
             offs_key, rows_key = ragged_cols[f]
             cols[f] = [np.diff(d[offs_key])[m], _row_hashes(d, offs_key, rows_key, m)]
     sm = sets[m]
-    tup = _group_ids([sm] + [c for f in names for c in cols[f]])  # one id per (set, values)
+    tup = group_ids([sm] + [c for f in names for c in cols[f]])  # one id per (set, values)
     count = np.bincount(tup)
     rank = d["obs.rank"][m].astype(np.int64)
     # the reference of each set: most members, then the lowest rank, then the earliest
@@ -940,16 +930,14 @@ def _rows_differ(d: Dump, offs_key: str, rows_key: str, other: np.ndarray, step:
 def _row_hashes(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, step: int = 1 << 16) -> np.ndarray:
     """A 64-bit hash of the rows of each observation in idx (value and position; a 0 hashes like any
     value), in chunks of about `step` rows so a huge dump is hashed in bounded memory."""
-    from dcptool.provenance import _mix, _seg_sums
-
     offs = d[offs_key]
     lens = np.diff(offs)[idx]
     out = np.zeros(idx.size, np.int64)
     for lo, hi in _obs_chunks(lens, step):
         cnt = lens[lo:hi]
         _, j, at = ragged(offs[idx[lo:hi]], cnt)
-        v = d.take(rows_key, at).astype(np.int64) + 1  # (_mix hashes 0 as 0: shift so a 0 row counts)
-        out[lo:hi] = _seg_sums(_mix(v, j, 0), cnt).view(np.int64)
+        v = d.take(rows_key, at).astype(np.int64) + 1  # (mix hashes 0 as 0: shift so a 0 row counts)
+        out[lo:hi] = seg_sums(mix(v, j, 0), cnt).view(np.int64)
         if d.bounded:
             d.release(0, d.n)
     return out
@@ -1228,8 +1216,6 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     summaries, then the entries of about SLOT_CHUNK entries' worth of whole sets gathered at a time (a set's
     members can lie far apart in the file); per token a bincount, no sort. A finding keeps its first
     _SLOT_CAP positions of each kind and the counts."""
-    from dcptool.provenance import _group_ids
-
     c = d.config
     N, I_ = c.dcp_size, c.cp_interleave
     offs = d["obs.slots"]
@@ -1264,7 +1250,7 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     key = [d["obs.step"][m_obs], d["obs.site"][m_obs].astype(np.int64), d["obs.ubatch"][m_obs].astype(np.int64),
            m_grp, m_real, d["obs.num_reqs"][m_obs].astype(np.int64)]
     rank = d["obs.rank"].astype(np.int64)
-    sets = _kth_per_rank(_group_ids(key), rank[m_obs], m_obs)
+    sets = _kth_per_rank(group_ids(key), rank[m_obs], m_obs)
     full = np.bincount(sets)[sets] == N
     # the members of full sets, by set then observation: N in a row each
     mr = np.flatnonzero(full)

@@ -1,4 +1,5 @@
-"""Ragged segments: the layout every columnar rule uses (observation i's rows are [start_i, start_i + count_i))."""
+"""Ragged segments (observation i's rows are [start_i, start_i + count_i)) and the keyed grouping every
+columnar rule uses: row hashes summed per segment, dense ids of key tuples."""
 
 from __future__ import annotations
 
@@ -11,3 +12,49 @@ def ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarr
     seg = np.repeat(np.arange(counts.size), counts)
     j = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     return seg, j, np.asarray(starts, np.int64)[seg] + j
+
+
+_MIX = ((0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB),
+        (0xD6E8FEB86659FD93, 0xA0761D6478BD642F, 0xE7037ED1A0B428DB))
+
+
+def mix(v: np.ndarray, j: np.ndarray, salt: int) -> np.ndarray:
+    """splitmix64 of (value, row), 0 where value is 0; uint64, wrapping arithmetic."""
+    a, b, c = (np.uint64(x) for x in _MIX[salt])
+    with np.errstate(over="ignore"):
+        x = np.asarray(v, np.int64).view(np.uint64) * a + np.asarray(j, np.int64).view(np.uint64) * b + c
+        x = (x ^ (x >> np.uint64(30))) * b
+        x = (x ^ (x >> np.uint64(27))) * c
+        x ^= x >> np.uint64(31)
+    return np.where(np.asarray(v) != 0, x, np.uint64(0))
+
+
+def seg_sums(h: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Per segment: the wrapping sum of its elements (h in segment order)."""
+    cs = np.concatenate([np.zeros(1, np.uint64), np.cumsum(h, dtype=np.uint64)])
+    ends = np.cumsum(np.asarray(counts, np.int64))
+    with np.errstate(over="ignore"):
+        return cs[ends] - cs[ends - counts]
+
+
+def group_ids(cols: list[np.ndarray]) -> np.ndarray:
+    """One dense id per distinct row of the columns (compared column by column: no packing of values
+    into one integer, so keys cannot collide)."""
+    n = cols[0].size
+    if n == 0:
+        return np.zeros(0, np.int64)
+    order = np.lexsort(cols[::-1])
+    new = np.zeros(n, bool)
+    new[0] = True
+    for c in cols:
+        s = c[order]
+        new[1:] |= s[1:] != s[:-1]
+    ids = np.empty(n, np.int64)
+    ids[order] = np.cumsum(new) - 1
+    return ids
+
+
+def join(c_key: list[np.ndarray], q_key: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Dense ids of candidate and query keys in one id space."""
+    ids = group_ids([np.concatenate([a, b]) for a, b in zip(c_key, q_key)])
+    return ids[: c_key[0].size], ids[c_key[0].size :]

@@ -143,7 +143,7 @@ def old_check_slot_partition(d: Dump) -> list[Issue]:
     exactly one rank. A position written by several ranks is reported at the ranks that do not own it, one
     written by none at its owner (so the finding sits where the write went wrong). Sets whose ranks write
     nothing at all (dummy runs, capture) are not asked to."""
-    from dcptool.provenance import _group_ids
+    from dcptool.segments import group_ids as _group_ids
 
     c = d.config
     N = c.dcp_size
