@@ -25,6 +25,7 @@ from dcptool.schema import (  # noqa: F401 - DumpConfig, the errors and the limi
     MAX_DCP_SIZE,
     MAX_HEADER_BYTES,
     OPTIONAL,
+    RAGGED,
     REQUIRED,
     DumpConfig,
     DumpError,
@@ -174,11 +175,7 @@ class Dump:
         for v in self.columns.values():
             if isinstance(v, MergedRows):  # several files read lazily: each read drops its pages; unmap all too
                 v.files.clear()
-        for key, offs in (("rows.seq_lens", "obs.rows"), ("rows.kv_pages", "obs.rows"),
-                          ("rows.dcp_local_seq_lens", "obs.dcp_rows"), ("rows.query_start_loc", "obs.qsl"),
-                          ("rows.dcp_query_start_loc", "obs.dqsl"), ("rows.dcp_tot_seq_lens", "obs.tot"),
-                          ("rows.positions", "obs.slots"), ("rows.slot_mapping", "obs.slots"),
-                          ("rows.slot_group", "obs.slots")):
+        for offs, key in ((o, k) for o, ks in RAGGED.items() for k in ks):
             if key in self.maps:
                 o = self.columns[offs]
                 _release(self.maps[key], int(o[lo]), int(o[hi]))
@@ -432,11 +429,7 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
             cols[key] = v[order]
     files = _Files([d.files[0] for d in dumps], [d.idents[0] for d in dumps]) if lazy else None
     in_order = bool((order == np.arange(order.size)).all())
-    for offs_key, row_keys in (("obs.rows", ["rows.seq_lens", "rows.kv_pages"]),
-                               ("obs.dcp_rows", ["rows.dcp_local_seq_lens"]),
-                               ("obs.qsl", ["rows.query_start_loc"]),
-                               ("obs.dqsl", ["rows.dcp_query_start_loc"]), ("obs.tot", ["rows.dcp_tot_seq_lens"]),
-                               ("obs.slots", ["rows.positions", "rows.slot_mapping", "rows.slot_group"])):
+    for offs_key, row_keys in RAGGED.items():
         if offs_key not in keys:
             continue
         lens = np.concatenate([np.diff(d[offs_key]) for d in dumps])

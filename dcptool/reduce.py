@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool.dump import COLUMNS, Dump, DumpConfig
+from dcptool.dump import COLUMNS, RAGGED, Dump, DumpConfig
 from dcptool.errors import DcptoolError
 from dcptool.rules import RULES, Finding
 
@@ -75,15 +75,6 @@ def find_target(path: str, findings: list[Finding], spec: str, d: Dump) -> Targe
 # Sub-dumps
 
 
-def _offset_keys() -> dict[str, list[str]]:
-    """offsets column -> the row columns it indexes (from the format's table, so new columns come along)."""
-    out: dict[str, list[str]] = {}
-    for key, (_, kind) in COLUMNS.items():
-        if kind not in ("n", "n+1"):
-            out.setdefault(kind, []).append(key)
-    return out
-
-
 def closure(d: Dump, keep: np.ndarray) -> np.ndarray:
     """keep plus every kept observation's parent, transitively (a micro-batch is checked against its parent)."""
     keep = keep.copy()
@@ -113,7 +104,7 @@ def subset(d: Dump, keep: np.ndarray, name: str = "reduced") -> Dump:
         ok = (p >= 0) & (p < d.n)
         ok[ok] = keep[p[ok]]
         cols["obs.parent"] = np.where(ok, new_of[np.clip(p, 0, max(d.n - 1, 0))], -1).astype(np.int64)
-    for offs, row_keys in _offset_keys().items():
+    for offs, row_keys in RAGGED.items():
         if offs not in d.columns:
             continue
         o = d[offs]
@@ -168,7 +159,7 @@ def drop_rows(d: Dump, drop: set[tuple[int, int]], name: str = "reduced") -> Dum
     for i, j in drop:
         by_obs.setdefault(i, []).append(j)
     cols = {k: v.copy() for k, v in d.columns.items() if COLUMNS.get(k, ("", ""))[1] == "n"}
-    groups = {o: [k for k in ks if k in d.columns] for o, ks in _offset_keys().items() if o in d.columns}
+    groups = {o: [k for k in ks if k in d.columns] for o, ks in RAGGED.items() if o in d.columns}
     unknown = set(groups) - set(_DROP_KIND)
     if unknown:  # a column added to the format without saying how a dropped row changes it
         raise ValueError(f"reduce cannot drop rows of {sorted(unknown)}")

@@ -68,6 +68,11 @@ OPTIONAL = {
     "rows.slot_group": ("I32", "obs.slots"),
 }
 COLUMNS = {**REQUIRED, **OPTIONAL}
+# offsets column -> the row columns it sizes, in table order (derived: a new ragged column comes along)
+RAGGED: dict[str, tuple[str, ...]] = {}
+for _key, (_, _kind) in COLUMNS.items():
+    if _kind not in ("n", "n+1"):
+        RAGGED[_kind] = (*RAGGED.get(_kind, ()), _key)
 # Optional columns come in groups: a key is only meaningful with its partners.
 SLOT_COLUMNS = ("obs.slots", "rows.positions", "rows.slot_mapping", "rows.slot_group")
 _GROUPS = [("obs.qsl", "rows.query_start_loc"), ("obs.dqsl", "rows.dcp_query_start_loc"),
