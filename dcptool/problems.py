@@ -251,6 +251,16 @@ _WHY = {
     ("pages/global", None): "the attention plan claims cdiv(global length, page) pages per request instead of "
                             "cdiv(local length, page): each rank reads pages it does not own",
     ("pages", None): "the attention plan claims page counts that disagree with the rank's local lengths",
+    ("empty-mask", None): "the empty-shard mask's inputs (dcp_query_start_loc, the local lengths) differ from "
+                          "query_start_loc[:num_decodes+1] and the batch's local lengths, so other LSE rows are "
+                          "masked than the empty shards",
+    ("tot-lens", None): "the global companion of the local lengths (dcp_tot_seq_lens) is not the batch's global "
+                        "seq_lens",
+    ("rank-agree", None): "the DCP ranks of one batch disagree on what every rank must share (request counts, "
+                          "seq_lens, query_start_loc, padding or graph mode)",
+    ("slots", None): "a KV slot is written by another rank than the position's owner, or a replicated group is "
+                     "not written by every rank",
+    ("slot-partition", None): "across the ranks a DCP-sharded position is written by several ranks or by none",
 }
 
 

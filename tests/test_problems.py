@@ -211,3 +211,13 @@ def test_known_bugs_ship_in_the_wheel(tmp_path):
     (wheel,) = (tmp_path / "w").glob("dcptool-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "dcptool/known_bugs.json" in names and "dcptool/problems.py" in names
+
+
+def test_every_rule_has_a_mechanism_sentence():
+    """A problem line explains its mechanism; a rule added to the table without one would print 'X findings'."""
+    from dcptool.problems import VIEW, explain
+    from dcptool.rules import RULES
+
+    for rule in RULES:
+        relation = "parent-rows" if rule == "stale" else None  # (a stale finding always names its source)
+        assert explain(rule, relation, VIEW, ("attn_metadata",)) != f"{rule} findings", rule
