@@ -138,7 +138,8 @@ def _host_fast(x) -> np.ndarray | None:
 
 
 def _per_rank(x, k: int) -> np.ndarray | None:
-    """observe_many's issue-15 rows: one shared row (a read-only view for every rank) or [ranks, rows]."""
+    """observe_many's per-rank rows (kv_pages, issue 15's): one shared row (a read-only view of the private
+    copy for every rank) or [ranks, rows]."""
     if x is None:
         return None
     flat = _host(x)
@@ -679,12 +680,7 @@ class Recorder:
             step, _, ubatch, nr, nrp, _, rs, ts, te, ntp, _, graph = common  # Fields, in order
             seq, qsl = self._batch(seq_lens, nr, nrp, query_start_loc)
             dcp = None if dcp_local_seq_lens is None else _host(dcp_local_seq_lens).reshape(k, -1)
-            kv = None
-            if kv_pages is not None:
-                flat = _host(kv_pages)
-                one = (kv_pages.ndim if hasattr(kv_pages, "ndim") else np.ndim(kv_pages)) == 1
-                # one shared row: a read-only view of the private copy for every rank
-                kv = np.broadcast_to(flat, (k, flat.size)) if one else flat.reshape(k, -1)
+            kv = _per_rank(kv_pages, k)
             extra = [_per_rank(dcp_query_start_loc, k), _nonneg(_per_rank(dcp_tot_seq_lens, k), "dcp_tot_seq_lens")]
             parents = [None] * k if parents is None else list(parents)
             buffers = [None] * k if buffers is None else list(buffers)
