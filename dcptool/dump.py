@@ -108,10 +108,7 @@ class Dump:
         return self.columns["rows.dcp_local_seq_lens"][r[i] : r[i + 1]]
 
     def qsl_of(self, i: int) -> np.ndarray | None:
-        if "obs.qsl" not in self.columns:
-            return None
-        q = self.columns["obs.qsl"]
-        return self.columns["rows.query_start_loc"][q[i] : q[i + 1]]
+        return self._ragged_of("obs.qsl", "rows.query_start_loc", i)
 
     def kv_pages_of(self, i: int) -> np.ndarray | None:
         if "rows.kv_pages" not in self.columns:
@@ -648,11 +645,12 @@ OPTIONAL_FIELDS = {"parent": ("obs.parent", "<i8", -1), "req_start": ("obs.req_s
                    "num_tokens_padded": ("obs.num_tokens_padded", "<i4", -1), "buffer": ("obs.buffer", "<i8", 0),
                    "graph": ("obs.graph", "i1", 0)}
 FIELDS = ("step", "rank", "ubatch", "num_reqs", "num_reqs_padded", *OPTIONAL_FIELDS)
-ROW_FIELDS = ("seq", "dcp", "qsl", "kv")  # seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages
-# issue 15: dcp_query_start_loc (obs.dqsl), dcp_tot_seq_lens (obs.tot); offsets columns, empty where not recorded
-ROW_FIELDS += ("dqsl", "tot")
-_RAGGED = {"dqsl": ("obs.dqsl", "rows.dcp_query_start_loc"), "tot": ("obs.tot", "rows.dcp_tot_seq_lens")}
-ROW_FIELDS += ("pos", "slot", "sgrp")  # issue 15: positions, slot_mapping, slot_group (per token and KV group)
+# seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages; issue 15: dcp_query_start_loc, dcp_tot_seq_lens, and
+# the slot entries positions, slot_mapping, slot_group (per token and KV-cache group)
+ROW_FIELDS = ("seq", "dcp", "qsl", "kv", "dqsl", "tot", "pos", "slot", "sgrp")
+# the row fields with an offsets column of their own, written when any observation has them
+_OWN_OFFSETS = {"qsl": ("obs.qsl", "rows.query_start_loc"), "dqsl": ("obs.dqsl", "rows.dcp_query_start_loc"),
+                "tot": ("obs.tot", "rows.dcp_tot_seq_lens")}
 
 
 def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tuple[DumpConfig, dict[str, np.ndarray]]:
@@ -699,13 +697,10 @@ def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tup
     for name, (key, dtype, unknown) in OPTIONAL_FIELDS.items():
         if any(v is not None for v in vals[name]):
             cols[key] = col(name, dtype, unknown)
-    if any(a is not None for a in rows["qsl"]):
-        cols["obs.qsl"] = offsets(rows["qsl"])
-        cols["rows.query_start_loc"] = cat(rows["qsl"], "rows.query_start_loc")
     if any(a is not None for a in rows["kv"]):
         cols["rows.kv_pages"] = cat([np.full(q.size, -1, np.int32) if k is None else k
                                      for k, q in zip(rows["kv"], rows["seq"])], "rows.kv_pages")
-    for name, (offs_key, row_key) in _RAGGED.items():  # (absent from a caller that predates them: none)
+    for name, (offs_key, row_key) in _OWN_OFFSETS.items():  # (absent from a caller that predates them: none)
         got = rows.get(name)
         if got is not None and any(a is not None for a in got):
             cols[offs_key] = offsets(got)
