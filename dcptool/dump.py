@@ -254,9 +254,11 @@ def _changed(p: str, before: os.stat_result, after: os.stat_result) -> bool:
         after.st_size, after.st_mtime_ns, after.st_ino, after.st_dev)
 
 
-def _read_data(p: str, f, data_start: int, size: int, before: os.stat_result) -> bytearray:
+def _read_data(p: str, f, data_start: int, size: int, before: os.stat_result) -> np.ndarray:
     """The file's data section, copied into memory, and proof that the file did not change meanwhile."""
-    buf = bytearray(size - data_start)
+    # np.empty, not bytearray: no zero-filling pass before the read, and numpy asks for huge pages on large
+    # blocks (half the read time of a 234 MB dump here: 0.06 s against 0.13 s)
+    buf = np.empty(size - data_start, np.uint8)
     view = memoryview(buf)
     f.seek(data_start)
     got = 0

@@ -35,6 +35,7 @@ from dcptool.rules import (
     check_values,
     findings_of,
     merge_split_findings,
+    rank_pairs,
 )
 from dcptool.slicing import Ubatch, engine_split
 
@@ -178,7 +179,8 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     w_checks = W_CHECKS + W_SLICES * d.has(*RULE["ubatch-slice"].needs) + W_ALIAS * d.has(*RULE["alias"].needs)
     bar.plan(scan=d.n, checks=round(w_checks * d.n), provenance=0, findings=0)
     bar.phase("scan")
-    st = scan(d, backend, bounded=bounded, progress=progress)
+    pairs = rank_pairs(d) if N > 1 else None  # rank-agree's row comparison rides on the scan's read of the rows
+    st = scan(d, backend, bounded=bounded, progress=progress, pairs=pairs)
     n_wrong = int((st.n_wrong > 0).sum())
     bar.plan(provenance=round(W_PROVENANCE * d.n + W_WRONG * n_wrong) if n_wrong else 0,
              findings=round(W_FINDING * st.obs.size))
@@ -225,7 +227,7 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         else:
             skipped[rule] = f"needs {' and '.join(RULE[rule].needs)} (not recorded in this dump)"
     if N > 1:
-        found += findings_of(d, check_rank_agree(d))
+        found += findings_of(d, check_rank_agree(d, pairs, st.differ))
     else:
         skipped["rank-agree"] = "dcp_size is 1"
     # issue 15 item 3: which rank writes each KV slot

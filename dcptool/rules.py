@@ -31,8 +31,10 @@ from dcptool.findings import (
 )
 from dcptool.provenance import KINDS, Provenance
 from dcptool.reference import local_np, local_of
+from dcptool.scan import rows_differ
 from dcptool.schema import GraphMode
 from dcptool.segments import group_ids, join, mix, ragged, seg_sums
+from dcptool.segments import obs_chunks as _obs_chunks
 from dcptool.slicing import (
     first_disagreement,
     parse_engine_version,
@@ -821,27 +823,43 @@ def check_tot_lens(d: Dump) -> list[Issue]:
 _AGREE = ("num_reqs", "num_reqs_padded", "seq_lens", "query_start_loc", "num_tokens_padded", "graph")
 
 
-def check_rank_agree(d: Dump) -> list[Issue]:
+def rank_pairs(d: Dump) -> np.ndarray:
+    """[n] int64: for each observation the one before it in its rank set (check_rank_agree's sets, members in
+    observation order), -1 for a set's first. A set agrees iff every member equals the one before it, so
+    rank-agree compares these pairs; the scan compares their seq_lens rows while it reads them
+    (scan(pairs=))."""
+    out = np.full(d.n, -1, np.int64)
+    if d.n < 2:
+        return out
+    idx = np.arange(d.n, dtype=np.int64)
+    sets = _rank_sets(d, idx)
+    order = np.lexsort((idx, sets))
+    same = sets[order][1:] == sets[order][:-1]
+    out[order[1:][same]] = order[:-1][same]
+    return out
+
+
+def check_rank_agree(d: Dump, pairs: np.ndarray | None = None, seq_differ: np.ndarray | None = None) -> list[Issue]:
     """What every DCP rank of one batch must share: num_reqs, num_reqs_padded, seq_lens, query_start_loc,
     num_tokens_padded and the graph mode (the last three where recorded). Sets are the k-th recording of
     each rank in one (step, site, micro-batch); the majority's values are the reference (a tie: the lowest
     rank's). One finding per set, at the first observation of a differing rank, naming every differing
     rank and its first differing field.
 
-    Vectorised in two passes: every observation is compared exactly with its set's first member (a clean
-    dump ends here); only the members of sets that differ are hashed and grouped to find the majority.
-    Python runs per finding only."""
+    Vectorised in two passes: every observation is compared exactly with the member before it in its set
+    (rank_pairs; a clean dump ends here); only the members of sets that differ are hashed and grouped to
+    find the majority. Python runs per finding only. `pairs` and `seq_differ` (the observations whose
+    seq_lens rows differ from their pair's) come from the scan, which compares the rows as it reads them
+    (replay); without them the rows are read here."""
     if d.config.dcp_size == 1 or d.n == 0:
         return []
     idx = np.arange(d.n, dtype=np.int64)
     sets = _rank_sets(d, idx)
     size = np.bincount(sets)
-    order = np.lexsort((idx, sets))
-    head = np.ones(d.n, bool)
-    head[1:] = sets[order][1:] != sets[order][:-1]
-    lead = np.empty(size.size, np.int64)
-    lead[sets[order][head]] = order[head]
-    other = lead[sets]
+    if pairs is None:
+        pairs = rank_pairs(d)
+    has = pairs >= 0
+    other = np.where(has, pairs, idx)
     scalars = {"num_reqs": "obs.num_reqs", "num_reqs_padded": "obs.num_reqs_padded",
                "num_tokens_padded": "obs.num_tokens_padded", "graph": "obs.graph"}
     ragged_cols = {"seq_lens": ("obs.rows", "rows.seq_lens"), "query_start_loc": ("obs.qsl", "rows.query_start_loc")}
@@ -849,7 +867,13 @@ def check_rank_agree(d: Dump) -> list[Issue]:
                                                                           d.has(ragged_cols[f][0]))]
     differ = np.zeros(d.n, bool)
     for f in names:
-        differ |= d[scalars[f]] != d[scalars[f]][other] if f in scalars else _rows_differ(d, *ragged_cols[f], other)
+        if f in scalars:
+            differ |= d[scalars[f]] != d[scalars[f]][other]
+        elif f == "seq_lens" and seq_differ is not None:
+            differ[seq_differ] = True
+        else:
+            p = np.flatnonzero(has)
+            differ[p[rows_differ(d, *ragged_cols[f], p, other[p])]] = True
     bad = np.unique(sets[differ & (size[sets] >= 2)])
     if bad.size == 0:
         return []
@@ -898,32 +922,6 @@ def check_rank_agree(d: Dump) -> list[Issue]:
         out.append(Issue(int(m[k]), "rank-agree", msg, {"detail": {
             "field": f, "ranks": [int(rank[x]) for x in odd], "fields": {str(r): v for r, v in fields.items()},
             "obs": [int(d.file_obs[m[x]]) for x in members], "reference_obs": int(d.file_obs[i0])}}))
-    return out
-
-
-def _obs_chunks(lens: np.ndarray, step: int) -> list[tuple[int, int]]:
-    """[lo, hi) ranges of consecutive observations holding about `step` rows each (one may hold more)."""
-    if lens.size == 0:
-        return []
-    cs = np.cumsum(lens)
-    cuts = np.searchsorted(cs, np.arange(step, int(cs[-1]) + step, step), "left") + 1
-    edges = np.unique(np.concatenate([[0], np.minimum(cuts, lens.size), [lens.size]]))
-    return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
-
-
-def _rows_differ(d: Dump, offs_key: str, rows_key: str, other: np.ndarray, step: int = 1 << 16) -> np.ndarray:
-    """For each observation i: its rows differ from observation other[i]'s (length or any value); exact, in
-    chunks of about `step` rows (pages released in a bounded dump)."""
-    offs = d[offs_key]
-    lens = np.diff(offs)
-    out = lens != lens[other]
-    for lo, hi in _obs_chunks(np.where(out[: lens.size], 0, lens), step):
-        sel = np.arange(lo, hi)[~out[lo:hi]]
-        seg, j, at = ragged(offs[sel], lens[sel])
-        bad = d.take(rows_key, at) != d.take(rows_key, offs[other[sel]][seg] + j)
-        out[sel[np.unique(seg[bad])]] = True
-        if d.bounded:
-            d.release(0, d.n)
     return out
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from dcptool.dump import Dump
 from dcptool.reference import RowStats, local_of
+from dcptool.segments import obs_chunks, ragged
 
 CHUNK_ROWS = 1 << 18  # CPU: ~1 MB of int32 per array, so the passes over a chunk stay in L2
 # GPU: rows per chunk of the pipelined transfer (16 MB per row column). Small enough that copying chunk
@@ -42,6 +43,8 @@ class Stats:
     first_pad: np.ndarray
     n_pages: np.ndarray  # real rows whose kv_pages != cdiv(local, page_size) (0 without kv_pages)
     first_pages: np.ndarray
+    # scan(pairs=): the observations whose seq_lens rows differ from their pair's (ascending; None: not asked)
+    differ: np.ndarray | None = field(default=None, compare=False)
 
     @staticmethod
     def empty() -> Stats:
@@ -53,7 +56,8 @@ class Stats:
         parts = [p for p in parts if p.obs.size]
         if not parts:
             return Stats.empty()
-        return Stats(*(np.concatenate([getattr(p, f) for p in parts]) for f in Stats.__dataclass_fields__))
+        return Stats(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Stats)
+                       if f.name != "differ"))
 
 
 def bounds(rows: np.ndarray, target: int) -> np.ndarray:
@@ -62,6 +66,79 @@ def bounds(rows: np.ndarray, target: int) -> np.ndarray:
     target = max(int(target), 1)
     cut = np.searchsorted(rows, np.arange(target, int(rows[-1]), target), side="right") - 1
     return np.unique(np.concatenate([[0], cut[cut > 0], [n]]))
+
+
+def rows_differ(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, other: np.ndarray,
+                step: int = 1 << 16) -> np.ndarray:
+    """For each observation idx[k]: its rows differ from observation other[k]'s (length or any value); exact,
+    in chunks of about `step` rows (pages released in a bounded dump)."""
+    offs = d[offs_key]
+    lens = np.diff(offs)
+    out = lens[idx] != lens[other]
+    for lo, hi in obs_chunks(np.where(out, 0, lens[idx]), step):
+        sel = np.arange(lo, hi)[~out[lo:hi]]
+        seg, j, at = ragged(offs[idx[sel]], lens[idx[sel]])
+        bad = d.take(rows_key, at) != d.take(rows_key, offs[other[sel]][seg] + j)
+        out[sel[np.unique(seg[bad])]] = True
+        if d.bounded:
+            d.release(0, d.n)
+    return out
+
+
+class _Pairs:
+    """scan(pairs=): each observation's seq_lens rows against those of pairs[i] (-1: none), exactly, in the
+    chunk loop while its rows are at hand (rank-agree's comparison without a second pass over the rows).
+    A pair of different lengths differs without a read; one whose rows lie in an earlier chunk (a chunk's
+    edge, or members recorded far apart) is compared after the scan (rows_differ)."""
+
+    def __init__(self, rows: np.ndarray, pairs: np.ndarray):
+        lens = np.diff(rows)
+        self.other = np.where(pairs >= 0, pairs, np.arange(pairs.size))
+        self.found = [np.flatnonzero(lens[self.other] != lens)]
+        # rows back to the pair's first row (negative: forward); 0: nothing to read (no pair, other lengths)
+        self.shift = np.where(lens[self.other] == lens, rows[:-1] - rows[self.other], 0)
+        self.late: list[np.ndarray] = []
+
+    def cut(self, lo: int, hi: int) -> np.ndarray:
+        """Chunk [lo, hi)'s shifts, 0 where the pair lies outside the chunk (kept for after the scan)."""
+        sh = self.shift[lo:hi]
+        o = self.other[lo:hi]
+        away = (o < lo) | (o >= hi)
+        late = np.flatnonzero(away & (sh != 0))
+        if late.size:
+            self.late.append(late + lo)
+            sh = np.where(away, 0, sh)
+        return sh
+
+    def differ(self, d: Dump) -> np.ndarray:
+        late = np.concatenate(self.late) if self.late else np.zeros(0, np.int64)
+        self.found.append(late[rows_differ(d, "obs.rows", "rows.seq_lens", late, self.other[late])])
+        return np.unique(np.concatenate(self.found))
+
+
+def _shifted_differ(seq: np.ndarray, rel: np.ndarray, sh: np.ndarray) -> np.ndarray:
+    """Observations (chunk-relative) whose rows seq[rel[k]:rel[k+1]] differ from the rows sh[k] before them."""
+    if not sh.any():
+        return np.zeros(0, np.int64)
+    dt = np.int32 if seq.size < 1 << 31 else np.int64  # (half the bytes per row on the common size)
+    src = np.repeat(sh.astype(dt), np.diff(rel))
+    np.subtract(np.arange(seq.size, dtype=dt), src, out=src)
+    bad = np.flatnonzero(np.take(seq, src) != seq)  # (np.take: twice as fast as seq[src] here)
+    if bad.size == 0:
+        return bad
+    return np.unique(np.searchsorted(rel, bad, "right") - 1)
+
+
+def _shifted_differ_torch(seq, rel, sh) -> np.ndarray:
+    """_shifted_differ on the device (the staged chunk)."""
+    import torch
+
+    if seq.numel() == 0:
+        return np.zeros(0, np.int64)
+    src = torch.arange(seq.numel(), device=seq.device) - torch.repeat_interleave(sh, rel[1:] - rel[:-1],
+                                                                                 output_size=seq.numel())
+    bad = torch.nonzero(seq[src] != seq).flatten()
+    return torch.unique(torch.searchsorted(rel, bad, right=True) - 1).cpu().numpy().astype(np.int64)
 
 
 def _padded_positions(rows: np.ndarray, nr: np.ndarray, lo: int, hi: int, base: int) -> np.ndarray:
@@ -82,7 +159,8 @@ def _first_per_obs(pos: np.ndarray, rows: np.ndarray, lo: int) -> tuple[np.ndarr
 
 
 class _CpuScan:
-    def __init__(self, d: Dump):
+    def __init__(self, d: Dump, pairs: _Pairs | None = None):
+        self.pairs = pairs
         c = d.config
         self.d = d
         self.N, self.I, self.page = c.dcp_size, c.cp_interleave, c.page_size
@@ -100,6 +178,11 @@ class _CpuScan:
         d, rows, drows = self.d, self.rows, self.drows
         a, b = int(rows[lo]), int(rows[hi])
         seq = np.asarray(d["rows.seq_lens"][a:b])  # read once from the map; the passes below stay in cache
+        if self.pairs is not None:
+            sh = self.pairs.cut(lo, hi)
+            got = _shifted_differ(seq, rows[lo : hi + 1] - a, sh)
+            if got.size:
+                self.pairs.found.append(got + lo)
         ri = (int(self.rank[lo]) if self.one_rank else
               np.repeat(self.rank[lo:hi].astype(np.int32), rows[lo + 1 : hi + 1] - rows[lo:hi]))
         exp = local_of(seq, ri, self.N, self.I)
@@ -211,10 +294,10 @@ class _Stager:
     interpreter) the same code runs with ordinary buffers and no streams or events.
     """
 
-    def __init__(self, d: Dump, chunks: list[tuple[int, int]], dev):
+    def __init__(self, d: Dump, chunks: list[tuple[int, int]], dev, pairs: _Pairs | None = None):
         import torch
 
-        self.d, self.chunks, self.cuda = d, chunks, dev.type == "cuda"
+        self.d, self.chunks, self.cuda, self.pairs = d, chunks, dev.type == "cuda", pairs
         self.rows, self.drows = d["obs.rows"], d["obs.dcp_rows"]
         lo = np.array([c[0] for c in chunks], np.int64)
         hi = np.array([c[1] for c in chunks], np.int64)
@@ -226,6 +309,8 @@ class _Stager:
                  "drows": (nobs + 1, i64), "nr": (nobs, i32), "nrp": (nobs, i32), "rank": (nobs, i32)}
         if self.kv is not None:
             sizes["kv"] = (most(self.rows), i32)
+        if pairs is not None:
+            sizes["shift"] = (nobs, i64)
         self.host = [{k: torch.empty(n, dtype=t, pin_memory=self.cuda) for k, (n, t) in sizes.items()}
                      for _ in range(2)]
         self.dev = [{k: torch.empty(n, dtype=t, device=dev) for k, (n, t) in sizes.items()} for _ in range(2)]
@@ -251,6 +336,8 @@ class _Stager:
                "nr": d["obs.num_reqs"][lo:hi], "nrp": d["obs.num_reqs_padded"][lo:hi], "rank": d["obs.rank"][lo:hi]}
         if self.kv is not None:
             src["kv"] = self.kv[a:e]
+        if self.pairs is not None:
+            src["shift"] = self.pairs.cut(lo, hi)
         return src
 
     PIECE = 1 << 20  # elements: a staging copy is split in pieces of at least this many, one per thread
@@ -305,7 +392,8 @@ class _Stager:
             self.pool.shutdown()
 
 
-def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bounded: bool = False) -> Stats:
+def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bounded: bool = False,
+         pairs: _Pairs | None = None) -> Stats:
     """The fused Triton check over chunks of whole observations, each staged and copied to the device
     while the one before it is checked (_Stager); views and page counts on the device."""
     from dcptool.kernel import check_rows, device
@@ -314,7 +402,7 @@ def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bou
     c = d.config
     b = bounds(d["obs.rows"], GPU_CHUNK_ROWS)
     chunks = list(zip(b[:-1].tolist(), b[1:].tolist()))
-    stage = _Stager(d, chunks, dev)
+    stage = _Stager(d, chunks, dev, pairs)
     parts = []
     try:
         if chunks:
@@ -328,6 +416,10 @@ def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bou
             st = check_rows(t["seq"], t["rows"], t["dcp"], t["drows"], t["nr"], t["nrp"], t["rank"], c.dcp_size,
                             c.cp_interleave, kv_pages=t.get("kv"), page_size=c.page_size or 1)
             stats = st.stacked()
+            if pairs is not None:
+                got = _shifted_differ_torch(t["seq"], t["rows"], t["shift"])
+                if got.size:
+                    pairs.found.append(got + lo)
             stage.done(k)
             st = RowStats(*stats.cpu().numpy().astype(np.int64))  # one copy off the device
             if not check_views:  # dcp_size 1: a present view is `stray`, its values are not checked
@@ -343,12 +435,19 @@ def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bou
 
 
 def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = None,
-         progress: Callable[[int], None] | None = None) -> Stats:
-    """Check every DCP view (observations with has_dcp, dcp_size > 1) and every page count."""
+         progress: Callable[[int], None] | None = None, pairs: np.ndarray | None = None) -> Stats:
+    """Check every DCP view (observations with has_dcp, dcp_size > 1) and every page count.
+
+    `pairs` ([n] int64, -1: none): also compare each observation's seq_lens rows with those of observation
+    pairs[i] (exactly, while the rows are read); Stats.differ lists the observations whose rows differ."""
     check_views = d.config.dcp_size > 1
+    pp = None if pairs is None else _Pairs(d["obs.rows"], np.asarray(pairs, np.int64))
     if backend == "triton":
-        return _gpu(d, check_views, progress, bounded)
-    s = _CpuScan(d)
+        res = _gpu(d, check_views, progress, bounded, pp)
+        if pp is not None:
+            res.differ = pp.differ(d)
+        return res
+    s = _CpuScan(d, pp)
     if not check_views:
         s.aligned = np.zeros_like(s.aligned)
     b = bounds(s.rows, CHUNK_ROWS)
@@ -375,4 +474,6 @@ def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = 
     if check_views:
         irregular = np.flatnonzero((s.has == 1) & ~s.aligned)
         res = _merge(res, _irregular(d, irregular))
+    if pp is not None:
+        res.differ = pp.differ(d)
     return res

@@ -14,6 +14,16 @@ def ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return seg, j, np.asarray(starts, np.int64)[seg] + j
 
 
+def obs_chunks(lens: np.ndarray, step: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of consecutive segments holding about `step` elements each (one may hold more)."""
+    if lens.size == 0:
+        return []
+    cs = np.cumsum(lens)
+    cuts = np.searchsorted(cs, np.arange(step, int(cs[-1]) + step, step), "left") + 1
+    edges = np.unique(np.concatenate([[0], np.minimum(cuts, lens.size), [lens.size]]))
+    return list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+
+
 _MIX = ((0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB),
         (0xD6E8FEB86659FD93, 0xA0761D6478BD642F, 0xE7037ED1A0B428DB))
 

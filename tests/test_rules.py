@@ -525,6 +525,34 @@ def test_rank_agree_names_the_differing_ranks_once_per_batch():
     assert check_rank_agree(_dump(o, 2)) == []
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_rank_agree_with_the_scans_pairs_equals_reading_the_rows_itself(monkeypatch, seed):
+    """replay hands check_rank_agree the scan's comparison of each member with the one before it; the findings
+    are the standalone check's, whatever the chunking (pairs across chunk edges), and the planted ones."""
+    from dcptool import scan as scan_mod
+    from dcptool.rules import rank_pairs
+
+    rng = np.random.default_rng(seed)
+    o, planted = [], set()
+    for step in range(40):
+        n = int(rng.choice([1, 2, 5, 40]))
+        b = _batch(3, 1, rng.integers(1, 50, n), n + 1, np.arange(n + 2).clip(0, n), n + 1, 3, step=step)
+        if rng.random() < 0.3:
+            k = int(rng.integers(0, 3))
+            b[k].seq_lens = b[k].seq_lens.copy()
+            b[k].seq_lens[int(rng.integers(0, n))] += 1
+            planted.add((step, k))
+        o += b
+    d = _dump(o, 3)
+    want = check_rank_agree(d)
+    assert {(i.index // 3, i.fields["detail"]["ranks"][0]) for i in want} == planted and planted
+    pairs = rank_pairs(d)
+    for target in (1, 7, 64, 1 << 18):
+        monkeypatch.setattr(scan_mod, "CHUNK_ROWS", target)
+        got = check_rank_agree(d, pairs, scan_mod.scan(d, "torch", pairs=pairs).differ)
+        assert got == want, target
+
+
 def test_rank_agree_in_replay_output_names_the_rule(tmp_path):
     from conftest import cli
 
@@ -543,7 +571,8 @@ def test_rank_agree_in_replay_output_names_the_rule(tmp_path):
 
 
 def test_rank_agree_row_compare_and_hashes_do_not_depend_on_the_chunking(rng):
-    from dcptool.rules import _row_hashes, _rows_differ
+    from dcptool.rules import _row_hashes
+    from dcptool.scan import rows_differ
 
     o = [obs(step=k // 2, rank=k % 2, seq=rng.integers(0, 3, int(rng.integers(0, 4))).astype(np.int32),
              num_reqs=0, num_reqs_padded=0, view=[]) for k in range(60)]
@@ -554,7 +583,7 @@ def test_rank_agree_row_compare_and_hashes_do_not_depend_on_the_chunking(rng):
     whole = _row_hashes(d, "obs.rows", "rows.seq_lens", idx)
     assert np.array_equal(whole == whole[other], ~want | (whole == whole[other]))  # equal rows: equal hashes
     for step in (1, 3, 17, 1 << 22):
-        assert np.array_equal(_rows_differ(d, "obs.rows", "rows.seq_lens", other, step), want), step
+        assert np.array_equal(rows_differ(d, "obs.rows", "rows.seq_lens", idx, other, step), want), step
         assert np.array_equal(_row_hashes(d, "obs.rows", "rows.seq_lens", idx, step), whole), step
     # a trailing 0 changes the hash (the length is compared beside it too)
     d = _dump([obs(seq=[3, 0], num_reqs=1, num_reqs_padded=2), obs(seq=[3, 1], num_reqs=1, num_reqs_padded=2)], 2)

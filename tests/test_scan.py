@@ -205,3 +205,73 @@ def test_cpu_scan_of_rollover_files_read_lazily(tmp_path, monkeypatch, threads):
     want_obs, want = reference_stats(open_dumps(paths, bounded=False))
     got_obs, got = as_array(scan_mod.scan(open_dumps(paths, bounded=True), "torch", bounded=True, threads=threads))
     assert np.array_equal(got_obs, want_obs) and np.array_equal(got, want) and want_obs.size
+
+
+# --- scan(pairs=): rank-agree's row comparison on the scan's read of the rows ------------------------------
+
+def _pair_dump(path, rng, n=240):
+    """Observations whose seq_lens rows repeat (a few templates of awkward lengths, some cut short or with one
+    row changed), and pairs pointing back, forward, at themselves or nowhere: -> (dump, pairs, want)."""
+    from dcptool.dump import DumpConfig, write_dump
+
+    tmpl = [rng.integers(0, 9, k).astype(np.int32) for k in (0, 1, 127, 128, 129, 300, 1031)]
+    pick = rng.integers(0, len(tmpl), n)
+    seqs = [tmpl[k].copy() for k in pick]
+    for s in seqs:
+        if s.size and rng.random() < 0.15:
+            s[rng.integers(0, s.size)] += 1
+        elif s.size and rng.random() < 0.05:
+            s.resize(s.size - 1, refcheck=False)
+    lens = np.array([s.size for s in seqs], np.int64)
+    rows = np.zeros(n + 1, np.int64)
+    rows[1:] = np.cumsum(lens)
+    z = np.zeros(n, np.int32)
+    cols = {"obs.step": np.arange(n, dtype=np.int64), "obs.site": z, "obs.rank": (np.arange(n) % 4).astype(np.int32),
+            "obs.ubatch": z - 1, "obs.num_reqs": lens.astype(np.int32), "obs.num_reqs_padded": lens.astype(np.int32),
+            "obs.rows": rows, "obs.has_dcp": z.astype(np.uint8), "obs.dcp_rows": np.zeros(n + 1, np.int64),
+            "rows.seq_lens": np.concatenate(seqs), "rows.dcp_local_seq_lens": np.zeros(0, np.int32)}
+    write_dump(path, DumpConfig(dcp_size=4, cp_interleave=1, sites=("x",)), cols)
+    # the pair with the same template mostly (an earlier one, else a later one), sometimes any or none
+    pairs = np.full(n, -1, np.int64)
+    for i in range(n):
+        same = np.flatnonzero(pick == pick[i])
+        r = rng.random()
+        pairs[i] = (same[same < i][-1] if (same < i).any() and r < 0.6 else same[-1] if r < 0.8
+                    else rng.integers(0, n) if r < 0.9 else i if r < 0.95 else -1)
+    want = np.array([p >= 0 and not np.array_equal(seqs[i], seqs[p]) for i, p in enumerate(pairs)])
+    return open_dumps([str(path)]), pairs, np.flatnonzero(want)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("target", [1, 127, 128, 129, 1000, 1 << 18])
+def test_cpu_scan_compares_pairs_exactly_at_any_chunking(tmp_path, monkeypatch, seed, target):
+    """Equal rows, one row changed, one row short, pairs inside the chunk, before it, after it, itself, none."""
+    monkeypatch.setattr(scan_mod, "CHUNK_ROWS", target)
+    d, pairs, want = _pair_dump(tmp_path / "d.safetensors", np.random.default_rng(seed))
+    got = scan_mod.scan(d, "torch", pairs=pairs).differ
+    assert np.array_equal(got, want) and 0 < want.size < d.n // 2
+    assert scan_mod.scan(d, "torch").differ is None  # not asked: nothing compared
+
+
+def test_cpu_scan_pairs_bounded_and_threaded_agree(tmp_path, monkeypatch):
+    monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 500)
+    d, pairs, want = _pair_dump(tmp_path / "d.safetensors", np.random.default_rng(9))
+    assert np.array_equal(scan_mod.scan(d, "torch", pairs=pairs, threads=2).differ, want)
+    b = open_dumps([str(tmp_path / "d.safetensors")], bounded=True)
+    assert np.array_equal(scan_mod.scan(b, "torch", pairs=pairs, bounded=True).differ, want)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("target", [1, 129, 1000, 1 << 22])
+def test_triton_scan_compares_pairs_exactly(tmp_path, monkeypatch, target):
+    monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", target)
+    d, pairs, want = _pair_dump(tmp_path / "d.safetensors", np.random.default_rng(4), n=120)
+    assert np.array_equal(scan_mod.scan(d, "triton", pairs=pairs).differ, want) and want.size
+
+
+@cuda
+@pytest.mark.parametrize("target", [129, 1 << 22])
+def test_cuda_scan_compares_pairs_exactly(tmp_path, monkeypatch, target):
+    monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", target)
+    d, pairs, want = _pair_dump(tmp_path / "d.safetensors", np.random.default_rng(4))
+    assert np.array_equal(scan_mod.scan(d, "triton", pairs=pairs).differ, want) and want.size
