@@ -164,8 +164,6 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     `progress(k)` is called as k more observations are scanned. Micro-batches are split by the rule of
     `engine_version` (default: the one the dump names; slicing.engine_split).
     """
-    from dcptool.scan import scan
-
     t0 = time.perf_counter()
     c = d.config
     version = engine_version if engine_version is not None else c.engine_version
@@ -178,64 +176,20 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     bar = Phases(progress)
     w_checks = W_CHECKS + W_SLICES * d.has(*RULE["ubatch-slice"].needs) + W_ALIAS * d.has(*RULE["alias"].needs)
     bar.plan(scan=d.n, checks=round(w_checks * d.n), provenance=0, findings=0)
-    bar.phase("scan")
-    pairs = rank_pairs(d) if N > 1 else None  # rank-agree's row comparison rides on the scan's read of the rows
-    st = scan(d, backend, bounded=bounded, progress=progress, pairs=pairs)
-    n_wrong = int((st.n_wrong > 0).sum())
-    bar.plan(provenance=round(W_PROVENANCE * d.n + W_WRONG * n_wrong) if n_wrong else 0,
-             findings=round(W_FINDING * st.obs.size))
-    if N > 1:
-        bar.phase("provenance")
-        found += check_missing(d)
-        prov = Provenance(d)
-        wrong = st.obs[st.n_wrong > 0]
-        if wrong.size:  # every wrong view's sources are searched at once (a clean dump pays nothing)
-            prov.prepare(wrong)
-        found += check_values(d, prov, st)
-        bar.phase("checks")
-        found += check_padding(d, st)
-        found += check_shape(d)
-        found += findings_of(d, check_rank_sum(d, wrong))
-    else:
-        bar.phase("checks")
-        found += check_stray(d)
-        skipped["rank-sum"] = "dcp_size is 1"
-    if d.has(*RULE["ubatch-slice"].needs):
-        found += findings_of(d, check_ubatch_slice(d, version))
-    else:
-        skipped["ubatch-slice"] = "needs obs.parent, obs.req_start, obs.tok_start, obs.tok_stop and query_start_loc"
-    if not d.has(*PARENT_ROWS_NEEDS):
-        skipped["stale/parent-rows"] = "needs obs.parent and obs.req_start"
-    if d.has(*RULE["alias"].needs):
-        found += findings_of(d, check_alias(d))
-        if "obs.graph" not in d.columns:
-            skipped["alias/graph"] = "needs obs.graph for capture/replay pairs"
-    else:
-        skipped["alias"] = "needs obs.buffer"
-    grid = obs_grid(d)
-    bar.phase("findings")
-    if d.has(*RULE["pages"].needs):
-        found += check_pages(d, st)
-    else:
-        skipped["pages"] = "needs rows.kv_pages and page_size"
-    # issue 15: the empty-shard mask, the global companion, rank agreement
-    for rule, check in (("empty-mask", check_empty_mask), ("tot-lens", check_tot_lens)):
-        if N == 1:
-            skipped[rule] = "dcp_size is 1"
-        elif d.has(*RULE[rule].needs):
-            found += findings_of(d, check(d))
-        else:
-            skipped[rule] = f"needs {' and '.join(RULE[rule].needs)} (not recorded in this dump)"
-    if N > 1:
-        found += findings_of(d, check_rank_agree(d, pairs, st.differ))
-    else:
-        skipped["rank-agree"] = "dcp_size is 1"
-    # issue 15 item 3: which rank writes each KV slot
-    if d.has(*RULE["slots"].needs):
-        found += findings_of(d, check_slots(d))
-        found += findings_of(d, check_slot_partition(d))
-    else:
-        skipped["slots"] = "needs the slot columns (obs.slots, rows.positions, rows.slot_mapping, rows.slot_group)"
+    # The checks that do not read the scan's answer run on other threads while it runs (numpy releases the
+    # GIL in its long calls): on a many-core host the checks phase shrinks to its longest check. A bounded
+    # dump stays on one thread (each read drops the pages it touched; reads of several threads at once
+    # would hold more). Collected in the same order either way, so the findings are identical.
+    pool = _pool(d, bounded)
+    later = (lambda f, *a: pool.submit(f, *a)) if pool is not None else _Later
+    try:
+        parts = _checks(d, backend, N, version, bounded, progress, bar, skipped, later)
+        for part in parts:
+            found += part.result() if hasattr(part, "result") else part
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    grid = parts.grid
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=found.table(), backend=backend,
                        device=device, seconds=0.0, skipped=skipped, grid=grid)
     if split is not None:
@@ -251,6 +205,116 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     bar.done("findings")
     res.seconds = time.perf_counter() - t0
     return res
+
+
+class _Later:
+    """A check run when its result is asked for (the one-thread replay: the order of today)."""
+
+    def __init__(self, f, *a):
+        self.f, self.a = f, a
+
+    def result(self):
+        return self.f(*self.a)
+
+
+class _Parts(list):
+    grid: ObsGrid | None = None
+
+
+CHECK_THREADS = 4  # background threads for the checks that do not need the scan (at most the cores there are)
+
+
+def _pool(d: Dump, bounded: bool):
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = min(CHECK_THREADS, (os.cpu_count() or 1))
+    if bounded or d.bounded or n < 2 or d.n == 0:
+        return None
+    return ThreadPoolExecutor(n, thread_name_prefix="dcptool-check")
+
+
+def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar, skipped: dict, later) -> _Parts:
+    """Every check, in the order their findings are collected (later(f, *args): run f now, on another thread,
+    or when asked for)."""
+    from dcptool.scan import scan
+
+    out = _Parts()
+    independent: dict[str, object] = {}  # submitted before the scan
+    if N > 1:
+        independent["missing"] = later(check_missing, d)
+        independent["shape"] = later(check_shape, d)
+    else:
+        independent["stray"] = later(check_stray, d)
+    if d.has(*RULE["ubatch-slice"].needs):
+        independent["ubatch-slice"] = later(lambda: findings_of(d, check_ubatch_slice(d, version)))
+    if d.has(*RULE["alias"].needs):
+        independent["alias"] = later(lambda: findings_of(d, check_alias(d)))
+    grid = later(obs_grid, d)
+    for rule, check in (("empty-mask", check_empty_mask), ("tot-lens", check_tot_lens)):
+        if N > 1 and d.has(*RULE[rule].needs):
+            independent[rule] = later(lambda check=check: findings_of(d, check(d)))
+    if d.has(*RULE["slots"].needs):
+        independent["slots"] = later(lambda: findings_of(d, check_slots(d)))
+        independent["slot-partition"] = later(lambda: findings_of(d, check_slot_partition(d)))
+    bar.phase("scan")
+    pairs = rank_pairs(d) if N > 1 else None  # rank-agree's row comparison rides on the scan's read of the rows
+    st = scan(d, backend, bounded=bounded, progress=progress, pairs=pairs)
+    n_wrong = int((st.n_wrong > 0).sum())
+    bar.plan(provenance=round(W_PROVENANCE * d.n + W_WRONG * n_wrong) if n_wrong else 0,
+             findings=round(W_FINDING * st.obs.size))
+    if N > 1:
+        bar.phase("provenance")
+        out.append(independent["missing"])
+        prov = Provenance(d)
+        wrong = st.obs[st.n_wrong > 0]
+        if wrong.size:  # every wrong view's sources are searched at once (a clean dump pays nothing)
+            prov.prepare(wrong)
+        out.append(check_values(d, prov, st))
+        bar.phase("checks")
+        out.append(check_padding(d, st))
+        out.append(independent["shape"])
+        out.append(findings_of(d, check_rank_sum(d, wrong)))
+    else:
+        bar.phase("checks")
+        out.append(independent["stray"])
+        skipped["rank-sum"] = "dcp_size is 1"
+    if "ubatch-slice" in independent:
+        out.append(independent["ubatch-slice"])
+    else:
+        skipped["ubatch-slice"] = "needs obs.parent, obs.req_start, obs.tok_start, obs.tok_stop and query_start_loc"
+    if not d.has(*PARENT_ROWS_NEEDS):
+        skipped["stale/parent-rows"] = "needs obs.parent and obs.req_start"
+    if "alias" in independent:
+        out.append(independent["alias"])
+        if "obs.graph" not in d.columns:
+            skipped["alias/graph"] = "needs obs.graph for capture/replay pairs"
+    else:
+        skipped["alias"] = "needs obs.buffer"
+    out.grid = grid.result()
+    bar.phase("findings")
+    if d.has(*RULE["pages"].needs):
+        out.append(check_pages(d, st))
+    else:
+        skipped["pages"] = "needs rows.kv_pages and page_size"
+    # issue 15: the empty-shard mask, the global companion, rank agreement
+    for rule in ("empty-mask", "tot-lens"):
+        if N == 1:
+            skipped[rule] = "dcp_size is 1"
+        elif rule in independent:
+            out.append(independent[rule])
+        else:
+            skipped[rule] = f"needs {' and '.join(RULE[rule].needs)} (not recorded in this dump)"
+    if N > 1:
+        out.append(findings_of(d, check_rank_agree(d, pairs, st.differ)))
+    else:
+        skipped["rank-agree"] = "dcp_size is 1"
+    # issue 15 item 3: which rank writes each KV slot
+    if "slots" in independent:
+        out += [independent["slots"], independent["slot-partition"]]
+    else:
+        skipped["slots"] = "needs the slot columns (obs.slots, rows.positions, rows.slot_mapping, rows.slot_group)"
+    return out
 
 
 # The progress bar's phase weights (progress.PHASES), in observation-scan equivalents: what one more

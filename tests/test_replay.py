@@ -55,3 +55,42 @@ def test_bounded_replay_gives_the_same_findings(tmp_path):
     a = replay(open_dumps([sample], bounded=False), "torch")
     b = replay(open_dumps([sample], bounded=True), "torch", bounded=True)
     assert [f.to_json() for f in a.findings] == [f.to_json() for f in b.findings] and a.findings
+
+
+def test_checks_on_other_threads_give_the_findings_of_one_thread(tmp_path, monkeypatch):
+    """The checks that do not need the scan run beside it; every rule of a legacy recording with every opt-in
+    fault comes out identical (order, texts, details, skipped) to the one-thread run."""
+    import json
+
+    from dcptool import replay as replay_mod
+    from dcptool.runner import FAULTS
+    from dcptool.simulate import SimConfig, simulate
+
+    p = tmp_path / "s.safetensors"
+    simulate(SimConfig(dcp=4, interleave=2, steps=60, pipeline="fixed", inject=tuple(sorted(FAULTS)), seed=3), p)
+    out = {}
+    for threads in (1, 4):
+        monkeypatch.setattr(replay_mod, "CHECK_THREADS", threads)
+        monkeypatch.setattr("os.cpu_count", lambda: 4)
+        res = replay(open_dumps([str(p)]), "torch")
+        out[threads] = ([json.dumps(f.to_json(), sort_keys=True) for f in res.findings], res.skipped, res.grid.count)
+    assert out[1][0] == out[4][0] and out[1][1] == out[4][1] and (out[1][2] == out[4][2]).all()
+    assert len({json.loads(x)["rule"] for x in out[1][0]}) >= 10  # many checks contributed
+
+
+def test_a_failing_background_check_fails_the_replay(tmp_path, monkeypatch):
+    """An exception in a check on another thread reaches the caller (never a silently missing rule)."""
+    import pytest
+
+    from dcptool import replay as replay_mod
+
+    d = open_dumps([write(tmp_path / "d.safetensors", worked_example(False))])
+
+    def boom(_d):
+        raise RuntimeError("check failed")
+
+    monkeypatch.setattr(replay_mod, "check_shape", boom)
+    monkeypatch.setattr(replay_mod, "CHECK_THREADS", 4)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    with pytest.raises(RuntimeError, match="check failed"):
+        replay(d, "torch")
