@@ -264,17 +264,20 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
     bar.plan(provenance=round(W_PROVENANCE * d.n + W_WRONG * n_wrong) if n_wrong else 0,
              findings=round(W_FINDING * st.obs.size))
     if N > 1:
+        # the checks that need the scan but not each other: beside provenance
+        wrong = st.obs[st.n_wrong > 0]
+        rank_sum = later(lambda: findings_of(d, check_rank_sum(d, wrong)))
+        agree = later(lambda: findings_of(d, check_rank_agree(d, pairs, st.differ)))
         bar.phase("provenance")
         out.append(independent["missing"])
         prov = Provenance(d)
-        wrong = st.obs[st.n_wrong > 0]
         if wrong.size:  # every wrong view's sources are searched at once (a clean dump pays nothing)
             prov.prepare(wrong)
         out.append(check_values(d, prov, st))
         bar.phase("checks")
         out.append(check_padding(d, st))
         out.append(independent["shape"])
-        out.append(findings_of(d, check_rank_sum(d, wrong)))
+        out.append(rank_sum)
     else:
         bar.phase("checks")
         out.append(independent["stray"])
@@ -306,7 +309,7 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
         else:
             skipped[rule] = f"needs {' and '.join(RULE[rule].needs)} (not recorded in this dump)"
     if N > 1:
-        out.append(findings_of(d, check_rank_agree(d, pairs, st.differ)))
+        out.append(agree)
     else:
         skipped["rank-agree"] = "dcp_size is 1"
     # issue 15 item 3: which rank writes each KV slot
