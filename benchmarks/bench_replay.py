@@ -130,7 +130,8 @@ def child_phases(path: str, backend: str) -> dict:
         T[name] = T.get(name, 0.0) + time.perf_counter() - t
         return r
 
-    st = timed("scan", scan, d, backend)
+    pairs = R.rank_pairs(d) if d.config.dcp_size > 1 and hasattr(R, "rank_pairs") else None
+    st = timed("scan", lambda: scan(d, backend, pairs=pairs) if pairs is not None else scan(d, backend))
     found = Collector(d)
     wrong = st.obs[st.n_wrong > 0]
     prov = Provenance(d)
@@ -148,7 +149,13 @@ def child_phases(path: str, backend: str) -> dict:
                        ("rank-agree", "check_rank_agree")):  # issue 15's checks, where this version has them
         check = getattr(R, name, None)
         if check is not None and rule in R.RULE and d.has(*R.RULE[rule].needs):
-            found += timed("checks", lambda c=check: R.findings_of(d, c(d)))
+            if pairs is not None and rule == "rank-agree":  # (the rows were compared by the scan)
+                found += timed("checks", lambda: R.findings_of(d, R.check_rank_agree(d, pairs, st.differ)))
+            else:
+                found += timed("checks", lambda c=check: R.findings_of(d, c(d)))
+    if "slots" in R.RULE and d.has(*R.RULE["slots"].needs):
+        found += timed("slots", lambda: R.findings_of(d, R.check_slots(d)))
+        found += timed("slots", lambda: R.findings_of(d, R.check_slot_partition(d)))
     timed("checks", obs_grid, d)
     if hasattr(R, "check_empty_mask"):
         from dcptool.problems import problems
@@ -299,7 +306,8 @@ def make_dense(path: Path) -> None:
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-UNIT = {"provenance": "wrong", "checks": "obs", "findings": "scanned", "json": "findings", "html": "html_rows"}
+UNIT = {"provenance": "wrong", "checks": "obs", "slots": "obs", "findings": "scanned", "json": "findings",
+        "html": "html_rows"}
 
 
 def print_phases(rows: list) -> None:
