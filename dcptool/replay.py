@@ -357,13 +357,16 @@ class Phases:
 
 def resolve_backend(name: str, observations: int | None = None) -> tuple[str, str]:
     """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter. With `observations`
-    given, auto keeps a dump smaller than scan.GPU_MIN_OBS on the CPU (where the GPU cannot win)."""
-    import torch
-
+    given, auto keeps a dump smaller than scan.GPU_MIN_OBS on the CPU (where the GPU cannot win). The CPU
+    path is numpy: torch is imported only to ask for a GPU (1.5 s of a CLI run here)."""
     from dcptool.scan import GPU_MIN_OBS
 
     if name not in values(Backend):
         raise ValueError(f"unknown backend {name!r} (auto, triton or torch)")
+    if name == "torch" or (name == "auto" and observations is not None and observations < GPU_MIN_OBS):
+        return "torch", "cpu"
+    import torch
+
     cuda = torch.cuda.is_available()
     if name == "auto":
         name = "triton" if cuda and (observations is None or observations >= GPU_MIN_OBS) else "torch"

@@ -237,37 +237,27 @@ def _assemble(parts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]) -> St
 
 
 def _irregular(d: Dump, sel: np.ndarray) -> Stats:
-    """Views whose length differs from their seq_lens rows (few; `shape` findings): the torch reference."""
-    import torch
-
-    from dcptool.reference import check_rows
-
+    """Views whose length differs from their seq_lens rows (few; `shape` findings): row j < min(view length,
+    num_reqs_padded) against local(seq_lens[j], rank) on real rows and 0 on padded ones, as check_rows (the
+    torch reference) does; numpy, so a CPU replay never imports torch."""
     if sel.size == 0:
         return Stats.empty()
+    c = d.config
     rows, drows = d["obs.rows"], d["obs.dcp_rows"]
-
-    def gather(offs: np.ndarray, key: str) -> tuple[np.ndarray, np.ndarray]:
-        """The rows of the selected observations, compacted, with their new offsets."""
-        ln = offs[1:][sel] - offs[:-1][sel]
-        new = np.zeros(sel.size + 1, np.int64)
-        np.cumsum(ln, out=new[1:])
-        return d.take(key, np.repeat(offs[:-1][sel] - new[:-1], ln) + np.arange(new[-1])), new
-
-    seq, seq_off = gather(rows, "rows.seq_lens")
-    dcp, dcp_off = gather(drows, "rows.dcp_local_seq_lens")
-    t = torch.from_numpy
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a few thousand rows: torch's thread pool costs 10x the work (measured)
-    try:
-        st = check_rows(t(seq), t(seq_off), t(dcp), t(dcp_off), t(d["obs.num_reqs"][sel]),
-                        t(d["obs.num_reqs_padded"][sel]), t(d["obs.rank"][sel]), d.config.dcp_size,
-                        d.config.cp_interleave)
-    finally:
-        torch.set_num_threads(threads)
-    st = RowStats(*st.stacked().numpy().astype(np.int64))
-    hit = (st.n_wrong > 0) | (st.n_pad > 0)
-    z = np.zeros(int(hit.sum()), np.int64)
-    return Stats(sel[hit], st.n_wrong[hit], st.first_wrong[hit], st.n_pad[hit], st.first_pad[hit], z, z - 1)
+    seg, j, at = ragged(drows[:-1][sel], np.diff(drows)[sel])
+    nr, nrp = d["obs.num_reqs"][sel].astype(np.int64)[seg], d["obs.num_reqs_padded"][sel].astype(np.int64)[seg]
+    real = j < nr
+    exp = np.zeros(j.size, np.int64)
+    k = np.flatnonzero(real)
+    exp[k] = local_of(d.take("rows.seq_lens", rows[:-1][sel][seg[k]] + j[k]).astype(np.int64),
+                      d["obs.rank"][sel].astype(np.int64)[seg[k]], c.dcp_size, c.cp_interleave)
+    bad = (j < nrp) & (d.take("rows.dcp_local_seq_lens", at).astype(np.int64) != exp)
+    out = []
+    for kind, b in (("wrong", np.flatnonzero(bad & real)), ("pad", np.flatnonzero(bad & ~real))):
+        if b.size:  # (j ascends within an observation: its first bad row is its first in b)
+            o, first, cnt = np.unique(seg[b], return_index=True, return_counts=True)
+            out.append((kind, sel[o], cnt.astype(np.int64), j[b][first]))
+    return _assemble(out)
 
 
 def _merge(a: Stats, b: Stats) -> Stats:

@@ -151,6 +151,20 @@ def test_help_and_module_entry():
     assert r.returncode == 0 and "Usage: dcptool" in r.stdout and "replay" in r.stdout and "simulate" in r.stdout
 
 
+@pytest.mark.parametrize("args", [["replay", "legacy.safetensors"], ["replay", "legacy.safetensors", "--json"],
+                                  ["inspect", "legacy.safetensors"],
+                                  ["diff", "legacy.safetensors", "fixed.safetensors"]])
+def test_cpu_commands_never_import_torch(args):
+    """A replay of a dump under scan.GPU_MIN_OBS observations (auto: the numpy path, shape findings included),
+    inspect and diff run without importing torch (1.5 s of start-up here): a real process, the import log read."""
+    r = cli_subprocess(*[str(SAMPLES / a) if a.endswith(".safetensors") else a for a in args],
+                       env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert r.returncode in (0, 1) and r.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "numpy" in imported  # the log is there
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "triton")}, args
+
+
 # --------------------------------------------------------------------------------------------
 # conftest.cli itself: in-process runs see what a process of their own would
 
