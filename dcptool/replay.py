@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -180,15 +181,10 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     # GIL in its long calls): on a many-core host the checks phase shrinks to its longest check. A bounded
     # dump stays on one thread (each read drops the pages it touched; reads of several threads at once
     # would hold more). Collected in the same order either way, so the findings are identical.
-    pool = _pool(d, bounded)
-    later = (lambda f, *a: pool.submit(f, *a)) if pool is not None else _Later
-    try:
-        parts = _checks(d, backend, N, version, bounded, progress, bar, skipped, later)
-        for part in parts:
-            found += part.result() if hasattr(part, "result") else part
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+    later = _later(d, bounded)
+    parts = _checks(d, backend, N, version, bounded, progress, bar, skipped, later)
+    for part in parts:
+        found += part.result() if hasattr(part, "result") else part
     grid = parts.grid
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=found.table(), backend=backend,
                        device=device, seconds=0.0, skipped=skipped, grid=grid)
@@ -221,17 +217,42 @@ class _Parts(list):
     grid: ObsGrid | None = None
 
 
-CHECK_THREADS = 4  # background threads for the checks that do not need the scan (at most the cores there are)
+CHECK_THREADS = 4  # checks running at once beside the scan (at most the cores there are)
 
 
-def _pool(d: Dump, bounded: bool):
+class _Background:
+    """A check on a thread of its own (daemon: an interrupted replay exits at once, not when its checks end),
+    at most `slots` running at a time; result() waits and re-raises what the check raised."""
+
+    def __init__(self, slots: threading.Semaphore, f, *a):
+        self.value, self.error = None, None
+        self.t = threading.Thread(target=self._run, args=(slots, f, a), daemon=True, name="dcptool-check")
+        self.t.start()
+
+    def _run(self, slots, f, a) -> None:
+        with slots:
+            try:
+                self.value = f(*a)
+            except BaseException as e:  # handed to the caller by result()
+                self.error = e
+
+    def result(self):
+        self.t.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def _later(d: Dump, bounded: bool):
+    """How the checks run: on background threads, or one after the other when asked for (a bounded dump, one
+    core, nothing to check)."""
     import os
-    from concurrent.futures import ThreadPoolExecutor
 
     n = min(CHECK_THREADS, (os.cpu_count() or 1))
     if bounded or d.bounded or n < 2 or d.n == 0:
-        return None
-    return ThreadPoolExecutor(n, thread_name_prefix="dcptool-check")
+        return _Later
+    slots = threading.Semaphore(n)
+    return lambda f, *a: _Background(slots, f, *a)
 
 
 def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar, skipped: dict, later) -> _Parts:
