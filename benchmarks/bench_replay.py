@@ -131,7 +131,7 @@ def child_phases(path: str, backend: str) -> dict:
         return r
 
     pairs = R.rank_pairs(d) if d.config.dcp_size > 1 and hasattr(R, "rank_pairs") else None
-    st = timed("scan", lambda: scan(d, backend, pairs=pairs) if pairs is not None else scan(d, backend))
+    st = timed("scan", lambda: scan(d, backend, pairs=pairs.prev) if pairs is not None else scan(d, backend))
     found = Collector(d)
     wrong = st.obs[st.n_wrong > 0]
     prov = Provenance(d)

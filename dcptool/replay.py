@@ -280,7 +280,7 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
         independent["slot-partition"] = later(lambda: findings_of(d, check_slot_partition(d)))
     bar.phase("scan")
     pairs = rank_pairs(d) if N > 1 else None  # rank-agree's row comparison rides on the scan's read of the rows
-    st = scan(d, backend, bounded=bounded, progress=progress, pairs=pairs)
+    st = scan(d, backend, bounded=bounded, progress=progress, pairs=None if pairs is None else pairs.prev)
     n_wrong = int((st.n_wrong > 0).sum())
     bar.plan(provenance=round(W_PROVENANCE * d.n + W_WRONG * n_wrong) if n_wrong else 0,
              findings=round(W_FINDING * st.obs.size))

@@ -823,23 +823,27 @@ def check_tot_lens(d: Dump) -> list[Issue]:
 _AGREE = ("num_reqs", "num_reqs_padded", "seq_lens", "query_start_loc", "num_tokens_padded", "graph")
 
 
-def rank_pairs(d: Dump) -> np.ndarray:
-    """[n] int64: for each observation the one before it in its rank set (check_rank_agree's sets, members in
-    observation order), -1 for a set's first. A set agrees iff every member equals the one before it, so
-    rank-agree compares these pairs; the scan compares their seq_lens rows while it reads them
-    (scan(pairs=))."""
-    out = np.full(d.n, -1, np.int64)
-    if d.n < 2:
-        return out
+class RankSets(NamedTuple):
+    """check_rank_agree's sets: the k-th recording of each rank in one (step, site, micro-batch) is set k."""
+
+    sets: np.ndarray  # [n] int64 set id of each observation
+    prev: np.ndarray  # [n] int64 the observation before it in its set (observation order), -1 for a set's first
+
+
+def rank_pairs(d: Dump) -> RankSets:
+    """The rank sets and, per observation, the member before it. A set agrees iff every member equals the one
+    before it, so rank-agree compares these pairs; the scan compares their seq_lens rows while it reads them
+    (scan(pairs=prev))."""
     idx = np.arange(d.n, dtype=np.int64)
-    sets = _rank_sets(d, idx)
+    sets = _rank_sets(d, idx) if d.n else idx
+    prev = np.full(d.n, -1, np.int64)
     order = np.lexsort((idx, sets))
     same = sets[order][1:] == sets[order][:-1]
-    out[order[1:][same]] = order[:-1][same]
-    return out
+    prev[order[1:][same]] = order[:-1][same]
+    return RankSets(sets, prev)
 
 
-def check_rank_agree(d: Dump, pairs: np.ndarray | None = None, seq_differ: np.ndarray | None = None) -> list[Issue]:
+def check_rank_agree(d: Dump, pairs: RankSets | None = None, seq_differ: np.ndarray | None = None) -> list[Issue]:
     """What every DCP rank of one batch must share: num_reqs, num_reqs_padded, seq_lens, query_start_loc,
     num_tokens_padded and the graph mode (the last three where recorded). Sets are the k-th recording of
     each rank in one (step, site, micro-batch); the majority's values are the reference (a tie: the lowest
@@ -854,10 +858,8 @@ def check_rank_agree(d: Dump, pairs: np.ndarray | None = None, seq_differ: np.nd
     if d.config.dcp_size == 1 or d.n == 0:
         return []
     idx = np.arange(d.n, dtype=np.int64)
-    sets = _rank_sets(d, idx)
+    sets, pairs = pairs if pairs is not None else rank_pairs(d)
     size = np.bincount(sets)
-    if pairs is None:
-        pairs = rank_pairs(d)
     has = pairs >= 0
     other = np.where(has, pairs, idx)
     scalars = {"num_reqs": "obs.num_reqs", "num_reqs_padded": "obs.num_reqs_padded",
