@@ -88,7 +88,7 @@ def rows_differ(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, other: n
 class _Pairs:
     """scan(pairs=): each observation's seq_lens rows against those of pairs[i] (-1: none), exactly, in the
     chunk loop while its rows are at hand (rank-agree's comparison without a second pass over the rows).
-    A pair of different lengths differs without a read; one whose rows lie in an earlier chunk (a chunk's
+    A pair of different lengths differs without a read; one whose rows lie outside the chunk (a chunk's
     edge, or members recorded far apart) is compared after the scan (rows_differ)."""
 
     def __init__(self, rows: np.ndarray, pairs: np.ndarray):
