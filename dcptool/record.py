@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import errno
+import functools
 import hashlib
 import operator
 import os
@@ -103,6 +104,10 @@ SECTIONS = (Section("seq", "seq_lens", ANY, nonneg=True), Section("dcp", "dcp_lo
 if tuple(s.field for s in SECTIONS) != ROW_FIELDS:
     raise ImportError(f"record.SECTIONS {[s.field for s in SECTIONS]} must follow dump.ROW_FIELDS {ROW_FIELDS}")
 _NO_SLOTS = (None, None, None)  # observe() without slot entries
+# observe()'s fast path (kernel.snapshot_args_kernel): sections 0-2 as kernel arguments, their negative-value modes
+if tuple(s.name for s in SECTIONS[:3]) != ("seq_lens", "dcp_local_seq_lens", "query_start_loc"):
+    raise ImportError("record.SECTIONS must start with seq_lens, dcp_local_seq_lens, query_start_loc (the fast path)")
+_FAST_MODES = tuple(2 if s.nonneg else 0 for s in SECTIONS[:3])
 DEFAULT_RING_BYTES = 4 << 20  # ~1,300 observations of 256 requests in flight
 
 
@@ -302,6 +307,10 @@ class _SnapshotRing:
         self.kernel = None
         self.go = None
         self.how = ""
+        self.go3 = None  # the launch of kernel.snapshot_args_kernel (observe()'s fast path); None: not here
+        self.how3 = ""
+        self.did = -1 if device is None else device  # what get_device() says of a tensor this ring snapshots
+        self.i32 = torch.int32
         # the engine's current raw stream (the CPU tests' host ring has none)
         self.raw = torch._C._cuda_getCurrentRawStream if device is not None else (lambda d: 0)
         self.resize(words)
@@ -403,6 +412,7 @@ class Recorder:
         if ring_full not in ("wait", "drop"):
             raise ValueError(f"ring_full must be 'wait' or 'drop', got {ring_full!r}")
         self.rollover = rollover
+        self._ranks = dcp_size
         self.cuda_mode = cuda_mode
         self.ring_full = ring_full
         self._ring_words = max(1024, int(ring_bytes) // 4)
@@ -526,6 +536,8 @@ class Recorder:
         self._plus1 = tuple(k for k, x in enumerate(sections) if x.length == ROWS_PLUS_1)
         self._sized = tuple(k for k, x in enumerate(sections) if x.length == ROWS)
         self._needs = tuple((k, x.needs) for k, x in enumerate(sections) if x.needs)
+        self._fast_words = FIXED + ENTRY * len(sections) + 7  # (the fast path's slot: sections 0-2 only)
+        self._fast_pad = (None,) * (len(sections) - 3)
 
     def _check_shared(self, vals: Fields, site, kv_rows: int | None, rows: int) -> None:
         """What the dump format cannot hold (DESIGN §2) raises here and in _check_own, so a write never
@@ -598,6 +610,19 @@ class Recorder:
         slot this rank writes per token, -1 for none: a 1-D tensor for KV-cache group 0, a [groups, tokens]
         tensor, or a dict {group index: 1-D tensor}) go together; they are copied on the host (a CUDA
         tensor there is copied with `.to("cpu")`, which waits for the stream)."""
+        ring = self._ring
+        if (ring is not None and type(seq_lens) is _TENSOR and ring.go3 is not None and kv_pages is None
+                and dcp_query_start_loc is None and dcp_tot_seq_lens is None and positions is None
+                and slot_mapping is None and buffer is None):
+            try:  # the engine's common case (see _observe_fast); None: the general path below
+                got = self._observe_fast(ring, step, site, rank, seq_lens, num_reqs, num_reqs_padded,
+                                         dcp_local_seq_lens, ubatch, parent, req_start, tok_start, tok_stop,
+                                         query_start_loc, num_tokens_padded, graph)
+            except Exception as e:  # never break the engine
+                self._drop(e)
+                return -1
+            if got is not None:
+                return got
         try:
             slots = _NO_SLOTS if positions is None and slot_mapping is None else self._slots(positions, slot_mapping)
             # SECTIONS (dump.ROW_FIELDS) order
@@ -877,6 +902,96 @@ class Recorder:
                 self._harvest(wait=False)
             return index
 
+    def _observe_fast(self, ring: _SnapshotRing, step, site, rank, seq, nr, nrp, dcp, ubatch, parent, rs, ts, te,
+                      qsl, ntp, graph) -> int | None:
+        """observe() for what an engine passes each step, once the ring runs: seq_lens (and dcp_local_seq_lens,
+        query_start_loc when given) contiguous int32 tensors on the ring's device, or query_start_loc a 1-D numpy
+        array (held on the host), plain int scalars, no other row column. One launch of snapshot_args_kernel
+        with the header as arguments (the kernel writes it into the slot): no header packed on the CPU, no
+        section loop. The same checks as the general path; anything else returns None (the general path
+        takes it, and raises what it cannot store). Written for speed: bench_record.py --cuda-python."""
+        on = self._on
+        if not getattr(seq, on):
+            return None
+        if self._capturing():
+            with self._lock:
+                self.skipped_capture += 1
+            return -1
+        i32 = ring.i32
+        did = ring.did
+        if (type(step) is not int or type(rank) is not int or type(nr) is not int or type(nrp) is not int
+                or type(ubatch) is not int or seq.dtype is not i32 or not seq.is_contiguous()
+                or seq.get_device() != did):
+            return None
+        rows = seq.numel()
+        words = self._fast_words + rows
+        if dcp is None:
+            dp, dn, buffer = ring.base, -1, None  # (absent: count -1, any readable address)
+        elif (type(dcp) is _TENSOR and getattr(dcp, on) and dcp.dtype is i32 and dcp.is_contiguous()
+              and dcp.get_device() == did):
+            dp = dcp.data_ptr()
+            dn = dcp.numel()
+            buffer = dp - 4 * dcp.storage_offset()  # (= buffer_id(dcp): its storage's base address)
+            words += dn
+        else:
+            return None
+        host = None
+        if qsl is None:
+            qp, qn = ring.base, -1
+        elif type(qsl) is _TENSOR:
+            if not (getattr(qsl, on) and qsl.dtype is i32 and qsl.is_contiguous() and qsl.get_device() == did):
+                return None
+            qp = qsl.data_ptr()
+            qn = qsl.numel()
+            if qn == rows + 1:
+                words += qn
+            else:
+                qn = -1  # a query_start_loc that does not cover the rows is of no use to replay (not recorded)
+        elif type(qsl) is np.ndarray and qsl.ndim == 1:
+            qp, qn = ring.base, -1
+            if qsl.size == rows + 1:
+                host = (None, None, _int32(qsl), *self._fast_pad)
+        else:
+            return None
+        if parent is not None:
+            if type(parent) is not int:
+                return None
+            if parent < 0:
+                parent = None
+        if not (0 <= nr <= nrp <= INT32_MAX and nr <= rows and -_I64 - 1 <= step <= _I64 and -1 <= ubatch <= INT32_MAX
+                and site in self._site_ok and (graph is None or (type(graph) is int and 0 <= graph <= 3))):
+            return None
+        if rs is not None or ts is not None or te is not None or ntp is not None:
+            for v in (rs, ts, te, ntp):
+                if v is not None and not (type(v) is int and -1 <= v <= INT32_MAX):
+                    return None
+        words &= ~7
+        with self._lock:
+            index = self._count
+            if self._closed or not 0 <= rank < self._ranks or (parent is not None and parent >= index):
+                return None
+            start = ring.alloc(words)
+            if start is None:
+                start = self._room(ring, words)
+            raw = ring.raw(did)
+            ring.go3(raw, ring.base + 4 * start, index & 0x7FFFFFFF, nr, nrp, self._nsec, words, seq.data_ptr(), rows,
+                     dp, dn, qp, qn)
+            if raw not in ring.streams:
+                ring.stream(raw)
+            slot = _NEW(_Slot, (index, start, words, host))
+            ring.pending.append(slot)
+            self._vals.append(_NEW(Fields, (step, rank, ubatch, nr, nrp, parent, rs, ts, te, ntp, buffer, graph)))
+            self._sites.append(site)
+            self._rows.append(slot)
+            self._count = index + 1
+            if self.rollover is not None and len(self._sites) >= self._retry_at:
+                self._flush(raise_errors=False)
+            ring.unfenced += 1
+            if ring.unfenced >= FENCE_EVERY:
+                ring.fence(self._count)
+                self._harvest(wait=False)
+            return index
+
     def _host_rules(self, ent: list, host: list, rows: int, words: int) -> int:
         """_observe_device's length rules when the host holds some sections; returns the slot's words."""
         for k, sec in self._rules:
@@ -911,7 +1026,7 @@ class Recorder:
         except Exception as e:
             return self._no_ring(e)
         if device is not None and device in _CHECKED:  # (checked once per process and device)
-            ring.go, ring.how = _CHECKED[device]
+            ring.go, ring.how, ring.go3, ring.how3 = _CHECKED[device]
         elif device is not None:
             try:
                 torch = ring.torch
@@ -931,7 +1046,8 @@ class Recorder:
                             why.append(f"{how}: {e!r}")
                     if why:
                         ring.how += f" ({'; '.join(why)})"
-                _CHECKED[device] = (ring.go, ring.how)
+                    ring.go3, ring.how3 = _fast_launch(ring)
+                _CHECKED[device] = (ring.go, ring.how, ring.go3, ring.how3)
             except Exception as e:
                 return self._no_ring(e)
         self._ring = ring
@@ -1029,6 +1145,8 @@ class Recorder:
         self._ring = _SnapshotRing(words, None)
         self._ring.kernel = K.snapshot_kernel()
         self._ring.go, self._ring.how = K.snapshot_dispatch, "the Triton interpreter"
+        self._ring.go3, self._ring.how3 = functools.partial(K.snapshot_args_dispatch, modes=_FAST_MODES), \
+            "the Triton interpreter"
         return self._ring
 
     def _target(self) -> Path:
@@ -1193,9 +1311,12 @@ def _self_check(ring: _SnapshotRing, go):
     return got
 
 
-def _compiled_launch(ck):
-    """A launch through Triton's compiled launcher (no dispatch: no argument binding, no cache lookup)."""
+def _compiled_launch(ck, variadic: bool = False):
+    """A launch through Triton's compiled launcher (no dispatch: no argument binding, no cache lookup); variadic:
+    go(raw, *args) for a kernel of several arguments, else go(raw, slot)."""
     run, fn, meta = ck.run, ck.function, ck.packed_metadata
+    if variadic:
+        return lambda raw, *a: run(1, 1, 1, raw, fn, meta, None, None, None, *a)
     return lambda raw, at: run(1, 1, 1, raw, fn, meta, None, None, None, at)
 
 
@@ -1211,10 +1332,10 @@ _WRAPPED = {  # triton 3.6: the kernel's arguments unpacked
 }
 
 
-def _direct_launch(ck):
+def _direct_launch(ck, variadic: bool = False):
     """A launch through the compiled launcher's C entry with the arguments its Python wrapper would pass (2-3 us
     less per launch), for a wrapper known to pass exactly these (_WRAPPED) with no scratch memory to allocate;
-    else None. (_start_ring checks it against known values before using it.)"""
+    else None. (_start_ring checks it against known values before using it.) variadic: as _compiled_launch."""
     import inspect
 
     run = ck.run
@@ -1229,6 +1350,56 @@ def _direct_launch(ck):
         return None
     fn, meta, coop, pdl = ck.function, ck.packed_metadata, run.launch_cooperative_grid, run.launch_pdl
     if kind[0] == 36:
+        if variadic:
+            return lambda raw, *a: launch(1, 1, 1, raw, fn, coop, pdl, None, None, meta, None, None, None, *a)
         return lambda raw, at: launch(1, 1, 1, raw, fn, coop, pdl, None, None, meta, None, None, None, at)
     ann, sig = run.arg_annotations, run.kernel_signature
+    if variadic:
+        return lambda raw, *a: launch(1, 1, 1, raw, fn, coop, pdl, meta, None, None, None, None, None, ann, sig, a)
     return lambda raw, at: launch(1, 1, 1, raw, fn, coop, pdl, meta, None, None, None, None, None, ann, sig, (at,))
+
+
+def _self_check_args(ring: _SnapshotRing, go):
+    """_self_check for the fast path's kernel (snapshot_args_kernel): one launch through `go` on known values (an
+    unaligned view, an absent section, a negative where allowed) compared word by word with the slot the CPU
+    header and snapshot_kernel make; returns what `go` returned."""
+    torch = ring.torch
+    dev = ring.device
+    a = torch.arange(1, 7, dtype=torch.int32, device=dev)[1:]  # an unaligned view: 2..6
+    c = torch.tensor([7, -2, 5, 2**31 - 1], dtype=torch.int32, device=dev)
+    k = len(SECTIONS)
+    words = (FIXED + ENTRY * k + 9 + 7) & ~7
+    ring.np[:HEAD_READ + 16] = -9
+    got = go(ring.raw(dev), ring.base, 12345, 5, 6, k, words, a.data_ptr(), 5, ring.base, -1, c.data_ptr(), 4)
+    if dev is not None:
+        torch.cuda.synchronize(dev)
+    want = np.full(FIXED + ENTRY * k + 9 + 1, -9, np.int32)
+    _head_struct(k).pack_into(want, 0, 12345, 12345, 5, 6, k, 0, words, 0, a.data_ptr(), 5, _FAST_MODES[0], *_ABSENT,
+                              c.data_ptr(), 4, _FAST_MODES[2], *(_ABSENT * (k - 3)))
+    want[FIXED + ENTRY * k:-1] = [2, 3, 4, 5, 6, 7, -2, 5, 2**31 - 1]
+    have = ring.np[:want.size]
+    if not np.array_equal(have, want):
+        raise RuntimeError(f"snapshot_args_kernel self-check wrote {have.tolist()}")
+    return got
+
+
+def _fast_launch(ring: _SnapshotRing) -> tuple:
+    """(go3, how3): the cheapest launch of snapshot_args_kernel that writes what it should (checked once, as
+    _start_ring does for snapshot_kernel), or (None, why) when none does (observe() then has no fast path)."""
+    from dcptool import kernel as K
+
+    try:
+        ck = _self_check_args(ring, functools.partial(K.snapshot_args_dispatch, modes=_FAST_MODES))  # (compiles it)
+    except Exception as e:
+        return None, f"none ({e!r})"
+    go3, how3, why = functools.partial(K.snapshot_args_dispatch, modes=_FAST_MODES), "Triton's dispatch", []
+    for how, go in (("the launcher's C entry", _direct_launch(ck, variadic=True)),
+                    ("Triton's compiled launcher", _compiled_launch(ck, variadic=True))):
+        try:
+            if go is None:
+                raise RuntimeError("not this Triton's launcher")
+            _self_check_args(ring, go)
+            return go, how
+        except Exception as e:  # not callable so here: the next way
+            why.append(f"{how}: {e!r}")
+    return go3, f"{how3} ({'; '.join(why)})"

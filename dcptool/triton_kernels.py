@@ -209,3 +209,41 @@ def snapshot_kernel(slot):
         out = out + tl.maximum(n, 0)
     tl.store(p32 + 5, over | (neg * 2))  # flags, bit 0: a value int32 cannot hold; bit 1: a forbidden negative
     tl.store(p32 + 1, w01.to(tl.int32))  # done: the seqno, written last
+
+
+_SNAP_HEAD = tl.constexpr(SNAP_HEAD_READ)
+
+
+@triton.jit(do_not_specialize=["slot", "seqno", "nr", "nrp", "nsec", "words", "src0", "n0", "src1", "n1", "src2",
+                               "n2"])
+def snapshot_args_kernel(slot: tl.int64, seqno: tl.int32, nr: tl.int32, nrp: tl.int32, nsec: tl.int32,
+                         words: tl.int32, src0: tl.int64, n0: tl.int32, src1: tl.int64, n1: tl.int32,
+                         src2: tl.int64, n2: tl.int32, M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr):
+    # The engine's common case (kernel.snapshot_args_kernel() says when): the header comes as arguments
+    # (no read of host memory before the copy can start) and the kernel writes it into the slot itself,
+    # the same layout as the CPU writes for snapshot_kernel: sections 0-2 from the arguments, the other
+    # nsec - 3 absent. Words 1 (done) and 5 (flags) are left to the end (one thread writes each). An absent
+    # section (count -1) still comes with a readable address (the interpreter converts every address).
+    p32 = slot.to(tl.pointer_type(tl.int32))
+    lane = tl.arange(0, _SNAP_HEAD)
+    k = tl.maximum(lane - _SNAP_FIXED, 0) // _SNAP_ENTRY  # the section of an entry word (fixed words: masked)
+    j = lane % _SNAP_ENTRY  # address low, address high, count, mode
+    src = tl.where(k == 0, src0, tl.where(k == 1, src1, tl.where(k == 2, src2, 0)))
+    cnt = tl.where(k == 0, n0, tl.where(k == 1, n1, tl.where(k == 2, n2, -1)))
+    mode = tl.where(k == 0, M0, tl.where(k == 1, M1, tl.where(k == 2, M2, 0)))
+    src = tl.where(cnt < 0, 0, src)  # an absent section's entry: (0, -1, 0), as the CPU writes it
+    mode = tl.where(cnt < 0, 0, mode)
+    ent = tl.where(j == 0, src & 0xFFFFFFFF, tl.where(j == 1, src >> 32, tl.where(j == 2, cnt, mode)))
+    fixed = tl.where(lane == 0, seqno, tl.where(lane == 2, nr, tl.where(lane == 3, nrp, tl.where(
+        lane == 4, nsec, tl.where(lane == 6, words, 0)))))
+    head = tl.where(lane < _SNAP_FIXED, fixed.to(tl.int64), ent).to(tl.int32)
+    tl.store(p32 + lane, head, mask=(lane < _SNAP_FIXED + _SNAP_ENTRY * nsec) & (lane != 1) & (lane != 5))
+    out = p32 + _SNAP_FIXED + _SNAP_ENTRY * nsec
+    o0, g0 = _snap_section(out, src0, n0, 0)
+    out = out + tl.maximum(n0, 0)
+    o1, g1 = _snap_section(out, src1, n1, 0)
+    out = out + tl.maximum(n1, 0)
+    o2, g2 = _snap_section(out, src2, n2, 0)
+    neg = (g0 & (M0 >> 1)) | (g1 & (M1 >> 1)) | (g2 & (M2 >> 1))
+    tl.store(p32 + 5, (o0 | o1 | o2) | (neg * 2))
+    tl.store(p32 + 1, seqno)
