@@ -255,11 +255,12 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
             ring.go = go
             if getattr(ring, "go3", None) is None:
                 return rec, lambda: go(0, base + 64)
-            k = rec._nsec
+            ksec = rec._ksec
 
-            def go3(raw, at, seqno, nr, nrp, nsec, words, sp, sn, dp, dn, qp, qn):
+            def go3(raw, at, seqno, nr, nrp, ksec, words, sp, sn, dp, dn, qp, qn):
                 # the fast path's stand-in: what the harvest reads of the header the kernel writes
                 w = (at - base) >> 2
+                nsec = ksec & 0xFFFF
                 a[w + 1] = seqno
                 a[w + 4] = nsec
                 a[w + 5] = 0
@@ -267,7 +268,7 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
                 a[w + 22:w + 8 + 4 * nsec:4] = -1
                 fast[kind] += 1
             ring.go3 = go3
-            return rec, lambda: go3(0, base + 64, 1, 250, 256, k, 800, 0, 256, 0, 256, 0, 257)
+            return rec, lambda: go3(0, base + 64, 1, 250, 256, ksec, 800, 0, 256, 0, 256, 0, 257)
         ring.run = ring.fast = None  # (before: header word 0 is the seqno the kernel wrote, word 7 its flags)
 
         def launch(args, raw):

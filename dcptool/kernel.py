@@ -170,15 +170,14 @@ def snapshot_dispatch(raw_stream: int, slot: int):
 def snapshot_args_kernel():
     """The snapshot kernel for the engine's common case: sections 0-2 of the slot (seq_lens,
     dcp_local_seq_lens, query_start_loc) contiguous int32 device tensors or absent, the rest absent. The
-    header comes as arguments (slot, seqno, num_reqs, num_reqs_padded, K, words, then address and count of
-    each of the three; the sections' negative-value modes are compile-time constants) and the kernel
-    writes it into the slot itself: the same slot as snapshot_kernel's, without the GPU's read of the
-    header from host memory before the copy and without the CPU's write of it."""
+    header comes as twelve arguments (slot, seqno, num_reqs, num_reqs_padded, K | negative-value flags << 16,
+    words, then address and count of each of the three) and the kernel writes it into the slot itself: the
+    same slot as snapshot_kernel's, without the GPU's read of the header from host memory before the copy
+    and without the CPU's write of it."""
     return _triton().snapshot_args_kernel
 
 
-def snapshot_args_dispatch(raw_stream: int, *args, modes: tuple[int, int, int] = (2, 0, 0)):
+def snapshot_args_dispatch(raw_stream: int, *args):
     """One launch of snapshot_args_kernel through Triton's dispatch (on the current stream); returns the
     compiled kernel."""
-    m0, m1, m2 = modes
-    return _triton().snapshot_args_kernel[(1,)](*args, M0=m0, M1=m1, M2=m2, num_warps=SNAP_WARPS)
+    return _triton().snapshot_args_kernel[(1,)](*args, num_warps=SNAP_WARPS)

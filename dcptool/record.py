@@ -35,7 +35,6 @@ from __future__ import annotations
 import atexit
 import bisect
 import errno
-import functools
 import hashlib
 import operator
 import os
@@ -109,7 +108,7 @@ _NO_SLOTS = (None, None, None)  # observe() without slot entries
 # observe()'s fast path (kernel.snapshot_args_kernel): sections 0-2 as kernel arguments, their negative-value modes
 if tuple(s.name for s in SECTIONS[:3]) != ("seq_lens", "dcp_local_seq_lens", "query_start_loc"):
     raise ImportError("record.SECTIONS must start with seq_lens, dcp_local_seq_lens, query_start_loc (the fast path)")
-_FAST_MODES = tuple(2 if s.nonneg else 0 for s in SECTIONS[:3])
+_FAST_NEG = sum(1 << (16 + k) for k, s in enumerate(SECTIONS[:3]) if s.nonneg)  # snapshot_args_kernel's ksec
 DEFAULT_RING_BYTES = 4 << 20  # ~1,300 observations of 256 requests in flight
 
 
@@ -543,6 +542,7 @@ class Recorder:
         self._needs = tuple((k, x.needs) for k, x in enumerate(sections) if x.needs)
         self._fast_words = FIXED + ENTRY * len(sections) + 7  # (the fast path's slot: sections 0-2 only)
         self._fast_pad = (None,) * (len(sections) - 3)
+        self._ksec = len(sections) | _FAST_NEG
 
     def _check_shared(self, vals: Fields, site, kv_rows: int | None, rows: int) -> None:
         """What the dump format cannot hold (DESIGN §2) raises here and in _check_own, so a write never
@@ -988,7 +988,7 @@ class Recorder:
             else:
                 start = 0 if words <= ring.words else self._room(ring, words)
             raw = ring.raw(did)
-            ring.go3(raw, ring.base + 4 * start, index & 0x7FFFFFFF, nr, nrp, self._nsec, words, sp, rows, dp, dn,
+            ring.go3(raw, ring.base + 4 * start, index & 0x7FFFFFFF, nr, nrp, self._ksec, words, sp, rows, dp, dn,
                      qp, qn)
             if raw not in ring.streams:
                 ring.stream(raw)
@@ -1176,8 +1176,7 @@ class Recorder:
         self._ring = _SnapshotRing(words, None)
         self._ring.kernel = K.snapshot_kernel()
         self._ring.go, self._ring.how = K.snapshot_dispatch, "the Triton interpreter"
-        self._ring.go3, self._ring.how3 = functools.partial(K.snapshot_args_dispatch, modes=_FAST_MODES), \
-            "the Triton interpreter"
+        self._ring.go3, self._ring.how3 = K.snapshot_args_dispatch, "the Triton interpreter"
         return self._ring
 
     def _target(self) -> Path:
@@ -1401,12 +1400,14 @@ def _self_check_args(ring: _SnapshotRing, go):
     k = len(SECTIONS)
     words = (FIXED + ENTRY * k + 9 + 7) & ~7
     ring.np[:HEAD_READ + 16] = -9
-    got = go(ring.raw(dev), ring.base, 12345, 5, 6, k, words, a.data_ptr(), 5, ring.base, -1, c.data_ptr(), 4)
+    got = go(ring.raw(dev), ring.base, 12345, 5, 6, k | _FAST_NEG, words, a.data_ptr(), 5, ring.base, -1,
+             c.data_ptr(), 4)
     if dev is not None:
         torch.cuda.synchronize(dev)
     want = np.full(FIXED + ENTRY * k + 9 + 1, -9, np.int32)
-    _head_struct(k).pack_into(want, 0, 12345, 12345, 5, 6, k, 0, words, 0, a.data_ptr(), 5, _FAST_MODES[0], *_ABSENT,
-                              c.data_ptr(), 4, _FAST_MODES[2], *(_ABSENT * (k - 3)))
+    _head_struct(k).pack_into(want, 0, 12345, 12345, 5, 6, k, 0, words, 0, a.data_ptr(), 5,
+                              (_FAST_NEG >> 15) & 2, *_ABSENT, c.data_ptr(), 4, (_FAST_NEG >> 17) & 2,
+                              *(_ABSENT * (k - 3)))
     want[FIXED + ENTRY * k:-1] = [2, 3, 4, 5, 6, 7, -2, 5, 2**31 - 1]
     have = ring.np[:want.size]
     if not np.array_equal(have, want):
@@ -1420,17 +1421,17 @@ def _fast_launch(ring: _SnapshotRing) -> tuple:
     from dcptool import kernel as K
 
     try:
-        ck = _self_check_args(ring, functools.partial(K.snapshot_args_dispatch, modes=_FAST_MODES))  # (compiles it)
+        ck = _self_check_args(ring, K.snapshot_args_dispatch)  # (compiles it)
     except Exception as e:
         return None, f"none ({e!r})"
-    go3, how3, why = functools.partial(K.snapshot_args_dispatch, modes=_FAST_MODES), "Triton's dispatch", []
-    for how, go in (("the launcher's C entry", _direct_launch(ck, variadic=True)),
-                    ("Triton's compiled launcher", _compiled_launch(ck, variadic=True))):
+    why = []
+    for how, way in (("the launcher's C entry", _direct_launch), ("Triton's compiled launcher", _compiled_launch)):
         try:
+            go = way(ck, variadic=True)
             if go is None:
                 raise RuntimeError("not this Triton's launcher")
             _self_check_args(ring, go)
             return go, how
         except Exception as e:  # not callable so here: the next way
             why.append(f"{how}: {e!r}")
-    return go3, f"{how3} ({'; '.join(why)})"
+    return K.snapshot_args_dispatch, f"Triton's dispatch ({'; '.join(why)})"

@@ -214,23 +214,29 @@ def snapshot_kernel(slot):
 _SNAP_HEAD = tl.constexpr(SNAP_HEAD_READ)
 
 
-@triton.jit(do_not_specialize=["slot", "seqno", "nr", "nrp", "nsec", "words", "src0", "n0", "src1", "n1", "src2",
+@triton.jit(do_not_specialize=["slot", "seqno", "nr", "nrp", "ksec", "words", "src0", "n0", "src1", "n1", "src2",
                                "n2"])
-def snapshot_args_kernel(slot: tl.int64, seqno: tl.int32, nr: tl.int32, nrp: tl.int32, nsec: tl.int32,
+def snapshot_args_kernel(slot: tl.int64, seqno: tl.int32, nr: tl.int32, nrp: tl.int32, ksec: tl.int32,
                          words: tl.int32, src0: tl.int64, n0: tl.int32, src1: tl.int64, n1: tl.int32,
-                         src2: tl.int64, n2: tl.int32, M0: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr):
+                         src2: tl.int64, n2: tl.int32):
     # The engine's common case (kernel.snapshot_args_kernel() says when): the header comes as arguments
     # (no read of host memory before the copy can start) and the kernel writes it into the slot itself,
     # the same layout as the CPU writes for snapshot_kernel: sections 0-2 from the arguments, the other
-    # nsec - 3 absent. Words 1 (done) and 5 (flags) are left to the end (one thread writes each). An absent
-    # section (count -1) still comes with a readable address (the interpreter converts every address).
+    # K - 3 absent. ksec: K | (bit k: section k flags negatives) << 16 (no constexpr: the launcher is
+    # called with exactly these twelve). Words 1 (done) and 5 (flags) are left to the end (one thread
+    # writes each). An absent section (count -1) still comes with a readable address (the interpreter
+    # converts every address).
     p32 = slot.to(tl.pointer_type(tl.int32))
+    nsec = ksec & 0xFFFF
+    m0 = (ksec >> 16) & 1
+    m1 = (ksec >> 17) & 1
+    m2 = (ksec >> 18) & 1
     lane = tl.arange(0, _SNAP_HEAD)
     k = tl.maximum(lane - _SNAP_FIXED, 0) // _SNAP_ENTRY  # the section of an entry word (fixed words: masked)
     j = lane % _SNAP_ENTRY  # address low, address high, count, mode
     src = tl.where(k == 0, src0, tl.where(k == 1, src1, tl.where(k == 2, src2, 0)))
     cnt = tl.where(k == 0, n0, tl.where(k == 1, n1, tl.where(k == 2, n2, -1)))
-    mode = tl.where(k == 0, M0, tl.where(k == 1, M1, tl.where(k == 2, M2, 0)))
+    mode = tl.where(k == 0, m0, tl.where(k == 1, m1, tl.where(k == 2, m2, 0))) * 2  # mode bit 1; bit 0: int32
     src = tl.where(cnt < 0, 0, src)  # an absent section's entry: (0, -1, 0), as the CPU writes it
     mode = tl.where(cnt < 0, 0, mode)
     ent = tl.where(j == 0, src & 0xFFFFFFFF, tl.where(j == 1, src >> 32, tl.where(j == 2, cnt, mode)))
@@ -244,6 +250,6 @@ def snapshot_args_kernel(slot: tl.int64, seqno: tl.int32, nr: tl.int32, nrp: tl.
     o1, g1 = _snap_section(out, src1, n1, 0)
     out = out + tl.maximum(n1, 0)
     o2, g2 = _snap_section(out, src2, n2, 0)
-    neg = (g0 & (M0 >> 1)) | (g1 & (M1 >> 1)) | (g2 & (M2 >> 1))
+    neg = (g0 & m0) | (g1 & m1) | (g2 & m2)
     tl.store(p32 + 5, (o0 | o1 | o2) | (neg * 2))
     tl.store(p32 + 1, seqno)
