@@ -180,4 +180,9 @@ def snapshot_args_kernel():
 def snapshot_args_dispatch(raw_stream: int, *args):
     """One launch of snapshot_args_kernel through Triton's dispatch (on the current stream); returns the
     compiled kernel."""
-    return _triton().snapshot_args_kernel[(1,)](*args, num_warps=SNAP_WARPS)
+    k = _triton()
+    if interpreted() and 0 in args[6::2]:
+        # the interpreter types a 0 argument int32 whatever the annotation and cannot make it a pointer (an
+        # empty tensor's address is 0): any readable address, none of it is read (count 0 or -1)
+        args = (*args[:6], *(a or args[0] if i % 2 == 0 else a for i, a in enumerate(args[6:])))
+    return k.snapshot_args_kernel[(1,)](*args, num_warps=SNAP_WARPS)
