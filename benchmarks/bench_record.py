@@ -91,11 +91,14 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
     dcp = (seq // 2).to(torch.int32)
     qsl = torch.arange(257, dtype=torch.int32, device=dev)
     runs = 0
+    general = [0]  # observations through the general device path (_observe_device); the rest took the fast path
 
     def loop(mode: str | None, n: int) -> tuple[float, float, Recorder | None]:
         nonlocal runs
         runs += 1
         rec = None if mode is None else Recorder(tmp / f"c{runs}.safetensors", dcp_size=2, cuda_mode=mode)
+        if rec is not None:  # count the observations that leave the fast path (the count costs nothing on it)
+            rec._observe_device = _counted(rec._observe_device, general)
         seq.copy_(base)
         torch.cuda.synchronize()
         spent = 0.0
@@ -118,6 +121,7 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
 
     for mode in (None, "sync", "async"):  # warm up: cuBLAS, the kernel's compilation, the pinned ring
         loop(mode, 20)
+    general[0] = 0
     per: dict = {None: [], "sync": [], "async": []}
     cpu: dict = {"sync": [], "async": []}
     for _ in range(reps):
@@ -141,6 +145,11 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
     for mode, name in (("sync", "sync: .to('cpu') per tensor (before)"), ("async", "device snapshot (now)")):
         m = float(np.median(per[mode]))
         print(f"| {name} | {m * 1e3:.3f} | {(m / off - 1) * 100:+.1f}% | {np.median(cpu[mode]) * 1e6:.1f} |")
+    n_async = 4 * steps * reps
+    print(f"the loop calls Recorder.observe(step=, site=, rank=, seq_lens=, num_reqs=, num_reqs_padded=, "
+          f"dcp_local_seq_lens=, query_start_loc=) as the vLLM plugin's _observe does; {n_async - general[0]:,} of "
+          f"{n_async:,} device-snapshot observations took observe()'s fast path (snapshot_args_kernel), the rest "
+          "(the first at the site in each run) the general one")
     slow = (float(np.median(per["async"])) / off - 1) * 100
     loop_us = float(np.median(cpu["async"])) * 1e6
     print(f"goal 1, <= 2% slower per step: {slow:+.1f}% ({'met' if slow <= 2 else 'NOT met'}); goal 2, <= 10 µs of "
@@ -159,7 +168,7 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
                         dcp_local_seq_lens=dcp, query_start_loc=qsl)
         us = (time.perf_counter() - t0) / n * 1e6
         ring = rec._ring
-        how = "" if ring is None else f" (launch: {ring.how})"
+        how = "" if ring is None else f" (launch: {ring.how3} for the fast path, {ring.how} for the general one)"
         print(f"CPU per observe on an idle GPU, {mode}{how}: {us:.1f} µs (harvests included, close() excluded)")
         if profile and mode == "async":  # where the CPU time goes (--profile)
             import cProfile
@@ -195,18 +204,45 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
                 us = (time.perf_counter() - t0) / n * 1e6
                 torch.cuda.synchronize()
                 print(f"  the snapshot launch alone, {name}: {us:.1f} µs of CPU")
-            # GPU time of one snapshot (the header read from host memory included): back-to-back launches
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            go = ring.go
-            torch.cuda._sleep(200_000_000)  # (the launches queue behind it: their GPU time alone is timed)
-            start.record()
-            for _ in range(2000):
-                go(raw, ring.base)
-            end.record()
-            torch.cuda.synchronize()
-            gpu = start.elapsed_time(end) / 2000 * 1e3
-            print(f"  GPU time per snapshot (256 x 3 rows, back to back): {gpu:.2f} µs")
+            # the fast path's launch (snapshot_args_kernel, the header as arguments), each way
+            args = (ring.base, 1, 250, 256, rec._ksec, (rec._fast_words + 769) & ~7, seq.data_ptr(), 256,
+                    dcp.data_ptr(), 256, qsl.data_ptr(), 257)
+            ck3 = K.snapshot_args_dispatch(raw, *args)
+            ways3 = [("the launcher's C entry", R._direct_launch(ck3, variadic=True)),
+                     ("Triton's compiled launcher", R._compiled_launch(ck3, variadic=True)),
+                     ("Triton's dispatch", K.snapshot_args_dispatch)]
+            for name, go in ways3:
+                if go is None:
+                    continue
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    go(raw, *args)
+                us = (time.perf_counter() - t0) / n * 1e6
+                torch.cuda.synchronize()
+                print(f"  the fast path's launch alone (12 arguments), {name}: {us:.1f} µs of CPU")
+            # GPU time of one snapshot: back-to-back launches, the descriptor kernel (header read from host
+            # memory) and the fast path's (header as arguments)
+            for name, go, a in (("descriptor kernel, header in host memory", ring.go, (ring.base,)),
+                                ("fast path, header as arguments", ring.go3, args)):
+                R._head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(200_000_000)  # (the launches queue behind it: their GPU time alone is timed)
+                start.record()
+                for _ in range(2000):
+                    go(raw, *a)
+                end.record()
+                torch.cuda.synchronize()
+                gpu = start.elapsed_time(end) / 2000 * 1e3
+                print(f"  GPU time per snapshot (256 x 3 rows, back to back), {name}: {gpu:.2f} µs")
         rec.close()
+
+
+def _counted(fn, count: list):
+    """fn, counting its calls in count[0]."""
+    def wrapped(*a):
+        count[0] += 1
+        return fn(*a)
+    return wrapped
 
 
 BEFORE = "d07e667"  # the Recorder before observe()'s fast path (issue 13 item 4; da219d5: before the descriptor launch)

@@ -1417,7 +1417,9 @@ def _self_check_args(ring: _SnapshotRing, go):
 
 def _fast_launch(ring: _SnapshotRing) -> tuple:
     """(go3, how3): the cheapest launch of snapshot_args_kernel that writes what it should (checked once, as
-    _start_ring does for snapshot_kernel), or (None, why) when none does (observe() then has no fast path)."""
+    _start_ring does for snapshot_kernel), or (None, why) when neither the launcher's C entry nor the compiled
+    launcher does (observe() then has no fast path: through Triton's dispatch it would cost more than the
+    general path; the CPU tests' host ring sets the dispatch itself)."""
     from dcptool import kernel as K
 
     try:
@@ -1434,4 +1436,4 @@ def _fast_launch(ring: _SnapshotRing) -> tuple:
             return go, how
         except Exception as e:  # not callable so here: the next way
             why.append(f"{how}: {e!r}")
-    return K.snapshot_args_dispatch, f"Triton's dispatch ({'; '.join(why)})"
+    return None, f"none, the general path instead ({'; '.join(why)})"

@@ -864,11 +864,15 @@ def test_the_args_kernel_flags_like_the_descriptor_kernel():
 @hostring
 @pytest.mark.kernel
 def test_the_fast_launch_is_checked_before_use():
-    """_fast_launch proves a launch way on known values before observe() uses it; a launch that passes one
-    argument wrong fails the check (and so is never used)."""
+    """_fast_launch proves a launch way on known values before observe() uses it (none here: the interpreter
+    has no compiled launcher, and through the dispatch the general path costs less); a launch that passes
+    one argument wrong fails the check (and so is never used)."""
+    from dcptool.kernel import snapshot_args_dispatch
+
     ring = R._SnapshotRing(4096, None)
     go, how = R._fast_launch(ring)
-    assert go is not None and "dispatch" in how  # (the interpreter has no compiled launcher to call)
+    assert go is None and how.startswith("none, the general path instead (the launcher's C entry: ")
+    go = snapshot_args_dispatch
     R._self_check_args(ring, go)
     with pytest.raises(RuntimeError, match="self-check wrote"):
         R._self_check_args(ring, lambda raw, at, *a: go(raw, at, *a[:-1], a[-1] - 1))  # qsl one value short
@@ -954,3 +958,35 @@ def test_the_fast_path_drops_and_skips_what_the_general_path_does(tmp_path):
     assert rec.observe(**kw) == -1 and rec.dropped == 8  # after close()
     d = read_dump(tmp_path / "d.safetensors")
     assert d.n == 2 and d["obs.parent"].tolist() == [-1, 0] and d.seq_lens_of(1).tolist() == list(range(1, 9))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_fast_path_launches_through_a_checked_launcher_and_records_what_sync_records(tmp_path, monkeypatch):
+    """On a GPU the engine's call takes the fast path (snapshot_args_kernel through the launcher's C entry or
+    the compiled launcher, checked at start) without synchronising, and the file equals cuda_mode="sync"'s."""
+    calls = []
+    general = Recorder._observe_device
+    monkeypatch.setattr(Recorder, "_observe_device", lambda self, *a: calls.append(a[1]) or general(self, *a))
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, cuda_mode="sync")
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, ring_bytes=64 << 10)  # (wraps)
+    rng = np.random.default_rng(11)
+    store = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    for i in range(300):
+        rows = int(rng.integers(1, 300))
+        seq = torch.from_numpy(rng.integers(0, 1 << 20, rows).astype(np.int32)).cuda()
+        store[8:8 + rows] = seq // 2
+        q = np.concatenate([[0], np.cumsum(rng.integers(0, 3, rows))]).astype(np.int32)
+        kw = _engine_kw(i, seq, store[8:8 + rows], q if i % 2 else torch.from_numpy(q).cuda())
+        if i == 1:
+            torch.cuda.set_sync_debug_mode("error")  # from here on, any synchronising torch call raises
+        try:
+            got_b = b.observe(**kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert a.observe(**kw) == got_b == i
+    assert b._ring.go3 is not None and b._ring.how3 in ("the launcher's C entry", "Triton's compiled launcher")
+    fa, fb = a.close(), b.close()
+    assert calls == ["attn_metadata"] and a.dropped == b.dropped == 0
+    ca, cb = _columns(fa), _columns(fb)
+    assert sorted(ca) == sorted(cb) and all(np.array_equal(ca[k], cb[k]) for k in ca)
