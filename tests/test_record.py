@@ -969,7 +969,7 @@ def test_cuda_fast_path_launches_through_a_checked_launcher_and_records_what_syn
     general = Recorder._observe_device
     monkeypatch.setattr(Recorder, "_observe_device", lambda self, *a: calls.append(a[1]) or general(self, *a))
     a = Recorder(tmp_path / "a.safetensors", dcp_size=2, cuda_mode="sync")
-    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, ring_bytes=64 << 10)  # (wraps)
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2)  # (a ring that never fills: no wait to synchronise)
     rng = np.random.default_rng(11)
     store = torch.zeros(1024, dtype=torch.int32, device="cuda")
     for i in range(300):
