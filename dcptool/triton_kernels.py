@@ -244,12 +244,25 @@ def snapshot_args_kernel(slot: tl.int64, seqno: tl.int32, nr: tl.int32, nrp: tl.
         lane == 4, nsec, tl.where(lane == 6, words, 0)))))
     head = tl.where(lane < _SNAP_FIXED, fixed.to(tl.int64), ent).to(tl.int32)
     tl.store(p32 + lane, head, mask=(lane < _SNAP_FIXED + _SNAP_ENTRY * nsec) & (lane != 1) & (lane != 5))
+    # The rows: the three sections as one run of e2 values, each block gathered from whichever source its
+    # values come from (one load per block for all three, not one dependent round per section: the
+    # sources are int32, so nothing to narrow and nothing int32 cannot hold).
     out = p32 + _SNAP_FIXED + _SNAP_ENTRY * nsec
-    o0, g0 = _snap_section(out, src0, n0, 0)
-    out = out + tl.maximum(n0, 0)
-    o1, g1 = _snap_section(out, src1, n1, 0)
-    out = out + tl.maximum(n1, 0)
-    o2, g2 = _snap_section(out, src2, n2, 0)
-    neg = (g0 & m0) | (g1 & m1) | (g2 & m2)
-    tl.store(p32 + 5, (o0 | o1 | o2) | (neg * 2))
+    e0 = tl.maximum(n0, 0)
+    e1 = e0 + tl.maximum(n1, 0)
+    e2 = e1 + tl.maximum(n2, 0)
+    q0 = src0.to(tl.pointer_type(tl.int32))
+    q1 = src1.to(tl.pointer_type(tl.int32))
+    q2 = src2.to(tl.pointer_type(tl.int32))
+    neg = tl.zeros([_SNAP_BLOCK], tl.int32)
+    for off in range(0, e2, _SNAP_BLOCK):
+        idx = off + tl.arange(0, _SNAP_BLOCK)
+        m = idx < e2
+        in0 = idx < e0
+        in1 = (idx >= e0) & (idx < e1)
+        v = tl.load(tl.where(in0, q0 + idx, tl.where(in1, q1 + (idx - e0), q2 + (idx - e1))), mask=m, other=0)
+        forbid = tl.where(in0, m0, tl.where(in1, m1, m2))  # the section's negative-value flag
+        neg = neg | ((v < 0) & m & (forbid != 0)).to(tl.int32)
+        tl.store(out + idx, v, mask=m)
+    tl.store(p32 + 5, tl.max(neg, axis=0) * 2)  # flags: bit 1, a forbidden negative (int32 sources: no bit 0)
     tl.store(p32 + 1, seqno)
