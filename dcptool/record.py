@@ -5,12 +5,15 @@ CUDA tensors are not copied with `.to("cpu")` (that waits for the engine's strea
 a descriptor of the observation into the header of a slot of a pinned, device-mapped host ring and
 launches one Triton kernel on the engine's current stream with one argument, the slot's address; the
 kernel reads the descriptor and copies every device section into the slot, so the values are those at
-observe() time. Slots are harvested later (every FENCE_EVERY observations, at a rollover and at
-close()) once a CUDA event says the launch finished. `cuda_mode="sync"` keeps the synchronous copy.
+observe() time. The engine's usual call (seq_lens, the DCP view and query_start_loc as int32 device
+tensors: Recorder._observe_fast) launches kernel.snapshot_args_kernel instead, with the header as
+arguments: that kernel writes the same header into the slot itself (no CPU write, no GPU read of it).
+Slots are harvested later (every FENCE_EVERY observations, at a rollover and at close()) once a CUDA
+event says the launch finished. `cuda_mode="sync"` keeps the synchronous copy.
 
 Ring slots (int32 words; a slot starts at a multiple of 8 words, 32 bytes; the CPU writes the
-header before the launch, the kernel writes `flags` and `done`; a slot describes itself, so a later
-fused check kernel can read, or extend, it):
+header before the launch (the fast path's kernel writes it), the kernel writes `flags` and `done`; a
+slot describes itself, so a later fused check kernel can read, or extend, it):
 
     word 0      seqno        the observation's index & 0x7fffffff (CPU)
     word 1      done         -1 (CPU); the kernel writes seqno here last (checked at harvest)
