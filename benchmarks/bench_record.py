@@ -192,38 +192,31 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
             torch.cuda.synchronize()
             raw = torch.cuda.current_stream().cuda_stream
             ck = K.snapshot_dispatch(raw, ring.base)  # (the compiled kernel)
-            ways = [("the launcher's C entry", R._direct_launch(ck)), ("Triton's compiled launcher",
-                                                                      R._compiled_launch(ck)),
-                    ("Triton's dispatch", K.snapshot_dispatch)]
-            for name, go in ways:
-                if go is None:
-                    continue
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    go(raw, ring.base)
-                us = (time.perf_counter() - t0) / n * 1e6
-                torch.cuda.synchronize()
-                print(f"  the snapshot launch alone, {name}: {us:.1f} µs of CPU")
-            # the fast path's launch (snapshot_args_kernel, the header as arguments), each way
+            # the fast path's kernel (snapshot_args_kernel, the header as arguments)
             args = (ring.base, 1, 250, 256, rec._ksec, (rec._fast_words + 769) & ~7, seq.data_ptr(), 256,
                     dcp.data_ptr(), 256, qsl.data_ptr(), 257)
             ck3 = K.snapshot_args_dispatch(raw, *args)
-            ways3 = [("the launcher's C entry", R._direct_launch(ck3, variadic=True)),
-                     ("Triton's compiled launcher", R._compiled_launch(ck3, variadic=True)),
-                     ("Triton's dispatch", K.snapshot_args_dispatch)]
-            for name, go in ways3:
-                if go is None:
-                    continue
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    go(raw, *args)
-                us = (time.perf_counter() - t0) / n * 1e6
-                torch.cuda.synchronize()
-                print(f"  the fast path's launch alone (12 arguments), {name}: {us:.1f} µs of CPU")
+            for kname, c, a, dispatch, var in (("descriptor kernel (1 argument)", ck, (ring.base,),
+                                                K.snapshot_dispatch, False),
+                                               ("fast path's kernel (12 arguments)", ck3, args,
+                                                K.snapshot_args_dispatch, True)):
+                for name, go in (("the launcher's C entry", R._direct_launch(c, variadic=var)),
+                                 ("Triton's compiled launcher", R._compiled_launch(c, variadic=var)),
+                                 ("Triton's dispatch", dispatch)):
+                    if go is None:
+                        continue
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        go(raw, *a)
+                    us = (time.perf_counter() - t0) / n * 1e6
+                    torch.cuda.synchronize()
+                    print(f"  the launch alone, {kname}, {name}: {us:.1f} µs of CPU")
             # GPU time of one snapshot: back-to-back launches, the descriptor kernel (header read from host
             # memory) and the fast path's (header as arguments)
             for name, go, a in (("descriptor kernel, header in host memory", ring.go, (ring.base,)),
                                 ("fast path, header as arguments", ring.go3, args)):
+                if go is None:
+                    continue
                 R._head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda._sleep(200_000_000)  # (the launches queue behind it: their GPU time alone is timed)
