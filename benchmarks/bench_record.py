@@ -17,10 +17,13 @@ inside the loop and on an idle GPU. The recorded values are checked against what
 each observe (the update before it, not the ones queued after).
 
 --cuda-python (no GPU needed): the Python part of observe() on the device path, the launch replaced by a
-stand-in that only marks the slot done (timed alone and subtracted), host tensors through the host ring
-the tests use; the same for the Recorder of git revision --before (default: the one before the
-descriptor launch), interleaved in one run. A GPU adds the launch (`--cuda` prints it) and the tensor
-attribute calls cost about the same there.
+stand-in that writes what the harvest reads (timed alone and subtracted), host tensors through the host
+ring the tests use; the same for the Recorder of git revision --before (default: main before observe()'s
+fast path), interleaved in one run; it says how many observations took the fast path. A GPU adds the
+launch (`--cuda` prints it) and the tensor attribute calls cost about the same there.
+
+Both loops call Recorder.observe with the keywords the vLLM plugin's _observe passes (the plugin gives
+query_start_loc as numpy; both forms take the fast path).
 """
 
 from __future__ import annotations

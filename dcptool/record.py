@@ -1037,7 +1037,8 @@ class Recorder:
     def _start_ring(self, device: int | None) -> _SnapshotRing | None:
         """The ring, its kernel, and on a GPU a one-time check (one synchronisation each) that a launch writes
         what the kernel should, trying the cheapest launch first: the launcher's C entry called directly, then
-        Triton's compiled launcher, then Triton's dispatch; else sync mode."""
+        Triton's compiled launcher, then Triton's dispatch; else sync mode. The same for the fast path's kernel
+        (_fast_launch; without a compiled launcher observe() has no fast path)."""
         from dcptool import kernel as K
 
         ring = _SnapshotRing(self._ring_words, device)
