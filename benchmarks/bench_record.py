@@ -269,7 +269,9 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
     seq = torch.from_numpy(rng.integers(1, 1 << 17, 256).astype(np.int32))
     dcp = torch.from_numpy(rng.integers(1, 1 << 15, 256).astype(np.int32))
     qsl = torch.arange(257, dtype=torch.int32)
-    kinds = {"now": New}
+    # "plugin": today's Recorder with query_start_loc as numpy, as the vLLM plugin passes it (a host copy)
+    kinds = {"now": New, "plugin": New}
+    qsls = {"now": qsl, "plugin": qsl.numpy(), "before": qsl}
     old = _recorder_before(before)
     if old is not None:
         kinds["before"] = old
@@ -315,16 +317,17 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
     stand: dict = {k: [] for k in kinds}
     recs = {kind: setup(kind, tmp / f"py-{kind}.safetensors") for kind in kinds}
     block = 1000  # short blocks, interleaved, best of: the machine's other load hits some blocks, not the minimum
-    for rec, _ in recs.values():
+    for kind, (rec, _) in recs.items():
         for i in range(2000):  # warm up (the ring wraps: its pages are touched)
             rec.observe(step=i, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
-                        dcp_local_seq_lens=dcp, query_start_loc=qsl)
+                        dcp_local_seq_lens=dcp, query_start_loc=qsls[kind])
     for _ in range(max(1, n // block) * reps):
         for kind, (rec, alone) in recs.items():
+            q = qsls[kind]
             t0 = time.process_time()
             for i in range(block):
                 rec.observe(step=i, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
-                            dcp_local_seq_lens=dcp, query_start_loc=qsl)
+                            dcp_local_seq_lens=dcp, query_start_loc=q)
             res[kind].append((time.process_time() - t0) / block)
             t0 = time.process_time()
             for _ in range(block):
@@ -345,7 +348,8 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
     for kind in kinds:
         b, m, s = (float(f(v)) * 1e6 for f, v in ((np.min, res[kind]), (np.median, res[kind]), (np.min, stand[kind])))
         net[kind] = b - s
-        name = "now" if kind == "now" else f"before ({before})"
+        name = {"now": "now", "plugin": "now, query_start_loc as numpy (the plugin's form)"}.get(kind,
+                                                                                              f"before ({before})")
         print(f"| {name} | {b:.2f} | {m:.2f} | {s:.2f} | {b - s:.2f} |")
     if "before" in net:
         print(f"Python per observe: now / before = {net['now'] / net['before']:.2f}x")
