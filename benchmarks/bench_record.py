@@ -17,10 +17,13 @@ inside the loop and on an idle GPU. The recorded values are checked against what
 each observe (the update before it, not the ones queued after).
 
 --cuda-python (no GPU needed): the Python part of observe() on the device path, the launch replaced by a
-stand-in that only marks the slot done (timed alone and subtracted), host tensors through the host ring
-the tests use; the same for the Recorder of git revision --before (default: the one before the
-descriptor launch), interleaved in one run. A GPU adds the launch (`--cuda` prints it) and the tensor
-attribute calls cost about the same there.
+stand-in that writes what the harvest reads (timed alone and subtracted), host tensors through the host
+ring the tests use; the same for the Recorder of git revision --before (default: main before observe()'s
+fast path), interleaved in one run; it says how many observations took the fast path. A GPU adds the
+launch (`--cuda` prints it) and the tensor attribute calls cost about the same there.
+
+Both loops call Recorder.observe with the keywords the vLLM plugin's _observe passes (the plugin gives
+query_start_loc as numpy; both forms take the fast path).
 """
 
 from __future__ import annotations
@@ -91,11 +94,14 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
     dcp = (seq // 2).to(torch.int32)
     qsl = torch.arange(257, dtype=torch.int32, device=dev)
     runs = 0
+    general = [0]  # observations through the general device path (_observe_device); the rest took the fast path
 
     def loop(mode: str | None, n: int) -> tuple[float, float, Recorder | None]:
         nonlocal runs
         runs += 1
         rec = None if mode is None else Recorder(tmp / f"c{runs}.safetensors", dcp_size=2, cuda_mode=mode)
+        if rec is not None:  # count the observations that leave the fast path (the count costs nothing on it)
+            rec._observe_device = _counted(rec._observe_device, general)
         seq.copy_(base)
         torch.cuda.synchronize()
         spent = 0.0
@@ -118,6 +124,7 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
 
     for mode in (None, "sync", "async"):  # warm up: cuBLAS, the kernel's compilation, the pinned ring
         loop(mode, 20)
+    general[0] = 0
     per: dict = {None: [], "sync": [], "async": []}
     cpu: dict = {"sync": [], "async": []}
     for _ in range(reps):
@@ -141,6 +148,11 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
     for mode, name in (("sync", "sync: .to('cpu') per tensor (before)"), ("async", "device snapshot (now)")):
         m = float(np.median(per[mode]))
         print(f"| {name} | {m * 1e3:.3f} | {(m / off - 1) * 100:+.1f}% | {np.median(cpu[mode]) * 1e6:.1f} |")
+    n_async = 4 * steps * reps
+    print(f"the loop calls Recorder.observe(step=, site=, rank=, seq_lens=, num_reqs=, num_reqs_padded=, "
+          f"dcp_local_seq_lens=, query_start_loc=) as the vLLM plugin's _observe does; {n_async - general[0]:,} of "
+          f"{n_async:,} device-snapshot observations took observe()'s fast path (snapshot_args_kernel), the rest "
+          "(the first at the site in each run) the general one")
     slow = (float(np.median(per["async"])) / off - 1) * 100
     loop_us = float(np.median(cpu["async"])) * 1e6
     print(f"goal 1, <= 2% slower per step: {slow:+.1f}% ({'met' if slow <= 2 else 'NOT met'}); goal 2, <= 10 µs of "
@@ -159,7 +171,7 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
                         dcp_local_seq_lens=dcp, query_start_loc=qsl)
         us = (time.perf_counter() - t0) / n * 1e6
         ring = rec._ring
-        how = "" if ring is None else f" (launch: {ring.how})"
+        how = "" if ring is None else f" (launch: {ring.how3} for the fast path, {ring.how} for the general one)"
         print(f"CPU per observe on an idle GPU, {mode}{how}: {us:.1f} µs (harvests included, close() excluded)")
         if profile and mode == "async":  # where the CPU time goes (--profile)
             import cProfile
@@ -183,33 +195,53 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
             torch.cuda.synchronize()
             raw = torch.cuda.current_stream().cuda_stream
             ck = K.snapshot_dispatch(raw, ring.base)  # (the compiled kernel)
-            ways = [("the launcher's C entry", R._direct_launch(ck)), ("Triton's compiled launcher",
-                                                                      R._compiled_launch(ck)),
-                    ("Triton's dispatch", K.snapshot_dispatch)]
-            for name, go in ways:
+            # the fast path's kernel (snapshot_args_kernel, the header as arguments)
+            args = (ring.base, 1, 250, 256, rec._ksec, (rec._fast_words + 769) & ~7, seq.data_ptr(), 256,
+                    dcp.data_ptr(), 256, qsl.data_ptr(), 257)
+            ck3 = K.snapshot_args_dispatch(raw, *args)
+            for kname, c, a, dispatch, var in (("descriptor kernel (1 argument)", ck, (ring.base,),
+                                                K.snapshot_dispatch, False),
+                                               ("fast path's kernel (12 arguments)", ck3, args,
+                                                K.snapshot_args_dispatch, True)):
+                for name, go in (("the launcher's C entry", R._direct_launch(c, variadic=var)),
+                                 ("Triton's compiled launcher", R._compiled_launch(c, variadic=var)),
+                                 ("Triton's dispatch", dispatch)):
+                    if go is None:
+                        continue
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        go(raw, *a)
+                    us = (time.perf_counter() - t0) / n * 1e6
+                    torch.cuda.synchronize()
+                    print(f"  the launch alone, {kname}, {name}: {us:.1f} µs of CPU")
+            # GPU time of one snapshot: back-to-back launches, the descriptor kernel (header read from host
+            # memory) and the fast path's (header as arguments)
+            for name, go, a in (("descriptor kernel, header in host memory", ring.go, (ring.base,)),
+                                ("fast path, header as arguments", ring.go3, args)):
                 if go is None:
                     continue
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    go(raw, ring.base)
-                us = (time.perf_counter() - t0) / n * 1e6
+                R._head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(200_000_000)  # (the launches queue behind it: their GPU time alone is timed)
+                start.record()
+                for _ in range(2000):
+                    go(raw, *a)
+                end.record()
                 torch.cuda.synchronize()
-                print(f"  the snapshot launch alone, {name}: {us:.1f} µs of CPU")
-            # GPU time of one snapshot (the header read from host memory included): back-to-back launches
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            go = ring.go
-            torch.cuda._sleep(200_000_000)  # (the launches queue behind it: their GPU time alone is timed)
-            start.record()
-            for _ in range(2000):
-                go(raw, ring.base)
-            end.record()
-            torch.cuda.synchronize()
-            gpu = start.elapsed_time(end) / 2000 * 1e3
-            print(f"  GPU time per snapshot (256 x 3 rows, back to back): {gpu:.2f} µs")
+                gpu = start.elapsed_time(end) / 2000 * 1e3
+                print(f"  GPU time per snapshot (256 x 3 rows, back to back), {name}: {gpu:.2f} µs")
         rec.close()
 
 
-BEFORE = "da219d5"  # the Recorder before the descriptor launch (issue 13 item 4)
+def _counted(fn, count: list):
+    """fn, counting its calls in count[0]."""
+    def wrapped(*a):
+        count[0] += 1
+        return fn(*a)
+    return wrapped
+
+
+BEFORE = "d07e667"  # the Recorder before observe()'s fast path (issue 13 item 4; da219d5: before the descriptor launch)
 
 
 def _recorder_before(rev: str):
@@ -237,21 +269,40 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
     seq = torch.from_numpy(rng.integers(1, 1 << 17, 256).astype(np.int32))
     dcp = torch.from_numpy(rng.integers(1, 1 << 15, 256).astype(np.int32))
     qsl = torch.arange(257, dtype=torch.int32)
-    kinds = {"now": New}
+    # "plugin": today's Recorder with query_start_loc as numpy, as the vLLM plugin passes it (a host copy)
+    kinds = {"now": New, "plugin": New}
+    qsls = {"now": qsl, "plugin": qsl.numpy(), "before": qsl}
     old = _recorder_before(before)
     if old is not None:
         kinds["before"] = old
+
+    fast: dict = {k: 0 for k in kinds}
 
     def setup(kind: str, path: Path):
         rec = kinds[kind](path, dcp_size=2)
         ring = rec._use_host_ring(1 << 20)
         a, base = ring.np, ring.base
-        if kind == "now":  # the stand-in launch: the slot is done (its header's seqno in `done`)
+        if hasattr(ring, "go"):  # the stand-in launch: the slot is done (its header's seqno in `done`)
             def go(raw, at):
                 w = (at - base) >> 2
                 a[w + 1] = a[w]
             ring.go = go
-            return rec, lambda: go(0, base + 64)
+            if getattr(ring, "go3", None) is None:
+                return rec, lambda: go(0, base + 64)
+            ksec = rec._ksec
+
+            def go3(raw, at, seqno, nr, nrp, ksec, words, sp, sn, dp, dn, qp, qn):
+                # the fast path's stand-in: what the harvest reads of the header the kernel writes
+                w = (at - base) >> 2
+                nsec = ksec & 0xFFFF
+                a[w + 1] = seqno
+                a[w + 4] = nsec
+                a[w + 5] = 0
+                a[w + 10:w + 19:4] = sn, dn, qn
+                a[w + 22:w + 8 + 4 * nsec:4] = -1
+                fast[kind] += 1
+            ring.go3 = go3
+            return rec, lambda: go3(0, base + 64, 1, 250, 256, ksec, 800, 0, 256, 0, 256, 0, 257)
         ring.run = ring.fast = None  # (before: header word 0 is the seqno the kernel wrote, word 7 its flags)
 
         def launch(args, raw):
@@ -266,16 +317,17 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
     stand: dict = {k: [] for k in kinds}
     recs = {kind: setup(kind, tmp / f"py-{kind}.safetensors") for kind in kinds}
     block = 1000  # short blocks, interleaved, best of: the machine's other load hits some blocks, not the minimum
-    for rec, _ in recs.values():
+    for kind, (rec, _) in recs.items():
         for i in range(2000):  # warm up (the ring wraps: its pages are touched)
             rec.observe(step=i, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
-                        dcp_local_seq_lens=dcp, query_start_loc=qsl)
+                        dcp_local_seq_lens=dcp, query_start_loc=qsls[kind])
     for _ in range(max(1, n // block) * reps):
         for kind, (rec, alone) in recs.items():
+            q = qsls[kind]
             t0 = time.process_time()
             for i in range(block):
                 rec.observe(step=i, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
-                            dcp_local_seq_lens=dcp, query_start_loc=qsl)
+                            dcp_local_seq_lens=dcp, query_start_loc=q)
             res[kind].append((time.process_time() - t0) / block)
             t0 = time.process_time()
             for _ in range(block):
@@ -283,6 +335,9 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
             stand[kind].append((time.process_time() - t0) / block)
     for kind, (rec, _) in recs.items():
         assert rec.dropped == 0 and len(rec) == 2000 + block * len(res[kind]), (kind, rec.dropped)
+        if fast[kind]:
+            print(f"({kind}: {fast[kind] - len(res[kind]) * block:,} of {len(rec):,} observations through "
+                  "observe()'s fast path, the rest through the general one)")
         rec.discard()
     print(f"Recorder.observe on the device path, Python only (256 requests, 3 tensors; {len(res['now']):,} blocks "
           f"of {block:,} observations each, interleaved; CPU time; host tensors, the launch replaced by a stand-in):")
@@ -293,7 +348,8 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
     for kind in kinds:
         b, m, s = (float(f(v)) * 1e6 for f, v in ((np.min, res[kind]), (np.median, res[kind]), (np.min, stand[kind])))
         net[kind] = b - s
-        name = "now" if kind == "now" else f"before ({before})"
+        name = {"now": "now", "plugin": "now, query_start_loc as numpy (the plugin's form)"}.get(kind,
+                                                                                              f"before ({before})")
         print(f"| {name} | {b:.2f} | {m:.2f} | {s:.2f} | {b - s:.2f} |")
     if "before" in net:
         print(f"Python per observe: now / before = {net['now'] / net['before']:.2f}x")

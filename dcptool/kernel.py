@@ -165,3 +165,24 @@ def snapshot_dispatch(raw_stream: int, slot: int):
     """One snapshot launch through Triton's dispatch (on the current stream: raw_stream is that stream);
     returns the compiled kernel, whose launcher record.py then calls directly."""
     return _triton().snapshot_kernel[(1,)](slot, num_warps=SNAP_WARPS)
+
+
+def snapshot_args_kernel():
+    """The snapshot kernel for the engine's common case: sections 0-2 of the slot (seq_lens,
+    dcp_local_seq_lens, query_start_loc) contiguous int32 device tensors or absent, the rest absent. The
+    header comes as twelve arguments (slot, seqno, num_reqs, num_reqs_padded, K | negative-value flags << 16,
+    words, then address and count of each of the three) and the kernel writes it into the slot itself: the
+    same slot as snapshot_kernel's, without the GPU's read of the header from host memory before the copy
+    and without the CPU's write of it."""
+    return _triton().snapshot_args_kernel
+
+
+def snapshot_args_dispatch(raw_stream: int, *args):
+    """One launch of snapshot_args_kernel through Triton's dispatch (on the current stream); returns the
+    compiled kernel."""
+    k = _triton()
+    if interpreted() and 0 in args[6::2]:
+        # the interpreter types a 0 argument int32 whatever the annotation and cannot make it a pointer (an
+        # empty tensor's address is 0): any readable address, none of it is read (count 0 or -1)
+        args = (*args[:6], *(a or args[0] if i % 2 == 0 else a for i, a in enumerate(args[6:])))
+    return k.snapshot_args_kernel[(1,)](*args, num_warps=SNAP_WARPS)

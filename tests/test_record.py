@@ -393,6 +393,10 @@ def test_the_direct_launch_passes_what_tritons_launcher_passes(monkeypatch):
     R._compiled_launch(ck)(0x5EED, 0xAB00)
     go(0x5EED, 0xAB00)
     assert len(seen) == 2 and seen[0] == seen[1]
+    args = (0xAB00, 7, 250, 256, 9 | R._FAST_NEG, 816, 0xC000, 256, 0xD004, 256, 0xE000, 257)  # snapshot_args_kernel
+    R._compiled_launch(ck, variadic=True)(0x5EED, *args)
+    R._direct_launch(ck, variadic=True)(0x5EED, *args)
+    assert len(seen) == 4 and seen[2] == seen[3] and seen[2] != seen[0]
     other = types.SimpleNamespace(run=types.SimpleNamespace(launch=print), function=1, packed_metadata=(4, 1, 0))
     assert R._direct_launch(other) is None  # a wrapper it does not know: the compiled launcher is used as it is
 
@@ -804,3 +808,185 @@ def test_device_path_carries_slot_entries(tmp_path):
     da, db = read_dump(tmp_path / "a.safetensors"), read_dump(tmp_path / "b.safetensors")
     for k in ("obs.slots", "rows.positions", "rows.slot_mapping", "rows.slot_group", "rows.seq_lens"):
         assert np.array_equal(da[k], db[k]), k
+
+
+# --------------------------------------------------------------------------------------------
+# observe()'s fast path (issue 13 item 4): the engine's call, the header as kernel arguments
+
+def _launch_args(seq, dcp, qsl, seqno: int = 41, nr: int = 3, nrp: int = 5, pad: int = 64):
+    """snapshot_args_kernel on seq/dcp/qsl (tensors, or None: absent) into a fresh ring filled with -7, as
+    observe()'s fast path launches it; returns the ring's words (numpy) and the slot's words."""
+    from dcptool.kernel import snapshot_args_dispatch
+
+    k = len(R.SECTIONS)
+    words = (R.FIXED + R.ENTRY * k + sum(t.numel() for t in (seq, dcp, qsl) if t is not None) + 7) & ~7
+    ring = torch.full((words + R.HEAD_READ + pad,), -7, dtype=torch.int32, device=_kernel_device())
+    args = []
+    for t in (seq, dcp, qsl):
+        args += (ring.data_ptr(), -1) if t is None else (t.data_ptr(), t.numel())
+    snapshot_args_dispatch(0, ring.data_ptr(), seqno, nr, nrp, k | R._FAST_NEG, words, *args)
+    return ring.cpu().numpy(), words
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("n", [0, 1, 300, 513])
+def test_the_args_kernel_writes_the_slot_the_descriptor_kernel_writes(n):
+    """The fast path's kernel takes the header as arguments and writes it itself: word for word the slot that
+    the CPU's header and snapshot_kernel make (header, rows, flags, done; nothing past the slot), with any
+    of the three sections absent, for lengths around the kernel's block (empty sections: the same but for
+    the address words, which the interpreter cannot take as 0)."""
+    dev = _kernel_device()
+    g = torch.Generator().manual_seed(n)
+    base = torch.randint(0, 1 << 30, (n + 1,), generator=g, dtype=torch.int32).to(dev)
+    seq = base[1:]  # unaligned
+    dcp = torch.randint(-5, 1 << 20, (n,), generator=g, dtype=torch.int32).to(dev)  # negatives allowed here
+    qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
+    for secs in ((seq, dcp, qsl), (seq, None, qsl), (seq, dcp, None), (seq, None, None)):
+        got, words = _launch_args(*secs, seqno=n + 3)
+        flags = [(t, k == 0) for k, t in enumerate(secs)] + [(None, False)] * (len(R.SECTIONS) - 3)
+        want, want_words = _launch_slot(flags, seqno=n + 3)
+        if n == 0:
+            addr = R.FIXED + R.ENTRY * np.arange(3)[:, None] + np.arange(2)
+            got[addr], want[addr] = 0, 0
+        assert words == want_words and np.array_equal(got, want), [t is None for t in secs]
+        assert got[1] == n + 3 and got[5] == 0
+
+
+@pytest.mark.kernel
+def test_the_args_kernel_flags_like_the_descriptor_kernel():
+    dev = _kernel_device()
+    ok = torch.arange(1, 9, dtype=torch.int32, device=dev)
+    neg = torch.tensor([4, -1, 3, 2, 1, 0, 5, 6], dtype=torch.int32, device=dev)
+    assert _launch_args(neg, ok, None)[0][5] == 2  # a negative seq_len: bit 1
+    assert _launch_args(ok, neg, torch.full((9,), -3, dtype=torch.int32, device=dev))[0][5] == 0  # allowed there
+
+
+@hostring
+@pytest.mark.kernel
+def test_the_fast_launch_is_checked_before_use():
+    """_fast_launch proves a launch way on known values before observe() uses it (none here: the interpreter
+    has no compiled launcher, and through the dispatch the general path costs less); a launch that passes
+    one argument wrong fails the check (and so is never used)."""
+    from dcptool.kernel import snapshot_args_dispatch
+
+    ring = R._SnapshotRing(4096, None)
+    go, how = R._fast_launch(ring)
+    assert go is None and how.startswith("none, the general path instead (the launcher's C entry: ")
+    go = snapshot_args_dispatch
+    R._self_check_args(ring, go)
+    with pytest.raises(RuntimeError, match="self-check wrote"):
+        R._self_check_args(ring, lambda raw, at, *a: go(raw, at, *a[:-1], a[-1] - 1))  # qsl one value short
+
+
+def _engine_kw(i: int, seq, dcp, qsl) -> dict:
+    return dict(step=i // 4, site="attn_metadata", rank=i % 2, seq_lens=seq, num_reqs=seq.numel() - 1,
+                num_reqs_padded=seq.numel(), dcp_local_seq_lens=dcp, query_start_loc=qsl)
+
+
+@hostring
+@pytest.mark.kernel
+def test_the_engines_call_takes_the_fast_path_and_records_the_same(tmp_path, monkeypatch):
+    """What an engine passes each step (seq_lens, dcp_local_seq_lens, query_start_loc as int32 device
+    tensors, or query_start_loc as numpy: the vLLM plugin's form) goes through observe()'s fast path
+    after the first observation at a site (the general path checks and remembers the site name); the
+    file equals the host path's, buffer ids included."""
+    calls = []
+    general = Recorder._observe_device
+    monkeypatch.setattr(Recorder, "_observe_device", lambda self, *a: calls.append(a[1]) or general(self, *a))
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2)
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2)
+    b._use_host_ring()
+    rng = np.random.default_rng(7)
+    store = torch.zeros(1024, dtype=torch.int32)  # a persistent buffer the engine hands out views of
+    for i in range(40):
+        rows = int(rng.integers(1, 300))
+        seq = torch.from_numpy(rng.integers(0, 1 << 20, rows).astype(np.int32))
+        store[8:8 + rows] = seq // 2
+        q = np.concatenate([[0], np.cumsum(rng.integers(0, 3, rows))]).astype(np.int32)
+        kw = _engine_kw(i, seq, store[8:8 + rows], q if i % 2 else torch.from_numpy(q))
+        assert a.observe(**kw) == b.observe(**kw) == i
+    fa, fb = a.close(), b.close()
+    assert calls == ["attn_metadata"] and a.dropped == b.dropped == 0
+    ca, cb = _columns(fa), _columns(fb)
+    assert sorted(ca) == sorted(cb) and all(np.array_equal(ca[k], cb[k]) for k in ca)
+
+
+@hostring
+@pytest.mark.kernel
+def test_what_the_fast_path_does_not_take_goes_the_general_way(tmp_path, monkeypatch):
+    """Anything but the engine's plain call (int64 or strided views, another row column, a numpy scalar, a
+    graph mode by name) leaves the fast path: the same file as the host path, and the general path saw
+    each of them."""
+    calls = []
+    general = Recorder._observe_device
+    monkeypatch.setattr(Recorder, "_observe_device", lambda self, *a: calls.append(a[1]) or general(self, *a))
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16)
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16)
+    b._use_host_ring()
+    seq = torch.arange(1, 9, dtype=torch.int32)
+    kw = _engine_kw(0, seq, seq // 2, torch.arange(9, dtype=torch.int32))
+    odd = [dict(seq_lens=seq.long()), dict(dcp_local_seq_lens=torch.arange(16, dtype=torch.int32)[::2]),
+           dict(kv_pages=seq), dict(step=np.int64(3)), dict(graph="replay"), dict(ubatch=np.int32(0)),
+           dict(query_start_loc=torch.arange(9))]
+    # (a query_start_loc that does not cover the rows stays on the fast path: not recorded, as on the host)
+    for i, extra in enumerate([{}, *odd, {}, dict(query_start_loc=seq)]):
+        assert a.observe(**{**kw, **extra}) == b.observe(**{**kw, **extra}) == i
+    fa, fb = a.close(), b.close()
+    assert len(calls) == 1 + len(odd) and a.dropped == b.dropped == 0
+    ca, cb = _columns(fa), _columns(fb)
+    assert sorted(ca) == sorted(cb) and all(np.array_equal(ca[k], cb[k]) for k in ca)
+
+
+@hostring
+@pytest.mark.kernel
+def test_the_fast_path_drops_and_skips_what_the_general_path_does(tmp_path):
+    rec = Recorder(tmp_path / "d.safetensors", dcp_size=2)
+    rec._use_host_ring()
+    seq = torch.arange(1, 9, dtype=torch.int32)
+    kw = _engine_kw(0, seq, seq // 2, torch.arange(9, dtype=torch.int32))
+    assert rec.observe(**kw) == 0
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        got = [rec.observe(**{**kw, **bad}) for bad in (dict(rank=2), dict(parent=1), dict(num_reqs=9),
+                                                          dict(num_reqs_padded=2**31), dict(step=2**63),
+                                                          dict(tok_start=-2), dict(graph=4))]
+    assert got == [-1] * 7 and rec.dropped == 7
+    rec._capturing = lambda: True
+    assert rec.observe(**kw) == -1 and rec.skipped_capture == 1
+    rec._capturing = lambda: False
+    assert rec.observe(**{**kw, "parent": 0}) == 1
+    rec.close()
+    assert rec.observe(**kw) == -1 and rec.dropped == 8  # after close()
+    d = read_dump(tmp_path / "d.safetensors")
+    assert d.n == 2 and d["obs.parent"].tolist() == [-1, 0] and d.seq_lens_of(1).tolist() == list(range(1, 9))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_fast_path_launches_through_a_checked_launcher_and_records_what_sync_records(tmp_path, monkeypatch):
+    """On a GPU the engine's call takes the fast path (snapshot_args_kernel through the launcher's C entry or
+    the compiled launcher, checked at start) without synchronising, and the file equals cuda_mode="sync"'s."""
+    calls = []
+    general = Recorder._observe_device
+    monkeypatch.setattr(Recorder, "_observe_device", lambda self, *a: calls.append(a[1]) or general(self, *a))
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, cuda_mode="sync")
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2)  # (a ring that never fills: no wait to synchronise)
+    rng = np.random.default_rng(11)
+    store = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    for i in range(300):
+        rows = int(rng.integers(1, 300))
+        seq = torch.from_numpy(rng.integers(0, 1 << 20, rows).astype(np.int32)).cuda()
+        store[8:8 + rows] = seq // 2
+        q = np.concatenate([[0], np.cumsum(rng.integers(0, 3, rows))]).astype(np.int32)
+        kw = _engine_kw(i, seq, store[8:8 + rows], q if i % 2 else torch.from_numpy(q).cuda())
+        if i == 1:
+            torch.cuda.set_sync_debug_mode("error")  # from here on, any synchronising torch call raises
+        try:
+            got_b = b.observe(**kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert a.observe(**kw) == got_b == i
+    assert b._ring.go3 is not None and b._ring.how3 in ("the launcher's C entry", "Triton's compiled launcher")
+    fa, fb = a.close(), b.close()
+    assert calls == ["attn_metadata"] and a.dropped == b.dropped == 0
+    ca, cb = _columns(fa), _columns(fb)
+    assert sorted(ca) == sorted(cb) and all(np.array_equal(ca[k], cb[k]) for k in ca)
