@@ -13,6 +13,7 @@ rank, micro-batch) is a field that renderers compose (Finding.where, Finding.mes
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -1192,7 +1193,7 @@ class _SlotMembers(NamedTuple):
     writes: np.ndarray
 
 
-def _slot_pass(d: Dump, issues: bool = True, members: bool = True) -> tuple[list[Issue], _SlotMembers | None]:
+def _slot_pass(d: Dump, members: bool = True) -> tuple[list[Issue], _SlotMembers | None]:
     """One pass over the slot entries in chunks of about SLOT_CHUNK entries (whole observations; memory
     bounded by the chunk, not the dump): check_slots' findings, and slot-partition's members (per run
     summaries) from the same reads. Each chunk is screened (_slot_screen); only the observations with a
@@ -1233,7 +1234,7 @@ def _slot_pass(d: Dump, issues: bool = True, members: bool = True) -> tuple[list
             sus = np.flatnonzero(cnt)
             quiet = writes = np.zeros(start.size, bool)
             first, span = offs[lo + run_obs], cnt[run_obs]
-        if issues and sus.size:
+        if sus.size:
             if sus.size < cs.size:
                 e = ragged(cs[sus] - cnt[sus], cnt[sus])[2]
                 grp0, pos, slot = grp0[e], pos[e], slot[e]
@@ -1247,15 +1248,42 @@ def _slot_pass(d: Dump, issues: bool = True, members: bool = True) -> tuple[list
     return out, _SlotMembers(*(np.concatenate(x) for x in zip(*parts)))
 
 
-# check_slots' run summaries for check_slot_partition (replay calls one after the other on the same dump: one
-# read of the entries serves both): (weak reference to the dump, what the summaries were made from, them)
-_LAST_MEMBERS: list = []
+# One pass serves both slot rules: whichever of check_slots / check_slot_partition comes first on a dump computes
+# check_slots' findings and slot-partition's members; the other takes them (replay runs the two on two threads
+# at once: it waits for the first). A part asked for a second time, or columns changed since, computes afresh.
 _SLOT_KEYS = ("obs.slots", "rows.positions", "rows.slot_mapping", "rows.slot_group", "obs.rank", "obs.qsl",
               "obs.num_reqs", "rows.query_start_loc")
 
 
-def _members_key(d: Dump) -> tuple:
-    return (SLOT_CHUNK, id(d.config), d.n) + tuple(id(d.columns.get(k)) for k in _SLOT_KEYS)
+class _SlotShared:
+    def __init__(self, d: Dump) -> None:
+        self.ref = weakref.ref(d)
+        self.lock = threading.Lock()
+        self.key: tuple | None = None
+        self.result: tuple[list[Issue], _SlotMembers | None] = ([], None)
+        self.taken: set[int] = set()
+
+
+_SHARED: dict[int, _SlotShared] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_pass(d: Dump, part: int):
+    """Part 0 (check_slots' findings) or 1 (slot-partition's members) of the dump's one pass."""
+    with _SHARED_LOCK:
+        s = _SHARED.get(id(d))
+        if s is None or s.ref() is not d:
+            s = _SHARED[id(d)] = _SlotShared(d)
+            weakref.finalize(d, _SHARED.pop, id(d), None)
+    with s.lock:
+        key = (SLOT_CHUNK, id(d.config), d.n) + tuple(id(d.columns.get(k)) for k in _SLOT_KEYS)
+        if s.key != key or part in s.taken:
+            s.result, s.key, s.taken = _slot_pass(d), key, set()
+        s.taken.add(part)
+        out = s.result[part]
+        if len(s.taken) == 2:  # both given out: nothing left to keep
+            s.result, s.key = ([], None), None
+        return out
 
 
 def check_slots(d: Dump) -> list[Issue]:
@@ -1264,11 +1292,10 @@ def check_slots(d: Dump) -> list[Issue]:
     group, writes a slot (unless the build writes nothing at all); where the group's block size is known, a
     slot sits at vLLM's local block offset; no two tokens of one build write the same slot.
 
-    One pass in chunks (_slot_pass); slot-partition's members are kept for check_slot_partition on the
-    same dump (until it takes them)."""
-    out, m = _slot_pass(d, members=d.config.dcp_size > 1)
-    _LAST_MEMBERS[:] = [] if m is None else [(weakref.ref(d), _members_key(d), m)]
-    return out
+    One screened pass in chunks (_slot_pass), shared with check_slot_partition on the same dump."""
+    if d.config.dcp_size == 1:  # (no slot-partition to share the pass with)
+        return _slot_pass(d, members=False)[0]
+    return _shared_pass(d, 0)
 
 
 def _slot_findings(d: Dump, oid: np.ndarray, cnt: np.ndarray, grp: np.ndarray, pos: np.ndarray,
@@ -1420,14 +1447,7 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     offs = d["obs.slots"]
     if N == 1 or d.n == 0 or int(offs[-1]) == 0:
         return []
-    m = None
-    if _LAST_MEMBERS:  # check_slots' summaries of this very dump (taken: used once)
-        (ref, key, m), = _LAST_MEMBERS
-        _LAST_MEMBERS.clear()
-        if ref() is not d or key != _members_key(d):
-            m = None
-    if m is None:
-        m = _slot_pass(d, issues=False)[1]
+    m = _shared_pass(d, 1)
     if m is None or m.obs.size == 0:
         return []
     m_obs, m_grp, m_real, m_first, m_span, m_len = m.obs, m.grp, m.real, m.first, m.span, m.length

@@ -1025,3 +1025,25 @@ def test_slot_partition_reads_clean_sets_once_and_takes_check_slots_summaries(tm
     f.columns["rows.slot_mapping"] = np.full(f["rows.slot_mapping"].size, -1, np.int32)
     assert R.check_slot_partition(f) == old_check_slot_partition(f) == []  # columns replaced: read again
 
+
+def test_slot_rules_share_one_pass_in_either_order_and_on_two_threads(tmp_path, monkeypatch):
+    """replay runs check_slots and check_slot_partition on two threads at once: one pass serves both (the
+    second waits for the first), in either order, with the findings of the reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from slot_reference import old_check_slot_partition, old_check_slots
+
+    import dcptool.rules as R
+
+    d = random_slot_dump(tmp_path / "s.safetensors", np.random.default_rng(21), 80, 4, 2)
+    want = old_check_slots(d), old_check_slot_partition(d)
+    passes = []
+    real = R._slot_pass
+    monkeypatch.setattr(R, "_slot_pass", lambda *a, **k: passes.append(1) or real(*a, **k))
+    assert (R.check_slot_partition(d), R.check_slots(d)) == want[::-1] and len(passes) == 1
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(6):
+            a, b = pool.submit(R.check_slots, d), pool.submit(R.check_slot_partition, d)
+            assert (a.result(), b.result()) == want
+    assert len(passes) == 7
+
