@@ -1135,7 +1135,7 @@ def _slot_screen(pos: np.ndarray, slot: np.ndarray, start: np.ndarray, run_len: 
     else:
         clean &= ~writes | (w_real == nr)
     if n and int(np.minimum.reduce(slot)) < -1:
-        clean[np.searchsorted(start, np.flatnonzero(slot < -1), "right") - 1] = False
+        clean &= ~np.logical_or.reduceat(slot < -1, start)
     suspect = ~clean
     # vLLM's offset of position p in a block of B is congruent mod B to f(p) = p in a replicated group and to
     # (p // (I N)) * I + p % I in a sharded one, so a slot at the right offset has (slot - f(p)) % B == 0
@@ -1162,9 +1162,14 @@ def _slot_screen(pos: np.ndarray, slot: np.ndarray, start: np.ndarray, run_len: 
             f &= np.repeat(np.where(known, r_bs - 1, 0).astype(np.uint16), run_len)
         off = f != 0
         off &= w
-        suspect[np.searchsorted(start, np.flatnonzero(off), "right") - 1] = True
-    # duplicates: the written slots of a run split into strictly increasing segments (one per request in a
-    # typical build); segments whose value ranges do not overlap cannot share a slot
+        suspect |= np.logical_or.reduceat(off, start)
+    # duplicates (in the runs not suspect already): the written slots of a run split into strictly increasing
+    # segments (one per request in a typical build); segments whose value ranges do not overlap share no slot
+    if suspect.all():
+        return _SlotScreen(clean, suspect, writes)
+    if suspect.any():
+        np.logical_and(w, np.repeat(~suspect, run_len), out=w)
+        cw = _true_before(wpad, pts)
     sc = slot[w]
     if sc.size > 1:
         cut = np.flatnonzero(sc[1:] <= sc[:-1]) + 1
@@ -1235,10 +1240,11 @@ def _slot_pass(d: Dump, members: bool = True) -> tuple[list[Issue], _SlotMembers
             quiet = writes = np.zeros(start.size, bool)
             first, span = offs[lo + run_obs], cnt[run_obs]
         if sus.size:
-            if sus.size < cs.size:
+            if 2 * sus.size < cs.size:  # (else the whole chunk: clean observations give no finding there either)
                 e = ragged(cs[sus] - cnt[sus], cnt[sus])[2]
-                grp0, pos, slot = grp0[e], pos[e], slot[e]
-            out += _slot_findings(d, lo + sus, cnt[sus], grp0, pos, slot, real_tokens)
+                out += _slot_findings(d, lo + sus, cnt[sus], grp0[e], pos[e], slot[e], real_tokens)
+            else:
+                out += _slot_findings(d, lo + np.arange(cnt.size), cnt, grp0, pos, slot, real_tokens)
         if members and N > 1:
             k = np.flatnonzero(r_sh)
             parts.append((lo + run_obs[k], grp[start[k]].astype(np.int64), r_real[k], first[k], span[k],
