@@ -1122,6 +1122,8 @@ def _slot_screen(pos: np.ndarray, slot: np.ndarray, start: np.ndarray, run_len: 
     # low 16 bits of position and slot only: work on those (uint16, a quarter of the memory traffic)
     lo16 = (sys.byteorder == "little" and _pow2(N) and _pow2(I_) and _pow2(r_bs[known])
             and int(r_bs[known].max(initial=1)) * N * I_ <= 1 << 16)
+    if lo16:
+        pos, slot = np.ascontiguousarray(pos), np.ascontiguousarray(slot)  # (views of int32 as uint16 pairs)
     p = pos.view(np.uint16)[::2].copy() if lo16 else pos.astype(np.int64)
     if sh.any():
         own = np.bitwise_and(p >> _log2(I_) if I_ > 1 else p, N - 1) if lo16 else p // I_ % N
@@ -1136,7 +1138,7 @@ def _slot_screen(pos: np.ndarray, slot: np.ndarray, start: np.ndarray, run_len: 
         clean &= ~writes | (w_real == nr)
     if n and int(np.minimum.reduce(slot)) < -1:
         clean &= ~np.logical_or.reduceat(slot < -1, start)
-    suspect = ~clean
+    suspect = ~clean | (r_rank < 0) | (r_rank >= N)  # (a rank out of range: compared on its low bits below)
     # vLLM's offset of position p in a block of B is congruent mod B to f(p) = p in a replicated group and to
     # (p // (I N)) * I + p % I in a sharded one, so a slot at the right offset has (slot - f(p)) % B == 0
     # (uint16 arithmetic wraps modulo 2**16, which keeps residues modulo a power of two <= 2**16)
