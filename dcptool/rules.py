@@ -1446,10 +1446,11 @@ def check_slot_partition(d: Dump) -> list[Issue]:
     written by none at its owner (so the finding sits where the write went wrong). Sets whose ranks write
     nothing at all (dummy runs, capture) are not asked to.
 
-    Bounded memory: the (observation, group) runs are summarised in chunks first, the sets formed from the
-    summaries, then the entries of about SLOT_CHUNK entries' worth of whole sets gathered at a time (a set's
-    members can lie far apart in the file); per token a bincount, no sort. A finding keeps its first
-    _SLOT_CAP positions of each kind and the counts."""
+    Bounded memory: the (observation, group) runs are summarised in chunks first (by the pass check_slots
+    shares, _slot_pass), the sets formed from the summaries; a set whose members the screen found clean has
+    no finding (below), the others' entries are gathered about SLOT_CHUNK entries' worth of whole sets at a
+    time (a set's members can lie far apart in the file); per token a bincount, no sort. A finding keeps its
+    first _SLOT_CAP positions of each kind and the counts."""
     c = d.config
     N, I_ = c.dcp_size, c.cp_interleave
     offs = d["obs.slots"]
