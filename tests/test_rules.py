@@ -1047,3 +1047,17 @@ def test_slot_rules_share_one_pass_in_either_order_and_on_two_threads(tmp_path, 
             assert (a.result(), b.result()) == want
     assert len(passes) == 7
 
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1000, 4099])
+def test_true_before_counts_like_a_cumsum(rng, n):
+    """The screen's per-run counts (8 bools summed per 64-bit word): runs of every length, starts in any
+    byte of a word, repeated starts, the padding past n."""
+    from dcptool.rules import _true_before
+
+    for density in (0.0, 0.3, 1.0):
+        wpad = np.zeros((n // 8 + 1) * 8, bool)
+        wpad[:n] = rng.random(n) < density
+        start = np.unique(np.r_[0, rng.integers(0, n + 1, 40), n])
+        start = np.sort(np.r_[start, start[: 3]])  # (repeats)
+        assert (_true_before(wpad, start) == np.r_[0, np.cumsum(wpad[:n])][start]).all()
+
