@@ -1178,14 +1178,18 @@ def _slot_screen(pos: np.ndarray, slot: np.ndarray, start: np.ndarray, run_len: 
         if cut.size:
             rs = cw[:-1:2]  # each run's first written entry in sc
             seg = _merged(rs[rs < sc.size], cut)  # (the runs' starts and the cuts)
-            s_run = np.searchsorted(rs, seg, "right") - 1
-            s_lo, s_hi = sc[seg], sc[np.append(seg[1:], sc.size) - 1]
-            o = np.lexsort((s_lo, s_run))
-            s_run, s_lo = s_run[o], s_lo[o]
-            top = np.maximum.accumulate(s_run.astype(np.int64) << 32 | s_hi[o])  # highest slot so far in the run
-            over = (s_run[1:] == s_run[:-1]) & (s_lo[1:] <= (top[:-1] & 0xFFFFFFFF))
-            suspect[s_run[1:][over]] = True
+            suspect[_overlapping(sc, seg, np.searchsorted(rs, seg, "right") - 1)] = True
     return _SlotScreen(clean, suspect, writes)
+
+
+def _overlapping(sc: np.ndarray, seg: np.ndarray, s_run: np.ndarray) -> np.ndarray:
+    """Written slots `sc` (0 <= slot < 2**31) in strictly increasing segments starting at `seg`, of runs `s_run`:
+    the runs two of whose segments' value ranges overlap (the others cannot write a slot twice)."""
+    s_lo, s_hi = sc[seg], sc[np.append(seg[1:], sc.size) - 1]
+    o = np.lexsort((s_lo, s_run))
+    s_run, s_lo = s_run[o], s_lo[o]
+    top = np.maximum.accumulate(s_run.astype(np.int64) << 32 | s_hi[o])  # highest slot so far in the run
+    return s_run[1:][(s_run[1:] == s_run[:-1]) & (s_lo[1:] <= (top[:-1] & 0xFFFFFFFF))]
 
 
 class _SlotMembers(NamedTuple):
