@@ -7,9 +7,12 @@
     python benchmarks/bench_coverage.py --slots --dump x.safetensors
 
 --slots: on a dense recording (DCP 8, 3000 steps, fixed pipeline: 99,008 observations, 86 million slot
-entries, 1.1 GB) prints each slot check's time, old (the whole-column implementation, kept in
-tests/slot_reference.py) vs new, that they agree, and per variant a replay in a fresh process: load time,
-replay time, replay/load ratio and its peak RSS against the dump's size.
+entries, 1.1 GB) prints each slot check's time, old (the whole-column implementation), chunked (main d07e667's,
+before the screen; both kept in tests/slot_reference.py) and new, that they agree, and per variant a replay
+in a fresh process: load time, replay time, replay/load ratio and its peak RSS against the dump's size.
+The new check_slots computes slot-partition's members in the same pass, so "both" is the figure to compare.
+
+    python benchmarks/bench_coverage.py --slots --no-old --dump bench-data/legacy-dcp8-3000.safetensors
 
 Prints the replay time with and without the three checks (best of 5, same process, same dump) and their
 ratio, then each check's own time. The dump records dcp_query_start_loc and the global companion on every
@@ -52,6 +55,7 @@ def main() -> None:
     ap.add_argument("--inject", default="", help="--slots: faults to inject (simulate's --inject)")
     ap.add_argument("--dump", help="--slots: this recording instead of a simulated one")
     ap.add_argument("--no-old-replay", action="store_true", help="--slots: skip the old replay (~1 min, 16 GB)")
+    ap.add_argument("--no-old", action="store_true", help="--slots: skip the whole-column variant altogether")
     a = ap.parse_args()
     if a.slots:
         return slots(a)
@@ -79,9 +83,10 @@ import json, resource, sys, time
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 import dcptool.replay as R
 from dcptool.dump import open_dumps
-if {old!r}:
+if {variant!r} != "new":
     import slot_reference as ref
-    R.check_slots, R.check_slot_partition = ref.old_check_slots, ref.old_check_slot_partition
+    R.check_slots = getattr(ref, {variant!r} + "_check_slots")
+    R.check_slot_partition = getattr(ref, {variant!r} + "_check_slot_partition")
 t0 = time.perf_counter(); d = open_dumps([{path!r}]); t1 = time.perf_counter()
 res = R.replay(d, {backend!r}); t2 = time.perf_counter()
 # VmHWM: this process's own peak (ru_maxrss also counts the parent's RSS at fork: Linux keeps it over exec)
@@ -110,23 +115,26 @@ def slots(a) -> None:
         size = os.path.getsize(path)
         d = open_dumps([path])
         print(f"{d.n} observations, {int(d['obs.slots'][-1])} slot entries, {size / 2**30:.2f} GiB")
-        tot = {"old": 0.0, "new": 0.0}
-        for name in ("check_slots", "check_slot_partition"):
-            t0 = time.perf_counter()
-            new = getattr(R, name)(d)
-            t1 = time.perf_counter()
-            old = getattr(ref, "old_" + name)(d)
-            t2 = time.perf_counter()
-            tot["new"] += t1 - t0
-            tot["old"] += t2 - t1
-            print(f"  {name}: old {t2 - t1:.2f} s, new {t1 - t0:.2f} s (ratio {(t2 - t1) / (t1 - t0):.1f}), "
-                  f"{len(new)} findings, {'same' if new == old else 'DIFFERENT'} as old")
-        print(f"  both: old {tot['old']:.2f} s, new {tot['new']:.2f} s")
-        del d
-        for variant in ("old", "new"):
+        variants = ("chunked", "new") if a.no_old else ("old", "chunked", "new")
+        impl = {v: (getattr(ref, v + "_check_slots"), getattr(ref, v + "_check_slot_partition")) for v in variants[:-1]}
+        impl["new"] = (R.check_slots, R.check_slot_partition)
+        tot = dict.fromkeys(variants, 0.0)
+        got = {}
+        for v in variants:
+            for k, name in enumerate(("check_slots", "check_slot_partition")):
+                t0 = time.perf_counter()
+                got[v, k] = impl[v][k](d)
+                tot[v] += (dt := time.perf_counter() - t0)
+                print(f"  {v} {name}: {dt:.2f} s, {len(got[v, k])} findings")
+        for v in variants[:-1]:
+            same = all(got[v, k] == got["new", k] for k in (0, 1))
+            print(f"  both: {v} {tot[v]:.2f} s, new {tot['new']:.2f} s (ratio {tot[v] / tot['new']:.1f}), "
+                  f"{'same' if same else 'DIFFERENT'} findings")
+        del d, got
+        for variant in variants:
             if variant == "old" and a.no_old_replay:
                 continue
-            code = _REPLAY.format(root=str(ROOT), tests=str(ROOT / "tests"), old=variant == "old", path=path,
+            code = _REPLAY.format(root=str(ROOT), tests=str(ROOT / "tests"), variant=variant, path=path,
                                   backend=a.backend)
             r = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                           check=True).stdout.strip().splitlines()[-1])

@@ -756,11 +756,13 @@ def test_slots_skipped_without_columns_and_group_defaults(tmp_path):
 KV3 = (KVGroup("attn", True, 16), KVGroup("mamba", False, 16), KVGroup("big", True, 32))
 
 
-def random_slot_dump(path, rng, batches, N, I_, kv=KV3, bounded=None):
+def random_slot_dump(path, rng, batches, N, I_, kv=KV3, bounded=None, faulty=0.6, dup=0.3, reorder=0.1,
+                     noqsl=0.2):
     """`batches` batches on (mostly) every rank, observations shuffled so a set's members lie far apart: real
     token counts 0, 1, 127, 128, 129, 1000+, padding, dummy builds, with wrong entries of every kind (padded
-    writes, bad values, non-owners, missing owners, wrong offsets, duplicates), groups sometimes out of order
-    or interleaved, query_start_loc sometimes not recorded."""
+    writes, bad values, non-owners, missing owners, wrong offsets, duplicates: in a `faulty` / `dup` share of
+    the builds), groups sometimes (`reorder`) out of order or interleaved, query_start_loc sometimes (`noqsl`)
+    not recorded."""
     groups = [(True, 0)] if kv is None else [(g.dcp, g.block_size or 0) for g in kv]
     per = []  # (step, rank, nreq, qsl or None, [(group, pos, slot)])
     for b in range(batches):
@@ -791,19 +793,19 @@ def random_slot_dump(path, rng, batches, N, I_, kv=KV3, bounded=None):
                 slot[T:] = -1
                 if dummy:
                     slot[:] = -1
-                if rng.random() < 0.6:
+                if rng.random() < faulty:
                     k = rng.random(ntp)
                     slot[k < 0.004] = -1  # owner missing
                     slot[(k > 0.996)] = slot[k > 0.996] + 1  # wrong offset (or a -1 turned 0: a non-owner writes)
                     hit = rng.random(ntp) < 0.003
                     slot[hit] = rng.choice([-7, 5, 123456])  # bad value, stray writes
                 w = np.flatnonzero(slot[:T] >= 0)
-                if w.size > 1 and rng.random() < 0.3:  # a duplicate: a later token at the same block offset
+                if w.size > 1 and rng.random() < dup:  # a duplicate: a later token at the same block offset
                     same = w[1:][(local[w[1:]] - local[w[0]]) % Bv == 0]
                     if same.size:
                         slot[same[-1]] = slot[w[0]]
                 ents.append((g, pos, slot))
-            per.append((b // 2, r, nreq, qsl if rng.random() < 0.8 else None, ents))
+            per.append((b // 2, r, nreq, qsl if rng.random() < 1 - noqsl else None, ents))
     order = rng.permutation(len(per))
     cols = {k: [] for k in ("step", "rank", "nreq", "qsl", "cnt", "pos", "slot", "grp")}
     for i in order:
@@ -811,7 +813,7 @@ def random_slot_dump(path, rng, batches, N, I_, kv=KV3, bounded=None):
         g = np.concatenate([np.full(p.size, gi, np.int32) for gi, p, _ in ents] + [np.zeros(0, np.int32)])
         p = np.concatenate([p for _, p, _ in ents] + [np.zeros(0, np.int64)])
         s = np.concatenate([s for _, _, s in ents] + [np.zeros(0, np.int64)])
-        if g.size and rng.random() < 0.1:  # groups out of the Recorder's order: reversed, or interleaved
+        if g.size and rng.random() < reorder:  # groups out of the Recorder's order: reversed, or interleaved
             o = np.argsort(-g, kind="stable") if rng.random() < 0.5 else np.argsort(rng.random(g.size) < 0.5,
                                                                                     kind="stable")
             g, p, s = g[o], p[o], s[o]
@@ -939,3 +941,152 @@ def test_slot_partition_many_wrong_entries_per_member_equal_the_reference(tmp_pa
     for chunk in (7, 1 << 22):
         monkeypatch.setattr(R, "SLOT_CHUNK", chunk)
         assert (R.check_slots(d), R.check_slot_partition(d)) == want
+
+
+# issue 16 (performance): a screen of cheap whole-chunk passes picks the runs that can have a finding; only
+# their observations get the exact work, only sets with such a member slot-partition's second read
+
+KV_ODD = (KVGroup("attn", True, 24), KVGroup("mamba", False, 12), KVGroup("big", True, 1 << 14))  # (no lo16)
+
+
+@pytest.mark.parametrize("seed,N,I_,kv", [(10, 4, 1, KV3), (11, 8, 4, KV3), (12, 3, 2, KV3), (13, 2, 1, None),
+                                          (14, 8, 1, KV_ODD), (15, 4, 2, KV_ODD), (16, 1, 1, KV3)])
+def test_slot_screen_misses_no_rare_fault_equal_to_both_references(tmp_path, monkeypatch, seed, N, I_, kv):
+    """Mostly clean builds with a rare wrong entry of each kind (so most runs pass the screen and a missed one
+    would show): the findings of the whole-column and the chunked reference, at several chunk sizes; block
+    sizes that are no power of two or too big for the uint16 fast path (KV_ODD) take the int64 path."""
+    from slot_reference import (
+        chunked_check_slot_partition,
+        chunked_check_slots,
+        old_check_slot_partition,
+        old_check_slots,
+    )
+
+    import dcptool.rules as R
+
+    rng = np.random.default_rng(seed)
+    d = random_slot_dump(tmp_path / "s.safetensors", rng, 160, N, I_, kv, faulty=0.04, dup=0.03, reorder=0.02,
+                         noqsl=0.01)
+    want = old_check_slots(d), old_check_slot_partition(d)
+    assert (chunked_check_slots(d), chunked_check_slot_partition(d)) == want
+    assert 0 < len(want[0]) < d.n // 2  # most observations clean, some not
+    for chunk in (1, 64, 1000, 1 << 18):
+        monkeypatch.setattr(R, "SLOT_CHUNK", chunk)
+        assert R.check_slots(d) == want[0], chunk
+        assert R.check_slot_partition(d) == want[1], chunk
+
+
+def test_slot_screen_duplicates_across_requests(tmp_path):
+    """A duplicate between two requests of one build (each request's slots increasing: two segments whose
+    ranges overlap) is found; overlapping ranges without a shared slot are not a finding."""
+    def edit(r, g, pos, slot):
+        if g == 1:  # (replicated, blocks of 16)
+            if r == 0:
+                slot[35] = slot[3]  # request 1's position 3 takes request 0's position 3's slot
+            if r == 1:
+                slot[16:32] += 16  # request 0 in blocks 0 and 2, request 1 in block 1: ranges overlap, slots differ
+                slot[32:] = 16 + np.arange(10)
+    q, comp = [32, 10], [0, 0]
+    o = slot_batch(0, q, comp, 2, 1, edit=edit)
+    res = run_slots(tmp_path, o, 2, 1)
+    assert [(f.rank, f.rule, f.detail.get("kind")) for f in res.findings] == [(0, "slots", "duplicate")]
+
+
+def test_slot_screen_sends_only_suspect_observations_to_the_exact_work(tmp_path, monkeypatch):
+    """A clean recording gets no exact work at all; one wrong entry sends its observation only."""
+    import dcptool.rules as R
+
+    calls = []
+    real = R._slot_findings
+    monkeypatch.setattr(R, "_slot_findings", lambda d, oid, *a: calls.append(oid.tolist()) or real(d, oid, *a))
+
+    def one(r, g, pos, slot):
+        if r == 2 and g == 0:
+            slot[5] = -1 if slot[5] >= 0 else 77
+
+    for bad in (None, 4):
+        o = []
+        for step in range(6):
+            o += slot_batch(step, [40, 1, 90], [step * 7, 300, 1000], 4, 1, ntp=135, edit=one if step == bad else None)
+        write(tmp_path / f"c{bad}.safetensors", o, dcp=4, il=1, kv_groups=tuple(KVGroup.of(g) for g in KV2))
+        d = open_dumps([str(tmp_path / f"c{bad}.safetensors")])
+        got = R.check_slots(d)
+        if bad is None:
+            assert got == [] and calls == []
+        else:
+            assert [i.index for i in got] == [4 * 4 + 2] and calls == [[18]]
+
+
+class _IndexSpy(_ReadSpy):
+    """A row column that records its reads as ('slice', n) or ('gather', n)."""
+
+    def __getitem__(self, k):
+        out = self.a[k]
+        self.log.append(("slice" if isinstance(k, slice) else "gather", np.size(out)))
+        return out
+
+
+def test_slot_partition_reads_clean_sets_once_and_takes_check_slots_summaries(tmp_path):
+    """slot-partition gathers the entries of sets with a suspect member only (none on a clean recording), and
+    after check_slots on the same dump reads no entry at all; on another dump, or once the columns were
+    replaced, it reads them itself."""
+    from slot_reference import old_check_slot_partition
+
+    import dcptool.rules as R
+
+    o = []
+    for step in range(8):
+        o += slot_batch(step, [40, 1, 90], [step * 7, 300, 1000], 4, 1, ntp=135)
+        o += slot_batch(step, [3], [step], 4, 1, site="dummy", dummy=True)
+    write(tmp_path / "s.safetensors", o, dcp=4, il=1, kv_groups=tuple(KVGroup.of(g) for g in KV2))
+    d = open_dumps([str(tmp_path / "s.safetensors")])
+    log: list = []
+    for k in ("rows.positions", "rows.slot_mapping", "rows.slot_group"):
+        d.columns[k] = _IndexSpy(d.columns[k], log)
+    assert R.check_slots(d) == [] and log and all(kind == "slice" for kind, _ in log)
+    log.clear()
+    assert R.check_slot_partition(d) == [] and log == []  # check_slots' summaries
+    assert R.check_slot_partition(d) == [] and log and all(kind == "slice" for kind, _ in log)  # (used once)
+    f = random_slot_dump(tmp_path / "f.safetensors", np.random.default_rng(4), 60, 4, 1)
+    want = old_check_slot_partition(f)
+    assert want and R.check_slots(d) == [] and R.check_slot_partition(f) == want  # not d's summaries
+    R.check_slots(f)
+    f.columns["rows.slot_mapping"] = np.full(f["rows.slot_mapping"].size, -1, np.int32)
+    assert R.check_slot_partition(f) == old_check_slot_partition(f) == []  # columns replaced: read again
+
+
+def test_slot_rules_share_one_pass_in_either_order_and_on_two_threads(tmp_path, monkeypatch):
+    """replay runs check_slots and check_slot_partition on two threads at once: one pass serves both (the
+    second waits for the first), in either order, with the findings of the reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from slot_reference import old_check_slot_partition, old_check_slots
+
+    import dcptool.rules as R
+
+    d = random_slot_dump(tmp_path / "s.safetensors", np.random.default_rng(21), 80, 4, 2)
+    want = old_check_slots(d), old_check_slot_partition(d)
+    passes = []
+    real = R._slot_pass
+    monkeypatch.setattr(R, "_slot_pass", lambda *a, **k: passes.append(1) or real(*a, **k))
+    assert (R.check_slot_partition(d), R.check_slots(d)) == want[::-1] and len(passes) == 1
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(6):
+            a, b = pool.submit(R.check_slots, d), pool.submit(R.check_slot_partition, d)
+            assert (a.result(), b.result()) == want
+    assert len(passes) == 7
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1000, 4099])
+def test_true_before_counts_like_a_cumsum(rng, n):
+    """The screen's per-run counts (8 bools summed per 64-bit word): runs of every length, starts in any
+    byte of a word, repeated starts, the padding past n."""
+    from dcptool.rules import _true_before
+
+    for density in (0.0, 0.3, 1.0):
+        wpad = np.zeros((n // 8 + 1) * 8, bool)
+        wpad[:n] = rng.random(n) < density
+        start = np.unique(np.r_[0, rng.integers(0, n + 1, 40), n])
+        start = np.sort(np.r_[start, start[: 3]])  # (repeats)
+        assert (_true_before(wpad, start) == np.r_[0, np.cumsum(wpad[:n])][start]).all()
+
