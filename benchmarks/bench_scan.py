@@ -129,6 +129,27 @@ def same(a, b) -> bool:
     return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__)
 
 
+def cpu_sweep(d) -> None:
+    """The CPU scan on 1-8 threads at two chunk sizes, against one thread at scan.CHUNK_ROWS (same run)."""
+    import os
+
+    from dcptool import scan as scan_mod
+
+    default = scan_mod.CHUNK_ROWS
+    base, want = timed(lambda: scan_mod.scan(d, "torch", threads=1), 3)
+    print(f"CPU scan, {d.n:,} observations, {int(d['obs.rows'][-1]):,} rows, {os.cpu_count()} cores: one thread at "
+          f"CHUNK_ROWS {default:,}: {base:.4f} s (baseline)")
+    print("| chunk rows | threads | s | / baseline |")
+    print("|---|---|---|---|")
+    for chunk in (default, 4 * default):
+        scan_mod.CHUNK_ROWS = chunk
+        for k in (1, 2, 4, 8):
+            s, got = timed(lambda k=k: scan_mod.scan(d, "torch", threads=k), 3)
+            assert same(got, want), f"the scan on {k} threads disagrees"
+            print(f"| {chunk:,} | {k} | {s:.4f} | {s / base:.2f} |", flush=True)
+    scan_mod.CHUNK_ROWS = default
+
+
 def main() -> None:
     import torch
 
@@ -137,6 +158,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1e3,3e3,1e4,3e4,1e5,3e5,1e6,3e6,1e7")
     ap.add_argument("--no-old", action="store_true", help="skip the old GPU path (it holds the whole dump on the GPU)")
+    ap.add_argument("--cpu-threads", action="store_true",
+                    help="only the CPU scan's thread and chunk sweep at the largest size (baseline: 1 thread, "
+                         "scan.CHUNK_ROWS, same run)")
     args = ap.parse_args()
     sizes = sorted(int(float(x)) for x in args.sizes.split(","))
     gpu = torch.cuda.is_available()
@@ -147,6 +171,9 @@ def main() -> None:
     cols = make_columns(sizes[-1])
     print(f"data: {sizes[-1]:,} observations, {cols['obs.rows'][-1]:,} rows, made in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
+    if args.cpu_threads:
+        cpu_sweep(prefix(cols, sizes[-1]))
+        return
     startup = 0.0
     if gpu:
         startup = min(measure_startup() for _ in range(3))

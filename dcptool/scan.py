@@ -20,6 +20,7 @@ from dcptool.reference import RowStats, local_of
 from dcptool.segments import obs_chunks, ragged
 
 CHUNK_ROWS = 1 << 18  # CPU: ~1 MB of int32 per array, so the passes over a chunk stay in L2
+CHUNK_ROWS_THREADED = 1 << 20  # CPU, several threads: longer numpy calls (GIL released), less waiting for it
 # GPU: rows per chunk of the pipelined transfer (16 MB per row column). Small enough that copying chunk
 # k+1 overlaps checking chunk k from the start, large enough that a chunk's fixed cost (two launches, one
 # sync, ~0.1 ms) is small against its copy (~1 ms for 48 MB at 50 GB/s).
@@ -424,6 +425,17 @@ def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bou
     return Stats.concat(parts)
 
 
+def default_threads(bounded: bool = False) -> int:
+    """The CPU scan's threads when not told: one on a machine of up to 3 cores (replay's background checks
+    take the other) or for a bounded dump, else half the cores, at most 4. The chunk passes are numpy calls
+    that release the GIL only while they run: on 2 cores a second thread gained 0.65-0.75x at best and lost
+    when the machine was busy (benchmarks/bench_scan.py --cpu-threads; docs/performance.md)."""
+    import os
+
+    cores = os.cpu_count() or 1
+    return 1 if bounded or cores < 4 else min(4, cores // 2)
+
+
 def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = None,
          progress: Callable[[int], None] | None = None, pairs: np.ndarray | None = None) -> Stats:
     """Check every DCP view (observations with has_dcp, dcp_size > 1) and every page count.
@@ -440,8 +452,9 @@ def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = 
     s = _CpuScan(d, pp)
     if not check_views:
         s.aligned = np.zeros_like(s.aligned)
-    b = bounds(s.rows, CHUNK_ROWS)
-    pairs = list(zip(b[:-1], b[1:]))
+    workers = threads or default_threads(bounded)
+    b = bounds(s.rows, CHUNK_ROWS if workers == 1 else CHUNK_ROWS_THREADED)
+    spans = list(zip(b[:-1], b[1:]))
 
     def one(lohi: tuple[int, int]) -> Stats:
         lo, hi = int(lohi[0]), int(lohi[1])
@@ -452,14 +465,11 @@ def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = 
             progress(hi - lo)
         return r
 
-    # One thread by default: the chunk passes are short numpy calls, and a second thread mostly waits
-    # for the GIL (measured 0.11 s on one thread against 0.32-0.40 s on two for 29M rows, 2 cores).
-    workers = threads or 1
-    if workers > 1 and len(pairs) > 1:
+    if workers > 1 and len(spans) > 1:
         with ThreadPoolExecutor(workers) as ex:
-            parts = list(ex.map(one, pairs))
+            parts = list(ex.map(one, spans))
     else:
-        parts = [one(p) for p in pairs]
+        parts = [one(p) for p in spans]
     res = Stats.concat(parts)
     if check_views:
         irregular = np.flatnonzero((s.has == 1) & ~s.aligned)

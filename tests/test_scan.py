@@ -275,3 +275,24 @@ def test_cuda_scan_compares_pairs_exactly(tmp_path, monkeypatch, target):
     monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", target)
     d, pairs, want = _pair_dump(tmp_path / "d.safetensors", np.random.default_rng(4))
     assert np.array_equal(scan_mod.scan(d, "triton", pairs=pairs).differ, want) and want.size
+
+
+@pytest.mark.parametrize("cores,bounded,want", [(1, False, 1), (2, False, 1), (3, False, 1), (4, False, 2),
+                                                (16, False, 4), (16, True, 1), (None, False, 1)])
+def test_default_threads_leave_replays_checks_a_core(monkeypatch, cores, bounded, want):
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    assert scan_mod.default_threads(bounded) == want
+
+
+def test_cpu_scan_default_threads_agree(tmp_path, monkeypatch):
+    """The default on a many-core host (4 threads, big chunks) gives one thread's answer: the findings of a
+    random dump with wrong views, and the pairs' comparison."""
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr(scan_mod, "CHUNK_ROWS_THREADED", 700)
+    d = random_dump(tmp_path / "r.safetensors", np.random.default_rng(3), 300, 4, 16)
+    prev = np.arange(d.n) - 1
+    many, one = scan_mod.scan(d, "torch", pairs=prev), scan_mod.scan(d, "torch", pairs=prev, threads=1)
+    assert all(np.array_equal(x, y) for x, y in zip(as_array(many), as_array(one))) and many.obs.size
+    assert np.array_equal(many.differ, one.differ) and many.differ.size
+    d, pairs, want = _pair_dump(tmp_path / "d.safetensors", np.random.default_rng(2))
+    assert np.array_equal(scan_mod.scan(d, "torch", pairs=pairs).differ, want)
