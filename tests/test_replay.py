@@ -58,8 +58,8 @@ def test_bounded_replay_gives_the_same_findings(tmp_path):
 
 
 def test_checks_on_other_threads_give_the_findings_of_one_thread(tmp_path, monkeypatch):
-    """The checks that do not need the scan run beside it; every rule of a legacy recording with every opt-in
-    fault comes out identical (order, texts, details, skipped) to the one-thread run."""
+    """The checks that do not need the scan run beside it; every rule of a recording with (almost) every fault
+    comes out identical (order, texts, details, skipped) to the one-thread run."""
     import json
 
     from dcptool import replay as replay_mod
@@ -67,7 +67,10 @@ def test_checks_on_other_threads_give_the_findings_of_one_thread(tmp_path, monke
     from dcptool.simulate import SimConfig, simulate
 
     p = tmp_path / "s.safetensors"
-    simulate(SimConfig(dcp=4, interleave=2, steps=60, pipeline="fixed", inject=tuple(sorted(FAULTS)), seed=3), p)
+    # (every fault but tot-local: combined with the others it makes negative global lengths, which the Recorder
+    # drops with a warning)
+    faults = tuple(sorted(set(FAULTS) - {"tot-local"}))
+    simulate(SimConfig(dcp=4, interleave=2, steps=60, pipeline="fixed", inject=faults, seed=3), p)
     out = {}
     for threads in (1, 4):
         monkeypatch.setattr(replay_mod, "CHECK_THREADS", threads)
