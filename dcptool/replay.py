@@ -28,8 +28,6 @@ from dcptool.rules import (
     check_rank_agree,
     check_rank_sum,
     check_shape,
-    check_slot_partition,
-    check_slots,
     check_stray,
     check_tot_lens,
     check_ubatch_slice,
@@ -39,6 +37,7 @@ from dcptool.rules import (
     rank_pairs,
 )
 from dcptool.slicing import Ubatch, engine_split
+from dcptool.slots import check_slot_rules
 
 __all__ = ["RULES", "SEVERITY", "Finding", "LimitError", "ReplayResult", "Source", "expected_of", "local_np", "replay",
            "resolve_backend", "rows_view", "splits"]
@@ -207,10 +206,12 @@ class _Later:
     """A check run when its result is asked for (the one-thread replay: the order of today)."""
 
     def __init__(self, f, *a):
-        self.f, self.a = f, a
+        self.f, self.a, self.done = f, a, False
 
     def result(self):
-        return self.f(*self.a)
+        if not self.done:  # (once: a result handed out twice is computed once)
+            self.value, self.done = self.f(*self.a), True
+        return self.value
 
 
 class _Parts(list):
@@ -276,8 +277,7 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
         if N > 1 and d.has(*RULE[rule].needs):
             independent[rule] = later(lambda check=check: findings_of(d, check(d)))
     if d.has(*RULE["slots"].needs):
-        independent["slots"] = later(lambda: findings_of(d, check_slots(d)))
-        independent["slot-partition"] = later(lambda: findings_of(d, check_slot_partition(d)))
+        independent["slots"] = later(lambda: [findings_of(d, x) for x in check_slot_rules(d)])  # (one pass, both)
     bar.phase("scan")
     pairs = rank_pairs(d) if N > 1 else None  # rank-agree's row comparison rides on the scan's read of the rows
     st = scan(d, backend, bounded=bounded, progress=progress, pairs=None if pairs is None else pairs.prev)
@@ -335,7 +335,8 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
         skipped["rank-agree"] = "dcp_size is 1"
     # issue 15 item 3: which rank writes each KV slot
     if "slots" in independent:
-        out += [independent["slots"], independent["slot-partition"]]
+        both = independent["slots"]
+        out += [_Later(lambda: both.result()[0]), _Later(lambda: both.result()[1])]
     else:
         skipped["slots"] = "needs the slot columns (obs.slots, rows.positions, rows.slot_mapping, rows.slot_group)"
     return out

@@ -1,5 +1,5 @@
 """The slot checks as they were before: old_* the whole-column implementation (before issue 16's chunks),
-chunked_* the chunked one of main d07e667 (before the one-pass screen). The references dcptool.rules.check_slots /
+chunked_* the chunked one of main d07e667 (before the one-pass screen). The references dcptool.slots.check_slots /
 check_slot_partition are compared against (tests/test_rules.py) and timed against (benchmarks/bench_coverage.py
 --slots). Not part of the package."""
 
@@ -10,8 +10,9 @@ from typing import NamedTuple
 import numpy as np
 
 from dcptool.dump import Dump
-from dcptool.rules import _SLOT_KIND_TEXT, _SLOT_KINDS, Issue, _few, _group_name, _kth_per_rank, _obs_chunks
+from dcptool.rules import Issue, _kth_per_rank, _obs_chunks
 from dcptool.segments import group_ids, ragged
+from dcptool.slots import _SLOT_KIND_TEXT, _SLOT_KINDS, _few, _group_name
 
 
 class _SlotEntries(NamedTuple):

@@ -233,6 +233,8 @@ def test_skipped_checks_are_named(tmp_path):
 def test_table_is_design_s3():
     """One row per rule in DESIGN §3's order; codes distinct ignoring case; every check is a function of
     rules.py; every fault of simulate maps to the rule of the row that lists it."""
+    import importlib
+
     import dcptool.rules
     from dcptool.simulate import FAULTS
 
@@ -240,7 +242,11 @@ def test_table_is_design_s3():
                      "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree",
                      "slots", "slot-partition")
     assert len({c.lower() for c in RULE_CODES.values()}) == len(RULES)
-    assert all(callable(getattr(dcptool.rules, r.check)) for r in TABLE)
+    def function(name):  # "check_x" of rules.py, or "module.check_x" of another dcptool module
+        mod, _, f = name.rpartition(".")
+        return getattr(importlib.import_module(f"dcptool.{mod}") if mod else dcptool.rules, f)
+
+    assert all(callable(function(r.check)) for r in TABLE)
     assert {f: rule for f, (rule, _) in FAULTS.items()} == {f: r.name for r in TABLE for f in r.faults}
     assert [r.name for r in TABLE if r.severity == "warning"] == ["stray"]
 
@@ -851,7 +857,7 @@ def random_slot_dump(path, rng, batches, N, I_, kv=KV3, bounded=None, faulty=0.6
 def test_slot_checks_in_chunks_equal_the_whole_column_reference(tmp_path, monkeypatch, seed, N, I_, kv):
     from slot_reference import old_check_slot_partition, old_check_slots
 
-    import dcptool.rules as R
+    import dcptool.slots as R
 
     rng = np.random.default_rng(seed)
     d = random_slot_dump(tmp_path / "s.safetensors", rng, 60, N, I_, kv)
@@ -873,7 +879,7 @@ def test_slot_checks_in_chunks_equal_the_whole_column_reference(tmp_path, monkey
 def test_slot_checks_in_chunks_clean_and_awkward_sizes_must_not_trigger(tmp_path, monkeypatch, size):
     from slot_reference import old_check_slot_partition, old_check_slots
 
-    import dcptool.rules as R
+    import dcptool.slots as R
 
     o = slot_batch(0, [size], [3], 4, 2) + slot_batch(1, [size], [17], 4, 2, ntp=size + 3)
     write(tmp_path / "c.safetensors", o, dcp=4, il=2, kv_groups=tuple(KVGroup.of(g) for g in KV2))
@@ -906,7 +912,7 @@ class _ReadSpy:
 def test_slot_checks_read_the_dump_a_chunk_at_a_time(tmp_path, monkeypatch):
     """Peak memory bounded by the chunk, not the dump: no read of a slot column is much larger than
     SLOT_CHUNK entries (the whole-column implementation read every column whole)."""
-    import dcptool.rules as R
+    import dcptool.slots as R
 
     d = random_slot_dump(tmp_path / "s.safetensors", np.random.default_rng(7), 80, 4, 1)
     want = R.check_slots(d), R.check_slot_partition(d)
@@ -926,7 +932,7 @@ def test_slot_partition_many_wrong_entries_per_member_equal_the_reference(tmp_pa
     positions as the whole-column reference has them, in chunks too."""
     from slot_reference import old_check_slot_partition, old_check_slots
 
-    import dcptool.rules as R
+    import dcptool.slots as R
 
     def all_ranks(r, g, pos, slot):
         if r in (1, 3) and g == 0:
@@ -962,7 +968,7 @@ def test_slot_screen_misses_no_rare_fault_equal_to_both_references(tmp_path, mon
         old_check_slots,
     )
 
-    import dcptool.rules as R
+    import dcptool.slots as R
 
     rng = np.random.default_rng(seed)
     d = random_slot_dump(tmp_path / "s.safetensors", rng, 160, N, I_, kv, faulty=0.04, dup=0.03, reorder=0.02,
@@ -994,7 +1000,7 @@ def test_slot_screen_duplicates_across_requests(tmp_path):
 
 def test_slot_screen_sends_only_suspect_observations_to_the_exact_work(tmp_path, monkeypatch):
     """A clean recording gets no exact work at all; one wrong entry sends its observation only."""
-    import dcptool.rules as R
+    import dcptool.slots as R
 
     calls = []
     real = R._slot_findings
@@ -1026,13 +1032,12 @@ class _IndexSpy(_ReadSpy):
         return out
 
 
-def test_slot_partition_reads_clean_sets_once_and_takes_check_slots_summaries(tmp_path):
+def test_slot_partition_reads_clean_sets_once_and_takes_the_pass_summaries(tmp_path):
     """slot-partition gathers the entries of sets with a suspect member only (none on a clean recording), and
-    after check_slots on the same dump reads no entry at all; on another dump, or once the columns were
-    replaced, it reads them itself."""
+    given the summaries of a pass made already (check_slot_rules' pass) reads no entry at all."""
     from slot_reference import old_check_slot_partition
 
-    import dcptool.rules as R
+    import dcptool.slots as R
 
     o = []
     for step in range(8):
@@ -1043,45 +1048,43 @@ def test_slot_partition_reads_clean_sets_once_and_takes_check_slots_summaries(tm
     log: list = []
     for k in ("rows.positions", "rows.slot_mapping", "rows.slot_group"):
         d.columns[k] = _IndexSpy(d.columns[k], log)
-    assert R.check_slots(d) == [] and log and all(kind == "slice" for kind, _ in log)
+    found, members = R._slot_pass(d)
+    assert found == [] and log and all(kind == "slice" for kind, _ in log)
     log.clear()
-    assert R.check_slot_partition(d) == [] and log == []  # check_slots' summaries
-    assert R.check_slot_partition(d) == [] and log and all(kind == "slice" for kind, _ in log)  # (used once)
+    assert R.check_slot_partition(d, members) == [] and log == []  # the pass's summaries, clean sets unread
+    assert R.check_slot_partition(d) == [] and log and all(kind == "slice" for kind, _ in log)  # its own pass
     f = random_slot_dump(tmp_path / "f.safetensors", np.random.default_rng(4), 60, 4, 1)
     want = old_check_slot_partition(f)
-    assert want and R.check_slots(d) == [] and R.check_slot_partition(f) == want  # not d's summaries
-    R.check_slots(f)
-    f.columns["rows.slot_mapping"] = np.full(f["rows.slot_mapping"].size, -1, np.int32)
-    assert R.check_slot_partition(f) == old_check_slot_partition(f) == []  # columns replaced: read again
+    assert want and R.check_slot_partition(f, R._slot_pass(f)[1]) == want == R.check_slot_partition(f)
 
 
-def test_slot_rules_share_one_pass_in_either_order_and_on_two_threads(tmp_path, monkeypatch):
-    """replay runs check_slots and check_slot_partition on two threads at once: one pass serves both (the
-    second waits for the first), in either order, with the findings of the reference."""
+def test_slot_rules_make_one_pass_for_both(tmp_path, monkeypatch):
+    """check_slot_rules (what replay runs, on one background thread) reads the entries once for both rules, with
+    the findings of the reference and of the two rules called alone; on two threads at once as well."""
     from concurrent.futures import ThreadPoolExecutor
 
     from slot_reference import old_check_slot_partition, old_check_slots
 
-    import dcptool.rules as R
+    import dcptool.slots as R
 
     d = random_slot_dump(tmp_path / "s.safetensors", np.random.default_rng(21), 80, 4, 2)
     want = old_check_slots(d), old_check_slot_partition(d)
     passes = []
     real = R._slot_pass
     monkeypatch.setattr(R, "_slot_pass", lambda *a, **k: passes.append(1) or real(*a, **k))
-    assert (R.check_slot_partition(d), R.check_slots(d)) == want[::-1] and len(passes) == 1
+    assert R.check_slot_rules(d) == want and len(passes) == 1
+    assert (R.check_slot_partition(d), R.check_slots(d)) == want[::-1] and len(passes) == 3
     with ThreadPoolExecutor(2) as pool:
-        for _ in range(6):
-            a, b = pool.submit(R.check_slots, d), pool.submit(R.check_slot_partition, d)
-            assert (a.result(), b.result()) == want
-    assert len(passes) == 7
+        for _ in range(3):
+            a, b = pool.submit(R.check_slot_rules, d), pool.submit(R.check_slot_rules, d)
+            assert a.result() == b.result() == want
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1000, 4099])
 def test_true_before_counts_like_a_cumsum(rng, n):
     """The screen's per-run counts (8 bools summed per 64-bit word): runs of every length, starts in any
     byte of a word, repeated starts, the padding past n."""
-    from dcptool.rules import _true_before
+    from dcptool.slots import _true_before
 
     for density in (0.0, 0.3, 1.0):
         wpad = np.zeros((n // 8 + 1) * 8, bool)
