@@ -488,10 +488,12 @@ class Runner:
             np.cumsum(ql[:nd] * (s > 0), axis=1, out=dq[:, 1:])  # empty shards' query tokens dropped
             marks.append(("dcp-qsl-local", (dq != q).any(axis=1)))
         if "tot-local" in F:
-            k = min(nd, view.shape[1])
+            # the real rows only: a padded row of the view may hold another fault's sentinel (-1), which no
+            # global length can be (the Recorder would drop the whole observation, and the fault with it)
+            real = min(nd, b.nr)
+            k = min(real, view.shape[1])
             tot = seqs.copy()
             tot[:, :k] = view[:, :k]
-            real = min(nd, b.nr)
             marks.append(("tot-local", (tot[:, :real] != seqs[:, :real]).any(axis=1)))
         return dq, tot
     def _slots(self, b: _Rows, role: str, kind: str, req0: int, marks: list) -> tuple | None:

@@ -136,6 +136,21 @@ def test_every_fault_is_exercised(fault, tmp_path):
     assert FAULTS[fault][0] in rr.by_rule()
 
 
+def test_tot_local_with_a_sentinel_records_every_observation(tmp_path):
+    """tot-local hands the global companion this rank's local lengths; with `sentinel` the view's padded rows hold
+    -1, which no global length can be: only the real rows are taken, so no observation is dropped (it was, and
+    the tot-local fault with it) and tot-lens still finds the fault."""
+    import warnings
+
+    cfg = _cfg(EXERCISE["tot-local"], 3, inject=("tot-local", "sentinel"), steps=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a dropped observation warns
+        res, d, rr = _run(cfg, tmp_path)
+    assert res.faults["tot-local"].count > 0 and res.faults["sentinel"].count > 0
+    assert "tot-lens" in rr.by_rule() and "padding" in rr.by_rule()
+    assert (d["rows.dcp_tot_seq_lens"] >= 0).all()
+
+
 def test_not_applicable_faults_are_reported_not_injected(tmp_path):
     res, d, rr = _run(SimConfig(dcp=2, pcp=1, cudagraph="none", inject=("pcp-stale", "sentinel", "dummy-none"),
                                 **SMALL), tmp_path)
