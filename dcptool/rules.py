@@ -634,7 +634,7 @@ def check_empty_mask(d: Dump) -> list[Issue]:
         a2[padded], b2[padded] = decode_counts(d, cand[padded], R_real[padded])
     a_want = np.where(full, a, a2)
     fits_pad = (nd == a) | (nd == b)
-    fits_real = ((nd == a2) | (nd == b2)) & (~full | ~graph)  # (a FULL graph runs the padded batch)
+    fits_real = ((nd == a2) | (nd == b2)) & (~full | (not graph))  # (a FULL graph runs the padded batch)
     R = np.where(fits_pad | ~fits_real & full, R_pad, R_real)
     nd_exp = np.where(known & (fits_pad | fits_real), nd, a_want)
     nd_exp = np.where(known, nd_exp, nd)
