@@ -894,21 +894,21 @@ class Recorder:
             raw = ring.raw(device)
             ring.go(raw, ring.base + 4 * start)
             del keep
-            if raw not in ring.streams:
-                ring.stream(raw)
-            slot = _NEW(_Slot, (index, start, words, host))
-            ring.pending.append(slot)
-            ring.unfenced += 1
-            self._vals.append(vals)
-            self._sites.append(site)
-            self._rows.append(slot)
-            self._count = index + 1
-            if self.rollover is not None and len(self._sites) >= self._retry_at:
-                self._flush(raise_errors=False)
-            if ring.unfenced >= FENCE_EVERY:
-                ring.fence()
-                self._harvest(wait=False)
-            return index
+            return self._queued(ring, raw, index, start, words, host, vals, site)
+
+    def _queued(self, ring: _SnapshotRing, raw: int, index: int, start: int, words: int, host, vals, site: str) -> int:
+        """Under the lock, once a snapshot is launched (either path): keep its slot as the observation's row, and
+        fence every FENCE_EVERY launches (collecting the slots finished by then)."""
+        if raw not in ring.streams:
+            ring.stream(raw)
+        slot = _NEW(_Slot, (index, start, words, host))
+        ring.pending.append(slot)
+        ring.unfenced += 1
+        self._append(vals, site, slot)
+        if ring.unfenced >= FENCE_EVERY:
+            ring.fence()
+            self._harvest(wait=False)
+        return index
 
     def _observe_fast(self, ring: _SnapshotRing, step, site, rank, seq, nr, nrp, dcp, ubatch, parent, rs, ts, te,
                       qsl, ntp, graph) -> int | None:
@@ -978,37 +978,15 @@ class Recorder:
             index = self._count
             if self._closed or not 0 <= rank < self._ranks or (parent is not None and parent >= index):
                 return None
-            pending = ring.pending
-            if pending:  # (ring.alloc's common case inline: room after the newest slot, or at the start)
-                tail = pending[0][1]
-                last = pending[-1]
-                start = last[1] + last[2]
-                if last[1] >= tail:  # not wrapped: room at the end, else at the start before the oldest slot
-                    if start + words > ring.words:
-                        start = 0 if words <= tail else self._room(ring, words)
-                elif start + words > tail:
-                    start = self._room(ring, words)
-            else:
-                start = 0 if words <= ring.words else self._room(ring, words)
+            start = ring.alloc(words)
+            if start is None:
+                start = self._room(ring, words)
             raw = ring.raw(did)
             ring.go3(raw, ring.base + 4 * start, index & 0x7FFFFFFF, nr, nrp, self._ksec, words, sp, rows, dp, dn,
                      qp, qn)
-            if raw not in ring.streams:
-                ring.stream(raw)
-            slot = _NEW(_Slot, (index, start, words, host))
-            pending.append(slot)
-            ring.unfenced += 1
             # (a plain tuple in Fields order: _pack reads _vals by position; 70 ns less than a Fields)
-            self._vals.append((step, rank, ubatch, nr, nrp, parent, rs, ts, te, ntp, buffer, graph))
-            self._sites.append(site)
-            self._rows.append(slot)
-            self._count = index + 1
-            if self.rollover is not None and len(self._sites) >= self._retry_at:
-                self._flush(raise_errors=False)
-            if ring.unfenced >= FENCE_EVERY:
-                ring.fence()
-                self._harvest(wait=False)
-            return index
+            return self._queued(ring, raw, index, start, words, host,
+                                (step, rank, ubatch, nr, nrp, parent, rs, ts, te, ntp, buffer, graph), site)
         finally:
             self._release_lock()
 
