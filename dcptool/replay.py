@@ -181,10 +181,9 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     # dump stays on one thread (each read drops the pages it touched; reads of several threads at once
     # would hold more). Collected in the same order either way, so the findings are identical.
     later = _later(d, bounded)
-    parts = _checks(d, backend, N, version, bounded, progress, bar, skipped, later)
+    parts, grid = _checks(d, backend, N, version, bounded, progress, bar, skipped, later)
     for part in parts:
         found += part.result() if hasattr(part, "result") else part
-    grid = parts.grid
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=found.table(), backend=backend,
                        device=device, seconds=0.0, skipped=skipped, grid=grid)
     if split is not None:
@@ -212,10 +211,6 @@ class _Later:
         if not self.done:  # (once: a result handed out twice is computed once)
             self.value, self.done = self.f(*self.a), True
         return self.value
-
-
-class _Parts(list):
-    grid: ObsGrid | None = None
 
 
 CHECK_THREADS = 4  # checks running at once beside the scan (at most the cores there are)
@@ -256,12 +251,13 @@ def _later(d: Dump, bounded: bool):
     return lambda f, *a: _Background(slots, f, *a)
 
 
-def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar, skipped: dict, later) -> _Parts:
-    """Every check, in the order their findings are collected (later(f, *args): run f now, on another thread,
-    or when asked for)."""
+def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar, skipped: dict,
+            later) -> tuple[list, ObsGrid]:
+    """Every check's findings (a table, or what later() returned), in the order they are collected, and the
+    timeline grid (later(f, *args): run f on another thread, or when asked for)."""
     from dcptool.scan import scan
 
-    out = _Parts()
+    out: list = []
     independent: dict[str, object] = {}  # submitted before the scan
     if N > 1:
         independent["missing"] = later(check_missing, d)
@@ -315,7 +311,7 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
             skipped["alias/graph"] = "needs obs.graph for capture/replay pairs"
     else:
         skipped["alias"] = "needs obs.buffer"
-    out.grid = grid.result()
+    grid = grid.result()
     bar.phase("findings")
     if d.has(*RULE["pages"].needs):
         out.append(check_pages(d, st))
@@ -339,7 +335,7 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
         out += [_Later(lambda: both.result()[0]), _Later(lambda: both.result()[1])]
     else:
         skipped["slots"] = "needs the slot columns (obs.slots, rows.positions, rows.slot_mapping, rows.slot_group)"
-    return out
+    return out, grid
 
 
 # The progress bar's phase weights (progress.PHASES), in observation-scan equivalents: what one more
