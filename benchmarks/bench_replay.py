@@ -278,6 +278,8 @@ def peak_mb() -> float:
 
 def run_child(kind: str, *args: str) -> dict:
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'benchmarks')!r}]; "
+            # every child runs with the allocator setting the command line makes (the load's child too)
+            f"from dcptool.memory import keep_freed_memory; keep_freed_memory(); "
             f"from bench_replay import child_{kind} as f, peak_mb; r = f(*sys.argv[1:]); "
             f"r['peak_mb'] = peak_mb(); print(json.dumps(r))")
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)

@@ -554,4 +554,7 @@ def main() -> None:
     if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
         utf8 = (sys.stdout.encoding or "").lower().replace("-", "") == "utf8"
         sys.stdout.reconfigure(errors="surrogateescape" if utf8 else "backslashreplace")
+    from dcptool.memory import keep_freed_memory
+
+    keep_freed_memory()  # the process is ours: freed temporaries are reused, not faulted in afresh
     app()

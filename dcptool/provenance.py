@@ -8,7 +8,7 @@ import numpy as np
 
 from dcptool.dump import Dump
 from dcptool.reference import local_np, ranks_giving
-from dcptool.segments import join, mix, ragged, seg_sums
+from dcptool.segments import join, member, mix, ragged, seg_sums
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
 MISMATCH, GLOBAL, WRONG_RANK, WRONG_INTERLEAVE, STALE = range(5)  # explain_many's kinds (prepare: 0 = none of 3-5)
@@ -203,7 +203,7 @@ class Provenance:
         # a pre-fix recording are stale copies of their parent or of an earlier batch of the step
         todo = ~self._parent_hits(wrong, m)  # 1. (exact, no search)
         q, mq, sq, jq, rq, hq, r0q, _ = sub(todo)  # 2. earlier in the step
-        c = cand[np.isin(step[cand], step[q])]  # (one key first: a sort of one column, not of three)
+        c = cand[member([rank[cand], step[cand], e0[cand]], [rank[q], step[q], r0q])]  # (no sort of all candidates)
         in_step[todo] = self._search_in_step(q, mq, hq, self._narrow(c, [rank, step, e0], [rank[q], step[q], r0q]))
         hit = np.flatnonzero(in_step >= 0)
         todo[hit[self._zero_ext_equal(wrong[hit], m[hit], in_step[hit], m[hit])]] = False
@@ -213,7 +213,7 @@ class Provenance:
         if todo.any():
             q, mq, sq, jq, rq, hq, r0q, r1q = sub(todo)
             ls = np.maximum.reduceat(np.where(rq != 0, jq + 1, 0), np.cumsum(mq) - mq)  # len(strip(rec))
-            c = cand[np.isin(e0[cand], r0q)]
+            c = cand[member([rank[cand], e0[cand], e1[cand]], [rank[q], r0q, r1q])]
             key = self._narrow(c, [rank, e0, e1, self._strip_lengths(c)], [rank[q], r0q, r1q, ls])
             earlier[todo] = self._search_earlier_steps(q, hq, key)
         # the answers as arrays too, for explain_many (wrong is sorted)

@@ -53,7 +53,8 @@ def local_of(L, rank, dcp_size: int, cp_interleave, clip: Callable = _clip_np):
 
 def local_np(seq: np.ndarray, dcp_size: int, rank, cp_interleave) -> np.ndarray:
     """The formula in numpy (int64), for the rows provenance, row views and the simulator look at."""
-    il = np.asarray(cp_interleave, np.int64)  # an int, or an array broadcasting against seq
+    # an int (kept one: rounds_rem's shift path for a power-of-two N*I), or an array broadcasting against seq
+    il = cp_interleave if isinstance(cp_interleave, int) else np.asarray(cp_interleave, np.int64)
     return local_of(np.asarray(seq, dtype=np.int64), np.asarray(rank, np.int64), dcp_size, il)
 
 

@@ -68,3 +68,38 @@ def join(c_key: list[np.ndarray], q_key: list[np.ndarray]) -> tuple[np.ndarray, 
     """Dense ids of candidate and query keys in one id space."""
     ids = group_ids([np.concatenate([a, b]) for a, b in zip(c_key, q_key)])
     return ids[: c_key[0].size], ids[c_key[0].size :]
+
+
+def member(c_key: list[np.ndarray], q_key: list[np.ndarray]) -> np.ndarray:
+    """Per candidate row of the columns c_key: whether some query row of q_key has the same values (exact).
+
+    The columns are packed into one int64 by their value ranges when that fits (no collisions: a mixed
+    radix), then looked up in a table when the packed range is small, else by binary search in the
+    sorted query keys: O(c + q log q), not a sort of all candidates. Otherwise the general join."""
+    n = c_key[0].size
+    if n == 0 or q_key[0].size == 0:
+        return np.zeros(n, bool)
+    lo = [min(int(a.min()), int(b.min())) for a, b in zip(c_key, q_key)]
+    span = [max(int(a.max()), int(b.max())) - m + 1 for a, b, m in zip(c_key, q_key, lo)]
+    total = 1
+    for s in span:
+        total *= s
+    if total >= 1 << 62:
+        ci, qi = join(c_key, q_key)
+        return np.isin(ci, qi)
+
+    def pack(cols: list[np.ndarray]) -> np.ndarray:
+        key = np.zeros(cols[0].size, np.int64)
+        for col, m, s in zip(cols, lo, span):
+            key *= s
+            key += np.asarray(col, np.int64) - m
+        return key
+
+    kc, kq = pack(c_key), pack(q_key)
+    if total <= 4 * (n + kq.size):  # a table of the packed range: one pass each
+        table = np.zeros(total, bool)
+        table[kq] = True
+        return table[kc]
+    u = np.unique(kq)
+    at = np.minimum(np.searchsorted(u, kc), u.size - 1)
+    return u[at] == kc

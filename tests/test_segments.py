@@ -1,0 +1,54 @@
+"""segments.member: exact membership of key tuples, on every path (table, binary search, general join)."""
+
+import numpy as np
+import pytest
+
+from dcptool import segments
+from dcptool.segments import member
+
+
+def _naive(c_key, q_key):
+    q = set(zip(*(k.tolist() for k in q_key)))
+    return np.array([t in q for t in zip(*(k.tolist() for k in c_key))], bool)
+
+
+@pytest.mark.parametrize("nc,nq", [(0, 5), (5, 0), (1, 1), (127, 3), (128, 128), (129, 1), (1000, 37), (5000, 4000)])
+@pytest.mark.parametrize("spread", [4, 1000, 10**9, 2**40], ids=["table", "mid", "search", "wide"])
+@pytest.mark.parametrize("seed", range(3))
+def test_member_agrees_with_a_set(nc, nq, spread, seed):
+    rng = np.random.default_rng(seed)
+    cols = 3
+    c_key = [rng.integers(-spread, spread, nc) for _ in range(cols)]
+    q_key = [rng.integers(-spread, spread, nq) for _ in range(cols)]
+    if nc and nq:  # some true hits on every path
+        k = rng.integers(0, nc, min(nc, nq))
+        for qc, cc in zip(q_key, c_key):
+            qc[: k.size] = cc[k]
+    got = member(c_key, q_key)
+    assert got.dtype == bool and got.shape == (nc,)
+    assert (got == _naive(c_key, q_key)).all()
+
+
+def test_member_never_confuses_tuples_that_a_packing_would():
+    """(rank 1, step 0) and (rank 0, step 2**48): one integer under `rank * 2**48 + step`, two keys here."""
+    c = [np.array([0, 1, 1]), np.array([2**48, 0, 5])]
+    q = [np.array([1]), np.array([0])]
+    assert member(c, q).tolist() == [False, True, False]
+
+
+def test_member_falls_back_to_the_join_past_int64(monkeypatch):
+    """Ranges whose product passes 2**62 cannot be packed: the general join answers, exactly."""
+    calls = []
+    real = segments.join
+    monkeypatch.setattr(segments, "join", lambda a, b: calls.append(1) or real(a, b))
+    big = np.array([-(2**62), 2**62, 7], np.int64)
+    c = [big, np.array([1, 2, 3])]
+    q = [np.array([7, 2**62]), np.array([3, 1])]
+    assert member(c, q).tolist() == [False, False, True]
+    assert calls == [1]
+
+
+def test_member_uses_a_table_for_a_small_range(monkeypatch):
+    """Small packed range: no np.unique of the queries (the table path)."""
+    monkeypatch.setattr(np, "unique", lambda *a, **k: pytest.fail("binary-search path taken"))
+    assert member([np.array([3, 4, 5])], [np.array([4])]).tolist() == [False, True, False]
