@@ -142,8 +142,9 @@ class Provenance:
 
     # ----- bulk search
 
-    def _lead(self) -> tuple[np.ndarray, np.ndarray]:
-        """Expected rows 0 and 1 of every observation (0 past num_reqs): O(n) gathers, not O(rows)."""
+    def lead(self) -> tuple[np.ndarray, np.ndarray]:
+        """Expected rows 0 and 1 of every observation (0 past num_reqs): O(n) gathers, not O(rows). Computed once;
+        replay asks for it early on the GPU path, while the host waits for the device's scan."""
         if self._rows01 is None:
             self._rows01 = (self._row(0), self._row(1))
         return self._rows01
@@ -188,7 +189,7 @@ class Provenance:
         starts = np.cumsum(m) - m
         r0 = rec[starts]
         r1 = np.where(m > 1, rec[np.minimum(starts + 1, rec.size - 1)], 0)
-        e0, e1 = self._lead()
+        e0, e1 = self.lead()
         n = wrong.size
         in_step, earlier = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
         vkind, vaux = np.zeros(n, np.int8), np.zeros(n, np.int64)
