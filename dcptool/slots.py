@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
 
 from dcptool.dump import Dump
 from dcptool.rules import Issue, _kth_per_rank
+from dcptool.scan import default_threads
 from dcptool.segments import group_ids, ragged
 from dcptool.segments import obs_chunks as _obs_chunks
 
@@ -259,11 +261,12 @@ class _SlotMembers(NamedTuple):
     writes: np.ndarray
 
 
-def _slot_pass(d: Dump, members: bool = True) -> tuple[list[Issue], _SlotMembers | None]:
+def _slot_pass(d: Dump, members: bool = True, threads: int | None = None) -> tuple[list[Issue], _SlotMembers | None]:
     """One pass over the slot entries in chunks of about SLOT_CHUNK entries (whole observations; memory
     bounded by the chunk, not the dump): check_slots' findings, and slot-partition's members (per run
     summaries) from the same reads. Each chunk is screened (_slot_screen); only the observations with a
-    suspect run get the exact work (_slot_findings); a chunk not in the Recorder's layout gets it whole."""
+    suspect run get the exact work (_slot_findings); a chunk not in the Recorder's layout gets it whole.
+    Chunks run on `threads` threads (default: the CPU scan's, scan.default_threads), in order when collected."""
     c = d.config
     N, I_ = c.dcp_size, c.cp_interleave
     offs = d["obs.slots"]
@@ -273,10 +276,12 @@ def _slot_pass(d: Dump, members: bool = True) -> tuple[list[Issue], _SlotMembers
         return out, None
     real_tokens = _real_tokens(d)
     rank_all = d["obs.rank"]
-    for lo, hi in _obs_chunks(np.diff(offs), SLOT_CHUNK):
+
+    def chunk(lo: int, hi: int) -> tuple[list[Issue], tuple | None]:
         a, b = int(offs[lo]), int(offs[hi])
         if a == b:
-            continue
+            return [], None
+        found: list[Issue] = []
         cnt = np.diff(offs[lo : hi + 1])
         grp0 = _slot_rows(d, "rows.slot_group", a, b)
         order, grp, start = _slot_runs(grp0, cnt)
@@ -303,13 +308,27 @@ def _slot_pass(d: Dump, members: bool = True) -> tuple[list[Issue], _SlotMembers
         if sus.size:
             if 2 * sus.size < cs.size:  # (else the whole chunk: clean observations give no finding there either)
                 e = ragged(cs[sus] - cnt[sus], cnt[sus])[2]
-                out += _slot_findings(d, lo + sus, cnt[sus], grp0[e], pos[e], slot[e], real_tokens)
+                found += _slot_findings(d, lo + sus, cnt[sus], grp0[e], pos[e], slot[e], real_tokens)
             else:
-                out += _slot_findings(d, lo + np.arange(cnt.size), cnt, grp0, pos, slot, real_tokens)
+                found += _slot_findings(d, lo + np.arange(cnt.size), cnt, grp0, pos, slot, real_tokens)
+        part = None
         if members and N > 1:
             k = np.flatnonzero(r_sh)
-            parts.append((lo + run_obs[k], grp[start[k]].astype(np.int64), r_real[k], first[k], span[k],
-                          run_len[k], quiet[k], writes[k]))
+            part = (lo + run_obs[k], grp[start[k]].astype(np.int64), r_real[k], first[k], span[k], run_len[k],
+                    quiet[k], writes[k])
+        return found, part
+
+    spans = _obs_chunks(np.diff(offs), SLOT_CHUNK)
+    workers = threads or default_threads(d.bounded)
+    if workers > 1 and len(spans) > 1:  # chunks are independent: on several threads, collected in order
+        with ThreadPoolExecutor(workers) as ex:
+            done = list(ex.map(lambda lohi: chunk(*lohi), spans))
+    else:
+        done = [chunk(lo, hi) for lo, hi in spans]
+    for found, part in done:
+        out += found
+        if part is not None:
+            parts.append(part)
     if not members or not parts:
         return out, None
     return out, _SlotMembers(*(np.concatenate(x) for x in zip(*parts)))

@@ -870,6 +870,9 @@ def test_slot_checks_in_chunks_equal_the_whole_column_reference(tmp_path, monkey
         monkeypatch.setattr(R, "SLOT_CHUNK", chunk)
         assert R.check_slots(d) == want[0], chunk
         assert R.check_slot_partition(d) == want[1], chunk
+        for threads in (1, 3):  # chunks on several threads: the same findings, in the same order
+            found, members = R._slot_pass(d, members=N > 1, threads=threads)
+            assert (found, R.check_slot_partition(d, members)) == want, (chunk, threads)
     b = open_dumps([str(tmp_path / "s.safetensors")], bounded=True)
     monkeypatch.setattr(R, "SLOT_CHUNK", 129)
     assert (R.check_slots(b), R.check_slot_partition(b)) == want
