@@ -263,15 +263,22 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     ci, qi = join([k[has] for k in key], [k[wrong] for k in key])
     m = has[np.isin(ci, qi)]  # recorded with a view, in a (step, site, ubatch, num_reqs) of a wrong one
     seg, j, at = ragged(d["obs.rows"][m], nr[m])
-    seq = d.take("rows.seq_lens", at).astype(np.int64)
-    h = [seg_sums(mix(seq, j, salt), nr[m]) for salt in (0, 1)]
-    batch = group_ids([k[m] for k in key] + [x.view(np.int64) for x in h])
-    # the hash groups equal seq_lens; confirm each member against its batch's first member exactly
-    first = np.full(int(batch.max(initial=-1)) + 1, np.iinfo(np.int64).max)
-    np.minimum.at(first, batch, np.arange(m.size))
-    ref = first[batch][seg]
-    same = np.ones(m.size, bool)
-    np.logical_and.at(same, seg, seq == seq[(np.cumsum(nr[m]) - nr[m])[ref] + j])
+    seq = d.take("rows.seq_lens", at)  # (its dtype: mix widens a block at a time)
+    cols = [k[m] for k in key]
+    row0 = np.cumsum(nr[m]) - nr[m]
+
+    def batches(hashes: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        # the hashes group equal seq_lens; each member is confirmed against its batch's first member exactly
+        batch = group_ids(cols + [x.view(np.int64) for x in hashes])
+        first = np.full(int(batch.max(initial=-1)) + 1, np.iinfo(np.int64).max)
+        np.minimum.at(first, batch, np.arange(m.size))
+        ref = first[batch][seg]
+        return batch, np.bincount(seg, weights=seq != seq[row0[ref] + j], minlength=m.size) == 0
+
+    h = [seg_sums(mix(seq, j, 0), nr[m])]
+    batch, same = batches(h)
+    if not same.all():  # two seq_lens under one hash (never seen): both hashes, as the batches always were
+        batch, same = batches(h + [seg_sums(mix(seq, j, 1), nr[m])])
     m, batch = m[same], batch[same]
     sets = _kth_per_rank(batch, d["obs.rank"][m].astype(np.int64), m)  # the k-th recording of each rank of a batch
     size = np.bincount(sets, minlength=int(sets.max(initial=-1)) + 1)
@@ -290,11 +297,12 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     nrs = nr[mm]
     n = np.minimum(np.minimum.reduceat(dl, bounds), nrs[bounds])  # rows every view of the set holds
     g = np.repeat(np.arange(bounds.size), counts)
-    sg, jj, at = ragged(d["obs.dcp_rows"][mm], n[g])
+    sg, _, at = ragged(d["obs.dcp_rows"][mm], n[g])
     total = np.zeros(int(n.sum()), np.int64)
     base = np.repeat(np.cumsum(n) - n, n)  # each set's first row in total
-    row_of = (np.cumsum(n) - n)[g[sg]] + jj
-    np.add.at(total, row_of, d.take("rows.dcp_local_seq_lens", at).astype(np.int64))
+    row_of = at + ((np.cumsum(n) - n)[g] - d["obs.dcp_rows"][mm])[sg]  # (one gather per row, not two)
+    # (bincount's float64 sums are exact here: int32 values, fewer than 2**21 ranks)
+    total += np.bincount(row_of, weights=d.take("rows.dcp_local_seq_lens", at), minlength=total.size).astype(np.int64)
     lead = mm[bounds]
     setrow = np.repeat(np.arange(bounds.size), n)
     want = d.take("rows.seq_lens", d["obs.rows"][lead][setrow] + (np.arange(total.size) - base)).astype(np.int64)

@@ -28,23 +28,45 @@ _MIX = ((0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB),
         (0xD6E8FEB86659FD93, 0xA0761D6478BD642F, 0xE7037ED1A0B428DB))
 
 
+MIX_BLOCK = 1 << 18  # elements hashed at a time: the passes' temporaries stay in cache and are reused
+
+
 def mix(v: np.ndarray, j: np.ndarray, salt: int) -> np.ndarray:
-    """splitmix64 of (value, row), 0 where value is 0; uint64, wrapping arithmetic."""
+    """splitmix64 of (value, row), 0 where value is 0; uint64, wrapping arithmetic. v and j: equal lengths.
+
+    In blocks of MIX_BLOCK: on a whole column of millions of rows each of the ~10 passes made a temporary
+    past glibc's mmap threshold, mapped afresh and faulted in page by page."""
+    v, j = np.asarray(v).ravel(), np.asarray(j).ravel()
+    out = np.empty(v.size, np.uint64)
     a, b, c = (np.uint64(x) for x in _MIX[salt])
     with np.errstate(over="ignore"):
-        x = np.asarray(v, np.int64).view(np.uint64) * a + np.asarray(j, np.int64).view(np.uint64) * b + c
-        x = (x ^ (x >> np.uint64(30))) * b
-        x = (x ^ (x >> np.uint64(27))) * c
-        x ^= x >> np.uint64(31)
-    return np.where(np.asarray(v) != 0, x, np.uint64(0))
+        for lo in range(0, v.size, MIX_BLOCK):
+            vb, jb = v[lo : lo + MIX_BLOCK], j[lo : lo + MIX_BLOCK]
+            x = np.asarray(vb, np.int64).view(np.uint64) * a
+            x += np.asarray(jb, np.int64).view(np.uint64) * b
+            x += c
+            x ^= x >> np.uint64(30)
+            x *= b
+            x ^= x >> np.uint64(27)
+            x *= c
+            x ^= x >> np.uint64(31)
+            x[vb == 0] = 0
+            out[lo : lo + MIX_BLOCK] = x
+    return out
 
 
 def seg_sums(h: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Per segment: the wrapping sum of its elements (h in segment order)."""
-    cs = np.concatenate([np.zeros(1, np.uint64), np.cumsum(h, dtype=np.uint64)])
-    ends = np.cumsum(np.asarray(counts, np.int64))
-    with np.errstate(over="ignore"):
-        return cs[ends] - cs[ends - counts]
+    """Per segment: the wrapping sum of its elements (h in segment order: sum(counts) elements of it).
+
+    One reduceat over h: no prefix-sum column (on millions of rows that was two more passes and two
+    temporaries past glibc's mmap threshold)."""
+    counts = np.asarray(counts, np.int64)
+    out = np.zeros(counts.size, np.uint64)
+    nz = np.flatnonzero(counts > 0)
+    if nz.size:
+        starts = np.cumsum(counts) - counts
+        out[nz] = np.add.reduceat(np.asarray(h, np.uint64)[: int(starts[-1] + counts[-1])], starts[nz])
+    return out
 
 
 def group_ids(cols: list[np.ndarray]) -> np.ndarray:

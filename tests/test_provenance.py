@@ -300,8 +300,16 @@ def naive_rank_sum(d: Dump, wrong: set[int]) -> list[tuple[int, int, int, tuple[
     return out
 
 
+@pytest.mark.parametrize("collide", [False, True], ids=["hashes", "salt-0-collides"])
 @pytest.mark.parametrize("seed", range(15))
-def test_rank_sum_agrees_with_the_rule_as_loops(tmp_path, seed):
+def test_rank_sum_agrees_with_the_rule_as_loops(tmp_path, monkeypatch, seed, collide):
+    """`salt-0-collides`: the first hash is 0 for every row, so every batch of one (step, site, ubatch, num_reqs)
+    shares it and members fail the exact confirmation: rank-sum takes the second hash, same findings."""
+    if collide:
+        import dcptool.rules as rules
+        from dcptool.segments import mix
+
+        monkeypatch.setattr(rules, "mix", lambda v, j, salt: mix(v, j, salt) * np.uint64(salt != 0))
     rng = np.random.default_rng(100 + seed)
     N = int(rng.choice([2, 3, 4]))
     batches = [(int(rng.integers(0, 3)), int(rng.integers(0, 2)), rng.integers(1, 40, int(rng.integers(1, 4))))

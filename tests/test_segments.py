@@ -52,3 +52,45 @@ def test_member_uses_a_table_for_a_small_range(monkeypatch):
     """Small packed range: no np.unique of the queries (the table path)."""
     monkeypatch.setattr(np, "unique", lambda *a, **k: pytest.fail("binary-search path taken"))
     assert member([np.array([3, 4, 5])], [np.array([4])]).tolist() == [False, True, False]
+
+
+def _splitmix(v: int, j: int, salt: int) -> int:
+    """mix's definition, one value at a time in Python integers (mod 2**64)."""
+    if v == 0:
+        return 0
+    a, b, c = segments._MIX[salt]
+    m = (1 << 64) - 1
+    x = ((v & m) * a + (j & m) * b + c) & m
+    x = ((x ^ (x >> 30)) * b) & m
+    x = ((x ^ (x >> 27)) * c) & m
+    return x ^ (x >> 31)
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 1000])
+@pytest.mark.parametrize("salt", [0, 1])
+def test_mix_in_blocks_is_splitmix_per_element(monkeypatch, n, salt):
+    """Blocks of 128 elements (so 129 and 1000 cross block edges): every element as the scalar definition,
+    zeros 0, negative values and int32 input as their int64 bit pattern."""
+    monkeypatch.setattr(segments, "MIX_BLOCK", 128)
+    rng = np.random.default_rng(n + salt)
+    v = rng.integers(-(2**31), 2**31, n).astype(np.int32)
+    v[::5] = 0
+    j = rng.integers(0, 2**40, n)
+    got = segments.mix(v, j, salt)
+    assert got.dtype == np.uint64
+    assert got.tolist() == [_splitmix(int(a), int(b), salt) for a, b in zip(v, j)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_seg_sums_wraps_like_python_sums(seed):
+    """Segments of 0, 1, 127, 128, 129 and 1000 elements in random order (empty ones first, last, in
+    between): each sum as Python's mod 2**64."""
+    rng = np.random.default_rng(seed)
+    counts = rng.permutation(np.array([0, 0, 1, 127, 128, 129, 1000, 0, 3] * 3))
+    h = rng.integers(0, 2**64, int(counts.sum()), dtype=np.uint64)
+    got = segments.seg_sums(h, counts)
+    starts = np.cumsum(counts) - counts
+    assert got.dtype == np.uint64
+    assert got.tolist() == [sum(h[s : s + c].tolist()) % 2**64 for s, c in zip(starts, counts)]
+    assert segments.seg_sums(np.zeros(0, np.uint64), np.zeros(0, np.int64)).size == 0
+    assert segments.seg_sums(np.zeros(0, np.uint64), np.zeros(3, np.int64)).tolist() == [0, 0, 0]
