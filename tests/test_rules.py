@@ -868,6 +868,7 @@ def test_slot_checks_in_chunks_equal_the_whole_column_reference(tmp_path, monkey
         {"offset"} if kv else set())
     for chunk in (1, 7, 128, 1 << 22):
         monkeypatch.setattr(R, "SLOT_CHUNK", chunk)
+        monkeypatch.setattr(R, "SLOT_CHUNK_THREADED", chunk)
         assert R.check_slots(d) == want[0], chunk
         assert R.check_slot_partition(d) == want[1], chunk
         for threads in (1, 3):  # chunks on several threads: the same findings, in the same order
