@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -19,10 +18,9 @@ def keep_freed_memory() -> bool:
     free, so every pass pays a page fault per 4 KB on first touch: on a 2-core VM that doubled the CPU
     scan (0.25 s -> 0.13 s for 28.7M rows with this set; docs/performance.md). Process-wide, so only the
     command line (and the benchmarks that time it) call it, never the library on an engine's behalf."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt): the default allocator
+    try:  # (the process's own symbols, libc's among them: find_library would cost 30 ms of a CLI start)
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):  # no mallopt (macOS; Windows): the default allocator
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
