@@ -275,8 +275,9 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
     if d.has(*RULE["slots"].needs):
         independent["slots"] = later(lambda: [findings_of(d, x) for x in check_slot_rules(d)])  # (one pass, both)
     prov = Provenance(d)
-    if N > 1 and backend == "triton":  # the host waits while the device scans: provenance's per-observation keys
-        lead = later(prov.lead)
+    lead = None
+    if N > 1 and backend == "triton" and later is not _Later:  # the host waits while the device scans: provenance's
+        lead = later(prov.lead)  # per-observation keys now (not on one thread: a clean dump would pay for them)
     bar.phase("scan")
     pairs = rank_pairs(d) if N > 1 else None  # rank-agree's row comparison rides on the scan's read of the rows
     st = scan(d, backend, bounded=bounded, progress=progress, pairs=None if pairs is None else pairs.prev)
@@ -290,7 +291,7 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
         agree = later(lambda: findings_of(d, check_rank_agree(d, pairs, st.differ)))
         bar.phase("provenance")
         out.append(independent["missing"])
-        if backend == "triton":
+        if lead is not None:
             lead.result()  # (kept in prov)
         if wrong.size:  # every wrong view's sources are searched at once (a clean dump pays nothing)
             prov.prepare(wrong)
