@@ -913,10 +913,15 @@ class _ReadSpy:
         return self.a if dtype is None else self.a.astype(dtype)
 
 
-def test_slot_checks_read_the_dump_a_chunk_at_a_time(tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_slot_checks_read_the_dump_a_chunk_at_a_time(tmp_path, monkeypatch, threads):
     """Peak memory bounded by the chunk, not the dump: no read of a slot column is much larger than
-    SLOT_CHUNK entries (the whole-column implementation read every column whole)."""
+    SLOT_CHUNK entries (the whole-column implementation read every column whole); on several threads, by
+    SLOT_CHUNK_THREADED entries per thread (the threads a host of many cores gets, forced here)."""
     import dcptool.slots as R
+
+    monkeypatch.setattr(R, "default_threads", lambda bounded=False: 1 if bounded else threads)
+    monkeypatch.setattr(R, "SLOT_CHUNK_THREADED", 1000)
 
     d = random_slot_dump(tmp_path / "s.safetensors", np.random.default_rng(7), 80, 4, 1)
     want = R.check_slots(d), R.check_slot_partition(d)
