@@ -1,0 +1,73 @@
+"""When each check of one replay starts and ends, and on which thread: where a replay's time goes.
+
+    python benchmarks/timeline_replay.py bench-data/bench-1000000.safetensors --backend triton
+
+Replays the dump twice in this process (the CLI's allocator setting; the second replay is printed, so
+one-time costs stay out) with each check, the scan, provenance and the problem grouping wrapped in a
+timer, and prints the spans over 5 ms in start order, relative to the start of replay().
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import dcptool.problems as problems_mod
+import dcptool.provenance as provenance_mod
+import dcptool.replay as replay_mod
+import dcptool.scan as scan_mod
+from dcptool.dump import open_dumps
+from dcptool.memory import keep_freed_memory
+
+# replay.py's names for the checks it runs (wrapped where replay looks them up)
+CHECKS = ("check_missing", "check_shape", "check_stray", "check_ubatch_slice", "check_alias", "obs_grid",
+          "check_empty_mask", "check_tot_lens", "check_slot_rules", "check_rank_sum", "check_rank_agree",
+          "check_values", "check_padding", "check_pages", "rank_pairs")
+
+spans: list[tuple[float, float, str, str]] = []
+t0 = [0.0]
+
+
+def timed(owner, name: str) -> None:
+    f = getattr(owner, name)
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            spans.append((t - t0[0], time.perf_counter() - t0[0], name, threading.current_thread().name))
+
+    setattr(owner, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dump")
+    ap.add_argument("--backend", default="auto")
+    args = ap.parse_args()
+    keep_freed_memory()
+    for name in CHECKS:
+        if hasattr(replay_mod, name):
+            timed(replay_mod, name)
+    timed(scan_mod, "scan")
+    timed(problems_mod, "problems")
+    timed(provenance_mod.Provenance, "prepare")
+    timed(provenance_mod.Provenance, "lead")
+    d = open_dumps([args.dump])
+    for _ in range(2):
+        spans.clear()
+        t0[0] = time.perf_counter()
+        res = replay_mod.replay(d, args.backend)
+        total = time.perf_counter() - t0[0]
+    print(f"replay {total:.3f} s after the load ({res.backend} on {res.device}, {len(res.findings):,} findings)")
+    print("| start s | end s | seconds | what | thread |")
+    print("|---|---|---|---|---|")
+    for s, e, name, th in sorted(spans):
+        if e - s > 0.005:
+            print(f"| {s:.3f} | {e:.3f} | {e - s:.3f} | {name} | {th} |")
+
+
+if __name__ == "__main__":
+    main()
