@@ -25,8 +25,10 @@ def rounds_rem(L, dcp_size: int, cp_interleave):
     A power-of-two N*I on a numpy array is a shift and a mask (the scan's hot path; same floor
     semantics as // and %)."""
     span = dcp_size * cp_interleave
-    if isinstance(L, np.ndarray) and isinstance(span, int) and span & (span - 1) == 0:
-        return L >> (span.bit_length() - 1), L & (span - 1)
+    if isinstance(L, np.ndarray) and np.ndim(span) == 0:
+        span = int(span)  # (an int, a numpy scalar or a 0-d array alike: one shift path for all of them)
+        if span & (span - 1) == 0:
+            return L >> (span.bit_length() - 1), L & (span - 1)
     rounds = L // span
     return rounds, L - rounds * span
 
@@ -53,8 +55,7 @@ def local_of(L, rank, dcp_size: int, cp_interleave, clip: Callable = _clip_np):
 
 def local_np(seq: np.ndarray, dcp_size: int, rank, cp_interleave) -> np.ndarray:
     """The formula in numpy (int64), for the rows provenance, row views and the simulator look at."""
-    # an int (kept one: rounds_rem's shift path for a power-of-two N*I), or an array broadcasting against seq
-    il = cp_interleave if isinstance(cp_interleave, int) else np.asarray(cp_interleave, np.int64)
+    il = np.asarray(cp_interleave, np.int64)  # an int, or an array broadcasting against seq
     return local_of(np.asarray(seq, dtype=np.int64), np.asarray(rank, np.int64), dcp_size, il)
 
 

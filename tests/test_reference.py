@@ -100,3 +100,23 @@ def test_local_of_python_ints_match_the_arrays():
         for r in range(N):
             got = [local_of(int(x), r, N, I) for x in L]
             assert all(type(v) is int for v in got) and got == local_np(L, N, r, I).tolist()
+
+
+class _NoDivide(np.ndarray):
+    """An array that refuses // (so a test sees which path rounds_rem took)."""
+
+    def __floordiv__(self, other):
+        raise AssertionError("division path taken")
+
+
+@pytest.mark.parametrize("span_of", [int, np.int64, lambda x: np.asarray(x, np.int64)],
+                         ids=["int", "numpy-scalar", "0-d-array"])
+@pytest.mark.parametrize("N,I", [(1, 1), (4, 16), (8, 1), (2, 64)])
+def test_rounds_rem_shifts_for_a_power_of_two_span_whatever_its_type(span_of, N, I):
+    """local_np hands the interleave over as a 0-d int64 array: that too is a shift and a mask (it was a
+    division on int64), with floor semantics on negative lengths."""
+    from dcptool.reference import rounds_rem
+
+    L = np.array([-129, -1, 0, 1, 63, 64, 65, 1000, 2**31 - 1], np.int64)
+    rounds, rem = rounds_rem(L.view(_NoDivide), N, span_of(I))
+    assert np.array_equal(rounds, L // (N * I)) and np.array_equal(rem, L % (N * I))
