@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
+from typing import TypeVar
 
 import numpy as np
 
@@ -31,6 +32,7 @@ STAGE_THREADS = 4  # host threads filling a pinned staging buffer (one memcpy th
 # transfers, against the CPU's ~140M rows/s. Measured by `python benchmarks/bench_scan.py` on the H200
 # (2026-12-03: the GPU with its start-up wins from 10^6 observations; docs/performance.md).
 GPU_MIN_OBS = 1_000_000
+T = TypeVar("T")
 
 
 @dataclass
@@ -438,6 +440,15 @@ def default_threads(bounded: bool = False) -> int:
     return 1 if bounded or cores < 4 else min(4, cores // 2)
 
 
+def in_order(fn: Callable[[int, int], T], spans: list[tuple[int, int]], workers: int) -> list[T]:
+    """fn(lo, hi) for every span, the results in span order: on `workers` threads when more than one and there
+    are several spans (the CPU scan's chunks, the slot pass's), else in this thread."""
+    if workers > 1 and len(spans) > 1:
+        with ThreadPoolExecutor(workers) as ex:
+            return list(ex.map(lambda lohi: fn(*lohi), spans))
+    return [fn(lo, hi) for lo, hi in spans]
+
+
 def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = None,
          progress: Callable[[int], None] | None = None, pairs: np.ndarray | None = None) -> Stats:
     """Check every DCP view (observations with has_dcp, dcp_size > 1) and every page count.
@@ -456,10 +467,8 @@ def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = 
         s.aligned = np.zeros_like(s.aligned)
     workers = threads or default_threads(bounded)
     b = bounds(s.rows, CHUNK_ROWS if workers == 1 else CHUNK_ROWS_THREADED)
-    spans = list(zip(b[:-1], b[1:]))
 
-    def one(lohi: tuple[int, int]) -> Stats:
-        lo, hi = int(lohi[0]), int(lohi[1])
+    def one(lo: int, hi: int) -> Stats:
         r = s.chunk(lo, hi)
         if bounded:
             d.release(lo, hi)
@@ -467,12 +476,7 @@ def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = 
             progress(hi - lo)
         return r
 
-    if workers > 1 and len(spans) > 1:
-        with ThreadPoolExecutor(workers) as ex:
-            parts = list(ex.map(one, spans))
-    else:
-        parts = [one(p) for p in spans]
-    res = Stats.concat(parts)
+    res = Stats.concat(in_order(one, list(zip(b[:-1].tolist(), b[1:].tolist())), workers))
     if check_views:
         irregular = np.flatnonzero((s.has == 1) & ~s.aligned)
         res = _merge(res, _irregular(d, irregular))

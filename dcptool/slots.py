@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
 
 from dcptool.dump import Dump
 from dcptool.rules import Issue, _kth_per_rank
-from dcptool.scan import default_threads
+from dcptool.scan import default_threads, in_order
 from dcptool.segments import group_ids, ragged
 from dcptool.segments import obs_chunks as _obs_chunks
 
@@ -323,12 +322,7 @@ def _slot_pass(d: Dump, members: bool = True, threads: int | None = None) -> tup
 
     workers = threads or default_threads(d.bounded)
     spans = _obs_chunks(np.diff(offs), SLOT_CHUNK if workers == 1 else SLOT_CHUNK_THREADED)
-    if workers > 1 and len(spans) > 1:  # chunks are independent: on several threads, collected in order
-        with ThreadPoolExecutor(workers) as ex:
-            done = list(ex.map(lambda lohi: chunk(*lohi), spans))
-    else:
-        done = [chunk(lo, hi) for lo, hi in spans]
-    for found, part in done:
+    for found, part in in_order(chunk, spans, workers):  # (chunks are independent)
         out += found
         if part is not None:
             parts.append(part)
