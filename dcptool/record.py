@@ -1031,20 +1031,12 @@ class Recorder:
                 torch = ring.torch
                 with torch.cuda.device(device):
                     ck = _self_check(ring, K.snapshot_dispatch)  # (compiles it)
-                    ring.go, ring.how = K.snapshot_dispatch, "Triton's dispatch"
-                    why = []
-                    for how, go in (("the launcher's C entry", _direct_launch(ck)),
-                                    ("Triton's compiled launcher", _compiled_launch(ck))):
-                        try:
-                            if go is None:
-                                raise RuntimeError("not this Triton's launcher")
-                            _self_check(ring, go)
-                            ring.go, ring.how = go, how
-                            break
-                        except Exception as e:  # not callable so here: the next way
-                            why.append(f"{how}: {e!r}")
-                    if why:
-                        ring.how += f" ({'; '.join(why)})"
+                    go, how, why = _cheapest(ring, _self_check, ck, variadic=False)
+                    if go is None:
+                        go, how = K.snapshot_dispatch, f"Triton's dispatch ({'; '.join(why)})"
+                    elif why:
+                        how += f" ({'; '.join(why)})"
+                    ring.go, ring.how = go, how
                     ring.go3, ring.how3 = _fast_launch(ring)
                 _CHECKED[device] = (ring.go, ring.how, ring.go3, ring.how3)
             except Exception as e:
@@ -1408,14 +1400,22 @@ def _fast_launch(ring: _SnapshotRing) -> tuple:
         ck = _self_check_args(ring, K.snapshot_args_dispatch)  # (compiles it)
     except Exception as e:
         return None, f"none ({e!r})"
+    go, how, why = _cheapest(ring, _self_check_args, ck, variadic=True)
+    return (go, how) if go is not None else (None, f"none, the general path instead ({'; '.join(why)})")
+
+
+def _cheapest(ring: _SnapshotRing, check, ck, variadic: bool) -> tuple:
+    """(go, how, why): the first launch of compiled kernel `ck` that `check` (_self_check or _self_check_args)
+    accepts, trying the launcher's C entry, then Triton's compiled launcher; (None, "", why) when neither does.
+    `why` says what each rejected way raised."""
     why = []
     for how, way in (("the launcher's C entry", _direct_launch), ("Triton's compiled launcher", _compiled_launch)):
         try:
-            go = way(ck, variadic=True)
+            go = way(ck, variadic=variadic)
             if go is None:
                 raise RuntimeError("not this Triton's launcher")
-            _self_check_args(ring, go)
-            return go, how
+            check(ring, go)
+            return go, how, why
         except Exception as e:  # not callable so here: the next way
             why.append(f"{how}: {e!r}")
-    return None, f"none, the general path instead ({'; '.join(why)})"
+    return None, "", why

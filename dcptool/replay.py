@@ -207,6 +207,9 @@ class _Later:
     def __init__(self, f, *a):
         self.f, self.a, self.done = f, a, False
 
+    def ready(self) -> bool:
+        return True  # (computed when asked for: nothing runs meanwhile)
+
     def result(self):
         if not self.done:  # (once: a result handed out twice is computed once)
             self.value, self.done = self.f(*self.a), True
@@ -232,11 +235,27 @@ class _Background:
             except BaseException as e:  # handed to the caller by result()
                 self.error = e
 
+    def ready(self) -> bool:
+        return not self.t.is_alive()
+
     def result(self):
         self.t.join()
         if self.error is not None:
             raise self.error
         return self.value
+
+
+class _Prev:
+    """The scan's view of rank_pairs' future: its `prev` column."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def ready(self) -> bool:
+        return self.f.ready()
+
+    def result(self) -> np.ndarray:
+        return self.f.result().prev
 
 
 def _later(d: Dump, bounded: bool):
@@ -258,6 +277,9 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
     from dcptool.scan import scan
 
     out: list = []
+    # first: rank-agree's row comparison rides on the scan's read of the rows, and the scan starts before these
+    # pairs are known (the chunks it reads meanwhile are compared after it)
+    pairs = later(rank_pairs, d) if N > 1 else None
     independent: dict[str, object] = {}  # submitted before the scan
     if N > 1:
         independent["missing"] = later(check_missing, d)
@@ -279,8 +301,7 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
     if N > 1 and backend == "triton" and later is not _Later:  # the host waits while the device scans: provenance's
         lead = later(prov.lead)  # per-observation keys now (not on one thread: a clean dump would pay for them)
     bar.phase("scan")
-    pairs = rank_pairs(d) if N > 1 else None  # rank-agree's row comparison rides on the scan's read of the rows
-    st = scan(d, backend, bounded=bounded, progress=progress, pairs=None if pairs is None else pairs.prev)
+    st = scan(d, backend, bounded=bounded, progress=progress, pairs=None if pairs is None else _Prev(pairs))
     n_wrong = int((st.n_wrong > 0).sum())
     bar.plan(provenance=round(W_PROVENANCE * d.n + W_WRONG * n_wrong) if n_wrong else 0,
              findings=round(W_FINDING * st.obs.size))
@@ -288,7 +309,7 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
         # the checks that need the scan but not each other: beside provenance
         wrong = st.obs[st.n_wrong > 0]
         rank_sum = later(lambda: findings_of(d, check_rank_sum(d, wrong)))
-        agree = later(lambda: findings_of(d, check_rank_agree(d, pairs, st.differ)))
+        agree = later(lambda: findings_of(d, check_rank_agree(d, pairs.result(), st.differ)))
         bar.phase("provenance")
         out.append(independent["missing"])
         if lead is not None:

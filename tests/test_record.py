@@ -401,6 +401,28 @@ def test_the_direct_launch_passes_what_tritons_launcher_passes(monkeypatch):
     assert R._direct_launch(other) is None  # a wrapper it does not know: the compiled launcher is used as it is
 
 
+def test_the_cheapest_launch_is_the_first_the_check_accepts():
+    """_cheapest tries the launcher's C entry, then the compiled launcher, keeps the first whose launch the
+    self-check accepts, and says why each way before it was refused; neither: None and both reasons."""
+    import types
+
+    class Run:  # a launcher wrapper _direct_launch does not know (so: no C entry)
+        def __call__(self, *a):
+            calls.append(a)
+
+    calls: list = []
+    ck = types.SimpleNamespace(run=Run(), function=0xF00, packed_metadata=(4, 1, 0))
+    go, how, why = R._cheapest(None, lambda ring, go: go(0x5EED, 0xAB00), ck, variadic=False)
+    assert how == "Triton's compiled launcher" and len(why) == 1 and "C entry" in why[0]
+    assert calls and calls[-1][3] == 0x5EED and calls[-1][-1] == 0xAB00  # (its launch ran: the check called it)
+
+    def refuse(ring, go):
+        raise RuntimeError("the slot holds garbage")
+
+    go, how, why = R._cheapest(None, refuse, ck, variadic=True)
+    assert go is None and how == "" and len(why) == 2 and "garbage" in why[1]
+
+
 def _obs_stream(n: int, seed: int):
     """Varied observations as an engine hands them over (host tensors here; CUDA in the GPU tests)."""
     rng = np.random.default_rng(seed)
