@@ -207,9 +207,6 @@ class _Later:
     def __init__(self, f, *a):
         self.f, self.a, self.done = f, a, False
 
-    def ready(self) -> bool:
-        return True  # (computed when asked for: nothing runs meanwhile)
-
     def result(self):
         if not self.done:  # (once: a result handed out twice is computed once)
             self.value, self.done = self.f(*self.a), True
@@ -235,9 +232,6 @@ class _Background:
             except BaseException as e:  # handed to the caller by result()
                 self.error = e
 
-    def ready(self) -> bool:
-        return not self.t.is_alive()
-
     def result(self):
         self.t.join()
         if self.error is not None:
@@ -250,9 +244,6 @@ class _Prev:
 
     def __init__(self, f):
         self.f = f
-
-    def ready(self) -> bool:
-        return self.f.ready()
 
     def result(self) -> np.ndarray:
         return self.f.result().prev
@@ -277,8 +268,8 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
     from dcptool.scan import scan
 
     out: list = []
-    # first: rank-agree's row comparison rides on the scan's read of the rows, and the scan starts before these
-    # pairs are known (the chunks it reads meanwhile are compared after it)
+    # first: rank-agree's row comparison rides on the scan's read of the rows; they are computed while the scan
+    # sets up, and its first chunk waits for them
     pairs = later(rank_pairs, d) if N > 1 else None
     independent: dict[str, object] = {}  # submitted before the scan
     if N > 1:

@@ -95,42 +95,35 @@ class _Pairs:
     A pair of different lengths differs without a read; one whose rows lie outside the chunk (a chunk's
     edge, or members recorded far apart) is compared after the scan (rows_differ).
 
-    `pairs` may also be a future of that array (ready(), result(): replay computes rank_pairs on another
-    thread while the scan starts). A chunk scanned before it is ready is compared after the scan, like a
-    pair across chunks, so the scan never waits for it."""
+    `pairs` may also be a future of that array (result()): replay computes rank_pairs on another thread while
+    the scan sets up (buffers, pinned staging), and the first chunk waits for it. (Scanning chunks before it
+    is ready and comparing them after the scan was measured: on the H200 the GPU scanned most chunks before
+    the pairs came, and their comparison after the scan cost 1 s at 10^6 observations.)"""
 
     def __init__(self, rows: np.ndarray, pairs):
         self.rows, self.src = rows, pairs
         self.other: np.ndarray | None = None
         self.found: list[np.ndarray] = []
         self.late: list[np.ndarray] = []
-        self.early: list[np.ndarray] = []  # chunks scanned before the pairs were known: compared after the scan
-        self.lock = threading.Lock()  # (the CPU scan's threads may find the future ready at once)
-        if isinstance(pairs, np.ndarray):
-            self._set(pairs)
+        self.lock = threading.Lock()  # (the CPU scan's threads ask at once)
 
-    def _set(self, pairs: np.ndarray) -> None:
-        lens = np.diff(self.rows)
-        other = np.where(pairs >= 0, pairs, np.arange(pairs.size))
-        self.found.append(np.flatnonzero(lens[other] != lens))
-        # rows back to the pair's first row (negative: forward); 0: nothing to read (no pair, other lengths)
-        self.shift = np.where(lens[other] == lens, self.rows[:-1] - self.rows[other], 0)
-        self.other = other  # (last: another thread reads `other` to know the rest is set)
+    def _known(self) -> None:
+        if self.other is not None:
+            return
+        with self.lock:
+            if self.other is not None:
+                return
+            pairs = self.src if isinstance(self.src, np.ndarray) else np.asarray(self.src.result(), np.int64)
+            lens = np.diff(self.rows)
+            other = np.where(pairs >= 0, pairs, np.arange(pairs.size))
+            self.found.append(np.flatnonzero(lens[other] != lens))
+            # rows back to the pair's first row (negative: forward); 0: nothing to read (no pair, other lengths)
+            self.shift = np.where(lens[other] == lens, self.rows[:-1] - self.rows[other], 0)
+            self.other = other  # (last: a thread that sees `other` set finds the rest set)
 
-    def _known(self, wait: bool) -> bool:
-        if self.other is None and (wait or self.src.ready()):
-            got = np.asarray(self.src.result(), np.int64)
-            with self.lock:
-                if self.other is None:
-                    self._set(got)
-        return self.other is not None
-
-    def cut(self, lo: int, hi: int) -> np.ndarray | None:
-        """Chunk [lo, hi)'s shifts, 0 where the pair lies outside the chunk (kept for after the scan); None
-        while the pairs are not known yet (the whole chunk is kept for after the scan)."""
-        if not self._known(wait=False):
-            self.early.append(np.arange(lo, hi))
-            return None
+    def cut(self, lo: int, hi: int) -> np.ndarray:
+        """Chunk [lo, hi)'s shifts, 0 where the pair lies outside the chunk (kept for after the scan)."""
+        self._known()
         sh = self.shift[lo:hi]
         o = self.other[lo:hi]
         away = (o < lo) | (o >= hi)
@@ -141,8 +134,8 @@ class _Pairs:
         return sh
 
     def differ(self, d: Dump) -> np.ndarray:
-        self._known(wait=True)
-        late = np.concatenate([*self.late, *(e[self.shift[e] != 0] for e in self.early)] or [np.zeros(0, np.int64)])
+        self._known()
+        late = np.concatenate(self.late) if self.late else np.zeros(0, np.int64)
         self.found.append(late[rows_differ(d, "obs.rows", "rows.seq_lens", late, self.other[late])])
         return np.unique(np.concatenate(self.found))
 
@@ -211,7 +204,7 @@ class _CpuScan:
         seq = np.asarray(d["rows.seq_lens"][a:b])  # read once from the map; the passes below stay in cache
         if self.pairs is not None:
             sh = self.pairs.cut(lo, hi)
-            got = np.zeros(0, np.int64) if sh is None else _shifted_differ(seq, rows[lo : hi + 1] - a, sh)
+            got = _shifted_differ(seq, rows[lo : hi + 1] - a, sh)
             if got.size:
                 self.pairs.found.append(got + lo)
         ri = (int(self.rank[lo]) if self.one_rank else
@@ -359,9 +352,8 @@ class _Stager:
                "nr": d["obs.num_reqs"][lo:hi], "nrp": d["obs.num_reqs_padded"][lo:hi], "rank": d["obs.rank"][lo:hi]}
         if self.kv is not None:
             src["kv"] = self.kv[a:e]
-        sh = None if self.pairs is None else self.pairs.cut(lo, hi)
-        if sh is not None:
-            src["shift"] = sh
+        if self.pairs is not None:
+            src["shift"] = self.pairs.cut(lo, hi)
         return src
 
     PIECE = 1 << 20  # elements: a staging copy is split in pieces of at least this many, one per thread
@@ -440,7 +432,7 @@ def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bou
             st = check_rows(t["seq"], t["rows"], t["dcp"], t["drows"], t["nr"], t["nrp"], t["rank"], c.dcp_size,
                             c.cp_interleave, kv_pages=t.get("kv"), page_size=c.page_size or 1)
             stats = st.stacked()
-            if "shift" in t:
+            if pairs is not None:
                 got = _shifted_differ_torch(t["seq"], t["rows"], t["shift"])
                 if got.size:
                     pairs.found.append(got + lo)
@@ -484,8 +476,7 @@ def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = 
 
     `pairs` ([n] int64, -1: none): also compare each observation's seq_lens rows with those of observation
     pairs[i] (exactly, while the rows are read); Stats.differ lists the observations whose rows differ. It
-    may be a future of that array (ready(), result()): chunks scanned before it is ready are compared after
-    the scan."""
+    may be a future of that array (result()), asked for when the first chunk is read."""
     check_views = d.config.dcp_size > 1
     if pairs is not None and not hasattr(pairs, "result"):
         pairs = np.asarray(pairs, np.int64)

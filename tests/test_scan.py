@@ -261,34 +261,27 @@ def test_cpu_scan_pairs_bounded_and_threaded_agree(tmp_path, monkeypatch):
     assert np.array_equal(scan_mod.scan(b, "torch", pairs=pairs, bounded=True).differ, want)
 
 
-class _Slow:
-    """A future of the pairs that is not ready for the first `late` times it is asked (replay's rank_pairs on
-    another thread while the scan starts)."""
+class _Future:
+    """The pairs as replay hands them to the scan: a future (rank_pairs on another thread), counted."""
 
-    def __init__(self, value, late: int):
-        self.value, self.left, self.asked, self.got = value, late, 0, 0
-
-    def ready(self) -> bool:
-        self.asked += 1
-        self.left -= 1
-        return self.left < 0
+    def __init__(self, value):
+        self.value, self.got = value, 0
 
     def result(self):
         self.got += 1
         return self.value
 
 
-@pytest.mark.parametrize("late", [0, 1, 3, 10**9])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_cpu_scan_pairs_known_late_agree(tmp_path, monkeypatch, late, threads):
-    """Chunks scanned before the pairs are known are compared after the scan: the same answer whether they
-    arrive at once, after some chunks, or only when the scan ends."""
+def test_cpu_scan_takes_the_pairs_as_a_future(tmp_path, monkeypatch, threads):
+    """A future of the pairs gives the array's answer, asked for once (the first chunk waits for it), with one
+    thread or several asking at once."""
     monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 700)
     monkeypatch.setattr(scan_mod, "CHUNK_ROWS_THREADED", 700)
     d, pairs, want = _pair_dump(tmp_path / "d.safetensors", np.random.default_rng(5))
-    f = _Slow(pairs, late)
+    f = _Future(pairs)
     assert np.array_equal(scan_mod.scan(d, "torch", pairs=f, threads=threads).differ, want) and want.size
-    assert f.asked >= min(late, 2) and f.got >= 1
+    assert f.got == 1
 
 
 @pytest.mark.kernel
@@ -298,7 +291,7 @@ def test_triton_scan_compares_pairs_exactly(tmp_path, monkeypatch, target):
     d, pairs, want = _pair_dump(tmp_path / "d.safetensors", np.random.default_rng(4), n=120)
     assert np.array_equal(scan_mod.scan(d, "triton", pairs=pairs).differ, want) and want.size
     # the pairs known only after the first chunks (the rest compared after the scan)
-    assert np.array_equal(scan_mod.scan(d, "triton", pairs=_Slow(pairs, 2)).differ, want)
+    assert np.array_equal(scan_mod.scan(d, "triton", pairs=_Future(pairs)).differ, want)
 
 
 @cuda
@@ -307,7 +300,7 @@ def test_cuda_scan_compares_pairs_exactly(tmp_path, monkeypatch, target):
     monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", target)
     d, pairs, want = _pair_dump(tmp_path / "d.safetensors", np.random.default_rng(4))
     assert np.array_equal(scan_mod.scan(d, "triton", pairs=pairs).differ, want) and want.size
-    assert np.array_equal(scan_mod.scan(d, "triton", pairs=_Slow(pairs, 2)).differ, want)
+    assert np.array_equal(scan_mod.scan(d, "triton", pairs=_Future(pairs)).differ, want)
 
 
 @pytest.mark.parametrize("cores,bounded,want", [(1, False, 1), (2, False, 1), (3, False, 1), (4, False, 2),
