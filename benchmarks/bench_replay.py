@@ -184,9 +184,9 @@ def child_memory(path: str, backend: str) -> dict:
     from dcptool.dump import open_dumps
     from dcptool.replay import replay
 
-    replay(open_dumps([path]), backend)  # warm: one-time allocations are not the replay's
+    replay(open_dumps([path], stream=True), backend)  # warm: one-time allocations are not the replay's
     tracemalloc.start()
-    res = replay(open_dumps([path]), backend)
+    res = replay(open_dumps([path], stream=True), backend)  # (read as the command line reads: streamed)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     return {"traced_peak_mb": peak / 1e6, "findings": len(res.findings)}
@@ -199,10 +199,10 @@ def child_replay(path: str, backend: str) -> dict:
     from dcptool.replay import replay
 
     t = time.perf_counter()
-    res = replay(open_dumps([path]), backend)
+    res = replay(open_dumps([path], stream=True), backend)
     cold = time.perf_counter() - t  # includes one-time work: Triton's JIT load, thread pool start
     t = time.perf_counter()
-    res = replay(open_dumps([path]), backend)
+    res = replay(open_dumps([path], stream=True), backend)
     sec = time.perf_counter() - t
     from dcptool.scan import scan
 

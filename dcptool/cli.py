@@ -273,7 +273,7 @@ def replay(
     dumps = _dump_args(dumps)
     if html is not None:
         _check_html_target(html, dumps, force)
-    d = open_dumps([str(p) for p in dumps])
+    d = open_dumps([str(p) for p in dumps], stream=True)  # (the scan follows the read; replay() ends it)
     i = _obs_index(d, obs) if obs is not None else None
     from dcptool.htmlreport import VIEW_FINDINGS
     from dcptool.progress import Progress

@@ -86,6 +86,22 @@ class Dump:
     bounded: bool = False  # scan with bounded memory (pages dropped after each chunk): a dump too big for RAM
     idents: list[tuple] = field(default_factory=list)  # (st_dev, st_ino, size, mtime_ns) of each file as read
     row_parts: dict[str, tuple[int, int]] = field(default_factory=dict)  # see _obs_only
+    reader: _Reader | None = None  # read_dump(stream=True): the thread still reading the row columns
+
+    def upto(self, key: str, n: int) -> np.ndarray:
+        """self[key] when only its first n values are needed now: a streamed dump waits for those alone (the
+        scan follows the read chunk by chunk); self[key] waits for the whole column."""
+        if self.reader is None:
+            return self.columns[key]
+        self.reader.wait(key, n)
+        return dict.__getitem__(self.columns, key)
+
+    def finish(self) -> None:
+        """A streamed dump: wait until every column is read and the file validated whole (its DumpError if not);
+        nothing for a dump read at once."""
+        if self.reader is not None:
+            self.reader.finish()
+            self.columns, self.reader = dict(self.columns), None  # (all in: plain columns from now on)
 
     @property
     def n(self) -> int:
@@ -274,7 +290,7 @@ def _read_data(p: str, f, data_start: int, size: int, before: os.stat_result) ->
     return buf
 
 
-def read_dump(path: str | os.PathLike, bounded: bool | None = None) -> Dump:
+def read_dump(path: str | os.PathLike, bounded: bool | None = None, stream: bool = False) -> Dump:
     """Open one dump after validating all of DESIGN §2; the file's descriptor is closed on return.
 
     The data is copied into memory (one read), so a file truncated or rewritten while dcptool runs
@@ -284,48 +300,70 @@ def read_dump(path: str | os.PathLike, bounded: bool | None = None) -> Dump:
     by numpy) and drops the pages of each validated chunk again, so opening and scanning a dump
     larger than RAM stays flat; such a mapping is the one case a truncation can still interrupt
     (docs/limits.md).
+
+    `stream` (replay's read, not bounded): the per-observation columns are read and validated before this
+    returns; the row columns are read on a thread of their own (the scan's columns in step with each other),
+    and the whole file validated once they are in. Reading a column waits until it is read (`Dump.upto`
+    waits for its first values only); `Dump.finish()` waits for the rest and raises the file's DumpError.
     """
     p = str(path)
     try:
         f = _open(p)
     except OSError as e:
         raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
-    with f:
-        before = os.fstat(f.fileno())
-        header, data_start, size = _header_of(p, f)
-        if bounded is None:
-            avail = available_memory()
-            bounded = avail is not None and size > avail // 2
-        meta = header.get("__metadata__", {})
-        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-            raise _fail(p, "__metadata__", "must map strings to strings")
-        entries = _check_entries(p, header, data_start, size)
-        cfg, injected = _parse_config(p, meta)
-        for key in REQUIRED:
-            if key not in entries:
-                raise _fail(p, key, "missing")
-        for group in _GROUPS:
-            present = [k for k in group if k in entries]
-            if present and len(present) != len(group):
-                raise _fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")
-        for key, (dt, shape, _a, _b) in entries.items():
-            if key not in COLUMNS:
-                continue  # unknown keys are allowed: a newer writer may add columns
-            if len(shape) != 1:
-                raise _fail(p, key, f"must be 1-D, got shape {shape}")
-            if dt != COLUMNS[key][0]:
-                raise _fail(p, key, f"dtype must be {COLUMNS[key][0]}, got {dt}")
-        try:
-            if bounded and size > data_start:
-                import mmap
+    try:
+        got = _read_dump(p, f, bounded, stream)
+    except BaseException:
+        f.close()
+        raise
+    if got.reader is None:
+        f.close()
+    return got
 
-                # One mapping for the whole file (a numpy memmap per column would hold a descriptor each).
-                buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
-                base = 0
-            else:
-                buf, base = _read_data(p, f, data_start, size, before), data_start
-        except OSError as e:
-            raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
+
+def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
+    """read_dump on the open file f (which a streamed read's thread closes when done)."""
+    before = os.fstat(f.fileno())
+    header, data_start, size = _header_of(p, f)
+    if bounded is None:
+        avail = available_memory()
+        bounded = avail is not None and size > avail // 2
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise _fail(p, "__metadata__", "must map strings to strings")
+    entries = _check_entries(p, header, data_start, size)
+    cfg, injected = _parse_config(p, meta)
+    for key in REQUIRED:
+        if key not in entries:
+            raise _fail(p, key, "missing")
+    for group in _GROUPS:
+        present = [k for k in group if k in entries]
+        if present and len(present) != len(group):
+            raise _fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")
+    for key, (dt, shape, _a, _b) in entries.items():
+        if key not in COLUMNS:
+            continue  # unknown keys are allowed: a newer writer may add columns
+        if len(shape) != 1:
+            raise _fail(p, key, f"must be 1-D, got shape {shape}")
+        if dt != COLUMNS[key][0]:
+            raise _fail(p, key, f"dtype must be {COLUMNS[key][0]}, got {dt}")
+    stream = stream and not bounded and size > data_start
+    try:
+        if bounded and size > data_start:
+            import mmap
+
+            # One mapping for the whole file (a numpy memmap per column would hold a descriptor each).
+            buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+            base = 0
+        elif stream:  # the per-observation columns now, the rows on the reader's thread
+            buf, base = np.empty(size - data_start, np.uint8), data_start
+            for key, (_dt, _shape, a, b) in entries.items():
+                if key in COLUMNS and COLUMNS[key][1] in ("n", "n+1"):
+                    _pread(p, f, buf, data_start + a, b - a, base)
+        else:
+            buf, base = _read_data(p, f, data_start, size, before), data_start
+    except OSError as e:
+        raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
     cols: dict[str, np.ndarray] = {}
     maps: dict[str, tuple] = {}
     for key, (dt, shape, a, _b) in entries.items():
@@ -338,11 +376,137 @@ def read_dump(path: str | os.PathLike, bounded: bool | None = None) -> Dump:
             if bounded:
                 maps[key] = (buf, data_start + a, _DTYPES[dt].itemsize)
     drop = (lambda key, lo, hi: _release(maps[key], lo, hi) if key in maps else None) if bounded else None
-    validate_columns(p, cfg, cols, injected, release=drop)
+    validate_columns(p, cfg, cols, injected, release=drop, row_values=not stream)
     n = cols["obs.step"].shape[0]
-    return Dump(files=[p], config=cfg, columns=cols, file_index=np.zeros(n, np.int32),
-                file_obs=np.arange(n, dtype=np.int64), injected=[injected], sizes=[size], maps=maps,
-                bounded=bool(bounded), idents=[(before.st_dev, before.st_ino, size, before.st_mtime_ns)])
+    reader = None
+    if stream:
+        reader = _Reader(p, f, buf, base, entries, before,
+                         lambda: validate_columns(p, cfg, cols, injected))  # (the whole file, once all is read)
+    return Dump(files=[p], config=cfg, columns=_Streamed(cols, reader) if reader else cols,
+                file_index=np.zeros(n, np.int32), file_obs=np.arange(n, dtype=np.int64), injected=[injected],
+                sizes=[size], maps=maps, bounded=bool(bounded), reader=reader,
+                idents=[(before.st_dev, before.st_ino, size, before.st_mtime_ns)])
+
+
+def _pread(p: str, f, buf: np.ndarray, at: int, nbytes: int, base: int) -> None:
+    """Bytes [at, at + nbytes) of the file into buf[at - base:] (os.preadv: no shared file position, and the
+    GIL released while the kernel copies)."""
+    view = memoryview(buf)[at - base : at - base + nbytes]
+    got = 0
+    while got < nbytes:
+        k = os.preadv(f.fileno(), [view[got:]], at + got)
+        if not k:
+            raise _fail(p, None, f"changed while being read: the file ended after {at + got} bytes (truncated by "
+                                 "another process?); read it again once it is complete")
+        got += k
+
+
+STREAM_PIECE = 8 << 20  # bytes per read of a streamed row column: the grain at which the scan follows the read
+# the columns the scan reads chunk by chunk, read in step with each other (the rest after them, whole)
+SCAN_ROWS = ("rows.seq_lens", "rows.dcp_local_seq_lens", "rows.kv_pages")
+
+
+class _Reader:
+    """read_dump(stream=True)'s thread: the row columns in pieces (the scan's in step with each other, piece k of
+    each before piece k + 1 of any), then the file unchanged and the whole validated. wait(key, n) blocks until
+    the first n values of key are read; an error (a short or changed file, a rule of DESIGN §2) wakes every
+    waiter and is raised by wait() and finish()."""
+
+    def __init__(self, p: str, f, buf: np.ndarray, base: int, entries: dict, before: os.stat_result,
+                 validate) -> None:
+        self.p, self.f, self.buf, self.base, self.before, self.validate = p, f, buf, base, before, validate
+        rows = {k: e for k, e in entries.items() if k in COLUMNS and COLUMNS[k][1] not in ("n", "n+1")}
+        self.need = {k: int(e[1][0]) for k, e in rows.items()}  # values of each row column
+        self.got = dict.fromkeys(rows, 0)
+        self.pending = {k for k, n in self.need.items() if n}  # columns not read whole yet
+        self.error: BaseException | None = None
+        self.done = False
+        self.cond = threading.Condition()
+        self.plan = self._plan(rows)
+        self.thread = threading.Thread(target=self._run, daemon=True, name="dcptool-read")
+        self.thread.start()
+
+    def _plan(self, rows: dict) -> list[tuple[str, int, int, int]]:
+        """(key, file offset, bytes, values read once it is in) per read, in reading order."""
+        start = self.base  # (the data section's start: entries' offsets are relative to it)
+        out = []
+        scan = [k for k in SCAN_ROWS if k in rows]
+        total = max([rows[k][3] - rows[k][2] for k in scan] + [1])
+        pieces = max(1, -(-total // STREAM_PIECE))
+        for i in range(pieces):  # piece i of every scan column: the same share of each
+            for k in scan:
+                _dt, shape, a, b = rows[k]
+                item = (b - a) // max(shape[0], 1)
+                lo, hi = shape[0] * i // pieces, shape[0] * (i + 1) // pieces
+                if hi > lo:
+                    out.append((k, start + a + lo * item, (hi - lo) * item, hi))
+        for k, (_dt, shape, a, b) in rows.items():
+            if k in scan:
+                continue
+            item = (b - a) // max(shape[0], 1)
+            for lo in range(0, shape[0], max(1, STREAM_PIECE // max(item, 1))):
+                hi = min(shape[0], lo + max(1, STREAM_PIECE // max(item, 1)))
+                out.append((k, start + a + lo * item, (hi - lo) * item, hi))
+        return out
+
+    def _run(self) -> None:
+        try:
+            for key, at, nbytes, upto in self.plan:
+                _pread(self.p, self.f, self.buf, at, nbytes, self.base)
+                with self.cond:
+                    self.got[key] = upto
+                    if upto == self.need[key]:
+                        self.pending.discard(key)
+                    self.cond.notify_all()
+            if _changed(self.p, self.before, os.fstat(self.f.fileno())):
+                raise _fail(self.p, None, "changed while being read (size or modification time differ from when "
+                                          "it was opened); read it again once it is complete")
+            self.validate()
+        except OSError as e:
+            self.error = _fail(self.p, None, f"cannot read: {e.strerror or e}")
+        except BaseException as e:  # a DumpError, or what the caller should see as this read's failure
+            self.error = e
+        finally:
+            self.f.close()
+            with self.cond:
+                self.done = True
+                self.cond.notify_all()
+
+    def wait(self, key: str, n: int | None = None) -> None:
+        """Until the first n values of `key` are read (None: all of it); raises the read's error."""
+        need = self.need.get(key, 0) if n is None else min(int(n), self.need.get(key, 0))
+        with self.cond:
+            while self.got.get(key, need) < need and self.error is None and not self.done:
+                self.cond.wait()
+        if self.error is not None:
+            raise self.error
+
+    def finish(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+class _Streamed(dict):
+    """A streamed dump's columns: reading one waits until it is read (Dump.upto waits for its first values)."""
+
+    def __init__(self, cols: dict, reader: _Reader) -> None:
+        super().__init__(cols)
+        self.reader = reader
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        if key in self.reader.pending:  # (a set lookup once it is read: per-finding code reads columns often)
+            self.reader.wait(key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self else default
+
+    def values(self):
+        return [self[k] for k in self]
+
+    def items(self):
+        return [(k, self[k]) for k in self]
 
 
 def unique_files(paths: list[str | os.PathLike]) -> list[str | os.PathLike]:
@@ -363,8 +527,11 @@ def unique_files(paths: list[str | os.PathLike]) -> list[str | os.PathLike]:
     return out
 
 
-def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> Dump:
+def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None, stream: bool = False) -> Dump:
     """Read several files as one run: ordered by step, then file order, then order within a file.
+
+    `stream`: one file read in memory is read as read_dump(stream=True) does (replay: the scan follows the
+    read); the caller calls Dump.finish() before it reports. Several files are read at once as before.
 
     Files that together take more than half the memory available now (or `bounded=True`) are merged
     lazily: each is validated in bounded mode, its per-observation columns are merged in memory (tens of
@@ -384,6 +551,8 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None) -> D
             except OSError:
                 pass  # read_dump reports it
         lazy = avail is not None and total > avail // 2
+    if len(paths) == 1:
+        return read_dump(paths[0], bounded, stream=stream)
     dumps = [_obs_only(read_dump(p, True)) if lazy else read_dump(p, bounded) for p in paths]
     if len(dumps) == 1:
         return dumps[0]

@@ -181,9 +181,14 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     # dump stays on one thread (each read drops the pages it touched; reads of several threads at once
     # would hold more). Collected in the same order either way, so the findings are identical.
     later = _later(d, bounded)
-    parts, grid = _checks(d, backend, N, version, bounded, progress, bar, skipped, later)
-    for part in parts:
-        found += part.result() if hasattr(part, "result") else part
+    try:
+        parts, grid = _checks(d, backend, N, version, bounded, progress, bar, skipped, later)
+        for part in parts:
+            found += part.result() if hasattr(part, "result") else part
+    except Exception:
+        d.finish()  # a streamed dump's DumpError first: what a check raised on rows not yet validated is not the cause
+        raise
+    d.finish()  # (a streamed dump: the file validated whole before anything is reported)
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=found.table(), backend=backend,
                        device=device, seconds=0.0, skipped=skipped, grid=grid)
     if split is not None:

@@ -196,12 +196,13 @@ class _CpuScan:
         # An aligned view has exactly one value per seq_lens row, so its rows line up with them.
         self.aligned = (self.has == 1) & (dlen == lens)
         self.one_rank = bool(d.n == 0 or (self.rank == self.rank[0]).all())
-        self.kv = d.columns.get("rows.kv_pages")
+        self.kv = "rows.kv_pages" in d.columns
 
     def chunk(self, lo: int, hi: int) -> Stats:
         d, rows, drows = self.d, self.rows, self.drows
         a, b = int(rows[lo]), int(rows[hi])
-        seq = np.asarray(d["rows.seq_lens"][a:b])  # read once from the map; the passes below stay in cache
+        # (d.upto: a streamed dump is still being read; this chunk waits for its own rows only)
+        seq = np.asarray(d.upto("rows.seq_lens", b)[a:b])  # read once from the map; the passes below stay in cache
         if self.pairs is not None:
             sh = self.pairs.cut(lo, hi)
             got = _shifted_differ(seq, rows[lo : hi + 1] - a, sh)
@@ -216,7 +217,7 @@ class _CpuScan:
         # Recorded rows laid over the expected ones: runs of consecutive aligned observations are
         # contiguous in both arrays; everything else keeps the expected value (compares equal).
         al = self.aligned[lo:hi]
-        view = d["rows.dcp_local_seq_lens"]
+        view = d.upto("rows.dcp_local_seq_lens", int(drows[hi]))
         if al.all():
             bad = np.flatnonzero(view[drows[lo] : drows[hi]] != exp)
         else:  # compared run by run (a few per chunk), nothing copied; rows outside the runs compare equal
@@ -235,8 +236,8 @@ class _CpuScan:
             real = (j < self.nr[o]) & keep
             wrong, pad_bad = bad[real] + a, bad[~real & keep] + a
         pages = np.zeros(0, np.int64)
-        if self.kv is not None:
-            kv = self.kv[a:b]
+        if self.kv:
+            kv = d.upto("rows.kv_pages", b)[a:b]
             allowed = -(-exp // self.page)
             badp = (kv != allowed) & (kv >= 0)
             badp[pad] = False  # page counts are checked on real rows only
@@ -319,11 +320,11 @@ class _Stager:
         hi = np.array([c[1] for c in chunks], np.int64)
         most = lambda o: int((o[hi] - o[lo]).max()) if chunks else 0  # noqa: E731
         nobs = int((hi - lo).max()) if chunks else 0
-        self.kv = d.columns.get("rows.kv_pages")
+        self.kv = "rows.kv_pages" in d.columns
         i32, i64 = torch.int32, torch.int64
         sizes = {"seq": (most(self.rows), i32), "rows": (nobs + 1, i64), "dcp": (most(self.drows), i32),
                  "drows": (nobs + 1, i64), "nr": (nobs, i32), "nrp": (nobs, i32), "rank": (nobs, i32)}
-        if self.kv is not None:
+        if self.kv:
             sizes["kv"] = (most(self.rows), i32)
         if pairs is not None:
             sizes["shift"] = (nobs, i64)
@@ -347,11 +348,11 @@ class _Stager:
         d, rows, drows = self.d, self.rows, self.drows
         lo, hi = self.chunks[k]
         a, e, da, de = int(rows[lo]), int(rows[hi]), int(drows[lo]), int(drows[hi])
-        src = {"seq": d["rows.seq_lens"][a:e], "rows": rows[lo : hi + 1] - a,
-               "dcp": d["rows.dcp_local_seq_lens"][da:de], "drows": drows[lo : hi + 1] - da,
+        src = {"seq": d.upto("rows.seq_lens", e)[a:e], "rows": rows[lo : hi + 1] - a,
+               "dcp": d.upto("rows.dcp_local_seq_lens", de)[da:de], "drows": drows[lo : hi + 1] - da,
                "nr": d["obs.num_reqs"][lo:hi], "nrp": d["obs.num_reqs_padded"][lo:hi], "rank": d["obs.rank"][lo:hi]}
-        if self.kv is not None:
-            src["kv"] = self.kv[a:e]
+        if self.kv:
+            src["kv"] = d.upto("rows.kv_pages", e)[a:e]
         if self.pairs is not None:
             src["shift"] = self.pairs.cut(lo, hi)
         return src

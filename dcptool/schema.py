@@ -418,9 +418,11 @@ def _first_bad(p: str, key: str, bad: np.ndarray, values: np.ndarray, what: str)
 
 
 def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected: dict | None = None,
-                     release=None) -> None:
+                     release=None, row_values: bool = True) -> None:
     """Every structural and value rule of DESIGN §2 on in-memory columns (used on read and on write).
-    `release(key, lo, hi)`, when given, is told after each chunk of a row column has been checked."""
+    `release(key, lo, hi)`, when given, is told after each chunk of a row column has been checked.
+    row_values=False: every rule but those on the values of row columns (a streamed read checks the per-observation
+    columns first, then everything once the rows are in: read_dump(stream=True))."""
     for key in REQUIRED:
         if key not in c:
             raise _fail(p, key, "missing")
@@ -467,7 +469,7 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
     _first_bad(p, "obs.dcp_rows", (has == 0) & (dcp_rows != 0), dcp_rows, "rows recorded for a None DCP view")
     sl = c["rows.seq_lens"]
     step = 1 << 22
-    for lo in range(0, sl.size, step):  # in chunks, so a bounded read never holds all rows at once
+    for lo in range(0, sl.size if row_values else 0, step):  # in chunks: a bounded read never holds all rows
         part = sl[lo : lo + step]
         if part.min() < 0:
             i = lo + int(np.argmax(part < 0))
@@ -488,12 +490,12 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
     if "obs.graph" in c:
         g = c["obs.graph"]
         _first_bad(p, "obs.graph", (g < 0) | (g > 3), g, "must be 0..3 (eager, piecewise, capture, replay)")
-    if "rows.dcp_tot_seq_lens" in c:  # global lengths: a negative one is no length (as rows.seq_lens)
+    if "rows.dcp_tot_seq_lens" in c and row_values:  # global lengths: a negative one is no length (as rows.seq_lens)
         t = c["rows.dcp_tot_seq_lens"]
         if t.size and t.min() < 0:
             i = int(np.argmax(t < 0))
             raise _fail(p, "rows.dcp_tot_seq_lens", f"negative length {t[i]} at row {i}")
-    if "obs.slots" in c:
+    if "obs.slots" in c and row_values:
         _check_slots(p, cfg, c)
     if "rows.kv_pages" in c and cfg.page_size is None:
         raise _fail(p, "rows.kv_pages", "present but dcptool.config has no page_size")

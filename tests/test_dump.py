@@ -194,11 +194,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["one-read", "streamed"])
 @pytest.mark.parametrize("name,mutate,message", CASES, ids=[c[0] for c in CASES])
-def test_validation_errors_name_file_key_and_problem(tmp_path, name, mutate, message):
+def test_validation_errors_name_file_key_and_problem(tmp_path, name, mutate, message, stream):
+    """Read at once or streamed (the rows' values checked once they are in: at finish()), the same error."""
     p = _bad(tmp_path, mutate)
     with pytest.raises(DumpError) as e:
-        read_dump(p)
+        read_dump(p, stream=stream).finish()
     text = str(e.value)
     assert text.startswith(p + ": ")
     assert "\n" not in text
@@ -749,3 +751,113 @@ def test_per_rank_simulation_replays_the_same_lazily(tmp_path, monkeypatch, pipe
         out[avail] = [(x.exit_code, [json.loads(line) for line in x.stdout.splitlines()][:-1]) for x in runs]
     assert out[64] == out[1 << 40]
     assert out[64][0][0] == (1 if pipeline == "legacy" else 0)
+
+
+# --- streamed reads (replay's): the scan follows the read ------------------------------------------------
+
+def _replay_lines(d, backend="torch", **kw) -> list[str]:
+    from dcptool.replay import replay
+
+    return list(replay(d, backend, **kw).findings.json_lines())
+
+
+@pytest.mark.parametrize("piece", [64, 4096, 1 << 20])
+@pytest.mark.parametrize("seed", range(2))
+def test_streamed_read_gives_the_one_reads_columns_and_findings(tmp_path, monkeypatch, piece, seed):
+    """Pieces of any size (the scan's columns interleaved, the rest after them): every column as one read
+    gives it, and the same findings from a replay on one thread and on background threads."""
+    from conftest import random_dump
+
+    import dcptool.dump as dump_mod
+    import dcptool.scan as scan_mod
+
+    monkeypatch.setattr(dump_mod, "STREAM_PIECE", piece)
+    monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 1000)
+    path = tmp_path / "r.safetensors"
+    want = random_dump(path, np.random.default_rng(seed), 300, 4, 16)
+    got = read_dump(path, stream=True)
+    assert got.reader is not None and got.n == want.n
+    for key in want.columns:
+        assert np.array_equal(got[key], want[key]), key
+    got.finish()
+    assert got.reader is None and type(got.columns) is dict  # (plain columns once all is in)
+    lines = _replay_lines(want)
+    assert lines and _replay_lines(read_dump(path, stream=True)) == lines
+    assert _replay_lines(read_dump(path, stream=True), bounded=True) == lines  # (one thread)
+
+
+def test_the_scan_follows_a_slow_read(tmp_path, monkeypatch):
+    """With a slow read the scan's chunks go on while later rows are still being read (Dump.upto waits for its
+    chunk alone), and the findings are those of one read."""
+    import time
+
+    from conftest import random_dump
+
+    import dcptool.dump as dump_mod
+    import dcptool.scan as scan_mod
+
+    monkeypatch.setattr(dump_mod, "STREAM_PIECE", 2048)
+    monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 500)
+    path = tmp_path / "r.safetensors"
+    want = _replay_lines(random_dump(path, np.random.default_rng(7), 400, 4, 16))
+    real_pread, real_upto = dump_mod._pread, dump_mod.Dump.upto
+    ahead = []
+
+    def slow(*a):
+        time.sleep(0.002)
+        return real_pread(*a)
+
+    def upto(self, key, n):
+        out = real_upto(self, key, n)
+        if self.reader is not None:
+            ahead.append(key in self.reader.pending)  # the column was still being read when a chunk got its rows
+        return out
+
+    monkeypatch.setattr(dump_mod, "_pread", slow)
+    monkeypatch.setattr(dump_mod.Dump, "upto", upto)
+    assert _replay_lines(read_dump(path, stream=True)) == want
+    assert ahead and any(ahead)
+
+
+def test_a_streamed_bad_file_is_its_dump_error_not_a_checks_exception(tmp_path, monkeypatch):
+    """A row value the read finds bad only once it is in (a negative seq_len): replay raises the file's
+    DumpError, also when a check has meanwhile raised on those rows; the command line: exit 2, one line."""
+    from typer.testing import CliRunner
+
+    import dcptool.replay as replay_mod
+    from dcptool.cli import app
+
+    p = _bad(tmp_path, _set("rows.seq_lens", [17, 25, 0, 0, 17, -25, 0, 0, 17, 25, 0, 0]))
+    with pytest.raises(DumpError, match="rows.seq_lens: negative length -25 at row 5"):
+        _replay_lines(read_dump(p, stream=True))
+
+    def broken(d):
+        raise IndexError("a check tripped over the unchecked rows")
+
+    monkeypatch.setattr(replay_mod, "check_shape", broken)
+    with pytest.raises(DumpError, match="negative length"):
+        _replay_lines(read_dump(p, stream=True))
+    r = CliRunner().invoke(app, ["replay", p, "--json"])
+    assert r.exit_code == 2 and r.stdout == "" and r.stderr.count("\n") == 1, (r.stdout, r.stderr)
+    assert r.stderr.startswith(f"dcptool: {p}: rows.seq_lens: negative length -25 at row 5"), r.stderr
+
+
+def test_a_file_truncated_while_streamed_is_one_dump_error(tmp_path, monkeypatch):
+    """Truncated after its per-observation columns were read, while its rows are: DumpError naming the file
+    (from the read's thread, raised by whoever waits and by finish()), never a partly read replay."""
+    import dcptool.dump as dump_mod
+
+    p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(50)])
+    size = os.path.getsize(p)
+    real = dump_mod._Reader._run
+
+    def cut_then_read(self):
+        os.truncate(p, size - 40)
+        real(self)
+
+    monkeypatch.setattr(dump_mod._Reader, "_run", cut_then_read)
+    d = read_dump(p, stream=True)
+    with pytest.raises(DumpError, match=f"^{p}: changed while being read"):
+        d["rows.dcp_local_seq_lens"]
+    with pytest.raises(DumpError, match="changed while being read"):
+        _replay_lines(d)

@@ -303,6 +303,34 @@ def test_cuda_scan_compares_pairs_exactly(tmp_path, monkeypatch, target):
     assert np.array_equal(scan_mod.scan(d, "triton", pairs=_Future(pairs)).differ, want)
 
 
+def _streamed_scan_agrees(tmp_path, monkeypatch, backend: str) -> None:
+    """scan of a streamed read (the rows still coming in pieces while the chunks go) against one read."""
+    import dcptool.dump as dump_mod
+
+    monkeypatch.setattr(dump_mod, "STREAM_PIECE", 1024)
+    path = tmp_path / "r.safetensors"
+    d = random_dump(path, np.random.default_rng(11), 200, 4, 16)
+    prev = np.arange(d.n) - 1
+    want = scan_mod.scan(d, backend, pairs=prev)
+    s = dump_mod.read_dump(path, stream=True)
+    got = scan_mod.scan(s, backend, pairs=prev)
+    s.finish()
+    assert all(np.array_equal(x, y) for x, y in zip(as_array(got), as_array(want))) and want.obs.size
+    assert np.array_equal(got.differ, want.differ)
+
+
+@pytest.mark.kernel
+def test_triton_scan_of_a_streamed_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", 700)
+    _streamed_scan_agrees(tmp_path, monkeypatch, "triton")
+
+
+@cuda
+def test_cuda_scan_of_a_streamed_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", 700)
+    _streamed_scan_agrees(tmp_path, monkeypatch, "triton")
+
+
 @pytest.mark.parametrize("cores,bounded,want", [(1, False, 1), (2, False, 1), (3, False, 1), (4, False, 2),
                                                 (16, False, 4), (16, True, 1), (None, False, 1)])
 def test_default_threads_leave_replays_checks_a_core(monkeypatch, cores, bounded, want):
