@@ -798,6 +798,7 @@ def test_the_scan_follows_a_slow_read(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dump_mod, "STREAM_PIECE", 2048)
     monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 500)
+    monkeypatch.setattr(scan_mod, "CHUNK_ROWS_THREADED", 500)  # (a many-core host scans on several threads)
     path = tmp_path / "r.safetensors"
     want = _replay_lines(random_dump(path, np.random.default_rng(7), 400, 4, 16))
     real_pread, real_upto = dump_mod._pread, dump_mod.Dump.upto
