@@ -73,6 +73,7 @@ class Source:
 # falls back to the exact search, so a collision costs time, never a wrong answer (rank-sum, which groups by
 # hash without a fallback, keeps two).
 SALTS = (0,)
+LEAD_BLOCK = 1 << 16  # observations per block of lead() on a dump still being read
 
 
 def _i64(hs: list[np.ndarray]) -> list[np.ndarray]:
@@ -144,19 +145,28 @@ class Provenance:
 
     def lead(self) -> tuple[np.ndarray, np.ndarray]:
         """Expected rows 0 and 1 of every observation (0 past num_reqs): O(n) gathers, not O(rows). Computed once;
-        replay asks for it early on the GPU path, while the host waits for the device's scan."""
+        replay asks for it early on the GPU path, while the host waits for the device's scan. On a dump still
+        being read (read_dump(stream=True)) it follows the read in blocks of LEAD_BLOCK observations, so it is
+        ready when the scan is, not after the whole column."""
         if self._rows01 is None:
-            self._rows01 = (self._row(0), self._row(1))
+            d = self.d
+            out = (np.zeros(d.n, np.int64), np.zeros(d.n, np.int64))
+            step = LEAD_BLOCK if d.reader is not None else max(d.n, 1)
+            for lo in range(0, d.n, step):
+                hi = min(d.n, lo + step)
+                for j in (0, 1):
+                    self._row(j, lo, hi, out[j])
+            self._rows01 = out
         return self._rows01
 
-    def _row(self, j: int) -> np.ndarray:
+    def _row(self, j: int, lo: int, hi: int, out: np.ndarray) -> None:
+        """Expected row j of observations [lo, hi) into out (0 past num_reqs)."""
         d, c = self.d, self.d.config
-        nr = d["obs.num_reqs"]
-        idx = np.flatnonzero(nr > j)
-        out = np.zeros(d.n, np.int64)
-        out[idx] = local_np(d.take("rows.seq_lens", d["obs.rows"][idx] + j), c.dcp_size, d["obs.rank"][idx],
-                            c.cp_interleave)
-        return out
+        rows = d["obs.rows"]
+        idx = lo + np.flatnonzero(d["obs.num_reqs"][lo:hi] > j)
+        at = rows[idx] + j
+        v = d.take("rows.seq_lens", at) if d.reader is None else d.upto("rows.seq_lens", int(rows[hi]))[at]
+        out[idx] = local_np(v, c.dcp_size, d["obs.rank"][idx], c.cp_interleave)
 
     def _prefix_sums(self, obs: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
         """Hashes of the expected real rows of observations `obs`, as prefix sums: (first row of each

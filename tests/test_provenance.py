@@ -333,3 +333,26 @@ def test_rank_sum_agrees_with_the_rule_as_loops(tmp_path, monkeypatch, seed, col
     wrong = {f.index for f in res.findings if f.rule in ("stale", "global", "wrong-rank", "wrong-interleave",
                                                          "mismatch")}
     assert sorted(got) == sorted(naive_rank_sum(d, wrong))
+
+
+@pytest.mark.parametrize("block", [1, 7, 1 << 16])
+def test_lead_follows_a_streamed_read(tmp_path, monkeypatch, block):
+    """lead() on a dump still being read (blocks of LEAD_BLOCK observations, each once its rows are in) gives
+    the one read's expected rows 0 and 1: against the formula row by row, 0 past num_reqs."""
+    from conftest import random_dump
+
+    import dcptool.dump as dump_mod
+
+    monkeypatch.setattr(dump_mod, "STREAM_PIECE", 256)
+    monkeypatch.setattr(provenance, "LEAD_BLOCK", block)
+    path = tmp_path / "r.safetensors"
+    one = random_dump(path, np.random.default_rng(3), 257, 4, 16)
+    s = dump_mod.read_dump(path, stream=True)
+    got = provenance.Provenance(s).lead()
+    s.finish()
+    c = one.config
+    for j, col in enumerate(got):
+        want = [int(local_np(one.seq_lens_of(i)[j], c.dcp_size, int(one["obs.rank"][i]), c.cp_interleave))
+                if one["obs.num_reqs"][i] > j else 0 for i in range(one.n)]
+        assert col.tolist() == want and any(want)
+    assert [x.tolist() for x in provenance.Provenance(one).lead()] == [x.tolist() for x in got]
