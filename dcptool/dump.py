@@ -394,7 +394,12 @@ def _pread(p: str, f, buf: np.ndarray, at: int, nbytes: int, base: int) -> None:
     view = memoryview(buf)[at - base : at - base + nbytes]
     got = 0
     while got < nbytes:
-        k = os.preadv(f.fileno(), [view[got:]], at + got)
+        if hasattr(os, "preadv"):
+            k = os.preadv(f.fileno(), [view[got:]], at + got)
+        else:  # (a system without preadv: one more copy)
+            b = os.pread(f.fileno(), min(nbytes - got, 1 << 26), at + got)
+            k = len(b)
+            view[got : got + k] = b
         if not k:
             raise _fail(p, None, f"changed while being read: the file ended after {at + got} bytes (truncated by "
                                  "another process?); read it again once it is complete")

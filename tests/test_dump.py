@@ -862,3 +862,16 @@ def test_a_file_truncated_while_streamed_is_one_dump_error(tmp_path, monkeypatch
         d["rows.dcp_local_seq_lens"]
     with pytest.raises(DumpError, match="changed while being read"):
         _replay_lines(d)
+
+
+def test_streamed_read_without_preadv(tmp_path, monkeypatch):
+    """Where os.preadv is missing (older macOS), the streamed read copies what os.pread returns: the same columns."""
+    import dcptool.dump as dump_mod
+
+    monkeypatch.setattr(dump_mod, "STREAM_PIECE", 100)
+    p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(30)])
+    want = read_dump(p)
+    monkeypatch.delattr(os, "preadv")
+    got = read_dump(p, stream=True)
+    got.finish()
+    assert all(np.array_equal(got[k], want[k]) for k in want.columns)
