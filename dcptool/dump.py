@@ -485,6 +485,8 @@ class _Reader:
                 self.cond.wait()
         if self.error is not None:
             raise self.error
+        if self.got.get(key, need) < need:  # (the read ended without these values: never hand out unread bytes)
+            raise RuntimeError(f"{self.p}: {key}: the streamed read ended at value {self.got[key]} of {need}")
 
     def finish(self) -> None:
         self.thread.join()

@@ -875,3 +875,19 @@ def test_streamed_read_without_preadv(tmp_path, monkeypatch):
     got = read_dump(p, stream=True)
     got.finish()
     assert all(np.array_equal(got[k], want[k]) for k in want.columns)
+
+
+def test_a_streamed_read_never_hands_out_unread_values(tmp_path, monkeypatch):
+    """A read plan that missed some values (a bug, not a file error) raises when they are asked for, instead of
+    handing out the buffer's unread bytes."""
+    import dcptool.dump as dump_mod
+
+    p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(30)])
+    real = dump_mod._Reader._plan
+    monkeypatch.setattr(dump_mod._Reader, "_plan", lambda self, rows: real(self, rows)[:-1])  # (the last piece lost)
+    d = read_dump(p, stream=True)
+    d.reader.thread.join()
+    lost = [k for k, n in d.reader.need.items() if d.reader.got[k] < n]
+    assert lost
+    with pytest.raises(RuntimeError, match="the streamed read ended at value"):
+        d[lost[0]]
