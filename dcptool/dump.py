@@ -39,6 +39,7 @@ from dcptool.schema import (  # noqa: F401 - DumpConfig, the errors and the limi
     _parse_config,
     _sniff,
     _text_ok,
+    check_row_values,
     validate_columns,
 )
 
@@ -375,8 +376,7 @@ def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
     n = cols["obs.step"].shape[0]
     reader = None
     if stream:
-        reader = _Reader(p, f, buf, base, entries, before,
-                         lambda: validate_columns(p, cfg, cols, injected))  # (the whole file, once all is read)
+        reader = _Reader(p, f, buf, base, entries, before, lambda: check_row_values(p, cfg, cols))
     return Dump(files=[p], config=cfg, columns=_Streamed(cols, reader) if reader else cols,
                 file_index=np.zeros(n, np.int32), file_obs=np.arange(n, dtype=np.int64), injected=[injected],
                 sizes=[size], maps=maps, bounded=bool(bounded), reader=reader,

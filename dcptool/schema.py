@@ -421,8 +421,8 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
                      release=None, row_values: bool = True) -> None:
     """Every structural and value rule of DESIGN §2 on in-memory columns (used on read and on write).
     `release(key, lo, hi)`, when given, is told after each chunk of a row column has been checked.
-    row_values=False: every rule but those on the values of row columns (a streamed read checks the per-observation
-    columns first, then everything once the rows are in: read_dump(stream=True))."""
+    row_values=False: all but the rules on the values of row columns (check_row_values), which a streamed read
+    applies once the rows are in (read_dump(stream=True))."""
     for key in REQUIRED:
         if key not in c:
             raise _fail(p, key, "missing")
@@ -467,15 +467,6 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
     _first_bad(p, "obs.rows", rows < nr, rows, "fewer seq_lens rows than num_reqs")
     dcp_rows = np.diff(c["obs.dcp_rows"])
     _first_bad(p, "obs.dcp_rows", (has == 0) & (dcp_rows != 0), dcp_rows, "rows recorded for a None DCP view")
-    sl = c["rows.seq_lens"]
-    step = 1 << 22
-    for lo in range(0, sl.size if row_values else 0, step):  # in chunks: a bounded read never holds all rows
-        part = sl[lo : lo + step]
-        if part.min() < 0:
-            i = lo + int(np.argmax(part < 0))
-            raise _fail(p, "rows.seq_lens", f"negative length {sl[i]} at row {i}")
-        if release is not None:
-            release("rows.seq_lens", lo, lo + part.size)
     if "obs.parent" in c:
         par = c["obs.parent"]
         _first_bad(p, "obs.parent", (par < -1) | (par >= n) | (par == np.arange(n)), par,
@@ -490,27 +481,44 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
     if "obs.graph" in c:
         g = c["obs.graph"]
         _first_bad(p, "obs.graph", (g < 0) | (g > 3), g, "must be 0..3 (eager, piecewise, capture, replay)")
-    if "rows.dcp_tot_seq_lens" in c and row_values:  # global lengths: a negative one is no length (as rows.seq_lens)
-        t = c["rows.dcp_tot_seq_lens"]
-        if t.size and t.min() < 0:
-            i = int(np.argmax(t < 0))
-            raise _fail(p, "rows.dcp_tot_seq_lens", f"negative length {t[i]} at row {i}")
-    if "obs.slots" in c and row_values:
-        _check_slots(p, cfg, c)
+    if "obs.slots" in c:
+        for key in SLOT_COLUMNS[1:]:
+            if key not in c:
+                raise _fail(p, key, "missing (it goes with obs.slots)")
     if "rows.kv_pages" in c and cfg.page_size is None:
         raise _fail(p, "rows.kv_pages", "present but dcptool.config has no page_size")
     if injected:
         for fault, idx in injected.items():
             if any(not 0 <= i < n for i in idx):
                 raise _fail(p, "dcptool.injected", f"{fault}: observation index out of range")
+    if row_values:
+        check_row_values(p, cfg, c, release)
+
+
+def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=None) -> None:
+    """DESIGN §2's rules on the values of row columns (after validate_columns(row_values=False) on the same
+    columns): no negative seq_len or global length, slot positions and KV-cache groups in range."""
+    sl = c["rows.seq_lens"]
+    step = 1 << 22
+    for lo in range(0, sl.size, step):  # in chunks, so a bounded read never holds all rows at once
+        part = sl[lo : lo + step]
+        if part.min() < 0:
+            i = lo + int(np.argmax(part < 0))
+            raise _fail(p, "rows.seq_lens", f"negative length {sl[i]} at row {i}")
+        if release is not None:
+            release("rows.seq_lens", lo, lo + part.size)
+    if "rows.dcp_tot_seq_lens" in c:  # global lengths: a negative one is no length (as rows.seq_lens)
+        t = c["rows.dcp_tot_seq_lens"]
+        if t.size and t.min() < 0:
+            i = int(np.argmax(t < 0))
+            raise _fail(p, "rows.dcp_tot_seq_lens", f"negative length {t[i]} at row {i}")
+    if "obs.slots" in c:
+        _check_slots(p, cfg, c)
 
 
 def _check_slots(p: str, cfg: DumpConfig, c: dict[str, np.ndarray]) -> None:
     """Slot columns (issue 15): positions are token positions (>= 0); each entry's KV-cache group is one the
     config lists (any index >= 0 without kv_groups). Slot values are findings, not file errors."""
-    for key in SLOT_COLUMNS[1:]:
-        if key not in c:
-            raise _fail(p, key, "missing (it goes with obs.slots)")
     pos, grp = c["rows.positions"], c["rows.slot_group"]
     if pos.size and pos.min() < 0:
         i = int(np.argmax(pos < 0))
