@@ -163,10 +163,11 @@ class Dump:
     # read in bounded memory. Internal to the pipeline: callers use them instead of indexing columns.
 
     def take(self, key: str, idx: np.ndarray) -> np.ndarray:
-        """self[key][idx]. In a bounded dump the gather goes in pieces, each piece's pages dropped after use:
-        the kernel maps whole page-cache folios on a fault, so even a sparse gather across a big file
-        would otherwise map most of it."""
-        arr = self[key]
+        """self[key][idx]; a dump still being read waits for the values up to idx's largest, not the whole
+        column. In a bounded dump the gather goes in pieces, each piece's pages dropped after use: the kernel
+        maps whole page-cache folios on a fault, so even a sparse gather across a big file would otherwise map
+        most of it."""
+        arr = self.upto(key, int(idx.max()) + 1) if self.reader is not None and idx.size else self[key]
         if not self.bounded or key not in self.maps or idx.size == 0:
             return arr[idx]
         out = np.empty(idx.size, arr.dtype)

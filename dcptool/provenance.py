@@ -162,11 +162,9 @@ class Provenance:
     def _row(self, j: int, lo: int, hi: int, out: np.ndarray) -> None:
         """Expected row j of observations [lo, hi) into out (0 past num_reqs)."""
         d, c = self.d, self.d.config
-        rows = d["obs.rows"]
         idx = lo + np.flatnonzero(d["obs.num_reqs"][lo:hi] > j)
-        at = rows[idx] + j
-        v = d.take("rows.seq_lens", at) if d.reader is None else d.upto("rows.seq_lens", int(rows[hi]))[at]
-        out[idx] = local_np(v, c.dcp_size, d["obs.rank"][idx], c.cp_interleave)
+        out[idx] = local_np(d.take("rows.seq_lens", d["obs.rows"][idx] + j), c.dcp_size, d["obs.rank"][idx],
+                            c.cp_interleave)
 
     def _prefix_sums(self, obs: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
         """Hashes of the expected real rows of observations `obs`, as prefix sums: (first row of each

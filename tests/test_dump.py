@@ -891,3 +891,32 @@ def test_a_streamed_read_never_hands_out_unread_values(tmp_path, monkeypatch):
     assert lost
     with pytest.raises(RuntimeError, match="the streamed read ended at value"):
         d[lost[0]]
+
+
+def test_take_on_a_streamed_dump_waits_for_what_it_gathers_only(tmp_path, monkeypatch):
+    """Dump.take on a dump still being read returns once the values up to its largest index are in (provenance's
+    lead follows the read so), while the rest of the column is still held back."""
+    import threading
+
+    import dcptool.dump as dump_mod
+
+    monkeypatch.setattr(dump_mod, "STREAM_PIECE", 64)
+    p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(60)])
+    want = read_dump(p)
+    go, real, calls = threading.Event(), dump_mod._pread, []
+
+    def held(*a):
+        if threading.current_thread().name == "dcptool-read":  # (the per-observation columns come first, here)
+            calls.append(a)
+            if len(calls) > 2:  # the reader's first pieces only, then it waits
+                assert go.wait(10)
+        return real(*a)
+
+    monkeypatch.setattr(dump_mod, "_pread", held)
+    d = read_dump(p, stream=True)
+    got = d.take("rows.seq_lens", np.array([0, 1, 2]))
+    assert got.tolist() == want["rows.seq_lens"][:3].tolist()
+    assert "rows.seq_lens" in d.reader.pending  # (the column is not read whole yet)
+    go.set()
+    d.finish()
+    assert np.array_equal(d["rows.seq_lens"], want["rows.seq_lens"])
