@@ -100,8 +100,8 @@ class _Pairs:
     is ready and comparing them after the scan was measured: on the H200 the GPU scanned most chunks before
     the pairs came, and their comparison after the scan cost 1 s at 10^6 observations.)"""
 
-    def __init__(self, rows: np.ndarray, pairs):
-        self.rows, self.src = rows, pairs
+    def __init__(self, rows: np.ndarray, pairs: Callable[[], np.ndarray]):
+        self.rows, self.src = rows, pairs  # (called once, by the first chunk)
         self.other: np.ndarray | None = None
         self.found: list[np.ndarray] = []
         self.late: list[np.ndarray] = []
@@ -113,7 +113,7 @@ class _Pairs:
         with self.lock:
             if self.other is not None:
                 return
-            pairs = self.src if isinstance(self.src, np.ndarray) else np.asarray(self.src.result(), np.int64)
+            pairs = np.asarray(self.src(), np.int64)
             lens = np.diff(self.rows)
             other = np.where(pairs >= 0, pairs, np.arange(pairs.size))
             self.found.append(np.flatnonzero(lens[other] != lens))
@@ -479,9 +479,7 @@ def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = 
     pairs[i] (exactly, while the rows are read); Stats.differ lists the observations whose rows differ. It
     may be a future of that array (result()), asked for when the first chunk is read."""
     check_views = d.config.dcp_size > 1
-    if pairs is not None and not hasattr(pairs, "result"):
-        pairs = np.asarray(pairs, np.int64)
-    pp = None if pairs is None else _Pairs(d["obs.rows"], pairs)
+    pp = None if pairs is None else _Pairs(d["obs.rows"], pairs.result if hasattr(pairs, "result") else lambda: pairs)
     if backend == "triton":
         res = _gpu(d, check_views, progress, bounded, pp)
         if pp is not None:
