@@ -95,10 +95,10 @@ class _Pairs:
     A pair of different lengths differs without a read; one whose rows lie outside the chunk (a chunk's
     edge, or members recorded far apart) is compared after the scan (rows_differ).
 
-    `pairs` returns that array when first called, by the first chunk: scan() hands in an array's or a future's
-    (replay computes rank_pairs on another thread while the scan sets up: buffers, pinned staging). (Scanning chunks before it
-    is ready and comparing them after the scan was measured: on the H200 the GPU scanned most chunks before
-    the pairs came, and their comparison after the scan cost 1 s at 10^6 observations.)"""
+    `pairs` returns that array when first called, by the first chunk: scan() hands in an array's or a
+    future's (replay computes rank_pairs on another thread while the scan sets up: buffers, pinned staging).
+    (Scanning chunks before it is ready and comparing them after the scan was measured: on the H200 the GPU
+    scanned most chunks before the pairs came, and their comparison after the scan cost 1 s at 10^6.)"""
 
     def __init__(self, rows: np.ndarray, pairs: Callable[[], np.ndarray]):
         self.rows, self.src = rows, pairs  # (called once, by the first chunk)
