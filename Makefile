@@ -33,9 +33,11 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 	@echo "--- kernel tests once more, under the Triton interpreter (TRITON_INTERPRET=1)"
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel

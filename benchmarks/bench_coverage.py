@@ -44,9 +44,9 @@ def best(f, k: int = 5) -> float:
 
 
 def main() -> None:
-    import dcptool.replay as R
+    import dcptool.check.replay as R
     from dcptool.dump import open_dumps
-    from dcptool.simulate import SimConfig, simulate
+    from dcptool.model.simulate import SimConfig, simulate
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=400)
@@ -81,7 +81,7 @@ def main() -> None:
 _REPLAY = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-import dcptool.replay as R
+import dcptool.check.replay as R
 from dcptool.dump import open_dumps
 if {variant!r} != "new":
     import slot_reference as ref
@@ -101,7 +101,7 @@ def slots(a) -> None:
     import slot_reference as ref
     from typer.testing import CliRunner
 
-    import dcptool.slots as R
+    import dcptool.check.slots as R
     from dcptool.cli import app
     from dcptool.dump import open_dumps
 

@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dcptool import kernel  # noqa: E402
-from dcptool.reference import check_rows as ref_check  # noqa: E402
+from dcptool.check import gpu  # noqa: E402
+from dcptool.dcp.reference import check_rows as ref_check  # noqa: E402
 
 
 def make(rows_total: int, N: int = 4, I: int = 16, seed: int = 0):
@@ -33,11 +33,11 @@ def make(rows_total: int, N: int = 4, I: int = 16, seed: int = 0):
     seq = torch.randint(1, 1 << 17, (R,), device="cuda", dtype=torch.int32, generator=g)
     nr = (ln - torch.randint(0, 8, (n,), device="cuda", generator=g)).to(torch.int32)
     ranks = torch.randint(0, N, (n,), device="cuda", dtype=torch.int32, generator=g)
-    exp = kernel.expected_rows(seq, rows, nr, ranks, N, I)
+    exp = gpu.expected_rows(seq, rows, nr, ranks, N, I)
     return seq, rows, exp, rows.clone(), nr, ln.to(torch.int32), ranks, N, I
 
 
-# (rows per step, warps) of the flag pass; the default is kernel.FUSED_BLOCK / FUSED_WARPS
+# (rows per step, warps) of the flag pass; the default is gpu.FUSED_BLOCK / FUSED_WARPS
 CONFIGS = [(256, 2), (128, 2), (256, 4), (512, 2)]
 
 
@@ -52,23 +52,23 @@ def bench(R: int) -> None:
     copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=400, return_mode="median")
     copy_bw = moved / copy_ms / 1e6
     dcp[::997] += 1  # planted wrong rows: the answer is checked below
-    stats = kernel.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I)
+    stats = gpu.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I)
     k = min(n, 2000)
     want = ref_check(seq[: rows[k]].cpu(), rows[: k + 1].cpu(), dcp[: drows[k]].cpu(), drows[: k + 1].cpu(),
                      nr[:k].cpu(), nrp[:k].cpu(), ranks[:k].cpu(), N, I)
     assert torch.equal(stats[:4, :k].cpu(), want[:4]), "kernel disagrees with the reference"
     assert int(stats[0].sum()) > 0
-    default = (kernel.FUSED_BLOCK, kernel.FUSED_WARPS)
+    default = (gpu.FUSED_BLOCK, gpu.FUSED_WARPS)
     for block, warps in CONFIGS:
-        kernel.FUSED_BLOCK, kernel.FUSED_WARPS = block, warps
-        got = kernel.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I)
+        gpu.FUSED_BLOCK, gpu.FUSED_WARPS = block, warps
+        got = gpu.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I)
         assert torch.equal(got, stats), (block, warps)
-        ms = triton.testing.do_bench(lambda: kernel.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I),
+        ms = triton.testing.do_bench(lambda: gpu.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I),
                                      warmup=50, rep=400, return_mode="median")
         bw = moved / ms / 1e6
         print(f"| {seq.numel() / 1e6:.0f}M | {n:,} | {ms:.3f} | {bw:.0f} | {copy_ms:.3f} | {copy_bw:.0f} | "
               f"{bw / copy_bw:.2f} | {block} rows, {warps} warps |", flush=True)
-    kernel.FUSED_BLOCK, kernel.FUSED_WARPS = default
+    gpu.FUSED_BLOCK, gpu.FUSED_WARPS = default
 
 
 def main() -> None:

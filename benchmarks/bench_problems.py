@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dcptool.dump import open_dumps  # noqa: E402
-from dcptool.problems import finding_arrays, group  # noqa: E402
-from dcptool.replay import replay  # noqa: E402
-from dcptool.simulate import SimConfig, simulate  # noqa: E402
+from dcptool.check.problems import finding_arrays, group  # noqa: E402
+from dcptool.check.replay import replay  # noqa: E402
+from dcptool.dump import open_dumps
+from dcptool.model.simulate import SimConfig, simulate  # noqa: E402
 
 
 def best(f, k: int = 3) -> tuple[float, object]:

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def make(path: Path, n: int, shape: str, rows: int = 4, seed: int = 0) -> None:
+    from dcptool.check.provenance import local_np
     from dcptool.dump import DumpConfig, write_dump
-    from dcptool.provenance import local_np
 
     rng = np.random.default_rng(seed)
     seq = rng.integers(1, 1000, (n, rows)).astype(np.int32)
@@ -50,10 +50,10 @@ def make(path: Path, n: int, shape: str, rows: int = 4, seed: int = 0) -> None:
 
 
 def measure(path: Path, backend: str) -> dict:
+    from dcptool.check.provenance import Provenance
+    from dcptool.check.replay import replay
+    from dcptool.check.scan import scan
     from dcptool.dump import open_dumps, read_dump
-    from dcptool.provenance import Provenance
-    from dcptool.replay import replay
-    from dcptool.scan import scan
 
     t = time.perf_counter()
     d = read_dump(path)

@@ -39,9 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dcptool.dump import read_dump, write_dump  # noqa: E402
-from dcptool.record import Recorder  # noqa: E402
-from dcptool.simulate import SimConfig, simulate  # noqa: E402
+from dcptool.dump import read_dump, write_dump
+from dcptool.engine.record import Recorder  # noqa: E402
+from dcptool.model.simulate import SimConfig, simulate  # noqa: E402
 
 
 def bench_recorder(n: int, tmp: Path) -> None:
@@ -216,8 +216,8 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
             pr.disable()
             pstats.Stats(pr).sort_stats("tottime").print_stats(14)
         if ring is not None:  # the launch alone, each way (a slot at the start of the ring, rewritten)
-            from dcptool import kernel as K
-            from dcptool import record as R
+            from dcptool.engine import record as R
+            from dcptool.engine import snapshot as K
 
             with rec._lock:
                 rec._harvest(wait=True)  # nothing in flight: slot 0 is free to overwrite
@@ -294,7 +294,7 @@ def _recorder_before(rev: str):
 
 
 def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
-    from dcptool.record import Recorder as New
+    from dcptool.engine.record import Recorder as New
 
     rng = np.random.default_rng(0)
     seq = torch.from_numpy(rng.integers(1, 1 << 17, 256).astype(np.int32))

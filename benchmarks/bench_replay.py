@@ -37,8 +37,8 @@ CHUNK_OBS = 100_000
 
 def make_dump(path: Path, n: int, seed: int = 0) -> None:
     """n observations, 64-512 rows each, about 1% of them planted wrong (None, wrong rows, -1 padding, short)."""
+    from dcptool.check.replay import local_np
     from dcptool.dump import DumpConfig, write_dump
-    from dcptool.replay import local_np
 
     rng = np.random.default_rng(seed)
     # every step is one batch seen by its N ranks (as an engine records it: rank-agree has nothing to say)
@@ -113,12 +113,12 @@ def child_phases(path: str, backend: str) -> dict:
     """Each phase of replay timed alone (warm), as replay runs them; costs per observation, wrong view, finding."""
     import torch  # noqa: F401
 
-    from dcptool import rules as R
+    from dcptool.check import rules as R
+    from dcptool.check.findings import Collector
+    from dcptool.check.provenance import Provenance
+    from dcptool.check.replay import obs_grid, replay
+    from dcptool.check.scan import scan
     from dcptool.dump import open_dumps
-    from dcptool.findings import Collector
-    from dcptool.provenance import Provenance
-    from dcptool.replay import obs_grid, replay
-    from dcptool.scan import scan
 
     replay(open_dumps([path]), backend)  # warm
     d = open_dumps([path])
@@ -154,20 +154,20 @@ def child_phases(path: str, backend: str) -> dict:
             else:
                 found += timed("checks", lambda c=check: R.findings_of(d, c(d)))
     if "slots" in R.RULE and d.has(*R.RULE["slots"].needs):
-        from dcptool.slots import check_slot_rules
+        from dcptool.check.slots import check_slot_rules
 
         for part in timed("slots", check_slot_rules, d):  # (one pass, both rules, as replay runs them)
             found += R.findings_of(d, part)
     timed("checks", obs_grid, d)
     if hasattr(R, "check_empty_mask"):
-        from dcptool.problems import problems
+        from dcptool.check.problems import problems
 
         timed("findings", problems, d, found.table())
     if d.has(*R.RULE["pages"].needs):
         found += timed("findings", R.check_pages, d, st)
     t = timed("findings", found.table)
     lines = timed("json", lambda: sum(1 for _ in t.json_lines()))
-    from dcptool.htmlreport import render_html
+    from dcptool.report.html import render_html
 
     res = replay(d, backend, views=200)
     timed("html", render_html, res)
@@ -181,8 +181,8 @@ def child_memory(path: str, backend: str) -> dict:
 
     import torch  # noqa: F401
 
+    from dcptool.check.replay import replay
     from dcptool.dump import open_dumps
-    from dcptool.replay import replay
 
     replay(open_dumps([path], stream=True), backend)  # warm: one-time allocations are not the replay's
     tracemalloc.start()
@@ -195,8 +195,8 @@ def child_memory(path: str, backend: str) -> dict:
 def child_replay(path: str, backend: str) -> dict:
     import torch  # noqa: F401  (start-up, not measured)
 
+    from dcptool.check.replay import replay
     from dcptool.dump import open_dumps
-    from dcptool.replay import replay
 
     t = time.perf_counter()
     res = replay(open_dumps([path], stream=True), backend)
@@ -204,7 +204,7 @@ def child_replay(path: str, backend: str) -> dict:
     t = time.perf_counter()
     res = replay(open_dumps([path], stream=True), backend)
     sec = time.perf_counter() - t
-    from dcptool.scan import scan
+    from dcptool.check.scan import scan
 
     d = open_dumps([path])
     t = time.perf_counter()
@@ -221,8 +221,8 @@ def child_bounded(path: str, backend: str) -> dict:
     """Replay with bounded=True: each chunk's pages are dropped after use (dumps larger than RAM)."""
     import torch  # noqa: F401
 
+    from dcptool.check.replay import replay
     from dcptool.dump import open_dumps
-    from dcptool.replay import replay
 
     t = time.perf_counter()
     res = replay(open_dumps([path], bounded=True), backend, bounded=True)
@@ -240,9 +240,9 @@ def child_baseline(path: str) -> dict:
     d = read_dump(path)
     cuda = torch.cuda.is_available()
     if cuda:
-        from dcptool.kernel import prepare_dcp_local_seq_lens as prep
+        from dcptool.dcp.kernel import prepare_dcp_local_seq_lens as prep
     else:
-        from dcptool.reference import prepare_dcp_local_seq_lens as prep
+        from dcptool.dcp.reference import prepare_dcp_local_seq_lens as prep
     dev = "cuda" if cuda else "cpu"
     buf = torch.zeros(1024, dtype=torch.int32, device=dev)
     c = d.config

@@ -56,8 +56,8 @@ def split(src: Path, out: Path, files: int) -> list[str]:
 def child(bounded: str, *paths: str) -> dict:
     import torch  # noqa: F401  (start-up, not measured)
 
+    from dcptool.check.replay import replay
     from dcptool.dump import open_dumps
-    from dcptool.replay import replay
 
     t = time.perf_counter()
     d = open_dumps(list(paths), bounded=bounded == "1")

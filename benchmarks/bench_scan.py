@@ -35,7 +35,7 @@ BASE_OBS = 100_000  # distinct observations generated; larger sizes repeat them 
 
 
 def make_columns(n: int, seed: int = 0) -> dict[str, np.ndarray]:
-    from dcptool.reference import local_np
+    from dcptool.dcp.reference import local_np
 
     rng = np.random.default_rng(seed)
     m = min(n, BASE_OBS)
@@ -79,9 +79,9 @@ def old_gpu(d):
     """The GPU scan before issue 16 item 3: each column copied whole through pageable memory, one launch."""
     import torch
 
-    from dcptool.kernel import check_rows
-    from dcptool.reference import RowStats
-    from dcptool.scan import Stats
+    from dcptool.check.gpu import check_rows
+    from dcptool.check.scan import Stats
+    from dcptool.dcp.reference import RowStats
 
     c = d.config
     t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to("cuda")  # noqa: E731
@@ -98,7 +98,7 @@ import sys, time
 sys.path[:0] = [{root!r}, {bench!r}]
 import torch
 from bench_scan import make_columns, prefix
-from dcptool.scan import scan
+from dcptool.check.scan import scan
 d = prefix(make_columns(1000), 1000)
 t = time.perf_counter(); scan(d, "triton"); first = time.perf_counter() - t
 t = time.perf_counter(); scan(d, "triton"); warm = time.perf_counter() - t
@@ -133,7 +133,7 @@ def cpu_sweep(d) -> None:
     """The CPU scan on 1-8 threads at two chunk sizes, against one thread at scan.CHUNK_ROWS (same run)."""
     import os
 
-    from dcptool import scan as scan_mod
+    from dcptool.check import scan as scan_mod
 
     default = scan_mod.CHUNK_ROWS
     base, want = timed(lambda: scan_mod.scan(d, "torch", threads=1), 3)
@@ -153,7 +153,7 @@ def cpu_sweep(d) -> None:
 def main() -> None:
     import torch
 
-    from dcptool.scan import GPU_MIN_OBS, scan
+    from dcptool.check.scan import GPU_MIN_OBS, scan
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1e3,3e3,1e4,3e4,1e5,3e5,1e6,3e6,1e7")
@@ -209,7 +209,7 @@ def main() -> None:
             line += " - | - | - | - | - |"
         print(line, flush=True)
     if gpu:
-        from dcptool import scan as scan_mod
+        from dcptool.check import scan as scan_mod
 
         n = max([x for x in sizes if x <= 1_000_000] or sizes[:1])
         d = prefix(cols, n)

@@ -17,8 +17,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from bench_replay import UNIT, child_phases, print_phases  # noqa: E402
 
+from dcptool.check.replay import replay  # noqa: E402
 from dcptool.dump import open_dumps  # noqa: E402
-from dcptool.replay import replay  # noqa: E402
 
 path, backend = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "auto")
 replay(open_dumps([path]), backend)  # warm: JIT, thread pool

@@ -14,11 +14,11 @@ import argparse
 import threading
 import time
 
+import dcptool.check.problems as problems_mod
+import dcptool.check.provenance as provenance_mod
+import dcptool.check.replay as replay_mod
+import dcptool.check.scan as scan_mod
 import dcptool.dump as dump_mod
-import dcptool.problems as problems_mod
-import dcptool.provenance as provenance_mod
-import dcptool.replay as replay_mod
-import dcptool.scan as scan_mod
 from dcptool.dump import open_dumps
 from dcptool.memory import keep_freed_memory
 

@@ -15,7 +15,7 @@ def __getattr__(name: str):
 
         return DcptoolError
     if name == "Recorder":
-        from dcptool.record import Recorder
+        from dcptool.engine.record import Recorder
 
         return Recorder
     raise AttributeError(name)

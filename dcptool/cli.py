@@ -23,7 +23,7 @@ class Trouble(DcptoolError):
 
 def _say(msg: str) -> None:
     """One line on stderr; a path or a string from a file in it cannot reach the terminal as a command."""
-    from dcptool.report import literal
+    from dcptool.report.text import literal
 
     typer.echo(f"dcptool: {literal(msg)}", err=True)
 
@@ -172,7 +172,7 @@ def _options(
 
 
 def _console() -> Console:
-    from dcptool.report import ReportConsole
+    from dcptool.report.text import ReportConsole
 
     return ReportConsole()
 
@@ -195,7 +195,7 @@ def _obs_index(d, spec: str) -> int:
     if i is None:
         raise Trouble(f"--obs {spec!r}: {d.files[fi]} has no observation {k} "
                       f"(it has {int((d.file_index == fi).sum())})")
-    from dcptool.replay import MAX_VIEW_CELLS, view_cells
+    from dcptool.check.replay import MAX_VIEW_CELLS, view_cells
 
     if view_cells(d, i) > MAX_VIEW_CELLS:
         raise Trouble(f"--obs {spec!r}: {d.files[fi]} observation {k} has {int(d['obs.num_reqs_padded'][i])} "
@@ -225,7 +225,7 @@ def _check_html_target(path: Path, dumps: list[Path], force: bool) -> None:
 
 def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
     from dcptool.dump import DumpError, atomic_write
-    from dcptool.htmlreport import render_html
+    from dcptool.report.html import render_html
 
     try:  # WriteError names the file and the problem (disk full, ...), and the old file is unchanged
         atomic_write(path, [render_html(res, max_findings).encode("utf-8")], force=force, inputs=res.files)
@@ -235,7 +235,7 @@ def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
 
 
 def _check_engine_version(v: str | None) -> None:
-    from dcptool.slicing import parse_engine_version
+    from dcptool.dcp.slicing import parse_engine_version
 
     if v is not None and parse_engine_version(v) is None:
         raise Trouble(f"--engine-version {v!r}: expected a vLLM version such as 0.34.0")
@@ -275,20 +275,20 @@ def replay(
         _check_html_target(html, dumps, force)
     d = open_dumps([str(p) for p in dumps], stream=True)  # (the scan follows the read; replay() ends it)
     i = _obs_index(d, obs) if obs is not None else None
-    from dcptool.htmlreport import VIEW_FINDINGS
-    from dcptool.progress import Progress
-    from dcptool.replay import replay as run_replay
+    from dcptool.check.replay import replay as run_replay
+    from dcptool.report.html import VIEW_FINDINGS
+    from dcptool.report.progress import Progress
 
     with Progress(d.n, "replay", not json_out and sys.stderr.isatty()) as bar:  # phases: replay.Phases
         res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS,
                          progress=bar, bounded=d.bounded, engine_version=engine_version)
         if html is not None:  # first: a reader of stdout that stops early (`| head`) must not cost the file
-            from dcptool.htmlreport import html_units
+            from dcptool.report.html import html_units
 
             bar.plan(report=html_units(res, max_findings))
             bar.phase("report")
             _write_html(html, res, max_findings, force)
-    from dcptool import report
+    from dcptool.report import text as report
 
     code = 1 if res.errors or (strict and res.warnings) else 0
     _verdict(code)
@@ -353,12 +353,12 @@ def diff(
                                                                  "all). Text default 100, JSON all.")] = None,
 ) -> None:
     """Align two runs by (step, site, rank, micro-batch, occurrence) and report every recorded difference."""
-    from dcptool.diff import diff as run_diff
+    from dcptool.diagnose.diff import diff as run_diff
     from dcptool.dump import open_dumps
 
     da = open_dumps(_dump_side(a))
     db = open_dumps(_dump_side(b))
-    from dcptool import report
+    from dcptool.report import text as report
 
     limit = max_findings if (max_findings is not None or json_out) else report.TEXT_MAX_FINDINGS
     res = run_diff(da, db, limit)
@@ -377,8 +377,8 @@ def inspect(
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
 ) -> None:
     """Summarise a dump: config, steps, sites, ranks, micro-batches, sizes, optional columns."""
-    from dcptool import report
     from dcptool.dump import describe, open_dumps
+    from dcptool.report import text as report
 
     info = describe(open_dumps([str(p) for p in _dump_args(dump)]))
     if json_out:
@@ -425,10 +425,10 @@ def simulate(
                                                           "object describing what was written.")] = False,
 ) -> None:
     """Simulate a serving workload through a model of vLLM's runner; show or write its DCP metadata."""
-    from dcptool import report
-    from dcptool.progress import Progress
-    from dcptool.simulate import SimConfig, SimError, compare
-    from dcptool.simulate import simulate as run_sim
+    from dcptool.model.simulate import SimConfig, SimError, compare
+    from dcptool.model.simulate import simulate as run_sim
+    from dcptool.report import text as report
+    from dcptool.report.progress import Progress
 
     faults = tuple(f.strip() for f in inject.split(",") if f.strip()) if inject else ()
     cfg = SimConfig(dcp=dcp, interleave=interleave, pcp=pcp, steps=steps, spec_tokens=spec_tokens,
@@ -485,11 +485,11 @@ def reduce(
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object describing the reduction.")] = False,
 ) -> None:
     """Shrink a recording to the fewest steps, observations and rows that still show one problem."""
-    from dcptool import report
+    from dcptool.check.replay import replay as run_replay
+    from dcptool.diagnose.reduce import find_target, reduce_dump, reduced_config
     from dcptool.dump import DumpError, open_dumps, write_dump, write_target
-    from dcptool.progress import Progress
-    from dcptool.reduce import find_target, reduce_dump, reduced_config
-    from dcptool.replay import replay as run_replay
+    from dcptool.report import text as report
+    from dcptool.report.progress import Progress
 
     files = _dump_args(dump)
     try:
@@ -529,10 +529,10 @@ def export_test(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
 ) -> None:
     """Write a pytest regression test embedding the recording's wrong observations as literal arrays."""
+    from dcptool.check.replay import replay as run_replay
+    from dcptool.diagnose.export import ExportError
+    from dcptool.diagnose.export import export_test as build
     from dcptool.dump import DumpError, atomic_write, open_dumps
-    from dcptool.export import ExportError
-    from dcptool.export import export_test as build
-    from dcptool.replay import replay as run_replay
 
     files = _dump_args(dump)
     d = open_dumps([str(p) for p in files])

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from dcptool.dcp.reference import expected_rows, local_np
 from dcptool.dump import DumpConfig, Observation, open_dumps, write_dump, write_observations
-from dcptool.reference import expected_rows, local_np
 
 ROOT = Path(__file__).resolve().parents[1]
 

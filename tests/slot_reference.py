@@ -1,5 +1,5 @@
 """The slot checks as they were before: old_* the whole-column implementation (before issue 16's chunks),
-chunked_* the chunked one of main d07e667 (before the one-pass screen). The references dcptool.slots.check_slots /
+chunked_* the chunked one of main d07e667 (before the one-pass screen). The references dcptool.check.slots.check_slots /
 check_slot_partition are compared against (tests/test_rules.py) and timed against (benchmarks/bench_coverage.py
 --slots). Not part of the package."""
 
@@ -9,10 +9,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dcptool.check.rules import Issue, _kth_per_rank, _obs_chunks
+from dcptool.check.slots import _SLOT_KIND_TEXT, _SLOT_KINDS, _few, _group_name
+from dcptool.dcp.segments import group_ids, ragged
 from dcptool.dump import Dump
-from dcptool.rules import Issue, _kth_per_rank, _obs_chunks
-from dcptool.segments import group_ids, ragged
-from dcptool.slots import _SLOT_KIND_TEXT, _SLOT_KINDS, _few, _group_name
 
 
 class _SlotEntries(NamedTuple):
@@ -146,7 +146,7 @@ def old_check_slot_partition(d: Dump) -> list[Issue]:
     exactly one rank. A position written by several ranks is reported at the ranks that do not own it, one
     written by none at its owner (so the finding sits where the write went wrong). Sets whose ranks write
     nothing at all (dummy runs, capture) are not asked to."""
-    from dcptool.segments import group_ids as _group_ids
+    from dcptool.dcp.segments import group_ids as _group_ids
 
     c = d.config
     N = c.dcp_size

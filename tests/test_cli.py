@@ -235,13 +235,13 @@ def _boom(*a, **k):
 
 
 @pytest.mark.parametrize("args,target", [
-    (["replay", "DUMP"], "dcptool.replay.replay"),
-    (["replay", "DUMP", "--json"], "dcptool.report.replay_json_lines"),
-    (["diff", "DUMP", "DUMP"], "dcptool.diff.diff"),
+    (["replay", "DUMP"], "dcptool.check.replay.replay"),
+    (["replay", "DUMP", "--json"], "dcptool.report.text.replay_json_lines"),
+    (["diff", "DUMP", "DUMP"], "dcptool.diagnose.diff.diff"),
     (["inspect", "DUMP"], "dcptool.dump.describe"),
-    (["inspect", "DUMP"], "dcptool.report.render_inspect"),
-    (["simulate", "--steps", "2", "-o", "OUT"], "dcptool.simulate.simulate"),
-    (["simulate", "--steps", "2"], "dcptool.simulate.compare"),
+    (["inspect", "DUMP"], "dcptool.report.text.render_inspect"),
+    (["simulate", "--steps", "2", "-o", "OUT"], "dcptool.model.simulate.simulate"),
+    (["simulate", "--steps", "2"], "dcptool.model.simulate.compare"),
 ])
 def test_an_unexpected_exception_is_exit_2_and_one_line(tmp_path, monkeypatch, args, target):
     dump = write(tmp_path / "d.safetensors", [obs(step=i) for i in range(3)])
@@ -302,7 +302,7 @@ def test_the_guard_keeps_real_exit_codes(tmp_path, monkeypatch):
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("dcptool.replay.replay", interrupted)
+    monkeypatch.setattr("dcptool.check.replay.replay", interrupted)
     code, _, err = run_cli("replay", clean)
     assert code == 130 and err == "dcptool: interrupted\n"  # click would say "Aborted!" and exit 1
 
@@ -423,9 +423,9 @@ def test_hostile_output_name_renders_literally_in_simulate(tmp_path):
 
 
 def test_hostile_names_are_escaped_in_html(tmp_path):
+    from dcptool.check.replay import replay
     from dcptool.dump import open_dumps
-    from dcptool.htmlreport import render_html
-    from dcptool.replay import replay
+    from dcptool.report.html import render_html
 
     html = render_html(replay(open_dumps([hostile_dump(tmp_path / "h.safetensors")]), "torch", views=5))
     assert "[/bold][link=https://example.invalid]L[/link]" in html and "<a href=\"https://example" not in html

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from conftest import cli, cli_subprocess, obs, write
 
-from dcptool import diff as diffmod
-from dcptool.diff import diff
+from dcptool.diagnose import diff as diffmod
+from dcptool.diagnose.diff import diff
 from dcptool.dump import DumpConfig, Observation, open_dumps, read_dump, write_observations
 
 FULL = dict(parent=None, req_start=-1, tok_start=-1, tok_stop=-1, num_tokens_padded=8, buffer=0x1000, graph=0)

@@ -8,15 +8,7 @@ import numpy as np
 import pytest
 from conftest import obs, write
 
-from dcptool.dump import (
-    DumpConfig,
-    DumpError,
-    encode,
-    open_dumps,
-    pack,
-    read_dump,
-    write_dump,
-)
+from dcptool.dump import DumpConfig, DumpError, encode, files, lazy, open_dumps, pack, read_dump, stream, write_dump
 
 
 def _cols(n=3, **over):
@@ -374,12 +366,11 @@ def test_file_changing_while_read_is_one_line(tmp_path, monkeypatch, change):
     data: exit 2 and one line naming it, never an IndexError, a ValueError or a SIGBUS."""
     from typer.testing import CliRunner
 
-    import dcptool.dump as dump_mod
     from dcptool.cli import app
 
     p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(50)])
     raw = open(p, "rb").read()
-    real = dump_mod._header_of
+    real = files.header_of
 
     def header_then_change(path, f):
         out = real(path, f)
@@ -400,7 +391,7 @@ def test_file_changing_while_read_is_one_line(tmp_path, monkeypatch, change):
                 g.write(b"\0" * 64)
         return out
 
-    monkeypatch.setattr(dump_mod, "_header_of", header_then_change)
+    monkeypatch.setattr(files, "header_of", header_then_change)
     r = CliRunner().invoke(app, ["replay", p, "--json"])
     if change == "replace":  # read from the descriptor opened first: the old file, whole and unchanged
         assert r.exit_code == 0 and json.loads(r.stdout.splitlines()[-1])["observations"] == 50
@@ -422,7 +413,7 @@ def test_file_truncated_after_it_was_read_cannot_crash_the_replay(tmp_path):
     script = f"""
 import os, json
 from dcptool.dump import open_dumps
-from dcptool.replay import replay
+from dcptool.check.replay import replay
 d = open_dumps([{p!r}])
 os.truncate({p!r}, 0)
 res = replay(d, "torch")
@@ -497,9 +488,9 @@ def _same_dump(a, b):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_lazy_merge_equals_the_in_memory_merge(tmp_path, monkeypatch, seed):
-    from dcptool import scan as scan_mod
-    from dcptool.dump import MergedRows
-    from dcptool.replay import replay
+    from dcptool.check import scan as scan_mod
+    from dcptool.check.replay import replay
+    from dcptool.dump.lazy import MergedRows
 
     rng = np.random.default_rng(seed)
     paths = _rollover(tmp_path, rng, files=[2, 4, 7][seed % 3], sorted_steps=seed < 3)
@@ -551,13 +542,12 @@ def test_lazy_merge_keeps_the_order_rule_and_parents(tmp_path):
 
 
 def test_lazy_merge_is_chosen_when_the_files_exceed_half_the_memory(tmp_path, monkeypatch):
-    import dcptool.dump as dump_mod
 
     paths = _rollover(tmp_path, np.random.default_rng(3), files=3)
     total = sum(os.path.getsize(p) for p in paths)
-    monkeypatch.setattr(dump_mod, "available_memory", lambda: 2 * total + 2)  # they fit: merged in memory
+    monkeypatch.setattr(files, "available_memory", lambda: 2 * total + 2)  # they fit: merged in memory
     assert not open_dumps(paths).bounded
-    monkeypatch.setattr(dump_mod, "available_memory", lambda: 2 * total - 2)  # together over half: lazy
+    monkeypatch.setattr(files, "available_memory", lambda: 2 * total - 2)  # together over half: lazy
     d = open_dumps(paths)
     assert d.bounded and type(d["rows.seq_lens"]).__name__ == "MergedRows"
     assert not open_dumps(paths[:1]).bounded  # one file alone is under the bound: read as before
@@ -565,15 +555,14 @@ def test_lazy_merge_is_chosen_when_the_files_exceed_half_the_memory(tmp_path, mo
 
 def test_lazy_merge_holds_few_files_open(tmp_path, monkeypatch):
     """Each mapping keeps a descriptor: only a few files are mapped at a time (least recently used closed)."""
-    import dcptool.dump as dump_mod
-    from dcptool.replay import replay
+    from dcptool.check.replay import replay
 
-    monkeypatch.setattr(dump_mod, "_max_open_files", lambda: 4)
+    monkeypatch.setattr(lazy, "_max_open_files", lambda: 4)
     paths = _rollover(tmp_path, np.random.default_rng(5), n=300, files=12, sorted_steps=False)
-    lazy = open_dumps(paths, bounded=True)
-    got = replay(lazy, "torch", bounded=True)
-    files = lazy["rows.seq_lens"].files
-    assert len(files.open) <= 4
+    merged = open_dumps(paths, bounded=True)
+    got = replay(merged, "torch", bounded=True)
+    mapped = merged["rows.seq_lens"].files
+    assert len(mapped.open) <= 4
     want = replay(open_dumps(paths, bounded=False), "torch")
     assert [f.to_json() for f in got.findings] == [f.to_json() for f in want.findings]
 
@@ -593,11 +582,12 @@ RSS_SCRIPT = """
 import json, sys
 import numpy, torch
 import dcptool.dump as dump_mod
-from dcptool.replay import replay
+from dcptool.check.replay import replay
 def hwm():
     return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM:"))
 paths = sys.argv[1:]
-dump_mod.available_memory = lambda: AVAIL
+import dcptool.dump.files
+dcptool.dump.files.available_memory = lambda: AVAIL
 base = hwm()
 d = dump_mod.open_dumps(paths)
 res = replay(d, "torch", bounded=d.bounded)
@@ -610,7 +600,7 @@ def _big_rollover(tmp_path, files=4, rows=1 << 20, per_obs=1024, seed=0):
     """`files` files of `rows` rows each (seq_lens, views and page counts: 12 bytes a row), views right but
     for one wrong value in every 97th observation; steps continue across files, the last step of a file
     is also the first of the next (a rollover mid-step)."""
-    from dcptool.reference import local_np
+    from dcptool.dcp.reference import local_np
 
     rng = np.random.default_rng(seed)
     n = rows // per_obs
@@ -637,11 +627,12 @@ RSS_SCRIPT = """
 import json, sys
 import numpy, torch
 import dcptool.dump as dump_mod
-from dcptool.replay import replay
+from dcptool.check.replay import replay
 def hwm():
     return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith("VmHWM:"))
 paths = sys.argv[2:]
-dump_mod.available_memory = lambda: int(sys.argv[1])
+import dcptool.dump.files
+dcptool.dump.files.available_memory = lambda: int(sys.argv[1])
 base = hwm()
 d = dump_mod.open_dumps(paths)
 res = replay(d, "torch", bounded=d.bounded)
@@ -681,7 +672,6 @@ def test_commands_read_rollover_files_over_the_bound_lazily(tmp_path, monkeypatc
     """replay, inspect and diff of a rollover directory: the same output whether merged in memory or lazily."""
     from typer.testing import CliRunner
 
-    import dcptool.dump as dump_mod
     from dcptool.cli import app
 
     paths = _rollover(tmp_path, np.random.default_rng(9), files=5)
@@ -696,7 +686,7 @@ def test_commands_read_rollover_files_over_the_bound_lazily(tmp_path, monkeypatc
         return rows
 
     for avail in (1 << 40, 64):  # plenty of memory, then none: lazy
-        monkeypatch.setattr(dump_mod, "available_memory", lambda avail=avail: avail)
+        monkeypatch.setattr(files, "available_memory", lambda avail=avail: avail)
         r = [CliRunner().invoke(app, args) for args in (["replay", d, "--json"], ["inspect", d, "--json"],
                                                          ["diff", d, ",".join(paths), "--json"])]
         runs[avail] = [(x.exit_code, parsed(x.stdout)) for x in r]
@@ -709,12 +699,11 @@ def test_a_lazily_merged_file_replaced_before_its_rows_are_read_is_one_line(tmp_
 
     from typer.testing import CliRunner
 
-    import dcptool.dump as dump_mod
-    import dcptool.replay as replay_mod
+    import dcptool.check.replay as replay_mod
     from dcptool.cli import app
 
     paths = _rollover(tmp_path, np.random.default_rng(4), files=3)
-    monkeypatch.setattr(dump_mod, "available_memory", lambda: 64)
+    monkeypatch.setattr(files, "available_memory", lambda: 64)
     real = replay_mod.replay
 
     def replaced_then_replay(*a, **k):
@@ -735,19 +724,18 @@ def test_per_rank_simulation_replays_the_same_lazily(tmp_path, monkeypatch, pipe
     --split 2 give what the in-memory merge gives."""
     from typer.testing import CliRunner
 
-    import dcptool.dump as dump_mod
     from dcptool.cli import app
 
     r = CliRunner().invoke(app, ["simulate", "--dcp", "4", "--steps", "40", "--pipeline", pipeline, "--per-rank",
                                  "-o", str(tmp_path / "sim.safetensors")])
     assert r.exit_code == 0, r.stderr
-    files = sorted(str(p) for p in tmp_path.iterdir())
-    assert len(files) == 4
+    paths = sorted(str(p) for p in tmp_path.iterdir())
+    assert len(paths) == 4
     out = {}
     for avail in (1 << 40, 64):
-        monkeypatch.setattr(dump_mod, "available_memory", lambda avail=avail: avail)
-        assert open_dumps(files).bounded == (avail == 64)
-        runs = [CliRunner().invoke(app, ["replay", *files, "--json", *extra]) for extra in ([], ["--split", "2"])]
+        monkeypatch.setattr(files, "available_memory", lambda avail=avail: avail)
+        assert open_dumps(paths).bounded == (avail == 64)
+        runs = [CliRunner().invoke(app, ["replay", *paths, "--json", *extra]) for extra in ([], ["--split", "2"])]
         out[avail] = [(x.exit_code, [json.loads(line) for line in x.stdout.splitlines()][:-1]) for x in runs]
     assert out[64] == out[1 << 40]
     assert out[64][0][0] == (1 if pipeline == "legacy" else 0)
@@ -756,7 +744,7 @@ def test_per_rank_simulation_replays_the_same_lazily(tmp_path, monkeypatch, pipe
 # --- streamed reads (replay's): the scan follows the read ------------------------------------------------
 
 def _replay_lines(d, backend="torch", **kw) -> list[str]:
-    from dcptool.replay import replay
+    from dcptool.check.replay import replay
 
     return list(replay(d, backend, **kw).findings.json_lines())
 
@@ -768,10 +756,9 @@ def test_streamed_read_gives_the_one_reads_columns_and_findings(tmp_path, monkey
     gives it, and the same findings from a replay on one thread and on background threads."""
     from conftest import random_dump
 
-    import dcptool.dump as dump_mod
-    import dcptool.scan as scan_mod
+    import dcptool.check.scan as scan_mod
 
-    monkeypatch.setattr(dump_mod, "STREAM_PIECE", piece)
+    monkeypatch.setattr(stream, "STREAM_PIECE", piece)
     monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 1000)
     path = tmp_path / "r.safetensors"
     want = random_dump(path, np.random.default_rng(seed), 300, 4, 16)
@@ -793,15 +780,15 @@ def test_the_scan_follows_a_slow_read(tmp_path, monkeypatch):
 
     from conftest import random_dump
 
+    import dcptool.check.scan as scan_mod
     import dcptool.dump as dump_mod
-    import dcptool.scan as scan_mod
 
-    monkeypatch.setattr(dump_mod, "STREAM_PIECE", 2048)
+    monkeypatch.setattr(stream, "STREAM_PIECE", 2048)
     monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 500)
     monkeypatch.setattr(scan_mod, "CHUNK_ROWS_THREADED", 500)  # (a many-core host scans on several threads)
     path = tmp_path / "r.safetensors"
     want = _replay_lines(random_dump(path, np.random.default_rng(7), 400, 4, 16))
-    real_pread, real_upto = dump_mod._pread, dump_mod.Dump.upto
+    real_pread, real_upto = files.pread, dump_mod.Dump.upto
     ahead = []
 
     def slow(*a):
@@ -814,7 +801,7 @@ def test_the_scan_follows_a_slow_read(tmp_path, monkeypatch):
             ahead.append(key in self.reader.pending)  # the column was still being read when a chunk got its rows
         return out
 
-    monkeypatch.setattr(dump_mod, "_pread", slow)
+    monkeypatch.setattr(files, "pread", slow)
     monkeypatch.setattr(dump_mod.Dump, "upto", upto)
     assert _replay_lines(read_dump(path, stream=True)) == want
     assert ahead and any(ahead)
@@ -825,7 +812,7 @@ def test_a_streamed_bad_file_is_its_dump_error_not_a_checks_exception(tmp_path, 
     DumpError, also when a check has meanwhile raised on those rows; the command line: exit 2, one line."""
     from typer.testing import CliRunner
 
-    import dcptool.replay as replay_mod
+    import dcptool.check.replay as replay_mod
     from dcptool.cli import app
 
     p = _bad(tmp_path, _set("rows.seq_lens", [17, 25, 0, 0, 17, -25, 0, 0, 17, 25, 0, 0]))
@@ -846,17 +833,16 @@ def test_a_streamed_bad_file_is_its_dump_error_not_a_checks_exception(tmp_path, 
 def test_a_file_truncated_while_streamed_is_one_dump_error(tmp_path, monkeypatch):
     """Truncated after its per-observation columns were read, while its rows are: DumpError naming the file
     (from the read's thread, raised by whoever waits and by finish()), never a partly read replay."""
-    import dcptool.dump as dump_mod
 
     p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(50)])
     size = os.path.getsize(p)
-    real = dump_mod._Reader._run
+    real = stream._Reader._run
 
     def cut_then_read(self):
         os.truncate(p, size - 40)
         real(self)
 
-    monkeypatch.setattr(dump_mod._Reader, "_run", cut_then_read)
+    monkeypatch.setattr(stream._Reader, "_run", cut_then_read)
     d = read_dump(p, stream=True)
     with pytest.raises(DumpError, match=f"^{p}: changed while being read"):
         d["rows.dcp_local_seq_lens"]
@@ -866,9 +852,8 @@ def test_a_file_truncated_while_streamed_is_one_dump_error(tmp_path, monkeypatch
 
 def test_streamed_read_without_preadv(tmp_path, monkeypatch):
     """Where os.preadv is missing (older macOS), the streamed read copies what os.pread returns: the same columns."""
-    import dcptool.dump as dump_mod
 
-    monkeypatch.setattr(dump_mod, "STREAM_PIECE", 100)
+    monkeypatch.setattr(stream, "STREAM_PIECE", 100)
     p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(30)])
     want = read_dump(p)
     monkeypatch.delattr(os, "preadv")
@@ -880,11 +865,10 @@ def test_streamed_read_without_preadv(tmp_path, monkeypatch):
 def test_a_streamed_read_never_hands_out_unread_values(tmp_path, monkeypatch):
     """A read plan that missed some values (a bug, not a file error) raises when they are asked for, instead of
     handing out the buffer's unread bytes."""
-    import dcptool.dump as dump_mod
 
     p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(30)])
-    real = dump_mod._Reader._plan
-    monkeypatch.setattr(dump_mod._Reader, "_plan", lambda self, rows: real(self, rows)[:-1])  # (the last piece lost)
+    real = stream._Reader._plan
+    monkeypatch.setattr(stream._Reader, "_plan", lambda self, rows: real(self, rows)[:-1])  # (the last piece lost)
     d = read_dump(p, stream=True)
     d.reader.thread.join()
     lost = [k for k, n in d.reader.need.items() if d.reader.got[k] < n]
@@ -898,12 +882,11 @@ def test_take_on_a_streamed_dump_waits_for_what_it_gathers_only(tmp_path, monkey
     lead follows the read so), while the rest of the column is still held back."""
     import threading
 
-    import dcptool.dump as dump_mod
 
-    monkeypatch.setattr(dump_mod, "STREAM_PIECE", 64)
+    monkeypatch.setattr(stream, "STREAM_PIECE", 64)
     p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(60)])
     want = read_dump(p)
-    go, real, calls = threading.Event(), dump_mod._pread, []
+    go, real, calls = threading.Event(), files.pread, []
 
     def held(*a):
         if threading.current_thread().name == "dcptool-read":  # (the per-observation columns come first, here)
@@ -912,7 +895,7 @@ def test_take_on_a_streamed_dump_waits_for_what_it_gathers_only(tmp_path, monkey
                 assert go.wait(10)
         return real(*a)
 
-    monkeypatch.setattr(dump_mod, "_pread", held)
+    monkeypatch.setattr(files, "pread", held)
     d = read_dump(p, stream=True)
     got = d.take("rows.seq_lens", np.array([0, 1, 2]))
     assert got.tolist() == want["rows.seq_lens"][:3].tolist()

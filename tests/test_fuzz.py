@@ -39,6 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from dcptool.check.replay import RULES, local_np, replay
 from dcptool.cli import app
 from dcptool.dump import (
     MAX_DCP_SIZE,
@@ -49,7 +50,6 @@ from dcptool.dump import (
     open_dumps,
     write_observations,
 )
-from dcptool.replay import RULES, local_np, replay
 
 PROFILE = os.environ.get("DCPTOOL_FUZZ", "ci")
 # Random cases per command (CI: 300 x 9 commands, plus ~2100 exhaustive single-field cases); `make fuzz`

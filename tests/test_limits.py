@@ -16,9 +16,9 @@ import pytest
 from conftest import ROOT
 from typer.testing import CliRunner
 
+from dcptool.check.replay import MAX_SPLIT
 from dcptool.cli import app
 from dcptool.dump import MAX_DCP_SIZE, DumpConfig, write_dump
-from dcptool.replay import MAX_SPLIT
 
 runner = CliRunner()
 MEM = 1 << 29  # address space a guarded run may add once torch is imported: a replay of these files fits in 512 MiB
@@ -148,10 +148,10 @@ def test_timeline_over_many_ranks_and_micro_batch_values(tmp_path):
 import json, io
 from rich.console import Console
 from dcptool.dump import open_dumps
-from dcptool.replay import replay
-from dcptool.report import render_replay
-from dcptool.timeline import timeline
-from dcptool.htmlreport import render_html
+from dcptool.check.replay import replay
+from dcptool.report.text import render_replay
+from dcptool.report.timeline import timeline
+from dcptool.report.html import render_html
 res = replay(open_dumps([{str(p)!r}]), "torch", views=200)
 tl = timeline(res, 240)
 buf = io.StringIO()
@@ -189,9 +189,9 @@ def test_row_views_stay_within_a_budget(tmp_path):
 
 def test_html_findings_table_is_capped_and_says_so(tmp_path):
     """10**6 findings made a 507 MB page; the table now holds the first 5,000 unless --max-findings says."""
+    from dcptool.check.replay import replay
     from dcptool.dump import open_dumps
-    from dcptool.htmlreport import HTML_MAX_FINDINGS, render_html
-    from dcptool.replay import replay
+    from dcptool.report.html import HTML_MAX_FINDINGS, render_html
 
     p = tmp_path / "m.safetensors"
     n = 6000
@@ -239,8 +239,8 @@ from dcptool.cli import app
 from rich.console import Console
 import io
 from dcptool.dump import open_dumps
-from dcptool.replay import replay
-from dcptool.report import render_rows_view
+from dcptool.check.replay import replay
+from dcptool.report.text import render_rows_view
 r = CliRunner().invoke(app, ["replay", {str(p)!r}, "--obs", "0", "--backend", "torch"])
 buf = io.StringIO()
 render_rows_view(replay(open_dumps([{str(p)!r}]), "torch", obs=0).rows_view, Console(file=buf, width=400))

@@ -11,7 +11,7 @@ from conftest import obs, write
 from typer.testing import CliRunner
 
 from dcptool.cli import app
-from dcptool.diff import diff
+from dcptool.diagnose.diff import diff
 from dcptool.dump import open_dumps
 
 RUNNER = CliRunner()

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from conftest import cli, obs, write
 
+from dcptool.check.problems import PATTERNS, STRADDLE, known_bugs, match_known, parse_version, problems
+from dcptool.check.replay import replay
+from dcptool.check.rules import RULE_OF_FAULT
 from dcptool.dump import open_dumps
-from dcptool.problems import PATTERNS, STRADDLE, known_bugs, match_known, parse_version, problems
-from dcptool.replay import replay
-from dcptool.rules import RULE_OF_FAULT
-from dcptool.simulate import SimConfig, simulate
+from dcptool.model.simulate import SimConfig, simulate
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
 
@@ -210,13 +210,13 @@ def test_known_bugs_ship_in_the_wheel(tmp_path):
     assert run.returncode == 0, run.stderr
     (wheel,) = (tmp_path / "w").glob("dcptool-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "dcptool/known_bugs.json" in names and "dcptool/problems.py" in names
+    assert "dcptool/check/known_bugs.json" in names and "dcptool/check/problems.py" in names
 
 
 def test_every_rule_has_a_mechanism_sentence():
     """A problem line explains its mechanism; a rule added to the table without one would print 'X findings'."""
-    from dcptool.problems import VIEW, explain
-    from dcptool.rules import RULES
+    from dcptool.check.problems import VIEW, explain
+    from dcptool.check.rules import RULES
 
     for rule in RULES:
         relation = "parent-rows" if rule == "stale" else None  # (a stale finding always names its source)

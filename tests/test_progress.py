@@ -5,7 +5,7 @@ import io
 from conftest import cli, obs, write
 from rich.console import Console
 
-from dcptool import progress
+from dcptool.report import progress
 
 
 def test_disabled_or_quick_work_shows_nothing():
@@ -116,8 +116,8 @@ def test_phases_add_up_and_the_bar_reaches_the_end_only_with_the_last(monkeypatc
 def test_replay_walks_the_phases_in_order(monkeypatch):
     """The library's replay drives the phases (a recording bar, not a terminal): the scan's observations,
     then provenance, checks and findings, and ends with every planned unit done."""
+    from dcptool.check.replay import replay
     from dcptool.dump import open_dumps
-    from dcptool.replay import replay
 
     seen = []
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from conftest import obs, write
 
-import dcptool.provenance as provenance
+import dcptool.check.provenance as provenance
+from dcptool.check.provenance import INTERLEAVES, Provenance, latest_before, local_np
+from dcptool.check.replay import replay
 from dcptool.dump import Dump, DumpConfig, open_dumps, write_dump
-from dcptool.provenance import INTERLEAVES, Provenance, latest_before, local_np
-from dcptool.replay import replay
 
 # --------------------------------------------------------------------------------------------
 # The naive reference
@@ -198,14 +198,14 @@ def test_no_packed_keys_left():
     """No key packs columns into one integer (`* 2**k`, `<< k`) in the modules that build keys."""
     import inspect
 
-    import dcptool.replay
-    import dcptool.rules
-    import dcptool.timeline
+    import dcptool.check.replay
+    import dcptool.check.rules
+    import dcptool.report.timeline
 
-    for mod in (provenance, dcptool.rules, dcptool.replay):
+    for mod in (provenance, dcptool.check.rules, dcptool.check.replay):
         src = inspect.getsource(mod)
         assert "<< 48" not in src and "* (1 << 48)" not in src and "2**48" not in src, mod.__name__
-    assert "* n_ranks" not in inspect.getsource(dcptool.timeline.timeline)
+    assert "* n_ranks" not in inspect.getsource(dcptool.report.timeline.timeline)
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,8 +306,8 @@ def test_rank_sum_agrees_with_the_rule_as_loops(tmp_path, monkeypatch, seed, col
     """`salt-0-collides`: the first hash is 0 for every row, so every batch of one (step, site, ubatch, num_reqs)
     shares it and members fail the exact confirmation: rank-sum takes the second hash, same findings."""
     if collide:
-        import dcptool.rules as rules
-        from dcptool.segments import mix
+        import dcptool.check.rules as rules
+        from dcptool.dcp.segments import mix
 
         monkeypatch.setattr(rules, "mix", lambda v, j, salt: mix(v, j, salt) * np.uint64(salt != 0))
     rng = np.random.default_rng(100 + seed)
@@ -342,8 +342,9 @@ def test_lead_follows_a_streamed_read(tmp_path, monkeypatch, block):
     from conftest import random_dump
 
     import dcptool.dump as dump_mod
+    from dcptool.dump import stream
 
-    monkeypatch.setattr(dump_mod, "STREAM_PIECE", 256)
+    monkeypatch.setattr(stream, "STREAM_PIECE", 256)
     monkeypatch.setattr(provenance, "LEAD_BLOCK", block)
     path = tmp_path / "r.safetensors"
     one = random_dump(path, np.random.default_rng(3), 257, 4, 16)

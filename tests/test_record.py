@@ -9,7 +9,7 @@ import torch
 from conftest import obs
 
 from dcptool.dump import DumpConfig, open_dumps, pack, read_dump
-from dcptool.record import Recorder
+from dcptool.engine.record import Recorder
 
 
 def test_copies_at_once_and_round_trips(tmp_path):
@@ -86,7 +86,7 @@ def test_recorder_writes_the_columns_pack_writes(tmp_path):
 CHILD = """
 import sys, warnings
 import numpy as np
-from dcptool.record import Recorder
+from dcptool.engine.record import Recorder
 warnings.simplefilter("always")
 r = Recorder(sys.argv[1], 2, force=True)  # as the vLLM plugin: force, an engine is not stopped for old files
 for i in range(5):
@@ -251,7 +251,7 @@ def test_numpy_and_host_tensor_integers_are_integers(tmp_path):
 # The device snapshot (issue 13 item 4), on the CPU: the kernel under the Triton interpreter and the
 # ring's logic with host tensors standing in for CUDA ones (the CUDA tests below use the real thing)
 
-from dcptool import record as R  # noqa: E402
+from dcptool.engine import record as R  # noqa: E402
 
 # The host ring runs the kernel in Triton's interpreter on host memory: not where a GPU compiles it
 # (there the CUDA tests below cover the same ground with real launches).
@@ -266,7 +266,7 @@ def _kernel_device() -> str:
 def _launch_slot(secs: list[tuple], seqno: int = 41, nr: int = 3, nrp: int = 5, pad: int = 64):
     """Write a slot header describing `secs` (tensor or None, negatives flagged) into a ring, launch the
     kernel with the slot's address only, and return the ring's words (numpy) and the slot's words."""
-    from dcptool.kernel import snapshot_dispatch
+    from dcptool.engine.snapshot import snapshot_dispatch
 
     ent, words = [], R.FIXED + R.ENTRY * len(secs)
     for t, nonneg in secs:
@@ -292,7 +292,7 @@ def test_snapshot_slot_read_back_equals_the_sources(n):
     entry per section) stays, `done` becomes the seqno, flags 0, and the rows are the sources back to back
     in section order (an int64 source narrowed, an unaligned view, absent sections taking no room), for
     every section length around the kernel's block; nothing past the slot is written."""
-    from dcptool.kernel import SNAP_BLOCK, SNAP_ENTRY, SNAP_FIXED, SNAP_HEAD_READ, SNAP_MAX_SECTIONS
+    from dcptool.engine.snapshot import SNAP_BLOCK, SNAP_ENTRY, SNAP_FIXED, SNAP_HEAD_READ, SNAP_MAX_SECTIONS
 
     assert (SNAP_FIXED, SNAP_ENTRY, SNAP_HEAD_READ) == (R.FIXED, R.ENTRY, R.HEAD_READ) and SNAP_BLOCK == 512
     assert len(R.SECTIONS) <= SNAP_MAX_SECTIONS
@@ -338,7 +338,7 @@ def test_a_fifth_section_is_a_table_entry_not_kernel_code(tmp_path, monkeypatch)
     """Adding a row column to the device path: one SECTIONS entry (here two more past the table's own: one
     value per token with negatives forbidden, and one value per seq_lens row); the same kernel copies them,
     and their length rules apply."""
-    from dcptool.kernel import snapshot_kernel
+    from dcptool.engine.snapshot import snapshot_kernel
 
     kernel = snapshot_kernel()
     K = len(R.SECTIONS)
@@ -838,7 +838,7 @@ def test_device_path_carries_slot_entries(tmp_path):
 def _launch_args(seq, dcp, qsl, seqno: int = 41, nr: int = 3, nrp: int = 5, pad: int = 64):
     """snapshot_args_kernel on seq/dcp/qsl (tensors, or None: absent) into a fresh ring filled with -7, as
     observe()'s fast path launches it; returns the ring's words (numpy) and the slot's words."""
-    from dcptool.kernel import snapshot_args_dispatch
+    from dcptool.engine.snapshot import snapshot_args_dispatch
 
     k = len(R.SECTIONS)
     words = (R.FIXED + R.ENTRY * k + sum(t.numel() for t in (seq, dcp, qsl) if t is not None) + 7) & ~7
@@ -889,7 +889,7 @@ def test_the_fast_launch_is_checked_before_use():
     """_fast_launch proves a launch way on known values before observe() uses it (none here: the interpreter
     has no compiled launcher, and through the dispatch the general path costs less); a launch that passes
     one argument wrong fails the check (and so is never used)."""
-    from dcptool.kernel import snapshot_args_dispatch
+    from dcptool.engine.snapshot import snapshot_args_dispatch
 
     ring = R._SnapshotRing(4096, None)
     go, how = R._fast_launch(ring)

@@ -9,10 +9,19 @@ import numpy as np
 import pytest
 from conftest import cli, cli_subprocess, obs, write
 
+from dcptool.check.replay import replay
+from dcptool.diagnose.reduce import (
+    closure,
+    ddmin,
+    drop_requests,
+    drop_rows,
+    find_target,
+    parse_finding,
+    reduce_dump,
+    subset,
+)
 from dcptool.dump import open_dumps
-from dcptool.reduce import closure, ddmin, drop_requests, drop_rows, find_target, parse_finding, reduce_dump, subset
-from dcptool.replay import replay
-from dcptool.simulate import SimConfig, simulate
+from dcptool.model.simulate import SimConfig, simulate
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
 
@@ -155,7 +164,7 @@ def test_cli_reduce_subprocess_smoke(tmp_path):
 def test_drop_rows_carries_the_issue15_columns(tmp_path):
     """The empty-shard mask's Q loses the dropped request's boundary, the global companion its row, and the slot
     entries of an observation that loses rows are cleared (0 entries: not recorded); the result is a valid dump."""
-    from dcptool.schema import validate_columns
+    from dcptool.dump.schema import validate_columns
 
     qsl = np.array([0, 1, 2, 3], np.int32)
     o = obs(seq=(64, 96, 32), num_reqs=3, num_reqs_padded=3, query_start_loc=qsl, num_tokens_padded=3,

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcptool.reference import (
+from dcptool.dcp.reference import (
     dcp_local_seq_lens,
     dcp_local_seq_lens_all_ranks,
     expected_rows,
@@ -115,7 +115,7 @@ class _NoDivide(np.ndarray):
 def test_rounds_rem_shifts_for_a_power_of_two_span_whatever_its_type(span_of, N, I):
     """local_np hands the interleave over as a 0-d int64 array: that too is a shift and a mask (it was a
     division on int64), with floor semantics on negative lengths."""
-    from dcptool.reference import rounds_rem
+    from dcptool.dcp.reference import rounds_rem
 
     L = np.array([-129, -1, 0, 1, 63, 64, 65, 1000, 2**31 - 1], np.int64)
     rounds, rem = rounds_rem(L.view(_NoDivide), N, span_of(I))

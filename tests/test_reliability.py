@@ -36,7 +36,7 @@ from dcptool.dump import (
     read_dump,
     write_observations,
 )
-from dcptool.record import Recorder
+from dcptool.engine.record import Recorder
 
 # The recording child: deterministic observations, so the parent knows exactly what each file holds.
 GEN = '''
@@ -60,8 +60,8 @@ def gen(i):
 '''
 CHILD = GEN + '''
 import os, signal, sys, tempfile, time
-import dcptool.dump as dump
-from dcptool.record import Recorder
+import dcptool.dump.write as dump
+from dcptool.engine.record import Recorder
 
 def die(*_):
     os.kill(os.getpid(), signal.SIGKILL)
@@ -168,7 +168,7 @@ def check_remains(d: Path, stem: str, rollover: int) -> int:
 
 def replay_clean(files: list[Path]) -> None:
     """What survived replays: the dumps hold correct views, so only `missing` (None views) is reported."""
-    from dcptool.replay import replay
+    from dcptool.check.replay import replay
 
     res = replay(open_dumps(files), "torch")
     # (gen's two ranks record unrelated batches at one step: rank-agree, issue 15, says so; not a damaged file)
@@ -258,7 +258,7 @@ def test_unclosed_recorder_is_written_at_exit(tmp_path):
     """A process that exits without close() (an exception, sys.exit) still leaves its recording."""
     target = tmp_path / "run.safetensors"
     code = GEN + textwrap.dedent(f"""
-        from dcptool.record import Recorder
+        from dcptool.engine.record import Recorder
         r = Recorder({str(target)!r}, 2)
         for i in range(9):
             r.observe(**gen(i))
@@ -335,7 +335,7 @@ def test_recorder_refuses_an_earlier_recording_unless_forced(tmp_path):
 FSIZE_CHILD = GEN + '''
 import json, os, resource, signal, sys, warnings
 from dcptool.dump import WriteError, read_dump
-from dcptool.record import Recorder
+from dcptool.engine.record import Recorder
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG instead
 path, limit, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -425,7 +425,7 @@ def test_full_disk_for_a_writing_command(tmp_path):
 TMPFS_CHILD = GEN + '''
 import json, os, sys
 from dcptool.dump import DumpConfig, WriteError, read_dump, write_observations
-from dcptool.record import Recorder
+from dcptool.engine.record import Recorder
 
 d = sys.argv[1]
 target = os.path.join(d, "run.safetensors")
@@ -500,7 +500,7 @@ def test_atomic_write_refuses_inputs_and_existing_outputs(tmp_path):
 
 def test_atomic_write_no_clobber_is_atomic(tmp_path, monkeypatch):
     """force=False holds even when the output appears between the check and the rename (a racing writer)."""
-    import dcptool.dump as dump
+    import dcptool.dump.write as dump
 
     target = tmp_path / "out"
     real = dump.tempfile.mkstemp

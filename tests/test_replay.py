@@ -3,12 +3,12 @@
 from conftest import write
 from test_rules import run, worked_example
 
+from dcptool.check.replay import replay
 from dcptool.dump import open_dumps
-from dcptool.replay import replay
 
 
 def test_split_reproduces_vllm_micro_batches(tmp_path):
-    from dcptool.replay import splits
+    from dcptool.check.replay import splits
 
     d = open_dumps([write(tmp_path / "d.safetensors", worked_example(False)[:1])])
     s = splits(d, 2)
@@ -37,7 +37,7 @@ def test_rows_view(tmp_path):
 
 
 def test_provenance_costs_nothing_on_clean_dumps(tmp_path, monkeypatch):
-    from dcptool.provenance import Provenance
+    from dcptool.check.provenance import Provenance
 
     def boom(self, *a):
         raise AssertionError("provenance index built for a clean dump")
@@ -63,9 +63,9 @@ def test_checks_on_other_threads_give_the_findings_of_one_thread(tmp_path, monke
     import json
     import warnings
 
-    from dcptool import replay as replay_mod
-    from dcptool.runner import FAULTS
-    from dcptool.simulate import SimConfig, simulate
+    from dcptool.check import replay as replay_mod
+    from dcptool.model.runner import FAULTS
+    from dcptool.model.simulate import SimConfig, simulate
 
     p = tmp_path / "s.safetensors"
     with warnings.catch_warnings():
@@ -85,7 +85,7 @@ def test_a_failing_background_check_fails_the_replay(tmp_path, monkeypatch):
     """An exception in a check on another thread reaches the caller (never a silently missing rule)."""
     import pytest
 
-    from dcptool import replay as replay_mod
+    from dcptool.check import replay as replay_mod
 
     d = open_dumps([write(tmp_path / "d.safetensors", worked_example(False))])
 

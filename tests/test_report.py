@@ -18,11 +18,12 @@ import pytest
 from conftest import cli, expected_view, obs, write
 from rich.console import Console
 
-from dcptool import report, timeline
+from dcptool.check.replay import obs_grid, replay
+from dcptool.dcp.slicing import split_batch
 from dcptool.dump import open_dumps
-from dcptool.htmlreport import VIEW_FINDINGS, VIEW_ROWS, render_html
-from dcptool.replay import obs_grid, replay
-from dcptool.slicing import split_batch
+from dcptool.report import text as report
+from dcptool.report import timeline
+from dcptool.report.html import VIEW_FINDINGS, VIEW_ROWS, render_html
 
 SEQ = np.array([64, 96, 512, 32, 48, 0], np.int32)  # DESIGN §1's worked example, one padded row
 QSL = np.array([0, 1, 2, 12, 13, 14, 14], np.int32)
@@ -459,9 +460,9 @@ def squash(s: str) -> str:
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory, run12):
     """One result of each kind a renderer takes, from small real runs."""
-    from dcptool.diff import diff
+    from dcptool.diagnose.diff import diff
     from dcptool.dump import describe
-    from dcptool.simulate import SimConfig, compare, simulate
+    from dcptool.model.simulate import SimConfig, compare, simulate
 
     d = tmp_path_factory.mktemp("renderers")
     p, res = run12

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 from conftest import expected_view, obs, write
 
+from dcptool.check.replay import replay
+from dcptool.check.rules import RULE_CODES, RULES, TABLE, Finding
+from dcptool.dcp.slicing import split_batch
 from dcptool.dump import open_dumps
-from dcptool.replay import replay
-from dcptool.rules import RULE_CODES, RULES, TABLE, Finding
-from dcptool.schema import KVGroup
-from dcptool.slicing import split_batch
+from dcptool.dump.schema import KVGroup
 
 BACKENDS = ["torch", "triton"]
 
@@ -235,8 +235,8 @@ def test_table_is_design_s3():
     rules.py; every fault of simulate maps to the rule of the row that lists it."""
     import importlib
 
-    import dcptool.rules
-    from dcptool.simulate import FAULTS
+    import dcptool.check.rules
+    from dcptool.model.simulate import FAULTS
 
     assert RULES == ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
                      "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree",
@@ -244,7 +244,7 @@ def test_table_is_design_s3():
     assert len({c.lower() for c in RULE_CODES.values()}) == len(RULES)
     def function(name):  # "check_x" of rules.py, or "module.check_x" of another dcptool module
         mod, _, f = name.rpartition(".")
-        return getattr(importlib.import_module(f"dcptool.{mod}") if mod else dcptool.rules, f)
+        return getattr(importlib.import_module(f"dcptool.check.{mod}") if mod else dcptool.check.rules, f)
 
     assert all(callable(function(r.check)) for r in TABLE)
     assert {f: rule for f, (rule, _) in FAULTS.items()} == {f: r.name for r in TABLE for f in r.faults}
@@ -264,10 +264,10 @@ def test_message_is_where_then_text():
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from dcptool.check.rules import check_empty_mask, check_rank_agree, check_tot_lens, decode_counts, lse_mask  # noqa: E402
+from dcptool.dcp.reference import local_np  # noqa: E402
 from dcptool.dump import Dump, DumpConfig, Observation, pack  # noqa: E402
-from dcptool.reference import local_np  # noqa: E402
-from dcptool.rules import check_empty_mask, check_rank_agree, check_tot_lens, decode_counts, lse_mask  # noqa: E402
-from dcptool.schema import validate_columns  # noqa: E402
+from dcptool.dump.schema import validate_columns  # noqa: E402
 
 
 def _dump(observations, N, I=1) -> Dump:
@@ -535,8 +535,8 @@ def test_rank_agree_names_the_differing_ranks_once_per_batch():
 def test_rank_agree_with_the_scans_pairs_equals_reading_the_rows_itself(monkeypatch, seed):
     """replay hands check_rank_agree the scan's comparison of each member with the one before it; the findings
     are the standalone check's, whatever the chunking (pairs across chunk edges), and the planted ones."""
-    from dcptool import scan as scan_mod
-    from dcptool.rules import rank_pairs
+    from dcptool.check import scan as scan_mod
+    from dcptool.check.rules import rank_pairs
 
     rng = np.random.default_rng(seed)
     o, planted = [], set()
@@ -577,8 +577,8 @@ def test_rank_agree_in_replay_output_names_the_rule(tmp_path):
 
 
 def test_rank_agree_row_compare_and_hashes_do_not_depend_on_the_chunking(rng):
-    from dcptool.rules import _row_hashes
-    from dcptool.scan import rows_differ
+    from dcptool.check.rules import _row_hashes
+    from dcptool.check.scan import rows_differ
 
     o = [obs(step=k // 2, rank=k % 2, seq=rng.integers(0, 3, int(rng.integers(0, 4))).astype(np.int32),
              num_reqs=0, num_reqs_padded=0, view=[]) for k in range(60)]
@@ -857,7 +857,7 @@ def random_slot_dump(path, rng, batches, N, I_, kv=KV3, bounded=None, faulty=0.6
 def test_slot_checks_in_chunks_equal_the_whole_column_reference(tmp_path, monkeypatch, seed, N, I_, kv):
     from slot_reference import old_check_slot_partition, old_check_slots
 
-    import dcptool.slots as R
+    import dcptool.check.slots as R
 
     rng = np.random.default_rng(seed)
     d = random_slot_dump(tmp_path / "s.safetensors", rng, 60, N, I_, kv)
@@ -883,7 +883,7 @@ def test_slot_checks_in_chunks_equal_the_whole_column_reference(tmp_path, monkey
 def test_slot_checks_in_chunks_clean_and_awkward_sizes_must_not_trigger(tmp_path, monkeypatch, size):
     from slot_reference import old_check_slot_partition, old_check_slots
 
-    import dcptool.slots as R
+    import dcptool.check.slots as R
 
     o = slot_batch(0, [size], [3], 4, 2) + slot_batch(1, [size], [17], 4, 2, ntp=size + 3)
     write(tmp_path / "c.safetensors", o, dcp=4, il=2, kv_groups=tuple(KVGroup.of(g) for g in KV2))
@@ -918,7 +918,7 @@ def test_slot_checks_read_the_dump_a_chunk_at_a_time(tmp_path, monkeypatch, thre
     """Peak memory bounded by the chunk, not the dump: no read of a slot column is much larger than
     SLOT_CHUNK entries (the whole-column implementation read every column whole); on several threads, by
     SLOT_CHUNK_THREADED entries per thread (the threads a host of many cores gets, forced here)."""
-    import dcptool.slots as R
+    import dcptool.check.slots as R
 
     monkeypatch.setattr(R, "default_threads", lambda bounded=False: 1 if bounded else threads)
     monkeypatch.setattr(R, "SLOT_CHUNK_THREADED", 1000)
@@ -941,7 +941,7 @@ def test_slot_partition_many_wrong_entries_per_member_equal_the_reference(tmp_pa
     positions as the whole-column reference has them, in chunks too."""
     from slot_reference import old_check_slot_partition, old_check_slots
 
-    import dcptool.slots as R
+    import dcptool.check.slots as R
 
     def all_ranks(r, g, pos, slot):
         if r in (1, 3) and g == 0:
@@ -977,7 +977,7 @@ def test_slot_screen_misses_no_rare_fault_equal_to_both_references(tmp_path, mon
         old_check_slots,
     )
 
-    import dcptool.slots as R
+    import dcptool.check.slots as R
 
     rng = np.random.default_rng(seed)
     d = random_slot_dump(tmp_path / "s.safetensors", rng, 160, N, I_, kv, faulty=0.04, dup=0.03, reorder=0.02,
@@ -1009,7 +1009,7 @@ def test_slot_screen_duplicates_across_requests(tmp_path):
 
 def test_slot_screen_sends_only_suspect_observations_to_the_exact_work(tmp_path, monkeypatch):
     """A clean recording gets no exact work at all; one wrong entry sends its observation only."""
-    import dcptool.slots as R
+    import dcptool.check.slots as R
 
     calls = []
     real = R._slot_findings
@@ -1046,7 +1046,7 @@ def test_slot_partition_reads_clean_sets_once_and_takes_the_pass_summaries(tmp_p
     given the summaries of a pass made already (check_slot_rules' pass) reads no entry at all."""
     from slot_reference import old_check_slot_partition
 
-    import dcptool.slots as R
+    import dcptool.check.slots as R
 
     o = []
     for step in range(8):
@@ -1074,7 +1074,7 @@ def test_slot_rules_make_one_pass_for_both(tmp_path, monkeypatch):
 
     from slot_reference import old_check_slot_partition, old_check_slots
 
-    import dcptool.slots as R
+    import dcptool.check.slots as R
 
     d = random_slot_dump(tmp_path / "s.safetensors", np.random.default_rng(21), 80, 4, 2)
     want = old_check_slots(d), old_check_slot_partition(d)
@@ -1093,7 +1093,7 @@ def test_slot_rules_make_one_pass_for_both(tmp_path, monkeypatch):
 def test_true_before_counts_like_a_cumsum(rng, n):
     """The screen's per-run counts (8 bools summed per 64-bit word): runs of every length, starts in any
     byte of a word, repeated starts, the padding past n."""
-    from dcptool.slots import _true_before
+    from dcptool.check.slots import _true_before
 
     for density in (0.0, 0.3, 1.0):
         wpad = np.zeros((n // 8 + 1) * 8, bool)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dcptool.runner import FAULT_WHERE, FAULTS, SimConfig, SimError
+from dcptool.model.runner import FAULT_WHERE, FAULTS, SimConfig, SimError
 
 
 def test_validation_errors():

@@ -5,9 +5,9 @@ import pytest
 import torch
 from conftest import random_dump
 
-from dcptool import scan as scan_mod
+from dcptool.check import scan as scan_mod
+from dcptool.dcp.reference import check_rows
 from dcptool.dump import open_dumps
-from dcptool.reference import check_rows
 
 
 def reference_stats(d):
@@ -151,7 +151,7 @@ def test_triton_scan_of_rollover_files_read_lazily(tmp_path, monkeypatch):
 
 
 def test_auto_picks_the_cpu_below_the_measured_crossover(monkeypatch):
-    from dcptool.replay import resolve_backend
+    from dcptool.check.replay import resolve_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_backend("auto", scan_mod.GPU_MIN_OBS - 1) == ("torch", "cpu")
@@ -197,10 +197,10 @@ def test_cpu_scan_of_rollover_files_read_lazily(tmp_path, monkeypatch, threads):
     """The CPU scan over lazily merged files (interleaved; few files mapped at once; two threads sharing them)."""
     from test_dump import _rollover
 
-    import dcptool.dump as dump_mod
+    from dcptool.dump import lazy
 
     monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 900)
-    monkeypatch.setattr(dump_mod, "_max_open_files", lambda: 2)
+    monkeypatch.setattr(lazy, "_max_open_files", lambda: 2)
     paths = _rollover(tmp_path, np.random.default_rng(6), n=150, files=5, sorted_steps=False)
     want_obs, want = reference_stats(open_dumps(paths, bounded=False))
     got_obs, got = as_array(scan_mod.scan(open_dumps(paths, bounded=True), "torch", bounded=True, threads=threads))
@@ -306,8 +306,9 @@ def test_cuda_scan_compares_pairs_exactly(tmp_path, monkeypatch, target):
 def _streamed_scan_agrees(tmp_path, monkeypatch, backend: str) -> None:
     """scan of a streamed read (the rows still coming in pieces while the chunks go) against one read."""
     import dcptool.dump as dump_mod
+    from dcptool.dump import stream
 
-    monkeypatch.setattr(dump_mod, "STREAM_PIECE", 1024)
+    monkeypatch.setattr(stream, "STREAM_PIECE", 1024)
     path = tmp_path / "r.safetensors"
     d = random_dump(path, np.random.default_rng(11), 200, 4, 16)
     prev = np.arange(d.n) - 1

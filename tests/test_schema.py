@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dcptool.schema import GraphMode, KVGroup
+from dcptool.dump.schema import GraphMode, KVGroup
 
 
 def test_graph_mode_values_are_design_s2():
@@ -27,12 +27,12 @@ def test_vllm_runtime_modes_and_dispatch_as_recorded():
 
 
 def test_one_exception_root():
+    from dcptool.check.replay import LimitError
     from dcptool.cli import Trouble
+    from dcptool.dcp.backend import BackendError
     from dcptool.dump import DumpError, OutputExistsError, WriteError
-    from dcptool.kernel import BackendError
-    from dcptool.replay import LimitError
-    from dcptool.runner import SimError
-    from dcptool.schema import DcptoolError
+    from dcptool.dump.schema import DcptoolError
+    from dcptool.model.runner import SimError
 
     for cls in (DumpError, WriteError, OutputExistsError, LimitError, SimError, BackendError, Trouble):
         assert issubclass(cls, DcptoolError), cls
@@ -45,13 +45,13 @@ def test_library_error_is_one_line_exit_2(tmp_path, monkeypatch):
     """cli.py catches DcptoolError in one place: one line on stderr, exit 2, whatever raised it."""
     from conftest import cli, obs, write
 
-    import dcptool.replay
-    from dcptool.replay import LimitError
+    import dcptool.check.replay
+    from dcptool.check.replay import LimitError
 
     def boom(*a, **k):
         raise LimitError("somewhere deep: past a documented limit")
 
-    monkeypatch.setattr(dcptool.replay, "replay", boom)
+    monkeypatch.setattr(dcptool.check.replay, "replay", boom)
     r = cli("replay", write(tmp_path / "d.safetensors", [obs()]))
     assert r.returncode == 2 and r.stderr == "dcptool: somewhere deep: past a documented limit\n" and r.stdout == ""
 

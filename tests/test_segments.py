@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from dcptool import segments
-from dcptool.segments import member
+from dcptool.dcp import segments
+from dcptool.dcp.segments import member
 
 
 def _naive(c_key, q_key):

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from conftest import ROOT, cli, cli_subprocess
 
+from dcptool.check.replay import replay
 from dcptool.dump import open_dumps, read_dump
-from dcptool.record import Recorder
-from dcptool.replay import replay
-from dcptool.runner import OPT_IN
-from dcptool.simulate import FAULTS, SimConfig, applicability, capture_sizes, simulate
+from dcptool.engine.record import Recorder
+from dcptool.model.runner import OPT_IN
+from dcptool.model.simulate import FAULTS, SimConfig, applicability, capture_sizes, simulate
 
 # Small engines (16 requests, 1024-token budget) keep each run quick while still crossing vLLM's
 # micro-batching thresholds (32 decode / 512 prefill tokens) and padding requests for full graphs.
@@ -385,7 +385,7 @@ def test_fault_labels_in_table_json_and_errors():
     from typer.testing import CliRunner
 
     from dcptool.cli import app
-    from dcptool.simulate import FAULT_WHERE
+    from dcptool.model.simulate import FAULT_WHERE
 
     run = CliRunner()
     args = ["simulate", "--steps", "3", "--max-num-reqs", "16", "--token-budget", "512"]
@@ -409,7 +409,7 @@ def test_0_29_dflash_capture_buffer_is_not_a_fault(tmp_path):
     be a `shape` finding for rows attention never reads (DESIGN §1, "record what attention consumes")."""
     import torch
 
-    from dcptool.reference import prepare_dcp_local_seq_lens
+    from dcptool.dcp.reference import prepare_dcp_local_seq_lens
 
     max_num_reqs, num_reqs, N = 8, 3, 2
     seq = torch.tensor([3, 3, 4, 0, 0, 0, 0, 0], dtype=torch.int32)  # make_dummy: seq_len = query_len

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dcptool.replay import local_np
-from dcptool.slicing import (
+from dcptool.check.replay import local_np
+from dcptool.dcp.slicing import (
     engine_split,
     parse_engine_version,
     pcp_partition,
@@ -327,8 +327,8 @@ def _uniform_dump(tmp_path, split_version: str, engine_version: str | None, q=3,
 
 
 def _replay(path, **kw):
+    from dcptool.check.replay import replay
     from dcptool.dump import open_dumps
-    from dcptool.replay import replay
 
     return replay(open_dumps([path]), "torch", **kw)
 

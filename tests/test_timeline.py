@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import obs, write
 
-from dcptool import timeline
+from dcptool.check.replay import RULES, replay
 from dcptool.dump import open_dumps
-from dcptool.replay import RULES, replay
+from dcptool.report import timeline
 
 
 @pytest.mark.parametrize("x,want", [(0.1, 1), (1, 1), (1.74, 2), (2.1, 3), (6.1, 8), (8.5, 10), (11, 12), (13, 15),

@@ -95,7 +95,7 @@ class _Finder:  # a finder of the same class name as the plugin's, as virtualenv
     def find_spec(self, *a, **k):
         return None
 sys.meta_path.append(_Finder())
-from dcptool.integrations import vllm as plugin
+from dcptool.engine import vllm as plugin
 plugin.register()
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 from vllm.v1.worker.gpu import attn_utils
@@ -362,7 +362,7 @@ def test_recorded_dump_replays_clean(tmp_path):
 
 
 def test_tables_for_each_version():
-    from dcptool.integrations.vllm import TABLES, tables_for
+    from dcptool.engine.vllm import TABLES, tables_for
 
     first = {v: [t.line for t in tables_for(v)][:1] for v in
              ("0.29.0", "0.29.3", "0.30.0", "0.31.1", "0.32.0", "0.33.0", "0.34.0", "0.34.2rc1", "0.35.0", "1.2.0",

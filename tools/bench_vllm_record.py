@@ -38,7 +38,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from dcptool.record import Recorder
+    from dcptool.engine.record import Recorder
 
     dev = torch.device(a.device)
     g = torch.Generator().manual_seed(0)
@@ -79,7 +79,7 @@ def _vllm_builds(a, out: str) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "vllm"))
     import engine as E
 
-    from dcptool.integrations import vllm as plugin
+    from dcptool.engine import vllm as plugin
 
     E.set_dcp(2, 0)
     bufs = E.buffers(a.rows, a.rows)

@@ -32,7 +32,7 @@ else:
     @pytest.fixture(autouse=True)
     def _fresh_recording():
         """Each test records into its own files; and the plugin must still be recording afterwards."""
-        from dcptool.integrations import vllm as plugin
+        from dcptool.engine import vllm as plugin
 
         yield
         plugin.close()

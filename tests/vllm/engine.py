@@ -33,7 +33,7 @@ from vllm.v1.worker.gpu.pcp_manager import PCPManager
 from vllm.v1.worker.gpu.spec_decode.mtp.speculator import MTPSpeculator
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-from dcptool.integrations import vllm as plugin
+from dcptool.engine import vllm as plugin
 
 VERSION = vllm.__version__
 CPU = torch.device("cpu")

@@ -8,9 +8,9 @@ import pytest
 import torch
 from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
 
+from dcptool.check.replay import replay
+from dcptool.diagnose.export import export_test
 from dcptool.dump import DumpConfig, Observation, open_dumps, write_observations
-from dcptool.export import export_test
-from dcptool.replay import replay
 
 pytestmark = pytest.mark.vllm
 

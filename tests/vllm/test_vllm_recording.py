@@ -23,9 +23,9 @@ from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
 from vllm.v1.worker.gpu.model_states import default as default_state
 from vllm.v1.worker.gpu.spec_decode.dflash import cudagraph as dflash
 
+from dcptool.check.replay import local_np, replay
 from dcptool.dump import open_dumps
-from dcptool.integrations import vllm as plugin
-from dcptool.replay import local_np, replay
+from dcptool.engine import vllm as plugin
 
 pytestmark = pytest.mark.vllm
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

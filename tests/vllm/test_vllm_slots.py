@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from dcptool.check.replay import replay
 from dcptool.dump import open_dumps
-from dcptool.record import Recorder
-from dcptool.replay import replay
+from dcptool.engine.record import Recorder
 
 pytestmark = pytest.mark.vllm
 
@@ -112,7 +112,7 @@ def test_claiming_the_wrong_sharding_is_found(tmp_path):
 
 from types import SimpleNamespace  # noqa: E402
 
-from dcptool.integrations import vllm as plugin  # noqa: E402
+from dcptool.engine import vllm as plugin  # noqa: E402
 
 # two groups without attention layers: build_attn_metadata skips their builders, the slot mappings are still vLLM's
 KV2 = SimpleNamespace(num_blocks=64, kv_cache_tensors=[],

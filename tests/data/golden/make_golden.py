@@ -65,7 +65,7 @@ def build_dumps() -> None:
     from conftest import expected_view, obs, random_columns, write
 
     from dcptool.dump import DumpConfig, write_dump
-    from dcptool.simulate import SimConfig, simulate
+    from dcptool.model.simulate import SimConfig, simulate
 
     make_dump(HERE / "bench-300.safetensors", 300, seed=3)
     make(HERE / "stale-300.safetensors", 300, "stale")

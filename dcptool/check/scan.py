@@ -17,9 +17,9 @@ from typing import TypeVar
 
 import numpy as np
 
+from dcptool.dcp.reference import RowStats, local_of
+from dcptool.dcp.segments import obs_chunks, ragged
 from dcptool.dump import Dump
-from dcptool.reference import RowStats, local_of
-from dcptool.segments import obs_chunks, ragged
 
 CHUNK_ROWS = 1 << 18  # CPU: ~1 MB of int32 per array, so the passes over a chunk stay in L2
 CHUNK_ROWS_THREADED = 1 << 20  # CPU, several threads: longer numpy calls (GIL released), less waiting for it
@@ -413,7 +413,8 @@ def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bou
          pairs: _Pairs | None = None) -> Stats:
     """The fused Triton check over chunks of whole observations, each staged and copied to the device
     while the one before it is checked (_Stager); views and page counts on the device."""
-    from dcptool.kernel import check_rows, device
+    from dcptool.check.gpu import check_rows
+    from dcptool.dcp.backend import device
 
     dev = device()
     c = d.config

@@ -61,13 +61,12 @@ from dcptool.dump import (
     DumpError,
     OutputExistsError,
     WriteError,
-    _text_ok,
     check_config,
     columns,
     slot_entries,
     write_dump,
 )
-from dcptool.schema import GraphMode, KVGroup
+from dcptool.dump.schema import GraphMode, KVGroup, _text_ok
 
 _ABSENT = (0, -1, 0)  # a header entry of an absent section (or one the host holds): address, count, mode
 _CHECKED: dict = {}  # CUDA device -> (compiled kernel whose launcher proved itself, or None; why not)
@@ -1017,7 +1016,7 @@ class Recorder:
         what the kernel should, trying the cheapest launch first: the launcher's C entry called directly, then
         Triton's compiled launcher, then Triton's dispatch; else sync mode. The same for the fast path's kernel
         (_fast_launch; without a compiled launcher observe() has no fast path)."""
-        from dcptool import kernel as K
+        from dcptool.engine import snapshot as K
 
         ring = _SnapshotRing(self._ring_words, device)
         try:
@@ -1143,7 +1142,7 @@ class Recorder:
     def _use_host_ring(self, words: int = 4096) -> _SnapshotRing:
         """For the CPU tests: send host torch tensors through a (non-pinned) ring and the interpreted kernel."""
 
-        from dcptool import kernel as K
+        from dcptool.engine import snapshot as K
 
         self._on = "is_cpu"
         self._capturing = lambda: False  # (a CPU build of torch has no capture to ask about)
@@ -1394,7 +1393,7 @@ def _fast_launch(ring: _SnapshotRing) -> tuple:
     _start_ring does for snapshot_kernel), or (None, why) when neither the launcher's C entry nor the compiled
     launcher does (observe() then has no fast path: through Triton's dispatch it would cost more than the
     general path; the CPU tests' host ring sets the dispatch itself)."""
-    from dcptool import kernel as K
+    from dcptool.engine import snapshot as K
 
     try:
         ck = _self_check_args(ring, K.snapshot_args_dispatch)  # (compiles it)

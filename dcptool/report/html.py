@@ -7,8 +7,8 @@ from html import escape
 import numpy as np
 
 from dcptool import __version__
-from dcptool.report import rank_window
-from dcptool.timeline import Timeline, cells, timeline
+from dcptool.report.text import rank_window
+from dcptool.report.timeline import Timeline, cells, timeline
 
 HTML_COLUMNS = 240  # step buckets of the SVG timeline
 VIEW_FINDINGS = 200  # row views: the observations of the first 200 findings (and their stale sources) ...
@@ -116,7 +116,7 @@ def render_html(res, max_findings: int | None = None) -> str:
 
 def html_units(res, max_findings: int | None = None) -> int:
     """The progress bar's estimate of render_html's work (replay.W_REPORT per table row and row view)."""
-    from dcptool.replay import W_REPORT
+    from dcptool.check.replay import W_REPORT
 
     rows = min(len(res.findings), HTML_MAX_FINDINGS if max_findings is None else max_findings)
     return round(W_REPORT * (rows + 4 * len(res.views)))
@@ -170,14 +170,14 @@ def _summary(res, shown: int) -> list[str]:
 
 
 def _code(rule: str) -> str:
-    from dcptool.rules import RULE_CODES, SEVERITY
+    from dcptool.check.rules import RULE_CODES, SEVERITY
 
     return f'<span class="code {_SEV_CLASS[SEVERITY[rule]]}">{RULE_CODES[rule]}</span>'
 
 
 def _svg(res, tl: Timeline) -> str:
     """The timeline as inline SVG: a <title> tooltip on every cell that has observations."""
-    from dcptool.rules import RULES
+    from dcptool.check.rules import RULES
 
     cw = max(4, min(22, 960 // max(tl.columns, 1)))
     ch, top = 18, 22
@@ -240,7 +240,7 @@ def _tooltip(res, tl: Timeline, r: int, c: int, rules) -> str:
 
 
 def _legend(tl: Timeline) -> str:
-    from dcptool.rules import RULES, SEVERITY
+    from dcptool.check.rules import RULES, SEVERITY
 
     present = [RULES[i] for i in np.unique(tl.worst()) if i >= 0]
     items = ['<span class="code ok">&nbsp;</span>clean', '<span class="code none">&nbsp;</span>no observations']

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dcptool.provenance import Source
+from dcptool.check.provenance import Source
 
 if TYPE_CHECKING:
     from dcptool.dump import Dump
@@ -28,7 +28,7 @@ RELATIONS = ("parent-rows", "earlier-in-step", "earlier-step")  # Source.relatio
 
 
 def _rules():
-    from dcptool.rules import RULES, SEVERITY  # (rules imports this module: resolved at call time)
+    from dcptool.check.rules import RULES, SEVERITY  # (rules imports this module: resolved at call time)
 
     return RULES, SEVERITY
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dcptool.dcp.reference import local_np, ranks_giving
+from dcptool.dcp.segments import join, member, mix, ragged, seg_sums
 from dcptool.dump import Dump
-from dcptool.reference import local_np, ranks_giving
-from dcptool.segments import join, member, mix, ragged, seg_sums
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
 MISMATCH, GLOBAL, WRONG_RANK, WRONG_INTERLEAVE, STALE = range(5)  # explain_many's kinds (prepare: 0 = none of 3-5)

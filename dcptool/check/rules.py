@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from dcptool.dump import Dump
-from dcptool.findings import (
+from dcptool.check.findings import (
     ALIAS_GRAPH,
     ALIAS_UB,
     MISSING,
@@ -29,13 +28,12 @@ from dcptool.findings import (
     Finding,  # noqa: F401 - rules.Finding, as before
     FindingTable,
 )
-from dcptool.provenance import KINDS, Provenance
-from dcptool.reference import local_np, local_of
-from dcptool.scan import rows_differ
-from dcptool.schema import GraphMode
-from dcptool.segments import group_ids, join, mix, ragged, seg_sums
-from dcptool.segments import obs_chunks as _obs_chunks
-from dcptool.slicing import (
+from dcptool.check.provenance import KINDS, Provenance
+from dcptool.check.scan import rows_differ
+from dcptool.dcp.reference import local_np, local_of
+from dcptool.dcp.segments import group_ids, join, mix, ragged, seg_sums
+from dcptool.dcp.segments import obs_chunks as _obs_chunks
+from dcptool.dcp.slicing import (
     first_disagreement,
     parse_engine_version,
     request_boundary_splits,
@@ -45,9 +43,11 @@ from dcptool.slicing import (
     splits_on_request_boundary,
     ubatch_bounds,
 )
+from dcptool.dump import Dump
+from dcptool.dump.schema import GraphMode
 
 if TYPE_CHECKING:
-    from dcptool.scan import Stats
+    from dcptool.check.scan import Stats
 
 
 class Rule(NamedTuple):

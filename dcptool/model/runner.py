@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dcptool.check.rules import RULE_OF_FAULT
 from dcptool.choices import CudaGraph, Pipeline, SpecMethod, spoken, values
-from dcptool.reference import local_of
-from dcptool.rules import RULE_OF_FAULT
-from dcptool.schema import INT32_MAX, DcptoolError, GraphMode
-from dcptool.slicing import (
+from dcptool.dcp.reference import local_of
+from dcptool.dcp.slicing import (
     UbatchSlice,
     parse_engine_version,
     pcp_partition,
@@ -27,9 +26,10 @@ from dcptool.slicing import (
     splits_on_request_boundary,
     uniform_query_len,
 )
+from dcptool.dump.schema import INT32_MAX, DcptoolError, GraphMode
 
 if TYPE_CHECKING:
-    from dcptool.simulate import Batch, _Sink
+    from dcptool.model.simulate import Batch, _Sink
 
 # DESIGN §4's fault table: fault -> (the rule replay must report (rules.TABLE says which), what the engine did).
 _FAULT_WHAT = {

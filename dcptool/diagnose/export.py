@@ -13,11 +13,11 @@ from __future__ import annotations
 import pprint
 import textwrap
 
+from dcptool.check.provenance import expected_of
+from dcptool.check.rules import Finding
+from dcptool.dcp.reference import local_np
 from dcptool.dump import Dump
 from dcptool.errors import DcptoolError
-from dcptool.provenance import expected_of
-from dcptool.reference import local_np
-from dcptool.rules import Finding
 
 # rules about the view's values or presence: a case checks the local lengths; `pages`: the page counts
 VIEW_RULES = ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape")
@@ -91,7 +91,7 @@ def local_seq_lens(seq_lens, rank):
         return [int(x) for x in out.reshape(-1).tolist()]
     try:
         import numpy as np
-        from dcptool.reference import local_of
+        from dcptool.dcp.reference import local_of
     except Exception:
         return [_formula(int(s), rank) for s in seq_lens]
     return [int(x) for x in local_of(np.asarray(seq_lens, np.int64), rank, DCP_SIZE, CP_INTERLEAVE)]

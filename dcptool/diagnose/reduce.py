@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dcptool.check.rules import RULES, Finding
 from dcptool.dump import COLUMNS, RAGGED, Dump, DumpConfig
 from dcptool.errors import DcptoolError
-from dcptool.rules import RULES, Finding
 
 
 class ReduceError(DcptoolError, ValueError):
@@ -315,7 +315,7 @@ def sizes(d: Dump) -> dict[str, int]:
 def reduce_dump(d: Dump, target: Target, rules: set[str], *, max_seconds: float = 60.0, backend: str = "torch",
                 progress: Callable[[int], None] | None = None, name: str = "reduced") -> Reduction:
     """Shrink d while target holds: ddmin over steps, then observations, then request rows."""
-    from dcptool.replay import replay
+    from dcptool.check.replay import replay
 
     t0 = time.monotonic()
     deadline = t0 + max_seconds

@@ -16,7 +16,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from dcptool.timeline import CLEAN, TIMELINE_ROWS, Timeline, cells, timeline
+from dcptool.report.timeline import CLEAN, TIMELINE_ROWS, Timeline, cells, timeline
 
 TEXT_MAX_FINDINGS = 100  # text default; JSON lists every finding unless --max-findings says otherwise
 BY_SITE_ROWS = 50  # rows of the text summary's by-site table (docs/limits.md)
@@ -224,7 +224,7 @@ def _axis(tl: Timeline) -> str:
 
 def render_timeline(res, console: Console) -> None:
     """Timeline strip: rows (site, rank), columns step buckets sized to the console, worst finding per cell."""
-    from dcptool.rules import RULE_CODES, RULES, SEVERITY
+    from dcptool.check.rules import RULE_CODES, RULES, SEVERITY
 
     g = res.grid
     if g is None or g.count.size == 0:
@@ -385,7 +385,7 @@ def inspect_json(info) -> str:
 def _rules(counts: dict[str, int]) -> Text:
     if not counts:
         return Text("clean", style="green")
-    from dcptool.rules import RULES
+    from dcptool.check.rules import RULES
 
     return Text(", ".join(f"{r} {counts[r]}" for r in RULES if r in counts), style="bold red")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from dcptool.dump import WriteError, write_target
-from dcptool.record import Recorder
-from dcptool.runner import (  # noqa: F401 - SimConfig, SimError, FAULTS, FAULT_WHERE, applicability and capture_sizes are simulate's API
+from dcptool.engine.record import Recorder
+from dcptool.model.runner import (  # noqa: F401 - SimConfig, SimError, FAULTS, FAULT_WHERE, applicability and capture_sizes are simulate's API
     FAULT_WHERE,
     FAULTS,
     KV_GROUPS,
@@ -331,8 +331,8 @@ def compare(cfg: SimConfig, backend: str = "auto", progress=None) -> Comparison:
     replay both, and line up per site what each path recorded and what replay found."""
     import tempfile
 
+    from dcptool.check.replay import replay
     from dcptool.dump import open_dumps
-    from dcptool.replay import replay
 
     cfg.validate()
     t0 = time.perf_counter()

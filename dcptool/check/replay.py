@@ -9,12 +9,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool.choices import Backend, values
-from dcptool.dump import Dump, DumpError
-from dcptool.findings import Collector, FindingTable
-from dcptool.provenance import Provenance, Source, expected_of
-from dcptool.reference import local_np
-from dcptool.rules import (
+from dcptool.check.findings import Collector, FindingTable
+from dcptool.check.provenance import Provenance, Source, expected_of
+from dcptool.check.rules import (
     PARENT_ROWS_NEEDS,
     RULE,
     RULES,
@@ -36,8 +33,11 @@ from dcptool.rules import (
     merge_split_findings,
     rank_pairs,
 )
-from dcptool.slicing import Ubatch, engine_split
-from dcptool.slots import check_slot_rules
+from dcptool.check.slots import check_slot_rules
+from dcptool.choices import Backend, values
+from dcptool.dcp.reference import local_np
+from dcptool.dcp.slicing import Ubatch, engine_split
+from dcptool.dump import Dump, DumpError
 
 __all__ = ["RULES", "SEVERITY", "Finding", "LimitError", "ReplayResult", "Source", "expected_of", "local_np", "replay",
            "resolve_backend", "rows_view", "splits"]
@@ -198,7 +198,7 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         res.rows_view = rows_view(d, obs, [res.findings[int(k)] for k in np.flatnonzero(res.findings.index == obs)])
     if views > 0:
         res.views = finding_views(d, res.findings, views)
-    from dcptool.problems import problems
+    from dcptool.check.problems import problems
 
     res.problems = problems(d, res.findings, version)
     bar.done("findings")
@@ -270,7 +270,7 @@ def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar
             later) -> tuple[list, ObsGrid]:
     """Every check's findings (a table, or what later() returned), in the order they are collected, and the
     timeline grid (later(f, *args): run f on another thread, or when asked for)."""
-    from dcptool.scan import scan
+    from dcptool.check.scan import scan
 
     out: list = []
     # first: rank-agree's row comparison rides on the scan's read of the rows; they are computed while the scan
@@ -399,7 +399,7 @@ def resolve_backend(name: str, observations: int | None = None) -> tuple[str, st
     """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter. With `observations`
     given, auto keeps a dump smaller than scan.GPU_MIN_OBS on the CPU (where the GPU cannot win). The CPU
     path is numpy: torch is imported only to ask for a GPU (1.5 s of a CLI run here)."""
-    from dcptool.scan import GPU_MIN_OBS
+    from dcptool.check.scan import GPU_MIN_OBS
 
     if name not in values(Backend):
         raise ValueError(f"unknown backend {name!r} (auto, triton or torch)")

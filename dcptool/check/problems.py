@@ -18,8 +18,8 @@ from importlib import resources
 
 import numpy as np
 
+from dcptool.check.rules import RULE_ORDER, RULES, Finding
 from dcptool.dump import Dump
-from dcptool.rules import RULE_ORDER, RULES, Finding
 
 RELATIONS = ("", "parent-rows", "earlier-in-step", "earlier-step")
 
@@ -87,7 +87,7 @@ def finding_arrays(findings: list[Finding], sites: tuple[str, ...]) -> FindingAr
 
 def table_arrays(t, sites: tuple[str, ...]) -> FindingArrays:
     """FindingArrays from a findings.FindingTable's columns (its relations are RELATIONS[1:], -1 for none)."""
-    from dcptool.findings import PAGES, SHAPE
+    from dcptool.check.findings import PAGES, SHAPE
 
     kind, rule = t.kind, t.rule_code.astype(np.int16)
     return FindingArrays(rule=rule, relation=(t.relation + 1).astype(np.int8), site=t.site_code.astype(np.int32),
@@ -134,7 +134,7 @@ class KnownBug:
 
 def known_bugs() -> tuple[KnownBug, ...]:
     """The package's known-bug signatures (dcptool/known_bugs.json)."""
-    raw = json.loads(resources.files("dcptool").joinpath("known_bugs.json").read_text("utf-8"))
+    raw = json.loads(resources.files("dcptool.check").joinpath("known_bugs.json").read_text("utf-8"))
     out = []
     for b in raw["bugs"]:
         a = b.get("affected", {})

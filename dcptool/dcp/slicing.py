@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dcptool.segments import ragged
+from dcptool.dcp.segments import ragged
 
 if TYPE_CHECKING:
     from dcptool.dump import Dump

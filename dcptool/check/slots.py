@@ -7,11 +7,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dcptool.check.rules import Issue, _kth_per_rank
+from dcptool.check.scan import default_threads, in_order
+from dcptool.dcp.segments import group_ids, ragged
+from dcptool.dcp.segments import obs_chunks as _obs_chunks
 from dcptool.dump import Dump
-from dcptool.rules import Issue, _kth_per_rank
-from dcptool.scan import default_threads, in_order
-from dcptool.segments import group_ids, ragged
-from dcptool.segments import obs_chunks as _obs_chunks
 
 #
 # vLLM's rule (BlockTables.compute_slot_mappings, _compute_slot_mappings_kernel, 0.31-0.34; checked on

@@ -1,0 +1,1 @@
+"""The offline checks: replay's pipeline (scan, rules, slots, provenance, findings, problems)."""

@@ -1,0 +1,371 @@
+"""Writing a dump: row-form observations to columns, encoding, atomic writes and the output-path checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dcptool.dump.schema import (
+    _DTYPE_NAMES,
+    _DTYPES,
+    COLUMNS,
+    FORMAT_VERSION,
+    INT32_MAX,
+    DumpConfig,
+    DumpError,
+    OutputExistsError,
+    WriteError,
+    _clean,
+    _fail,
+    _parse_config,
+    validate_columns,
+)
+
+
+@dataclass
+class Observation:
+    """One attention-metadata build as an engine saw it (the row form of the columnar dump)."""
+
+    step: int
+    site: str
+    rank: int
+    num_reqs: int
+    num_reqs_padded: int
+    seq_lens: np.ndarray
+    dcp_local_seq_lens: np.ndarray | None
+    ubatch: int = -1
+    parent: int | None = None
+    req_start: int | None = None
+    tok_start: int | None = None
+    tok_stop: int | None = None
+    query_start_loc: np.ndarray | None = None
+    num_tokens_padded: int | None = None
+    buffer: int | None = None
+    graph: int | None = None
+    kv_pages: np.ndarray | None = None
+    dcp_query_start_loc: np.ndarray | None = None  # issue 15: Q of the empty-shard mask (None: not recorded)
+    dcp_tot_seq_lens: np.ndarray | None = None  # issue 15: the global companion (None: not recorded)
+    # issue 15 (slots): each token's position, and the slot this rank writes per token (-1: none) for KV-cache
+    # group 0 (1-D), for groups 0.. ([groups, tokens]), or as {group index: 1-D} (see slot_entries)
+    positions: np.ndarray | None = None
+    slot_mapping: np.ndarray | dict | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+# Optional per-observation columns: field -> (key, dtype, value written where unknown).
+OPTIONAL_FIELDS = {"parent": ("obs.parent", "<i8", -1), "req_start": ("obs.req_start", "<i4", -1),
+                   "tok_start": ("obs.tok_start", "<i4", -1), "tok_stop": ("obs.tok_stop", "<i4", -1),
+                   "num_tokens_padded": ("obs.num_tokens_padded", "<i4", -1), "buffer": ("obs.buffer", "<i8", 0),
+                   "graph": ("obs.graph", "i1", 0)}
+FIELDS = ("step", "rank", "ubatch", "num_reqs", "num_reqs_padded", *OPTIONAL_FIELDS)
+# seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages; issue 15: dcp_query_start_loc, dcp_tot_seq_lens, and
+# the slot entries positions, slot_mapping, slot_group (per token and KV-cache group)
+ROW_FIELDS = ("seq", "dcp", "qsl", "kv", "dqsl", "tot", "pos", "slot", "sgrp")
+# the row fields with an offsets column of their own, written when any observation has them
+_OWN_OFFSETS = {"qsl": ("obs.qsl", "rows.query_start_loc"), "dqsl": ("obs.dqsl", "rows.dcp_query_start_loc"),
+                "tot": ("obs.tot", "rows.dcp_tot_seq_lens")}
+
+
+def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tuple[DumpConfig, dict[str, np.ndarray]]:
+    """Row-form observations -> dump columns (DESIGN §2): the one place both writers (pack, Recorder) go through.
+
+    sites: one site name per observation (added to the config's list in order of first use);
+    vals: FIELDS -> one value per observation (None where unknown); rows: ROW_FIELDS -> one 1-D
+    array per observation (None: a `None` DCP view, or an unknown query_start_loc / kv_pages).
+    Optional columns are written when any observation knows them; the others get -1 ("unknown";
+    0 for obs.buffer and obs.graph), so checks needing them skip those observations.
+    """
+    n = len(sites)
+    names = list(config.sites)
+    for site in dict.fromkeys(sites):
+        if site not in names:
+            names.append(site)
+    cfg = DumpConfig(**{**config.__dict__, "sites": tuple(names)})
+    index = {site: i for i, site in enumerate(names)}
+
+    def col(field: str, dtype: str, unknown: int = -1) -> np.ndarray:
+        v = [unknown if x is None else x for x in vals[field]]
+        try:
+            return np.array(v, dtype=dtype)
+        except OverflowError:  # a Python int the column cannot hold
+            bad = next(x for x in v if not np.iinfo(dtype).min <= int(x) <= np.iinfo(dtype).max)
+            raise DumpError(f"{field}: value {bad} does not fit {np.dtype(dtype).name}") from None
+
+    def offsets(arrs) -> np.ndarray:
+        out = np.zeros(n + 1, np.int64)
+        np.cumsum(np.fromiter((0 if a is None else a.size for a in arrs), np.int64, n), out=out[1:])
+        return out
+
+    def cat(arrs, key: str) -> np.ndarray:
+        got = [a for a in arrs if a is not None]
+        return _narrow(np.concatenate(got), np.dtype("<i4"), key) if got else np.zeros(0, "<i4")
+
+    cols = {"obs.step": col("step", "<i8"), "obs.site": np.array([index[x] for x in sites], "<i4"),
+            "obs.rank": col("rank", "<i4"), "obs.ubatch": col("ubatch", "<i4"),
+            "obs.num_reqs": col("num_reqs", "<i4"), "obs.num_reqs_padded": col("num_reqs_padded", "<i4"),
+            "obs.rows": offsets(rows["seq"]), "rows.seq_lens": cat(rows["seq"], "rows.seq_lens"),
+            "obs.has_dcp": np.array([a is not None for a in rows["dcp"]], "u1"),
+            "obs.dcp_rows": offsets(rows["dcp"]),
+            "rows.dcp_local_seq_lens": cat(rows["dcp"], "rows.dcp_local_seq_lens")}
+    for name, (key, dtype, unknown) in OPTIONAL_FIELDS.items():
+        if any(v is not None for v in vals[name]):
+            cols[key] = col(name, dtype, unknown)
+    if any(a is not None for a in rows["kv"]):
+        cols["rows.kv_pages"] = cat([np.full(q.size, -1, np.int32) if k is None else k
+                                     for k, q in zip(rows["kv"], rows["seq"])], "rows.kv_pages")
+    for name, (offs_key, row_key) in _OWN_OFFSETS.items():  # (absent from a caller that predates them: none)
+        got = rows.get(name)
+        if got is not None and any(a is not None for a in got):
+            cols[offs_key] = offsets(got)
+            cols[row_key] = cat(got, row_key)
+    if any(a is not None for a in rows["pos"]):  # issue 15: slot entries (None: not recorded, 0 entries)
+        cols["obs.slots"] = offsets(rows["pos"])
+        for f, key in (("pos", "rows.positions"), ("slot", "rows.slot_mapping"), ("sgrp", "rows.slot_group")):
+            cols[key] = cat(rows[f], key)
+    return cfg, cols
+
+
+def slot_entries(positions, slot_mapping, groups: int | None = None) -> tuple:
+    """(positions, slot_mapping, slot_group) per entry of the slot columns: one entry per token and KV-cache
+    group, groups ascending; or (None, None, None) when neither is given. `slot_mapping`: 1-D (group 0),
+    [groups, tokens], or {group index: 1-D}; host arrays (numpy or lists). ValueError for what cannot be
+    stored: one without the other, a length that is not one per position, a group outside [0, groups)."""
+    if positions is None and slot_mapping is None:
+        return (None, None, None)
+    if positions is None or slot_mapping is None:
+        raise ValueError("positions and slot_mapping go together")
+    pos = np.asarray(positions).reshape(-1)
+    if isinstance(slot_mapping, dict):
+        maps = slot_mapping
+    else:
+        m = np.asarray(slot_mapping)
+        maps = {0: m} if m.ndim == 1 else dict(enumerate(m))  # [groups, tokens]
+    keys = sorted(int(g) for g in maps)
+    hi = INT32_MAX if groups is None else groups - 1
+    if keys and not (0 <= keys[0] and keys[-1] <= hi):
+        raise ValueError(f"KV-cache group {keys[0] if keys[0] < 0 else keys[-1]} out of range")
+    slots = [np.asarray(maps[g]).reshape(-1) for g in keys]
+    if any(x.size != pos.size for x in slots):
+        raise ValueError(f"a slot mapping does not have one value per position ({pos.size})")
+    return (np.tile(pos, len(keys)), np.concatenate(slots) if slots else pos[:0],
+            np.repeat(np.array(keys, np.int64), pos.size))
+
+
+def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfig, dict[str, np.ndarray]]:
+    """Observation dataclasses -> columns (see columns())."""
+    def arr(x):
+        return None if x is None else np.asarray(x).reshape(-1)
+
+    vals = {f: [getattr(o, f) for o in observations] for f in FIELDS}
+    rows = {"seq": [arr(o.seq_lens) for o in observations], "dcp": [arr(o.dcp_local_seq_lens) for o in observations],
+            "qsl": [arr(o.query_start_loc) for o in observations], "kv": [arr(o.kv_pages) for o in observations],
+            "dqsl": [arr(o.dcp_query_start_loc) for o in observations],
+            "tot": [arr(o.dcp_tot_seq_lens) for o in observations],
+            **dict(zip(("pos", "slot", "sgrp"), zip(*[slot_entries(o.positions, o.slot_mapping)
+                                                    for o in observations]) if observations else ((), (), ())))}
+    return columns(config, [o.site for o in observations], vals, rows)
+
+
+def encode(config: DumpConfig, columns: dict[str, np.ndarray], injected: dict | None = None,
+           extra_metadata: dict[str, str] | None = None) -> tuple[bytes, list[tuple[str, np.ndarray]]]:
+    """The safetensors header and the tensors to follow it, in a fixed (sorted) order."""
+    meta = {"dcptool.format": FORMAT_VERSION, "dcptool.config": json.dumps(config.to_json(), sort_keys=True)}
+    if injected is not None:
+        meta["dcptool.injected"] = json.dumps({k: sorted(v) for k, v in sorted(injected.items())})
+    meta.update(extra_metadata or {})
+    header: dict = {"__metadata__": meta}
+    tensors = []
+    off = 0
+    for key in sorted(columns):
+        want = COLUMNS[key][0] if key in COLUMNS else None
+        arr = np.ascontiguousarray(columns[key])
+        if want is not None:
+            arr = arr.astype(_DTYPES[want], copy=False)
+        header[key] = {"dtype": _DTYPE_NAMES[arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype],
+                       "shape": [int(arr.shape[0])], "data_offsets": [off, off + arr.nbytes]}
+        off += arr.nbytes
+        tensors.append((key, arr))
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes with spaces
+    return struct.pack("<Q", len(raw)) + raw, tensors
+
+
+def _link_no_clobber(tmp: str, p: Path) -> None:
+    """Move tmp to p unless p exists, atomically where the filesystem has hard links."""
+    try:
+        os.link(tmp, p)  # fails if p exists, even if another writer created it a moment ago
+    except FileExistsError:
+        raise OutputExistsError(f"{_clean(p)}: exists (use --force to overwrite)") from None
+    except OSError:  # no hard links here (some FUSE / SMB mounts): check, then rename
+        if os.path.lexists(p):
+            raise OutputExistsError(f"{_clean(p)}: exists (use --force to overwrite)") from None
+        os.replace(tmp, p)
+        return
+    os.unlink(tmp)
+
+
+_KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+          (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
+def write_target(path: str | os.PathLike) -> Path:
+    """The file a write to `path` may replace: `path` when it is absent or a regular file; for a symbolic
+    link to a regular file, that file (replaced atomically in its own directory; the link stays a link).
+    Anything else is a WriteError: a directory, a device (`/dev/null`), a FIFO, a socket, a link to one
+    of them (`/proc/self/fd/1`) or a dangling link. A rename would swap such a node for a regular file."""
+    p = Path(path)
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return p
+    except OSError as e:
+        raise WriteError(f"{_clean(p)}: cannot write: {e.strerror or e}") from None
+    if stat.S_ISREG(st.st_mode):
+        return p
+    if not stat.S_ISLNK(st.st_mode):
+        raise WriteError(f"{_clean(p)}: is a {_kind(st.st_mode)}, not a regular file; dcptool only replaces "
+                         "regular files")
+    try:
+        target = os.stat(p)
+    except OSError:
+        raise WriteError(f"{_clean(p)}: is a symbolic link to nothing; dcptool only writes regular files") from None
+    if not stat.S_ISREG(target.st_mode):
+        raise WriteError(f"{_clean(p)}: is a symbolic link to a {_kind(target.st_mode)}, not a regular file; "
+                         "dcptool only replaces regular files")
+    real = Path(os.path.realpath(p))
+    try:  # a /proc/self/fd link to a deleted or unnamed file resolves to no path that is that file
+        same = os.path.samefile(real, p)
+    except OSError:
+        same = False
+    if not same:
+        raise WriteError(f"{_clean(p)}: is a symbolic link whose target cannot be replaced by name")
+    return real
+
+
+def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True, inputs=()) -> None:
+    """Write chunks (bytes-like) to a temporary file beside `path`, fsync, then rename it into place.
+
+    A crash, a kill or a full disk leaves the old file (or none), never a torn one; on an error the
+    temporary is removed and WriteError names the file. force=False refuses an existing `path`
+    (OutputExistsError); `path` is never one of `inputs`, even with force. Only a regular file (or
+    an absent path) is ever replaced; a symbolic link to a regular file replaces that file
+    (write_target).
+    """
+    p = Path(path)
+    shown = p
+    for q in inputs:
+        try:
+            same = os.path.samefile(p, q)
+        except OSError:  # either does not exist: not the same file
+            same = False
+        if same:
+            raise WriteError(f"{_clean(p)}: is also an input; write the output to another file")
+    p = write_target(p)
+    existed = os.path.lexists(p)
+    if existed and not force:
+        raise OutputExistsError(f"{_clean(shown)}: exists (use --force to overwrite)")
+    d = p.parent
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=d)
+        with os.fdopen(fd, "wb") as f:
+            # mkstemp makes 0600 files; a dump is for sharing: keep the old file's mode, else rw-r--r--
+            os.fchmod(f.fileno(), (os.stat(p).st_mode & 0o777) if existed and p.is_file() else 0o644)
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        if force:
+            os.replace(tmp, p)
+        else:
+            _link_no_clobber(tmp, p)
+        tmp = None
+    except OutputExistsError:
+        raise
+    except OSError as e:
+        keep = " (the previous file is unchanged)" if existed else ""
+        raise WriteError(f"{_clean(shown)}: cannot write: {e.strerror or e}{keep}") from None
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    try:
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass  # some filesystems refuse directory fsync; the rename itself is still atomic
+
+
+def check_config(path: str | os.PathLike, config: DumpConfig, injected: dict | None = None) -> None:
+    """Raise the DumpError a reader would raise for this config (so nothing unreadable is written)."""
+    meta = {"dcptool.format": FORMAT_VERSION, "dcptool.config": json.dumps(config.to_json())}
+    if injected is not None:
+        meta["dcptool.injected"] = json.dumps(injected)
+    _parse_config(os.fspath(path), meta)
+
+
+def _narrow(a: np.ndarray, want: np.dtype, key: str) -> np.ndarray:
+    """a in dtype `want`; a value it cannot hold is a DumpError (astype would wrap or truncate it silently)."""
+    if a.size and a.dtype != want:
+        if a.dtype.kind == "f" and not np.array_equal(a, np.trunc(a)):  # NaN, inf and 1.5 are not lengths
+            bad = a[~(a == np.trunc(a))][0]
+            raise DumpError(f"{key}: value {bad} is not an integer")
+        if a.dtype.kind not in "iubf":
+            raise DumpError(f"{key}: integer values expected, got dtype {a.dtype}")
+        info = np.iinfo(want)
+        lo, hi = a.min(), a.max()
+        if lo < info.min or hi > info.max:
+            raise DumpError(f"{key}: value {int(lo) if lo < info.min else int(hi)} does not fit {_DTYPE_NAMES[want]}")
+    return a.astype(want, copy=False)
+
+
+def _column(p: str, key: str, v) -> np.ndarray:
+    """A column in its format dtype (checked: see _narrow)."""
+    a = np.asarray(v)
+    if key not in COLUMNS:
+        return a
+    try:
+        return _narrow(a, _DTYPES[COLUMNS[key][0]], key)
+    except DumpError as e:
+        raise _fail(p, None, str(e)) from None
+
+
+def write_dump(path: str | os.PathLike, config: DumpConfig, columns: dict[str, np.ndarray],
+               injected: dict | None = None, *, force: bool = True, inputs=()) -> None:
+    """Validate config and columns (so every dump we write reads back) and write them atomically."""
+    p = os.fspath(path)
+    check_config(p, config, injected)
+    cols = {k: _column(p, k, v) for k, v in columns.items()}
+    validate_columns(p, config, cols, injected)
+    header, tensors = encode(config, cols, injected)
+    atomic_write(path, [header] + [memoryview(a).cast("B") for _, a in tensors if a.nbytes], force=force,
+                 inputs=inputs)
+
+
+def write_observations(path: str | os.PathLike, observations: list[Observation], config: DumpConfig,
+                       injected: dict | None = None, *, force: bool = True, inputs=()) -> DumpConfig:
+    try:
+        cfg, cols = pack(observations, config)
+    except DumpError as e:
+        raise _fail(os.fspath(path), None, str(e)) from None
+    write_dump(path, cfg, cols, injected, force=force, inputs=inputs)
+    return cfg
