@@ -1,0 +1,229 @@
+"""The vLLM plugin's process state: env vars, the frame stack its hooks push, the Recorder it opens, observe, close."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+ENV_DIR = "DCPTOOL_RECORD"
+ENV_ROLLOVER = "DCPTOOL_ROLLOVER"
+ENV_UNTESTED = "DCPTOOL_VLLM_UNTESTED"
+DEFAULT_ROLLOVER = 10_000  # observations per file: a long run leaves many closed files, not one open one
+SITES = ("attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft", "prepare_inputs")
+
+log = logging.getLogger("vllm.dcptool")
+
+
+class _State:
+    registered = False
+    active = False  # hooks record only while True; False after any failure
+    warned = False
+    step = -1
+    recorder = None
+    rank = None
+    interleave: int | None = None
+    block_tables = None  # the runner's BlockTables, once seen (slot mappings' KV-cache groups: issue 15)
+    kv_groups: list | None = None  # the groups the recorder's config names (set with the first slot mapping)
+    skipped: Counter = Counter()
+    tables: list = []  # candidate hook tables, best first (set by register())
+    modules: frozenset = frozenset()  # the modules any of them hooks
+    used: dict = {}  # module -> the release line of the table its hooks came from
+    lock = threading.RLock()
+    local = threading.local()
+    atexit = False
+
+
+_S = _State()
+
+
+class _Frame:
+    """One level of context (site, batch, step scope) around an engine call; never raises into it."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self, make):
+        self.frame = None
+        if _S.active:
+            try:
+                self.frame = make()
+            except Exception as e:  # an engine object without what we expect: stop recording
+                _broken(e)
+
+    def __enter__(self):
+        if self.frame is not None:
+            st = _stack()
+            if self.frame.get("scope") and not any(f.get("scope") for f in st):
+                _S.step += 1
+            st.append(self.frame)
+        return self.frame
+
+    def __exit__(self, *exc):
+        if self.frame is not None:
+            st = _stack()
+            if st and st[-1] is self.frame:
+                st.pop()
+        return False
+
+
+def _stack() -> list[dict]:
+    st = getattr(_S.local, "stack", None)
+    if st is None:
+        st = _S.local.stack = []
+    return st
+
+
+def _ctx() -> dict:
+    out: dict = {}
+    for f in _stack():
+        out.update(f)  # inner frames win
+    return out
+
+
+def _broken(why) -> None:
+    """Stop recording for good and say so once; what was recorded so far is still written at exit."""
+    _S.active = False
+    if not _S.warned:
+        _S.warned = True
+        log.warning("dcptool: vLLM recording disabled, nothing more is recorded (%s%s)",
+                    type(why).__name__ + ": " if isinstance(why, BaseException) else "", why)
+
+
+def _dcp() -> tuple[int, int]:
+    """(DCP world size, this process's DCP rank) from vLLM's DCP group; (1, 0) before it exists, as vLLM does."""
+    from vllm.distributed import parallel_state as ps
+
+    if getattr(ps, "_DCP", None) is None:
+        return 1, 0
+    g = ps.get_dcp_group()
+    return int(g.world_size), int(g.rank_in_group)
+
+
+def _capturing() -> bool:
+    """True inside CUDA-graph capture, where a host copy would invalidate the graph (we skip, counted)."""
+    torch = sys.modules.get("torch")  # no torch imported: nothing can be capturing
+    if torch is None or not _has_cuda(torch):
+        return False
+    return torch.cuda.is_current_stream_capturing()
+
+
+@functools.cache
+def _has_cuda(torch) -> bool:
+    return bool(torch.cuda.is_available())
+
+
+def _interleave() -> int | None:
+    if _S.interleave is None:
+        try:
+            from vllm.config import get_current_vllm_config_or_none
+
+            cfg = get_current_vllm_config_or_none()
+            if cfg is not None:
+                _S.interleave = int(cfg.parallel_config.cp_kv_cache_interleave_size)
+        except Exception:
+            pass
+    return _S.interleave
+
+
+def _file_name(rank: int, dcp_size: int) -> str:
+    """rank<r>, plus the global rank when several processes share DCP rank r (TP/PP/DP groups)."""
+    try:
+        dist = getattr(sys.modules.get("torch"), "distributed", None)  # a vLLM worker has imported it
+        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() != dcp_size:
+            return f"rank{rank}.g{dist.get_rank()}.safetensors"
+    except Exception:
+        pass
+    return f"rank{rank}.safetensors"
+
+
+def _recorder():
+    if _S.recorder is not None:
+        return _S.recorder
+    il = _interleave()
+    if il is None:
+        _S.skipped["cp_kv_cache_interleave_size not known yet"] += 1
+        return None
+    import vllm
+
+    from dcptool.engine.record import Recorder
+
+    dcp_size, rank = _dcp()
+    pcp = 1
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        if getattr(ps, "_PCP", None) is not None:
+            pcp = int(ps.get_pcp_group().world_size)
+    except Exception:
+        pass
+    out = Path(os.environ[ENV_DIR])
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / _file_name(rank, dcp_size)
+    roll = int(os.environ.get(ENV_ROLLOVER) or DEFAULT_ROLLOVER)
+    if list(out.glob(f"{path.stem}.*{path.suffix}")):
+        log.warning("dcptool: %s already holds dumps named %s.*; this run replaces them (all of them, when it "
+                    "writes its first file), record into an empty directory to keep them", out, path.stem)
+    # force: an engine is not stopped for an old recording (the Recorder would refuse it otherwise)
+    sites = _S.tables[0].sites if _S.tables else SITES
+    _S.recorder = Recorder(path, dcp_size, il, sites=sites, pcp_size=pcp, engine="vllm",
+                           engine_version=vllm.__version__, rollover=roll, force=True,
+                           note=f"dcptool.engine.vllm, pid {os.getpid()}; {sites_note(vllm.__version__)}")
+    _S.rank = rank
+    if not _S.atexit:
+        _S.atexit = True
+        atexit.register(close)
+    log.info("dcptool: recording DCP metadata to %s (%d observations per file)", path, roll)
+    return _S.recorder
+
+
+def _observe(**kw) -> int:
+    if _capturing():
+        _S.skipped["built during CUDA-graph capture"] += 1
+        return -1
+    rec = _recorder()
+    if rec is None:
+        return -1
+    if not _stack():  # a build outside any step scope is a step of its own
+        _S.step += 1
+    with _S.lock:
+        return rec.observe(step=max(_S.step, 0), rank=_dcp()[1], **kw)
+
+
+def _observe_batch(site: str, batch, graph: int) -> int:
+    """Record a whole InputBatch that is no attention build itself (a micro-batch parent, a PCP input)."""
+    nrp = batch.num_reqs_after_padding
+    return _observe(site=site, seq_lens=batch.seq_lens, num_reqs=batch.num_reqs, num_reqs_padded=nrp,
+                    dcp_local_seq_lens=batch.dcp_local_seq_lens, query_start_loc=batch.query_start_loc_np[: nrp + 1],
+                    num_tokens_padded=int(batch.num_tokens_after_padding), graph=int(graph))
+
+
+def sites_note(version: str) -> str:
+    """What a recording of this vLLM version can hold (written into the dump's config `note`)."""
+    t = _S.tables[0] if _S.tables else None
+    if t is None:
+        return ""
+    used = sorted(set(_S.used.values()))
+    s = f"vLLM {version}, hook table {'/'.join(used) if used else t.line}; sites possible: {', '.join(t.sites)}"
+    return s + (f"; not possible: {t.why_not}" if t.why_not else "") + f"; columns: {t.slots}"
+
+
+def close() -> list[Path]:
+    """Write what is recorded (atomically) and start over; runs at process exit. Returns the files."""
+    with _S.lock:
+        rec, _S.recorder = _S.recorder, None
+        files = rec.close() if rec is not None else []
+        if rec is not None:
+            log.info("dcptool: wrote %d observations to %d file(s) in %s%s", len(rec), len(files),
+                     files[0].parent if files else "?",
+                     "; not recorded: " + ", ".join(f"{k} ({v})" for k, v in _S.skipped.items()) if _S.skipped else "")
+        _S.step = -1
+        _S.interleave = None
+        _S.block_tables = None
+        _S.kv_groups = None
+        _S.skipped.clear()
+        return files

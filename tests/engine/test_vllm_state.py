@@ -1,0 +1,53 @@
+"""The vLLM plugin's state and Recorder (vllm_state) against a fake vLLM: file names and rollover, DCP size and rank,
+CUDA-graph capture, and a failure that stops recording without reaching the engine."""
+
+import os
+
+from vllm_cases import STEPS, run_case
+
+
+def test_rolls_files_and_names_them_by_rank(tmp_path):
+    body = """
+    ps._DCP = ps.Group(2, 1)
+    for _ in range(5):
+        build(batch(view=(8, 12, 0, 0)), NONE)
+    """
+    out = run_case(tmp_path, body, env={"DCPTOOL_ROLLOVER": "2"})
+    assert [os.path.basename(f) for f in out["files"]] == [f"rank1.0000{i}.safetensors" for i in range(3)]
+    d = out["dump"]
+    assert d.n == 5 and d["obs.rank"].tolist() == [1] * 5 and d["obs.step"].tolist() == list(range(5))
+
+
+def test_builds_inside_graph_capture_are_skipped_not_copied(tmp_path):
+    before = """
+    import types
+    torch = types.ModuleType("torch")
+    torch.cuda = types.SimpleNamespace(is_available=lambda: True, is_current_stream_capturing=lambda: True)
+    sys.modules["torch"] = torch
+    """
+    out = run_case(tmp_path, STEPS, before=before)
+    assert out["files"] == [] and out["results"][0] == {"num_reqs": 4, "dcp": [9, 13, 0, 0]}
+    assert "disabled" not in out["stderr"]
+
+
+def test_without_a_dcp_group_it_records_dcp_size_1(tmp_path):
+    body = """
+    ps._DCP = None
+    build(batch(view=None), NONE)
+    """
+    out = run_case(tmp_path, body)
+    d = out["dump"]
+    assert d.config.dcp_size == 1 and d["obs.has_dcp"].tolist() == [0]
+
+
+def test_a_failure_while_recording_never_reaches_the_engine(tmp_path):
+    body = """
+    b = batch()
+    del b.num_tokens_after_padding  # a batch without a field only the recorder reads
+    out["results"].append(build(b, NONE))
+    out["results"].append(build(batch(), NONE))  # recording has stopped; the engine goes on
+    """
+    out = run_case(tmp_path, body)
+    assert out["results"] == [{"num_reqs": 2, "dcp": [9, 13]}] * 2
+    assert out["stderr"].count("dcptool: vLLM recording disabled") == 1 and "AttributeError" in out["stderr"]
+    assert out["files"] == []
