@@ -64,7 +64,7 @@ def test_checks_on_other_threads_give_the_findings_of_one_thread(tmp_path, monke
     import warnings
 
     from dcptool.check import replay as replay_mod
-    from dcptool.model.runner import FAULTS
+    from dcptool.model.config import FAULTS
     from dcptool.model.simulate import SimConfig, simulate
 
     p = tmp_path / "s.safetensors"

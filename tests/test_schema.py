@@ -32,7 +32,7 @@ def test_one_exception_root():
     from dcptool.dcp.backend import BackendError
     from dcptool.dump import DumpError, OutputExistsError, WriteError
     from dcptool.dump.schema import DcptoolError
-    from dcptool.model.runner import SimError
+    from dcptool.model.config import SimError
 
     for cls in (DumpError, WriteError, OutputExistsError, LimitError, SimError, BackendError, Trouble):
         assert issubclass(cls, DcptoolError), cls

@@ -1,28 +1,29 @@
 """simulate: a seeded serving workload through a model of vLLM's runner (runner.py), recorded with or without
-pre-fix faults; compare runs both pipelines side by side with what replay finds in each."""
+pre-fix faults; compare runs both pipelines side by side with what replay finds in each.
+
+The configuration and the fault table are in config.py, the workload in workload.py, the recording sink in sink.py."""
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from dcptool.dump import WriteError, write_target
-from dcptool.engine.record import Recorder
-from dcptool.model.runner import (  # noqa: F401 - SimConfig, SimError, FAULTS, FAULT_WHERE, applicability and capture_sizes are simulate's API
+from dcptool.dump import WriteError
+from dcptool.model.config import (  # noqa: F401 - SimConfig, SimError, FAULTS, FAULT_WHERE, applicability are simulate's API
     FAULT_WHERE,
     FAULTS,
-    KV_GROUPS,
     SITES,
-    Runner,
     SimConfig,
     SimError,
     applicability,
-    capture_sizes,
 )
+from dcptool.model.graphs import capture_sizes  # noqa: F401 - simulate's API
+from dcptool.model.runner import Runner
+from dcptool.model.sink import Sink
+from dcptool.model.workload import Workload
 
 
 @dataclass
@@ -70,150 +71,6 @@ class SimResult:
                 "faults": [f.to_json() for f in self.faults.values()], "seconds": round(self.seconds, 4)}
 
 
-
-# --------------------------------------------------------------------------------------------
-# The workload: Poisson arrivals, skewed lengths, chunked prefill under a token budget, spec decode
-
-
-@dataclass
-class Batch:
-    """One scheduled step in batch order (decodes first, then prefills by query length)."""
-
-    query_lens: np.ndarray
-    num_computed: np.ndarray
-    is_prefilling: np.ndarray
-    slots: np.ndarray  # request slot of each row
-
-    @property
-    def num_reqs(self) -> int:
-        return int(self.query_lens.size)
-
-    @property
-    def seq_lens(self) -> np.ndarray:
-        return self.num_computed + self.query_lens
-
-
-class Workload:
-    """Requests arrive, prefill in chunks under the token budget, decode with K draft tokens each step
-    (accepted drafts advance seq_lens by accepted + 1), and leave when their output is done."""
-
-    def __init__(self, cfg: SimConfig, rng: np.random.Generator):
-        self.cfg, self.rng = cfg, rng
-        cap = cfg.max_num_reqs
-        self.prompt = np.zeros(cap, np.int64)
-        self.output = np.zeros(cap, np.int64)
-        self.computed = np.zeros(cap, np.int64)
-        self.generated = np.zeros(cap, np.int64)
-        self.active = np.zeros(cap, bool)
-        self.arrived = np.zeros(cap, np.int64)  # arrival order, for FCFS prefill
-        self.waiting: list[tuple[int, int]] = []
-        self.count = 0
-        # Start in steady state: half the slots already decoding.
-        for _ in range(cap // 2):
-            p, o = self._lengths()
-            s = self._admit(p, o)
-            self.generated[s] = int(rng.integers(1, max(2, o)))
-            self.computed[s] = p + self.generated[s] - 1
-
-    def _lengths(self) -> tuple[int, int]:
-        c, rng = self.cfg, self.rng
-        p = int(np.clip(rng.lognormal(np.log(1024), 1.0), 8, min(16384, c.max_model_len // 2)))
-        o = int(np.clip(rng.lognormal(np.log(256), 0.9), 4, min(4096, c.max_model_len - p - c.decode_query_len)))
-        return p, max(o, 1)
-
-    def _admit(self, prompt: int, output: int) -> int:
-        s = int(np.flatnonzero(~self.active)[0])
-        self.prompt[s], self.output[s], self.computed[s], self.generated[s] = prompt, output, 0, 0
-        self.active[s] = True
-        self.arrived[s] = self.count
-        self.count += 1
-        return s
-
-    def schedule(self) -> Batch:
-        c = self.cfg
-        for _ in range(int(self.rng.poisson(c.arrival_rate))):
-            self.waiting.append(self._lengths())
-        budget = c.token_budget
-        dec = np.flatnonzero(self.active & (self.computed >= self.prompt))
-        dec = dec[: budget // c.decode_query_len]
-        budget -= dec.size * c.decode_query_len
-        pre = np.flatnonzero(self.active & (self.computed < self.prompt))
-        pre = pre[np.argsort(self.arrived[pre], kind="stable")]
-        chunks = []
-        for s in pre:
-            if budget == 0:
-                break
-            n = int(min(self.prompt[s] - self.computed[s], budget))
-            chunks.append((int(s), n))
-            budget -= n
-        while budget > 0 and self.waiting and self.active.sum() < c.max_num_reqs:
-            s = self._admit(*self.waiting.pop(0))
-            n = int(min(self.prompt[s], budget))
-            chunks.append((s, n))
-            budget -= n
-        slots = np.concatenate([dec, np.array([s for s, _ in chunks], np.int64)]).astype(np.int64)
-        q = np.concatenate([np.full(dec.size, c.decode_query_len, np.int64),
-                            np.array([n for _, n in chunks], np.int64)])
-        # vLLM's sort_batch_req_ids: decodes with drafts first, then by query length.
-        order = np.lexsort((q, q != c.decode_query_len, np.arange(q.size) >= dec.size))
-        slots, q = slots[order], q[order]
-        return Batch(query_lens=q, num_computed=self.computed[slots].copy(),
-                     is_prefilling=self.computed[slots] < self.prompt[slots], slots=slots)
-
-    def advance(self, b: Batch) -> np.ndarray:
-        """Apply one step's results; returns num_computed after it, per row (what the drafter starts from)."""
-        c = self.cfg
-        s = b.slots
-        dec = ~b.is_prefilling
-        k = c.spec_tokens
-        # accepted = leading run of accepted drafts (each with probability accept_rate)
-        accepted = (self.rng.random((s.size, max(k, 1))) < c.accept_rate)[:, :k].cumprod(axis=1).sum(axis=1)
-        step = np.where(dec, accepted + 1, b.query_lens)
-        self.computed[s] += step
-        done_prefill = b.is_prefilling & (self.computed[s] >= self.prompt[s])
-        self.generated[s] += np.where(dec, accepted + 1, done_prefill.astype(np.int64))
-        after = self.computed[s].copy()
-        fin = (self.generated[s] >= self.output[s]) | (self.computed[s] + c.decode_query_len >= c.max_model_len)
-        self.active[s[fin]] = False
-        return after
-
-
-# --------------------------------------------------------------------------------------------
-# Recording sinks: one Recorder for all ranks, or one per rank (--per-rank)
-
-
-class _Sink:
-    def __init__(self, cfg: SimConfig, out: Path, per_rank: bool, force: bool = False):
-        P, N = cfg.pcp, cfg.dcp
-        version = cfg.engine_version or f"vLLM model runner V2 model ({cfg.pipeline} pipeline)"
-        kw = dict(dcp_size=N, cp_interleave=cfg.interleave, sites=SITES, pcp_size=P, page_size=cfg.page_size,
-                  engine="dcptool simulate", engine_version=version, note=cfg.command(),
-                  # (slot mappings are recorded without PCP only: runner.Runner._slots)
-                  kv_groups=[{"name": n, "dcp": dcp, "block_size": cfg.page_size} for n, dcp in KV_GROUPS]
-                  if P == 1 else None)
-        if per_rank:
-            names = [f".pcp{p}.rank{r}" if P > 1 else f".rank{r}" for p in range(P) for r in range(N)]
-            self.paths = [out.with_name(f"{out.stem}{n}{out.suffix or '.safetensors'}") for n in names]
-            self.file_of = list(range(P * N))
-        else:
-            self.paths = [out]
-            self.file_of = [0] * (P * N)
-        for p in self.paths:  # before hours of work: only regular files are replaced (no /dev/null, FIFO...)
-            write_target(p)
-        if not force:  # (the Recorder refuses too; this says it in the CLI's words)
-            clash = [str(p) for p in self.paths if os.path.lexists(p)]
-            if clash:
-                raise FileExistsError(f"{clash[0]}: exists (use --force to overwrite)")
-        self.recorders = [Recorder(p, force=force, **kw) for p in self.paths]
-        self.shared = not per_rank
-        self.touched: list[dict[str, list[int]]] = [{} for _ in self.recorders]
-        self.by_site: dict[str, int] = {}
-
-    def mark(self, proc: int, idx: int, fault: str) -> None:
-        """fault, or "fault:shape" where a stale fault left the rows that exist right but the length wrong."""
-        self.touched[self.file_of[proc]].setdefault(fault, []).append(idx)
-
-
 def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: bool = False,
              progress=None) -> SimResult:
     """Run the workload through the runner model and write the dump(s) atomically; `progress(k)` is
@@ -221,7 +78,7 @@ def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: 
     cfg.validate()
     t0 = time.perf_counter()
     out = Path(out)
-    sink = _Sink(cfg, out, per_rank, force)
+    sink = Sink(cfg, out, per_rank, force)
     try:
         return _run(cfg, sink, t0, progress)
     except BaseException as e:
@@ -238,7 +95,7 @@ def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: 
         raise
 
 
-def _run(cfg: SimConfig, sink: _Sink, t0: float, progress) -> SimResult:
+def _run(cfg: SimConfig, sink: Sink, t0: float, progress) -> SimResult:
     rng = np.random.default_rng(cfg.seed)
     runner = Runner(cfg, sink)
     work = Workload(cfg, rng)

@@ -1,0 +1,100 @@
+"""What DCP attention consumes beside the local lengths (issue 15), on every rank at once: the decode path's
+dcp_query_start_loc and global companion, and the KV slot mappings, with the faults injected on them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dcptool.dump.schema import INT32_MAX
+from dcptool.model.config import KV_GROUPS, SimConfig
+from dcptool.model.rows import Rows
+
+
+class Columns:
+    """Issue 15's columns of the batches of one configuration, as the runner model records them; `faults`: the
+    faults that apply."""
+
+    def __init__(self, cfg: SimConfig, faults: frozenset[str]):
+        self.cfg, self.F = cfg, faults
+        self.N, self.P, self.I, self.G = cfg.dcp, cfg.pcp, cfg.interleave, cfg.page_size
+        self.ranks = np.arange(self.N).reshape(-1, 1)
+
+    def decode_path(self, b: Rows, view: np.ndarray, odd_seq: np.ndarray | None, marks: list):
+        """What vLLM's FlashInfer decode path (0.30+) receives beside the local lengths, per rank ([N, ...]):
+        dcp_query_start_loc = query_start_loc[:num_decodes+1] and the global companion seq_lens[:num_decodes]
+        (as MLA's dcp_tot_seq_lens); num_decodes as split_decodes_and_prefills at threshold 1 (padded rows
+        count). (None, None) when the batch has no decode rows: no decode path. Applies issue 15's faults."""
+        N, F = self.N, self.F
+        ql = np.diff(b.qsl)
+        nd = int(np.argmax(ql > 1)) if (ql > 1).any() else b.nrp
+        if nd == 0:
+            return None, None
+        q = b.qsl[: nd + 1]
+        dq = np.broadcast_to(q, (N, nd + 1))
+        seqs = np.broadcast_to(b.seq[:nd], (N, nd)).copy()
+        if odd_seq is not None:
+            seqs[N - 1] = odd_seq[:nd]
+        tot = seqs
+        if "dcp-qsl-local" in F:
+            s = np.zeros((N, nd), np.int64)
+            k = min(nd, view.shape[1])
+            s[:, :k] = view[:, :k]
+            dq = np.zeros((N, nd + 1), np.int64)
+            np.cumsum(ql[:nd] * (s > 0), axis=1, out=dq[:, 1:])  # empty shards' query tokens dropped
+            marks.append(("dcp-qsl-local", (dq != q).any(axis=1)))
+        if "tot-local" in F:
+            # the real rows only: a padded row of the view may hold another fault's sentinel (-1), which no
+            # global length can be (the Recorder would drop the whole observation, and the fault with it)
+            real = min(nd, b.nr)
+            k = min(real, view.shape[1])
+            tot = seqs.copy()
+            tot[:, :k] = view[:, :k]
+            marks.append(("tot-local", (tot[:, :real] != seqs[:, :real]).any(axis=1)))
+        return dq, tot
+
+    def slots(self, b: Rows, role: str, kind: str, req0: int, marks: list) -> tuple | None:
+        """(positions [ntp], slot mappings [N, groups, ntp]) as vLLM's _compute_slot_mappings_kernel writes them
+        on every rank (issue 15), or None where simulate records none (PCP, drafts, the pre-partition batch).
+
+        Request k of the batch (k + req0 in a micro-batch's parent) owns blocks k * blocks_per_request + j, so
+        slots are distinct as vLLM's allocator makes them. Dummy runs and graph capture write nothing
+        (get_dummy_slot_mappings). Faults append (fault, [N] ranks) to `marks` where replay's `slots` /
+        `slot-partition` can see the change."""
+        if self.P > 1 or role in ("draft", "global"):
+            return None
+        N, I_, B = self.N, self.I, self.G
+        nr, ntp = b.nr, b.ntp
+        per_req = -(-self.cfg.max_model_len // B) + 1
+        if (req0 + b.nrp + 1) * per_req * B > INT32_MAX:
+            return None  # slot ids past int32: an engine this large records no slots here
+        q = np.diff(b.qsl[: nr + 1])
+        real = int(b.qsl[nr])
+        req = np.repeat(np.arange(nr), q)
+        pos = np.zeros(ntp, np.int64)
+        pos[:real] = b.seq[req] - q[req] + (np.arange(real) - b.qsl[req])
+        p = pos[:real]
+        ranks = self.ranks  # [N, 1]
+        vo = p % (B * N)
+        local = p // (B * N) * B + vo // (I_ * N) * I_ + vo % I_
+        owner = (p // I_) % N
+        base = (req + req0) * per_req
+        sharded = np.where(owner == ranks, (base + local // B) * B + local % B, -1)  # [N, real]
+        replicated = np.broadcast_to((base + p // B) * B + p % B, (N, real))
+        out = np.full((N, len(KV_GROUPS), ntp), -1, np.int64)
+        if kind in ("dummy", "capture") or role in ("dummy", "dflash"):
+            return pos, out
+        F = self.F
+        out[:, 0, :real] = sharded
+        out[:, 1, :real] = replicated
+        if "slot-wrong-group" in F:
+            out[:, 1, :real] = sharded
+            # what the `slots` rule can see on a rank: a token it does not own left unwritten while it writes
+            # others, or a slot at another block offset than p % B (a rank owning none of the tokens writes
+            # nothing at all in the group, which is what a dummy build looks like)
+            own = owner == ranks
+            moved = (own & (local % B != p % B)).any(axis=1)
+            marks.append(("slot-wrong-group", (own.any(axis=1) & (~own).any(axis=1)) | moved))
+        if "slot-all-ranks" in F:
+            out[:, 0, :real] = (base + local // B) * B + local % B  # no is_local mask: every rank writes
+            marks.append(("slot-all-ranks", (owner != ranks).any(axis=1)))
+        return pos, out

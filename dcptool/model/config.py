@@ -1,0 +1,181 @@
+"""simulate's configuration: SimConfig, the fault table it injects from (DESIGN §4), and which faults a
+configuration exercises."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, fields
+
+from dcptool.check.rules import RULE_OF_FAULT
+from dcptool.choices import CudaGraph, Pipeline, SpecMethod, spoken, values
+from dcptool.dcp.slicing import parse_engine_version
+from dcptool.errors import DcptoolError
+
+# DESIGN §4's fault table: fault -> (the rule replay must report (rules.TABLE says which), what the engine did).
+_FAULT_WHAT = {
+    "dummy-none": "dummy/profile runs build attention metadata with None",
+    "dflash-capture-none": "DFlash CUDA-graph capture gets None",
+    "ubatch-none": "micro-batches drop the field",
+    "ubatch-parent-rows": "micro-batches copy the parent's rows",
+    "pcp-stale": "derived from the global batch before the PCP partition",
+    "pcp-unpadded": "PCP-local view sliced to num_reqs, not num_reqs_padded",
+    "capture-wrong-buffer": "capture fills the runner's buffer; PCP replays read the PCP manager's",
+    "graph-stale": "a per-step buffer baked into a full graph",
+    "sentinel": "padded rows keep a -1 left in the buffer",
+    "flashinfer-global-pages": "page counts from the global length",
+    # issue 15: what else DCP attention consumes (opt-in with --inject; not part of --pipeline legacy)
+    "dcp-qsl-local": "the empty-shard mask's dcp_query_start_loc counts only the query tokens of this rank's "
+                     "non-empty shards (rank-local) instead of query_start_loc[:num_decodes+1]",
+    "tot-local": "the global companion (dcp_tot_seq_lens) is passed this rank's local lengths",
+    "rank-disagree": "one DCP rank sees a request's seq_len off by one (ranks disagree on what must be replicated)",
+}
+# Faults of issue 15: real failure classes, but not the pre-fix ordering `--pipeline legacy` models.
+# The slot faults too: slot-all-ranks is in no release, and whether 0.29-0.30's replicated groups (Mamba/GDN)
+# ever read the slots slot-wrong-group localises is not established (a legacy run must model known faults only).
+OPT_IN = frozenset({"dcp-qsl-local", "tot-local", "rank-disagree", "slot-wrong-group", "slot-all-ranks"})
+# issue 15 item 3: which rank writes each KV slot
+_FAULT_WHAT.update({
+    "slot-wrong-group": "the slot mapping localises a replicated KV-cache group (Mamba/GDN state) as DCP-sharded",
+    "slot-all-ranks": "every rank writes every token of a DCP-sharded group (the non-owner mask dropped)",
+})
+FAULTS: dict[str, tuple[str, str]] = {f: (RULE_OF_FAULT[f], what) for f, what in _FAULT_WHAT.items()}
+# Where each fault really occurred, read from vLLM's released code (0.27.0-0.34.0; docs/faults.md has
+# the code paths): a release range, "main only" (on vLLM main between releases, never released), or
+# "no release" (a failure class dcptool models that no release 0.27-0.34 has).
+FAULT_WHERE: dict[str, str] = {
+    "dummy-none": "0.27–0.29",
+    "dflash-capture-none": "0.27–0.28",
+    "ubatch-none": "0.27–0.33 (V1 runner)",
+    "ubatch-parent-rows": "main only",
+    "pcp-stale": "main only",
+    "pcp-unpadded": "no release",
+    "capture-wrong-buffer": "no release",
+    "graph-stale": "no release",
+    "sentinel": "no release",
+    "flashinfer-global-pages": "0.27–0.29",
+    "dcp-qsl-local": "no release",
+    "tot-local": "no release",
+    "rank-disagree": "no release",
+    # 0.29-0.30's kernel localises every group (no dcp_sharded flag); vLLM #57260 reports it on a later main
+    "slot-wrong-group": "0.29–0.30",
+    "slot-all-ranks": "no release",
+}
+# The KV-cache groups simulate's engine has (rows.slot_group indexes it): the attention KV cache, DCP-sharded, and
+# a replicated one (Mamba/GDN state as vLLM 0.31+ keeps it under DCP); both in page_size blocks.
+KV_GROUPS = (("attn", True), ("mamba", False))
+SITES = ("prepare_inputs", "pcp_partition", "attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft")
+PIPELINES = values(Pipeline)
+CUDAGRAPH_CHOICES = values(CudaGraph)
+SPEC_METHODS = values(SpecMethod)
+
+
+class SimError(DcptoolError, ValueError):
+    """A configuration simulate cannot run (the CLI prints it and exits 2)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    dcp: int = 2
+    interleave: int = 1
+    pcp: int = 1
+    steps: int = 32
+    spec_tokens: int = 2
+    spec_method: str = "mtp"
+    ubatches: int = 2
+    cudagraph: str = "full"
+    dummy_every: int = 16
+    page_size: int = 16
+    pipeline: str = "fixed"
+    inject: tuple[str, ...] = ()
+    seed: int = 0
+    # The workload: realistic serving sizes (vLLM's max_num_seqs / max_num_batched_tokens / max_model_len).
+    max_num_reqs: int = 64
+    token_budget: int = 2048
+    max_model_len: int = 32768
+    arrival_rate: float = 0.6  # new requests per step (Poisson)
+    accept_rate: float = 0.7  # chance each draft token is accepted, given the ones before were
+    # The vLLM release modelled: sets the micro-batch split rule (0.34 splits a uniform decode batch on a
+    # request boundary) and is recorded as the dump's engine_version; "" keeps the default (0.33's rule).
+    engine_version: str = ""
+
+    @property
+    def faults(self) -> tuple[str, ...]:
+        """The faults this run injects, in the fault table's order."""
+        chosen = set(FAULTS) - OPT_IN if self.pipeline == "legacy" else set(self.inject)
+        return tuple(f for f in FAULTS if f in chosen)
+
+    @property
+    def decode_query_len(self) -> int:
+        return 1 + self.spec_tokens
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise SimError(msg)
+
+        for name in ("dcp", "interleave", "pcp", "ubatches", "page_size", "max_num_reqs", "token_budget"):
+            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        need(self.steps >= 0, f"--steps must be >= 0, got {self.steps}")
+        need(self.spec_tokens >= 0, f"--spec-tokens must be >= 0, got {self.spec_tokens}")
+        need(self.dummy_every >= 0, f"--dummy-every must be >= 0 (0: only the start-up profile run), got "
+                                    f"{self.dummy_every}")
+        need(self.pipeline in PIPELINES, f"--pipeline {self.pipeline!r}: choose {spoken(Pipeline)}")
+        need(self.cudagraph in CUDAGRAPH_CHOICES, f"--cudagraph {self.cudagraph!r}: choose {spoken(CudaGraph)}")
+        need(self.spec_method in SPEC_METHODS, f"--spec-method {self.spec_method!r}: choose {spoken(SpecMethod)}")
+        unknown = [f for f in self.inject if f not in FAULTS]
+        need(not unknown, f"--inject: unknown fault {', '.join(unknown)} (known: "
+                          f"{', '.join(f'{f} [{FAULT_WHERE[f]}]' for f in FAULTS)})")
+        need(not self.engine_version or parse_engine_version(self.engine_version) is not None,
+             f"--engine-version {self.engine_version!r}: expected a vLLM version such as 0.34.0")
+        need(not (self.inject and self.pipeline == "legacy"),
+             "--inject picks faults on top of the fixed pipeline; --pipeline legacy already injects all of them")
+        # vLLM: the KV block size must be a multiple of cp_kv_cache_interleave_size.
+        need(self.page_size % self.interleave == 0,
+             f"--page-size {self.page_size} must be a multiple of --interleave {self.interleave} (as vLLM's block "
+             "size must be)")
+        need(self.dcp * self.interleave <= self.max_model_len, "--dcp x --interleave exceeds the model length")
+        need(self.token_budget >= self.decode_query_len, "--token-budget must fit one decode with its drafts")
+        # vLLM's PCPManager.validate_config: PCP speculates with (single-module) MTP only.
+        need(not (self.pcp > 1 and self.spec_tokens > 0 and self.spec_method == "dflash"),
+             "--spec-method dflash with --pcp > 1: vLLM's PCP supports only MTP speculative decoding")
+
+    def command(self) -> str:
+        """The `dcptool simulate` command line that reproduces this configuration."""
+        out = ["dcptool", "simulate"]
+        for f in fields(self):
+            v, d = getattr(self, f.name), f.default
+            if f.name == "inject":
+                if v:
+                    out += ["--inject", ",".join(v)]
+            elif v != d:
+                out += [f"--{f.name.replace('_', '-')}", str(v)]
+        return shlex.join(out)
+
+
+def applicability(cfg: SimConfig) -> dict[str, str | None]:
+    """fault -> None when the configuration exercises the path it breaks, else why it cannot apply."""
+    graphs = cfg.cudagraph == "full"
+    why = {
+        "dummy-none": None,
+        "dflash-capture-none": None if cfg.spec_method == "dflash" and cfg.spec_tokens > 0 and graphs else
+        "needs --spec-method dflash, --spec-tokens > 0 and --cudagraph full",
+        "ubatch-none": None if cfg.ubatches > 1 else "needs --ubatches > 1",
+        "ubatch-parent-rows": None if cfg.ubatches > 1 else "needs --ubatches > 1",
+        "pcp-stale": None if cfg.pcp > 1 else "needs --pcp > 1",
+        "pcp-unpadded": None if cfg.pcp > 1 and graphs else "needs --pcp > 1 and --cudagraph full (request padding)",
+        "capture-wrong-buffer": None if cfg.pcp > 1 and graphs else "needs --pcp > 1 and --cudagraph full",
+        "graph-stale": None if graphs else "needs --cudagraph full",
+        "sentinel": None if graphs else "needs --cudagraph full (only full graphs pad requests)",
+        "flashinfer-global-pages": None,
+        # empty shards among decode rows (query length 1, the FlashInfer threshold under DCP): capture batches
+        # of 1-token requests without context
+        "dcp-qsl-local": None if cfg.cudagraph != "none" else "needs --cudagraph piecewise or full (capture "
+                         "batches of 1-token requests have empty shards)",
+        "tot-local": None,
+        "rank-disagree": None,
+    }
+    slots = None if cfg.pcp == 1 else "needs --pcp 1 (simulate records slot mappings without PCP only)"
+    why.update({"slot-wrong-group": slots, "slot-all-ranks": slots})
+    if cfg.dcp == 1:  # vLLM passes None everywhere: nothing DCP-specific can go wrong
+        why = {f: "needs --dcp > 1" for f in why}
+    return why
