@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dcptool.dcp.reference import local_np
+from dcptool.dcp.slicing import split_batch
 from dcptool.dump import DumpConfig, Observation, write_observations
-from dcptool.replay import local_np
-from dcptool.slicing import split_batch
 
 N, I = 2, 1
 
