@@ -85,6 +85,65 @@ def random_dump(path, rng, n, N, I, page=16, one_rank=False, kv=True):
     return open_dumps([str(path)])
 
 
+def rollover_files(tmp_path, rng, n=240, files=4, sorted_steps=True, N=4, I=2):
+    """Seeded random observations cut into `files` rollover files at random observation boundaries (an
+    empty file among them when `files` > 4), steps repeated so that one step spans several files; with
+    sorted_steps=False the steps are in no order at all (every file interleaves with every other)."""
+    cols = random_columns(rng, n, N, I)
+    cols["obs.step"] = (np.sort(rng.integers(0, n // 3, n)) if sorted_steps else rng.integers(0, 9, n)).astype(np.int64)
+    cols["obs.site"] = rng.integers(0, 2, n).astype(np.int32)
+    cols["obs.parent"] = np.full(n, -1, np.int64)
+    cuts = np.concatenate([[0], np.sort(rng.integers(0, n + 1, files - 1)), [n]])
+    if files > 4:
+        cuts[2] = cuts[1]  # an empty file (a rollover with nothing recorded since)
+    paths = []
+    for f, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist())):
+        c = {}
+        for k, v in cols.items():
+            if k.startswith("obs.") and k not in ("obs.rows", "obs.dcp_rows"):
+                c[k] = v[a:b].copy()
+        if b - a > 1:  # parents within a file: a random earlier observation of the same file
+            kids = np.flatnonzero(rng.random(b - a) < 0.3)
+            kids = kids[kids > 0]
+            c["obs.parent"][kids] = (rng.random(kids.size) * kids).astype(np.int64)
+        for offs, keys in (("obs.rows", ["rows.seq_lens", "rows.kv_pages"]), ("obs.dcp_rows",
+                                                                             ["rows.dcp_local_seq_lens"])):
+            o = cols[offs]
+            c[offs] = o[a : b + 1] - o[a]
+            for k in keys:
+                c[k] = cols[k][o[a] : o[b]]
+        p = tmp_path / f"run.{f:05d}.safetensors"
+        # each file names its sites in its own order: the merge must remap them
+        sites = ("a", "b") if f % 2 == 0 else ("b", "a")
+        if f % 2:
+            c["obs.site"] = 1 - c["obs.site"]
+        write_dump(p, DumpConfig(dcp_size=N, cp_interleave=I, sites=sites, page_size=16), c)
+        paths.append(str(p))
+    return paths
+
+
+HOSTILE = ("[/bold][link=https://example.invalid]L[/link][red]R[/] \x1b[2J\x1b]8;;https://example.invalid\x07X"
+           "\x1b]8;;\x07\x1b]0;window title\x07\x07\rCR")
+
+
+def hostile_dump(path, pages=True, none_step=1):
+    """A dump made by the Recorder whose site, engine, engine_version and note hold markup and escapes: two
+    ranks, a None view at none_step, and (pages) a wrong page count."""
+    from dcptool import Recorder
+
+    with Recorder(path, dcp_size=2, sites=(HOSTILE,), engine=HOSTILE, engine_version=HOSTILE, note=HOSTILE,
+                  page_size=16 if pages else None) as rec:
+        for step in range(3):
+            for rank in (0, 1):
+                view = None if step == none_step else np.array([9, 13] if rank == 0 else [8, 12], np.int32)
+                i = rec.observe(step=step, site=HOSTILE, rank=rank, seq_lens=np.array([17, 25], np.int32),
+                                num_reqs=2, num_reqs_padded=2, dcp_local_seq_lens=view,
+                                kv_pages=np.array([9, 1], np.int32) if pages else None)
+                assert i >= 0  # the Recorder accepts such names (it used to drop the observation)
+    assert rec.dropped == 0
+    return str(path)
+
+
 class Ran(NamedTuple):
     """What a finished `dcptool` run left: the fields of subprocess.CompletedProcess the tests read."""
 

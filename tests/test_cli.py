@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, cli, cli_subprocess, expected_view, obs, write
+from conftest import HOSTILE, ROOT, cli, cli_subprocess, expected_view, hostile_dump, obs, write
 
 
 def handwritten_dump(path) -> str:
@@ -138,6 +138,46 @@ def test_inspect(tmp_path):
     t = cli_subprocess("inspect", p)  # smoke: inspect, a real process
     assert t.returncode == 0 and t.stderr == ""
     assert "dcp_size 2" in t.stdout and "6 (5 with a DCP view, 1 None)" in t.stdout
+
+
+def test_library_error_is_one_line_exit_2(tmp_path, monkeypatch):
+    """cli.py catches DcptoolError in one place: one line on stderr, exit 2, whatever raised it."""
+    import dcptool.check.replay
+    from dcptool.check.replay import LimitError
+
+    def boom(*a, **k):
+        raise LimitError("somewhere deep: past a documented limit")
+
+    monkeypatch.setattr(dcptool.check.replay, "replay", boom)
+    r = cli("replay", write(tmp_path / "d.safetensors", [obs()]))
+    assert r.returncode == 2 and r.stderr == "dcptool: somewhere deep: past a documented limit\n" and r.stdout == ""
+
+
+def test_replay_and_inspect_take_a_directory(tmp_path):
+    import os
+
+    from typer.testing import CliRunner
+
+    from dcptool.cli import app
+
+    d = tmp_path / "rec"
+    d.mkdir()
+    for k in (10, 9, 2):  # natural order: 2, 9, 10 (a plain sort would put 10 first)
+        write(d / f"rank0.{k}.safetensors", [obs(step=k, view=None if k == 9 else "auto")])
+    (d / "notes.txt").write_text("not a dump")
+    runner = CliRunner()
+    r = runner.invoke(app, ["replay", str(d), "--json"])
+    s = json.loads(r.stdout.splitlines()[-1])
+    assert r.exit_code == 1 and s["observations"] == 3 and s["by_rule"] == {"missing": 1}
+    assert [os.path.basename(f) for f in s["files"]] == ["rank0.2.safetensors", "rank0.9.safetensors",
+                                                         "rank0.10.safetensors"]
+    r = runner.invoke(app, ["inspect", str(d), "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["observations"] == 3
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for cmd in ("replay", "inspect"):
+        r = runner.invoke(app, [cmd, str(empty)])
+        assert r.exit_code == 2 and r.stderr == f"dcptool: {empty}: directory holds no *.safetensors dump\n"
 
 
 def test_help_and_module_entry():
@@ -369,27 +409,7 @@ def test_text_output_to_a_pipe_does_not_depend_on_columns():
 # --------------------------------------------------------------------------------------------
 # Strings from files render literally: no rich markup, no terminal escapes
 
-HOSTILE = ("[/bold][link=https://example.invalid]L[/link][red]R[/] \x1b[2J\x1b]8;;https://example.invalid\x07X"
-           "\x1b]8;;\x07\x1b]0;window title\x07\x07\rCR")
 RAW = ("\x1b[2J", "\x1b]", "\x07", "\r")  # what must never reach a terminal from a file
-
-
-def hostile_dump(path, pages=True, none_step=1):
-    """A dump made by the Recorder whose site, engine, engine_version and note hold markup and escapes: two
-    ranks, a None view at none_step, and (pages) a wrong page count."""
-    from dcptool import Recorder
-
-    with Recorder(path, dcp_size=2, sites=(HOSTILE,), engine=HOSTILE, engine_version=HOSTILE, note=HOSTILE,
-                  page_size=16 if pages else None) as rec:
-        for step in range(3):
-            for rank in (0, 1):
-                view = None if step == none_step else np.array([9, 13] if rank == 0 else [8, 12], np.int32)
-                i = rec.observe(step=step, site=HOSTILE, rank=rank, seq_lens=np.array([17, 25], np.int32),
-                                num_reqs=2, num_reqs_padded=2, dcp_local_seq_lens=view,
-                                kv_pages=np.array([9, 1], np.int32) if pages else None)
-                assert i >= 0  # the Recorder accepts such names (it used to drop the observation)
-    assert rec.dropped == 0
-    return str(path)
 
 
 def assert_literal(text: str, names: bool = True) -> None:
@@ -420,15 +440,6 @@ def test_hostile_output_name_renders_literally_in_simulate(tmp_path):
     rc, text, err = run_cli("simulate", "--steps", "2", "-o", out)
     assert rc == 0 and out.exists(), err
     assert "o [bold]x \\x1b[2J\\x07.safetensors" in text and "\x1b" not in text and "\x07" not in text
-
-
-def test_hostile_names_are_escaped_in_html(tmp_path):
-    from dcptool.check.replay import replay
-    from dcptool.dump import open_dumps
-    from dcptool.report.html import render_html
-
-    html = render_html(replay(open_dumps([hostile_dump(tmp_path / "h.safetensors")]), "torch", views=5))
-    assert "[/bold][link=https://example.invalid]L[/link]" in html and "<a href=\"https://example" not in html
 
 
 # --------------------------------------------------------------------------------------------
@@ -568,7 +579,7 @@ def test_error_lines_escape_what_a_path_holds(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# issue 17: reduce and export-test (their behaviour: tests/test_reduce.py, tests/test_export.py)
+# issue 17: reduce and export-test (their behaviour: tests/diagnose/test_reduce.py, tests/diagnose/test_export.py)
 
 
 def test_diagnosis_commands_are_listed_and_need_their_options(tmp_path):

@@ -140,7 +140,7 @@ def test_triton_scan_of_empty_dumps(tmp_path, monkeypatch, n):
 @pytest.mark.kernel
 def test_triton_scan_of_rollover_files_read_lazily(tmp_path, monkeypatch):
     """Several files merged lazily (rows gathered from the files per chunk): the staged chunks are those rows."""
-    from test_dump import _rollover
+    from conftest import rollover_files as _rollover
 
     monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", 700)
     paths = _rollover(tmp_path, np.random.default_rng(2), n=80, files=3, sorted_steps=False)
@@ -195,7 +195,7 @@ def test_cuda_scan_in_chunks_equals_reference(tmp_path, monkeypatch, target):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_scan_of_rollover_files_read_lazily(tmp_path, monkeypatch, threads):
     """The CPU scan over lazily merged files (interleaved; few files mapped at once; two threads sharing them)."""
-    from test_dump import _rollover
+    from conftest import rollover_files as _rollover
 
     from dcptool.dump import lazy
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cli, cli_subprocess, obs, write
+from conftest import ROOT, cli, cli_subprocess, obs, write
 
 from dcptool.check.replay import replay
 from dcptool.diagnose.reduce import (
@@ -23,7 +22,7 @@ from dcptool.diagnose.reduce import (
 from dcptool.dump import open_dumps
 from dcptool.model.simulate import SimConfig, simulate
 
-SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+SAMPLES = ROOT / "samples"
 
 
 @pytest.fixture(scope="module")

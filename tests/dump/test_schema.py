@@ -1,8 +1,14 @@
-"""schema.py: the one encoding of obs.graph (DESIGN §2)."""
+"""dump/schema.py: the encoding of obs.graph (DESIGN §2), and every check of a hostile file: config, entries,
+columns, offsets, row values, the issue-15 and slot columns (one line naming file, key and problem)."""
+
+import json
 
 import numpy as np
 import pytest
+from conftest import obs, write
+from dump_cases import _bad, _cols, _set
 
+from dcptool.dump import DumpConfig, DumpError, pack, read_dump, write_dump
 from dcptool.dump.schema import GraphMode, KVGroup
 
 
@@ -26,6 +32,7 @@ def test_vllm_runtime_modes_and_dispatch_as_recorded():
     assert not GraphMode.PIECEWISE.full and GraphMode.FULL_REPLAY.full
 
 
+<<<<<<< HEAD:tests/test_schema.py
 def test_one_exception_root():
     from dcptool.check.replay import LimitError
     from dcptool.cli import Trouble
@@ -39,27 +46,122 @@ def test_one_exception_root():
     # the old bases stay, for callers that catch them
     assert issubclass(DumpError, ValueError) and issubclass(SimError, ValueError)
     assert issubclass(BackendError, RuntimeError) and issubclass(WriteError, OSError)
+=======
+# --------------------------------------------------------------------------------------------
+# A hostile file: every validation error of DESIGN §2
+>>>>>>> tests-mirror:tests/dump/test_schema.py
 
 
-def test_library_error_is_one_line_exit_2(tmp_path, monkeypatch):
-    """cli.py catches DcptoolError in one place: one line on stderr, exit 2, whatever raised it."""
-    from conftest import cli, obs, write
-
-    import dcptool.check.replay
-    from dcptool.check.replay import LimitError
-
-    def boom(*a, **k):
-        raise LimitError("somewhere deep: past a documented limit")
-
-    monkeypatch.setattr(dcptool.check.replay, "replay", boom)
-    r = cli("replay", write(tmp_path / "d.safetensors", [obs()]))
-    assert r.returncode == 2 and r.stderr == "dcptool: somewhere deep: past a documented limit\n" and r.stdout == ""
+def _meta(**kv):
+    def m(header, data):
+        header["__metadata__"].update(kv)
+        return header, data
+    return m
 
 
+def _cfg(**kv):
+    def m(header, data):
+        c = json.loads(header["__metadata__"]["dcptool.config"])
+        c.update(kv)
+        for k, v in list(c.items()):
+            if v is None:
+                del c[k]
+        header["__metadata__"]["dcptool.config"] = json.dumps(c)
+        return header, data
+    return m
+
+
+def _drop(key):
+    def m(header, data):
+        del header[key]
+        return header, data
+    return m
+
+
+def _retype(key, dtype):
+    def m(header, data):
+        header[key]["dtype"] = dtype
+        return header, data
+    return m
+
+
+CASES = [
+    ("unknown format", _meta(**{"dcptool.format": "2"}), "dcptool.format: unknown format version '2'"),
+    ("no format", lambda h, d: ({**h, "__metadata__": {}}, d), "not a dcptool dump"),
+    ("config not json", _meta(**{"dcptool.config": "{"}), "dcptool.config: not valid JSON"),
+    ("dcp_size 0", _cfg(dcp_size=0), "dcp_size must be >= 1"),
+    ("interleave 0", _cfg(cp_interleave=0), "cp_interleave must be >= 1"),
+    ("dcp_size str", _cfg(dcp_size="2"), "dcp_size must be an integer"),
+    ("overflow", _cfg(dcp_size=2**20, cp_interleave=2**12), "overflows int32"),
+    ("no sites", _cfg(sites=[]), "sites must be a non-empty list"),
+    ("missing key", _drop("obs.num_reqs"), "obs.num_reqs: missing"),
+    ("wrong dtype", _retype("obs.rank", "I64"), None),  # size mismatch or dtype: both name obs.rank
+    ("2-D", lambda h, d: ({**h, "obs.rank": {**h["obs.rank"], "shape": [3, 1]}}, d), "obs.rank: must be 1-D"),
+    ("rank >= dcp_size", _set("obs.rank", [0, 2, 0]), "obs.rank: rank out of range for dcp_size 2"),
+    ("site out of range", _set("obs.site", [0, 3, 0]), "obs.site: site index out of range"),
+    ("num_reqs > padded", _set("obs.num_reqs", [2, 5, 2]), "num_reqs > num_reqs_padded"),
+    ("negative num_reqs", _set("obs.num_reqs", [2, -1, 2]), "obs.num_reqs: negative length"),
+    ("offsets not monotone", _set("obs.rows", [0, 8, 4, 12]), "obs.rows: offsets not monotone"),
+    ("offsets past rows", _set("obs.rows", [0, 4, 8, 11]), "obs.rows: offsets end at 11"),
+    ("offsets start", _set("obs.dcp_rows", [1, 4, 8, 12]), "obs.dcp_rows: offsets must start at 0"),
+    ("negative seq_len", _set("rows.seq_lens", [17, 25, 0, 0, 17, -25, 0, 0, 17, 25, 0, 0]),
+     "rows.seq_lens: negative length -25 at row 5"),
+    ("has_dcp 2", _set("obs.has_dcp", [1, 2, 1]), "obs.has_dcp: must be 0 or 1"),
+    ("rows for None", _set("obs.has_dcp", [1, 0, 1]), "obs.dcp_rows: rows recorded for a None DCP view"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["one-read", "streamed"])
+@pytest.mark.parametrize("name,mutate,message", CASES, ids=[c[0] for c in CASES])
+def test_validation_errors_name_file_key_and_problem(tmp_path, name, mutate, message, stream):
+    """Read at once or streamed (the rows' values checked once they are in: at finish()), the same error."""
+    p = _bad(tmp_path, mutate)
+    with pytest.raises(DumpError) as e:
+        read_dump(p, stream=stream).finish()
+    text = str(e.value)
+    assert text.startswith(p + ": ")
+    assert "\n" not in text
+    if message:
+        assert message in text
+    else:
+        assert "obs.rank" in text
+
+
+def test_overlapping_tensor_data(tmp_path):
+    def m(header, data):
+        header["obs.ubatch"]["data_offsets"] = list(header["obs.site"]["data_offsets"])
+        return header, data
+    with pytest.raises(DumpError, match="overlaps|size mismatch"):
+        read_dump(_bad(tmp_path, m))
+
+
+def test_optional_columns_are_validated(tmp_path):
+    o = [obs(), obs(step=1, ubatch=0, parent=0, req_start=0, tok_start=0, tok_stop=2,
+                    query_start_loc=[0, 1, 2, 2, 2])]
+    p = write(tmp_path / "a.safetensors", o)
+    d = read_dump(p)
+    assert d["obs.parent"].tolist() == [-1, 0]
+    assert d.qsl_of(0).size == 0 and d.qsl_of(1).tolist() == [0, 1, 2, 2, 2]
+    cfg, cols = pack(o, DumpConfig(dcp_size=2))
+    with pytest.raises(DumpError, match="obs.parent: parent index out of range"):
+        write_dump(tmp_path / "b.safetensors", cfg, dict(cols, **{"obs.parent": np.array([-1, 1])}))
+    with pytest.raises(DumpError, match="rows.kv_pages: present but dcptool.config has no page_size"):
+        write_dump(tmp_path / "b.safetensors", cfg, dict(cols, **{"rows.kv_pages": np.zeros(8, np.int32)}))
+
+
+def test_injected_metadata(tmp_path):
+    cfg, cols = _cols()
+    write_dump(tmp_path / "a.safetensors", cfg, cols, {"dummy-none": [2, 0]})
+    assert read_dump(tmp_path / "a.safetensors").injected == [{"dummy-none": [0, 2]}]
+    with pytest.raises(DumpError, match="dcptool.injected"):
+        write_dump(tmp_path / "b.safetensors", cfg, cols, {"dummy-none": [7]})
+
+
+# --------------------------------------------------------------------------------------------
 # issue 15: obs.dqsl / obs.tot (optional, with their row columns)
 
 
-def _raw(path, cols_change):
+def _issue15_dump(path, cols_change):
     """A dump of two observations with both issue-15 columns, then `cols_change` applied, written unvalidated."""
     import numpy as np
     from conftest import obs
@@ -86,7 +188,7 @@ def _raw(path, cols_change):
 def test_issue15_columns_bad_offsets_and_partners_exit_2_one_line(tmp_path, change, key, what):
     from conftest import cli
 
-    p = _raw(tmp_path / "bad.safetensors", change)
+    p = _issue15_dump(tmp_path / "bad.safetensors", change)
     r = cli("replay", p)
     assert r.returncode == 2 and r.stdout == "", r.stderr
     assert r.stderr.count("\n") == 1 and p in r.stderr and key in r.stderr and what in r.stderr, r.stderr
@@ -97,14 +199,17 @@ def test_issue15_columns_good_file_reads_and_inspect_lists_them(tmp_path):
 
     from dcptool.dump import read_dump
 
-    p = _raw(tmp_path / "ok.safetensors", lambda c: None)
+    p = _issue15_dump(tmp_path / "ok.safetensors", lambda c: None)
     d = read_dump(p)
     assert d.dqsl_of(1).tolist() == [0, 1, 2] and d.tot_of(0).tolist() == [17, 25]
     r = cli("inspect", p, "--json")
     assert r.returncode == 0 and {"obs.dqsl", "rows.dcp_query_start_loc", "obs.tot",
                                   "rows.dcp_tot_seq_lens"} <= set(__import__("json").loads(r.stdout)["optional"])
+
+
 # --------------------------------------------------------------------------------------------
 # issue 15 item 3: the slot columns and kv_groups (a bad one: exit 2, one line naming file and key)
+
 
 def _slot_dump(tmp_path, name="s.safetensors", config=None, **over):
     """A two-rank dump with slot columns written by the safetensors library itself (no dcptool validation),

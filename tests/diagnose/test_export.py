@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, cli
 
-SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+SAMPLES = ROOT / "samples"
 
 
 def _load(path: Path):

@@ -6,10 +6,10 @@ runner's prepare_dcp_local_seq_lens) and are recorded here as literals: these te
 """
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from dcptool.check.replay import local_np
 from dcptool.dcp.slicing import (
@@ -24,7 +24,7 @@ from dcptool.dcp.slicing import (
     uniform_query_len,
 )
 
-ORACLE = json.loads((Path(__file__).parent / "data" / "ubatch_oracle.json").read_text())
+ORACLE = json.loads((ROOT / "tests" / "data" / "ubatch_oracle.json").read_text())
 
 
 def _qsl(query_lens, nrp=None):

@@ -1,5 +1,5 @@
 """The timeline model (timeline.py), shared by the text and HTML reports: steps per column, axis labels, and
-every observation and finding in exactly one cell. Its text rendering is tested in test_report.py."""
+every observation and finding in exactly one cell. Its text rendering is tested in tests/report/test_text.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import obs, write
 
-from dcptool.check.replay import RULES, replay
+from dcptool.check.replay import RULES, obs_grid, replay
 from dcptool.dump import open_dumps
 from dcptool.report import timeline
 
@@ -71,3 +71,15 @@ def test_timeline_cells_agree_with_a_direct_count(rng, tmp_path, columns):
     for r, c in first:  # missing outranks mismatch (table order)
         rules_here = {RULES[i] for i in np.flatnonzero(tl.rules[r, c])}
         assert RULES[worst[r, c]] == ("missing" if "missing" in rules_here else "mismatch")
+
+
+# replay's grid of observations per (site, rank, step, ubatch): what the timeline counts
+def test_obs_grid_counts(rng, tmp_path):
+    o = [obs(int(s), ["x", "y"][int(k)], int(r), ubatch=int(u)) for s, k, r, u in
+         zip(np.sort(rng.integers(0, 9, 500)), rng.integers(0, 2, 500), rng.integers(0, 2, 500),
+             rng.integers(-1, 3, 500))]
+    d = open_dumps([write(tmp_path / "g.safetensors", o)])
+    g = obs_grid(d)
+    got = {(d.config.sites[s], int(r), int(t), int(u)): int(n) for s, r, t, u, n in
+           zip(g.site, g.rank, g.step, g.ubatch, g.count)}
+    assert got == dict(Counter((x.site, x.rank, x.step, x.ubatch) for x in o))

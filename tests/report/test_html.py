@@ -1,9 +1,8 @@
-"""The replay as a picture: the terminal timeline (exact text), the HTML report (structure, links, caps) and the
-HTML in headless Chromium (skipped when Chromium is absent)."""
+"""report/html.py: the HTML report: structure, links, caps, row views, escaping, the sample's findings, --html on
+the command line, and the page in headless Chromium (skipped when Chromium is absent)."""
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import shutil
@@ -11,156 +10,25 @@ import struct
 import subprocess
 import zlib
 from collections import Counter
+from html import escape
 from html.parser import HTMLParser
 
 import numpy as np
 import pytest
-from conftest import cli, expected_view, obs, write
-from rich.console import Console
+from conftest import ROOT, cli, expected_view, hostile_dump, obs, write
+from report_runs import replay_run12, timeline_run
 
-from dcptool.check.replay import obs_grid, replay
-from dcptool.dcp.slicing import split_batch
+from dcptool.check.replay import replay
 from dcptool.dump import open_dumps
-from dcptool.report import text as report
 from dcptool.report import timeline
-from dcptool.report.html import VIEW_FINDINGS, VIEW_ROWS, render_html
+from dcptool.report.html import HTML_MAX_FINDINGS, VIEW_FINDINGS, VIEW_ROWS, render_html
 
-SEQ = np.array([64, 96, 512, 32, 48, 0], np.int32)  # DESIGN §1's worked example, one padded row
-QSL = np.array([0, 1, 2, 12, 13, 14, 14], np.int32)
-
-
-def timeline_run(steps: int = 12) -> list:
-    """Two DCP ranks; sites attn_metadata (every step), ubatch (2 micro-batches from step 2 on) and dummy (steps 4
-    and 8). Faults: a -1 in a padded row (step 3, rank 0), a view one row short (step 10, rank 1), micro-batch 0
-    copying its parent's rows on rank 1 from step 6 on, None in the dummy run of step 8 (both ranks)."""
-    out = []
-    for step in range(steps):
-        seq = SEQ + np.array([step] * 5 + [0], np.int32)
-        for rank in (0, 1):
-            view = expected_view(seq, 5, 6, 2, rank)
-            if (step, rank) == (3, 0):
-                view[5] = -1
-            if (step, rank) == (10, 1):
-                view = view[:5]
-            parent = len(out)
-            out.append(obs(step, "attn_metadata", rank, seq, 5, 6, view=view, query_start_loc=QSL))
-            if step < 2:
-                continue
-            for u, ub in enumerate(split_batch(QSL, seq, 5, 6, None, 2)):
-                sl = ub.slice
-                v = expected_view(ub.seq_lens, ub.num_reqs, ub.num_reqs_padded, 2, rank)
-                if (u, rank) == (0, 1) and step >= 6:
-                    v = expected_view(seq, 5, 6, 2, rank)[sl.req_start : sl.req_stop]  # the parent's rows
-                out.append(obs(step, "ubatch", rank, ub.seq_lens, ub.num_reqs, ub.num_reqs_padded, view=v, ubatch=u,
-                               parent=parent, req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop,
-                               query_start_loc=ub.query_start_loc))
-        if step in (4, 8):
-            out += [obs(step, "dummy", rank, view=None if step == 8 else "auto") for rank in (0, 1)]
-    return out
-
-
-def expected_findings(steps: int = 12) -> list[tuple]:
-    """(step, site, rank, ubatch, rule) of every fault timeline_run plants, in observation order."""
-    out = [(3, "attn_metadata", 0, -1, "padding")]
-    for s in range(6, steps):
-        if s == 8:
-            out += [(8, "dummy", r, -1, "missing") for r in (0, 1)]
-        if s == 10:
-            out.append((10, "attn_metadata", 1, -1, "shape"))
-        out += [(s, "ubatch", 1, 0, "stale"), (s, "ubatch", 1, 0, "rank-sum")]
-    return sorted(out, key=lambda t: (t[0], t[1] == "dummy"))
+LEGACY = ROOT / "samples" / "legacy.safetensors"
 
 
 @pytest.fixture(scope="module")
 def run12(tmp_path_factory):
-    p = write(tmp_path_factory.mktemp("tl") / "run.safetensors", timeline_run())
-    return p, replay(open_dumps([p]), "torch", views=VIEW_FINDINGS)
-
-
-def text_of(res, width: int, **kw) -> str:
-    buf = io.StringIO()
-    report.render_timeline(res, Console(file=buf, width=width, color_system=None, **kw))
-    return buf.getvalue()
-
-
-def test_the_run_holds_the_planted_faults(run12):
-    _, res = run12
-    got = [(f.step, f.site, f.rank, f.ubatch, f.rule) for f in res.findings]
-    assert got == expected_findings()
-    assert all(f.source.relation == "parent-rows" for f in res.findings if f.rule == "stale")
-
-
-def test_timeline_text_exact(run12):
-    # 1 step per column; cells: · clean, blank = no observations, else the worst finding's code
-    assert text_of(run12[1], 80) == (
-        "Timeline of steps 0..11 (1 step per column, micro-batches folded in)\n"
-        "step             0    5    10\n"
-        "attn_metadata r0 ···P········\n"
-        "              r1 ··········L·\n"
-        "ubatch        r0   ··········\n"
-        "              r1   ····SSSSSS\n"  # stale outranks rank-sum on the same observations
-        "dummy         r0     ·   M   \n"
-        "              r1     ·   M   \n"
-        "· clean  (blank) no observations  M missing  S stale  P padding  L shape\n")
-
-
-def test_timeline_bins_steps_to_the_width(tmp_path):
-    res = replay(open_dumps([write(tmp_path / "r40.safetensors", timeline_run(40))]), "torch")
-    # 40 - 17 label columns = 23 columns for 40 steps: 2 steps per column, 20 columns
-    assert text_of(res, 40) == (
-        "Timeline of steps 0..39\n"  # header and legend wrap between their parts, never inside one
-        "(2 steps per column,\n"
-        "micro-batches folded in)\n"
-        "step             0    10   20   30   \n"
-        "attn_metadata r0 ·P··················\n"
-        "              r1 ·····L··············\n"
-        "ubatch        r0  ···················\n"
-        "              r1  ··SSSSSSSSSSSSSSSSS\n"
-        "dummy         r0   · M               \n"
-        "              r1   · M               \n"
-        "· clean  (blank) no observations\n"
-        "M missing  S stale  P padding  L shape\n")
-    tl = timeline.timeline(res, 23)
-    assert (tl.width, tl.columns) == (2, 20) and tl.steps_of(19) == (38, 39)
-    # every observation and every finding lands in exactly one cell
-    assert tl.obs.sum() == res.observations and tl.rules.sum() == len(res.findings)
-
-
-def test_obs_grid_counts(rng, tmp_path):
-    o = [obs(int(s), ["x", "y"][int(k)], int(r), ubatch=int(u)) for s, k, r, u in
-         zip(np.sort(rng.integers(0, 9, 500)), rng.integers(0, 2, 500), rng.integers(0, 2, 500),
-             rng.integers(-1, 3, 500))]
-    d = open_dumps([write(tmp_path / "g.safetensors", o)])
-    g = obs_grid(d)
-    got = {(d.config.sites[s], int(r), int(t), int(u)): int(n) for s, r, t, u, n in
-           zip(g.site, g.rank, g.step, g.ubatch, g.count)}
-    assert got == dict(Counter((x.site, x.rank, x.step, x.ubatch) for x in o))
-
-
-def test_warnings_are_lowercase_severity_in_the_legend(tmp_path):
-    p = write(tmp_path / "w.safetensors", [obs(step=s, dcp=1, view=[17, 25, 0, 0] if s == 1 else None)
-                                            for s in range(3)], dcp=1)
-    text = text_of(replay(open_dumps([p]), "torch"), 60)
-    assert text.splitlines()[-2:] == ["attn_metadata r0 ·Y·", "· clean  (blank) no observations  Y stray (warning)"]
-
-
-def test_timeline_colours_only_on_a_colour_console(run12):
-    buf = io.StringIO()
-    report.render_timeline(run12[1], Console(file=buf, width=80, force_terminal=True, color_system="standard"))
-    colour = buf.getvalue()
-    assert "\x1b[1;37;41mP" in colour and "\x1b[32m···" in colour  # error cells white on red, clean cells green
-    assert re.sub(r"\x1b\[[0-9;]*m", "", colour) == text_of(run12[1], 80)
-    assert "\x1b" not in text_of(run12[1], 80, force_terminal=True, no_color=True)
-
-
-def test_empty_dump_has_no_timeline(tmp_path):
-    res = replay(open_dumps([write(tmp_path / "e.safetensors", [], sites=("attn_metadata",))]), "torch")
-    assert timeline.timeline(res, 80) is None and text_of(res, 80) == ""
-    assert "No observations" in render_html(res)
-
-
-# --------------------------------------------------------------------------------------------
-# HTML
+    return replay_run12(tmp_path_factory)
 
 
 class Tree(HTMLParser):
@@ -308,8 +176,56 @@ def test_html_escapes_what_it_shows(tmp_path):
     no_network(html, Tree(html))
 
 
+def test_hostile_names_are_escaped_in_html(tmp_path):
+    from dcptool.check.replay import replay
+    from dcptool.dump import open_dumps
+    from dcptool.report.html import render_html
+
+    html = render_html(replay(open_dumps([hostile_dump(tmp_path / "h.safetensors")]), "torch", views=5))
+    assert "[/bold][link=https://example.invalid]L[/link]" in html and "<a href=\"https://example" not in html
+
+
+
+def test_html_of_the_legacy_sample_has_every_finding_with_its_rule_and_step():
+    """The bundled sample: one table row per finding, in order, with its step, rule, site and rank, its message
+    escaped; a filter option per rule; the summary's counts; --max-findings 100 shows the first 100 rows."""
+    res = replay(open_dumps([LEGACY]), "torch", views=VIEW_FINDINGS)
+    assert res.by_rule()["missing"] == 48 and len(res.by_rule()) == 7 and len(res.findings) < HTML_MAX_FINDINGS
+    html = render_html(res)
+    t = Tree(html)
+    no_network(html, t)
+    want = [(f.step, f.rule, f.site, f.rank) for f in res.findings]
+    assert [(int(r["data-step"]), r["data-rule"], r["data-site"], int(r["data-rank"])) for r in t.rows.values()] == want
+    assert all(f'<option value="{rule}">{rule}</option>' in html for rule in res.by_rule())
+    assert f"{len(res.findings):,} findings ({res.errors:,} errors, {res.warnings:,} warnings)" in html
+    for k in np.random.default_rng(3).choice(len(res.findings), 60, replace=False):
+        f = res.findings[int(k)]
+        assert f'<td class="l msg">{escape(f.text)}</td>' in html, f.text
+    assert "'NoneType' object" not in html and "&#x27;NoneType&#x27; object" in html  # the messages' quotes too
+    capped = render_html(res, max_findings=100)
+    assert [(int(r["data-step"]), r["data-rule"]) for r in Tree(capped).rows.values()] == [w[:2] for w in want[:100]]
+    assert f"The first 100 of {len(res.findings):,} findings" in capped
+
+
+def test_html_escapes_every_string_from_the_dump(tmp_path):
+    """Site, engine, note and the file's name reach the page escaped (text and attributes alike): the page keeps
+    its structure, and the parsed page gives the strings back exactly."""
+    site, note, engine = "a<b>&\"c'", "</script><script>alert(1)</script>", "<b>bold</b> & co"
+    p = write(tmp_path / "r&<i>\"q'.safetensors", [obs(site=site, view=None), obs(step=1, site=site)], note=note,
+              engine=engine)
+    res = replay(open_dumps([p]), "torch", views=5)
+    html = render_html(res)
+    t = Tree(html)
+    no_network(html, t)
+    for s in (site, note, engine, p):
+        assert escape(s, quote=True) in html, s
+    for raw in ("a<b>", "<script>alert", "<b>bold", "<i>"):
+        assert raw not in html, raw
+    assert [(r["data-site"], r["data-rule"]) for r in t.rows.values()] == [(site, "missing")]
+    assert t.titles and all(x.startswith(f"step {i} · {site} rank 0") for i, x in enumerate(t.titles))
+
 # --------------------------------------------------------------------------------------------
-# CLI: --html and --force (real subprocesses)
+# CLI: --html and --force
 
 
 def test_cli_html_writes_refuses_and_forces(tmp_path):
@@ -337,13 +253,6 @@ def test_cli_html_bad_targets(tmp_path, target, needle):
     r = cli("replay", dump, "--html", dump if target == "DUMP" else tmp_path / target, "--force")
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr
     assert open(dump, "rb").read() == before
-
-
-def test_cli_text_report_has_the_timeline_above_the_findings(tmp_path):
-    r = cli("replay", write(tmp_path / "run.safetensors", timeline_run()), env={"COLUMNS": "100", "NO_COLOR": "1"})
-    assert r.returncode == 1 and "\x1b" not in r.stdout
-    assert r.stdout.index("Timeline of steps 0..11") < r.stdout.index("Findings (16)")
-    assert "              r1   ····SSSSSS\n" in r.stdout
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,122 +354,3 @@ def test_html_in_headless_chromium(tmp_path):
     green = (px == (0x8F, 0xD1, 0x9E)).all(axis=2).sum(axis=1)  # clean cells
     # the timeline is on screen: rows of clean cells, and the ubatch rank-1 row where 4 clean steps turn stale
     assert green.max() >= 11 * 20 and ((green >= 3 * 20) & (red >= 6 * 20)).any()
-
-
-# --------------------------------------------------------------------------------------------
-# Every renderer at 60, 80 and 200 columns: nothing tools read is hard-wrapped, tables degrade gracefully
-
-WIDTHS = (60, 80, 200)
-
-
-def squash(s: str) -> str:
-    return "".join(s.split())
-
-
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory, run12):
-    """One result of each kind a renderer takes, from small real runs."""
-    from dcptool.diagnose.diff import diff
-    from dcptool.dump import describe
-    from dcptool.model.simulate import SimConfig, compare, simulate
-
-    d = tmp_path_factory.mktemp("renderers")
-    p, res = run12
-    b = timeline_run()
-    b[3].seq_lens = b[3].seq_lens.copy()
-    b[3].seq_lens[0] += 1
-    pb = write(d / "b.safetensors", b)
-    dumps = open_dumps([p])
-    cfg = SimConfig(dcp=2, steps=4, pipeline="legacy")
-    return {"replay": res, "split-obs": replay(dumps, "torch", split=2, obs=7), "inspect": describe(dumps),
-            "diff": diff(open_dumps([p]), open_dumps([pb])), "simulate": compare(cfg, "torch"),
-            "simulated": simulate(cfg, d / "sim.safetensors")}
-
-
-def render(kind: str, res, console: Console) -> None:
-    {"replay": report.render_replay, "split-obs": report.render_replay, "inspect": report.render_inspect,
-     "diff": report.render_diff, "simulate": report.render_simulate, "simulated": report.render_simulated}[kind](
-        res, console)
-
-
-def one_line_items(kind: str, res) -> list[str]:
-    """Texts that must each sit whole on one line of the output, whatever the width."""
-    if kind in ("replay", "split-obs"):
-        return ([f.message.split(": ", 1)[-1] for f in res.findings[: report.TEXT_MAX_FINDINGS]]
-                + [f"{res.observations} observations, dcp_size {res.config.dcp_size}",
-                   f"findings: {len(res.findings)} ({res.errors} errors"])
-    if kind == "diff":
-        return [x.message.split(": ", 2)[-1] for x in res.differences] + [f"{res.compared} aligned"]
-    if kind == "inspect":
-        return [f"{res.observations:,} ({res.with_view:,} with a DCP view"]
-    if kind == "simulate":
-        return [f"fixed: {len(res.fixed.findings)} findings in {res.fixed.observations} observations"]
-    return [f"{res.observations} observations ("]
-
-
-@pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("kind", ["replay", "split-obs", "inspect", "diff", "simulate", "simulated"])
-def test_renderers_never_wrap_into_a_file(reports, kind, width):
-    res = reports[kind]
-    buf = io.StringIO()
-    render(kind, res, Console(file=buf, width=width))  # a file: not a terminal
-    lines = buf.getvalue().splitlines()
-    for item in one_line_items(kind, res):
-        assert any(item in line for line in lines), (item, width, buf.getvalue())
-
-
-@pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("kind", ["replay", "split-obs", "inspect", "diff", "simulate", "simulated"])
-def test_renderers_fit_a_terminal(reports, kind, width):
-    """On a terminal, tables fit its width (folding long cells, or as lines it soft-wraps) and keep every
-    message readable: never one character per line."""
-    res = reports[kind]
-    buf = io.StringIO()
-    render(kind, res, Console(file=buf, width=width, force_terminal=True, color_system=None))
-    out = buf.getvalue()
-    boxed = [line for line in out.splitlines() if any(c in line for c in "│┃━─")]
-    assert all(len(line) <= width for line in boxed), [line for line in boxed if len(line) > width]
-    for item in one_line_items(kind, res):
-        assert squash(item) in squash(out), (item, width)
-    rows = {"replay": 16, "split-obs": 16 + len(reports["split-obs"].splits) + 6,
-            "diff": len(reports["diff"].differences)}
-    assert len(out.splitlines()) <= 3 * rows.get(kind, 0) + 100, out  # the diff table printed a letter per line
-
-
-def test_diff_table_at_80_columns_keeps_the_message_readable(reports):
-    buf = io.StringIO()
-    report.render_diff(reports["diff"], Console(file=buf, width=80, force_terminal=True, color_system=None))
-    x = reports["diff"].differences[0]
-    rows = [line for line in buf.getvalue().splitlines() if line.strip().startswith(str(x.key.step))]
-    assert rows and len(rows[0].rstrip()) > 60  # the message column has room (was 1 character wide)
-
-
-def test_report_console_in_a_pipe_is_wide_fixed_and_unpadded(run12):
-    buf = io.StringIO()
-    c = report.ReportConsole(file=buf)
-    assert not c.is_terminal and c.width >= 10_000 and report.layout_width(c) == report.ReportConsole.PIPE_LAYOUT
-    report.render_replay(run12[1], c)
-    out = buf.getvalue()
-    assert all(line == line.rstrip() for line in out.splitlines())
-    assert sum(f.message.split(": ", 1)[-1] in out for f in run12[1].findings) == len(run12[1].findings)
-    assert "Timeline of steps 0..11 (1 step per column, micro-batches folded in)\n" in out
-
-
-def test_report_console_raises_broken_pipe_instead_of_exiting_1():
-    class Gone(io.StringIO):
-        def write(self, s):
-            raise BrokenPipeError(32, "Broken pipe")
-
-    with pytest.raises(BrokenPipeError):  # rich's default raises SystemExit(1): "findings" to a CI job
-        report.ReportConsole(file=Gone()).print("x")
-
-
-@pytest.mark.parametrize("s,want", [("plain [b]x[/b]", "plain [b]x[/b]"), ("a\x1b[2Jb", "a\\x1b[2Jb"),
-                                    ("t\x1b]0;title\x07", "t\\x1b]0;title\\x07"), ("cr\r\n", "cr\\x0d\\x0a"),
-                                    ("\u202eevil", "\\u202eevil"), ("ok é", "ok é"),
-                                    ("r\udcffn\udc9b", "r\udcffn\\x9b")])  # a non-UTF-8 name: C1 bytes escaped
-def test_literal_escapes_control_characters_only(s, want):
-    assert report.literal(s) == want
-    buf = io.StringIO()
-    Console(file=buf, force_terminal=True, width=80).print(report.lit(s))
-    assert want in buf.getvalue()
