@@ -18,7 +18,7 @@ def test_one_exception_root():
     from dcptool.dcp.backend import BackendError
     from dcptool.dump import DumpError, OutputExistsError, WriteError
     from dcptool.dump.schema import DcptoolError
-    from dcptool.model.runner import SimError
+    from dcptool.model.config import SimError
 
     for cls in (DumpError, WriteError, OutputExistsError, LimitError, SimError, BackendError, Trouble):
         assert issubclass(cls, DcptoolError), cls
@@ -38,7 +38,7 @@ def test_every_public_error_class_of_dcptool_derives_from_the_root():
             if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == m.name:
                 if not name.startswith("_"):  # (reduce's _Budget: control flow inside one function, never raised out)
                     found[f"{m.name}.{name}"] = obj
-    assert {"dcptool.dump.schema.DumpError", "dcptool.dcp.backend.BackendError", "dcptool.model.runner.SimError",
+    assert {"dcptool.dump.schema.DumpError", "dcptool.dcp.backend.BackendError", "dcptool.model.config.SimError",
             "dcptool.diagnose.export.ExportError", "dcptool.diagnose.reduce.ReduceError",
             "dcptool.check.replay.LimitError", "dcptool.cli.Trouble"} <= set(found), sorted(found)
     assert [k for k, cls in found.items() if cls is not DcptoolError and not issubclass(cls, DcptoolError)] == []

@@ -32,24 +32,8 @@ def test_vllm_runtime_modes_and_dispatch_as_recorded():
     assert not GraphMode.PIECEWISE.full and GraphMode.FULL_REPLAY.full
 
 
-<<<<<<< HEAD:tests/test_schema.py
-def test_one_exception_root():
-    from dcptool.check.replay import LimitError
-    from dcptool.cli import Trouble
-    from dcptool.dcp.backend import BackendError
-    from dcptool.dump import DumpError, OutputExistsError, WriteError
-    from dcptool.dump.schema import DcptoolError
-    from dcptool.model.config import SimError
-
-    for cls in (DumpError, WriteError, OutputExistsError, LimitError, SimError, BackendError, Trouble):
-        assert issubclass(cls, DcptoolError), cls
-    # the old bases stay, for callers that catch them
-    assert issubclass(DumpError, ValueError) and issubclass(SimError, ValueError)
-    assert issubclass(BackendError, RuntimeError) and issubclass(WriteError, OSError)
-=======
 # --------------------------------------------------------------------------------------------
 # A hostile file: every validation error of DESIGN §2
->>>>>>> tests-mirror:tests/dump/test_schema.py
 
 
 def _meta(**kv):
