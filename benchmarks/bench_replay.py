@@ -113,7 +113,7 @@ def child_phases(path: str, backend: str) -> dict:
     """Each phase of replay timed alone (warm), as replay runs them; costs per observation, wrong view, finding."""
     import torch  # noqa: F401
 
-    from dcptool.check import rules as R
+    from dcptool.check import replay as R  # (replay imports every check, the table and findings_of)
     from dcptool.check.findings import Collector
     from dcptool.check.provenance import Provenance
     from dcptool.check.replay import obs_grid, replay

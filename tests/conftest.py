@@ -1,4 +1,5 @@
-"""Shared test helpers: hand-built observations and dumps, and the CLI (in-process, or as a real subprocess)."""
+"""Shared test helpers: hand-built observations, dumps and their replay, the kernels' devices, and the CLI (in-process,
+or as a real subprocess)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,36 @@ def obs(step=0, site="attn_metadata", rank=0, seq=(17, 25, 0, 0), num_reqs=2, nu
 def write(path, observations, dcp=2, il=1, **cfg) -> str:
     write_observations(path, observations, DumpConfig(dcp_size=dcp, cp_interleave=il, **cfg))
     return str(path)
+
+
+def run(tmp_path, observations, backend="torch", **cfg):
+    """The replay of a dump of these observations."""
+    from dcptool.check.replay import replay
+
+    return replay(open_dumps([write(tmp_path / "d.safetensors", observations, **cfg)]), backend)
+
+
+def rules(res):
+    """A replay's findings as (observation, rule)."""
+    return [(f.obs, f.rule) for f in res.findings]
+
+
+def worked_example(copy_parent_rows: bool, rank: int = 0):
+    """DESIGN §1: query lens [1,1,10,1,1], seq_lens [64,96,512,32,48], K=2, N=2, I=1."""
+    from dcptool.dcp.slicing import split_batch
+
+    q = np.array([0, 1, 2, 12, 13, 14], np.int32)
+    seq = np.array([64, 96, 512, 32, 48], np.int32)
+    parent = obs(step=3, rank=rank, seq=seq, num_reqs=5, num_reqs_padded=5, query_start_loc=q)
+    out = [parent]
+    for u, ub in enumerate(split_batch(q, seq, 5, 5, None, 2)):
+        sl = ub.slice
+        view = (parent.dcp_local_seq_lens[sl.req_start:sl.req_stop] if copy_parent_rows
+                else expected_view(ub.seq_lens, ub.num_reqs, ub.num_reqs_padded, 2, rank))
+        out.append(obs(step=3, rank=rank, site="ubatch", ubatch=u, seq=ub.seq_lens, num_reqs=ub.num_reqs,
+                       num_reqs_padded=ub.num_reqs_padded, view=view, parent=0, req_start=sl.req_start,
+                       tok_start=sl.tok_start, tok_stop=sl.tok_stop, query_start_loc=ub.query_start_loc))
+    return out
 
 
 def random_columns(rng, n, N, I, page=16, one_rank=False, kv=True) -> dict[str, np.ndarray]:
@@ -230,6 +261,19 @@ def cli_subprocess(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(params=["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def dev(request):
+    """Where a kernel test runs: the CPU (Triton's interpreter), and the GPU where there is one."""
+    if request.param == "cpu" and torch.cuda.is_available():
+        pytest.skip("the Triton interpreter only runs without a GPU")
+    return torch.device(request.param)
+
+
+# Extremes of the int32 range the reader accepts (issue 12 item 11): every backend and kernel must agree there.
+I32 = 2**31 - 1
+EXTREME_SEQ = [0, 1, 2, 15, 16, 17, 2**30, 2**30 + 1, I32 - 16, I32 - 15, I32 - 1, I32]
 
 
 # Fuzz cases run this session, by kind; printed as `fuzz: N cases` in the terminal summary (CI log).

@@ -1,6 +1,6 @@
 """The slot checks as they were before: old_* the whole-column implementation (before issue 16's chunks),
 chunked_* the chunked one of main d07e667 (before the one-pass screen). The references dcptool.check.slots.check_slots /
-check_slot_partition are compared against (tests/test_rules.py) and timed against (benchmarks/bench_coverage.py
+check_slot_partition are compared against (tests/check/test_slots.py) and timed against (benchmarks/bench_coverage.py
 --slots). Not part of the package."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcptool.check.rules import Issue, _kth_per_rank, _obs_chunks
+from dcptool.check.ranks import kth_per_rank
+from dcptool.check.rules import Issue
 from dcptool.check.slots import _SLOT_KIND_TEXT, _SLOT_KINDS, _few, _group_name
-from dcptool.dcp.segments import group_ids, ragged
+from dcptool.dcp.segments import group_ids, obs_chunks, ragged
 from dcptool.dump import Dump
 
 
@@ -165,7 +166,7 @@ def old_check_slot_partition(d: Dump) -> list[Issue]:
     o = m_obs[m]
     key = [d["obs.step"][o], d["obs.site"][o].astype(np.int64), d["obs.ubatch"][o].astype(np.int64), m_grp[m],
            m_real[m], d["obs.num_reqs"][o].astype(np.int64)]
-    sets = _kth_per_rank(_group_ids(key), d["obs.rank"][o].astype(np.int64), o)
+    sets = kth_per_rank(_group_ids(key), d["obs.rank"][o].astype(np.int64), o)
     size = np.bincount(sets)
     set_of_run = np.full(s.run_writes.size, -1, np.int64)
     set_of_run[m[size[sets] == N]] = sets[size[sets] == N]
@@ -323,7 +324,7 @@ def chunked_check_slots(d: Dump) -> list[Issue]:
     real_tokens = _real_tokens(d)
     rank_all = d["obs.rank"].astype(np.int64)
     out: list[Issue] = []
-    for lo, hi in _obs_chunks(np.diff(offs), SLOT_CHUNK):
+    for lo, hi in obs_chunks(np.diff(offs), SLOT_CHUNK):
         a, b = int(offs[lo]), int(offs[hi])
         if a == b:
             continue
@@ -476,7 +477,7 @@ def chunked_check_slot_partition(d: Dump) -> list[Issue]:
     # one member per (observation, DCP-sharded group) run, in (observation, group) order: its first entry and
     # length where its entries are consecutive (the Recorder's layout), else its observation's entries
     parts = []
-    for lo, hi in _obs_chunks(np.diff(offs), SLOT_CHUNK):
+    for lo, hi in obs_chunks(np.diff(offs), SLOT_CHUNK):
         a, b = int(offs[lo]), int(offs[hi])
         cnt = np.diff(offs[lo : hi + 1])
         order, grp, start = _slot_runs(_slot_rows(d, "rows.slot_group", a, b), cnt)
@@ -501,7 +502,7 @@ def chunked_check_slot_partition(d: Dump) -> list[Issue]:
     key = [d["obs.step"][m_obs], d["obs.site"][m_obs].astype(np.int64), d["obs.ubatch"][m_obs].astype(np.int64),
            m_grp, m_real, d["obs.num_reqs"][m_obs].astype(np.int64)]
     rank = d["obs.rank"].astype(np.int64)
-    sets = _kth_per_rank(group_ids(key), rank[m_obs], m_obs)
+    sets = kth_per_rank(group_ids(key), rank[m_obs], m_obs)
     full = np.bincount(sets)[sets] == N
     # the members of full sets, by set then observation: N in a row each
     mr = np.flatnonzero(full)
@@ -512,7 +513,7 @@ def chunked_check_slot_partition(d: Dump) -> list[Issue]:
         return []
     tokens = np.minimum(m_real, m_len)[mr].reshape(nset, N).max(axis=1)  # real tokens per set (token ids)
     found = []
-    for slo, shi in _obs_chunks(m_span[mr].reshape(nset, N).sum(axis=1), SLOT_CHUNK):
+    for slo, shi in obs_chunks(m_span[mr].reshape(nset, N).sum(axis=1), SLOT_CHUNK):
         mm = mr[slo * N : shi * N]
         if (m_span[mm] != m_len[mm]).any():  # a run interleaved with other groups (not the Recorder's layout)
             seg, _, at = ragged(m_first[mm], m_span[mm])

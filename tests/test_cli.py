@@ -95,7 +95,7 @@ def test_bad_input_exit_2_one_line_no_traceback(tmp_path, args, needle, one_line
 
 
 def test_obs_and_split_views(tmp_path):
-    from test_replay import worked_example
+    from conftest import worked_example
 
     p = write(tmp_path / "w.safetensors", worked_example(True))
     r = cli("replay", p, "--obs", "1", "--json")

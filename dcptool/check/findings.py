@@ -20,17 +20,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dcptool.check.provenance import Source
+from dcptool.check.rules import RULES, SEVERITY, Issue
 
 if TYPE_CHECKING:
     from dcptool.dump import Dump
 
 RELATIONS = ("parent-rows", "earlier-in-step", "earlier-step")  # Source.relation, by code
-
-
-def _rules():
-    from dcptool.check.rules import RULES, SEVERITY  # (rules imports this module: resolved at call time)
-
-    return RULES, SEVERITY
 
 
 @dataclass(frozen=True)
@@ -53,7 +48,7 @@ class Finding:
 
     @property
     def severity(self) -> str:
-        return _rules()[1][self.rule]
+        return SEVERITY[self.rule]
 
     @property
     def where(self) -> str:
@@ -122,10 +117,9 @@ class FindingTable(Sequence):
         """Findings of one check: `index` the observations; `rule` a name or codes; other columns by name
         (missing integer columns are 0, -1 for source and relation; a mask column is True where its
         field was given)."""
-        rules = _rules()[0]
         index = np.asarray(index, np.int64)
         n = index.size
-        code = (np.full(n, rules.index(rule), np.int8) if isinstance(rule, str) else np.asarray(rule, np.int8))
+        code = (np.full(n, RULES.index(rule), np.int8) if isinstance(rule, str) else np.asarray(rule, np.int8))
         out = {"index": index, "rule_code": code, "kind": np.full(n, kind, np.int8)}
         for k in _INT:
             v = cols.get(k)
@@ -154,9 +148,8 @@ class FindingTable(Sequence):
             if s is not None:
                 src[k], rel[k] = s.index, RELATIONS.index(s.relation)
             stored[k] = (text, kw.get("detail") or {})
-        rules = _rules()[0]
         t = cls.build(d, np.array([x[0] for x in issues], np.int64),
-                      np.array([rules.index(x[1]) for x in issues], np.int8), STORED,
+                      np.array([RULES.index(x[1]) for x in issues], np.int8), STORED,
                       source=np.array(src, np.int64), relation=np.array(rel, np.int64),
                       **{k: np.array(v, np.int64) for k, v in cols.items()},
                       **{k: np.array(v, bool) for k, v in masks.items()})
@@ -212,12 +205,11 @@ class FindingTable(Sequence):
             key = {"site_code": "obs.site"}.get(name, f"obs.{name}")
             return d[key][idx].astype(np.int64)
         if name == "rule":
-            return np.asarray(_rules()[0], dtype=object)[self.rule_code]
+            return np.asarray(RULES, dtype=object)[self.rule_code]
         if name == "site":
             return np.asarray(d.config.sites, dtype=object)[self.site_code]
         if name == "severity_code":
-            rules, sev = _rules()
-            return np.array([sev[r] == "error" for r in rules], np.int8)[self.rule_code]
+            return np.array([SEVERITY[r] == "error" for r in RULES], np.int8)[self.rule_code]
         raise AttributeError(name)
 
     # ----- the Sequence
@@ -266,7 +258,7 @@ class FindingTable(Sequence):
         """Finding of column row r, its text and detail rendered now."""
         c, d = self._cols, self.d
         i = int(c["index"][r])
-        rule = _rules()[0][int(c["rule_code"][r])]
+        rule = RULES[int(c["rule_code"][r])]
         opt = [int(c[f][r]) if c[m][r] else None for f, m in zip(("row", "recorded", "expected"), _MASK)]
         s = int(c["source"][r])
         source = None
@@ -294,10 +286,9 @@ class FindingTable(Sequence):
         lists, and the JSON strings of names and messages made by the json module's own C encoder."""
         d = self.d
         c = self._cols
-        rules, sev = _rules()
         enc = encode_basestring_ascii  # json.dumps(str) without the encoder object per call
-        rule_j = [enc(r) for r in rules]
-        sev_j = [enc(sev[r]) for r in rules]
+        rule_j = [enc(r) for r in RULES]
+        sev_j = [enc(SEVERITY[r]) for r in RULES]
         files_j = [enc(f) for f in d.files]
         sites_j = [enc(s) for s in d.config.sites]
         sites = d.config.sites
@@ -343,26 +334,24 @@ class FindingTable(Sequence):
     # ----- counts
 
     def by_rule(self) -> dict[str, int]:
-        rules = _rules()[0]
-        n = np.bincount(self.rule_code.astype(np.int64), minlength=len(rules))
-        return {r: int(n[k]) for k, r in enumerate(rules) if n[k]}
+        n = np.bincount(self.rule_code.astype(np.int64), minlength=len(RULES))
+        return {r: int(n[k]) for k, r in enumerate(RULES) if n[k]}
 
     def by_site(self) -> dict[str, dict[str, int]]:
         """Counts by site then rule, each in order of first appearance (as a loop over the findings built it)."""
         if len(self) == 0:
             return {}
-        rules = _rules()[0]
         site, code = self.site_code, self.rule_code.astype(np.int64)
-        pair = site * len(rules) + code
+        pair = site * len(RULES) + code
         uniq, first, count = np.unique(pair, return_index=True, return_counts=True)
         s_uniq, s_first = np.unique(site, return_index=True)
         s_rank = dict(zip(s_uniq.tolist(), s_first.tolist()))
-        order = sorted(range(uniq.size), key=lambda k: (s_rank[int(uniq[k]) // len(rules)], int(first[k])))
+        order = sorted(range(uniq.size), key=lambda k: (s_rank[int(uniq[k]) // len(RULES)], int(first[k])))
         out: dict[str, dict[str, int]] = {}
         names = self.d.config.sites
         for k in order:
-            s, r = divmod(int(uniq[k]), len(rules))
-            out.setdefault(names[s], {})[rules[r]] = int(count[k])
+            s, r = divmod(int(uniq[k]), len(RULES))
+            out.setdefault(names[s], {})[RULES[r]] = int(count[k])
         return out
 
     def count_errors(self) -> tuple[int, int]:
@@ -379,7 +368,6 @@ def render_texts(t: FindingTable, rows: np.ndarray) -> tuple[list[str], list[str
     texts: list[str] = [""] * n
     details: list[str] = ["{}"] * n
     kind = c["kind"][rows]
-    rules = _rules()[0]
     for kd in np.unique(kind).tolist():
         at = np.flatnonzero(kind == kd)
         r = rows[at]
@@ -433,7 +421,7 @@ def render_texts(t: FindingTable, rows: np.ndarray) -> tuple[list[str], list[str
             for m, k in enumerate(pos):
                 w = wr[m]
                 rws = f"row {row[m]} is {rec[m]}, expected {exp[m]} ({w} wrong row{'s' if w > 1 else ''})"
-                rule = rules[code[m]]
+                rule = RULES[code[m]]
                 if rule == "stale":
                     why = _EXPLAIN[RELATIONS[rel[m]]].format(obs=s_obs[m], site=cfg.sites[s_site[m]], step=s_step[m])
                     texts[k] = f"stale DCP view, {why}; {rws}"
@@ -528,11 +516,16 @@ def finding_columns(findings, config) -> np.ndarray:
     if isinstance(findings, FindingTable):
         return np.stack([findings.site_code, findings.rank, findings.step, findings.ubatch,
                          findings.rule_code.astype(np.int64)], axis=1).reshape(len(findings), 5)
-    rules = _rules()[0]
     site_of = {s: i for i, s in enumerate(config.sites)}
-    rule_of = {r: i for i, r in enumerate(rules)}
+    rule_of = {r: i for i, r in enumerate(RULES)}
     return np.array([(site_of[f.site], f.rank, f.step, f.ubatch, rule_of[f.rule]) for f in findings],
                     np.int64).reshape(len(findings), 5)
+
+
+def findings_of(d: Dump, issues: list[Issue] | FindingTable) -> FindingTable:
+    """A check's Issues as findings (their texts and details kept as written); a check that finds many may
+    build its FindingTable itself (check_alias), which passes through."""
+    return issues if isinstance(issues, FindingTable) else FindingTable.from_issues(d, issues)
 
 
 class Collector:

@@ -122,15 +122,60 @@ def latest_before(c_run: np.ndarray, c_idx: np.ndarray, c_val: np.ndarray, q_run
     return np.where(hit, idx[order][np.maximum(ans, 0)], -1)
 
 
-class Provenance:
-    """Finds where a wrong view came from, in DESIGN §3's precedence; built lazily, so clean dumps
-    pay nothing.
+# Exact comparisons of rows: every hash hit is confirmed with these
 
-    The two searches over other observations (earlier in the step, earlier steps) run for all wrong
-    observations at once (`prepare`): candidates are narrowed by a join on their leading expected
-    rows, then matched by a join on row hashes (see segments.mix) and `latest_before` picks the most
-    recent; a hit is confirmed exactly. Nothing is quadratic in observations per step or rank.
-    """
+
+def _recorded(d: Dump, q: np.ndarray, m: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows [0, L) of the recorded views of q, zero past m: (segment, row, values)."""
+    seg, j, _ = ragged(np.zeros(q.size, np.int64), L)
+    real = j < m[seg]
+    v = np.zeros(j.size, np.int64)
+    v[real] = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][q][seg[real]] + j[real])
+    return seg, j, v
+
+
+def _expected_rows(d: Dump, s: np.ndarray, seg: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Expected row `pos` of observation s[seg] (0 past its num_reqs), per element."""
+    c = d.config
+    ss = s[seg]
+    real = pos < d["obs.num_reqs"][ss]
+    out = np.zeros(pos.size, np.int64)
+    out[real] = local_np(d.take("rows.seq_lens", d["obs.rows"][ss[real]] + pos[real]), c.dcp_size,
+                         d["obs.rank"][ss[real]], c.cp_interleave)
+    return out
+
+
+def _zero_ext_equal(d: Dump, q: np.ndarray, m: np.ndarray, s: np.ndarray, L: np.ndarray) -> np.ndarray:
+    """Per pair: rows [0, L) of q's recorded view (zero past m) equal s's expected rows (zero past num_reqs)."""
+    if q.size == 0:
+        return np.zeros(0, bool)
+    seg, j, rec = _recorded(d, q, m, L)
+    bad = rec != _expected_rows(d, s, seg, j)
+    return np.bincount(seg, weights=bad, minlength=q.size) == 0
+
+
+def _parent_rows(d: Dump, q: np.ndarray, m: np.ndarray, p: np.ndarray, rs: np.ndarray) -> np.ndarray:
+    """Rule 1 per pair: q's recorded rows equal the parent's expected rows [rs, rs + m) (zero-extended), or
+    the parent's recorded rows there (a copy of a parent that was itself wrong is still a copy)."""
+    if q.size == 0:
+        return np.zeros(0, bool)
+    seg, j, rec = _recorded(d, q, m, m)
+    ok = np.bincount(seg, weights=rec != _expected_rows(d, p, seg, rs[seg] + j), minlength=q.size) == 0
+    plen = np.diff(d["obs.dcp_rows"])[p]
+    full = (d["obs.has_dcp"][p] == 1) & (plen - rs >= m)  # pv[rs:rs + m] has all m rows
+    inb = full[seg]
+    pv = np.zeros(j.size, np.int64)
+    pv[inb] = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][p[seg[inb]]] + rs[seg[inb]] + j[inb])
+    copy = full & (np.bincount(seg, weights=pv != rec, minlength=q.size) == 0)
+    return ok | copy
+
+
+class _Search:
+    """The bulk search behind Provenance: DESIGN §3's rules 1-6 for every wrong view at once (`prepare`). The
+    two searches over other observations (earlier in the step, earlier steps) narrow candidates by a join on
+    their leading expected rows, then match them by a join on row hashes (see segments.mix) and `latest_before`
+    picks the most recent; a hit is confirmed exactly. Nothing is quadratic in observations per step or rank.
+    The answers wait in `_bulk` (and per observation in the dicts) for Provenance's explain paths."""
 
     def __init__(self, d: Dump):
         self.d = d
@@ -215,7 +260,7 @@ class Provenance:
         c = cand[member([rank[cand], step[cand], e0[cand]], [rank[q], step[q], r0q])]  # (no sort of all candidates)
         in_step[todo] = self._search_in_step(q, mq, hq, self._narrow(c, [rank, step, e0], [rank[q], step[q], r0q]))
         hit = np.flatnonzero(in_step >= 0)
-        todo[hit[self._zero_ext_equal(wrong[hit], m[hit], in_step[hit], m[hit])]] = False
+        todo[hit[_zero_ext_equal(self.d, wrong[hit], m[hit], in_step[hit], m[hit])]] = False
         q, mq, sq, jq, rq, _, _, _ = sub(todo)  # 3-5. the values
         vkind[todo], vaux[todo] = self._by_values(q, mq, sq, rq)
         todo &= (vkind == 0) & (np.bincount(seg, weights=rec != 0, minlength=n) > 0)  # 6. needs strip(rec) non-empty
@@ -235,7 +280,7 @@ class Provenance:
         if d.has("obs.parent", "obs.req_start"):
             p, rs = d["obs.parent"][q].astype(np.int64), d["obs.req_start"][q].astype(np.int64)
             k = np.flatnonzero((p >= 0) & (rs >= 0))
-            out[k] = self._parent_rows(q[k], m[k], p[k], rs[k])
+            out[k] = _parent_rows(self.d, q[k], m[k], p[k], rs[k])
         return out
 
     def _strip_lengths(self, obs: np.ndarray) -> np.ndarray:
@@ -373,6 +418,12 @@ class Provenance:
         self._earlier.update(zip(q.tolist(), best.tolist()))
         return best
 
+
+class Provenance(_Search):
+    """Finds where a wrong view came from, in DESIGN §3's precedence; built lazily, so clean dumps pay nothing.
+    `prepare` (the bulk search) with every wrong observation first; `explain_many` then reads its answers for
+    many views at once, `explain` for one (searching for that one alone if it was not prepared)."""
+
     # ----- every wrong view at once
 
     def explain_many(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -406,7 +457,7 @@ class Provenance:
         k = np.flatnonzero(todo)
         s = in_step[pos[k]] if k.size else np.zeros(0, np.int64)
         cand = s >= 0
-        ok = self._zero_ext_equal(obs[k[cand]], m[k[cand]], s[cand], m[k[cand]])
+        ok = _zero_ext_equal(self.d, obs[k[cand]], m[k[cand]], s[cand], m[k[cand]])
         alone = np.concatenate([alone, k[cand][~ok]])
         todo[k[cand][~ok]] = False
         k = k[cand][ok]
@@ -422,7 +473,7 @@ class Provenance:
         step = d["obs.step"]
         cand = (s >= 0) & (s < obs[k]) & (step[np.maximum(s, 0)] < step[obs[k]])
         stale = s >= 0
-        ok = self._zero_ext_equal(obs[k[cand]], m[k[cand]], s[cand], np.maximum(nr[s[cand]], m[k[cand]]))
+        ok = _zero_ext_equal(self.d, obs[k[cand]], m[k[cand]], s[cand], np.maximum(nr[s[cand]], m[k[cand]]))
         good = np.zeros(k.size, bool)
         good[np.flatnonzero(cand)[ok]] = True
         alone = np.concatenate([alone, k[stale & ~good]])  # a hit that did not confirm: the exact scan
@@ -447,49 +498,6 @@ class Provenance:
             order = np.argsort(cols[0], kind="stable")
             self._bulk = [tuple(c[order] for c in cols)]
         return self._bulk[0]
-
-    def _recorded(self, q: np.ndarray, m: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows [0, L) of the recorded views of q, zero past m: (segment, row, values)."""
-        d = self.d
-        seg, j, _ = ragged(np.zeros(q.size, np.int64), L)
-        real = j < m[seg]
-        v = np.zeros(j.size, np.int64)
-        v[real] = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][q][seg[real]] + j[real])
-        return seg, j, v
-
-    def _expected_rows(self, s: np.ndarray, seg: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """Expected row `pos` of observation s[seg] (0 past its num_reqs), per element."""
-        d, c = self.d, self.d.config
-        ss = s[seg]
-        real = pos < d["obs.num_reqs"][ss]
-        out = np.zeros(pos.size, np.int64)
-        out[real] = local_np(d.take("rows.seq_lens", d["obs.rows"][ss[real]] + pos[real]), c.dcp_size,
-                             d["obs.rank"][ss[real]], c.cp_interleave)
-        return out
-
-    def _zero_ext_equal(self, q: np.ndarray, m: np.ndarray, s: np.ndarray, L: np.ndarray) -> np.ndarray:
-        """Per pair: rows [0, L) of q's recorded view (zero past m) equal s's expected rows (zero past num_reqs)."""
-        if q.size == 0:
-            return np.zeros(0, bool)
-        seg, j, rec = self._recorded(q, m, L)
-        bad = rec != self._expected_rows(s, seg, j)
-        return np.bincount(seg, weights=bad, minlength=q.size) == 0
-
-    def _parent_rows(self, q: np.ndarray, m: np.ndarray, p: np.ndarray, rs: np.ndarray) -> np.ndarray:
-        """Rule 1 per pair: q's recorded rows equal the parent's expected rows [rs, rs + m) (zero-extended), or
-        the parent's recorded rows there (a copy of a parent that was itself wrong is still a copy)."""
-        d = self.d
-        if q.size == 0:
-            return np.zeros(0, bool)
-        seg, j, rec = self._recorded(q, m, m)
-        ok = np.bincount(seg, weights=rec != self._expected_rows(p, seg, rs[seg] + j), minlength=q.size) == 0
-        plen = np.diff(d["obs.dcp_rows"])[p]
-        full = (d["obs.has_dcp"][p] == 1) & (plen - rs >= m)  # pv[rs:rs + m] has all m rows
-        inb = full[seg]
-        pv = np.zeros(j.size, np.int64)
-        pv[inb] = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][p[seg[inb]]] + rs[seg[inb]] + j[inb])
-        copy = full & (np.bincount(seg, weights=pv != rec, minlength=q.size) == 0)
-        return ok | copy
 
     # ----- exact checks
 

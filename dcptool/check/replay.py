@@ -9,31 +9,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool.check.findings import Collector, FindingTable
+from dcptool.check.alias import check_alias
+from dcptool.check.decode import check_empty_mask, check_tot_lens
+from dcptool.check.findings import Collector, Finding, FindingTable, findings_of
 from dcptool.check.provenance import Provenance, Source, expected_of
-from dcptool.check.rules import (
-    PARENT_ROWS_NEEDS,
-    RULE,
-    RULES,
-    SEVERITY,
-    Finding,
-    check_alias,
-    check_empty_mask,
-    check_missing,
-    check_padding,
-    check_pages,
-    check_rank_agree,
-    check_rank_sum,
-    check_shape,
-    check_stray,
-    check_tot_lens,
-    check_ubatch_slice,
-    check_values,
-    findings_of,
-    merge_split_findings,
-    rank_pairs,
-)
+from dcptool.check.ranks import check_rank_agree, check_rank_sum, rank_pairs
+from dcptool.check.rules import PARENT_ROWS_NEEDS, RULE, RULES, SEVERITY
 from dcptool.check.slots import check_slot_rules
+from dcptool.check.ubatch import check_ubatch_slice, merge_split_findings
+from dcptool.check.values import check_missing, check_padding, check_pages, check_shape, check_stray, check_values
 from dcptool.choices import Backend, values
 from dcptool.dcp.reference import local_np
 from dcptool.dcp.slicing import Ubatch, engine_split

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pprint
 import textwrap
 
+from dcptool.check.findings import Finding
 from dcptool.check.provenance import expected_of
-from dcptool.check.rules import Finding
 from dcptool.dcp.reference import local_np
 from dcptool.dump import Dump
 from dcptool.errors import DcptoolError

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool.check.rules import RULES, Finding
+from dcptool.check.findings import Finding
+from dcptool.check.rules import RULES
 from dcptool.dump import COLUMNS, RAGGED, Dump, DumpConfig
 from dcptool.errors import DcptoolError
 

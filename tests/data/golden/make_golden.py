@@ -5,7 +5,7 @@ before findings became columnar (issue 16 item 2): made by main a364428, which b
     python tests/data/golden/make_golden.py outputs [DIR]  # (re)write golden.json (sha256 of each output) from
                                                            # the current code; DIR: also write the outputs there
 
-tests/test_findings.py replays every dump here and in samples/ and compares byte for byte (seconds masked).
+tests/check/test_findings.py replays every dump here and in samples/ and compares byte for byte (seconds masked).
 Regenerate the outputs only when a change to the findings themselves is intended (a new rule, a new message).
 """
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "golden"
 sys.path.insert(0, str(GOLDEN))
 
@@ -121,7 +120,8 @@ def test_messages_are_rendered_only_for_what_is_shown(monkeypatch, tmp_path):
 
 def test_concat_sorts_stably_and_keeps_issue_texts(legacy):
     d, _ = legacy
-    from dcptool.check.rules import Issue, findings_of
+    from dcptool.check.findings import findings_of
+    from dcptool.check.rules import Issue
 
     a = findings_of(d, [Issue(5, "alias", "second", {"detail": {"x": 1}}), Issue(2, "alias", "a", {})])
     b = FindingTable.build(d, [5, 1], "missing", F.MISSING)
@@ -154,3 +154,10 @@ def test_old_style_results_still_slot_in(legacy):
                                                                 "rank": int(d["obs.rank"][0]),
                                                                 "ubatch": int(d["obs.ubatch"][0])})],
                              key=lambda f: (f.index, RULE_ORDER[f.rule]))
+
+
+def test_message_is_where_then_text():
+    f = Finding(rule="stray", index=0, obs=0, file="f", step=3, site="a: b", rank=1, ubatch=-1, row=None,
+                recorded=None, expected=None, wrong_rows=0, text="a DCP view is present")
+    assert f.message == "step 3 a: b rank 1: a DCP view is present" and f.to_json()["message"] == f.message
+    assert Finding(**{**f.__dict__, "ubatch": 2}).where == "step 3 a: b rank 1 ubatch 2"

@@ -1,10 +1,32 @@
-"""replay.py, the pipeline: --split, --obs row views, bounded replay, provenance cost on clean dumps."""
+"""replay.py, the pipeline: a clean dump, skipped checks named, --split, --obs row views, bounded replay, provenance
+cost on clean dumps."""
 
-from conftest import write
-from test_rules import run, worked_example
+import numpy as np
+import pytest
+from conftest import ROOT, obs, run, worked_example, write
 
 from dcptool.check.replay import replay
 from dcptool.dump import open_dumps
+
+BACKENDS = ["torch", "triton"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_clean_dump_has_no_findings(tmp_path, backend, rng):
+    o = []
+    for step in range(6):
+        nr = int(rng.integers(0, 9))  # one batch per step, seen by every rank (else: rank-agree)
+        seq = np.zeros(nr + 3, np.int32)
+        seq[:nr] = rng.integers(1, 5000, nr)
+        for rank in range(4):
+            o.append(obs(step=step, rank=rank, seq=seq, num_reqs=nr, num_reqs_padded=nr + 3, dcp=4, il=16))
+    res = run(tmp_path, o, backend, dcp=4, il=16)
+    assert res.findings == [] and res.errors == 0
+
+
+def test_skipped_checks_are_named(tmp_path):
+    res = run(tmp_path, [obs()])
+    assert {"ubatch-slice", "alias", "pages", "stale/parent-rows"} <= set(res.skipped)
 
 
 def test_split_reproduces_vllm_micro_batches(tmp_path):
@@ -49,9 +71,7 @@ def test_provenance_costs_nothing_on_clean_dumps(tmp_path, monkeypatch):
 
 def test_bounded_replay_gives_the_same_findings(tmp_path):
     """Bounded mode (dumps larger than RAM) drops pages as it goes; the answer must not change."""
-    from pathlib import Path
-
-    sample = str(Path(__file__).resolve().parents[1] / "samples" / "legacy.safetensors")
+    sample = str(ROOT / "samples" / "legacy.safetensors")
     a = replay(open_dumps([sample], bounded=False), "torch")
     b = replay(open_dumps([sample], bounded=True), "torch", bounded=True)
     assert [f.to_json() for f in a.findings] == [f.to_json() for f in b.findings] and a.findings

@@ -1,50 +1,15 @@
-"""Triton kernels == the torch reference on seeded random inputs (interpreter on CPU, real on CUDA)."""
+"""gpu.py: the fused whole-dump kernels' launchers == the torch reference (interpreter on CPU, real on CUDA), at the
+int32 extremes too, and replay's backends agreeing end to end."""
 
 import numpy as np
 import pytest
 import torch
-from conftest import random_columns
+from conftest import EXTREME_SEQ, I32, ROOT, random_columns
 
 from dcptool.check import gpu
-from dcptool.dcp import kernel, reference
+from dcptool.dcp import reference
 
 pytestmark = pytest.mark.kernel
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-SIZES = [0, 1, 127, 128, 129, 1000, 1537]
-
-
-@pytest.fixture(params=DEVICES)
-def dev(request):
-    if request.param == "cpu" and torch.cuda.is_available():
-        pytest.skip("the Triton interpreter only runs without a GPU")
-    return torch.device(request.param)
-
-
-@pytest.mark.parametrize("max_num_reqs", SIZES)
-@pytest.mark.parametrize("N,I", [(2, 1), (4, 16), (8, 64), (3, 3)])
-def test_vllm_shaped_kernel_matches_reference(dev, max_num_reqs, N, I):
-    g = torch.Generator().manual_seed(max_num_reqs * 31 + N * 7 + I)
-    seq = torch.randint(0, 200_000, (max_num_reqs,), generator=g, dtype=torch.int32)
-    for num_reqs in sorted({0, max_num_reqs // 2, max_num_reqs}):
-        rank = int(torch.randint(0, N, (1,), generator=g))
-        nrp = min(max_num_reqs, num_reqs + 3)
-        buf = torch.full((max_num_reqs,), -7, dtype=torch.int32, device=dev)  # poisoned: every row must be written
-        ref = torch.full((max_num_reqs,), -7, dtype=torch.int32)
-        out = kernel.prepare_dcp_local_seq_lens(buf, seq.to(dev), num_reqs, N, rank, I, num_reqs_padded=nrp)
-        want = reference.prepare_dcp_local_seq_lens(ref, seq, num_reqs, N, rank, I, num_reqs_padded=nrp)
-        assert out.data_ptr() == buf.data_ptr() and out.shape == (nrp,)
-        assert torch.equal(buf.cpu(), ref), (num_reqs, rank)
-        assert torch.equal(out.cpu(), want)
-
-
-def test_vllm_kernel_validates(dev):
-    buf = torch.zeros(4, dtype=torch.int32, device=dev)
-    with pytest.raises(ValueError):
-        kernel.prepare_dcp_local_seq_lens(buf, torch.zeros(8, dtype=torch.int32, device=dev), 5, 2, 0, 1)
-    with pytest.raises(ValueError):
-        kernel.prepare_dcp_local_seq_lens(buf, torch.zeros(4, dtype=torch.int32, device=dev), 2, 2, 2, 1)
-    with pytest.raises(ValueError):
-        kernel.prepare_dcp_local_seq_lens(buf.long(), torch.zeros(4, dtype=torch.int32, device=dev), 2, 2, 0, 1)
 
 
 def _random_dump(rng, n_obs, N, I):
@@ -94,9 +59,6 @@ def test_auto_backend_uses_triton_on_cuda():
 # --------------------------------------------------------------------------------------------
 # Extremes of the int32 range the reader accepts (issue 12 item 11): the backends must agree.
 
-I32 = 2**31 - 1
-EXTREME_SEQ = [0, 1, 2, 15, 16, 17, 2**30, 2**30 + 1, I32 - 16, I32 - 15, I32 - 1, I32]
-
 
 def _extreme_case(N: int, I: int, page: int):
     """One observation per rank holding every extreme seq_len; views and page counts exactly right,
@@ -143,18 +105,6 @@ def test_issue_example_dcp1_page16_seq_max_is_clean_on_triton(dev):
     assert stats.n_pages.tolist() == [0]
 
 
-@pytest.mark.parametrize("N,I,rank", [(2, 2**30, 1), (I32, 1, I32 - 1), (65536, 65536, 65535), (3, 2**30, 2)])
-def test_vllm_kernel_products_past_int32(dev, N, I, rank):
-    """The vLLM-shaped kernel takes N, I and the rank as arguments: N*I and rank*I may pass 2**31."""
-    seq = torch.tensor(EXTREME_SEQ, dtype=torch.int32)
-    buf = torch.full((len(EXTREME_SEQ) + 2,), -7, dtype=torch.int32, device=dev)
-    out = kernel.prepare_dcp_local_seq_lens(buf, seq.to(dev), seq.numel(), N, rank, I)
-    want = np.array([int(x) for x in EXTREME_SEQ], dtype=object)
-    rounds, rem = want // (N * I), want % (N * I)
-    want = [int(r * I + min(max(m - rank * I, 0), I)) for r, m in zip(rounds, rem)]
-    assert out.cpu().tolist()[: seq.numel()] == want and buf.cpu().tolist()[seq.numel():] == [0, 0]
-
-
 def test_fused_kernels_refuse_layouts_past_int32(dev):
     z = torch.zeros(1, dtype=torch.int32, device=dev)
     o = torch.zeros(2, dtype=torch.int64, device=dev)
@@ -198,11 +148,9 @@ def test_replay_backends_agree_on_a_dump_at_the_extremes(tmp_path, N, I, page):
 def test_replay_backends_agree_on_the_legacy_sample():
     """Every fault of the old ordering, provenance included: the Triton path (which builds provenance's keys
     while the scan runs) names the same findings, sources and all, as the CPU path."""
-    from pathlib import Path
-
     from dcptool.check.replay import replay
     from dcptool.dump import open_dumps
 
-    sample = Path(__file__).resolve().parents[1] / "samples" / "legacy.safetensors"
+    sample = ROOT / "samples" / "legacy.safetensors"
     got = {b: [f.to_json() for f in replay(open_dumps([sample]), b).findings] for b in ("torch", "triton")}
     assert got["torch"] == got["triton"] and any(f.get("source") for f in got["torch"])

@@ -4,11 +4,10 @@ signature and the recorded version match."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cli, obs, write
+from conftest import ROOT, cli, obs, write
 
 from dcptool.check.problems import PATTERNS, STRADDLE, known_bugs, match_known, parse_version, problems
 from dcptool.check.replay import replay
@@ -16,7 +15,7 @@ from dcptool.check.rules import RULE_OF_FAULT
 from dcptool.dump import open_dumps
 from dcptool.model.simulate import SimConfig, simulate
 
-SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+SAMPLES = ROOT / "samples"
 
 
 def _own_obs(d, res, p) -> set[int]:
@@ -200,11 +199,10 @@ def test_known_bugs_ship_in_the_wheel(tmp_path):
     import sys
     import zipfile
 
-    root = Path(__file__).resolve().parents[1]
     src = tmp_path / "src"
-    shutil.copytree(root / "dcptool", src / "dcptool", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "dcptool", src / "dcptool", ignore=shutil.ignore_patterns("__pycache__"))
     for f in ("pyproject.toml", "README.md"):
-        shutil.copy(root / f, src / f)
+        shutil.copy(ROOT / f, src / f)
     run = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                           str(tmp_path / "w"), str(src)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -1,0 +1,260 @@
+"""Rules across the DCP ranks of one batch: their local lengths add up (rank-sum), they agree (rank-agree)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from dcptool.check.rules import Issue
+from dcptool.check.scan import rows_differ
+from dcptool.dcp.segments import group_ids, join, mix, ragged, seg_sums
+from dcptool.dcp.segments import obs_chunks as _obs_chunks
+from dcptool.dump import Dump
+
+
+def kth_per_rank(batch: np.ndarray, rank: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Set ids for members of cross-rank groups: in each batch the k-th member of every rank (in `idx` order,
+    i.e. observation order) joins the k-th set."""
+    order = np.lexsort((idx, rank, batch))
+    new = np.ones(idx.size, bool)
+    new[1:] = (batch[order][1:] != batch[order][:-1]) | (rank[order][1:] != rank[order][:-1])
+    starts = np.flatnonzero(new)
+    occ = np.empty(idx.size, np.int64)
+    occ[order] = np.arange(idx.size) - np.repeat(starts, np.diff(np.append(starts, idx.size)))
+    return group_ids([batch, occ])
+
+
+def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
+    """The same batch recorded with a view on all N ranks must add up to seq_len on each real row.
+
+    The formula always adds up, so only batches with a wrong view on some rank can fail: groups
+    are formed around the observations in `wrong` only. Members of a batch share (step, site,
+    ubatch, num_reqs, real seq_lens); the k-th recording of each rank makes the k-th set, and the
+    finding goes to the observation that completes it. Vectorised (sorts and joins on the key
+    columns and a hash of the real seq_lens, confirmed exactly): no loop over members.
+    """
+    N = d.config.dcp_size
+    if N == 1 or wrong.size == 0:
+        return []
+    wrong = np.unique(np.asarray(wrong, np.int64))
+    nr = d["obs.num_reqs"].astype(np.int64)
+    key = [d["obs.step"], d["obs.site"].astype(np.int64), d["obs.ubatch"].astype(np.int64), nr]
+    has = np.flatnonzero(d["obs.has_dcp"] == 1)
+    has = has[np.isin(key[0][has], key[0][wrong])]  # (the step alone first: a sort of one column, not of four)
+    ci, qi = join([k[has] for k in key], [k[wrong] for k in key])
+    m = has[np.isin(ci, qi)]  # recorded with a view, in a (step, site, ubatch, num_reqs) of a wrong one
+    seg, j, at = ragged(d["obs.rows"][m], nr[m])
+    seq = d.take("rows.seq_lens", at)  # (its dtype: mix widens a block at a time)
+    cols = [k[m] for k in key]
+    row0 = np.cumsum(nr[m]) - nr[m]
+
+    def batches(hashes: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        # the hashes group equal seq_lens; each member is confirmed against its batch's first member exactly
+        batch = group_ids(cols + [x.view(np.int64) for x in hashes])
+        first = np.full(int(batch.max(initial=-1)) + 1, np.iinfo(np.int64).max)
+        np.minimum.at(first, batch, np.arange(m.size))
+        ref = first[batch][seg]
+        return batch, np.bincount(seg, weights=seq != seq[row0[ref] + j], minlength=m.size) == 0
+
+    h = [seg_sums(mix(seq, j, 0), nr[m])]
+    batch, same = batches(h)
+    if not same.all():  # two seq_lens under one hash (never seen): both hashes, as the batches always were
+        batch, same = batches(h + [seg_sums(mix(seq, j, 1), nr[m])])
+    m, batch = m[same], batch[same]
+    sets = kth_per_rank(batch, d["obs.rank"][m].astype(np.int64), m)  # the k-th recording of each rank of a batch
+    size = np.bincount(sets, minlength=int(sets.max(initial=-1)) + 1)
+    hit = np.zeros(size.size, bool)
+    hit[sets[np.isin(m, wrong)]] = True
+    full = np.flatnonzero(hit & (size >= N))  # ranks are < N (the reader checks), so size N is every rank
+    if full.size == 0:
+        return []
+    sel = np.isin(sets, full)
+    mm, ss = m[sel], sets[sel]
+    order = np.lexsort((mm, ss))
+    mm, ss = mm[order], ss[order]
+    bounds = np.flatnonzero(np.r_[True, ss[1:] != ss[:-1]])
+    counts = np.diff(np.append(bounds, mm.size))
+    dl = np.diff(d["obs.dcp_rows"])[mm]
+    nrs = nr[mm]
+    n = np.minimum(np.minimum.reduceat(dl, bounds), nrs[bounds])  # rows every view of the set holds
+    g = np.repeat(np.arange(bounds.size), counts)
+    sg, _, at = ragged(d["obs.dcp_rows"][mm], n[g])
+    total = np.zeros(int(n.sum()), np.int64)
+    base = np.repeat(np.cumsum(n) - n, n)  # each set's first row in total
+    row_of = at + ((np.cumsum(n) - n)[g] - d["obs.dcp_rows"][mm])[sg]  # (one gather per row, not two)
+    # (bincount's float64 sums are exact here: int32 values, fewer than 2**21 ranks)
+    total += np.bincount(row_of, weights=d.take("rows.dcp_local_seq_lens", at), minlength=total.size).astype(np.int64)
+    lead = mm[bounds]
+    setrow = np.repeat(np.arange(bounds.size), n)
+    want = d.take("rows.seq_lens", d["obs.rows"][lead][setrow] + (np.arange(total.size) - base)).astype(np.int64)
+    bad = total != want
+    out: list[Issue] = []
+    first_row = np.cumsum(n) - n
+    for t in np.unique(setrow[bad]):
+        rows = np.flatnonzero(bad[first_row[t] : first_row[t] + n[t]])
+        group = mm[bounds[t] : bounds[t] + counts[t]]
+        i, jr = int(group[-1]), int(rows[0])
+        k = int(first_row[t]) + jr
+        msg = (f"across the {N} ranks, local lengths of row {jr} add up to {int(total[k])}, "
+               f"not its seq_len {int(want[k])}")
+        out.append(Issue(i, "rank-sum", msg, {"row": jr, "recorded": int(total[k]), "expected": int(want[k]),
+                                         "wrong_rows": int(rows.size),
+                                         "detail": {"obs": sorted(int(d.file_obs[x]) for x in group)}}))
+    return out
+
+
+def rank_sets(d: Dump, idx: np.ndarray) -> np.ndarray:
+    """For observations idx: the id of its set over ranks, the k-th recording of each rank in one
+    (step, site, micro-batch) making set k (how every rank records the same sequence of builds)."""
+    step, site = d["obs.step"][idx], d["obs.site"][idx].astype(np.int64)
+    ub, rank = d["obs.ubatch"][idx].astype(np.int64), d["obs.rank"][idx].astype(np.int64)
+    return kth_per_rank(group_ids([step, site, ub]), rank, idx)
+
+
+_AGREE = ("num_reqs", "num_reqs_padded", "seq_lens", "query_start_loc", "num_tokens_padded", "graph")
+
+
+class RankSets(NamedTuple):
+    """check_rank_agree's sets: the k-th recording of each rank in one (step, site, micro-batch) is set k."""
+
+    sets: np.ndarray  # [n] int64 set id of each observation
+    prev: np.ndarray  # [n] int64 the observation before it in its set (observation order), -1 for a set's first
+
+
+def rank_pairs(d: Dump) -> RankSets:
+    """The rank sets and, per observation, the member before it. A set agrees iff every member equals the one
+    before it, so rank-agree compares these pairs; the scan compares their seq_lens rows while it reads them
+    (scan(pairs=prev))."""
+    idx = np.arange(d.n, dtype=np.int64)
+    sets = rank_sets(d, idx) if d.n else idx
+    prev = np.full(d.n, -1, np.int64)
+    order = np.lexsort((idx, sets))
+    same = sets[order][1:] == sets[order][:-1]
+    prev[order[1:][same]] = order[:-1][same]
+    return RankSets(sets, prev)
+
+
+def check_rank_agree(d: Dump, pairs: RankSets | None = None, seq_differ: np.ndarray | None = None) -> list[Issue]:
+    """What every DCP rank of one batch must share: num_reqs, num_reqs_padded, seq_lens, query_start_loc,
+    num_tokens_padded and the graph mode (the last three where recorded). Sets are the k-th recording of
+    each rank in one (step, site, micro-batch); the values most of its ranks share are the reference (a tie,
+    the ranks split evenly: the lowest rank's). One finding per set, at the first observation of a differing
+    rank, naming every differing rank and its first differing field; its message says which of a majority, a
+    largest group short of one, or an even split the reference stands for.
+
+    Vectorised in two passes: every observation is compared exactly with the member before it in its set
+    (rank_pairs; a clean dump ends here); only the members of sets that differ are hashed and grouped to
+    find the majority. Python runs per finding only. `pairs` and `seq_differ` (the observations whose
+    seq_lens rows differ from their pair's) come from the scan, which compares the rows as it reads them
+    (replay); without them the rows are read here."""
+    if d.config.dcp_size == 1 or d.n == 0:
+        return []
+    idx = np.arange(d.n, dtype=np.int64)
+    sets, pairs = pairs if pairs is not None else rank_pairs(d)
+    size = np.bincount(sets)
+    has = pairs >= 0
+    other = np.where(has, pairs, idx)
+    scalars = {"num_reqs": "obs.num_reqs", "num_reqs_padded": "obs.num_reqs_padded",
+               "num_tokens_padded": "obs.num_tokens_padded", "graph": "obs.graph"}
+    ragged_cols = {"seq_lens": ("obs.rows", "rows.seq_lens"), "query_start_loc": ("obs.qsl", "rows.query_start_loc")}
+    names = [f for f in _AGREE if (f in scalars and d.has(scalars[f])) or (f in ragged_cols and
+                                                                          d.has(ragged_cols[f][0]))]
+    differ = np.zeros(d.n, bool)
+    for f in names:
+        if f in scalars:
+            differ |= d[scalars[f]] != d[scalars[f]][other]
+        elif f == "seq_lens" and seq_differ is not None:
+            differ[seq_differ] = True
+        else:
+            p = np.flatnonzero(has)
+            differ[p[rows_differ(d, *ragged_cols[f], p, other[p])]] = True
+    bad = np.unique(sets[differ & (size[sets] >= 2)])
+    if bad.size == 0:
+        return []
+    m = np.flatnonzero(np.isin(sets, bad))  # members of the sets that disagree
+    cols: dict[str, list[np.ndarray]] = {}
+    for f in names:
+        if f in scalars:
+            cols[f] = [d[scalars[f]][m].astype(np.int64)]
+        else:
+            offs_key, rows_key = ragged_cols[f]
+            cols[f] = [np.diff(d[offs_key])[m], _row_hashes(d, offs_key, rows_key, m)]
+    sm = sets[m]
+    tup = group_ids([sm] + [c for f in names for c in cols[f]])  # one id per (set, values)
+    count = np.bincount(tup)
+    rank = d["obs.rank"][m].astype(np.int64)
+    # the reference of each set: most members, then the lowest rank, then the earliest
+    order = np.lexsort((m, rank, -count[tup], sm))
+    first = np.ones(m.size, bool)
+    first[1:] = sm[order][1:] != sm[order][:-1]
+    ref = np.empty(int(sm.max()) + 1, np.int64)
+    ref[sm[order][first]] = order[first]  # a position in m
+    odd_all = tup != tup[ref[sm]]
+    # each member's first field that differs from its set's reference (names order), all at once
+    refk = ref[sm]
+    diff = np.stack([np.any([c != c[refk] for c in cols[f]], axis=0) for f in names])  # [fields, members]
+    first_f = np.argmax(diff, axis=0)
+    # members grouped by set once (a stable sort: positions in m stay in order), sliced per finding
+    by_set = np.argsort(sm, kind="stable")
+    sm_sorted = sm[by_set]
+    out: list[Issue] = []
+    for sset in np.unique(sm[odd_all]).tolist():
+        members = by_set[np.searchsorted(sm_sorted, sset, "left"):np.searchsorted(sm_sorted, sset, "right")]
+        r0 = int(ref[sset])
+        odd = [int(k) for k in members[odd_all[members]]]
+        parts, fields = [], {}
+        for k in odd:
+            f = names[int(first_f[k])]
+            fields[int(rank[k])] = f
+            parts.append(f"rank {int(rank[k])} {f} {_agree_value(d, int(m[k]), f)}")
+        k = odd[0]
+        f = fields[int(rank[k])]
+        i0 = int(m[r0])
+        ref_text = f"rank {int(rank[r0])} (obs {int(d.file_obs[i0])})"
+        msg = (f"ranks disagree on what every rank of this batch must share: {'; '.join(parts)}; "
+               f"{_reference_text(ref_text, count[tup[members]], int(count[tup[r0]]))} {f} "
+               f"{_agree_value(d, i0, f)} (ranks {', '.join(str(int(rank[x])) for x in odd)} differ)")
+        out.append(Issue(int(m[k]), "rank-agree", msg, {"detail": {
+            "field": f, "ranks": [int(rank[x]) for x in odd], "fields": {str(r): v for r, v in fields.items()},
+            "obs": [int(d.file_obs[m[x]]) for x in members], "reference_obs": int(d.file_obs[i0])}}))
+    return out
+
+
+def _reference_text(ref: str, sizes: np.ndarray, top: int) -> str:
+    """How a set's reference (`ref`: its rank and observation) is named: with the majority where its values are
+    more than half the set's; the largest group where they are fewer; an even split where another group is
+    as large (then it is the reference only as the lowest rank). `sizes`: per member, how many members share
+    its values; `top`: the reference's count."""
+    if np.count_nonzero(sizes == top) > top:  # (another group of `top` members besides the reference's)
+        return f"the ranks split evenly, so the lowest rank's values are the reference: {ref} has"
+    if 2 * top > sizes.size:
+        return f"{ref} and the majority have"
+    return f"{ref} and the largest group ({top} of {sizes.size} ranks) have"
+
+
+def _row_hashes(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, step: int = 1 << 16) -> np.ndarray:
+    """A 64-bit hash of the rows of each observation in idx (value and position; a 0 hashes like any
+    value), in chunks of about `step` rows so a huge dump is hashed in bounded memory."""
+    offs = d[offs_key]
+    lens = np.diff(offs)[idx]
+    out = np.zeros(idx.size, np.int64)
+    for lo, hi in _obs_chunks(lens, step):
+        cnt = lens[lo:hi]
+        _, j, at = ragged(offs[idx[lo:hi]], cnt)
+        v = d.take(rows_key, at).astype(np.int64) + 1  # (mix hashes 0 as 0: shift so a 0 row counts)
+        out[lo:hi] = seg_sums(mix(v, j, 0), cnt).view(np.int64)
+        if d.bounded:
+            d.release(0, d.n)
+    return out
+
+
+def _agree_value(d: Dump, i: int, field: str) -> str:
+    if field == "seq_lens":
+        return str(d.seq_lens_of(i)[:8].tolist()) + ("..." if d.seq_lens_of(i).size > 8 else "")
+    if field == "query_start_loc":
+        q = d.qsl_of(i)
+        return str(q[:9].tolist()) + ("..." if q.size > 9 else "")
+    key = {"num_reqs": "obs.num_reqs", "num_reqs_padded": "obs.num_reqs_padded",
+           "num_tokens_padded": "obs.num_tokens_padded", "graph": "obs.graph"}[field]
+    return str(int(d[key][i]))
