@@ -8,7 +8,7 @@ def test_table_is_design_s3():
     dcptool.check module its row names; every fault of simulate maps to the rule of the row that lists it."""
     import importlib
 
-    from dcptool.model.simulate import FAULTS
+    from dcptool.model.config import FAULTS
 
     assert RULES == ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
                      "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree",
