@@ -381,19 +381,22 @@ class Phases:
 
 def resolve_backend(name: str, observations: int | None = None) -> tuple[str, str]:
     """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter. With `observations`
-    given, auto keeps a dump smaller than scan.GPU_MIN_OBS on the CPU (where the GPU cannot win). The CPU
-    path is numpy: torch is imported only to ask for a GPU (1.5 s of a CLI run here)."""
-    from dcptool.check.scan import GPU_MIN_OBS
+    given, auto keeps a dump smaller than scan.gpu_min_obs() on the CPU (where the GPU cannot win: a process
+    that has not started CUDA yet also pays its start-up). The CPU path is numpy: torch is imported only to
+    ask for a GPU (1.5 s of a CLI run here)."""
+    from dcptool.check.scan import gpu_min_obs
+
+    least = gpu_min_obs()
 
     if name not in values(Backend):
         raise ValueError(f"unknown backend {name!r} (auto, triton or torch)")
-    if name == "torch" or (name == "auto" and observations is not None and observations < GPU_MIN_OBS):
+    if name == "torch" or (name == "auto" and observations is not None and observations < least):
         return "torch", "cpu"
     import torch
 
     cuda = torch.cuda.is_available()
     if name == "auto":
-        name = "triton" if cuda and (observations is None or observations >= GPU_MIN_OBS) else "torch"
+        name = "triton" if cuda and (observations is None or observations >= least) else "torch"
     if name == "torch":
         return "torch", "cpu"
     return "triton", "cuda" if cuda else "cpu (Triton interpreter)"

@@ -9,6 +9,7 @@ the dump is.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,16 @@ STAGE_THREADS = 4  # host threads filling a pinned staging buffer (one memcpy th
 # transfers, against the CPU's ~140M rows/s. Measured by `python benchmarks/bench_scan.py` on the H200
 # (2026-12-03: the GPU with its start-up wins from 10^6 observations; docs/performance.md).
 GPU_MIN_OBS = 1_000_000
+# The same where this process has not started CUDA yet (a fresh `dcptool replay`): then the GPU path also pays
+# torch's import and CUDA's start-up, ~2.4 s on the H200. Fresh processes there (benchmarks/bench_auto.py,
+# 2026-12-04): torch 2.37 s / triton 4.47 s at 10^6, 5.65 / 6.24 s at 3x10^6; the lines cross near 3.8x10^6.
+GPU_MIN_OBS_COLD = 4_000_000
+
+
+def gpu_min_obs() -> int:
+    """auto's crossover for this process: GPU_MIN_OBS once CUDA is started here, GPU_MIN_OBS_COLD before."""
+    torch = sys.modules.get("torch")
+    return GPU_MIN_OBS if torch is not None and torch.cuda.is_initialized() else GPU_MIN_OBS_COLD
 T = TypeVar("T")
 
 

@@ -154,12 +154,39 @@ def test_auto_picks_the_cpu_below_the_measured_crossover(monkeypatch):
     from dcptool.check.replay import resolve_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # CUDA already started in this process
     assert resolve_backend("auto", scan_mod.GPU_MIN_OBS - 1) == ("torch", "cpu")
     assert resolve_backend("auto", scan_mod.GPU_MIN_OBS) == ("triton", "cuda")
     assert resolve_backend("auto") == ("triton", "cuda")  # size unknown: the GPU, as before
     assert resolve_backend("triton", 10) == ("triton", "cuda")  # asked for by name: always honoured
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_backend("auto", 10**9) == ("torch", "cpu")
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_auto_weighs_cuda_start_up_where_this_process_has_not_paid_it(monkeypatch, started):
+    """A fresh `dcptool replay` pays torch's import and CUDA's start-up on the GPU path (issue 28 item 9):
+    auto moves its crossover up to GPU_MIN_OBS_COLD until CUDA is started in the process."""
+    from dcptool.check.replay import resolve_backend
+
+    assert scan_mod.GPU_MIN_OBS < scan_mod.GPU_MIN_OBS_COLD
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: started)
+    least = scan_mod.GPU_MIN_OBS if started else scan_mod.GPU_MIN_OBS_COLD
+    assert scan_mod.gpu_min_obs() == least
+    assert resolve_backend("auto", least - 1) == ("torch", "cpu")
+    assert resolve_backend("auto", least) == ("triton", "cuda")
+    assert resolve_backend("auto", scan_mod.GPU_MIN_OBS) == (("triton", "cuda") if started else ("torch", "cpu"))
+    assert resolve_backend("triton", 10) == ("triton", "cuda")  # by name: honoured either way
+
+
+def test_a_fresh_process_counts_as_cold():
+    import subprocess
+    import sys
+
+    code = "import dcptool.check.scan as s; import torch; print(s.gpu_min_obs() == s.GPU_MIN_OBS_COLD)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
