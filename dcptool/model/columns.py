@@ -54,18 +54,27 @@ class Columns:
 
     def slots(self, b: Rows, role: str, kind: str, req0: int, marks: list) -> tuple | None:
         """(positions [ntp], slot mappings [N, groups, ntp]) as vLLM's _compute_slot_mappings_kernel writes them
-        on every rank (issue 15), or None where simulate records none (PCP, drafts, the pre-partition batch).
+        on every DCP rank (issue 15), or None where simulate records none (drafts, the global batch of a PCP step).
 
-        Request k of the batch (k + req0 in a micro-batch's parent) owns blocks k * blocks_per_request + j, so
-        slots are distinct as vLLM's allocator makes them. Dummy runs and graph capture write nothing
-        (get_dummy_slot_mappings). Faults append (fault, [N] ranks) to `marks` where replay's `slots` /
-        `slot-partition` can see the change."""
-        if self.P > 1 or role in ("draft", "global"):
+        Request k of the batch (k + req0 in a micro-batch's parent, b.req[k] where rows are a PCP rank's local
+        rows) owns blocks k * blocks_per_request + j, so slots are distinct as vLLM's allocator makes them. Dummy
+        runs and graph capture write nothing (get_dummy_slot_mappings). Faults append (fault, [N] ranks) to `marks`
+        where replay's `slots` / `slot-partition` can see the change.
+
+        Under PCP a rank's batch is its local rows (the PCP partition): their positions, and the slot each token's
+        KV lands at in this process's cache. vLLM 0.29-0.34 compute the global batch's slot mapping with DCP-only
+        ownership (BlockTables(cp_size=dcp_size, cp_rank=dcp_rank), not over pcp_size * dcp_size: the cache is
+        sharded over DCP and every PCP rank keeps a whole replica of its DCP shard), then hand attention its
+        PCP-gathered form (PCPManager._convert_to_gathered_slot_mappings: every PCP rank's local tokens, a
+        replicated request written once, from PCP rank 0's copy, at the same slot). Simulate records each PCP
+        rank's own tokens of it, those replicated tokens with the slot their copy writes."""
+        if role in ("draft", "global"):
             return None
         N, I_, B = self.N, self.I, self.G
         nr, ntp = b.nr, b.ntp
         per_req = -(-self.cfg.max_model_len // B) + 1
-        if (req0 + b.nrp + 1) * per_req * B > INT32_MAX:
+        top = req0 + b.nrp if b.req is None else int(b.req[:nr].max(initial=0)) + 1  # past the highest request
+        if (top + 1) * per_req * B > INT32_MAX:
             return None  # slot ids past int32: an engine this large records no slots here
         q = np.diff(b.qsl[: nr + 1])
         real = int(b.qsl[nr])
@@ -77,7 +86,7 @@ class Columns:
         vo = p % (B * N)
         local = p // (B * N) * B + vo // (I_ * N) * I_ + vo % I_
         owner = (p // I_) % N
-        base = (req + req0) * per_req
+        base = (req + req0 if b.req is None else b.req[req]) * per_req
         sharded = np.where(owner == ranks, (base + local // B) * B + local % B, -1)  # [N, real]
         replicated = np.broadcast_to((base + p // B) * B + p % B, (N, real))
         out = np.full((N, len(KV_GROUPS), ntp), -1, np.int64)

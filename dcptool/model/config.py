@@ -173,9 +173,9 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
                          "batches of 1-token requests have empty shards)",
         "tot-local": None,
         "rank-disagree": None,
+        "slot-wrong-group": None,  # (PCP too: each PCP rank records its local tokens' slots)
+        "slot-all-ranks": None,
     }
-    slots = None if cfg.pcp == 1 else "needs --pcp 1 (simulate records slot mappings without PCP only)"
-    why.update({"slot-wrong-group": slots, "slot-all-ranks": slots})
     if cfg.dcp == 1:  # vLLM passes None everywhere: nothing DCP-specific can go wrong
         why = {f: "needs --dcp > 1" for f in why}
     return why

@@ -15,14 +15,18 @@ class Rows:
     qsl: np.ndarray  # [num_reqs_padded + 1] int64, padded entries repeat the real token count
     nr: int
     ntp: int  # tokens after padding
+    # the global batch row of each real row where rows are not requests (a PCP rank's local rows: a prefill's two
+    # chunks are two rows of one request); None: row k is request k
+    req: np.ndarray | None = None
 
     @property
     def nrp(self) -> int:
         return int(self.seq.size)
 
 
-def make_rows(query_lens: np.ndarray, seq_lens: np.ndarray, nrp: int, ntp: int) -> Rows:
-    """The rows of a batch padded to `nrp` requests (padded seq_lens 0) and at least `ntp` tokens."""
+def make_rows(query_lens: np.ndarray, seq_lens: np.ndarray, nrp: int, ntp: int, req: np.ndarray | None = None) -> Rows:
+    """The rows of a batch padded to `nrp` requests (padded seq_lens 0) and at least `ntp` tokens; `req`: the global
+    batch row of each real row (Rows.req)."""
     nr = int(query_lens.size)
     seq = np.zeros(nrp, np.int64)
     seq[:nr] = seq_lens
@@ -30,7 +34,7 @@ def make_rows(query_lens: np.ndarray, seq_lens: np.ndarray, nrp: int, ntp: int) 
     qsl[0] = 0
     np.cumsum(query_lens, out=qsl[1 : nr + 1])
     qsl[nr + 1 :] = qsl[nr]
-    return Rows(seq, qsl, nr, max(ntp, int(qsl[nr])))
+    return Rows(seq, qsl, nr, max(ntp, int(qsl[nr])), req)
 
 
 def dummy_rows(num_reqs: int, num_tokens: int, context: int, max_model_len: int) -> Rows:

@@ -238,9 +238,10 @@ class Runner:
                  for p in range(self.P)]
         for u in range(cfg.ubatches):
             for p in range(self.P):
-                ub = per_p[p][u]
+                ub, req = per_p[p][u], rows_of[p].req
                 rows = Rows(ub.seq_lens.astype(np.int64), ub.query_start_loc.astype(np.int64), ub.num_reqs,
-                            ub.slice.tok_stop - ub.slice.tok_start)
+                            ub.slice.tok_stop - ub.slice.tok_start,
+                            None if req is None else req[ub.slice.req_start : ub.slice.req_stop])
                 self.emit(p, rows, step=step, site="ubatch", role="ubatch", graph=ub_graph, slot=UBATCH + u,
                           ubatch=u, parents=top[p][0], sl=ub.slice, parent_views=top[p][1], kind=kind)
 
@@ -302,7 +303,7 @@ class Runner:
         local = []
         for p in range(P):
             lb = pcp_partition(q, comp, isp, P, p, self.N)
-            local.append(make_rows(lb.query_lens, lb.seq_lens, desc.num_reqs or lb.num_reqs, ntp))
+            local.append(make_rows(lb.query_lens, lb.seq_lens, desc.num_reqs or lb.num_reqs, ntp, lb.req))
         self.run_batch(step, [gi for gi, _ in glob], local, desc, "pcp_partition", "final", "step", PCP_BUF,
                        global_views_of=[gv for _, gv in glob], uniform=uniform)
         return desc

@@ -20,9 +20,7 @@ class Sink:
         version = cfg.engine_version or f"vLLM model runner V2 model ({cfg.pipeline} pipeline)"
         kw = dict(dcp_size=N, cp_interleave=cfg.interleave, sites=SITES, pcp_size=P, page_size=cfg.page_size,
                   engine="dcptool simulate", engine_version=version, note=cfg.command(),
-                  # (slot mappings are recorded without PCP only: columns.Columns.slots)
-                  kv_groups=[{"name": n, "dcp": dcp, "block_size": cfg.page_size} for n, dcp in KV_GROUPS]
-                  if P == 1 else None)
+                  kv_groups=[{"name": n, "dcp": dcp, "block_size": cfg.page_size} for n, dcp in KV_GROUPS])
         if per_rank:
             names = [f".pcp{p}.rank{r}" if P > 1 else f".rank{r}" for p in range(P) for r in range(N)]
             self.paths = [out.with_name(f"{out.stem}{n}{out.suffix or '.safetensors'}") for n in names]

@@ -425,3 +425,35 @@ def test_slot_rules_make_one_pass_for_both(tmp_path, monkeypatch):
         for _ in range(3):
             a, b = pool.submit(R.check_slot_rules, d), pool.submit(R.check_slot_rules, d)
             assert a.result() == b.result() == want
+
+
+# --------------------------------------------------------------------------------------------
+# issue 26 item 4: the slot rules on PCP dumps. simulate records each PCP rank's local tokens with the slot each
+# writes, owned over the DCP ranks only as vLLM 0.29-0.34 own them (tests/vllm/test_vllm_pcp_slots.py checks that
+# against vLLM's PCP manager); the rules need no PCP rank: a PCP rank's builds are sets of N DCP ranks like any other.
+
+
+@pytest.mark.parametrize("fault", [None, "slot-wrong-group", "slot-all-ranks"])
+def test_slot_rules_on_pcp_simulate_dumps(tmp_path, fault):
+    from dcptool.check.replay import replay
+    from dcptool.check.slots import check_slot_rules
+    from dcptool.model.config import FAULTS
+    from dcptool.model.simulate import SimConfig, simulate
+
+    cfg = SimConfig(dcp=4, interleave=2, pcp=2, steps=6, dummy_every=3, max_num_reqs=16, token_budget=1024,
+                    inject=() if fault is None else (fault,))
+    res = simulate(cfg, tmp_path / "pcp.safetensors")
+    d = open_dumps(res.files)
+    offs = d["obs.slots"]
+    assert d.config.pcp_size == 2 and (d["rows.slot_mapping"] >= 0).any()
+    assert {d.site_name(i) for i in np.flatnonzero(np.diff(offs) > 0)} >= {"pcp_partition", "ubatch"}
+    found = dict(zip(("slots", "slot-partition"), check_slot_rules(d)))
+    rr = replay(d, "torch")
+    assert not {"slots", "slot-partition"} & set(rr.skipped)
+    if fault is None:
+        assert found == {"slots": [], "slot-partition": []} and rr.findings == []
+        return
+    rule = FAULTS[fault][0]
+    touched = set(res.faults[fault].touched[res.files[0]])
+    assert touched and {i.index for i in found[rule]} == touched  # exactly where the fault touched
+    assert {f.obs for f in rr.findings if f.rule == rule} == touched

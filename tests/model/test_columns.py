@@ -1,13 +1,16 @@
-"""columns.py (issue 15): the decode path's dcp_query_start_loc and global companion, the slot mappings, and the
-faults injected on them, each found exactly where it touched."""
+"""columns.py (issue 15): the decode path's dcp_query_start_loc and global companion, the slot mappings (under PCP
+too: issue 26), and the faults injected on them, each found exactly where it touched."""
 
 import numpy as np
 import pytest
 from simulate_cases import EXERCISE, MATRIX, SMALL, config_of, run, verify
 
 from dcptool.check.replay import replay
+from dcptool.dcp.slicing import pcp_partition
 from dcptool.dump import open_dumps
-from dcptool.model.config import OPT_IN
+from dcptool.model.columns import Columns
+from dcptool.model.config import OPT_IN, applicability
+from dcptool.model.rows import make_rows
 from dcptool.model.simulate import FAULTS, SimConfig, simulate
 
 
@@ -66,3 +69,55 @@ def test_slot_faults_per_rank_files_like_one_file(tmp_path):
         assert {"slots", "slot-partition"} <= set(rr.by_rule())
     fixed = run(SimConfig(dcp=4, interleave=2, pcp=1, **SMALL), tmp_path, "fixed.safetensors")[2]
     assert fixed.findings == [] and "slots" not in fixed.skipped
+
+
+def test_pcp_local_rows_write_their_requests_slots_owned_over_dcp_only():
+    """Issue 26 item 4: under PCP a rank's batch is its local rows. A prefill's two chunks (chunks p and 2P-1-p) are two
+    rows of one request: they write into that request's blocks, at the positions the chunks cover; a decode every PCP
+    rank holds writes the same slot on each. Ownership is over the DCP ranks only (vLLM's BlockTables(cp_size=
+    dcp_size)), never pcp_size * dcp_size: across the DCP ranks of one PCP rank each token is written exactly once."""
+    P, N, B = 2, 2, 16
+    cfg = SimConfig(dcp=N, pcp=P, page_size=B, max_model_len=1024)
+    cols = Columns(cfg, frozenset())
+    per_req = -(-cfg.max_model_len // B) + 1
+    q, comp = np.array([1, 40]), np.array([299, 0])  # a decode, a 40-token prefill from position 0
+    got = []
+    for p in range(P):
+        lb = pcp_partition(q, comp, q > 1, P, p, N)
+        rows = make_rows(lb.query_lens, lb.seq_lens, lb.num_reqs + 1, 24, lb.req)  # a padded row, padded tokens
+        pos, out = cols.slots(rows, "final", "step", 0, [])
+        real = lb.num_tokens
+        req = np.repeat(lb.req, lb.query_lens)
+        # the decode, then chunk p (10 tokens from 10p) and chunk 3-p (from 30-10p) of request 1
+        assert pos[:real].tolist() == [299] + list(range(10 * p, 10 * p + 10)) + list(range(30 - 10 * p, 40 - 10 * p))
+        assert (pos[real:] == 0).all() and (out[:, :, real:] == -1).all()
+        owner = pos[:real] // cfg.interleave % N
+        assert ((out[:, 0, :real] >= 0) == (owner == np.arange(N)[:, None])).all()  # sharded: the DCP owner only
+        assert (out[:, 1, :real] >= 0).all()  # replicated: every DCP rank
+        assert ((out[:, 1, :real] // B) // per_req == req).all()  # each token in its own request's blocks
+        got.append({(int(r), int(x)): out[:, :, k] for k, (r, x) in enumerate(zip(req, pos[:real]))})
+    assert np.array_equal(got[0][(0, 299)], got[1][(0, 299)])  # the decode: one slot, whichever PCP rank holds it
+    assert not (set(got[0]) - {(0, 299)}) & set(got[1])  # the prefill's tokens: each on one PCP rank
+
+
+def test_slot_faults_under_pcp_found_exactly_and_fixed_pcp_replays_clean(tmp_path):
+    """simulate --pcp 2 records slot columns on every PCP rank's local builds (and its micro-batches); the fixed
+    pipeline replays clean with `slots` and `slot-partition` run, not skipped; each slot fault injected under PCP is
+    found exactly where it touched, in one file and in per-rank files."""
+    base = dict(dcp=4, interleave=2, pcp=2, spec_tokens=2, ubatches=2, **SMALL)
+    res, d, rr = run(SimConfig(**base), tmp_path, "fixed.safetensors")
+    assert rr.findings == [] and not {"slots", "slot-partition"} & set(rr.skipped)
+    assert d.config.kv_groups is not None and d.config.pcp_size == 2
+    offs, sm = d["obs.slots"], d["rows.slot_mapping"]
+    recorded = np.flatnonzero(np.diff(offs) > 0)
+    assert "prepare_inputs" not in {d.site_name(i) for i in recorded}  # the local batches, not the global one
+    wrote = {d.site_name(i) for i in recorded if (sm[offs[i] : offs[i + 1]] >= 0).any()}
+    assert wrote == {"pcp_partition", "ubatch"}  # (dummy runs and capture write nothing)
+    for fault in ("slot-wrong-group", "slot-all-ranks"):
+        assert applicability(SimConfig(**base))[fault] is None
+        for per_rank in (False, True):
+            cfg = SimConfig(**base, inject=(fault,))
+            r, dd, found = run(cfg, tmp_path, f"{fault}{per_rank}.safetensors", per_rank=per_rank)
+            assert r.faults[fault].count > 0
+            verify(r, dd, found)
+            assert FAULTS[fault][0] in found.by_rule()

@@ -110,7 +110,7 @@ def test_samples_are_small_replayable_and_regenerate_byte_identical(tmp_path):
     for cmd in cmds:
         out = Path(cmd[cmd.index("-o") + 1])
         sample = ROOT / out
-        assert sample.stat().st_size < 1_000_000
+        assert sample.stat().st_size < 3_000_000  # (1 MB before PCP dumps carried slot columns: issue 26)
         cmd = [str(tmp_path / out.name) if c == str(out) else c for c in cmd]
         p = cli(*cmd, cwd=ROOT)
         assert p.returncode == 0, p.stderr
