@@ -288,3 +288,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if FUZZ_CASES:
         detail = ", ".join(f"{k} {v}" for k, v in sorted(FUZZ_CASES.items()))
         terminalreporter.write_line(f"fuzz: {sum(FUZZ_CASES.values())} cases ({detail})")
+
+
+# The Recorder's host ring (tests/engine) runs the snapshot kernel in Triton's interpreter on host memory: not where
+# a GPU compiles it (there the CUDA tests cover the same ground with real launches).
+hostring = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                              reason="interpreter-only (CPU); the CUDA tests cover this on a GPU")
