@@ -7,18 +7,7 @@ import warnings
 import numpy as np
 
 from dcptool.dump import INT32_MAX
-from dcptool.engine.launch import _arm
-from dcptool.engine.ring import (
-    _ABSENT,
-    FENCE_EVERY,
-    SECTIONS,
-    _host_rules,
-    _Landed,
-    _Slot,
-    _SnapshotRing,
-    _tables,
-)
-from dcptool.engine.values import (
+from dcptool.engine.arguments import (
     _I64,
     _I64_MIN,
     _NEW,
@@ -31,6 +20,17 @@ from dcptool.engine.values import (
     _narrowed,
     _NoTensor,
     tensor_type,
+)
+from dcptool.engine.launch import _arm
+from dcptool.engine.ring import (
+    _ABSENT,
+    FENCE_EVERY,
+    SECTIONS,
+    _host_rules,
+    _Landed,
+    _Slot,
+    _SnapshotRing,
+    _tables,
 )
 from dcptool.engine.writer import Writer
 

@@ -9,10 +9,7 @@ from pathlib import Path
 
 from dcptool.dump import DumpConfig, check_config
 from dcptool.dump.schema import KVGroup
-from dcptool.engine.device import DevicePath
-from dcptool.engine.device import _find_torch as _device_torch
-from dcptool.engine.ring import DEFAULT_RING_BYTES
-from dcptool.engine.values import (
+from dcptool.engine.arguments import (
     _NEW,
     _NO_SLOTS,
     Fields,
@@ -31,6 +28,9 @@ from dcptool.engine.values import (
     buffer_id,
     tensor_type,
 )
+from dcptool.engine.device import DevicePath
+from dcptool.engine.device import _find_torch as _device_torch
+from dcptool.engine.ring import DEFAULT_RING_BYTES
 from dcptool.engine.writer import Writer
 
 _TENSOR: type = _NoTensor  # torch.Tensor once torch is imported (the engine package does not import it)
@@ -276,7 +276,7 @@ class Recorder:
                     for i in range(k)]
 
     def _slots(self, positions, slot_mapping) -> tuple:
-        """values._host_slots for this recording's KV-cache groups; notes the highest group recorded."""
+        """arguments._host_slots for this recording's KV-cache groups; notes the highest group recorded."""
         if positions is None and slot_mapping is None:
             return _NO_SLOTS
         kvg = self._writer.config.kv_groups

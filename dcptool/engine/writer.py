@@ -13,8 +13,8 @@ import warnings
 from pathlib import Path
 
 from dcptool.dump import FIELDS, ROW_FIELDS, DumpConfig, DumpError, OutputExistsError, WriteError, columns, write_dump
+from dcptool.engine.arguments import Fields
 from dcptool.engine.ring import FENCE_EVERY, _Slot
-from dcptool.engine.values import Fields
 
 
 class Writer:

@@ -8,6 +8,7 @@ from conftest import hostring
 
 from dcptool.dump import read_dump
 from dcptool.engine import device
+from dcptool.engine.arguments import _scalars
 from dcptool.engine.record import Recorder
 from dcptool.engine.ring import (
     ANY,
@@ -22,7 +23,6 @@ from dcptool.engine.ring import (
     _slot_rows,
     _SnapshotRing,
 )
-from dcptool.engine.values import _scalars
 
 
 @hostring

@@ -1,4 +1,4 @@
-"""observe()'s arguments on the host (values.py): integers are integers, anything else is dropped, never coerced;
+"""observe()'s arguments on the host (arguments.py): integers are integers, anything else is dropped, never coerced;
 site names are text without control characters."""
 
 import unicodedata
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dcptool.dump import read_dump
+from dcptool.engine.arguments import _CONTROL, _check_vals, _scalars
 from dcptool.engine.record import Recorder
-from dcptool.engine.values import _CONTROL, _check_vals, _scalars
 
 
 @pytest.mark.parametrize("bad", [dict(step=1.9), dict(rank="1"), dict(rank=1.0), dict(num_reqs=np.float64(1.0)),
