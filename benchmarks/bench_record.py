@@ -162,12 +162,13 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
     warm = Recorder(tmp / "floor.safetensors", dcp_size=2)
     warm.observe(step=0, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
                  dcp_local_seq_lens=dcp, query_start_loc=qsl)
-    ring = warm._ring
+    ring = warm._device.ring
     if ring is not None and ring.go3 is not None:
         go3 = ring.go3
         scratch = torch.empty(4096, dtype=torch.int32, pin_memory=True)
         raw = torch._C._cuda_getCurrentRawStream(dev.index or 0)
-        args = (scratch.data_ptr(), 1, 250, 256, warm._ksec, (warm._fast_words + 769) & ~7, seq.data_ptr(), 256,
+        args = (scratch.data_ptr(), 1, 250, 256, warm._device._ksec, (warm._device._fast_words + 769) & ~7,
+                seq.data_ptr(), 256,
                 dcp.data_ptr(), 256, qsl.data_ptr(), 257)
         alone = []
         for _ in range(reps):
@@ -201,7 +202,7 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
             rec.observe(step=i, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
                         dcp_local_seq_lens=dcp, query_start_loc=qsl)
         us = (time.perf_counter() - t0) / n * 1e6
-        ring = rec._ring
+        ring = rec._device.ring
         how = "" if ring is None else f" (launch: {ring.how3} for the fast path, {ring.how} for the general one)"
         print(f"CPU per observe on an idle GPU, {mode}{how}: {us:.1f} µs (harvests included, close() excluded)")
         if profile and mode == "async":  # where the CPU time goes (--profile)
@@ -216,26 +217,27 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
             pr.disable()
             pstats.Stats(pr).sort_stats("tottime").print_stats(14)
         if ring is not None:  # the launch alone, each way (a slot at the start of the ring, rewritten)
-            from dcptool.engine import record as R
             from dcptool.engine import snapshot as K
+            from dcptool.engine.launch import _compiled_launch, _direct_launch
+            from dcptool.engine.ring import _head_struct
 
             with rec._lock:
-                rec._harvest(wait=True)  # nothing in flight: slot 0 is free to overwrite
+                rec._device.harvest(wait=True)  # nothing in flight: slot 0 is free to overwrite
             ent = [seq.data_ptr(), 256, 2, dcp.data_ptr(), 256, 0, qsl.data_ptr(), 257, 0, 0, -1, 0]
-            R._head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
+            _head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
             torch.cuda.synchronize()
             raw = torch.cuda.current_stream().cuda_stream
             ck = K.snapshot_dispatch(raw, ring.base)  # (the compiled kernel)
             # the fast path's kernel (snapshot_args_kernel, the header as arguments)
-            args = (ring.base, 1, 250, 256, rec._ksec, (rec._fast_words + 769) & ~7, seq.data_ptr(), 256,
-                    dcp.data_ptr(), 256, qsl.data_ptr(), 257)
+            args = (ring.base, 1, 250, 256, rec._device._ksec, (rec._device._fast_words + 769) & ~7, seq.data_ptr(),
+                    256, dcp.data_ptr(), 256, qsl.data_ptr(), 257)
             ck3 = K.snapshot_args_dispatch(raw, *args)
             for kname, c, a, dispatch, var in (("descriptor kernel (1 argument)", ck, (ring.base,),
                                                 K.snapshot_dispatch, False),
                                                ("fast path's kernel (12 arguments)", ck3, args,
                                                 K.snapshot_args_dispatch, True)):
-                for name, go in (("the launcher's C entry", R._direct_launch(c, variadic=var)),
-                                 ("Triton's compiled launcher", R._compiled_launch(c, variadic=var)),
+                for name, go in (("the launcher's C entry", _direct_launch(c, variadic=var)),
+                                 ("Triton's compiled launcher", _compiled_launch(c, variadic=var)),
                                  ("Triton's dispatch", dispatch)):
                     if go is None:
                         continue
@@ -251,7 +253,7 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
                                 ("fast path, header as arguments", ring.go3, args)):
                 if go is None:
                     continue
-                R._head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
+                _head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda._sleep(200_000_000)  # (the launches queue behind it: their GPU time alone is timed)
                 start.record()
@@ -276,17 +278,22 @@ BEFORE = "d07e667"  # the Recorder before observe()'s fast path (issue 13 item 4
 
 
 def _recorder_before(rev: str):
-    """The Recorder class of git revision rev (record.py only; the rest is today's), or None."""
+    """The Recorder class of git revision rev (its record.py only, dcptool/engine/ or before the packages
+    dcptool/; the rest is today's), or None."""
     import importlib.util
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
     try:
-        src = subprocess.run(["git", "show", f"{rev}:dcptool/record.py"], cwd=root, capture_output=True, text=True,
-                             check=True).stdout
+        for where in ("dcptool/engine/record.py", "dcptool/record.py"):
+            got = subprocess.run(["git", "show", f"{rev}:{where}"], cwd=root, capture_output=True, text=True)
+            if got.returncode == 0:
+                break
+        got.check_returncode()
+        src = got.stdout
         spec = importlib.util.spec_from_loader("dcptool._record_before", loader=None)
         mod = importlib.util.module_from_spec(spec)
-        exec(compile(src, f"{rev}:dcptool/record.py", "exec"), mod.__dict__)
+        exec(compile(src, f"{rev}:{where}", "exec"), mod.__dict__)
         return mod.Recorder
     except Exception as e:  # (no git, or a revision whose record.py no longer runs against today's modules)
         print(f"(the Recorder of {rev} is not available: {e})")
@@ -311,7 +318,8 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
 
     def setup(kind: str, path: Path):
         rec = kinds[kind](path, dcp_size=2)
-        ring = rec._use_host_ring(1 << 20)
+        part = getattr(rec, "_device", None)  # (None: a Recorder of one class, before the device path was its own)
+        ring = rec._use_host_ring(1 << 20) if part is None else part.use_host_ring(1 << 20)
         a, base = ring.np, ring.base
         if hasattr(ring, "go"):  # the stand-in launch: the slot is done (its header's seqno in `done`)
             def go(raw, at):
@@ -320,7 +328,7 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
             ring.go = go
             if getattr(ring, "go3", None) is None:
                 return rec, lambda: go(0, base + 64)
-            ksec = rec._ksec
+            ksec = (rec if part is None else part)._ksec
 
             def go3(raw, at, seqno, nr, nrp, ksec, words, sp, sn, dp, dn, qp, qn):
                 # the fast path's stand-in: what the harvest reads of the header the kernel writes

@@ -158,20 +158,28 @@ HOSTILE = ("[/bold][link=https://example.invalid]L[/link][red]R[/] \x1b[2J\x1b]8
 
 
 def hostile_dump(path, pages=True, none_step=1):
-    """A dump made by the Recorder whose site, engine, engine_version and note hold markup and escapes: two
-    ranks, a None view at none_step, and (pages) a wrong page count."""
+    """A dump whose site, engine, engine_version and note hold markup and escapes: two ranks, a None view at
+    none_step, and (pages) a wrong page count. Written through dump.columns as the Recorder writes, but by the
+    dump's other writer: the Recorder drops an observation whose site holds a control character (Hardening 6b),
+    and a file may still hold one."""
     from dcptool import Recorder
+    from dcptool.dump import read_dump
 
-    with Recorder(path, dcp_size=2, sites=(HOSTILE,), engine=HOSTILE, engine_version=HOSTILE, note=HOSTILE,
-                  page_size=16 if pages else None) as rec:
-        for step in range(3):
-            for rank in (0, 1):
-                view = None if step == none_step else np.array([9, 13] if rank == 0 else [8, 12], np.int32)
-                i = rec.observe(step=step, site=HOSTILE, rank=rank, seq_lens=np.array([17, 25], np.int32),
-                                num_reqs=2, num_reqs_padded=2, dcp_local_seq_lens=view,
-                                kv_pages=np.array([9, 1], np.int32) if pages else None)
-                assert i >= 0  # the Recorder accepts such names (it used to drop the observation)
-    assert rec.dropped == 0
+    config = DumpConfig(dcp_size=2, sites=(HOSTILE,), engine=HOSTILE, engine_version=HOSTILE, note=HOSTILE,
+                        page_size=16 if pages else None)
+    rec = Recorder(path, dcp_size=2, sites=(HOSTILE,), engine=HOSTILE, engine_version=HOSTILE, note=HOSTILE)
+    with pytest.warns(RuntimeWarning, match="holds a control character"):
+        assert rec.observe(step=0, site=HOSTILE, rank=0, seq_lens=[17, 25], num_reqs=2, num_reqs_padded=2) == -1
+    rec.discard()
+    observations = []
+    for step in range(3):
+        for rank in (0, 1):
+            view = None if step == none_step else np.array([9, 13] if rank == 0 else [8, 12], np.int32)
+            observations.append(Observation(step=step, site=HOSTILE, rank=rank, num_reqs=2, num_reqs_padded=2,
+                                            seq_lens=np.array([17, 25], np.int32), dcp_local_seq_lens=view,
+                                            kv_pages=np.array([9, 1], np.int32) if pages else None))
+    write_observations(path, observations, config)
+    assert read_dump(path).config.sites == (HOSTILE,) and rec.dropped == 1
     return str(path)
 
 
@@ -288,3 +296,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if FUZZ_CASES:
         detail = ", ".join(f"{k} {v}" for k, v in sorted(FUZZ_CASES.items()))
         terminalreporter.write_line(f"fuzz: {sum(FUZZ_CASES.values())} cases ({detail})")
+
+
+# The Recorder's host ring (tests/engine) runs the snapshot kernel in Triton's interpreter on host memory: not where
+# a GPU compiles it (there the CUDA tests cover the same ground with real launches).
+hostring = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                              reason="interpreter-only (CPU); the CUDA tests cover this on a GPU")

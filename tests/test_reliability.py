@@ -102,11 +102,11 @@ def main(path, rollover, kill_at, stage, force, sleep):
         dump.os.replace = replace
     arm = [10**9]
     r = Recorder(path, 2, sites=("attn_metadata", "ubatch", "dummy"), rollover=rollover or None, force=force)
-    real_write = r._write_current
+    real_write = r._writer._write_current
     def counted():
         real_write()
         writes[0] += 1
-    r._write_current = counted
+    r._writer._write_current = counted
     i = 0
     while True:
         if i == kill_at:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dcptool.dcp.backend import interpreted, load
 
 # --------------------------------------------------------------------------------------------
-# The Recorder's device snapshot (dcptool.engine.record): one launch copies an observation's device tensors
+# The Recorder's device snapshot (dcptool.engine.device): one launch copies an observation's device tensors
 
-SNAP_FIXED = 8  # int32 words of a ring slot's fixed header (layout: dcptool.engine.record, "Ring slots")
+SNAP_FIXED = 8  # int32 words of a ring slot's fixed header (layout: dcptool.engine.ring, "Ring slots")
 SNAP_ENTRY = 4  # int32 words per section entry in the header (address: 2, count, mode)
 SNAP_HEAD_READ = 64  # int32 words the kernel reads at once: the fixed header and up to 14 section entries
 SNAP_MAX_SECTIONS = (SNAP_HEAD_READ - SNAP_FIXED) // SNAP_ENTRY
@@ -32,7 +32,7 @@ def snapshot_kernel():
 
 def snapshot_dispatch(raw_stream: int, slot: int):
     """One snapshot launch through Triton's dispatch (on the current stream: raw_stream is that stream);
-    returns the compiled kernel, whose launcher record.py then calls directly."""
+    returns the compiled kernel, whose launcher launch.py then calls directly."""
     return load(_TL).snapshot_kernel[(1,)](slot, num_warps=SNAP_WARPS)
 
 

@@ -41,7 +41,7 @@ def _lane(head, lane, k):
 
 @triton.jit(do_not_specialize=["slot"])
 def snapshot_kernel(slot):
-    # The slot's header describes the copy (layout: dcptool.engine.record): one vector read of it (the ring is
+    # The slot's header describes the copy (layout: dcptool.engine.ring): one vector read of it (the ring is
     # host memory: one PCIe round trip, not one per field), then each section's rows back to back after
     # the header, then flags and `done` (= seqno) last.
     p32 = slot.to(tl.pointer_type(tl.int32))

@@ -1,0 +1,235 @@
+"""observe()'s arguments on the host: private int32 copies, Python ints, and the checks of what a dump cannot hold."""
+
+from __future__ import annotations
+
+import operator
+import re
+import sys
+from typing import NamedTuple
+
+import numpy as np
+
+from dcptool.dump import FIELDS, INT32_MAX, slot_entries
+from dcptool.dump.schema import GraphMode, _text_ok
+
+_I64 = 2**63 - 1
+_I64_MIN = -(2**63)
+# One observation's scalars, in dump.FIELDS order (step, rank, ubatch, num_reqs, num_reqs_padded, then the optional
+# fields parent ... graph): Python ints, None where unknown.
+Fields = NamedTuple("Fields", [(f, "int | None") for f in FIELDS])
+_NEW = tuple.__new__  # Fields without its Python-level __new__ on the per-observation path (0.3 us -> 0.1 us)
+_NO_SLOTS = (None, None, None)  # observe() without slot entries
+# Unicode category Cc exactly (C0 controls, DEL, C1 controls): a site name is shown in warnings, logs and reports,
+# where a newline or an escape sequence would forge a line or drive the terminal
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+_SITES_KEPT = 1024  # site names remembered as checked (the fast path takes only those)
+
+
+def _int32(a: np.ndarray) -> np.ndarray:
+    """A private int32 copy; values int32 cannot hold raise (the observation is dropped), never wrap."""
+    if a.dtype == np.int32:
+        return a.copy()
+    if a.dtype.kind not in "iub":
+        raise ValueError(f"integer values expected, got dtype {a.dtype}")
+    b = a.astype(np.int32)
+    if a.dtype.itemsize >= 4 and not np.array_equal(b, a):  # one pass; only wider types can wrap
+        raise ValueError(f"values must fit int32, got [{int(a.min())}, {int(a.max())}]")
+    return b
+
+
+def _host(x) -> np.ndarray | None:
+    """A private host copy of a tensor / array / list (never a view of engine memory)."""
+    if x is None:
+        return None
+    if hasattr(x, "detach"):  # torch.Tensor, on any device: .cpu() syncs on that device's stream
+        x = x.detach().to("cpu").numpy()
+    a = np.asarray(x)
+    return _int32(a if a.ndim == 1 else a.reshape(-1))
+
+
+def _host_fast(x) -> np.ndarray | None:
+    """_host for the common case (None or a numpy array), without the attribute probing."""
+    if x is None:
+        return None
+    if type(x) is np.ndarray and x.ndim == 1:
+        return _int32(x)
+    return _host(x)
+
+
+def _per_rank(x, k: int) -> np.ndarray | None:
+    """observe_many's per-rank rows (kv_pages, issue 15's): one shared row (a read-only view of the private
+    copy for every rank) or [ranks, rows]."""
+    if x is None:
+        return None
+    flat = _host(x)
+    one = (x.ndim if hasattr(x, "ndim") else np.ndim(x)) == 1
+    return np.broadcast_to(flat, (k, flat.size)) if one else flat.reshape(k, -1)
+
+
+def _nonneg(a: np.ndarray | None, name: str) -> np.ndarray | None:
+    if a is not None and a.size and a.min() < 0:
+        raise ValueError(f"negative {name}")
+    return a
+
+
+def _int(v, name: str) -> int:
+    """An integer scalar as a Python int. 1.9, "7", 2.0, True and float arrays raise (the observation is
+    dropped and counted): a wrong type is a bug in the caller, and coercing it would record a made-up value.
+    numpy integer scalars and 0-d integer host tensors are integers."""
+    if type(v) is int:
+        return v
+    if isinstance(v, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an integer, got the bool {v!r}")
+    if hasattr(v, "detach") and (v.ndim or v.is_cuda or not _torch_int(v.dtype)):
+        raise ValueError(f"{name} must be an integer, got a tensor ({v.dtype}, {tuple(v.shape)}, {v.device})")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {type(v).__name__} {v!r}") from None
+
+
+def _opt(v, name: str) -> int | None:
+    return None if v is None else _int(v, name)
+
+
+def _torch_int(dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex) and str(dtype) != "torch.bool"
+
+
+class _NoTensor:
+    pass
+
+
+def tensor_type() -> type:
+    """torch.Tensor once torch is imported, else _NoTensor (the engine package does not import torch itself)."""
+    torch = sys.modules.get("torch")
+    return _NoTensor if torch is None else torch.Tensor
+
+
+class _Torch:
+    """torch, looked up on first use (the engine package does not import it: a CPU-only engine may not have it)."""
+
+    def __getattr__(self, name):
+        import torch
+
+        for k in ("int32", "int64", "cuda", "_C"):
+            setattr(self, k, getattr(torch, k))
+        return getattr(torch, name)
+
+
+_T = _Torch()
+
+
+def _narrowed(x):
+    """A device tensor as a contiguous 1-D int32/int64 one (a copy on the stream when it is not): (tensor, wide)."""
+    x = x.reshape(-1)
+    dt = x.dtype
+    if dt is _T.int64:
+        wide = 1
+    elif dt is _T.int32:
+        wide = 0
+    elif not _torch_int(dt):
+        raise ValueError(f"integer values expected, got dtype {dt}")
+    else:
+        x, wide = x.to(_T.int32), 0  # a narrower integer type: no value can be lost
+    return (x if x.is_contiguous() else x.contiguous()), wide
+
+
+def buffer_id(t) -> int:
+    """Identity of the storage a tensor view aliases (0 when unknown): its storage's base address. (Measured
+    on CPU tensors: 82 ns, against 148 ns for `data_ptr() - storage_offset() * element_size()`.)"""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:
+        return 0
+
+
+# ---- the checks: what the dump format cannot hold (DESIGN §2) raises here, so a write never fails on it ----------
+
+
+def _scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start, tok_stop,
+             num_tokens_padded, buffer, graph) -> Fields:
+    """dump.FIELDS as Python ints (checked: never coerced); parent None when unknown."""
+    if (type(step) is int and type(rank) is int and type(ubatch) is int and type(num_reqs) is int
+            and type(num_reqs_padded) is int and (parent is None or type(parent) is int)
+            and (req_start is None or type(req_start) is int) and (tok_start is None or type(tok_start) is int)
+            and (tok_stop is None or type(tok_stop) is int)
+            and (num_tokens_padded is None or type(num_tokens_padded) is int)
+            and (buffer is None or type(buffer) is int) and (graph is None or type(graph) is int)):
+        # what engines pass: no conversion needed
+        return _NEW(Fields, (step, rank, ubatch, num_reqs, num_reqs_padded,
+                             None if parent is None or parent < 0 else parent, req_start, tok_start, tok_stop,
+                             num_tokens_padded, buffer, graph))
+    p = _opt(parent, "parent")
+    g = int(GraphMode.parse(graph)) if isinstance(graph, str) else _opt(graph, "graph")
+    return Fields(_int(step, "step"), _int(rank, "rank"), _int(ubatch, "ubatch"), _int(num_reqs, "num_reqs"),
+                  _int(num_reqs_padded, "num_reqs_padded"), None if p is None or p < 0 else p,
+                  _opt(req_start, "req_start"), _opt(tok_start, "tok_start"), _opt(tok_stop, "tok_stop"),
+                  _opt(num_tokens_padded, "num_tokens_padded"), _opt(buffer, "buffer"), g)
+
+
+def _check_shared(vals: Fields, site, site_ok: set, kv_rows: int | None, rows: int, page_size: int | None) -> None:
+    """The values one batch's observations share (the rest: _check_own)."""
+    _check_vals(vals, site, site_ok)
+    if kv_rows is not None and (page_size is None or kv_rows != rows):
+        raise ValueError(f"kv_pages needs page_size in the config and one value per seq_lens row ({rows})")
+
+
+def _check_vals(vals: Fields, site, site_ok: set) -> None:
+    """The scalars and the site of _check_shared; a site name that passes joins site_ok (the names checked)."""
+    step, _, ubatch, _, nrp, _, rs, ts, te, ntp, _, graph = vals  # Fields, in order (one unpack: the hot path)
+    # any name a reader accepts (reports show markup literally) but lone surrogates and control characters
+    if type(site) is not str or site not in site_ok:
+        if type(site) is not str or not _text_ok(site):
+            raise ValueError(f"site must be a string of valid Unicode, got {site!r}")
+        if _CONTROL.search(site):
+            raise ValueError(f"site {site!r} holds a control character: a site name is text without control "
+                             "characters (Unicode category Cc: no newline, tab or escape)")
+        if len(site_ok) < _SITES_KEPT:
+            site_ok.add(site)
+    if not (-_I64 - 1 <= step <= _I64 and -1 <= ubatch <= INT32_MAX and nrp <= INT32_MAX):
+        raise ValueError(f"step {step}, ubatch {ubatch} or num_reqs_padded {nrp} out of range")
+    if rs is not None or ts is not None or te is not None or ntp is not None:
+        for v in (rs, ts, te, ntp):
+            if v is not None and not -1 <= v <= INT32_MAX:
+                raise ValueError(f"req_start/tok_start/tok_stop/num_tokens_padded {v} out of range")
+    if graph is not None and not 0 <= graph <= 3:
+        raise ValueError(f"graph {graph} is not 0..3")
+
+
+def _check_own(rank: int, parent: int | None, buffer: int | None, index: int, dcp_size: int) -> None:
+    """... and the values of one rank's observation (index: the one it will get)."""
+    if not 0 <= rank < dcp_size:
+        raise ValueError(f"rank {rank} out of range for dcp_size {dcp_size}")
+    if parent is not None and parent >= index:
+        raise ValueError(f"parent {parent} is not an earlier observation")
+    if buffer is not None and not -_I64 - 1 <= buffer <= _I64:
+        raise ValueError(f"buffer {buffer} does not fit int64")
+
+
+def _batch(seq_lens, nr: int, nrp: int, query_start_loc):
+    """Host copies and checks shared by observe() and observe_many(); raises on what cannot be stored."""
+    seq = _host_fast(seq_lens)
+    if not 0 <= nr <= nrp or seq.size < nr or (seq.size and seq.min() < 0):
+        raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {seq.size} seq_lens rows")
+    qsl = _host_fast(query_start_loc)
+    if qsl is not None and qsl.size != seq.size + 1:
+        qsl = None  # a query_start_loc that does not cover the rows is of no use to replay
+    return seq, qsl
+
+
+def _host_slots(positions, slot_mapping, groups: int | None) -> tuple:
+    """dump.slot_entries of host copies (int32-checked), for a config of `groups` KV-cache groups (None: not
+    named yet); raises on what cannot be stored (dropped)."""
+    if positions is None or slot_mapping is None:
+        raise ValueError("positions and slot_mapping go together")
+    pos = _host(positions)
+    if pos.size and pos.min() < 0:
+        raise ValueError("negative positions")
+    if isinstance(slot_mapping, dict):
+        maps = {_int(g, "KV-cache group"): _host(m) for g, m in slot_mapping.items()}
+    else:
+        ndim = slot_mapping.ndim if hasattr(slot_mapping, "ndim") else np.ndim(slot_mapping)
+        maps = _host(slot_mapping) if ndim == 1 else dict(enumerate(_host(x) for x in slot_mapping))
+    out = slot_entries(pos, maps, groups)
+    return out[0], out[1], out[2].astype(np.int32)

@@ -1,0 +1,345 @@
+"""observe()'s path for CUDA tensors: one kernel launch copies them into a slot of the ring, harvested later."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from dcptool.dump import INT32_MAX
+from dcptool.engine.arguments import (
+    _I64,
+    _I64_MIN,
+    _NEW,
+    _T,
+    Fields,
+    _check_own,
+    _check_vals,
+    _host_fast,
+    _int32,
+    _narrowed,
+    _NoTensor,
+    tensor_type,
+)
+from dcptool.engine.launch import _arm
+from dcptool.engine.ring import (
+    _ABSENT,
+    FENCE_EVERY,
+    SECTIONS,
+    _host_rules,
+    _Landed,
+    _Slot,
+    _SnapshotRing,
+    _tables,
+)
+from dcptool.engine.writer import Writer
+
+_TENSOR: type = _NoTensor  # torch.Tensor once torch is imported (the Recorder's _find_torch says when)
+
+
+def _find_torch() -> None:
+    global _TENSOR
+    _TENSOR = tensor_type()
+
+
+def _capturing() -> bool:
+    """Inside CUDA-graph capture on the current stream (only asked once a CUDA tensor was seen)."""
+    return _T._C._cuda_isCurrentStreamCapturing()  # (torch.cuda.is_current_stream_capturing)
+
+
+class DevicePath:
+    """A Recorder's CUDA tensors, snapshotted without stopping the engine; it owns the ring.
+
+    CUDA tensors are not copied with `.to("cpu")` (that waits for the engine's stream): observe_device writes
+    a descriptor of the observation into the header of a slot of a pinned, device-mapped host ring
+    (layout: ring.py) and launches one Triton kernel on the engine's current stream with one argument, the
+    slot's address; the kernel reads the descriptor and copies every device section into the slot, so the
+    values are those at observe() time. The engine's usual call (seq_lens, the DCP view and query_start_loc
+    as int32 device tensors: observe_fast) launches snapshot.snapshot_args_kernel instead, with the header as
+    arguments: that kernel writes the same header into the slot itself (no CPU write, no GPU read of it).
+    Slots are harvested later (every FENCE_EVERY observations, at a rollover and at close()) once a CUDA
+    event says the launch finished; their copies stay in `landed` until written.
+
+    It shares the Recorder's lock and checked site names, and appends to the Recorder's writer: the fast
+    path reads them from its own attributes, no more attribute hops than when it was part of the Recorder.
+    """
+
+    def __init__(self, rec, writer: Writer, cuda_mode: str, ring_bytes: int, ring_full: str):
+        self.cuda_mode = cuda_mode  # "sync" once a ring cannot run here
+        self.ring_full = ring_full
+        self.ring_drops = 0  # device observations dropped because the ring was full (ring_full="drop")
+        self.ring: _SnapshotRing | None = None
+        self.landed = _Landed()
+        self.on = "is_cuda"  # the tensor attribute that sends a value through the ring (CPU tests: "is_cpu")
+        self.capturing = _capturing
+        self._ring_words = max(1024, int(ring_bytes) // 4)
+        self._rec = rec  # (its skipped_capture, and its _fast once the ring runs)
+        self._w = writer
+        self._ranks = writer.config.dcp_size
+        self._lock = rec._lock
+        self._acquire, self._release_lock = rec._acquire, rec._release_lock
+        self._site_ok = rec._site_ok
+        self._append = writer.append
+        self._drop = rec._drop
+        (self._nsec, self._head, self._head_words, self._modes, self._rules, self._plus1, self._sized, self._needs,
+         self._fast_words, self._fast_pad, self._ksec) = _tables(SECTIONS)
+
+    def observe_device(self, vals: Fields, site: str, srcs: tuple) -> int | None:
+        """Snapshot the observation's device tensors in one launch; None: take the host path instead.
+
+        The header's section entries are collected here, checked by the section table's rules, and written
+        with the rest of the header into the slot just before the launch. (Written for speed: this is the
+        engine's cost of recording, see benchmarks/bench_record.py --cuda and --cuda-python.)
+        """
+        on = self.on
+        i32 = _T.int32
+        modes = self._modes
+        ent = []  # address, count, mode per section (count -1: absent, or held on the host)
+        host = None  # the sections the host holds (None: none does)
+        words = self._head_words
+        device = -2
+        keep = None  # converted copies: alive until the launch is queued (their memory is reused in stream order)
+        for k, x in enumerate(srcs):
+            if x is None:
+                ent += _ABSENT
+            elif isinstance(x, _TENSOR) and getattr(x, on):
+                d = x.get_device()
+                if d != device:
+                    if device != -2:
+                        return None  # tensors on two devices: the host path copies them
+                    device = d
+                if x.dtype is i32 and x.is_contiguous():  # (contiguous: its values are numel() words at data_ptr)
+                    n = x.numel()
+                    ent += (x.data_ptr(), n, modes[k])
+                else:
+                    x, wide = _narrowed(x)
+                    keep = [x] if keep is None else [*keep, x]
+                    n = x.numel()
+                    ent += (x.data_ptr(), n, modes[k] | wide)
+                words += n
+            else:
+                if host is None:
+                    host = [None] * len(srcs)
+                host[k] = _host_fast(x)
+                ent += _ABSENT
+        nr, nrp = vals[3], vals[4]
+        rows = ent[1] if ent[1] >= 0 or host is None or host[0] is None else host[0].size
+        if rows < nr or not 0 <= nr <= nrp:
+            raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {rows} seq_lens rows")
+        w = self._w
+        if host is None:  # every section on the device (or absent): the length rules on the header's counts
+            for k in self._plus1:
+                n = ent[3 * k + 1]
+                if n >= 0 and n != rows + 1:  # of no use to replay (as on the host path)
+                    ent[3 * k + 1] = -1
+                    words -= n
+            for k in self._sized:
+                n = ent[3 * k + 1]
+                if n >= 0 and n != rows:
+                    raise ValueError(f"{SECTIONS[k].name} needs one value per seq_lens row ({rows}), got {n}")
+            for k, need in self._needs:
+                if ent[3 * k + 1] >= 0 and getattr(w.config, need) is None:
+                    raise ValueError(f"{SECTIONS[k].name} needs {need} in the config")
+        else:
+            words = _host_rules(self._rules, w.config, ent, host, rows, words)
+        _check_vals(vals, site, self._site_ok)
+        words &= ~7
+        if device < 0:
+            device = None  # (the host ring of the CPU tests)
+        with self._lock:
+            if w.closed:
+                raise RuntimeError("observe() after close()")
+            index = w.count
+            rank, parent, buffer = vals[1], vals[5], vals[10]
+            if not 0 <= rank < self._ranks or (parent is not None and parent >= index) or (
+                    buffer is not None and not -_I64 - 1 <= buffer <= _I64):
+                _check_own(rank, parent, buffer, index, self._ranks)  # (raises, saying which)
+            ring = self.ring
+            if ring is None:
+                if device != _T.cuda.current_device():
+                    return None  # (the ring's launcher is bound to the current device's context)
+                ring = self._start_ring(device)
+                if ring is None:
+                    return None
+            elif ring.device != device:
+                return None  # tensors of another device than the ring's: the host path copies them
+            start = ring.alloc(words)
+            if start is None:
+                start = self._room(ring, words)
+            self._head.pack_into(ring.np, 4 * start, index & 0x7FFFFFFF, -1, nr, nrp, self._nsec, 0, words, 0, *ent)
+            raw = ring.raw(device)
+            ring.go(raw, ring.base + 4 * start)
+            del keep
+            return self._queued(ring, raw, index, start, words, host, vals, site)
+
+    def _queued(self, ring: _SnapshotRing, raw: int, index: int, start: int, words: int, host, vals, site: str) -> int:
+        """Under the lock, once a snapshot is launched (either path): keep its slot as the observation's row, and
+        fence every FENCE_EVERY launches (collecting the slots finished by then)."""
+        if raw not in ring.streams:
+            ring.stream(raw)
+        slot = _NEW(_Slot, (index, start, words, host))
+        ring.pending.append(slot)
+        ring.unfenced += 1
+        self._append(vals, site, slot)
+        if ring.unfenced >= FENCE_EVERY:
+            ring.fence()
+            self.harvest(wait=False)
+        return index
+
+    def observe_fast(self, step, site, rank, seq, nr, nrp, dcp, ubatch, parent, rs, ts, te, qsl, ntp,
+                     graph) -> int | None:
+        """observe() for what an engine passes each step, once the ring runs: seq_lens (and dcp_local_seq_lens,
+        query_start_loc when given) contiguous int32 tensors on the ring's device, or query_start_loc a 1-D numpy
+        array (held on the host), plain int scalars, no other row column. One launch of snapshot_args_kernel
+        with the header as arguments (the kernel writes it into the slot): no header packed on the CPU, no
+        section loop. The same checks as the general path; anything else returns None (the general path
+        takes it, and raises what it cannot store). Written for speed (bench_record.py --cuda-python): a
+        tensor's get_device() equal to the ring's also says it is a device tensor (-1: the CPU tests' host ring)."""
+        ring = self.ring
+        did = ring.did
+        if seq.get_device() != did:
+            return None
+        if self.capturing():
+            with self._lock:
+                self._rec.skipped_capture += 1
+            return -1
+        i32 = ring.i32
+        if not (type(step) is type(rank) is type(nr) is type(nrp) is type(ubatch) is int and seq.dtype is i32
+                and seq.is_contiguous()):
+            return None
+        rows = seq.numel()
+        words = self._fast_words + rows
+        if dcp is None:
+            dp, dn, buffer = ring.base, -1, None  # (absent: count -1, any readable address)
+        elif type(dcp) is _TENSOR and dcp.get_device() == did and dcp.dtype is i32 and dcp.is_contiguous():
+            dp = dcp.data_ptr()
+            dn = dcp.numel()
+            buffer = dp - 4 * dcp.storage_offset()  # (= buffer_id(dcp): its storage's base address)
+            words += dn
+        else:
+            return None
+        host = None
+        if qsl is None:
+            qp, qn = ring.base, -1
+        elif type(qsl) is _TENSOR:
+            if not (qsl.get_device() == did and qsl.dtype is i32 and qsl.is_contiguous()):
+                return None
+            qp = qsl.data_ptr()
+            qn = qsl.numel()
+            if qn == rows + 1:
+                words += qn
+            else:
+                qn = -1  # a query_start_loc that does not cover the rows is of no use to replay (not recorded)
+        elif type(qsl) is np.ndarray and qsl.ndim == 1:
+            qp, qn = ring.base, -1
+            if qsl.size == rows + 1:
+                host = (None, None, _int32(qsl), *self._fast_pad)
+        else:
+            return None
+        if parent is not None:
+            if type(parent) is not int:
+                return None
+            if parent < 0:
+                parent = None
+        if not (0 <= nr <= nrp <= INT32_MAX and nr <= rows and _I64_MIN <= step <= _I64 and -1 <= ubatch <= INT32_MAX
+                and site in self._site_ok and (graph is None or (type(graph) is int and 0 <= graph <= 3))):
+            return None
+        if rs is not None or ts is not None or te is not None or ntp is not None:
+            for v in (rs, ts, te, ntp):
+                if v is not None and not (type(v) is int and -1 <= v <= INT32_MAX):
+                    return None
+        words &= ~7
+        sp = seq.data_ptr()
+        w = self._w
+        self._acquire()  # (the lock's acquire/release called directly: 80 ns less than `with`)
+        try:
+            index = w.count
+            if w.closed or not 0 <= rank < self._ranks or (parent is not None and parent >= index):
+                return None
+            start = ring.alloc(words)
+            if start is None:
+                start = self._room(ring, words)
+            raw = ring.raw(did)
+            ring.go3(raw, ring.base + 4 * start, index & 0x7FFFFFFF, nr, nrp, self._ksec, words, sp, rows, dp, dn,
+                     qp, qn)
+            # (a plain tuple in Fields order: the writer reads the values by position; 70 ns less than a Fields)
+            return self._queued(ring, raw, index, start, words, host,
+                                (step, rank, ubatch, nr, nrp, parent, rs, ts, te, ntp, buffer, graph), site)
+        finally:
+            self._release_lock()
+
+    def _start_ring(self, device: int | None) -> _SnapshotRing | None:
+        """The ring, its kernel and its launches, checked (launch._arm); None, and sync mode, where they fail."""
+        ring = _SnapshotRing(self._ring_words, device)
+        try:
+            _arm(ring)
+        except Exception as e:
+            return self._no_ring(e)
+        self._run(ring)
+        if self.capturing is _capturing and device is not None:
+            self.capturing = ring.torch._C._cuda_isCurrentStreamCapturing  # (no Python frame per observe)
+        return ring
+
+    def _run(self, ring: _SnapshotRing) -> None:
+        """Take `ring` into use; observe() takes the fast path from now on where the ring has its kernel."""
+        self.ring = ring
+        if ring.go3 is not None:
+            self._rec._fast = self.observe_fast
+
+    def use_host_ring(self, words: int = 4096) -> _SnapshotRing:
+        """For the CPU tests: send host torch tensors through a (non-pinned) ring and the interpreted kernel."""
+        self.on = "is_cpu"
+        self.capturing = lambda: False  # (a CPU build of torch has no capture to ask about)
+        ring = _SnapshotRing(words, None)
+        _arm(ring)
+        self._run(ring)
+        return ring
+
+    def _no_ring(self, e: Exception) -> None:
+        self.cuda_mode = "sync"
+        warnings.warn(f"dcptool Recorder cannot snapshot CUDA tensors asynchronously here ({e}); copying them "
+                      "with .to('cpu'), which waits for the stream", RuntimeWarning, stacklevel=4)
+        return None
+
+    def _room(self, ring: _SnapshotRing, words: int) -> int:
+        """Start of a free slot of `words`: harvest finished slots, wait for the oldest or drop when full."""
+        start = ring.alloc(words)
+        if start is not None:
+            return start
+        if words > ring.words:  # bigger than the whole ring: finish what is in flight, then grow it
+            self.harvest(wait=True)
+            ring.resize(max(2 * ring.words, 2 * words))
+            return 0
+        self.harvest(wait=False)
+        while (start := ring.alloc(words)) is None:
+            if self.ring_full == "drop":
+                self.ring_drops += 1
+                raise ValueError("the snapshot ring is full (the GPU is far behind); ring_full='wait' waits instead")
+            ring.fence()
+            self.harvest(wait=True, one=True)
+        return start
+
+    def harvest(self, *, wait: bool, one: bool = False) -> None:
+        """Under the lock: copy the finished slots out of the ring (wait: finish all in flight first; one: the
+        slots of one fence only)."""
+        ring = self.ring
+        if ring is not None:
+            for take in ring.finished(wait=wait, one=one):
+                self._resolve(ring, take)
+
+    def _resolve(self, ring: _SnapshotRing, take: list[_Slot]) -> None:
+        """Finished slots into `landed`; an observation whose slot does not hold it is dropped (counted, warned)."""
+        for s, f in self.landed.take(ring, take):
+            self._w.lost(s[0])
+            why = ("a negative seq_len" if f & 2 else "a value int32 cannot hold" if f & 1
+                   else "a ring slot that does not hold it")
+            self._drop(ValueError(f"observation {s[0]}: the device values hold {why}"))
+
+    def abandon(self, e: Exception) -> None:
+        """The slots in flight cannot be harvested: drop those observations (counted, warned)."""
+        ring = self.ring
+        while ring.pending:
+            s = ring.pending.popleft()
+            self._w.lost(s[0])
+            self._drop(ValueError(f"observation {s[0]}: its device snapshot cannot be read ({e})"))
+        ring.fences.clear()
