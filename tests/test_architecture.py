@@ -121,5 +121,7 @@ print(json.dumps({"same": [getattr(former, n) is getattr(plugin, n) for n in ("r
 """)
     assert got["same"] == [True] * 4
     assert got["loaded"] == []
-    assert got["dcptool"] == ["dcptool", "dcptool.engine", "dcptool.engine.vllm", "dcptool.integrations",
-                              "dcptool.integrations.vllm"]
+    # only the plugin's own modules: the engine side's (its Recorder waits for the first observation)
+    plugin_side = ("dcptool.engine.vllm", "dcptool.integrations")
+    assert {"dcptool.engine.vllm", "dcptool.integrations.vllm"} <= set(got["dcptool"])
+    assert all(m in ("dcptool", "dcptool.engine") or m.startswith(plugin_side) for m in got["dcptool"]), got["dcptool"]
