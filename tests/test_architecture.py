@@ -121,5 +121,6 @@ print(json.dumps({"same": [getattr(former, n) is getattr(plugin, n) for n in ("r
 """)
     assert got["same"] == [True] * 4
     assert got["loaded"] == []
-    assert got["dcptool"] == ["dcptool", "dcptool.engine", "dcptool.engine.vllm", "dcptool.integrations",
-                              "dcptool.integrations.vllm"]
+    assert got["dcptool"] == ["dcptool", "dcptool.engine", "dcptool.engine.vllm", "dcptool.engine.vllm_builders",
+                              "dcptool.engine.vllm_hooks", "dcptool.engine.vllm_state", "dcptool.engine.vllm_tables",
+                              "dcptool.integrations", "dcptool.integrations.vllm"]
