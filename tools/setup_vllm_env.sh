@@ -3,8 +3,8 @@
 # Usage: VLLM_VERSION=0.29.0 tools/setup_vllm_env.sh   (default 0.33.0)
 #
 # vLLM pins a CUDA torch, so nothing is resolved: every package goes in with --no-deps at a pinned
-# version, next to torch 2.13.0's CPU build (about 70 s and a 336 MB download the first time,
-# 3.1 GB on disk). Safe to re-run: a venv that already imports vllm is only topped up.
+# version, next to torch 2.13.0's CPU build (about 80 s and a 400 MB download the first time,
+# 3.7 GB on disk). Safe to re-run: a venv that already imports vllm is only topped up.
 # Target: $VLLM_VENV (default ~/.cache/dcptool-vllm-$VLLM_VERSION); one venv per release.
 set -euo pipefail
 VERSION=${VLLM_VERSION:-0.33.0}
@@ -35,6 +35,13 @@ if ! { test -x "$PY" && installed && "$PY" -c "import vllm" 2>/dev/null; }; then
     truststore==0.10.5 typer==0.29.2 typing-inspection==0.4.5 typing_extensions==4.16.0 urllib3==2.8.0 \
     uvloop==0.23.0 xgrammar==0.2.8 yarl==1.25.1
 fi
+# FlashInfer's Python package, so that vLLM's FlashInfer and MLA attention-metadata builder modules import on CPU
+# (tests/vllm/test_vllm_builders.py runs them). --no-deps: it requires CUDA packages (cuda-python, cuDNN frontend,
+# CUTLASS DSL, NCCL); of its requirements its import needs only pynvml (nvidia-ml-py) beside vLLM's own. A venv built
+# before this line is topped up. (vLLM's CUTLASS-MLA and FlashAttention-MLA modules still need CUDA: docs/limits.md)
+fi_ok() { (cd / && "$PY" -c "import sys, importlib.metadata as m
+sys.exit(m.version('flashinfer-python') != '0.7.2.post1' or m.version('nvidia-ml-py') != '13.615.71')") 2>/dev/null; }
+fi_ok || pip_ flashinfer-python==0.7.2.post1 nvidia-ml-py==13.615.71
 "$PY" -c "import pytest" 2>/dev/null || pip_ pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
 # dcptool itself, editable from this checkout, so vLLM's plugin loader finds its `vllm.general_plugins` entry point
 # (checked from / so that a checkout in the current directory does not answer for the installed one)

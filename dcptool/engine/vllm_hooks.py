@@ -1,7 +1,8 @@
-"""The vLLM plugin's wrappers of vLLM's functions: each reads its call into a frame or an observation, then runs it.
+"""The vLLM plugin's wrappers of vLLM's functions: each reads its call into a frame or an observation, and runs it.
 
 What a wrapper reads: the batch, the DCP view attention consumes, the graph mode, the slot mappings and their
-KV-cache groups. The engine's own call always runs, with its own result and exceptions."""
+KV-cache groups, and (through vllm_builders) what the attention-metadata builders derived from them. The engine's
+own call always runs, with its own result and exceptions."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import inspect
 import textwrap
 from typing import NamedTuple
 
+from dcptool.engine.vllm_builders import _Build, _builder_kwargs
 from dcptool.engine.vllm_state import _S, _broken, _ctx, _dcp, _Frame, _observe, _observe_batch, _recorder, _stack
 
 
@@ -95,22 +97,35 @@ def _wrap_build(orig, sig):
 
     @functools.wraps(orig)
     def build_attn_metadata(*args, **kwargs):
+        kw = None
         if _S.active:
             try:
-                _record_build(sig, consumed, args, kwargs)
+                kw = _read_build(sig, consumed, args, kwargs)
             except Exception as e:
                 _broken(e)
-        return orig(*args, **kwargs)
+        if kw is None:
+            return orig(*args, **kwargs)
+        # recorded once the builders ran (whatever they raised): the observation carries what they handed attention
+        with _Build() as got:
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                if _S.active:
+                    try:
+                        _record_build(sig, args, kwargs, kw, got)
+                    except Exception as e:
+                        _broken(e)
 
     build_attn_metadata.__dcptool_consumed__ = consumed
     return build_attn_metadata
 
 
-def _record_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> None:
+def _read_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> dict | None:
+    """The observation of a build_attn_metadata call, read before it runs; None: not recorded (counted)."""
     c = _ctx()
     if c.get("skip"):
         _S.skipped[c["skip"]] += 1
-        return
+        return None
     n = int(sig.get(args, kwargs, "num_reqs"))
     seq, dcp = sig.get(args, kwargs, "seq_lens"), sig.get(args, kwargs, "dcp_local_seq_lens")
     cut = "dcp_local_seq_lens" in consumed  # attention reads [:n] rows: that is the view to check
@@ -118,8 +133,12 @@ def _record_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> 
         dcp = dcp[:n]
     if "seq_lens" in consumed:
         seq = seq[:n]
+    if getattr(seq, "is_cuda", True) is False:
+        # a host tensor: 0.29's FlashInfer builder subtracts prefill query lengths in place from the host copy of
+        # seq_lens, which on the host is seq_lens itself; keep the values handed in (device tensors are not written)
+        seq = seq.clone()
     batch = c.get("batch")
-    kw: dict = {}
+    kw: dict = {"seq_lens": seq, "dcp_local_seq_lens": dcp}
     if batch is not None:
         # The model state passes the padded count only for FULL graphs; the batch knows both.
         nr, nrp = batch.num_reqs, batch.num_reqs_after_padding
@@ -134,15 +153,24 @@ def _record_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> 
     if ub is not None:
         kw.update(ubatch=ub.ubatch, parent=ub.parent, req_start=ub.req_start, tok_start=ub.tok_start,
                   tok_stop=ub.tok_stop)
-    _slot_kwargs(sig, args, kwargs, batch, kw)
     if "capture_graph" in c:
         graph = c["capture_graph"]
     elif "cg" in c:
         graph = _graph().of_vllm(c["cg"])
     else:
         graph = _graph().FULL_CAPTURE if sig.get(args, kwargs, "for_cudagraph_capture") else _graph().EAGER
-    _observe(site="ubatch" if ub is not None else c.get("site", "attn_metadata"),
-             seq_lens=seq, num_reqs=nr, num_reqs_padded=nrp, dcp_local_seq_lens=dcp, graph=int(graph), **kw)
+    kw.update(site="ubatch" if ub is not None else c.get("site", "attn_metadata"), num_reqs=nr, num_reqs_padded=nrp,
+              graph=int(graph), batch=batch)
+    return kw
+
+
+def _record_build(sig: _Sig, args: tuple, kwargs: dict, kw: dict, got: dict) -> None:
+    """Record the build read by _read_build, with what its builders handed attention and its slot mappings."""
+    batch = kw.pop("batch")
+    if got:
+        _builder_kwargs(got, int(kw["seq_lens"].shape[0]), kw)
+    _slot_kwargs(sig, args, kwargs, batch, kw)
+    _observe(**kw)
 
 
 def _slot_kwargs(sig: _Sig, args: tuple, kwargs: dict, batch, kw: dict) -> None:

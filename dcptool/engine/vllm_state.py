@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import os
@@ -30,6 +31,7 @@ class _State:
     interleave: int | None = None
     block_tables = None  # the runner's BlockTables, once seen (slot mappings' KV-cache groups: issue 15)
     kv_groups: list | None = None  # the groups the recorder's config names (set with the first slot mapping)
+    page_size: int | None = None  # the FlashInfer plans' page size, once a builder planned pages (the config's)
     skipped: Counter = Counter()
     tables: list = []  # candidate hook tables, best first (set by register())
     modules: frozenset = frozenset()  # the modules any of them hooks
@@ -170,7 +172,7 @@ def _recorder():
                     "writes its first file), record into an empty directory to keep them", out, path.stem)
     # force: an engine is not stopped for an old recording (the Recorder would refuse it otherwise)
     sites = _S.tables[0].sites if _S.tables else SITES
-    _S.recorder = Recorder(path, dcp_size, il, sites=sites, pcp_size=pcp, engine="vllm",
+    _S.recorder = Recorder(path, dcp_size, il, sites=sites, pcp_size=pcp, page_size=_S.page_size, engine="vllm",
                            engine_version=vllm.__version__, rollover=roll, force=True,
                            note=f"dcptool.engine.vllm, pid {os.getpid()}; {sites_note(vllm.__version__)}")
     _S.rank = rank
@@ -179,6 +181,19 @@ def _recorder():
         atexit.register(close)
     log.info("dcptool: recording DCP metadata to %s (%d observations per file)", path, roll)
     return _S.recorder
+
+
+def _page_size(page: int) -> bool:
+    """Make `page` the recording's page_size (DumpConfig.page_size, which kv_pages need): the first FlashInfer plan
+    sets it, for a Recorder made later or one that has written no file yet; False for another page size."""
+    with _S.lock:
+        if _S.page_size is None:
+            _S.page_size = page
+        rec = _S.recorder
+        if rec is not None and rec.config.page_size is None and not rec.files:
+            # (a Recorder made before any plan, e.g. by a micro-batch parent: no file of it holds another page size)
+            rec.config = dataclasses.replace(rec.config, page_size=_S.page_size)
+        return (_S.page_size if rec is None else rec.config.page_size) == page
 
 
 def _observe(**kw) -> int:
@@ -209,7 +224,7 @@ def sites_note(version: str) -> str:
         return ""
     used = sorted(set(_S.used.values()))
     s = f"vLLM {version}, hook table {'/'.join(used) if used else t.line}; sites possible: {', '.join(t.sites)}"
-    return s + (f"; not possible: {t.why_not}" if t.why_not else "") + f"; columns: {t.slots}"
+    return s + (f"; not possible: {t.why_not}" if t.why_not else "") + f"; columns: {t.slots}; builders: {t.builders}"
 
 
 def close() -> list[Path]:
@@ -225,5 +240,6 @@ def close() -> list[Path]:
         _S.interleave = None
         _S.block_tables = None
         _S.kv_groups = None
+        _S.page_size = None
         _S.skipped.clear()
         return files

@@ -7,6 +7,7 @@ import re
 import sys
 from dataclasses import dataclass
 
+from dcptool.engine.vllm_builders import _wrap_flashinfer, _wrap_mla, _wrap_plan
 from dcptool.engine.vllm_hooks import (
     _PREPARE,
     _Sig,
@@ -22,6 +23,7 @@ from dcptool.engine.vllm_hooks import (
 from dcptool.engine.vllm_state import _S, SITES, _broken
 
 W = "vllm.v1.worker.gpu"
+_BUILD = ("common_prefix_len", "common_attn_metadata")  # AttentionMetadataBuilder.build
 
 Hooks = dict[str, list[tuple[str, object, tuple[str, ...]]]]  # module -> [(attribute, wrapper factory, params)]
 
@@ -38,6 +40,9 @@ class Table:
     why_not: str = ""  # the sites it cannot produce, and why
     # issue 15: the slot columns (build_attn_metadata's slot_mappings, every release) and how groups are sharded
     slots: str = "slot mappings per KV-cache group, each group's sharding from its spec (dcp_sharded)"
+    # issue 26: what the attention-metadata builders hand attention (vllm_builders)
+    builders: str = ("dcp_query_start_loc (FlashInfer's trtllm-gen/XQA decode), kv_pages (FlashInfer's native plans; "
+                     "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode)")
 
 
 def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: tuple[str, tuple[str, ...]],
@@ -58,6 +63,12 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
         f"{W}.spec_decode.dflash.cudagraph": [("_prepare_dflash_inputs_to_capture",
                                                _wrap_capture("dflash_capture", None), ("block_tables",))],
         f"{W}.pcp_manager": [("PCPManager.partition_batch", _wrap_partition, ("input_batch",) + partition)],
+        # the attention-metadata builders (their modules import with the flashinfer package installed)
+        "vllm.v1.attention.backends.flashinfer": [
+            ("FlashInferMetadataBuilder.build", _wrap_flashinfer, _BUILD),
+            ("FlashInferMetadataBuilder._compute_flashinfer_kv_metadata", _wrap_plan,
+             ("num_blocks_np", "num_reqs", "page_size"))],
+        "vllm.model_executor.layers.attention.mla_attention": [("MLACommonMetadataBuilder.build", _wrap_mla, _BUILD)],
     }
     if ubatch_prepare is not None:
         h[f"{W}.ubatch_utils"] = [("UBatchRunner.prepare", _wrap_ubatch_prepare,
@@ -69,13 +80,17 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
 # Oldest first. What differs between release lines (read from each release's own code):
 #  0.29  no micro-batching in model runner V2 (no ubatch_utils), prepare_attn has no ubatch_idx, the
 #        speculator builds drafts in _build_draft_attn_metadata(num_reqs, num_reqs_padded, ...),
-#        partition_batch(input_batch, padded_num_tokens); pre-fix: dummy runs pass None.
+#        partition_batch(input_batch, padded_num_tokens); pre-fix: dummy runs pass None; FlashInfer's decode
+#        metadata has no dcp_query_start_loc, and its plans count pages before localising (PR #48003).
 #  0.30  UBatchRunner.prepare(..., cg_mode), ubatch_idx, _build_attn_metadata(num_reqs, batch_desc),
 #        partition_batch(input_batch, padded_num_tokens, padded_num_reqs); the first release with the fix.
 #  0.31-0.33  partition_batch(input_batch, batch_desc).
 #  0.34  UBatchRunner.prepare(..., batch_desc, dp_sync_state, for_capture).
 _DRAFT = ("_build_attn_metadata", ("num_reqs", "batch_desc"))
 _NO_UBATCH = "ubatch: this release has no model-runner-V2 micro-batching (vllm/v1/worker/gpu/ubatch_utils.py)"
+_BUILDERS_029 = ("kv_pages (FlashInfer's native plans, counted before DCP localises the lengths: replay's pages; "
+                 "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode); no dcp_query_start_loc: this release's "
+                 "FlashInfer decode metadata has none")
 _ALL_SHARDED = ("slot mappings per KV-cache group, each group's sharding from its spec's kind; this release's "
                 "slot-mapping kernel has no dcp_sharded flag and localises every group (replay: slots on a "
                 "replicated group)")
@@ -84,7 +99,7 @@ TABLES: tuple[Table, ...] = (
           _hooks(ubatch_idx=False, ubatch_prepare=None,
                  draft=("_build_draft_attn_metadata", ("num_reqs", "num_reqs_padded")),
                  partition=("padded_num_tokens",)),
-          tuple(s for s in SITES if s != "ubatch"), _NO_UBATCH, _ALL_SHARDED),
+          tuple(s for s in SITES if s != "ubatch"), _NO_UBATCH, _ALL_SHARDED, _BUILDERS_029),
     Table("0.30", ("0.30.",), ("0.30.0",),
           _hooks(ubatch_idx=True, ubatch_prepare=("cg_mode",), draft=_DRAFT,
                  partition=("padded_num_tokens", "padded_num_reqs")), SITES, slots=_ALL_SHARDED),

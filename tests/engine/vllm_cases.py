@@ -39,6 +39,9 @@ FAKE = {
     "vllm/v1/worker/gpu/__init__.py": "",
     "vllm/v1/worker/gpu/model_states/__init__.py": "",
     "vllm/v1/worker/gpu/attn_utils.py": """
+        from collections import namedtuple
+        CommonAttentionMetadata = namedtuple("CommonAttentionMetadata",
+                                             "num_reqs query_start_loc_cpu seq_lens dcp_local_seq_lens")
         def build_attn_metadata(attn_groups, num_reqs, num_tokens, query_start_loc_gpu, query_start_loc_cpu,
                                 max_query_len, seq_lens, max_seq_len, block_tables, slot_mappings, kv_cache_config,
                                 seq_lens_cpu_upper_bound=None, {dcp_param}=None, for_cudagraph_capture=False,
@@ -47,6 +50,9 @@ FAKE = {
                 raise ValueError("the engine's own error")
             {cut}
             view = {dcp_param}
+            for group in attn_groups:  # each attention group's metadata builder, as vLLM's does
+                for builder in group:
+                    builder.build(0, CommonAttentionMetadata(num_reqs, query_start_loc_cpu, seq_lens, view))
             return {{"num_reqs": num_reqs, "dcp": None if view is None else [int(x) for x in view[:num_reqs]]}}
         """,
     "vllm/v1/worker/gpu/model_states/default.py": """
@@ -76,6 +82,49 @@ FAKE = {
             return input_batch
         """,
 }
+# The attention backends' metadata builders (written as they are: no format fields), with the hooked methods' real
+# signatures and what they hand attention: FlashInfer's decode metadata (dcp_query_start_loc, 0.30+) and the page
+# counts of its plan (computed from the local lengths, as 0.30+ do; a prefill row plans its context), MLA's decode
+# metadata (dcp_tot_seq_lens = the global lengths of the decodes). Decodes come first (query length <= 1).
+BACKENDS = {
+    "vllm/v1/attention/__init__.py": "",
+    "vllm/v1/attention/backends/__init__.py": "",
+    "vllm/v1/attention/backends/flashinfer.py": """
+        from types import SimpleNamespace
+        import numpy as np
+        class FlashInferMetadataBuilder:
+            def __init__(self, page_size=16, dcp_world_size=2, trtllm=True):
+                self.page_size, self.dcp_world_size, self.trtllm = page_size, dcp_world_size, trtllm
+            def _compute_flashinfer_kv_metadata(self, num_blocks_np, seq_lens_np, block_table_tensor, num_reqs,
+                                                page_size):
+                self.paged_kv_indptr = np.concatenate([[0], np.cumsum(num_blocks_np)])
+            def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+                cm = common_attn_metadata
+                n = cm.num_reqs
+                qsl = np.asarray(cm.query_start_loc_cpu)[: n + 1]
+                q = np.diff(qsl)
+                nd = int((q <= 1).sum())
+                local = np.asarray(cm.dcp_local_seq_lens)[:n].copy()
+                local[nd:] -= q[nd:]  # (a prefill row's local context, near enough for a fake)
+                self._compute_flashinfer_kv_metadata((local + self.page_size - 1) // self.page_size, local, None, n,
+                                                     self.page_size)
+                decode = SimpleNamespace(dcp_query_start_loc=qsl[: nd + 1]) if nd and self.trtllm else None
+                return SimpleNamespace(num_decodes=nd, decode=decode)
+        """,
+    "vllm/model_executor/__init__.py": "",
+    "vllm/model_executor/layers/__init__.py": "",
+    "vllm/model_executor/layers/attention/__init__.py": "",
+    "vllm/model_executor/layers/attention/mla_attention.py": """
+        from types import SimpleNamespace
+        import numpy as np
+        class MLACommonMetadataBuilder:
+            def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+                cm = common_attn_metadata
+                nd = int((np.diff(np.asarray(cm.query_start_loc_cpu)[: cm.num_reqs + 1]) <= 1).sum())
+                return SimpleNamespace(decode=SimpleNamespace(dcp_tot_seq_lens=np.asarray(cm.seq_lens)[:nd]))
+        """,
+}
+
 # vLLM's build_attn_metadata (0.29-0.34) cuts both views to [:num_reqs] before using them
 CUT = "seq_lens = seq_lens[:num_reqs]\n    if {dcp_param} is not None:\n        {dcp_param} = {dcp_param}[:num_reqs]"
 
@@ -107,8 +156,8 @@ def batch(view=(9, 13, 0, 0), **kw):
 
 FULL, NONE = SimpleNamespace(name="FULL"), SimpleNamespace(name="NONE")
 ms = DefaultModelState()
-def build(b, mode=NONE, **kw):
-    return ms.prepare_attn(b, mode, None, None, [], None, **kw)
+def build(b, mode=NONE, groups=(), **kw):
+    return ms.prepare_attn(b, mode, None, None, [list(groups)], None, **kw)
 out = {{"results": [], "errors": []}}
 {body}
 out["files"] = [str(p) for p in plugin.close()]
@@ -122,13 +171,18 @@ print(json.dumps(out))
 
 
 def run_case(tmp_path, body, *, before="", env=None, version="0.33.0", dcp_param="dcp_local_seq_lens", cut="",
-             ubatch_param=", ubatch_idx=0", ubatch_mode="cg_mode"):
+             ubatch_param=", ubatch_idx=0", ubatch_mode="cg_mode", backends=None):
+    """Run `body` in a fresh interpreter against the fake vLLM; `backends`: builder modules to use instead of BACKENDS'
+    (path -> source)."""
     fake = tmp_path / "fake"
-    for rel, src in FAKE.items():
+    fields = dict(version=version, dcp_param=dcp_param, ubatch_param=ubatch_param, ubatch_mode=ubatch_mode,
+                  cut=cut.format(dcp_param=dcp_param))
+    files = {**{k: textwrap.dedent(v).format(**fields) for k, v in FAKE.items()},
+             **{k: textwrap.dedent(v) for k, v in {**BACKENDS, **(backends or {})}.items()}}
+    for rel, src in files.items():
         p = fake / rel
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(textwrap.dedent(src).format(version=version, dcp_param=dcp_param, ubatch_param=ubatch_param,
-                                                 ubatch_mode=ubatch_mode, cut=cut.format(dcp_param=dcp_param)))
+        p.write_text(src)
     rec = tmp_path / "rec"
     e = {k: v for k, v in os.environ.items() if not k.startswith("DCPTOOL_")}
     e.update({"PYTHONPATH": f"{fake}{os.pathsep}{ROOT}", "DCPTOOL_RECORD": str(rec), **(env or {})})
