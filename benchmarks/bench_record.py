@@ -3,6 +3,7 @@
     python benchmarks/bench_record.py [--obs 20000] [--sim-steps 400]
     python benchmarks/bench_record.py --cuda [--steps 300] [--reps 5]
     python benchmarks/bench_record.py --cuda-python [--before REV]
+    python benchmarks/bench_record.py --sets [--cpu] [--steps 200] [--reps 3]
 
 Baselines in the same run: for the Recorder, the bare host copies any recorder must make (three
 numpy copies of the same arrays) — the ratio is the Recorder's overhead over that floor; for
@@ -22,6 +23,10 @@ ring the tests use; the same for the Recorder of git revision --before (default:
 fast path), interleaved in one run; it says how many observations took the fast path. A GPU adds the
 launch (`--cuda` prints it) and the tensor attribute calls cost about the same there.
 
+--sets: each argument set the vLLM plugin passes (the fast-path set, + positions and slot mappings, + issue 15's
+rows, + kv_pages), decode and prefill, off / sync / device snapshot, host syncs counted (bench_record_sets.py);
+--cpu: a reduced run on the CPU (host ring, interpreted kernel), what the tests can run.
+
 Both loops call Recorder.observe with the keywords the vLLM plugin's _observe passes (the plugin gives
 query_start_loc as numpy; both forms take the fast path).
 """
@@ -29,6 +34,7 @@ query_start_loc as numpy; both forms take the fast path).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -38,6 +44,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--cpu" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # (before anything imports triton: the snapshot kernel on the CPU)
 
 from dcptool.dump import read_dump, write_dump
 from dcptool.engine.record import Recorder  # noqa: E402
@@ -405,7 +413,16 @@ def main() -> None:
     ap.add_argument("--cuda-python", action="store_true", help="the Python part of observe() on the device path, "
                     "now and before (no GPU needed)")
     ap.add_argument("--before", default=BEFORE, help="with --cuda-python: the git revision to compare with")
+    ap.add_argument("--sets", action="store_true", help="each argument set the vLLM plugin passes (a GPU)")
+    ap.add_argument("--cpu", action="store_true", help="with --sets: a reduced run on the CPU (no GPU)")
     args = ap.parse_args()
+    if args.sets:
+        from bench_record_sets import bench_sets
+
+        with tempfile.TemporaryDirectory() as d:
+            bench_sets(min(args.steps, 4) if args.cpu else args.steps, 1 if args.cpu else args.reps, Path(d),
+                       args.cpu)
+        return
     if args.cuda_python:
         with tempfile.TemporaryDirectory() as d:
             bench_cuda_python(args.obs, args.reps, Path(d), args.before)

@@ -233,3 +233,44 @@ def _host_slots(positions, slot_mapping, groups: int | None) -> tuple:
         maps = _host(slot_mapping) if ndim == 1 else dict(enumerate(_host(x) for x in slot_mapping))
     out = slot_entries(pos, maps, groups)
     return out[0], out[1], out[2].astype(np.int32)
+
+
+class _Groups(tuple):
+    """The KV-cache groups (ascending) of slot sections snapshotted raw: the ring slot holds the positions once and
+    the slot mapping rows back to back; the harvest tiles the positions per group (ring._slot_rows)."""
+
+    __slots__ = ()
+
+
+def _device_slots(positions, slot_mapping, groups: int | None, tensor: type, on: str) -> tuple | None:
+    """positions and slot_mapping as device sections (positions, the slot mapping rows in group order, _Groups):
+    the lengths and the groups checked on the host from the shapes (no synchronisation), the values by the
+    kernel (negative positions, int32) at harvest. None when any of them is not a tensor of the device path
+    (the host path copies them). Raises what cannot be stored, as _host_slots does."""
+    if positions is None or slot_mapping is None:
+        raise ValueError("positions and slot_mapping go together")
+    if not (isinstance(positions, tensor) and getattr(positions, on)):
+        return None
+    n = positions.numel()
+    if isinstance(slot_mapping, dict):
+        maps = {_int(g, "KV-cache group"): m for g, m in slot_mapping.items()}
+        keys = sorted(maps)
+        rows = [maps[g] for g in keys]
+        if not all(isinstance(m, tensor) and getattr(m, on) for m in rows):
+            return None
+        if any(m.numel() != n for m in rows):
+            raise ValueError(f"a slot mapping does not have one value per position ({n})")
+        # one stream-ordered copy (no synchronisation) makes the rows one section
+        slot = rows[0] if len(rows) == 1 else positions[:0] if not rows else _T.cat([m.reshape(-1) for m in rows])
+    else:
+        if not (isinstance(slot_mapping, tensor) and getattr(slot_mapping, on)) or slot_mapping.ndim not in (1, 2):
+            return None
+        keys = [0] if slot_mapping.ndim == 1 else list(range(slot_mapping.shape[0]))
+        if slot_mapping.ndim == 2 and keys and slot_mapping.shape[1] != n or slot_mapping.ndim == 1 and (
+                slot_mapping.numel() != n):
+            raise ValueError(f"a slot mapping does not have one value per position ({n})")
+        slot = slot_mapping
+    hi = INT32_MAX if groups is None else groups - 1
+    if keys and not (0 <= keys[0] and keys[-1] <= hi):
+        raise ValueError(f"KV-cache group {keys[0] if keys[0] < 0 else keys[-1]} out of range")
+    return positions, slot, _Groups(keys)

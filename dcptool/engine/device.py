@@ -15,6 +15,7 @@ from dcptool.engine.arguments import (
     Fields,
     _check_own,
     _check_vals,
+    _Groups,
     _host_fast,
     _int32,
     _narrowed,
@@ -120,7 +121,7 @@ class DevicePath:
             else:
                 if host is None:
                     host = [None] * len(srcs)
-                host[k] = _host_fast(x)
+                host[k] = x if type(x) is _Groups else _host_fast(x)  # (_Groups: the slot sections' groups)
                 ent += _ABSENT
         nr, nrp = vals[3], vals[4]
         rows = ent[1] if ent[1] >= 0 or host is None or host[0] is None else host[0].size
@@ -187,14 +188,15 @@ class DevicePath:
         return index
 
     def observe_fast(self, step, site, rank, seq, nr, nrp, dcp, ubatch, parent, rs, ts, te, qsl, ntp,
-                     graph) -> int | None:
+                     graph, buf) -> int | None:
         """observe() for what an engine passes each step, once the ring runs: seq_lens (and dcp_local_seq_lens,
         query_start_loc when given) contiguous int32 tensors on the ring's device, or query_start_loc a 1-D numpy
-        array (held on the host), plain int scalars, no other row column. One launch of snapshot_args_kernel
-        with the header as arguments (the kernel writes it into the slot): no header packed on the CPU, no
-        section loop. The same checks as the general path; anything else returns None (the general path
-        takes it, and raises what it cannot store). Written for speed (bench_record.py --cuda-python): a
-        tensor's get_device() equal to the ring's also says it is a device tensor (-1: the CPU tests' host ring)."""
+        array (held on the host), plain int scalars (`buf`: buffer=, None: dcp's storage), no other row column.
+        One launch of snapshot_args_kernel with the header as arguments (the kernel writes it into the slot): no
+        header packed on the CPU, no section loop. The same checks as the general path; anything else returns None
+        (the general path takes it, and raises what it cannot store). Written for speed (bench_record.py
+        --cuda-python): a tensor's get_device() equal to the ring's also says it is a device tensor (-1: the CPU
+        tests' host ring)."""
         ring = self.ring
         did = ring.did
         if seq.get_device() != did:
@@ -236,6 +238,10 @@ class DevicePath:
                 host = (None, None, _int32(qsl), *self._fast_pad)
         else:
             return None
+        if buf is not None:
+            if type(buf) is not int or not _I64_MIN <= buf <= _I64:
+                return None
+            buffer = buf
         if parent is not None:
             if type(parent) is not int:
                 return None
@@ -331,8 +337,8 @@ class DevicePath:
         """Finished slots into `landed`; an observation whose slot does not hold it is dropped (counted, warned)."""
         for s, f in self.landed.take(ring, take):
             self._w.lost(s[0])
-            why = ("a negative seq_len" if f & 2 else "a value int32 cannot hold" if f & 1
-                   else "a ring slot that does not hold it")
+            why = ("a negative value where none may be (seq_lens, dcp_tot_seq_lens, positions)" if f & 2
+                   else "a value int32 cannot hold" if f & 1 else "a ring slot that does not hold it")
             self._drop(ValueError(f"observation {s[0]}: the device values hold {why}"))
 
     def abandon(self, e: Exception) -> None:

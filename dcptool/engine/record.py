@@ -16,6 +16,8 @@ from dcptool.engine.arguments import (
     _batch,
     _check_own,
     _check_shared,
+    _device_slots,
+    _Groups,
     _host,
     _host_fast,
     _host_slots,
@@ -146,32 +148,32 @@ class Recorder:
         hands the empty-shard mask, and the global companion of the local lengths (device sections, like
         the other rows). `positions` (each token's position in its sequence) and `slot_mapping` (the KV
         slot this rank writes per token, -1 for none: a 1-D tensor for KV-cache group 0, a [groups, tokens]
-        tensor, or a dict {group index: 1-D tensor}) go together; they are copied on the host (a CUDA
-        tensor there is copied with `.to("cpu")`, which waits for the stream)."""
+        tensor, or a dict {group index: 1-D tensor}) go together: CUDA
+        tensors of the device path are snapshotted raw (no waiting; the entries are built at harvest), host
+        tensors, numpy arrays and lists copied on the host)."""
         fast = self._fast
         if (fast is not None and type(seq_lens) is _TENSOR and kv_pages is None
                 and dcp_query_start_loc is None and dcp_tot_seq_lens is None and positions is None
-                and slot_mapping is None and buffer is None):
+                and slot_mapping is None):
             try:  # the engine's common case (see DevicePath.observe_fast); None: the general path below
                 got = fast(step, site, rank, seq_lens, num_reqs, num_reqs_padded, dcp_local_seq_lens, ubatch, parent,
-                           req_start, tok_start, tok_stop, query_start_loc, num_tokens_padded, graph)
+                           req_start, tok_start, tok_stop, query_start_loc, num_tokens_padded, graph, buffer)
             except Exception as e:  # never break the engine
                 self._drop(e)
                 return -1
             if got is not None:
                 return got
         try:
-            slots = _NO_SLOTS if positions is None and slot_mapping is None else self._slots(positions, slot_mapping)
-            # SECTIONS (dump.ROW_FIELDS) order
-            srcs = (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens,
-                    *slots)
+            slots = _NO_SLOTS if positions is None and slot_mapping is None else None  # None: not copied yet
+            # SECTIONS (dump.ROW_FIELDS) order, without the slot entries
+            srcs = (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens)
             dev = self._device
             on = dev.on
             if _TENSOR is _NoTensor:
                 _find_torch()  # (torch imported after the Recorder was made)
             x = seq_lens
             if not (isinstance(x, _TENSOR) and getattr(x, on)):  # (the engine's case at once)
-                for x in srcs:
+                for x in (*srcs, positions):
                     if isinstance(x, _TENSOR) and getattr(x, on):
                         break  # a device tensor: the device path
                 else:
@@ -186,15 +188,26 @@ class Recorder:
                 vals = _scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
                                 tok_stop, num_tokens_padded, buffer, graph)
                 if dev.cuda_mode == "async":
-                    got = self._observe_device(vals, site, srcs)
+                    if slots is None:  # the slot sections on the device too when they all are (no host copy)
+                        kvg = self._writer.config.kv_groups
+                        slots = _device_slots(positions, slot_mapping, None if kvg is None else len(kvg), _TENSOR, on)
+                        if slots is None:
+                            slots = self._slots(positions, slot_mapping)  # (host-held sections)
+                        else:
+                            self._groups_seen(slots[2])
+                    got = self._observe_device(vals, site, (*srcs, *slots))
                     if got is not None:
                         return got
+                    if slots is not None and type(slots[2]) is _Groups:
+                        slots = None  # (the host path copies them after all)
             else:
                 if buffer is None and dcp_local_seq_lens is not None and hasattr(dcp_local_seq_lens,
                                                                                  "untyped_storage"):
                     buffer = buffer_id(dcp_local_seq_lens)
                 vals = _scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
                                 tok_stop, num_tokens_padded, buffer, graph)
+            if slots is None:
+                slots = self._slots(positions, slot_mapping)
             seq, qsl = _batch(seq_lens, vals.num_reqs, vals.num_reqs_padded, query_start_loc)
             row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages), _host_fast(dcp_query_start_loc),
                    _nonneg(_host_fast(dcp_tot_seq_lens), "dcp_tot_seq_lens"), *slots)
@@ -281,9 +294,14 @@ class Recorder:
         kvg = self._writer.config.kv_groups
         out = _host_slots(positions, slot_mapping, None if kvg is None else len(kvg))
         if out[2].size:
-            with self._lock:
-                self._max_group = max(self._max_group, int(out[2][-1]))
+            self._groups_seen((int(out[2][-1]),))
         return out
+
+    def _groups_seen(self, groups) -> None:
+        """Note the highest KV-cache group of an observation's slot entries (groups ascending)."""
+        if groups:
+            with self._lock:
+                self._max_group = max(self._max_group, groups[-1])
 
     def set_kv_groups(self, kv_groups) -> None:
         """Name the KV-cache groups (and whether DCP shards each) once they are known, e.g. by an engine

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dcptool.dump import ROW_FIELDS
+from dcptool.engine.arguments import _Groups
 
 # Ring slots (int32 words; a slot starts at a multiple of 8 words, 32 bytes; the CPU writes the header before the
 # launch (observe()'s fast path: its kernel writes it), the kernel writes `flags` and `done`; a slot describes
@@ -21,7 +22,7 @@ from dcptool.dump import ROW_FIELDS
 #     word 3      num_reqs_padded
 #     word 4      nsec         K, the number of section entries (= len(SECTIONS))
 #     word 5      flags        0 (CPU); kernel: bit 0 a value int32 cannot hold, bit 1 a negative value in
-#                              a section that forbids them (seq_lens)
+#                              a section that forbids them (seq_lens, dcp_tot_seq_lens, positions)
 #     word 6      words        the slot's size in words (header and rows, rounded up to 8)
 #     word 7      0            (reserved)
 #     words 8+4k .. 11+4k      section k, in dump.ROW_FIELDS order (SECTIONS): source address (int64,
@@ -58,9 +59,11 @@ SECTIONS = (Section("seq", "seq_lens", ANY, nonneg=True), Section("dcp", "dcp_lo
             Section("qsl", "query_start_loc", ROWS_PLUS_1), Section("kv", "kv_pages", ROWS, needs="page_size"),
             # issue 15: the empty-shard mask's Q and the global companion (device sections like the others)
             Section("dqsl", "dcp_query_start_loc", ANY), Section("tot", "dcp_tot_seq_lens", ANY, nonneg=True),
-            # issue 15: slot entries (positions, slot mapping, KV-cache group), built on the host from the
-            # per-group slot mappings (dump.slot_entries), so always host-held sections
-            Section("pos", "positions", ANY), Section("slot", "slot_mapping", ANY), Section("sgrp", "slot_group", ANY))
+            # issue 15: slot entries (positions, slot mapping, KV-cache group). Device tensors are snapshotted raw
+            # (the positions once, the slot mapping rows of the groups back to back) and the entries built at
+            # harvest (_slot_rows, dump.slot_entries' layout); the group column is always the host's (_Groups)
+            Section("pos", "positions", ANY, nonneg=True), Section("slot", "slot_mapping", ANY),
+            Section("sgrp", "slot_group", ANY))
 if tuple(s.field for s in SECTIONS) != ROW_FIELDS:
     raise ImportError(f"ring.SECTIONS {[s.field for s in SECTIONS]} must follow dump.ROW_FIELDS {ROW_FIELDS}")
 # observe()'s fast path (snapshot.snapshot_args_kernel): sections 0-2 as kernel arguments, their negative-value modes
@@ -136,6 +139,10 @@ def _slot_rows(blk: np.ndarray, o: int, host: list | None) -> tuple:
             p += n
         else:
             out.append(None if host is None else host[j])
+    g = out[-1]
+    if type(g) is _Groups:  # slot sections snapshotted raw: dump.slot_entries' entries, one per token and group
+        pos = out[-3]
+        return (*out[:-3], np.tile(pos, len(g)), out[-2], np.repeat(np.array(g, np.int32), pos.size))
     return tuple(out)
 
 

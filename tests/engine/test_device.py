@@ -133,8 +133,8 @@ def test_cuda_observe_does_not_wait_and_keeps_the_values_of_observe_time(tmp_pat
 @pytest.mark.cuda
 @cuda
 def test_cuda_snapshot_carries_issue15_rows_like_the_synchronous_copy(tmp_path):
-    """dcp_query_start_loc and the global companion go through the ring as device sections (a negative
-    companion dropped at harvest), slot entries ride along on the host: the same file as cuda_mode="sync"."""
+    """dcp_query_start_loc, the global companion and the slot sections go through the ring as device sections
+    (a negative companion dropped at harvest): the same file as cuda_mode="sync"."""
     kv = [{"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False}]
     a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16, cuda_mode="sync", kv_groups=kv)
     b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16, kv_groups=kv)
@@ -153,6 +153,39 @@ def test_cuda_snapshot_carries_issue15_rows_like_the_synchronous_copy(tmp_path):
     assert {"obs.dqsl", "obs.tot", "obs.slots"} <= set(ca) and sorted(ca) == sorted(cb)
     for key in ca:
         assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_every_section_the_plugin_passes_goes_without_a_host_sync(tmp_path):
+    """The vLLM plugin's full argument set (the fast-path set, buffer=, positions + [groups, tokens] int64 slot
+    mappings, issue 15's rows, kv_pages) under torch.cuda.set_sync_debug_mode("error"): no call waits for the
+    stream, and the file equals cuda_mode="sync"'s."""
+    kv = [{"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False}]
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16, cuda_mode="sync", kv_groups=kv)
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16, kv_groups=kv)
+    rng = np.random.default_rng(12)
+    obs = []
+    for i in range(80):
+        rows, n = int(rng.integers(1, 300)), int(rng.integers(0, 2000))
+        g = lambda *shape, lo=0: torch.from_numpy(rng.integers(lo, 1 << 20, shape)).cuda()  # noqa: E731
+        seq = g(rows).to(torch.int32)
+        obs.append(dict(step=i, site="attn_metadata", rank=i % 2, seq_lens=seq, num_reqs=rows, num_reqs_padded=rows,
+                        dcp_local_seq_lens=seq // 2, query_start_loc=torch.arange(rows + 1, device="cuda"),
+                        buffer=i, positions=g(n), slot_mapping=g(2, n, lo=-1), dcp_query_start_loc=g(rows + 1),
+                        dcp_tot_seq_lens=g(rows), kv_pages=(seq // 16 + 1).int()))
+    b.observe(**obs[0])  # (starts the ring: its launch check synchronises once)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [b.observe(**kw) for kw in obs[1:]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got == list(range(1, 80)) and [a.observe(**kw) for kw in obs] == list(range(80))
+    fa, fb = a.close(), b.close()
+    assert a.dropped == b.dropped == 0
+    ca, cb = _columns(fa), _columns(fb)
+    assert sorted(ca) == sorted(cb) and all(np.array_equal(ca[k], cb[k]) for k in ca)
 
 
 @pytest.mark.cuda
@@ -229,7 +262,7 @@ def test_cuda_threads_on_their_own_streams(tmp_path):
 @hostring
 @pytest.mark.kernel
 def test_issue15_rows_through_the_ring_match_the_host_path(tmp_path):
-    """The snapshot path keeps the issue-15 rows (host-copied for now) beside its ring slots, in ROW_FIELDS order."""
+    """The snapshot path records the issue-15 rows as device sections, in ROW_FIELDS order."""
     a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16)
     b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16)
     b._device.use_host_ring(4096)
@@ -243,9 +276,110 @@ def test_issue15_rows_through_the_ring_match_the_host_path(tmp_path):
         assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
 
 
+
+def _slot_forms(n: int, rng) -> list[dict]:
+    """positions= and slot_mapping= in every form observe() takes, at n tokens (host tensors: the host ring)."""
+    pos = torch.from_numpy(rng.integers(0, 1 << 20, n))  # int64, as vLLM's
+    sm = torch.from_numpy(rng.integers(-1, 1 << 20, (2, n)))
+    wide = torch.from_numpy(rng.integers(-1, 1 << 20, (n, 3)).astype(np.int32))
+    return [dict(positions=pos, slot_mapping=sm[0]), dict(positions=pos.to(torch.int32), slot_mapping=sm[:1]),
+            dict(positions=pos, slot_mapping=sm), dict(positions=pos, slot_mapping={1: sm[1], 0: sm[0]}),
+            dict(positions=pos, slot_mapping={1: sm[1].to(torch.int32)}),
+            dict(positions=pos[:n], slot_mapping=wide[:, 1:].T),  # strided rows, int32
+            dict(positions=pos, slot_mapping={}), dict(positions=pos, slot_mapping=sm[:0])]
+
+
+@hostring
+@pytest.mark.kernel
+def test_slot_sections_through_the_ring_equal_the_host_path(tmp_path, monkeypatch):
+    """positions and slot_mapping of the device path (every form: 1-D, [groups, tokens], a dict, no group; int64
+    and int32, strided) at awkward sizes are snapshotted raw, never copied on the host (no `_slots`), with the other
+    device sections; the entries built at harvest equal the host path's, column for column."""
+    kv = [{"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False}]
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16, kv_groups=kv)
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16, kv_groups=kv)
+    b._device.use_host_ring(4096)
+    monkeypatch.setattr(b, "_slots", lambda *x: pytest.fail("the device path copied the slots on the host"))
+    rng = np.random.default_rng(11)
+    i = 0
+    for n in (0, 1, 127, 128, 129, 1000, 1500):
+        for extra in _slot_forms(n, rng):
+            seq = torch.from_numpy(rng.integers(0, 1 << 12, 3).astype(np.int32))
+            kw = dict(step=i, site="attn_metadata", rank=i % 2, seq_lens=seq, num_reqs=3, num_reqs_padded=3,
+                      buffer=i * 8, kv_pages=seq // 16 + 1, dcp_query_start_loc=torch.arange(4),
+                      dcp_tot_seq_lens=seq.long(), **extra)
+            assert a.observe(**kw) == b.observe(**kw) == i
+            i += 1
+    fa, fb = a.close(), b.close()
+    assert a.dropped == b.dropped == 0 and not b._device.ring.pending and len(b) == i
+    ca, cb = _columns(fa), _columns(fb)
+    assert {"obs.slots", "rows.positions", "rows.slot_group"} <= set(ca) and sorted(ca) == sorted(cb)
+    for key in ca:
+        assert np.array_equal(ca[key], cb[key]), key
+    assert cb["rows.positions"].size == 2 * (1 + 1 + 2 + 2 + 1 + 2) * sum((0, 1, 127, 128, 129, 1000, 1500)) // 2
+
+
+@hostring
+@pytest.mark.kernel
+def test_slot_values_that_cannot_be_stored_are_dropped_at_harvest_or_at_once(tmp_path):
+    """Negative positions and slot values int32 cannot hold are seen at harvest (dropped, counted, the others
+    kept); lengths and groups are known from the shapes, so those are dropped at observe()."""
+    rec = Recorder(tmp_path / "s.safetensors", dcp_size=2, kv_groups=[{"name": "attn", "dcp": True}])
+    rec._device.use_host_ring()
+    rec._slots = lambda *x: pytest.fail("the device path copied the slots on the host")
+    t = torch.tensor
+    base = dict(site="x", rank=0, seq_lens=t([5, 6], dtype=torch.int32), num_reqs=2, num_reqs_padded=2)
+    good = dict(positions=t([3, 4]), slot_mapping=t([7, -1]))
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        got = [rec.observe(step=k, **base, **x) for k, x in enumerate([
+            good, dict(positions=t([3, -4]), slot_mapping=t([7, 8])),  # a negative position: at harvest
+            dict(positions=t([3, 4]), slot_mapping=t([[7, 2**31]])), good,  # int32 cannot hold it: at harvest
+            dict(positions=t([3, 4]), slot_mapping=t([7, 8, 9])),  # not one per position: at once
+            dict(positions=t([3, 4]), slot_mapping={1: t([7, 8])}),  # a group the config does not name
+            dict(positions=t([3, 4])), dict(positions=t([3, 4]), slot_mapping={0: t([1, 2]), 1: t([1])})])]
+        rec.close()
+    assert got[:4] == [0, 1, 2, 3] and got[4:] == [-1] * 4 and rec.dropped == 6 and len(rec) == 2
+    d = read_dump(tmp_path / "s.safetensors")
+    assert d["obs.step"].tolist() == [0, 3] and d["rows.positions"].tolist() == [3, 4, 3, 4]
+    assert d["rows.slot_mapping"].tolist() == [7, -1, 7, -1]
+
+
+@hostring
+@pytest.mark.kernel
+def test_buffer_keeps_the_fast_path(tmp_path, monkeypatch):
+    """buffer= (a host int) rides on the fast path's launch: the general path never sees the engine's call, and the
+    file holds the buffer given (or, without it, the view's storage), as the host path's does."""
+    calls, a, b = _host_and_ring(monkeypatch, tmp_path)
+    seq = torch.arange(1, 9, dtype=torch.int32)
+    for i, buf in enumerate([None, 5, 2**40, None, 0, -3]):
+        kw = _engine_kw(i, seq, seq // 2, torch.arange(9, dtype=torch.int32))
+        assert a.observe(**kw, buffer=buf) == b.observe(**kw, buffer=buf) == i
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        assert b.observe(**kw, buffer=2**63) == -1  # the general path's check, and its drop
+    fa, fb = a.close(), b.close()
+    assert calls == ["attn_metadata", "attn_metadata"] and b.dropped == 1
+    assert read_dump(fb[0])["obs.buffer"].tolist()[1:3] == [5, 2**40]
+    ca, cb = _columns(fa), _columns(fb)
+    assert sorted(ca) == sorted(cb)
+    for key in ca:
+        assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
+
+
 def _engine_kw(i: int, seq, dcp, qsl) -> dict:
     return dict(step=i // 4, site="attn_metadata", rank=i % 2, seq_lens=seq, num_reqs=seq.numel() - 1,
                 num_reqs_padded=seq.numel(), dcp_local_seq_lens=dcp, query_start_loc=qsl)
+
+
+def _host_and_ring(monkeypatch, tmp_path, **config) -> tuple[list, Recorder, Recorder]:
+    """A host-path Recorder and a host-ring one, and the sites of the calls the general device path sees."""
+    calls = []
+    general = DevicePath.observe_device
+    monkeypatch.setattr(DevicePath, "observe_device", lambda self, *a: calls.append(a[1]) or general(self, *a))
+    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, **config)
+    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, **config)
+    b._device.use_host_ring()
+    return calls, a, b
+
 
 
 @hostring
@@ -255,12 +389,7 @@ def test_the_engines_call_takes_the_fast_path_and_records_the_same(tmp_path, mon
     tensors, or query_start_loc as numpy: the vLLM plugin's form) goes through observe()'s fast path
     after the first observation at a site (the general path checks and remembers the site name); the
     file equals the host path's, buffer ids included."""
-    calls = []
-    general = DevicePath.observe_device
-    monkeypatch.setattr(DevicePath, "observe_device", lambda self, *a: calls.append(a[1]) or general(self, *a))
-    a = Recorder(tmp_path / "a.safetensors", dcp_size=2)
-    b = Recorder(tmp_path / "b.safetensors", dcp_size=2)
-    b._device.use_host_ring()
+    calls, a, b = _host_and_ring(monkeypatch, tmp_path)
     rng = np.random.default_rng(7)
     store = torch.zeros(1024, dtype=torch.int32)  # a persistent buffer the engine hands out views of
     for i in range(40):
@@ -282,12 +411,7 @@ def test_what_the_fast_path_does_not_take_goes_the_general_way(tmp_path, monkeyp
     """Anything but the engine's plain call (int64 or strided views, another row column, a numpy scalar, a
     graph mode by name) leaves the fast path: the same file as the host path, and the general path saw
     each of them."""
-    calls = []
-    general = DevicePath.observe_device
-    monkeypatch.setattr(DevicePath, "observe_device", lambda self, *a: calls.append(a[1]) or general(self, *a))
-    a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16)
-    b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16)
-    b._device.use_host_ring()
+    calls, a, b = _host_and_ring(monkeypatch, tmp_path, page_size=16)
     seq = torch.arange(1, 9, dtype=torch.int32)
     kw = _engine_kw(0, seq, seq // 2, torch.arange(9, dtype=torch.int32))
     odd = [dict(seq_lens=seq.long()), dict(dcp_local_seq_lens=torch.arange(16, dtype=torch.int32)[::2]),

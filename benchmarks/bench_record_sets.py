@@ -1,0 +1,150 @@
+"""What recording costs an engine-like loop for each argument set the vLLM plugin passes (bench_record.py --sets).
+
+    python benchmarks/bench_record.py --sets [--steps 200] [--reps 3]     (a GPU)
+    python benchmarks/bench_record.py --sets --cpu                         (a reduced smoke run, no GPU)
+
+The argument sets (dcptool/engine/vllm_state.py `_observe`, vllm_hooks.py `_slot_kwargs`: the plugin passes
+positions and the [groups, tokens] slot mappings of build_attn_metadata, int64 as vLLM holds them):
+(a) the fast-path set: seq_lens, dcp_local_seq_lens, query_start_loc; (b) + positions + slot_mapping, 1 KV-cache
+group and 2; (c) + dcp_query_start_loc + dcp_tot_seq_lens; (d) + kv_pages. Two workloads: a decode step of 256
+requests and 768 tokens (3 query tokens a request: speculative decoding), and an 8,192-token prefill step of 16
+requests. Each step: an in-place update of the metadata buffers, 3 queued bf16 4096x4096 matmuls (CPU: 256x256
+float32) and 4 observes; recording off, cuda_mode="sync" (the baseline: .to("cpu") per tensor) and the device
+snapshot ("async"), interleaved in one run, median of --reps. Host syncs are counted with
+torch.cuda.set_sync_debug_mode("warn") around the loop (each synchronising call warns; "error" would make observe
+drop the observation instead: observe() catches everything); on the CPU they are not measurable and the table says
+how many observations copied their slots on the host instead ("host slot copies": 0 on the device path).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dcptool.engine.record import Recorder  # noqa: E402
+
+WORKLOADS = {"decode 256 req x 768 tok": (256, 768), "prefill 16 req x 8192 tok": (16, 8192)}
+SETS = ("a", "b1", "b2", "c", "d")
+SET_NAMES = {"a": "(a) seq_lens, dcp_local_seq_lens, query_start_loc", "b1": "(b) + positions + slot_mapping, 1 group",
+             "b2": "(b) + positions + slot_mapping, 2 groups", "c": "(c) (b, 1 group) + dcp_query_start_loc + "
+             "dcp_tot_seq_lens", "d": "(d) (c) + kv_pages"}
+
+
+def _arguments(kind: str, reqs: int, toks: int, dev: torch.device, rng) -> tuple[dict, torch.Tensor]:
+    """observe()'s row arguments for one set (the tensors the engine keeps and updates in place) and seq_lens."""
+    def t(a, dtype):
+        return torch.from_numpy(np.asarray(a)).to(dtype).to(dev)
+
+    seq = t(rng.integers(1, 1 << 17, reqs), torch.int32)
+    kw = dict(seq_lens=seq, dcp_local_seq_lens=(seq // 2).to(torch.int32),
+              query_start_loc=t(np.linspace(0, toks, reqs + 1).astype(np.int64), torch.int32))
+    if kind == "a":
+        return kw, seq
+    groups = 2 if kind == "b2" else 1
+    kw["positions"] = t(rng.integers(0, 1 << 17, toks), torch.int64)
+    kw["slot_mapping"] = t(rng.integers(-1, 1 << 20, (groups, toks)), torch.int64)
+    if kind in ("c", "d"):
+        kw["dcp_query_start_loc"] = kw["query_start_loc"].clone()
+        kw["dcp_tot_seq_lens"] = seq.clone()
+    if kind == "d":
+        kw["kv_pages"] = (seq // 16 + 1).to(torch.int32)
+    return kw, seq
+
+
+def _recorder(path: Path, mode: str, cpu: bool) -> Recorder:
+    kv = [{"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False}]
+    rec = Recorder(path, dcp_size=2, page_size=16, kv_groups=kv, cuda_mode=mode, force=True)
+    if cpu and mode == "async":
+        rec._device.use_host_ring(1 << 20)  # host tensors through the ring and the interpreted kernel
+    return rec
+
+
+def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, path: Path, cpu: bool) -> dict:
+    """One run: per-step seconds, CPU seconds per observe, syncs (warnings), host slot copies, recorded, dropped."""
+    rec = None if mode is None else _recorder(path, mode, cpu)
+    copies = [0]
+    if rec is not None:
+        host = rec._slots
+
+        def counted(*a):
+            copies[0] += 1
+            return host(*a)
+        rec._slots = counted
+        # (the first observe starts the ring, whose launch check synchronises once: before the counted loop)
+        rec.observe(step=0, site="attn_metadata", rank=0, num_reqs=seq.numel(), num_reqs_padded=seq.numel(), **kw)
+    a, b, c = mm
+    spent = 0.0
+    if not cpu:
+        torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if not cpu:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            t0 = time.perf_counter()
+            for s in range(steps):
+                seq.add_(1)  # the engine refreshes its metadata buffers on the stream every step
+                for k in range(4):
+                    if k < 3:
+                        torch.mm(a, b, out=c)
+                    if rec is not None:
+                        t = time.perf_counter()
+                        rec.observe(step=s, site="attn_metadata", rank=0, num_reqs=seq.numel(),
+                                    num_reqs_padded=seq.numel(), **kw)
+                        spent += time.perf_counter() - t
+        finally:
+            if not cpu:
+                torch.cuda.set_sync_debug_mode("default")
+        if not cpu:
+            torch.cuda.synchronize()
+        per = (time.perf_counter() - t0) / steps
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    out = dict(step=per, cpu=spent / (4 * steps), syncs=syncs, copies=copies[0], n=0, dropped=0)
+    if rec is not None:
+        rec.close()
+        out.update(n=len(rec), dropped=rec.dropped)
+    return out
+
+
+def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool) -> None:
+    dev = torch.device("cpu" if cpu else "cuda")
+    torch.manual_seed(0)
+    size, dtype = (256, torch.float32) if cpu else (4096, torch.bfloat16)
+    mm = (torch.randn(size, size, dtype=dtype, device=dev), torch.randn(size, size, dtype=dtype, device=dev),
+          torch.empty(size, size, dtype=dtype, device=dev))
+    rng = np.random.default_rng(0)
+    workloads = {k: (r, t // 8 if cpu else t) for k, (r, t) in WORKLOADS.items()}  # (CPU: the interpreter is slow)
+    name = "CPU (host ring, interpreted kernel; reduced: tokens / 8)" if cpu else torch.cuda.get_device_name()
+    print(f"argument sets on {name}: {steps} steps x {reps} runs a cell, off / sync / async interleaved, 4 observes "
+          "a step")
+    print("| workload | argument set | recording | ms/step | vs off | CPU µs/observe | host syncs | host slot copies "
+          "| recorded |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for wname, (reqs, toks) in workloads.items():
+        for kind in SETS:
+            kw, seq = _arguments(kind, reqs, toks, dev, rng)
+            base = seq.clone()
+            for mode in (None, "sync", "async"):  # warm up (cuBLAS, the kernel, the ring)
+                _loop(kw, seq, mode, 3, mm, tmp / "w.safetensors", cpu)
+            res: dict = {None: [], "sync": [], "async": []}
+            for _ in range(reps):
+                for mode in res:
+                    seq.copy_(base)
+                    res[mode].append(_loop(kw, seq, mode, steps, mm, tmp / f"{kind}.safetensors", cpu))
+            off = float(np.median([r["step"] for r in res[None]]))
+            for mode, label in ((None, "off"), ("sync", "sync (baseline)"), ("async", "device snapshot")):
+                rs = res[mode]
+                m = float(np.median([r["step"] for r in rs]))
+                vs = "-" if mode is None else f"{(m / off - 1) * 100:+.1f}%"
+                us = "-" if mode is None else f"{np.median([r['cpu'] for r in rs]) * 1e6:.1f}"
+                syncs = "-" if cpu else str(max(r["syncs"] for r in rs))
+                rec = "-" if mode is None else (f"{sum(r['n'] for r in rs):,}"
+                                                + (f" ({sum(r['dropped'] for r in rs)} dropped)"
+                                                   if any(r["dropped"] for r in rs) else ""))
+                copies = "-" if mode is None else str(max(r["copies"] for r in rs))
+                print(f"| {wname} | {SET_NAMES[kind]} | {label} | {m * 1e3:.3f} | {vs} | {us} | {syncs} | {copies} "
+                      f"| {rec} |")
