@@ -36,9 +36,12 @@ class DumpInfo:
     max_num_reqs_padded: int
     optional: list[str]
     injected: dict[str, list[int]]
+    capped: int | None = None  # the size cap (bytes) its recording stopped at (dcptool.capped); None: it did not
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
+        if d["capped"] is None:
+            del d["capped"]  # (absent unless a recording stopped at its cap)
         d["config"] = self.config.to_json()
         d["steps"] = list(self.steps) if self.steps else None
         d["ranks"] = {str(k): v for k, v in self.ranks.items()}
@@ -66,4 +69,5 @@ def describe(d: Dump) -> DumpInfo:
                     seq_rows=int(d["rows.seq_lens"].size), dcp_rows=int(d["rows.dcp_local_seq_lens"].size),
                     max_num_reqs=int(d["obs.num_reqs"].max()) if d.n else 0,
                     max_num_reqs_padded=int(d["obs.num_reqs_padded"].max()) if d.n else 0,
-                    optional=[k for k in OPTIONAL if k in d.columns], injected=injected)
+                    optional=[k for k in OPTIONAL if k in d.columns], injected=injected,
+                    capped=next((c for c in d.capped if c is not None), None))

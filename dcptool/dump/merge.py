@@ -129,6 +129,7 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None, stre
                 cols[rk] = np.concatenate([d[rk] for d in dumps])[src]
     return Dump(files=[f for d in dumps for f in d.files], config=cfg, columns=cols, file_index=fidx[order],
                 file_obs=fobs[order], injected=[d.injected[0] for d in dumps], sizes=[d.sizes[0] for d in dumps],
+                capped=[c for d in dumps for c in d.capped],
                 bounded=lazy, idents=[d.idents[0] for d in dumps])
 
 
@@ -145,4 +146,4 @@ def _obs_only(d: Dump) -> Dump:
             parts[key] = (d.maps[key][1], int(v.size)) if key in d.maps else (0, 0)
             cols[key] = np.zeros(0, v.dtype)  # present (for the merge's key list), never read
     return Dump(files=d.files, config=d.config, columns=cols, file_index=d.file_index, file_obs=d.file_obs,
-                injected=d.injected, sizes=d.sizes, idents=d.idents, row_parts=parts)
+                injected=d.injected, sizes=d.sizes, idents=d.idents, row_parts=parts, capped=d.capped)

@@ -20,6 +20,7 @@ from dcptool.dump.schema import (
     _fail,
     _parse_config,
     check_row_values,
+    parse_capped,
     validate_columns,
 )
 from dcptool.dump.stream import _Reader, _Streamed
@@ -35,6 +36,7 @@ class Dump:
     file_index: np.ndarray  # [n] int32: which file each observation came from
     file_obs: np.ndarray  # [n] int64: the observation's index inside its file
     injected: list[dict[str, list[int]] | None] = field(default_factory=list)
+    capped: list[int | None] = field(default_factory=list)  # per file: the size cap its recording stopped at
     sizes: list[int] = field(default_factory=list)  # bytes of each file
     maps: dict[str, tuple] = field(default_factory=dict)  # bounded: key -> (mmap, byte offset, itemsize)
     bounded: bool = False  # scan with bounded memory (pages dropped after each chunk): a dump too big for RAM
@@ -192,6 +194,7 @@ def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
         raise _fail(p, "__metadata__", "must map strings to strings")
     entries = _check_entries(p, header, data_start, size)
     cfg, injected = _parse_config(p, meta)
+    capped = parse_capped(p, meta)
     for key in REQUIRED:
         if key not in entries:
             raise _fail(p, key, "missing")
@@ -242,5 +245,5 @@ def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
         reader = _Reader(p, f, buf, base, entries, before, lambda: check_row_values(p, cfg, cols))
     return Dump(files=[p], config=cfg, columns=_Streamed(cols, reader) if reader else cols,
                 file_index=np.zeros(n, np.int32), file_obs=np.arange(n, dtype=np.int64), injected=[injected],
-                sizes=[size], maps=maps, bounded=bool(bounded), reader=reader,
+                capped=[capped], sizes=[size], maps=maps, bounded=bool(bounded), reader=reader,
                 idents=[(before.st_dev, before.st_ino, size, before.st_mtime_ns)])

@@ -325,6 +325,19 @@ def _check_entries(p: str, header: dict, data_start: int, size: int) -> dict[str
     return entries
 
 
+def parse_capped(p: str, meta: dict) -> int | None:
+    """`dcptool.capped` (written by a Recorder that stopped at its size cap, in its last file): the cap in bytes;
+    None when absent."""
+    raw = meta.get("dcptool.capped")
+    if raw is None:
+        return None
+    c = _loads(p, "dcptool.capped", raw, "not valid JSON")
+    v = c.get("max_bytes") if isinstance(c, dict) else None
+    if type(v) is not int or v < 1:
+        raise _fail(p, "dcptool.capped", "must be a JSON object {\"max_bytes\": an integer >= 1}")
+    return v
+
+
 def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
     fmt = meta.get("dcptool.format")
     if fmt is None:

@@ -350,13 +350,15 @@ def _column(p: str, key: str, v) -> np.ndarray:
 
 
 def write_dump(path: str | os.PathLike, config: DumpConfig, columns: dict[str, np.ndarray],
-               injected: dict | None = None, *, force: bool = True, inputs=()) -> None:
-    """Validate config and columns (so every dump we write reads back) and write them atomically."""
+               injected: dict | None = None, *, force: bool = True, inputs=(),
+               extra_metadata: dict[str, str] | None = None) -> None:
+    """Validate config and columns (so every dump we write reads back) and write them atomically
+    (extra_metadata: more `__metadata__` keys, e.g. `dcptool.capped`)."""
     p = os.fspath(path)
     check_config(p, config, injected)
     cols = {k: _column(p, k, v) for k, v in columns.items()}
     validate_columns(p, config, cols, injected)
-    header, tensors = encode(config, cols, injected)
+    header, tensors = encode(config, cols, injected, extra_metadata)
     atomic_write(path, [header] + [memoryview(a).cast("B") for _, a in tensors if a.nbytes], force=force,
                  inputs=inputs)
 

@@ -242,11 +242,12 @@ class _Groups(tuple):
     __slots__ = ()
 
 
-def _device_slots(positions, slot_mapping, groups: int | None, tensor: type, on: str) -> tuple | None:
+def _device_slots(positions, slot_mapping, kv_groups, tensor: type, on: str, seen) -> tuple | None:
     """positions and slot_mapping as device sections (positions, the slot mapping rows in group order, _Groups):
     the lengths and the groups checked on the host from the shapes (no synchronisation), the values by the
     kernel (negative positions, int32) at harvest. None when any of them is not a tensor of the device path
-    (the host path copies them). Raises what cannot be stored, as _host_slots does."""
+    (the host path copies them). Raises what cannot be stored, as _host_slots does; seen(groups): the groups
+    recorded (kv_groups: the config's, None when not named yet)."""
     if positions is None or slot_mapping is None:
         raise ValueError("positions and slot_mapping go together")
     if not (isinstance(positions, tensor) and getattr(positions, on)):
@@ -270,7 +271,8 @@ def _device_slots(positions, slot_mapping, groups: int | None, tensor: type, on:
                 slot_mapping.numel() != n):
             raise ValueError(f"a slot mapping does not have one value per position ({n})")
         slot = slot_mapping
-    hi = INT32_MAX if groups is None else groups - 1
+    hi = INT32_MAX if kv_groups is None else len(kv_groups) - 1
     if keys and not (0 <= keys[0] and keys[-1] <= hi):
         raise ValueError(f"KV-cache group {keys[0] if keys[0] < 0 else keys[-1]} out of range")
+    seen(keys)
     return positions, slot, _Groups(keys)

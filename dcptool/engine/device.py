@@ -148,8 +148,9 @@ class DevicePath:
         if device < 0:
             device = None  # (the host ring of the CPU tests)
         with self._lock:
-            if w.closed:
-                raise RuntimeError("observe() after close()")
+            if w.stopped:
+                w.refuse()  # (raises after close(); counts it past the size cap)
+                return -1
             index = w.count
             rank, parent, buffer = vals[1], vals[5], vals[10]
             if not 0 <= rank < self._ranks or (parent is not None and parent >= index) or (
@@ -238,17 +239,14 @@ class DevicePath:
                 host = (None, None, _int32(qsl), *self._fast_pad)
         else:
             return None
-        if buf is not None:
-            if type(buf) is not int or not _I64_MIN <= buf <= _I64:
-                return None
-            buffer = buf
         if parent is not None:
             if type(parent) is not int:
                 return None
             if parent < 0:
                 parent = None
         if not (0 <= nr <= nrp <= INT32_MAX and nr <= rows and _I64_MIN <= step <= _I64 and -1 <= ubatch <= INT32_MAX
-                and site in self._site_ok and (graph is None or (type(graph) is int and 0 <= graph <= 3))):
+                and site in self._site_ok and (graph is None or (type(graph) is int and 0 <= graph <= 3))
+                and (buf is None or (type(buf) is int and _I64_MIN <= buf <= _I64))):
             return None
         if rs is not None or ts is not None or te is not None or ntp is not None:
             for v in (rs, ts, te, ntp):
@@ -260,7 +258,7 @@ class DevicePath:
         self._acquire()  # (the lock's acquire/release called directly: 80 ns less than `with`)
         try:
             index = w.count
-            if w.closed or not 0 <= rank < self._ranks or (parent is not None and parent >= index):
+            if w.stopped or not 0 <= rank < self._ranks or (parent is not None and parent >= index):
                 return None
             start = ring.alloc(words)
             if start is None:
@@ -269,8 +267,9 @@ class DevicePath:
             ring.go3(raw, ring.base + 4 * start, index & 0x7FFFFFFF, nr, nrp, self._ksec, words, sp, rows, dp, dn,
                      qp, qn)
             # (a plain tuple in Fields order: the writer reads the values by position; 70 ns less than a Fields)
-            return self._queued(ring, raw, index, start, words, host,
-                                (step, rank, ubatch, nr, nrp, parent, rs, ts, te, ntp, buffer, graph), site)
+            return self._queued(ring, raw, index, start, words, host, (step, rank, ubatch, nr, nrp, parent, rs, ts,
+                                                                       te, ntp, buffer if buf is None else buf, graph),
+                                site)
         finally:
             self._release_lock()
 

@@ -83,6 +83,10 @@ class Recorder:
     once there is room). A Recorder that was never closed is closed at interpreter exit. A killed
     process leaves every file it completed intact, and at most a hidden `.NAME.*.tmp` temporary
     that no reader uses.
+
+    With `max_bytes` the recording stops at that size (checked at each rollover, else every 1,024 observations;
+    it may pass it by that much): the last file's metadata says so (`dcptool.capped`), a RuntimeWarning says so
+    once, and later observations are not recorded (-1, counted in `capped`).
     """
 
     path = _kept_by("_writer", "path", "Where it records: requested_path, or STEM.pPID.SUFFIX where that is held.")
@@ -95,13 +99,16 @@ class Recorder:
     config = _kept_by("_writer", "config", "The DumpConfig written (its sites grow as observations name new ones).")
     cuda_mode = _kept_by("_device", "cuda_mode", '"async" (the snapshot ring) or "sync" (where the ring cannot run).')
     ring_full = _kept_by("_device", "ring_full", 'What a full ring does: "wait" or "drop".')
+    max_bytes = _kept_by("_writer", "max_bytes", "The size cap of the recording in bytes (None: none).")
+    capped = _kept_by("_writer", "capped", "Observations not recorded because the recording reached max_bytes.")
     ring_drops = _kept_by("_device", "ring_drops", 'Device observations dropped because the ring was full ("drop").')
 
     def __init__(self, path: str | os.PathLike, dcp_size: int, cp_interleave: int = 1, *,
                  sites: tuple[str, ...] = (), pcp_size: int = 1, page_size: int | None = None,
                  engine: str | None = None, engine_version: str | None = None, note: str | None = None,
                  rollover: int | None = None, force: bool = False, cuda_mode: str = "async",
-                 ring_bytes: int = DEFAULT_RING_BYTES, ring_full: str = "wait", kv_groups=None):
+                 ring_bytes: int = DEFAULT_RING_BYTES, ring_full: str = "wait", kv_groups=None,
+                 max_bytes: int | None = None):
         config = DumpConfig(dcp_size=dcp_size, cp_interleave=cp_interleave, sites=tuple(sites), pcp_size=pcp_size,
                             page_size=page_size, engine=engine, engine_version=engine_version, note=note,
                             kv_groups=None if kv_groups is None else tuple(KVGroup.of(g) for g in kv_groups))
@@ -110,6 +117,8 @@ class Recorder:
             raise ValueError(f"rollover must be >= 1, got {rollover}")
         if cuda_mode not in ("async", "sync"):
             raise ValueError(f"cuda_mode must be 'async' or 'sync', got {cuda_mode!r}")
+        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):
+            raise ValueError(f"max_bytes must be an integer >= 1, got {max_bytes!r}")
         if ring_full not in ("wait", "drop"):
             raise ValueError(f"ring_full must be 'wait' or 'drop', got {ring_full!r}")
         self._ranks = dcp_size
@@ -122,7 +131,7 @@ class Recorder:
         self._warned = False
         self._fast = None  # observe()'s fast path (DevicePath.observe_fast) once the ring runs with its kernel
         _find_torch()
-        self._writer = w = Writer(path, config, rollover, force, self._lock)
+        self._writer = w = Writer(path, config, rollover, force, self._lock, max_bytes)
         self._append = w.append
         self._device = w.device = DevicePath(self, w, cuda_mode, ring_bytes, ring_full)
         self._observe_device = self._device.observe_device  # (bench_record.py counts its calls by replacing it)
@@ -164,6 +173,9 @@ class Recorder:
             if got is not None:
                 return got
         try:
+            if self._writer.stopped:  # (closed, or past the size cap: nothing to copy)
+                self._writer.refuse()
+                return -1
             slots = _NO_SLOTS if positions is None and slot_mapping is None else None  # None: not copied yet
             # SECTIONS (dump.ROW_FIELDS) order, without the slot entries
             srcs = (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens)
@@ -189,12 +201,8 @@ class Recorder:
                                 tok_stop, num_tokens_padded, buffer, graph)
                 if dev.cuda_mode == "async":
                     if slots is None:  # the slot sections on the device too when they all are (no host copy)
-                        kvg = self._writer.config.kv_groups
-                        slots = _device_slots(positions, slot_mapping, None if kvg is None else len(kvg), _TENSOR, on)
-                        if slots is None:
-                            slots = self._slots(positions, slot_mapping)  # (host-held sections)
-                        else:
-                            self._groups_seen(slots[2])
+                        slots = (_device_slots(positions, slot_mapping, self._writer.config.kv_groups, _TENSOR, on,
+                                               self._groups_seen) or self._slots(positions, slot_mapping))
                     got = self._observe_device(vals, site, (*srcs, *slots))
                     if got is not None:
                         return got
@@ -218,8 +226,9 @@ class Recorder:
         w = self._writer
         with self._lock:
             try:
-                if w.closed:
-                    raise RuntimeError("observe() after close()")
+                if w.stopped:
+                    w.refuse()  # (raises after close(); counts it past the size cap)
+                    return -1
                 _check_own(vals.rank, vals.parent, vals.buffer, w.count, self._ranks)
             except Exception as e:
                 self._drop(e)
@@ -274,8 +283,9 @@ class Recorder:
         w = self._writer
         with self._lock:
             try:
-                if w.closed:
-                    raise RuntimeError("observe() after close()")
+                if w.stopped:
+                    w.refuse(k)
+                    return [-1] * k
                 for i in range(k):
                     _check_own(ranks[i], parents[i], buffers[i], w.count + i, self._ranks)
             except Exception as e:
@@ -293,8 +303,7 @@ class Recorder:
             return _NO_SLOTS
         kvg = self._writer.config.kv_groups
         out = _host_slots(positions, slot_mapping, None if kvg is None else len(kvg))
-        if out[2].size:
-            self._groups_seen((int(out[2][-1]),))
+        self._groups_seen(out[2][-1:].tolist())
         return out
 
     def _groups_seen(self, groups) -> None:

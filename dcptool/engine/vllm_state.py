@@ -15,6 +15,7 @@ from pathlib import Path
 ENV_DIR = "DCPTOOL_RECORD"
 ENV_ROLLOVER = "DCPTOOL_ROLLOVER"
 ENV_UNTESTED = "DCPTOOL_VLLM_UNTESTED"
+ENV_MAX_GB = "DCPTOOL_RECORD_MAX_GB"  # a size cap per rank's recording, in GB (10**9 bytes); unset: none
 DEFAULT_ROLLOVER = 10_000  # observations per file: a long run leaves many closed files, not one open one
 SITES = ("attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft", "prepare_inputs")
 
@@ -167,6 +168,7 @@ def _recorder():
     out.mkdir(parents=True, exist_ok=True)
     path = out / _file_name(rank, dcp_size)
     roll = int(os.environ.get(ENV_ROLLOVER) or DEFAULT_ROLLOVER)
+    cap = os.environ.get(ENV_MAX_GB)
     if list(out.glob(f"{path.stem}.*{path.suffix}")):
         log.warning("dcptool: %s already holds dumps named %s.*; this run replaces them (all of them, when it "
                     "writes its first file), record into an empty directory to keep them", out, path.stem)
@@ -174,6 +176,7 @@ def _recorder():
     sites = _S.tables[0].sites if _S.tables else SITES
     _S.recorder = Recorder(path, dcp_size, il, sites=sites, pcp_size=pcp, page_size=_S.page_size, engine="vllm",
                            engine_version=vllm.__version__, rollover=roll, force=True,
+                           max_bytes=max(1, int(float(cap) * 1e9)) if cap else None,
                            note=f"dcptool.engine.vllm, pid {os.getpid()}; {sites_note(vllm.__version__)}")
     _S.rank = rank
     if not _S.atexit:

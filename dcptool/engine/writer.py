@@ -5,9 +5,11 @@ from __future__ import annotations
 import atexit
 import errno
 import hashlib
+import json
 import os
 import re
 import socket
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -16,6 +18,8 @@ from dcptool.dump import FIELDS, ROW_FIELDS, DumpConfig, DumpError, OutputExists
 from dcptool.engine.arguments import Fields
 from dcptool.engine.ring import FENCE_EVERY, _Slot
 
+CAP_EVERY = 1024  # observations kept between two size checks of a capped recording without rollover
+
 
 class Writer:
     """A Recorder's observations from their index to a file, and the path they go to.
@@ -23,12 +27,13 @@ class Writer:
     Holds `path` on this host for the Recorder's life (a second Recorder for it records beside it), keeps each
     observation (its scalars, site and rows) until it is written, writes `rollover` observations per numbered
     file (all at close() without rollover) and keeps what it could not write for a later retry; a Recorder
-    that was never closed is closed at interpreter exit. The owner (the Recorder, its DevicePath) calls
-    append() and lost() under `lock`; `device` (set by the owner) holds the slots in flight and their copies.
+    that was never closed is closed at interpreter exit. With `max_bytes`, the recording stops at that size
+    (_stop). The owner (the Recorder, its DevicePath) calls append() and lost() under `lock`; `device` (set by
+    the owner) holds the slots in flight and their copies.
     """
 
     def __init__(self, path: str | os.PathLike, config: DumpConfig, rollover: int | None, force: bool,
-                 lock: threading.RLock):
+                 lock: threading.RLock, max_bytes: int | None = None):
         self.requested_path = Path(path)
         self.config = config
         self.rollover = rollover
@@ -50,7 +55,14 @@ class Writer:
         self.count = 0  # observation indices handed out over all files
         self.late = 0  # of them, dropped at harvest
         self._file_start = 0  # global index of the current file's first observation
-        self._retry_at = rollover  # pending observations that trigger the next write
+        self.max_bytes = max_bytes
+        self.bytes = 0  # of the files written
+        self.capped = 0  # observations not recorded because the recording reached max_bytes
+        self.stopped = False  # closed, or max_bytes reached: nothing more is recorded
+        self._meta: dict[str, str] | None = None  # the last file's `dcptool.capped` once max_bytes is reached
+        self._est = (0, 0)  # (kept observations sized, their estimated bytes): the size cap's running estimate
+        self._every = rollover or (CAP_EVERY if max_bytes is not None else sys.maxsize)
+        self._retry_at = self._every  # pending observations that trigger the next write (or size check)
         self._warned_write = False
         self.closed = False
         atexit.register(self._at_exit)
@@ -61,9 +73,49 @@ class Writer:
         self._sites.append(site)
         self._rows.append(row)
         self.count += 1
-        if self.rollover is not None and len(self._sites) >= self._retry_at:
-            self._flush(raise_errors=False)
+        if len(self._sites) >= self._retry_at:
+            self._due()
         return self.count - 1
+
+    def _due(self) -> None:
+        """Under the lock: a file is full (rollover), or a capped recording's size is to be checked."""
+        if self.max_bytes is not None and self.bytes + self._kept_bytes() >= self.max_bytes:
+            self._stop()
+        elif self.rollover is not None:
+            self._flush(raise_errors=False)
+        else:
+            self._retry_at = len(self._sites) + CAP_EVERY
+
+    def _kept_bytes(self) -> int:
+        """The kept observations' bytes in a file, estimated (their rows, or their ring slots, and ~100 bytes of
+        scalars each), adding the observations kept since the last call."""
+        k, b = self._est
+        for r in self._rows[k:]:
+            b += 100 + (4 * r[2] if type(r) is _Slot else 0 if r is None else
+                        sum(a.nbytes for a in r if a is not None))
+        self._est = (len(self._rows), b)
+        return b
+
+    def _stop(self) -> None:
+        """Under the lock: the recording reached max_bytes. What is kept is written as its last file, whose
+        metadata says so (`dcptool.capped`); observe() records nothing more and counts what it refuses."""
+        self.stopped = True
+        self._meta = {"dcptool.capped": json.dumps({"max_bytes": self.max_bytes})}
+        try:
+            self.device.harvest(wait=True)  # (once: the slots in flight land, so the last file holds them)
+        except Exception as e:
+            self.device.abandon(e)
+        warnings.warn(f"dcptool Recorder: the recording reached its size cap ({self.max_bytes:,} bytes: max_bytes=, "
+                      "DCPTOOL_RECORD_MAX_GB); it records nothing more (counted in `capped`)", RuntimeWarning,
+                      stacklevel=5)
+        self._flush(raise_errors=False)
+
+    def refuse(self, n: int = 1) -> None:
+        """observe() once nothing more is recorded: RuntimeError after close(), else (the size cap) count them."""
+        if self.closed:
+            raise RuntimeError("observe() after close()")
+        with self._lock:
+            self.capped += n
 
     def lost(self, index: int) -> None:
         """Under the lock: observation `index` (not written yet) is dropped after all (its device values)."""
@@ -193,7 +245,9 @@ class Writer:
         if not replace and os.path.lexists(target):  # someone else wrote our file: never replace it
             self._claim(False, taken=f"{target} was written by another writer")
             target = self._target()
-        write_dump(target, self.config, cols, injected)
+        write_dump(target, self.config, cols, injected, extra_metadata=self._meta)
+        self.bytes += os.path.getsize(target)
+        self._est = (0, 0)
         self._stale = []
         self.files.append(target)
         self._file_start += n
@@ -230,7 +284,7 @@ class Writer:
                 warnings.warn(f"dcptool Recorder could not write ({e}); keeping the observations and retrying "
                               "at the next rollover and at close()", RuntimeWarning, stacklevel=4)
             return
-        self._retry_at = self.rollover
+        self._retry_at = self._every
 
     def close(self) -> list[Path]:
         """Recorder.close(): write what is left once the device values in flight have landed."""
@@ -243,7 +297,7 @@ class Writer:
                 self.device.abandon(e)
             if self._sites or not self.files:
                 self._flush(raise_errors=True)
-            self.closed = True
+            self.closed = self.stopped = True
             self._release()
             atexit.unregister(self._at_exit)
             return self.files
@@ -251,7 +305,7 @@ class Writer:
     def discard(self) -> None:
         """Recorder.discard(): write nothing more, not even at exit."""
         self._vals, self._sites, self._rows = [], [], []
-        self.closed = True
+        self.closed = self.stopped = True
         atexit.unregister(self._at_exit)
 
     def _at_exit(self) -> None:

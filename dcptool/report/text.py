@@ -369,6 +369,9 @@ def render_inspect(info, console: Console) -> None:
     t.add_row("rows", f"{info.seq_rows:,} seq_lens rows, {info.dcp_rows:,} DCP rows, num_reqs max {info.max_num_reqs}, "
                       f"num_reqs_padded max {info.max_num_reqs_padded}")
     t.add_row("optional columns", ", ".join(info.optional) or "none")
+    if info.capped is not None:
+        t.add_row("size cap", lit(f"the recording stopped at its size cap of {info.capped:,} bytes: later "
+                                  "observations were not recorded"))
     if info.injected:
         t.add_row("injected", lit(", ".join(f"{k} ({len(v)} obs)" for k, v in info.injected.items())))
     show_table(console, t)

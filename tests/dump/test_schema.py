@@ -265,3 +265,19 @@ def test_slot_columns_go_together(tmp_path):
     save_file(cols, p, metadata=meta)
     r = cli("replay", p)
     assert r.returncode == 2 and "rows.slot_group: missing (it goes with obs.slots)" in r.stderr
+
+
+@pytest.mark.parametrize("value, ok", [('{"max_bytes": 4000000000}', True), ('{"max_bytes": 0}', False),
+                                       ('{"max_bytes": 1.5}', False), ('[1]', False), ("{", False),
+                                       ('{"max_bytes": true}', False)])
+def test_dcptool_capped_is_validated(tmp_path, value, ok):
+    """`dcptool.capped` (a Recorder that stopped at its size cap): {"max_bytes": an integer >= 1}, else refused."""
+    cfg, cols = pack([obs()], DumpConfig(dcp_size=2, sites=("attn_metadata",)))
+    write_dump(tmp_path / "c.safetensors", cfg, cols, extra_metadata={"dcptool.capped": value})
+    if ok:
+        assert read_dump(tmp_path / "c.safetensors").capped == [4000000000]
+    else:
+        with pytest.raises(DumpError, match="dcptool.capped"):
+            read_dump(tmp_path / "c.safetensors")
+    write_dump(tmp_path / "d.safetensors", cfg, cols)
+    assert read_dump(tmp_path / "d.safetensors").capped == [None]

@@ -51,3 +51,14 @@ def test_a_failure_while_recording_never_reaches_the_engine(tmp_path):
     assert out["results"] == [{"num_reqs": 2, "dcp": [9, 13]}] * 2
     assert out["stderr"].count("dcptool: vLLM recording disabled") == 1 and "AttributeError" in out["stderr"]
     assert out["files"] == []
+
+
+def test_dcptool_record_max_gb_caps_the_recording(tmp_path):
+    body = """
+    ps._DCP = ps.Group(2, 1)
+    for _ in range(5):
+        build(batch(view=(8, 12, 0, 0)), NONE)
+    """
+    out = run_case(tmp_path, body, env={"DCPTOOL_ROLLOVER": "2", "DCPTOOL_RECORD_MAX_GB": "1e-9"})
+    assert [os.path.basename(f) for f in out["files"]] == ["rank1.00000.safetensors"]
+    assert out["dump"].n == 2 and out["dump"].capped == [1] and "size cap" in out["stderr"]

@@ -1,5 +1,5 @@
 """The Recorder's writer (writer.py): rollover, one recording per path, no file replaced that another wrote,
-the columns pack() writes, a rollover waiting for the device values of its file."""
+the columns pack() writes, a rollover waiting for the device values of its file, the size cap."""
 
 import warnings
 
@@ -147,3 +147,73 @@ def test_rollover_waits_for_the_slots_of_its_file(tmp_path, monkeypatch):
     files = rec.close()
     d = open_dumps(files)
     assert d.n == 80 and d["rows.seq_lens"].tolist() == list(range(80)) and rec.write_errors == 0
+
+
+# --------------------------------------------------------------------------------------------
+# The size cap (issue 26 item 5): max_bytes=, DCPTOOL_RECORD_MAX_GB in the plugin
+
+
+def _observe_n(rec, n: int, start: int = 0) -> list[int]:
+    return [rec.observe(step=k, site="attn_metadata", rank=0, seq_lens=np.full(64, k + 1), num_reqs=64,
+                        num_reqs_padded=64, dcp_local_seq_lens=np.full(64, k)) for k in range(start, start + n)]
+
+
+def test_the_size_cap_stops_at_a_rollover_and_says_so_once(tmp_path):
+    """Past max_bytes the recorder writes what it holds as its last file (dcptool.capped in its metadata, shown by
+    inspect), warns once and records nothing more, counting what it refuses; earlier files carry no marker."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from dcptool.dump import describe
+    from dcptool.report.text import inspect_json, render_inspect
+
+    per = 64 * 4 * 2 + 100  # (the writer's estimate of one observation: its rows and ~100 bytes of scalars)
+    rec = Recorder(tmp_path / "run.safetensors", dcp_size=2, rollover=10, max_bytes=25 * per)
+    with pytest.warns(RuntimeWarning, match="size cap") as caught:
+        got = _observe_n(rec, 50)
+    assert len([w for w in caught if "size cap" in str(w.message)]) == 1
+    assert got == list(range(30)) + [-1] * 20 and rec.capped == 20 and rec.dropped == 0 and len(rec) == 30
+    files = rec.close()
+    assert [f.name for f in files] == [f"run.0000{i}.safetensors" for i in range(3)] and rec.capped == 20
+    assert [read_dump(f).capped for f in files] == [[None], [None], [25 * per]]
+    d = open_dumps([str(f) for f in files])
+    assert d.n == 30 and d.capped == [None, None, 25 * per] and d["obs.step"].tolist() == list(range(30))
+    info = describe(d)
+    assert info.capped == 25 * per and '"capped": ' + str(25 * per) in inspect_json(info)
+    out = StringIO()
+    render_inspect(info, Console(file=out, width=200))
+    assert f"stopped at its size cap of {25 * per:,} bytes" in out.getvalue()
+    assert "capped" not in inspect_json(describe(read_dump(files[0])))  # (absent unless it stopped)
+
+
+def test_the_size_cap_without_rollover_checks_every_1024_observations(tmp_path):
+    with pytest.warns(RuntimeWarning, match="size cap"):
+        with Recorder(tmp_path / "one.safetensors", dcp_size=2, max_bytes=1) as rec:
+            got = _observe_n(rec, 1100)
+            with pytest.raises(ValueError, match="max_bytes"):
+                Recorder(tmp_path / "x.safetensors", dcp_size=2, max_bytes=0)
+    assert got == list(range(1024)) + [-1] * 76 and rec.capped == 76
+    assert rec.files == [tmp_path / "one.safetensors"] and read_dump(rec.files[0]).n == 1024
+    assert read_dump(rec.files[0]).capped == [1]
+    with pytest.warns(RuntimeWarning, match="after close"):
+        assert rec.observe(step=0, site="x", rank=0, seq_lens=[1], num_reqs=1, num_reqs_padded=1) == -1
+    assert rec.capped == 76 and rec.dropped == 1  # after close(): dropped, as before
+
+
+@hostring
+@pytest.mark.kernel
+def test_the_size_cap_on_the_device_path(tmp_path):
+    """The device path (fast and general) stops too: the slots in flight land in the last file, later observations
+    are refused without a launch."""
+    rec = Recorder(tmp_path / "dev.safetensors", dcp_size=2, rollover=8, max_bytes=1)
+    ring = rec._device.use_host_ring()
+    seq = torch.arange(1, 9, dtype=torch.int32)
+    kw = dict(site="attn_metadata", rank=0, seq_lens=seq, num_reqs=8, num_reqs_padded=8, dcp_local_seq_lens=seq // 2)
+    with pytest.warns(RuntimeWarning, match="size cap"):
+        got = [rec.observe(step=k, **kw) for k in range(12)]
+    got.append(rec.observe(step=12, **kw, positions=torch.arange(3), slot_mapping=torch.arange(3)))
+    assert got == list(range(8)) + [-1] * 5 and rec.capped == 5 and not ring.pending
+    files = rec.close()
+    d = read_dump(files[0])
+    assert len(files) == 1 and d.n == 8 and d.capped == [1] and d.seq_lens_of(7).tolist() == list(range(1, 9))
