@@ -219,7 +219,8 @@ class Recorder:
             seq, qsl = _batch(seq_lens, vals.num_reqs, vals.num_reqs_padded, query_start_loc)
             row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages), _host_fast(dcp_query_start_loc),
                    _nonneg(_host_fast(dcp_tot_seq_lens), "dcp_tot_seq_lens"), *slots)
-            _check_shared(vals, site, self._site_ok, None if row[3] is None else row[3].size, seq.size, self._writer.config.page_size)
+            _check_shared(vals, site, self._site_ok, None if row[3] is None else row[3].size, seq.size,
+                          self._writer.config.page_size)
         except Exception as e:  # never break the engine
             self._drop(e)
             return -1
@@ -276,7 +277,8 @@ class Recorder:
             parents = [_opt(p, "parent") for p in parents]
             parents = [None if p is None or p < 0 else p for p in parents]
             buffers = [_opt(b, "buffer") for b in buffers]
-            _check_shared(common, site, self._site_ok, None if kv is None else kv.shape[1], seq.size, self._writer.config.page_size)
+            _check_shared(common, site, self._site_ok, None if kv is None else kv.shape[1], seq.size,
+                          self._writer.config.page_size)
         except Exception as e:
             self._drop(e, k)
             return [-1] * k
