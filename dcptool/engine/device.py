@@ -189,7 +189,7 @@ class DevicePath:
         return index
 
     def observe_fast(self, step, site, rank, seq, nr, nrp, dcp, ubatch, parent, rs, ts, te, qsl, ntp,
-                     graph, buf) -> int | None:
+                     graph, buf=None) -> int | None:
         """observe() for what an engine passes each step, once the ring runs: seq_lens (and dcp_local_seq_lens,
         query_start_loc when given) contiguous int32 tensors on the ring's device, or query_start_loc a 1-D numpy
         array (held on the host), plain int scalars (`buf`: buffer=, None: dcp's storage), no other row column.
