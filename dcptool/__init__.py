@@ -1,7 +1,7 @@
 """dcptool: replay and debug decode-context-parallel (DCP) metadata recorded from serving engines."""
 
 __version__ = "0.1.0"
-__all__ = ["DcptoolError", "DumpConfig", "DumpError", "Observation", "Recorder", "__version__"]
+__all__ = ["DcptoolError", "DumpConfig", "DumpError", "Guard", "Observation", "Recorder", "__version__"]
 
 
 def __getattr__(name: str):
@@ -18,4 +18,8 @@ def __getattr__(name: str):
         from dcptool.engine.record import Recorder
 
         return Recorder
+    if name == "Guard":
+        from dcptool.engine.guard import Guard
+
+        return Guard
     raise AttributeError(name)

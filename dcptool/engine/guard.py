@@ -1,0 +1,142 @@
+"""The Guard: each observation checked as it is made, the last `keep` kept, a v1 dump written on the first wrong one."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections import deque
+from pathlib import Path
+
+from dcptool.dump.schema import KVGroup
+from dcptool.engine.arguments import _host, _host_slots, buffer_id
+from dcptool.engine.guard_ref import Spec, first_wrong
+from dcptool.engine.record import Recorder
+
+ON_WRONG = ("dump", "raise", "count")
+_ARRAYS = ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "kv_pages", "dcp_query_start_loc",
+           "dcp_tot_seq_lens", "positions")
+
+
+class GuardError(RuntimeError):
+    """on_wrong="raise": a wrong observation was seen (raised at the next observe() or at close())."""
+
+
+class Guard:
+    """Check each observation as it is made and keep the last `keep` (the flight recorder); on the first wrong one
+    write them, the wrong one last, as a standard v1 dump in `dir` (once) and warn in one line naming the file.
+
+    A clean run writes nothing. `on_wrong`: "dump" (default), "raise" (GuardError at the next observe() after the
+    wrong one was seen, and at close()), "count" (only `wrong` counts). `observe()` takes exactly
+    Recorder.observe's keywords and returns the observation's index in the Guard's stream (-1: dropped, as the
+    Recorder drops); the other keywords (`pcp_size`, `page_size`, `kv_groups`, `sites`, `engine`...) are the
+    Recorder's and go into the dump. This is the host path: CPU tensors and numpy arrays are copied and checked
+    with the numpy reference (engine.guard_ref), per observation.
+    """
+
+    def __init__(self, dir: str | os.PathLike, dcp_size: int, cp_interleave: int = 1, keep: int = 64,
+                 on_wrong: str = "dump", **recorder_kw):
+        if on_wrong not in ON_WRONG:
+            raise ValueError(f"on_wrong must be one of {ON_WRONG}, got {on_wrong!r}")
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.dir = Path(dir)
+        self.keep = keep
+        self.on_wrong = on_wrong
+        self._kw = dict(recorder_kw, dcp_size=dcp_size, cp_interleave=cp_interleave)
+        groups = recorder_kw.get("kv_groups")
+        groups = None if groups is None else tuple(KVGroup.of(g) for g in groups)
+        self._ngroups = None if groups is None else len(groups)
+        self._spec = Spec(dcp_size, cp_interleave, recorder_kw.get("page_size"),
+                          None if groups is None else tuple(g.dcp for g in groups))
+        self._ring: deque = deque(maxlen=keep)  # (index, keywords with host copies)
+        self._lock = threading.Lock()
+        self.count = 0  # observations seen
+        self.wrong = 0  # wrong observations seen
+        self.dropped = 0  # observations that could not be checked (a value a dump cannot hold)
+        self.first_rule: str | None = None  # what the first wrong observation broke (a replay rule name)
+        self.first_index = -1  # its index in the Guard's stream
+        self.dumped: Path | None = None  # the dump written, once
+        self._raised = False
+        self.closed = False
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def observe(self, *, step: int, site: str, rank: int, seq_lens, num_reqs: int, num_reqs_padded: int,
+                dcp_local_seq_lens=None, ubatch: int = -1, parent: int | None = None, req_start: int | None = None,
+                tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
+                num_tokens_padded: int | None = None, buffer: int | None = None, graph: int | str | None = None,
+                kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None, positions=None,
+                slot_mapping=None) -> int:
+        """Check one attention-metadata build and keep it; its index in this Guard's stream, -1 if dropped."""
+        self._poll()
+        kw = dict(step=step, site=site, rank=rank, seq_lens=seq_lens, num_reqs=num_reqs,
+                  num_reqs_padded=num_reqs_padded, dcp_local_seq_lens=dcp_local_seq_lens, ubatch=ubatch,
+                  parent=parent, req_start=req_start, tok_start=tok_start, tok_stop=tok_stop,
+                  query_start_loc=query_start_loc, num_tokens_padded=num_tokens_padded, buffer=buffer, graph=graph,
+                  kv_pages=kv_pages, dcp_query_start_loc=dcp_query_start_loc, dcp_tot_seq_lens=dcp_tot_seq_lens,
+                  positions=positions, slot_mapping=slot_mapping)
+        try:
+            if buffer is None and hasattr(dcp_local_seq_lens, "untyped_storage"):
+                kw["buffer"] = buffer_id(dcp_local_seq_lens)  # the engine's buffer, not the copy's
+            for k in _ARRAYS:  # private copies: the engine reuses its buffers
+                kw[k] = _host(kw[k])
+            if slot_mapping is not None:
+                kw["slot_mapping"] = ({g: _host(m) for g, m in slot_mapping.items()} if isinstance(slot_mapping, dict)
+                                      else _host(slot_mapping).reshape(-1, kw["positions"].size))
+            slots = ((None,) * 3 if positions is None and slot_mapping is None
+                     else _host_slots(kw["positions"], kw["slot_mapping"], self._ngroups))
+            rule = first_wrong(self._spec, int(rank), int(num_reqs), int(num_reqs_padded), kw["seq_lens"],
+                               kw["dcp_local_seq_lens"], kw["query_start_loc"], kw["kv_pages"],
+                               kw["dcp_query_start_loc"], kw["dcp_tot_seq_lens"], slots)
+        except Exception:  # never break the engine
+            with self._lock:
+                self.dropped += 1
+            return -1
+        with self._lock:
+            i = self.count
+            self.count += 1
+            self._ring.append((i, kw))
+            if rule is not None:
+                self.wrong += 1
+                if self.first_rule is None:
+                    self.first_rule, self.first_index = rule, i
+                    if self.on_wrong == "dump":
+                        self._dump()
+        return i
+
+    def _poll(self) -> None:
+        """on_wrong="raise": raise once the flag is seen (the host path sees it as it is set)."""
+        if self.on_wrong == "raise" and self.first_rule is not None and not self._raised:
+            self._raised = True
+            raise GuardError(f"dcptool Guard: a wrong observation ({self.first_rule})")
+
+    def _dump(self) -> None:
+        """Write the ring (the wrong observation last) as a v1 dump through a Recorder; parents outside it dropped."""
+        kept = list(self._ring)
+        step = kept[-1][1]["step"]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"guard.{os.getpid()}.step{step}.safetensors"
+        at = {i: j for j, (i, _) in enumerate(kept)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a held path: the Recorder picks another name and says so)
+            rec = Recorder(path, **self._kw)
+            for _, kw in kept:
+                p = kw["parent"]
+                rec.observe(**dict(kw, parent=None if p is None or p < 0 else at.get(p)))
+            files = rec.close()
+        self.dumped = files[0] if files else rec.path
+        warnings.warn(f"dcptool Guard: wrong DCP metadata ({self.first_rule}) at step {step}: the last {len(kept)} "
+                      f"observations are in {self.dumped}", RuntimeWarning, stacklevel=3)
+
+    def close(self) -> Path | None:
+        """Stop; returns the dump written (None: a clean run). on_wrong="raise": raises if it has not yet."""
+        self.closed = True
+        self._ring.clear()
+        self._poll()
+        return self.dumped
+
