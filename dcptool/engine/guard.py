@@ -9,7 +9,7 @@ from collections import deque
 from pathlib import Path
 
 from dcptool.dump.schema import KVGroup
-from dcptool.engine.arguments import _host, _host_slots, buffer_id
+from dcptool.engine.arguments import _host, _host_slots, _scalars, buffer_id, tensor_type
 from dcptool.engine.guard_ref import Spec, first_wrong
 from dcptool.engine.record import Recorder
 
@@ -30,12 +30,20 @@ class Guard:
     wrong one was seen, and at close()), "count" (only `wrong` counts). `observe()` takes exactly
     Recorder.observe's keywords and returns the observation's index in the Guard's stream (-1: dropped, as the
     Recorder drops); the other keywords (`pcp_size`, `page_size`, `kv_groups`, `sites`, `engine`...) are the
-    Recorder's and go into the dump. This is the host path: CPU tensors and numpy arrays are copied and checked
-    with the numpy reference (engine.guard_ref), per observation.
+    Recorder's and go into the dump.
+
+    CPU tensors and numpy arrays are copied and checked with the numpy reference (engine.guard_ref). CUDA tensors
+    (and CPU tensors with `kernel=True`, under the Triton interpreter) take one launch of the check kernel
+    (engine.guard_dev): the device ring keeps the last `keep`, a wrong one sets a flag in pinned host memory and
+    freezes the ring; observe() reads the flag without a sync and, once set, waits for the stream and writes the
+    dump. The index observe() returns counts the host's calls (a captured launch replayed by a graph has its own
+    index on the device, not one the host saw). Slots: max_rows / max_tokens, or sized from the first observation
+    (guard_dev.GuardDevice says what a larger one does).
     """
 
     def __init__(self, dir: str | os.PathLike, dcp_size: int, cp_interleave: int = 1, keep: int = 64,
-                 on_wrong: str = "dump", **recorder_kw):
+                 on_wrong: str = "dump", *, max_rows: int | None = None, max_tokens: int | None = None,
+                 kernel: bool | None = None, **recorder_kw):
         if on_wrong not in ON_WRONG:
             raise ValueError(f"on_wrong must be one of {ON_WRONG}, got {on_wrong!r}")
         if keep < 1:
@@ -54,11 +62,17 @@ class Guard:
         self.count = 0  # observations seen
         self.wrong = 0  # wrong observations seen
         self.dropped = 0  # observations that could not be checked (a value a dump cannot hold)
+        self.skipped_capture = 0  # captured before the ring existed (guard_dev.GuardDevice)
         self.first_rule: str | None = None  # what the first wrong observation broke (a replay rule name)
         self.first_index = -1  # its index in the Guard's stream
         self.dumped: Path | None = None  # the dump written, once
+        self.dump_dropped = 0
         self._raised = False
         self.closed = False
+        self._sizes = (max_rows, max_tokens)
+        self._kernel = kernel  # None: CUDA tensors take the kernel; True: CPU tensors too (the Triton interpreter)
+        self._dev = None  # guard_dev.GuardDevice, made at the first device observation
+        self._tensor = tensor_type()
 
     def __enter__(self) -> Guard:
         return self
@@ -74,6 +88,11 @@ class Guard:
                 slot_mapping=None) -> int:
         """Check one attention-metadata build and keep it; its index in this Guard's stream, -1 if dropped."""
         self._poll()
+        if type(seq_lens) is self._tensor and (seq_lens.is_cuda if self._kernel is None else self._kernel):
+            return self._observe_device(step, site, rank, seq_lens, num_reqs, num_reqs_padded, dcp_local_seq_lens,
+                                        ubatch, parent, req_start, tok_start, tok_stop, query_start_loc,
+                                        num_tokens_padded, buffer, graph, kv_pages, dcp_query_start_loc,
+                                        dcp_tot_seq_lens, positions, slot_mapping)
         kw = dict(step=step, site=site, rank=rank, seq_lens=seq_lens, num_reqs=num_reqs,
                   num_reqs_padded=num_reqs_padded, dcp_local_seq_lens=dcp_local_seq_lens, ubatch=ubatch,
                   parent=parent, req_start=req_start, tok_start=tok_start, tok_stop=tok_stop,
@@ -109,15 +128,69 @@ class Guard:
                         self._dump()
         return i
 
+    def _observe_device(self, step, site, rank, seq_lens, num_reqs, num_reqs_padded, dcp, ubatch, parent, req_start,
+                        tok_start, tok_stop, qsl, num_tokens_padded, buffer, graph, kv, dqsl, tot, positions,
+                        slot_mapping) -> int:
+        """One launch of the check kernel; nothing read back."""
+        try:
+            if buffer is None and dcp is not None:
+                buffer = buffer_id(dcp)
+            vals = _scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start, tok_stop,
+                            num_tokens_padded, buffer, graph)
+            with self._lock:
+                if self._dev is None:
+                    import torch
+
+                    from dcptool.engine.guard_dev import GuardDevice
+
+                    self._dev = GuardDevice(torch, seq_lens.device, self.keep, self._spec, *self._sizes)
+                i = -1
+                if self._dev.launch(vals, site, seq_lens, dcp, qsl, kv, dqsl, tot, positions, slot_mapping):
+                    i = self.count
+                    self.count += 1
+        except Exception:  # never break the engine
+            with self._lock:
+                self.dropped += 1
+            return -1
+        if i < 0:
+            with self._lock:
+                self.skipped_capture += 1
+            return -1
+        if dcp is None and self._spec.dcp_size > 1 and self.first_rule is None:
+            self.first_rule = "missing"  # the host knows it now; the dump waits for the kernel's ring (_poll)
+        return i
+
     def _poll(self) -> None:
-        """on_wrong="raise": raise once the flag is seen (the host path sees it as it is set)."""
+        """Read the device flag (no sync); on the first wrong observation dump the ring (on_wrong="dump");
+        on_wrong="raise": raise once the flag is seen."""
+        dev = self._dev
+        if dev is not None and self.first_index < 0 and (dev.wrong_seen() or self.first_rule is not None):
+            self._from_device()
         if self.on_wrong == "raise" and self.first_rule is not None and not self._raised:
             self._raised = True
             raise GuardError(f"dcptool Guard: a wrong observation ({self.first_rule})")
 
-    def _dump(self) -> None:
-        """Write the ring (the wrong observation last) as a v1 dump through a Recorder; parents outside it dropped."""
-        kept = list(self._ring)
+    def _from_device(self) -> None:
+        """The flag is set: wait for the stream, read the frozen ring (the wrong observation last), dump it."""
+        with self._lock:
+            kept, _, self.wrong = self._dev.kept()
+            if not kept or not kept[-1][1]:  # (nothing wrong in the ring)
+                return
+            from dcptool.engine.guard_dev import rule_of
+
+            self.first_index, bits = kept[-1][0], kept[-1][1]
+            self.first_rule = rule_of(bits)
+            if self.on_wrong == "dump":
+                self._dump([(i, kw) for i, _, kw in kept if kw is not None], kept[-1][2] is None)
+
+    def _dump(self, kept: list | None = None, lost: bool = False) -> None:
+        """Write the ring (the wrong observation last) as a v1 dump through a Recorder; parents outside it dropped.
+        `lost`: the wrong one was larger than its slot (the ring could not grow): the dump ends before it."""
+        kept = list(self._ring) if kept is None else kept
+        if not kept:
+            warnings.warn(f"dcptool Guard: wrong DCP metadata ({self.first_rule}), larger than the ring's slots: "
+                          "nothing kept to write", RuntimeWarning, stacklevel=3)
+            return
         step = kept[-1][1]["step"]
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"guard.{os.getpid()}.step{step}.safetensors"
@@ -129,12 +202,18 @@ class Guard:
                 p = kw["parent"]
                 rec.observe(**dict(kw, parent=None if p is None or p < 0 else at.get(p)))
             files = rec.close()
+        self.dump_dropped = rec.dropped  # (observations the dump could not hold: none expected)
         self.dumped = files[0] if files else rec.path
-        warnings.warn(f"dcptool Guard: wrong DCP metadata ({self.first_rule}) at step {step}: the last {len(kept)} "
+        where = f"after step {step} (the wrong one was larger than the ring's slots)" if lost else f"at step {step}"
+        warnings.warn(f"dcptool Guard: wrong DCP metadata ({self.first_rule}) {where}: the last {len(kept)} "
                       f"observations are in {self.dumped}", RuntimeWarning, stacklevel=3)
 
     def close(self) -> Path | None:
         """Stop; returns the dump written (None: a clean run). on_wrong="raise": raises if it has not yet."""
+        if self._dev is not None and not self.closed:
+            self.count, self.wrong = self._dev.counts()  # (waits for the stream)
+            if self.first_index < 0 and (self._dev.wrong_seen() or self.first_rule is not None):
+                self._from_device()
         self.closed = True
         self._ring.clear()
         self._poll()
