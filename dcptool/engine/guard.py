@@ -52,11 +52,11 @@ class Guard:
         self.keep = keep
         self.on_wrong = on_wrong
         self._kw = dict(recorder_kw, dcp_size=dcp_size, cp_interleave=cp_interleave)
-        groups = recorder_kw.get("kv_groups")
-        groups = None if groups is None else tuple(KVGroup.of(g) for g in groups)
-        self._ngroups = None if groups is None else len(groups)
-        self._spec = Spec(dcp_size, cp_interleave, recorder_kw.get("page_size"),
-                          None if groups is None else tuple(g.dcp for g in groups))
+        self._spec = Spec(dcp_size, cp_interleave, recorder_kw.get("page_size"), None)
+        self._dev = None  # guard_dev.GuardDevice, made at the first device observation
+        self._ngroups = None
+        if recorder_kw.get("kv_groups") is not None:
+            self.set_kv_groups(recorder_kw["kv_groups"])
         self._ring: deque = deque(maxlen=keep)  # (index, keywords with host copies)
         self._lock = threading.Lock()
         self.count = 0  # observations seen
@@ -71,8 +71,27 @@ class Guard:
         self.closed = False
         self._sizes = (max_rows, max_tokens)
         self._kernel = kernel  # None: CUDA tensors take the kernel; True: CPU tensors too (the Triton interpreter)
-        self._dev = None  # guard_dev.GuardDevice, made at the first device observation
         self._tensor = tensor_type()
+
+    def set_kv_groups(self, kv_groups) -> None:
+        """Name the KV-cache groups (and whether DCP shards each), as Recorder.set_kv_groups: for the slot checks
+        and the dump's config."""
+        groups = tuple(KVGroup.of(g) for g in kv_groups)
+        self._kw["kv_groups"] = groups
+        self._ngroups = len(groups)
+        self._set_spec(self._spec._replace(sharded=tuple(g.dcp for g in groups)))
+
+    def set_page_size(self, page_size: int) -> int:
+        """Set the page size (the pages check and the dump's config) if none was given; returns the one in use."""
+        if self._spec.page_size is None:
+            self._kw["page_size"] = page_size
+            self._set_spec(self._spec._replace(page_size=page_size))
+        return self._spec.page_size
+
+    def _set_spec(self, spec) -> None:
+        self._spec = spec
+        if self._dev is not None:  # (launches captured before keep what they were captured with)
+            self._dev.spec = spec
 
     def __enter__(self) -> Guard:
         return self

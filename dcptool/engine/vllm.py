@@ -32,6 +32,7 @@ from dcptool.engine.vllm_state import (
     _S,
     DEFAULT_ROLLOVER,
     ENV_DIR,
+    ENV_GUARD,
     ENV_ROLLOVER,
     ENV_UNTESTED,
     SITES,
@@ -43,15 +44,16 @@ from dcptool.engine.vllm_state import (
 )
 from dcptool.engine.vllm_tables import TABLES, TESTED, Table, _Finder, _hooked_modules, _patch, tables_for
 
-__all__ = ["DEFAULT_ROLLOVER", "ENV_DIR", "ENV_ROLLOVER", "ENV_UNTESTED", "SITES", "TABLES", "TESTED", "Table", "close",
-           "register", "sites_note", "step", "tables_for"]
+__all__ = ["DEFAULT_ROLLOVER", "ENV_DIR", "ENV_GUARD", "ENV_ROLLOVER", "ENV_UNTESTED", "SITES", "TABLES", "TESTED",
+           "Table", "close", "register", "sites_note", "step", "tables_for"]
 
 
 def register() -> None:
-    """vLLM's plugin entry point (every process). Does nothing unless DCPTOOL_RECORD is set."""
-    if _S.registered or not os.environ.get(ENV_DIR):
+    """vLLM's plugin entry point (every process). Does nothing unless DCPTOOL_RECORD or DCPTOOL_GUARD is set."""
+    if _S.registered or not (os.environ.get(ENV_DIR) or os.environ.get(ENV_GUARD)):
         return
     _S.registered = True
+    _S.guarding = not os.environ.get(ENV_DIR)
     try:
         import vllm
 

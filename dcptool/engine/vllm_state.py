@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 ENV_DIR = "DCPTOOL_RECORD"
+ENV_GUARD = "DCPTOOL_GUARD"  # the Guard instead of the Recorder (DCPTOOL_RECORD wins when both are set)
 ENV_ROLLOVER = "DCPTOOL_ROLLOVER"
 ENV_UNTESTED = "DCPTOOL_VLLM_UNTESTED"
 ENV_MAX_GB = "DCPTOOL_RECORD_MAX_GB"  # a size cap per rank's recording, in GB (10**9 bytes); unset: none
@@ -27,7 +28,8 @@ class _State:
     active = False  # hooks record only while True; False after any failure
     warned = False
     step = -1
-    recorder = None
+    recorder = None  # the Recorder, or the Guard (DCPTOOL_GUARD)
+    guarding = False  # DCPTOOL_GUARD (set by register(): builds inside capture are checked, not skipped)
     rank = None
     interleave: int | None = None
     block_tables = None  # the runner's BlockTables, once seen (slot mappings' KV-cache groups: issue 15)
@@ -164,6 +166,12 @@ def _recorder():
             pcp = int(ps.get_pcp_group().world_size)
     except Exception:
         pass
+    sites = _S.tables[0].sites if _S.tables else SITES
+    if not os.environ.get(ENV_DIR):
+        return _guard(dcp_size, rank, il, pcp, sites, vllm.__version__)
+    if os.environ.get(ENV_GUARD):
+        log.warning("dcptool: %s and %s are both set: recording everything (the recording holds all the Guard "
+                    "checks); %s is ignored", ENV_DIR, ENV_GUARD, ENV_GUARD)
     out = Path(os.environ[ENV_DIR])
     out.mkdir(parents=True, exist_ok=True)
     path = out / _file_name(rank, dcp_size)
@@ -173,7 +181,6 @@ def _recorder():
         log.warning("dcptool: %s already holds dumps named %s.*; this run replaces them (all of them, when it "
                     "writes its first file), record into an empty directory to keep them", out, path.stem)
     # force: an engine is not stopped for an old recording (the Recorder would refuse it otherwise)
-    sites = _S.tables[0].sites if _S.tables else SITES
     _S.recorder = Recorder(path, dcp_size, il, sites=sites, pcp_size=pcp, page_size=_S.page_size, engine="vllm",
                            engine_version=vllm.__version__, rollover=roll, force=True,
                            max_bytes=max(1, int(float(cap) * 1e9)) if cap else None,
@@ -193,14 +200,33 @@ def _page_size(page: int) -> bool:
         if _S.page_size is None:
             _S.page_size = page
         rec = _S.recorder
+        if rec is not None and _S.guarding:
+            return rec.set_page_size(_S.page_size) == page
         if rec is not None and rec.config.page_size is None and not rec.files:
             # (a Recorder made before any plan, e.g. by a micro-batch parent: no file of it holds another page size)
             rec.config = dataclasses.replace(rec.config, page_size=_S.page_size)
         return (_S.page_size if rec is None else rec.config.page_size) == page
 
 
+def _guard(dcp_size: int, rank: int, il: int, pcp: int, sites, version: str):
+    """DCPTOOL_GUARD: a Guard (engine.guard) checks every build, inside CUDA-graph capture too (its kernel is
+    captured), and writes the last builds as a dump on the first wrong one."""
+    from dcptool.engine.guard import Guard
+
+    note = f"dcptool.engine.vllm Guard, pid {os.getpid()}, DCP rank {rank}; {sites_note(version)}"
+    _S.recorder = Guard(os.environ[ENV_GUARD], dcp_size, il, sites=sites, pcp_size=pcp, page_size=_S.page_size,
+                        engine="vllm", engine_version=version, note=note)
+    _S.guarding = True
+    _S.rank = rank
+    if not _S.atexit:
+        _S.atexit = True
+        atexit.register(close)
+    log.info("dcptool: guarding DCP metadata (a dump in %s on the first wrong value)", os.environ[ENV_GUARD])
+    return _S.recorder
+
+
 def _observe(**kw) -> int:
-    if _capturing():
+    if not _S.guarding and _capturing():
         _S.skipped["built during CUDA-graph capture"] += 1
         return -1
     rec = _recorder()
@@ -234,8 +260,15 @@ def close() -> list[Path]:
     """Write what is recorded (atomically) and start over; runs at process exit. Returns the files."""
     with _S.lock:
         rec, _S.recorder = _S.recorder, None
-        files = rec.close() if rec is not None else []
-        if rec is not None:
+        guarding = _S.guarding and rec is not None
+        if guarding:
+            dumped = rec.close()
+            files = [dumped] if dumped is not None else []
+            log.info("dcptool: the Guard checked %d builds, %d wrong%s", rec.count, rec.wrong,
+                     f"; the dump: {dumped}" if dumped is not None else "")
+        else:
+            files = rec.close() if rec is not None else []
+        if rec is not None and not guarding:
             log.info("dcptool: wrote %d observations to %d file(s) in %s%s", len(rec), len(files),
                      files[0].parent if files else "?",
                      "; not recorded: " + ", ".join(f"{k} ({v})" for k, v in _S.skipped.items()) if _S.skipped else "")
