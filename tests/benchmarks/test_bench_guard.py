@@ -1,0 +1,25 @@
+"""benchmarks/bench_guard.py --smoke: the H200 benchmark's code paths on the CPU (the kernel under the interpreter)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.kernel
+
+
+def test_smoke_runs_and_prints_the_table():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DCPTOOL_")}
+    env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_guard.py"), "--smoke"], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout
+    assert "| mode | off ms | on ms | slowdown | CPU µs/observe | host syncs (on) |" in out
+    assert "| eager |" in out and "| graph | - | - | - | - | capture needs CUDA |" in out
+    assert "clean runs wrote nothing: True" in out
+    assert "a wrong view, eager: 1 warning, 1 dump of 5 observations, replay: mismatch" in out
+    assert out.count("kernel vs host path: same") == 2 and "DIFFERENT" not in out
