@@ -80,3 +80,72 @@ def test_a_first_observation_inside_capture_is_skipped(tmp_path):
     assert g.observe(**_obs(3, 3, wrong=True)) >= 0 and g._dev.frozen
     g._dev.capturing = lambda: False
     assert g.close() is None and (g.count, g.wrong, g.first_index) == (3, 1, 2)
+
+
+class _Capture:
+    """Stands in for the kernel while a 'capture' is on: the launch is kept, not run, as a CUDA graph keeps it;
+    replay() runs the kept launches again with the same arguments, as a graph replay does."""
+
+    def __init__(self, kernel):
+        self.kernel, self.kept, self.on = kernel, [], False
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            if self.on:
+                self.kept.append((grid, args, kw))
+            else:
+                self.kernel[grid](*args, **kw)
+        return launch
+
+    def replay(self):
+        for grid, args, kw in self.kept:
+            self.kernel[grid](*args, **kw)
+
+
+def test_every_replay_of_a_captured_launch_gets_its_own_index_and_slot(tmp_path):
+    """The device counter (not the host) numbers observations: a captured launch replayed 5 times is 5
+    observations in 5 slots; a replay that sees a wrong view is flagged with its own index and dumped last."""
+    g = Guard(tmp_path / "g", 2, 1, keep=8, kernel=True)
+    o = _obs(0, 6)
+    g.observe(**o)  # eager: the ring
+    cap = g._dev.kernel = _Capture(g._dev.kernel)
+    g._dev.capturing = lambda: True
+    cap.on = True
+    assert g.observe(**dict(o, step=1)) == 1  # captured: not run
+    cap.on = False
+    g._dev.capturing = lambda: False
+    assert g._dev.frozen and g._dev.state[0].item() == 1
+    for _ in range(5):
+        cap.replay()
+    ring = g._dev.ring.cpu().numpy()
+    assert g._dev.state[0].item() == 6 and sorted(ring[:6, 0].tolist()) == [1, 2, 3, 4, 5, 6]
+    assert not g._dev.wrong_seen()
+    o["dcp_local_seq_lens"][2] += 1  # the buffer the graph reads goes wrong between replays
+    cap.replay()
+    cap.replay()
+    assert g._dev.wrong_seen() and g._dev.state[1].item() == 7 and g._dev.state[2].item() == 2
+    with pytest.warns(RuntimeWarning, match=r"\(values\) at step 1"):
+        path = g.close()
+    d = read_dump(path)
+    assert d.n == 7 and d["obs.step"].tolist() == [0] + [1] * 6 and g.count == 8 and g.wrong == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to verify on the H200)")
+def test_a_real_cuda_graph_replay_is_checked_each_time(tmp_path):
+    g = Guard(tmp_path / "g", 2, 1, keep=16)
+    o = _obs(0, 6)
+    g.observe(**o)
+    torch.cuda.synchronize()
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        g.observe(**dict(o, step=1))
+    for _ in range(10):
+        cg.replay()
+    o["dcp_local_seq_lens"][2] += 1
+    cg.replay()
+    torch.cuda.synchronize()
+    assert g._dev.wrong_seen() and g._dev.state[0].item() == 12 and g._dev.state[1].item() == 12
+    with pytest.warns(RuntimeWarning, match="dcptool Guard"):
+        path = g.close()
+    assert read_dump(path).n == 12
