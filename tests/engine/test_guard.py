@@ -131,3 +131,21 @@ def test_bad_arguments(tmp_path):
     g = Guard(tmp_path, 2)
     assert g.observe(step=0, site="s", rank=0, seq_lens=[5, "x"], num_reqs=2, num_reqs_padded=2) == -1
     assert g.dropped == 1
+
+
+def test_page_size_and_kv_groups_set_later(tmp_path):
+    """As the vLLM plugin learns them after the first build: the pages and slot checks use them, the dump holds them."""
+    g = Guard(tmp_path / "g", 2, on_wrong="count")
+    seq = np.array([8, 5], np.int32)
+    kw = dict(step=0, site="s", rank=0, seq_lens=seq, num_reqs=2, num_reqs_padded=2,
+              dcp_local_seq_lens=np.array([4, 3], np.int32), kv_pages=np.array([2, 1], np.int32))
+    g.observe(**kw)  # no page size yet: pages not checked
+    assert g.wrong == 0 and g.set_page_size(4) == 4 and g.set_page_size(8) == 4
+    g.observe(**kw)  # cdiv(4, 4) = 1, not 2
+    assert g.first_rule == "pages"
+    g = Guard(tmp_path / "h", 2)
+    g.set_kv_groups([{"name": "mamba", "dcp": False, "block_size": 4}])
+    with pytest.warns(RuntimeWarning, match=r"\(slots\)"):  # a replicated group written by the owner only
+        g.observe(**dict(kw, kv_pages=None, positions=np.array([0, 1], np.int32),
+                         slot_mapping=np.array([[0, -1]], np.int32)))
+    assert read_dump(g.close()).config.kv_groups[0].name == "mamba"
