@@ -12,13 +12,14 @@ from dcptool.dump.schema import KVGroup
 from dcptool.engine.arguments import _host, _host_slots, _scalars, buffer_id, tensor_type
 from dcptool.engine.guard_ref import Spec, first_wrong
 from dcptool.engine.record import Recorder
+from dcptool.errors import DcptoolError
 
 ON_WRONG = ("dump", "raise", "count")
 _ARRAYS = ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "kv_pages", "dcp_query_start_loc",
            "dcp_tot_seq_lens", "positions")
 
 
-class GuardError(RuntimeError):
+class GuardError(DcptoolError, RuntimeError):
     """on_wrong="raise": a wrong observation was seen (raised at the next observe() or at close())."""
 
 
@@ -68,6 +69,7 @@ class Guard:
         self.dumped: Path | None = None  # the dump written, once
         self.dump_dropped = 0
         self._raised = False
+        self._read = False  # the device ring was read (after the flag)
         self.closed = False
         self._sizes = (max_rows, max_tokens)
         self._kernel = kernel  # None: CUDA tensors take the kernel; True: CPU tensors too (the Triton interpreter)
@@ -183,7 +185,7 @@ class Guard:
         """Read the device flag (no sync); on the first wrong observation dump the ring (on_wrong="dump");
         on_wrong="raise": raise once the flag is seen."""
         dev = self._dev
-        if dev is not None and self.first_index < 0 and (dev.wrong_seen() or self.first_rule is not None):
+        if dev is not None and not self._read and (dev.wrong_seen() or self.first_rule is not None):
             self._from_device()
         if self.on_wrong == "raise" and self.first_rule is not None and not self._raised:
             self._raised = True
@@ -192,6 +194,7 @@ class Guard:
     def _from_device(self) -> None:
         """The flag is set: wait for the stream, read the frozen ring (the wrong observation last), dump it."""
         with self._lock:
+            self._read = True  # (once: the one wait for the stream)
             kept, _, self.wrong = self._dev.kept()
             if not kept or not kept[-1][1]:  # (nothing wrong in the ring)
                 return
@@ -231,7 +234,7 @@ class Guard:
         """Stop; returns the dump written (None: a clean run). on_wrong="raise": raises if it has not yet."""
         if self._dev is not None and not self.closed:
             self.count, self.wrong = self._dev.counts()  # (waits for the stream)
-            if self.first_index < 0 and (self._dev.wrong_seen() or self.first_rule is not None):
+            if not self._read and (self._dev.wrong_seen() or self.first_rule is not None):
                 self._from_device()
         self.closed = True
         self._ring.clear()
