@@ -1,174 +1,69 @@
 """Command line: parse, call the library, render; exit 0 clean, 1 findings, 2 bad usage/input or internal error.
-(Over 450 lines: the exit-code guard and the four commands' options, each a page of help text.)"""
+(Over 450 lines: six commands' options, each a page of help text; the exit-code guard is dcptool.guard.)"""
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
-from typer.core import TyperGroup
+from typer.core import TyperCommand
 
+from dcptool import guard
 from dcptool.choices import Backend, CudaGraph, Pipeline, SpecMethod, metavar, spoken, values
 from dcptool.errors import DcptoolError  # stdlib only: --help stays light
+from dcptool.guard import Guarded, say
 
 
 class Trouble(DcptoolError):
     """Bad usage or bad input found by the command line itself: one line on stderr, exit code 2."""
 
 
-def _say(msg: str) -> None:
-    """One line on stderr; a path or a string from a file in it cannot reach the terminal as a command."""
-    from dcptool.report.text import literal
-
-    typer.echo(f"dcptool: {literal(msg)}", err=True)
-
-
-# --------------------------------------------------------------------------------------------
-# The guard: exit codes never lie. Every command runs inside _Guarded.invoke (CliRunner too), so an
-# unexpected exception is exit 2 with one line, never click's exit 1 ("findings" to a CI job).
-
-INTERNAL = 2  # README: Exit codes
-# per invocation: the exit code of what the command found (kept when the reader of stdout goes away), --debug
-_run: dict = {}
-# click's exception for usage errors (typer >= 0.22 vendors click, older typer re-exports it): shown as is
-_CLICK_EXC = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
-_PASS = (typer.Exit, typer.Abort, _CLICK_EXC)
-
-
-def _verdict(code: int) -> None:
-    """Say the exit code before printing the report, so a broken pipe (`| head`) still ends with it."""
-    _run["verdict"] = code
-
-
-def _debug() -> bool:
-    return os.environ.get("DCPTOOL_DEBUG", "") not in ("", "0") or bool(_run.get("debug"))
-
-
-def _report_to() -> str:
-    """Where to report a bug: the package's Issues URL when its metadata names one."""
-    try:
-        from importlib.metadata import metadata
-
-        for url in metadata("dcptool").get_all("Project-URL") or []:
-            label, _, link = url.partition(",")
-            if label.strip().lower() in ("issues", "bug tracker", "bugs", "tracker"):
-                return link.strip()
-    except Exception:
-        pass
-    return "the dcptool issue tracker"
-
-
-def _internal(e: BaseException) -> None:
-    if _debug():
-        import traceback
-
-        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
-    msg = " ".join(str(e).split()) or "(no message)"  # one line, whatever the exception says
-    _say(f"internal error: {type(e).__name__}: {msg} (please report this at {_report_to()}; "
-         "rerun with --debug or DCPTOOL_DEBUG=1 for the traceback)")
-
-
-def _drop_stdout() -> None:
-    """Point stdout at /dev/null (Python docs, "Note on SIGPIPE"): the flush at exit then cannot fail
-    and print "Exception ignored" about a reader that went away or a full device."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        return  # not a real file (CliRunner): nothing will flush it at exit
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    os.close(devnull)
-
-
-class _Watched:
-    """sys.stdout while a command runs: remembers that writing to it failed, to tell a full device (exit 2,
-    "cannot write to standard output") from a bug (internal error)."""
-
-    def __init__(self, f):
-        self._f, self.failed = f, False
-
-    def write(self, s):
-        try:
-            return self._f.write(s)
-        except OSError:
-            self.failed = True
-            raise
-
-    def flush(self):
-        try:
-            return self._f.flush()
-        except OSError:
-            self.failed = True
-            raise
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-
-class _Guarded(TyperGroup):
-    """The dcptool command group: runs each command under one guard for exit codes and stdout."""
-
-    def invoke(self, ctx):
-        _run.clear()
-        code = 0
-        out = sys.stdout = _Watched(sys.stdout)
-        try:
-            try:
-                super().invoke(ctx)
-            except typer.Exit as e:
-                code = e.exit_code
-            sys.stdout.flush()  # a buffered write to a full device or a closed pipe fails here, not at exit
-        except _PASS:
-            raise
-        except DcptoolError as e:  # bad input or usage, from the library or the command line: the one place
-            _say(str(e))
-            code = 2
-        except KeyboardInterrupt:
-            _say("interrupted")
-            code = 130
-        except BrokenPipeError:  # `| head`: the reader has what it wanted; keep the verdict of what was found
-            _drop_stdout()
-            code = _run.get("verdict", code)
-        except Exception as e:
-            if isinstance(e, OSError) and out.failed:
-                _drop_stdout()
-                _say(f"cannot write to standard output: {e.strerror or e}")
-            else:
-                _internal(e)
-            code = INTERNAL
-        finally:
-            if sys.stdout is out:
-                sys.stdout = out._f
-        raise typer.Exit(code)
-
-    def main(self, *args, **kwargs):
-        try:
-            return super().main(*args, **kwargs)
-        except (*_PASS, SystemExit):
-            raise
-        except Exception as e:  # outside a command (parsing, a parameter's conversion): still one line, exit 2
-            _internal(e)
-            if kwargs.get("standalone_mode", True):
-                sys.exit(INTERNAL)
-            return INTERNAL
-
-
-app = typer.Typer(cls=_Guarded, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
-                  rich_markup_mode=None,  # plain usage errors: one "Error:" line, no box
+app = typer.Typer(cls=Guarded, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+                  rich_markup_mode=None,  # plain help pages, no box (usage errors: the guard's one line)
                   help="Replay and debug decode-context-parallel (DCP) metadata recorded from serving engines.")
+
+
+def versions() -> list[str]:
+    """What `dcptool --version` prints: dcptool's version, torch's and triton's (from their metadata: neither
+    is imported) and the dump format versions this dcptool reads."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from dcptool import __version__
+    from dcptool.dump.schema import FORMAT_VERSION
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return [f"dcptool {__version__}", f"torch {of('torch')}", f"triton {of('triton')}",
+            f"reads dump format {FORMAT_VERSION}"]
+
+
+def _version(show: bool) -> None:
+    if show:
+        try:
+            sys.stdout.write("".join(f"{line}\n" for line in versions()))
+            sys.stdout.flush()
+        except BrokenPipeError:  # `| head -1` has what it wanted: still exit 0
+            guard.drop_stdout()
+        raise typer.Exit(0)
 
 
 @app.callback()
 def _options(
     debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an internal error (or set "
                                                         "DCPTOOL_DEBUG=1).")] = False,
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_version, expose_value=False,
+                                          help="Show the versions of dcptool, torch and triton and the dump "
+                                               "format it reads, and exit.")] = False,
 ) -> None:
-    _run["debug"] = debug
+    guard.debug(debug)
 
 
 def _console() -> Console:
@@ -231,7 +126,7 @@ def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
         atomic_write(path, [render_html(res, max_findings).encode("utf-8")], force=force, inputs=res.files)
     except DumpError as e:
         raise Trouble(f"--html {e}") from None
-    _say(f"wrote {path}")
+    say(f"wrote {path}")
 
 
 def _check_engine_version(v: str | None) -> None:
@@ -271,10 +166,15 @@ def replay(
         raise Trouble(f"--backend {backend!r}: choose {spoken(Backend)}")
     _check_engine_version(engine_version)
     dumps = _dump_args(dumps)
+    guard.reading(dumps)
     if html is not None:
         _check_html_target(html, dumps, force)
     d = open_dumps([str(p) for p in dumps], stream=True)  # (the scan follows the read; replay() ends it)
-    i = _obs_index(d, obs) if obs is not None else None
+    try:
+        i = _obs_index(d, obs) if obs is not None else None
+    except DcptoolError:
+        d.close()  # (no thread of the read outlives the command)
+        raise
     from dcptool.check.replay import replay as run_replay
     from dcptool.report.html import VIEW_FINDINGS
     from dcptool.report.progress import Progress
@@ -291,7 +191,7 @@ def replay(
     from dcptool.report import text as report
 
     code = 1 if res.errors or (strict and res.warnings) else 0
-    _verdict(code)
+    guard.verdict(code)
     if json_out:
         for line in report.replay_json_lines(res, max_findings):
             sys.stdout.write(line + "\n")
@@ -356,13 +256,17 @@ def diff(
     from dcptool.diagnose.diff import diff as run_diff
     from dcptool.dump import open_dumps
 
-    da = open_dumps(_dump_side(a))
-    db = open_dumps(_dump_side(b))
+    first = _dump_side(a)
+    guard.reading(first)
+    da = open_dumps(first)
+    second = _dump_side(b)
+    guard.reading(first + second)
+    db = open_dumps(second)
     from dcptool.report import text as report
 
     limit = max_findings if (max_findings is not None or json_out) else report.TEXT_MAX_FINDINGS
     res = run_diff(da, db, limit)
-    _verdict(0 if res.same else 1)
+    guard.verdict(0 if res.same else 1)
     if json_out:
         for line in report.diff_json_lines(res):
             sys.stdout.write(line + "\n")
@@ -380,14 +284,33 @@ def inspect(
     from dcptool.dump import describe, open_dumps
     from dcptool.report import text as report
 
-    info = describe(open_dumps([str(p) for p in _dump_args(dump)]))
+    files = _dump_args(dump)
+    guard.reading(files)
+    d = open_dumps([str(p) for p in files], stream=True)  # replay's read: the same validation, the same errors
+    d.finish()
+    info = describe(d)
     if json_out:
         sys.stdout.write(report.inspect_json(info) + "\n")
     else:
         report.render_inspect(info, _console())
 
 
-@app.command()
+INJECT_HELP = "Faults to inject on the fixed pipeline, comma-separated, with the vLLM releases that had each: "
+
+
+class _FaultHelp(TyperCommand):
+    """simulate: its --inject help lists every fault of the fault table (dcptool.model.config), read only when the
+    help is shown (the table imports numpy: `dcptool --help` stays light)."""
+
+    def format_help(self, ctx, formatter) -> None:
+        from dcptool.model.config import FAULT_WHERE, FAULTS
+
+        inject = next(p for p in self.params if p.name == "inject")
+        inject.help = INJECT_HELP + ", ".join(f"{f} [{FAULT_WHERE[f]}]" for f in FAULTS) + "."
+        super().format_help(ctx, formatter)
+
+
+@app.command(cls=_FaultHelp)
 def simulate(
     dcp: Annotated[int, typer.Option("--dcp", help="DCP world size N (ranks recorded).")] = 2,
     interleave: Annotated[int, typer.Option(help="cp_kv_cache_interleave_size I.")] = 1,
@@ -404,13 +327,7 @@ def simulate(
     pipeline: Annotated[str, typer.Option(metavar=metavar(Pipeline),
                                           help="fixed (vLLM after the fix) or legacy (every pre-fix fault).")]
     = "fixed",
-    inject: Annotated[str | None, typer.Option(help="Faults to inject on the fixed pipeline, comma-separated, "
-                                                    "with the vLLM releases that had each: dummy-none [0.27–0.29], "
-                                                    "dflash-capture-none [0.27–0.28], ubatch-none [0.27–0.33 (V1 "
-                                                    "runner)], ubatch-parent-rows [main only], pcp-stale [main "
-                                                    "only], pcp-unpadded [no release], capture-wrong-buffer "
-                                                    "[no release], graph-stale [no release], sentinel [no release], "
-                                                    "flashinfer-global-pages [0.27–0.29].")] = None,
+    inject: Annotated[str | None, typer.Option(help=INJECT_HELP)] = None,  # + the fault table (_FaultHelp)
     seed: Annotated[int, typer.Option(help="Workload seed (same seed, same dump, byte for byte).")] = 0,
     engine_version: Annotated[str, typer.Option("--engine-version", help="vLLM release to model (e.g. 0.34.0): "
                                                 "its micro-batch split rule, recorded as engine_version.")] = "",
@@ -492,6 +409,7 @@ def reduce(
     from dcptool.report.progress import Progress
 
     files = _dump_args(dump)
+    guard.reading(files)
     try:
         write_target(output)
     except DumpError as e:
@@ -535,6 +453,7 @@ def export_test(
     from dcptool.dump import DumpError, atomic_write, open_dumps
 
     files = _dump_args(dump)
+    guard.reading(files)
     d = open_dumps([str(p) for p in files])
     res = run_replay(d, "torch")
     try:
@@ -545,7 +464,7 @@ def export_test(
         atomic_write(output, [text.encode("utf-8")], force=force, inputs=d.files)
     except DumpError as e:
         raise Trouble(f"-o {e}") from None
-    _say(f"wrote {output}: {cases} case{'s' if cases != 1 else ''} (run it with pytest)")
+    say(f"wrote {output}: {cases} case{'s' if cases != 1 else ''} (run it with pytest)")
 
 
 def main() -> None:

@@ -153,6 +153,26 @@ def rollover_files(tmp_path, rng, n=240, files=4, sorted_steps=True, N=4, I=2):
     return paths
 
 
+def with_gap(src, dst, before: str, gap: int = 8) -> str:
+    """dst: src with `gap` bytes of no tensor inserted in the data section just before tensor `before` (the header's
+    offsets moved to match): every tensor reads as before, but the data is not packed back to back."""
+    import json
+    import struct
+
+    raw = open(src, "rb").read()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8 : 8 + hlen]), raw[8 + hlen :]
+    at = header[before]["data_offsets"][0]
+    for k, v in header.items():
+        if k != "__metadata__" and v["data_offsets"][0] >= at and v["data_offsets"][1] > at:
+            v["data_offsets"] = [o + gap for o in v["data_offsets"]]
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with open(dst, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + data[:at] + b"\x07" * gap + data[at:])
+    return str(dst)
+
+
 HOSTILE = ("[/bold][link=https://example.invalid]L[/link][red]R[/] \x1b[2J\x1b]8;;https://example.invalid\x07X"
            "\x1b]8;;\x07\x1b]0;window title\x07\x07\rCR")
 

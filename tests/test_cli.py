@@ -77,9 +77,9 @@ def test_warnings_exit_0_unless_strict(tmp_path):
     (["replay", "GOOD", "--obs", "99"], "has no observation 99", True),
     (["replay", "GOOD", "--obs", "x"], "--obs", True),
     (["replay", "GOOD", "--backend", "cuda"], "--backend", True),
-    (["replay", "GOOD", "--split", "0"], "--split", False),  # usage errors: click's usage line + error
-    (["replay"], "Missing argument", False),
-    (["nonsense"], "No such command", False),
+    (["replay", "GOOD", "--split", "0"], "--split", True),  # usage errors: one line too (Hardening III item 2)
+    (["replay"], "Missing argument", True),
+    (["nonsense"], "No such command", True),
 ])
 def test_bad_input_exit_2_one_line_no_traceback(tmp_path, args, needle, one_line):
     garbage = tmp_path / "GARBAGE"
@@ -228,8 +228,9 @@ def test_in_process_cli_shows_warnings_crashes_and_restores_the_process(tmp_path
     assert os.getcwd() == here and "DCPTOOL_PROBE" not in os.environ and dump
 
     import dcptool.cli as dcli
+    from dcptool.guard import Guarded
 
-    monkeypatch.setattr(dcli._Guarded, "main", lambda *a, **k: 1 / 0)  # past the guard: what a process shows
+    monkeypatch.setattr(Guarded, "main", lambda *a, **k: 1 / 0)  # past the guard: what a process shows
     r = cli("--help")
     assert r.returncode == 1 and "Traceback" in r.stderr and "ZeroDivisionError" in r.stderr
     assert sys.stdout is not None and dcli.app.__class__.__name__ == "Typer"
@@ -493,17 +494,52 @@ def test_writes_refuse_anything_but_a_regular_file(tmp_path, which, command):
     assert not [x for x in tmp_path.rglob(".*.tmp")]
 
 
-def test_a_link_to_a_regular_file_replaces_the_file_and_keeps_the_link(tmp_path):
+def test_a_link_to_a_regular_file_is_replaced_itself_and_its_target_never_written(tmp_path):
+    """Hardening III item 4 (was: the file it points to was replaced and the link kept)."""
     dump = write(tmp_path / "d.safetensors", [obs(view=None)])
     real = tmp_path / "real.html"
     real.write_text("old")
     link = tmp_path / "link.html"
     link.symlink_to(real)
-    rc, _, err = run_cli("replay", dump, "--html", link, "--force")
-    assert rc == 1 and err == f"dcptool: wrote {link}\n"
-    assert link.is_symlink() and real.read_text().startswith("<!DOCTYPE html>")
     rc, _, err = run_cli("replay", dump, "--html", link)
     assert rc == 2 and "exists (use --force" in err
+    rc, _, err = run_cli("replay", dump, "--html", link, "--force")
+    assert rc == 1 and err == f"dcptool: wrote {link}\n"
+    assert not link.is_symlink() and link.read_text().startswith("<!DOCTYPE html>") and real.read_text() == "old"
+
+
+def _linked(tmp_path, name: str) -> tuple[Path, Path]:
+    """`name` in tmp_path: a symbolic link to a file of another directory (what must never be written)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    target = elsewhere / f"{name}.target"
+    target.write_bytes(b"not dcptool's to write")
+    link = tmp_path / name
+    link.symlink_to(target)
+    return link, target
+
+
+@pytest.mark.parametrize("command", ["replay --html", "simulate -o", "simulate -o --per-rank", "reduce -o",
+                                     "export-test -o"])
+def test_force_replaces_a_link_on_every_output_path_never_its_target(tmp_path, command):
+    dump = str(SAMPLES / "legacy.safetensors")
+    if command == "simulate -o --per-rank":  # sim.rank0.safetensors, sim.rank1.safetensors: each output path a link
+        out = tmp_path / "sim.safetensors"
+        links = [_linked(tmp_path, f"sim.rank{r}.safetensors") for r in range(2)]
+        args = ["simulate", "--steps", "2", "-o", out, "--per-rank", "--force"]
+    else:
+        out, target = _linked(tmp_path, "out")
+        links = [(out, target)]
+        args = {"replay --html": ["replay", dump, "--html", out, "--json"],
+                "simulate -o": ["simulate", "--steps", "2", "-o", out],
+                "reduce -o": ["reduce", dump, "--finding", "missing", "-o", out, "--max-seconds", "1"],
+                "export-test -o": ["export-test", dump, "-o", out]}[command] + ["--force"]
+    r = cli(*args)
+    assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stderr
+    for link, target in links:
+        assert target.read_bytes() == b"not dcptool's to write"  # the target is never written
+        assert not link.is_symlink() and link.is_file() and link.stat().st_size > 100  # the link replaced by a file
+    assert not list(tmp_path.rglob(".*.tmp"))
 
 
 def test_atomic_write_refuses_special_files(tmp_path):
@@ -605,3 +641,203 @@ def test_reduce_refuses_to_write_over_its_input(tmp_path):
     r = cli("reduce", dump, "--finding", "missing", "-o", dump, "--force")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "input" in r.stderr
     assert dump.read_bytes() == before
+
+
+# --------------------------------------------------------------------------------------------
+# Hardening III: the CLI as a newcomer meets it (issue 28 items 1, 2, 3, 6, 7)
+
+COMMANDS = ("replay", "diff", "inspect", "simulate", "reduce", "export-test")
+
+
+def test_version_names_dcptool_torch_triton_and_the_format():
+    from importlib.metadata import version
+
+    import dcptool
+    from dcptool.dump import FORMAT_VERSION
+
+    r = cli("--version")
+    assert r.returncode == 0 and r.stderr == ""
+    assert r.stdout.splitlines() == [f"dcptool {dcptool.__version__}", f"torch {version('torch')}",
+                                     f"triton {version('triton')}", f"reads dump format {FORMAT_VERSION}"]
+    assert "--version" in cli("--help").stdout
+
+
+def test_version_in_a_real_process_imports_neither_torch_nor_triton():
+    r = cli_subprocess("--version", env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert r.returncode == 0 and r.stdout.startswith("dcptool ") and len(r.stdout.splitlines()) == 4
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "dcptool.cli" in imported and not {m for m in imported if m.split(".")[0] in ("torch", "triton")}
+    p = subprocess.run(f"{sys.executable} -m dcptool --version | head -1", shell=True, capture_output=True, text=True,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert p.stdout.startswith("dcptool ") and p.stderr == ""  # a reader that stops early: no traceback
+
+
+# Per command: a bad option value, a missing argument (or an option's missing value, or a required option), an
+# unknown option. GOOD is a dump, OUT a path to write.
+USAGE = {
+    "replay": [["replay", "GOOD", "--split", "x"], ["replay"], ["replay", "GOOD", "--bogus"],
+               ["replay", "GOOD", "--obs"]],
+    "diff": [["diff", "GOOD", "GOOD", "--max-findings", "-1"], ["diff", "GOOD"], ["diff", "GOOD", "GOOD", "-z"]],
+    "inspect": [["inspect", "GOOD", "--json=yes"], ["inspect"], ["inspect", "GOOD", "--bogus"]],
+    "simulate": [["simulate", "--steps", "many"], ["simulate", "--steps"], ["simulate", "--bogus", "1"]],
+    "reduce": [["reduce", "GOOD", "--finding", "missing", "-o", "OUT", "--max-seconds", "0"],
+               ["reduce", "GOOD", "-o", "OUT"], ["reduce", "--finding", "missing", "-o", "OUT"],
+               ["reduce", "GOOD", "--finding", "missing", "-o", "OUT", "--bogus"]],
+    "export-test": [["export-test", "GOOD", "-o", "OUT", "--max-cases", "0"], ["export-test", "GOOD"],
+                    ["export-test", "GOOD", "-o", "OUT", "--bogus"]],
+}
+
+
+@pytest.mark.parametrize("args", [a for cmd in COMMANDS for a in USAGE[cmd]], ids=lambda a: " ".join(a))
+def test_a_usage_error_is_one_line_naming_the_command_and_its_help(tmp_path, args):
+    good = write(tmp_path / "good.safetensors", [obs(view=None)])
+    args = [{"GOOD": good, "OUT": str(tmp_path / "out")}.get(a, a) for a in args]
+    r = cli(*args)
+    cmd = args[0]
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    assert re.fullmatch(rf"dcptool: {cmd}: \S.* \(see 'dcptool {cmd} --help'\)\n", r.stderr), r.stderr
+    assert "Usage:" not in r.stderr and "Try '" not in r.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args,line", [
+    (["nonsense"], "dcptool: No such command 'nonsense' (see 'dcptool --help')\n"),
+    (["--bogus"], "dcptool: No such option: --bogus (see 'dcptool --help')\n"),
+    (["replay", "x", "--backend"], "dcptool: replay: Option '--backend' requires an argument "
+                                   "(see 'dcptool replay --help')\n"),
+    (["replay", "x", "--split", "\x1b[31mred"], "dcptool: replay: Invalid value for '--split': Input should be a valid "
+                                                "integer, unable to parse string as an integer (see 'dcptool replay "
+                                                "--help')\n"),
+])
+def test_usage_error_lines(args, line):
+    r = cli(*args)
+    assert (r.returncode, r.stdout, r.stderr) == (2, "", line)
+
+
+def test_a_usage_error_in_a_real_process_is_one_line():
+    for args, cmd in ((["replay", "--split", "x", "d.safetensors"], "replay"), (["simulate", "--dcp"], "simulate")):
+        r = cli_subprocess(*args)
+        assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith(f"dcptool: {cmd}: ")
+        assert r.stderr.endswith(f"(see 'python -m dcptool {cmd} --help')\n")
+
+
+@pytest.mark.parametrize("cmd", ("",) + COMMANDS)
+def test_help_is_still_click_s_page(cmd):
+    r = cli(*[c for c in (cmd, "--help") if c])
+    assert r.returncode == 0 and r.stderr == ""
+    assert r.stdout.startswith(f"Usage: dcptool {cmd + ' ' if cmd else ''}[OPTIONS]") and "--help" in r.stdout
+    assert "Options:" in r.stdout and "dcptool:" not in r.stdout
+
+
+def _inject_help() -> str:
+    page = cli("simulate", "--help", env={"COLUMNS": "100"}).stdout
+    text = page[page.index("--inject") : page.index("--seed")]
+    return " ".join(re.sub(r"-\n\s+", "-", text).split())  # click wraps after a hyphen: join the name again
+
+
+def test_simulate_help_lists_exactly_the_fault_table():
+    from dcptool.model.config import FAULT_WHERE, FAULTS
+
+    listed = re.findall(r"([a-z][a-z-]+) \[([^\]]+)\]", _inject_help())
+    assert [f for f, _ in listed] == list(FAULTS) and dict(listed) == FAULT_WHERE
+
+
+def test_docs_faults_lists_exactly_the_fault_table():
+    from dcptool.model.config import FAULT_WHERE, FAULTS
+
+    rows = re.findall(r"^\| `([a-z-]+)` \| ([^|]+?) \|", (ROOT / "docs" / "faults.md").read_text(), re.M)
+    assert [f for f, _ in rows] == list(FAULTS) and dict(rows) == FAULT_WHERE
+
+
+def _refused_alike(tmp_path) -> dict[str, str]:
+    """Dumps replay refuses: a gap in the data section, a row value only the streamed read's row check sees."""
+    import json
+    import struct
+
+    from conftest import with_gap
+
+    good = write(tmp_path / "good.safetensors", [obs(step=s, rank=s % 2) for s in range(6)])
+    bad_group = tmp_path / "slots.safetensors"  # simulate's recording (two KV-cache groups), one group index poked
+    assert cli("simulate", "--steps", "2", "-o", bad_group).returncode == 0
+    raw = bytearray(bad_group.read_bytes())
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    at = 8 + hlen + json.loads(raw[8 : 8 + hlen])["rows.slot_group"]["data_offsets"][0]
+    raw[at : at + 4] = struct.pack("<i", 2)
+    bad_group.write_bytes(raw)
+    return {"gap": with_gap(good, tmp_path / "gap.safetensors", "rows.seq_lens"),
+            "first-gap": with_gap(good, tmp_path / "first-gap.safetensors", "obs.dcp_rows", 16),
+            "slot-group": str(bad_group)}
+
+
+@pytest.mark.parametrize("case", ["gap", "first-gap", "slot-group"])
+def test_inspect_refuses_what_replay_refuses_with_the_same_line(tmp_path, case):
+    p = _refused_alike(tmp_path)[case]
+    replayed, inspected = cli("replay", p), cli("inspect", p, "--json")
+    assert replayed.returncode == inspected.returncode == 2 and replayed.stdout == inspected.stdout == ""
+    assert replayed.stderr == inspected.stderr and replayed.stderr.count("\n") == 1, (replayed.stderr, inspected.stderr)
+    want = {"gap": "rows.seq_lens: data starts at byte", "first-gap": "data starts at byte 16, not 0",
+            "slot-group": "rows.slot_group: KV-cache group 2 at entry 0 is out of range"}[case]
+    assert replayed.stderr.startswith(f"dcptool: {p}: ") and want in replayed.stderr, replayed.stderr
+
+
+def _out_of_memory(*a, **k):
+    return np.empty(1 << 60, np.uint8)  # numpy's own MemoryError, with its size
+
+
+@pytest.mark.parametrize("args,target,cut", [
+    (["replay", "DUMP"], "dcptool.check.scan.scan", "replay fewer files at once"),
+    (["replay", "DUMP", "--json"], "dcptool.check.problems.problems", "without --split or --html"),
+    (["replay", "DUMP"], "dcptool.check.replay.check_missing", "replay fewer files"),  # on a check's thread
+    (["diff", "DUMP", "DUMP"], "dcptool.diagnose.diff.diff", "compare fewer files at once"),
+    (["reduce", "DUMP", "--finding", "missing", "-o", "OUT"], "dcptool.diagnose.reduce.reduce_dump",
+     "reduce fewer files"),
+    (["inspect", "DUMP"], "dcptool.dump.describe", "inspect fewer files"),
+    (["simulate", "--steps", "2"], "dcptool.model.simulate.compare", "fewer --steps"),
+])
+def test_out_of_memory_is_one_line_with_the_size_and_what_cuts_it(tmp_path, monkeypatch, args, target, cut):
+    dump = write(tmp_path / "d.safetensors", [obs(step=i, rank=i % 2, view=None if i == 2 else "auto")
+                                              for i in range(4)])
+    module, name = target.rsplit(".", 1)
+    monkeypatch.setattr(__import__(module, fromlist=[name]), name, _out_of_memory)
+    args = [{"DUMP": dump, "OUT": str(tmp_path / "o.safetensors")}.get(a, a) for a in args]
+    code, out, err = run_cli(*args)
+    assert code == 2 and out == "" and err.count("\n") == 1, (code, out, err)
+    head = f"dcptool: {args[0]}: out of memory: an allocation of 1.0 EiB failed; "
+    assert err.startswith(head) and cut in err and "internal error" not in err, err
+    if args[0] != "simulate":
+        from dcptool.guard import _size
+
+        files = 2 if args[0] == "diff" else 1
+        held = f"the {files} file{'s' if files > 1 else ''} read hold{'s' if files == 1 else ''} "
+        assert f"{held}{_size(files * Path(dump).stat().st_size)}, read whole into memory" in err, err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_out_of_memory_under_a_real_limit_is_one_line(tmp_path):
+    """RLIMIT_AS a little above what the process holds once dcptool is imported: reading a larger dump fails as
+    MemoryError, and the process says so in one line (exit 2), never "internal error"."""
+    import os
+
+    from dcptool.dump import DumpConfig, write_dump
+
+    n = 1 << 20  # 64 MiB of rows: more than the limit leaves
+    cols = {"obs.step": np.zeros(1, np.int64), "obs.site": np.zeros(1, np.int32), "obs.rank": np.zeros(1, np.int32),
+            "obs.ubatch": np.full(1, -1, np.int32), "obs.num_reqs": np.ones(1, np.int32),
+            "obs.num_reqs_padded": np.full(1, 16 * n, np.int32), "obs.rows": np.array([0, 16 * n], np.int64),
+            "obs.has_dcp": np.zeros(1, np.uint8), "obs.dcp_rows": np.zeros(2, np.int64),
+            "rows.seq_lens": np.zeros(16 * n, np.int32), "rows.dcp_local_seq_lens": np.zeros(0, np.int32)}
+    p = tmp_path / "big.safetensors"
+    write_dump(p, DumpConfig(dcp_size=2, cp_interleave=1, sites=("attn",)), cols)
+    script = f"""
+import resource, sys, numpy, dcptool.cli, dcptool.check.replay, dcptool.report.text
+vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + (48 << 20), resource.RLIM_INFINITY))
+sys.argv = ["dcptool", sys.argv[1], {str(p)!r}]
+dcptool.cli.main()
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "", "DCPTOOL_DEBUG": ""}
+    for cmd in ("replay", "inspect"):
+        r = subprocess.run([sys.executable, "-c", script, cmd], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (r.returncode, r.stderr[-2000:])
+        assert r.stderr.startswith(f"dcptool: {cmd}: out of memory: an allocation of 64.0 MiB failed; the 1 file "
+                                   "read holds 64.0 MiB, read whole into memory; to need less, "), r.stderr

@@ -170,6 +170,8 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         for part in parts:
             found += part.result() if hasattr(part, "result") else part
     except Exception:
+        if isinstance(later, _Threads):  # no check may still read the dump's memory while the error ends the process
+            later.settle()
         d.finish()  # a streamed dump's DumpError first: what a check raised on rows not yet validated is not the cause
         raise
     d.finish()  # (a streamed dump: the file validated whole before anything is reported)
@@ -238,6 +240,24 @@ class _Prev:
         return self.f.result().prev
 
 
+class _Threads:
+    """later() on background threads: each check a _Background, at most n running at once. settle() waits for
+    every one started: when the replay fails (a file rewritten while it is read, a check tripping over rows not
+    yet validated), the error must not end the process while checks still run on the dump's buffers (daemon
+    threads that the interpreter's exit stops in the middle of numpy or torch code can abort it)."""
+
+    def __init__(self, n: int):
+        self.slots, self.started = threading.Semaphore(n), []
+
+    def __call__(self, f, *a) -> _Background:
+        self.started.append(_Background(self.slots, f, *a))
+        return self.started[-1]
+
+    def settle(self) -> None:
+        for b in self.started:
+            b.t.join()
+
+
 def _later(d: Dump, bounded: bool):
     """How the checks run: on background threads, or one after the other when asked for (a bounded dump, one
     core, nothing to check)."""
@@ -246,8 +266,7 @@ def _later(d: Dump, bounded: bool):
     n = min(CHECK_THREADS, (os.cpu_count() or 1))
     if bounded or d.bounded or n < 2 or d.n == 0:
         return _Later
-    slots = threading.Semaphore(n)
-    return lambda f, *a: _Background(slots, f, *a)
+    return _Threads(n)
 
 
 def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar, skipped: dict,

@@ -12,11 +12,22 @@ from dcptool.dump import Dump
 # Per-pair fields in report order (DESIGN §4 names); config differences come first, with no key.
 CONFIG_FIELDS = ("dcp_size", "cp_interleave", "pcp_size", "page_size")
 FIELDS = ("only-in-a", "only-in-b", "has_dcp", "num_reqs", "num_reqs_padded", "seq_lens", "dcp_local_seq_lens",
-          "query_start_loc", "kv_pages", "parent", "req_start", "tok_start", "tok_stop", "num_tokens_padded",
-          "graph", "buffer")
+          "query_start_loc", "kv_pages", "dcp_query_start_loc", "dcp_tot_seq_lens", "positions", "slot_mapping",
+          "slot_group", "parent", "req_start", "tok_start", "tok_stop", "num_tokens_padded", "graph", "buffer")
 _FIELD_ORDER = {f: i for i, f in enumerate(FIELDS)}
 _SCALARS = ("req_start", "tok_start", "tok_stop", "num_tokens_padded", "graph")  # obs.<name>, compared as is
+# Row fields: name -> (offsets column, rows column), compared row by row (dcp_local_seq_lens: where both have a view)
+ROW_FIELDS = {"seq_lens": ("obs.rows", "rows.seq_lens"),
+              "dcp_local_seq_lens": ("obs.dcp_rows", "rows.dcp_local_seq_lens"),
+              "query_start_loc": ("obs.qsl", "rows.query_start_loc"), "kv_pages": ("obs.rows", "rows.kv_pages"),
+              "dcp_query_start_loc": ("obs.dqsl", "rows.dcp_query_start_loc"),
+              "dcp_tot_seq_lens": ("obs.tot", "rows.dcp_tot_seq_lens"),
+              "positions": ("obs.slots", "rows.positions"), "slot_mapping": ("obs.slots", "rows.slot_mapping"),
+              "slot_group": ("obs.slots", "rows.slot_group")}
 _OPTIONAL = {"query_start_loc": ("obs.qsl", "rows.query_start_loc"), "kv_pages": ("rows.kv_pages",),
+             "dcp_query_start_loc": ("obs.dqsl", "rows.dcp_query_start_loc"),
+             "dcp_tot_seq_lens": ("obs.tot", "rows.dcp_tot_seq_lens"),
+             "slots": ("obs.slots", "rows.positions", "rows.slot_mapping", "rows.slot_group"),
              "parent": ("obs.parent",), "buffer": ("obs.buffer",),
              **{s: (f"obs.{s}",) for s in _SCALARS}}
 ROW_CHUNK = 1 << 22  # rows gathered per vectorised comparison pass: bounds memory on huge dumps
@@ -281,14 +292,10 @@ def diff(a: Dump, b: Dump, max_differences: int | None = None) -> DiffResult:
     for name in ("num_reqs", "num_reqs_padded"):
         hits.add(name, np.flatnonzero(a[f"obs.{name}"][ia] != b[f"obs.{name}"][ib]))
     # Rows.
-    for name, offs, vals, sel in (("seq_lens", "obs.rows", "rows.seq_lens", None),
-                                  ("dcp_local_seq_lens", "obs.dcp_rows", "rows.dcp_local_seq_lens",
-                                   (has_a == 1) & (has_b == 1)),
-                                  ("query_start_loc", "obs.qsl", "rows.query_start_loc", None),
-                                  ("kv_pages", "obs.rows", "rows.kv_pages", None)):
+    for name, (offs, vals) in ROW_FIELDS.items():
         if not (a.has(offs, vals) and b.has(offs, vals)):
             continue
-        p = np.arange(ia.size) if sel is None else np.flatnonzero(sel)
+        p = np.flatnonzero((has_a == 1) & (has_b == 1)) if name == "dcp_local_seq_lens" else np.arange(ia.size)
         count, first = _compare_rows(a[offs], a[vals], ia[p], b[offs], b[vals], ib[p])
         bad = np.flatnonzero(count > 0)
         hits.add(name, p[bad], count=count[bad], row=first[bad])
@@ -393,7 +400,7 @@ class _Ctx:
         k = self.key(self.a, i)
         base = dict(key=k, field=name, a_obs=int(da.file_obs[i]), b_obs=int(db.file_obs[j]), a_file=da.file_of(i),
                     b_file=db.file_of(j))
-        if name in ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "kv_pages"):
+        if name in ROW_FIELDS:
             ra, rb = _row_values(da, name, i), _row_values(db, name, j)
             row, count = int(ex["row"]), int(ex["count"])
             va = int(ra[row]) if row < ra.size else None
@@ -433,11 +440,7 @@ class _Ctx:
 
 
 def _row_values(d: Dump, name: str, i: int) -> np.ndarray:
-    if name == "seq_lens":
-        return d.seq_lens_of(i)
-    if name == "dcp_local_seq_lens":
-        v = d.dcp_of(i)
-        return np.zeros(0, np.int32) if v is None else v
-    if name == "query_start_loc":
-        return d.qsl_of(i)
-    return d.kv_pages_of(i)
+    """Observation i's rows of a row field (a view without DCP rows: none)."""
+    offs, vals = ROW_FIELDS[name]
+    o = d[offs]
+    return d[vals][o[i] : o[i + 1]] if name != "dcp_local_seq_lens" or d["obs.has_dcp"][i] else np.zeros(0, np.int32)

@@ -80,11 +80,20 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int, int]:
 
 
 def available_memory() -> int | None:
-    """Bytes of physical memory available now (None where the OS does not say)."""
+    """Bytes of memory available now (None where the OS does not say): the free pages, or more where Linux's
+    MemAvailable counts page cache the kernel can reclaim. Free pages alone are few on a machine whose cache holds
+    a dump just written, and a dump judged too large for them is mapped instead of read: the one way of reading
+    that a truncation by another process can end with SIGBUS."""
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            avail = next((int(line.split()[1]) * 1024 for line in f if line.startswith(b"MemAvailable:")), 0)
+    except (OSError, ValueError, IndexError):
+        avail = 0
+    return max(free, avail)
 
 
 def check_unchanged(p: str, f, before: os.stat_result) -> None:

@@ -19,6 +19,7 @@ from dcptool.dump.schema import (
     _check_entries,
     _fail,
     _parse_config,
+    check_packed,
     check_row_values,
     parse_capped,
     validate_columns,
@@ -58,6 +59,12 @@ class Dump:
         if self.reader is not None:
             self.reader.finish()
             self.columns, self.reader = dict(self.columns), None  # (all in: plain columns from now on)
+
+    def close(self) -> None:
+        """A streamed dump whose caller failed before it needed the rows: stop reading them, so no thread of the
+        read outlives the command; nothing for a dump read at once."""
+        if self.reader is not None:
+            self.reader.stop()
 
     @property
     def n(self) -> int:
@@ -209,6 +216,7 @@ def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
             raise _fail(p, key, f"must be 1-D, got shape {shape}")
         if dt != COLUMNS[key][0]:
             raise _fail(p, key, f"dtype must be {COLUMNS[key][0]}, got {dt}")
+    check_packed(p, entries)
     stream = stream and not bounded and size > data_start
     try:
         if bounded and size > data_start:

@@ -338,6 +338,18 @@ def parse_capped(p: str, meta: dict) -> int | None:
     return v
 
 
+def check_packed(p: str, entries: dict[str, tuple[str, list, int, int]]) -> None:
+    """safetensors packs tensors back to back from byte 0 of the data: bytes no tensor holds are a broken file
+    (checked after what names a key: a tensor dropped from the header is `missing`, not a gap)."""
+    spans = sorted((v[2], v[3], k) for k, v in entries.items() if v[3] > v[2])
+    for (_a0, a1, ka), (b0, _b1, kb) in zip([(0, 0, None)] + spans, spans):
+        if b0 > a1:
+            n = f"{b0 - a1} byte{'s' if b0 - a1 != 1 else ''}"
+            raise _fail(p, kb, f"data starts at byte {b0}, but {_clean(ka)} ends at byte {a1}: no tensor holds the "
+                               f"{n} between them" if ka is not None else f"data starts at byte {b0}, not 0: no tensor "
+                               f"holds the {n} before it")
+
+
 def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
     fmt = meta.get("dcptool.format")
     if fmt is None:

@@ -34,6 +34,7 @@ class _Reader:
         self.pending = {k for k, n in self.need.items() if n}  # columns not read whole yet
         self.error: BaseException | None = None
         self.done = False
+        self.stopped = False  # stop(): the caller failed before it needed the rows
         self.cond = threading.Condition()
         self.plan = self._plan(rows)
         self.thread = threading.Thread(target=self._run, daemon=True, name="dcptool-read")
@@ -59,6 +60,8 @@ class _Reader:
     def _run(self) -> None:
         try:
             for key, at, nbytes, upto in self.plan:
+                if self.stopped:
+                    return
                 files.pread(self.p, self.f, self.buf, at, nbytes, self.base, self.before.st_size)
                 with self.cond:
                     self.got[key] = upto
@@ -92,6 +95,11 @@ class _Reader:
         self.thread.join()
         if self.error is not None:
             raise self.error
+
+    def stop(self) -> None:
+        """End the read after the piece in hand, and wait for the thread (it closes the file)."""
+        self.stopped = True
+        self.thread.join()
 
 
 class _Streamed(dict):

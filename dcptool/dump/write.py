@@ -223,8 +223,9 @@ def _kind(mode: int) -> str:
 
 
 def write_target(path: str | os.PathLike) -> Path:
-    """The file a write to `path` may replace: `path` when it is absent or a regular file; for a symbolic
-    link to a regular file, that file (replaced atomically in its own directory; the link stays a link).
+    """The path a write to `path` may replace: `path` itself when it is absent, a regular file, or a symbolic
+    link to a regular file (the link is replaced by the new file; the file it points to is never written:
+    a link into another directory, or to a file someone else owns, must not make dcptool write there).
     Anything else is a WriteError: a directory, a device (`/dev/null`), a FIFO, a socket, a link to one
     of them (`/proc/self/fd/1`) or a dangling link. A rename would swap such a node for a regular file."""
     p = Path(path)
@@ -253,7 +254,7 @@ def write_target(path: str | os.PathLike) -> Path:
         same = False
     if not same:
         raise WriteError(f"{_clean(p)}: is a symbolic link whose target cannot be replaced by name")
-    return real
+    return p
 
 
 def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True, inputs=()) -> None:
@@ -262,8 +263,8 @@ def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True, inputs=
     A crash, a kill or a full disk leaves the old file (or none), never a torn one; on an error the
     temporary is removed and WriteError names the file. force=False refuses an existing `path`
     (OutputExistsError); `path` is never one of `inputs`, even with force. Only a regular file (or
-    an absent path) is ever replaced; a symbolic link to a regular file replaces that file
-    (write_target).
+    an absent path) is ever replaced; a symbolic link to a regular file is replaced itself, its target
+    never written (write_target).
     """
     p = Path(path)
     shown = p

@@ -43,6 +43,7 @@ flex-wrap:wrap;margin:8px 0}.note{color:#57606a}.view{border-left:3px solid #d0d
 svg .c{cursor:pointer}svg .c:hover rect{stroke:#0969da;stroke-width:2}svg text{font-size:11px}
 svg text.cc{fill:#fff;font-weight:700;text-anchor:middle;pointer-events:none}svg text.cc.warn{fill:#1f2328}
 svg text.lab{fill:#1f2328}svg text.axis{fill:#57606a}svg line{stroke:#d0d7de}
+.problem{margin:4px 0}.problem.known{color:#b42318;font-weight:600}
 """
 
 _JS = """
@@ -84,7 +85,8 @@ def _e(x) -> str:
 
 
 def render_html(res, max_findings: int | None = None) -> str:
-    """The whole page as one string: configuration and summary, timeline, findings table, row views."""
+    """The whole page as one string: problems (as the text report, first), configuration and summary, timeline,
+    findings table, row views."""
     shown = res.findings[: HTML_MAX_FINDINGS if max_findings is None else max_findings]
     pos = _positions(res.findings)
     title = "dcptool replay: " + ", ".join(res.files)
@@ -92,6 +94,7 @@ def render_html(res, max_findings: int | None = None) -> str:
              '<meta name="viewport" content="width=device-width, initial-scale=1">',
              f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
              "<h1>dcptool replay</h1>", f'<p class="files mono">{_e(", ".join(res.files))}</p>']
+    parts += _problems(res, len(shown))
     parts += _summary(res, len(shown))
     tl = timeline(res, HTML_COLUMNS)
     parts.append('<section id="timeline"><h2>Timeline</h2>')
@@ -132,6 +135,22 @@ def _positions(findings) -> dict[int, int]:
 def _finding_ref(k: int | None, text: str, shown: int) -> str:
     """A link to row k of the findings table, or plain text when the table does not hold it (--max-findings)."""
     return f'<a href="#f{k}">{text}</a>' if k is not None and k < shown else text
+
+
+def _problems(res, shown: int) -> list[str]:
+    """The root causes, one line each (problems.Problem.line, as the text report leads with them), each with a link
+    to its first finding when the table holds it; nothing when there are none."""
+    problems = getattr(res, "problems", [])
+    if not problems:
+        return []
+    out = [f'<section id="problems"><h2>Problems ({len(problems)})</h2>']
+    for p in problems:
+        known = " known" if p.known is not None and p.known.named else ""
+        k = int(p.findings[0])
+        first = f' <a href="#f{k}">first finding</a>' if k < shown else ""
+        out.append(f'<p class="problem{known}">{_e(p.line)}{first}</p>')
+    out.append("</section>")
+    return out
 
 
 def _summary(res, shown: int) -> list[str]:

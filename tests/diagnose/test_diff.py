@@ -381,3 +381,113 @@ def test_many_observations_vectorised(tmp_path):
     assert res.total == bad_obs.size and res.by_field == {"seq_lens": bad_obs.size}
     assert len(res.differences) == 10 and res.first.a_obs == bad_obs[0]
     assert os.path.getsize(tmp_path / "a.st") > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Hardening III item 8a: every column the format has (dump.schema.COLUMNS) is compared
+
+
+def _resized(cols: dict, offs: str, k: int, more: bool) -> dict:
+    """Observation k's rows of every column `offs` sizes: one more (its last repeated), or none."""
+    from dcptool.dump import RAGGED
+
+    o = cols[offs]
+    lo, hi = int(o[k]), int(o[k + 1])
+    out = {offs: np.concatenate([o[: k + 1], o[k + 1 :] + (1 if more else lo - hi)])}
+    for key in RAGGED[offs]:
+        v = cols[key]
+        out[key] = np.insert(v, hi, v[hi - 1]) if more else np.delete(v, np.s_[lo:hi])
+    return out
+
+
+def _edited(cols: dict, key: str, cfg) -> dict:
+    """cols with one change that concerns `key` and leaves a valid file (validate_columns): a value of a
+    per-observation or row column, a boundary of an offsets column moved by one row, a view turned None."""
+    from dcptool.dump import COLUMNS, RAGGED
+    from dcptool.dump.schema import validate_columns
+
+    kind = COLUMNS[key][1]
+    tries = []
+    if key == "obs.has_dcp":  # a view turned None takes its rows along
+        k = int(np.flatnonzero((cols["obs.has_dcp"] == 1) & (np.diff(cols["obs.dcp_rows"]) > 0))[0])
+        o = cols["obs.dcp_rows"]
+        lo, hi = int(o[k]), int(o[k + 1])
+        tries.append({"obs.has_dcp": np.where(np.arange(o.size - 1) == k, 0, cols["obs.has_dcp"]).astype(np.uint8),
+                      "obs.dcp_rows": np.concatenate([o[: k + 1], o[k + 1 :] - (hi - lo)]),
+                      "rows.dcp_local_seq_lens": np.delete(cols["rows.dcp_local_seq_lens"], np.s_[lo:hi])})
+    elif key == "obs.buffer":  # a view moved to a buffer of its own (buffers are compared by sharing)
+        v = cols[key]
+        _, first, count = np.unique(v, return_index=True, return_counts=True)
+        k = int(first[np.flatnonzero(count > 1)[0]])
+        tries.append({key: np.where(np.arange(v.size) == k, v.max() + 4096, v)})
+    elif kind == "n+1":  # an observation's rows: one more (its last repeated), or none (not recorded)
+        for k in np.flatnonzero(np.diff(cols[key]) > 0)[:: max(1, cols[key].size // 30)]:
+            for more in (True, False):
+                change = _resized(cols, key, int(k), more)
+                if key == "obs.rows" and "obs.qsl" in cols and np.diff(cols["obs.qsl"])[k]:
+                    change.update(_resized(cols, "obs.qsl", int(k), more))  # (query_start_loc: rows + 1 values)
+                tries.append(change)
+    else:
+        v = cols[key]
+        for k in (list(range(0, v.size, max(1, v.size // 20))) + [v.size - 1])[:40]:
+            for new in (v[k] + 1, v[k] - 1, 1 - v[k] if v.dtype.kind in "iu" else v[k]):
+                if new != v[k]:
+                    tries.append({key: np.where(np.arange(v.size) == k, new, v).astype(v.dtype)})
+    for change in tries:
+        out = {**cols, **change}
+        try:
+            validate_columns("edited", cfg, out)
+        except Exception:
+            continue
+        assert any(k in RAGGED.get(key, ()) or k == key for k in change) or key == "obs.has_dcp"
+        return out
+    raise AssertionError(f"no valid one-value edit of {key}")
+
+
+def test_diff_compares_every_column_the_format_has(tmp_path):
+    """simulate's recording has every column of dump.schema.COLUMNS; an edit in any one of them (issue 15's
+    dcp_query_start_loc and dcp_tot_seq_lens and the slot columns included) is a difference. Derived from the
+    format's table: a column added to the format without diff comparing it fails here."""
+    from dcptool.dump import COLUMNS, write_dump
+    from dcptool.model.simulate import SimConfig, simulate
+
+    a = tmp_path / "a.safetensors"
+    simulate(SimConfig(steps=8, max_num_reqs=64), a)
+    d = read_dump(a)
+    assert set(d.columns) == set(COLUMNS)  # the recording covers the whole format
+    cols = {k: np.array(v) for k, v in d.columns.items()}
+    assert diff(d, read_dump(a)).same
+    for key in COLUMNS:
+        b = tmp_path / f"{key}.safetensors"
+        write_dump(b, d.config, _edited(cols, key, d.config), d.injected[0])
+        res = diff(d, read_dump(b))
+        assert not res.same, f"an edit of {key} is not a difference"
+
+
+@pytest.mark.parametrize("column,field", [("rows.dcp_query_start_loc", "dcp_query_start_loc"),
+                                          ("rows.dcp_tot_seq_lens", "dcp_tot_seq_lens"),
+                                          ("rows.positions", "positions"), ("rows.slot_mapping", "slot_mapping"),
+                                          ("rows.slot_group", "slot_group")])
+def test_issue15_columns_are_row_fields(tmp_path, column, field):
+    """An edited value of issue 15's row columns is named by its field, its row and both values, in text and JSON."""
+    from dcptool.dump import write_dump
+    from dcptool.model.simulate import SimConfig, simulate
+
+    a = tmp_path / "a.safetensors"
+    simulate(SimConfig(steps=4, max_num_reqs=32), a)
+    d = read_dump(a)
+    cols = {k: np.array(v) for k, v in d.columns.items()}
+    v = cols[column]
+    j = int(np.flatnonzero(v >= 0)[-1])  # (a slot_group stays in kv_groups: 1 - g)
+    v[j] = 1 - v[j] if field == "slot_group" else v[j] + 7
+    b = tmp_path / "b.safetensors"
+    write_dump(b, d.config, cols, d.injected[0])
+    res = diff(d, read_dump(b))
+    assert res.by_field == {field: 1}, res.by_field
+    f = res.first
+    offs = {"dcp_query_start_loc": "obs.dqsl", "dcp_tot_seq_lens": "obs.tot"}.get(field, "obs.slots")
+    i = int(np.searchsorted(cols[offs], j, side="right")) - 1  # the observation holding entry j
+    assert (f.a_obs, f.row, f.b) == (i, j - int(cols[offs][i]), int(v[j])), f
+    assert f.message.endswith(f"1 row(s) differ, first row {f.row}: {f.a} in A, {f.b} in B")
+    r = cli("diff", a, b, "--json")
+    assert r.returncode == 1 and json.loads(r.stdout.splitlines()[-1])["by_field"] == {field: 1}

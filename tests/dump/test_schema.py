@@ -119,6 +119,31 @@ def test_overlapping_tensor_data(tmp_path):
         read_dump(_bad(tmp_path, m))
 
 
+@pytest.mark.parametrize("before,gap,message", [
+    ("rows.seq_lens", 8, "rows.seq_lens: data starts at byte {at}, but rows.dcp_local_seq_lens ends at byte {end}: "
+                         "no tensor holds the 8 bytes between them"),
+    ("obs.rank", 1, "obs.rank: data starts at byte {at}, but obs.num_reqs_padded ends at byte {end}: no tensor holds "
+                    "the 1 byte between them"),
+    ("obs.dcp_rows", 4, "obs.dcp_rows: data starts at byte 4, not 0: no tensor holds the 4 bytes before it"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_gap_in_the_data_section_is_refused(tmp_path, before, gap, message, stream):
+    """safetensors packs tensors back to back from byte 0 of the data: bytes no tensor holds are a broken file
+    (Hardening III item 6: inspect and replay read alike and refuse it alike), whichever read finds it."""
+    from conftest import with_gap
+
+    from dcptool.dump import read_header
+
+    good = write(tmp_path / "good.safetensors", [obs(step=s, rank=s % 2) for s in range(3)])
+    p = with_gap(good, tmp_path / "gap.safetensors", before, gap)
+    header = read_header(p)[0]
+    at = header[before]["data_offsets"][0]
+    with pytest.raises(DumpError) as e:
+        read_dump(p, stream=stream)
+    assert str(e.value) == f"{p}: " + message.format(at=at, end=at - gap)
+    assert read_dump(good).n == 3  # (packed: read as ever)
+
+
 def test_optional_columns_are_validated(tmp_path):
     o = [obs(), obs(step=1, ubatch=0, parent=0, req_start=0, tok_start=0, tok_stop=2,
                     query_start_loc=[0, 1, 2, 2, 2])]

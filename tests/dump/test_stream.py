@@ -171,3 +171,109 @@ def test_take_on_a_streamed_dump_waits_for_what_it_gathers_only(tmp_path, monkey
     go.set()
     d.finish()
     assert np.array_equal(d["rows.seq_lens"], want["rows.seq_lens"])
+
+
+# --------------------------------------------------------------------------------------------
+# Hardening III item 5: a dump rewritten in place while replay reads it is exit 2 and one line, every time
+
+
+def _dcptool_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("dcptool-") and t.is_alive()]
+
+
+def test_a_failed_replay_ends_no_thread_of_its_own_running(tmp_path, monkeypatch):
+    """The file is cut short while its rows are read and a check runs beside the scan: the error is one line,
+    exit 2, and by then every check thread has ended (was: the checks ran on, daemon threads, as the process
+    exited over them, which can abort it). A failure before the scan stops the read's thread too."""
+    import threading
+    import time
+
+    from conftest import cli
+
+    import dcptool.check.replay as replay_mod
+
+    monkeypatch.setattr(stream, "STREAM_PIECE", 256)
+    p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(400)])
+    size = os.path.getsize(p)
+    real_pread, real_shape = files.pread, replay_mod.check_shape
+    pieces = []
+
+    def cut_after_the_first_pieces(*a, **k):
+        if threading.current_thread().name == "dcptool-read":
+            pieces.append(1)
+            if len(pieces) == 3:
+                os.truncate(p, size // 2)  # another process rewrites it: first it truncates
+        return real_pread(*a, **k)
+
+    def slow_shape(d):
+        time.sleep(0.5)  # still running when the scan meets the short file
+        return real_shape(d)
+
+    monkeypatch.setattr(files, "pread", cut_after_the_first_pieces)
+    monkeypatch.setattr(replay_mod, "check_shape", slow_shape)
+    r = cli("replay", p)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r
+    assert r.stderr.startswith(f"dcptool: {p}: changed while being read"), r.stderr
+    assert _dcptool_threads() == []
+    # --obs refused before the replay starts: the read's thread is stopped, not left reading
+    q = write(tmp_path / "other.safetensors", [obs(step=s, rank=s % 2) for s in range(400)])
+    monkeypatch.setattr(files, "pread", real_pread)
+    r = cli("replay", q, "--obs", "9999")
+    assert r.returncode == 2 and "has no observation 9999" in r.stderr and _dcptool_threads() == []
+
+
+REWRITE = """
+import os, sys, threading, time
+from dcptool.dump import files, stream
+p, other, at = sys.argv[1], open(sys.argv[2], "rb").read(), int(sys.argv[3])
+stream.STREAM_PIECE = 4096
+real, pieces, go = files.pread, [], threading.Event()
+
+def read(*a, **k):  # once the read's thread is `at` pieces in, another writer rewrites the file in place
+    if threading.current_thread().name == "dcptool-read":
+        pieces.append(1)
+        if len(pieces) == at:
+            go.set()
+            time.sleep(0.05)
+    return real(*a, **k)
+
+def rewrite():
+    go.wait()
+    with open(p, "r+b") as f:  # in place: the same inode, other bytes, another length
+        f.write(other)
+        f.truncate(len(other))
+
+files.pread = read
+threading.Thread(target=rewrite, daemon=True).start()
+live = lambda: [t.name for t in threading.enumerate() if t.name.startswith("dcptool-")]  # noqa: E731
+threading._register_atexit(lambda: print("live:", live()))  # (before non-daemon threads are joined at exit)
+sys.argv = ["dcptool", "replay", p]
+from dcptool.cli import main
+main()
+"""
+
+
+def test_a_dump_rewritten_in_place_during_replay_is_exit_2_in_one_line(tmp_path):
+    """A real process, its file rewritten in place by another writer while the rows are read (early and late in
+    the read): exit 2, one line naming the file, no dcptool thread alive as the process exits, never an abort.
+    tools/rewrite_during_replay.py runs the same without the hooks, timed at random, as many times as asked."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    from dcptool.model.simulate import SimConfig, simulate
+
+    p, other = tmp_path / "run.safetensors", tmp_path / "other.safetensors"
+    simulate(SimConfig(steps=24, max_num_reqs=64), p)  # every column, checks on threads beside the scan
+    simulate(SimConfig(steps=24, max_num_reqs=64, seed=1), other)
+    original = p.read_bytes()
+    for at in (2, 40):
+        p.write_bytes(original)
+        r = subprocess.run([sys.executable, "-c", REWRITE, str(p), str(other), str(at)], capture_output=True,
+                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "DCPTOOL_DEBUG": ""})
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (at, r.returncode, r.stderr[-3000:])
+        assert r.stderr.startswith(f"dcptool: {p}: ") and "Traceback" not in r.stderr, r.stderr
+        assert r.stdout == "live: []\n", r.stdout

@@ -40,3 +40,21 @@ def test_same_input_same_bytes(tmp_path):
     a = write(tmp_path / "a.safetensors", [obs(step=i) for i in range(5)])
     b = write(tmp_path / "b.safetensors", [obs(step=i) for i in range(5)])
     assert open(a, "rb").read() == open(b, "rb").read()
+
+
+def test_atomic_write_replaces_a_link_never_its_target(tmp_path):
+    """Hardening III item 4: with force, a symbolic link to a regular file is replaced by the new file; the file
+    it points to (here in another directory) keeps its bytes. Without force it is an existing output."""
+    from dcptool.dump import OutputExistsError, atomic_write, write_target
+
+    (tmp_path / "other").mkdir()
+    target = tmp_path / "other" / "theirs.safetensors"
+    target.write_bytes(b"theirs")
+    link = tmp_path / "out.safetensors"
+    link.symlink_to(target)
+    assert write_target(link) == link  # the path itself is what a write replaces
+    with pytest.raises(OutputExistsError):
+        atomic_write(link, [b"ours"], force=False)
+    atomic_write(link, [b"ours"], force=True)
+    assert not link.is_symlink() and link.read_bytes() == b"ours" and target.read_bytes() == b"theirs"
+    assert sorted(os.listdir(tmp_path)) == ["other", "out.safetensors"]  # no temporaries left behind

@@ -354,3 +354,27 @@ def test_html_in_headless_chromium(tmp_path):
     green = (px == (0x8F, 0xD1, 0x9E)).all(axis=2).sum(axis=1)  # clean cells
     # the timeline is on screen: rows of clean cells, and the ubatch rank-1 row where 4 clean steps turn stale
     assert green.max() >= 11 * 20 and ((green >= 3 * 20) & (red >= 6 * 20)).any()
+
+
+def test_html_leads_with_the_problems_like_the_text_report(tmp_path):
+    """Hardening III item 8b: the problems (one line per root cause, the text report's lines) come first, before
+    the summary, each linking its first finding when the table holds it; a clean replay has no such section."""
+    from dcptool.report.text import ReportConsole, render_problems
+
+    res = replay(open_dumps([LEGACY]), "torch", views=VIEW_FINDINGS)
+    assert len(res.problems) > 1
+    html = render_html(res)
+    no_network(html, Tree(html))
+    start = html.index('<section id="problems">')
+    assert start < html.index('<section id="summary">') < html.index('id="timeline"')
+    assert f"<h2>Problems ({len(res.problems)})</h2>" in html
+    lines = re.findall(r'<p class="problem(?: known)?">(.*?)(?: <a href="#f(\d+)">first finding</a>)?</p>', html)
+    assert [x for x, _ in lines] == [escape(p.line) for p in res.problems]
+    assert [int(k) for _, k in lines] == [int(p.findings[0]) for p in res.problems]
+    con = ReportConsole(file=__import__("io").StringIO(), width=10_000)  # the text report: the same lines, in order
+    render_problems(res.problems, con)
+    assert con.file.getvalue().splitlines()[1:] == [p.line for p in res.problems]
+    capped = render_html(res, max_findings=1)  # a first finding beyond the table: the line, no link
+    assert capped.count("first finding</a>") == sum(int(p.findings[0]) < 1 for p in res.problems)
+    clean = replay(open_dumps([write(tmp_path / "c.safetensors", [obs(step=s) for s in range(3)])]), "torch")
+    assert not clean.problems and 'id="problems"' not in render_html(clean)

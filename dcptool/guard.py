@@ -1,0 +1,264 @@
+"""The command group's guard: exit codes that never lie, and every failure as one line on stderr."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import typer
+from typer.core import TyperGroup
+
+from dcptool.errors import DcptoolError  # stdlib only: --help stays light
+
+# Every command runs inside Guarded.invoke (CliRunner too), so an unexpected exception is exit 2 with one
+# line, never click's exit 1 ("findings" to a CI job); a usage error is one line too, never click's box.
+
+INTERNAL = 2  # README: Exit codes
+# per invocation: the exit code of what the command found (kept when the reader of stdout goes away), --debug,
+# the files the command reads (named in an out-of-memory line)
+_run: dict = {}
+# click's exceptions (typer >= 0.22 vendors click, older typer re-exports it): found through typer's own
+_CLICK_EXC = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_PASS = (typer.Exit, typer.Abort, _CLICK_EXC)
+
+
+def say(msg: str) -> None:
+    """One line on stderr; a path or a string from a file in it cannot reach the terminal as a command."""
+    from dcptool.report.text import literal
+
+    typer.echo(f"dcptool: {literal(msg)}", err=True)
+
+
+def verdict(code: int) -> None:
+    """Say the exit code before printing the report, so a broken pipe (`| head`) still ends with it."""
+    _run["verdict"] = code
+
+
+def debug(on: bool) -> None:
+    _run["debug"] = on
+
+
+def reading(paths) -> None:
+    """The files the command reads: an out-of-memory line says how much they hold."""
+    _run["inputs"] = [os.fspath(p) for p in paths]
+
+
+def _debug() -> bool:
+    return os.environ.get("DCPTOOL_DEBUG", "") not in ("", "0") or bool(_run.get("debug"))
+
+
+def _report_to() -> str:
+    """Where to report a bug: the package's Issues URL when its metadata names one."""
+    try:
+        from importlib.metadata import metadata
+
+        for url in metadata("dcptool").get_all("Project-URL") or []:
+            label, _, link = url.partition(",")
+            if label.strip().lower() in ("issues", "bug tracker", "bugs", "tracker"):
+                return link.strip()
+    except Exception:
+        pass
+    return "the dcptool issue tracker"
+
+
+def _internal(e: BaseException) -> None:
+    _traceback(e)
+    msg = " ".join(str(e).split()) or "(no message)"  # one line, whatever the exception says
+    say(f"internal error: {type(e).__name__}: {msg} (please report this at {_report_to()}; "
+        "rerun with --debug or DCPTOOL_DEBUG=1 for the traceback)")
+
+
+def _traceback(e: BaseException) -> None:
+    if _debug():
+        import traceback
+
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# Out of memory: what was needed, and how to need less (README: Exit codes)
+
+# What cuts the memory each command needs: the files it reads (each is read whole into memory, or merged lazily
+# when together over half the available memory) or, for simulate, the workload it models.
+_CUT = {
+    "replay": "replay fewer files at once (a run's rollover files a few steps at a time, or fewer ranks' "
+              "files), without --split or --html",
+    "diff": "compare fewer files at once (the same steps' or ranks' files of each run)",
+    "inspect": "inspect fewer files at once",
+    "reduce": "reduce fewer files (those of the steps that show the problem)",
+    "export-test": "export from fewer files (reduce the recording first)",
+    "simulate": "fewer --steps, a smaller --max-num-reqs or --token-budget, or fewer ranks (--dcp, --pcp)",
+}
+# torch: "... you tried to allocate 123 bytes" (CPU), "Tried to allocate 2.00 GiB" (CUDA)
+_ALLOCATE = re.compile(r"allocate (?:(\d+) bytes|([0-9.]+ ?[KMGTPE]i?B)\b)", re.I)
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed: Python's or numpy's MemoryError, or torch's (OutOfMemoryError, or its CPU
+    allocator's RuntimeError)."""
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
+def _size(n: float) -> str:
+    """Bytes in binary units, as numpy and torch name a failed allocation: `512 bytes`, `2.2 GiB`."""
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024:
+            return f"{n:,.0f} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} EiB"
+
+
+def memory_line(e: BaseException, command: str | None) -> str:
+    """`COMMAND: out of memory: an allocation of SIZE failed; ...`: the size that could not be had (numpy and torch
+    say it), how much the files read hold, and what cuts what the command needs."""
+    total = getattr(e, "_total_size", None)  # numpy's _ArrayMemoryError
+    m = _ALLOCATE.search(str(e))
+    need = _size(total) if isinstance(total, int) else None if m is None else m[2] or _size(int(m[1]))
+    sizes = []
+    for p in _run.get("inputs", []):
+        try:
+            sizes.append(os.stat(p).st_size)
+        except OSError:
+            pass
+    out = f"{command + ': ' if command else ''}out of memory: " + (
+        f"an allocation of {need} failed" if need else "an allocation failed")
+    if sizes:
+        out += (f"; the {len(sizes)} file{'s' if len(sizes) != 1 else ''} read hold{'s' if len(sizes) == 1 else ''} "
+                f"{_size(sum(sizes))}, read whole into memory")
+    return out + f"; to need less, {_CUT.get(command or '', 'give it fewer files at once')}; or raise the memory " \
+                 "limit (ulimit -v)"
+
+
+# --------------------------------------------------------------------------------------------
+# Usage errors: click prints usage, a hint and the error on three lines (or a box); dcptool prints one
+
+
+class _UsageLine(_CLICK_EXC):
+    """A usage error as one line on stderr, exit 2: `COMMAND: what is wrong (see 'dcptool COMMAND --help')`. click's
+    own exception type (click prints it and exits), never raised to a caller: not one of dcptool's errors."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        say(self.message)
+
+
+def usage_line(e, group) -> BaseException:
+    """click's usage error (a bad option value, a missing argument, an unknown option or command) as a _UsageLine;
+    `dcptool` alone (click >= 8.2's NoArgsIsHelpError: the help page) and a _UsageLine stay as they are. `group`:
+    the group's context, for an error that names none (an option's missing value)."""
+    if isinstance(e, _UsageLine) or type(e).__name__ == "NoArgsIsHelpError":
+        return e
+    msg = " ".join(e.format_message().split()).rstrip(".")  # one line, whatever click composed
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None and ctx.parent is not None:
+        command, where = ctx.info_name, ctx.command_path
+    elif ctx is None and group.invoked_subcommand:  # (the command's context was never made)
+        command, where = group.invoked_subcommand, f"{group.command_path} {group.invoked_subcommand}"
+    else:  # the group's own: an unknown command, or an option of its own
+        command, where = None, group.command_path
+    return _UsageLine(f"{command + ': ' if command else ''}{msg} (see '{where} --help')")
+
+
+# --------------------------------------------------------------------------------------------
+# stdout
+
+
+def drop_stdout() -> None:
+    """Point stdout at /dev/null (Python docs, "Note on SIGPIPE"): the flush at exit then cannot fail
+    and print "Exception ignored" about a reader that went away or a full device."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (CliRunner): nothing will flush it at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+class _Watched:
+    """sys.stdout while a command runs: remembers that writing to it failed, to tell a full device (exit 2,
+    "cannot write to standard output") from a bug (internal error)."""
+
+    def __init__(self, f):
+        self._f, self.failed = f, False
+
+    def write(self, s):
+        try:
+            return self._f.write(s)
+        except OSError:
+            self.failed = True
+            raise
+
+    def flush(self):
+        try:
+            return self._f.flush()
+        except OSError:
+            self.failed = True
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+class Guarded(TyperGroup):
+    """The dcptool command group: runs each command under one guard for exit codes and stdout."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:  # the group's own options (`dcptool --bogus`)
+            return super().make_context(info_name, args, parent, **extra)
+        except _CLICK_EXC as e:
+            if getattr(e, "ctx", None) is None:
+                raise
+            raise usage_line(e, e.ctx) from None
+
+    def invoke(self, ctx):
+        _run.clear()
+        code = 0
+        out = sys.stdout = _Watched(sys.stdout)
+        try:
+            try:
+                super().invoke(ctx)
+            except typer.Exit as e:
+                code = e.exit_code
+            sys.stdout.flush()  # a buffered write to a full device or a closed pipe fails here, not at exit
+        except _CLICK_EXC as e:  # a command's usage error (its options, its arguments) or an unknown command
+            raise usage_line(e, ctx) from None
+        except _PASS:
+            raise
+        except DcptoolError as e:  # bad input or usage, from the library or the command line: the one place
+            say(str(e))
+            code = 2
+        except KeyboardInterrupt:
+            say("interrupted")
+            code = 130
+        except BrokenPipeError:  # `| head`: the reader has what it wanted; keep the verdict of what was found
+            drop_stdout()
+            code = _run.get("verdict", code)
+        except Exception as e:
+            if isinstance(e, OSError) and out.failed:
+                drop_stdout()
+                say(f"cannot write to standard output: {e.strerror or e}")
+            elif out_of_memory(e):  # bad input in a way: more than this process may hold
+                _traceback(e)
+                say(memory_line(e, ctx.invoked_subcommand))
+            else:
+                _internal(e)
+            code = INTERNAL
+        finally:
+            if sys.stdout is out:
+                sys.stdout = out._f
+        raise typer.Exit(code)
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, **kwargs)
+        except (*_PASS, SystemExit):
+            raise
+        except Exception as e:  # outside a command (parsing, a parameter's conversion): still one line, exit 2
+            _internal(e)
+            if kwargs.get("standalone_mode", True):
+                sys.exit(INTERNAL)
+            return INTERNAL
