@@ -1,5 +1,5 @@
 """Command line: parse, call the library, render; exit 0 clean, 1 findings, 2 bad usage/input or internal error.
-(Over 450 lines: six commands' options, each a page of help text; the exit-code guard is dcptool.guard.)"""
+(Over 450 lines: six commands' options, each a page of help text; the exit-code guard is dcptool.exits.)"""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import typer
 from rich.console import Console
 from typer.core import TyperCommand
 
-from dcptool import guard
+from dcptool import exits
 from dcptool.choices import Backend, CudaGraph, Pipeline, SpecMethod, metavar, spoken, values
 from dcptool.errors import DcptoolError  # stdlib only: --help stays light
-from dcptool.guard import Guarded, say
+from dcptool.exits import Guarded, say
 
 
 class Trouble(DcptoolError):
@@ -51,7 +51,7 @@ def _version(show: bool) -> None:
             sys.stdout.write("".join(f"{line}\n" for line in versions()))
             sys.stdout.flush()
         except BrokenPipeError:  # `| head -1` has what it wanted: still exit 0
-            guard.drop_stdout()
+            exits.drop_stdout()
         raise typer.Exit(0)
 
 
@@ -63,7 +63,7 @@ def _options(
                                           help="Show the versions of dcptool, torch and triton and the dump "
                                                "format it reads, and exit.")] = False,
 ) -> None:
-    guard.debug(debug)
+    exits.debug(debug)
 
 
 def _console() -> Console:
@@ -166,7 +166,7 @@ def replay(
         raise Trouble(f"--backend {backend!r}: choose {spoken(Backend)}")
     _check_engine_version(engine_version)
     dumps = _dump_args(dumps)
-    guard.reading(dumps)
+    exits.reading(dumps)
     if html is not None:
         _check_html_target(html, dumps, force)
     d = open_dumps([str(p) for p in dumps], stream=True)  # (the scan follows the read; replay() ends it)
@@ -191,7 +191,7 @@ def replay(
     from dcptool.report import text as report
 
     code = 1 if res.errors or (strict and res.warnings) else 0
-    guard.verdict(code)
+    exits.verdict(code)
     if json_out:
         for line in report.replay_json_lines(res, max_findings):
             sys.stdout.write(line + "\n")
@@ -257,16 +257,16 @@ def diff(
     from dcptool.dump import open_dumps
 
     first = _dump_side(a)
-    guard.reading(first)
+    exits.reading(first)
     da = open_dumps(first)
     second = _dump_side(b)
-    guard.reading(first + second)
+    exits.reading(first + second)
     db = open_dumps(second)
     from dcptool.report import text as report
 
     limit = max_findings if (max_findings is not None or json_out) else report.TEXT_MAX_FINDINGS
     res = run_diff(da, db, limit)
-    guard.verdict(0 if res.same else 1)
+    exits.verdict(0 if res.same else 1)
     if json_out:
         for line in report.diff_json_lines(res):
             sys.stdout.write(line + "\n")
@@ -285,7 +285,7 @@ def inspect(
     from dcptool.report import text as report
 
     files = _dump_args(dump)
-    guard.reading(files)
+    exits.reading(files)
     d = open_dumps([str(p) for p in files], stream=True)  # replay's read: the same validation, the same errors
     d.finish()
     info = describe(d)
@@ -409,7 +409,7 @@ def reduce(
     from dcptool.report.progress import Progress
 
     files = _dump_args(dump)
-    guard.reading(files)
+    exits.reading(files)
     try:
         write_target(output)
     except DumpError as e:
@@ -453,7 +453,7 @@ def export_test(
     from dcptool.dump import DumpError, atomic_write, open_dumps
 
     files = _dump_args(dump)
-    guard.reading(files)
+    exits.reading(files)
     d = open_dumps([str(p) for p in files])
     res = run_replay(d, "torch")
     try:

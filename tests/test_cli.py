@@ -228,7 +228,7 @@ def test_in_process_cli_shows_warnings_crashes_and_restores_the_process(tmp_path
     assert os.getcwd() == here and "DCPTOOL_PROBE" not in os.environ and dump
 
     import dcptool.cli as dcli
-    from dcptool.guard import Guarded
+    from dcptool.exits import Guarded
 
     monkeypatch.setattr(Guarded, "main", lambda *a, **k: 1 / 0)  # past the guard: what a process shows
     r = cli("--help")
@@ -805,7 +805,7 @@ def test_out_of_memory_is_one_line_with_the_size_and_what_cuts_it(tmp_path, monk
     head = f"dcptool: {args[0]}: out of memory: an allocation of 1.0 EiB failed; "
     assert err.startswith(head) and cut in err and "internal error" not in err, err
     if args[0] != "simulate":
-        from dcptool.guard import _size
+        from dcptool.exits import _size
 
         files = 2 if args[0] == "diff" else 1
         held = f"the {files} file{'s' if files > 1 else ''} read hold{'s' if files == 1 else ''} "

@@ -1,4 +1,4 @@
-"""The command group's guard: exit codes that never lie, and every failure as one line on stderr."""
+"""The command group's exits: exit codes that never lie, and every failure as one line on stderr."""
 
 from __future__ import annotations
 

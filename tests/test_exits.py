@@ -1,17 +1,17 @@
-"""guard.py: the one line each failure gets (usage errors, out of memory), unit by unit; tests/test_cli.py runs them
+"""exits.py: the one line each failure gets (usage errors, out of memory), unit by unit; tests/test_cli.py runs them
 through the commands."""
 
 import numpy as np
 import pytest
 
-from dcptool import guard
+from dcptool import exits
 
 
 @pytest.fixture(autouse=True)
 def _fresh_run():
-    guard._run.clear()
+    exits._run.clear()
     yield
-    guard._run.clear()
+    exits._run.clear()
 
 
 def _numpy_memory_error() -> MemoryError:
@@ -25,8 +25,8 @@ def _numpy_memory_error() -> MemoryError:
 def test_memory_line_names_the_size_the_files_and_what_cuts_it(tmp_path):
     p = tmp_path / "run.safetensors"
     p.write_bytes(b"\0" * 3000)
-    guard.reading([p, tmp_path / "gone.safetensors"])  # (a file that went away is not counted)
-    line = guard.memory_line(_numpy_memory_error(), "replay")
+    exits.reading([p, tmp_path / "gone.safetensors"])  # (a file that went away is not counted)
+    line = exits.memory_line(_numpy_memory_error(), "replay")
     assert line.startswith("replay: out of memory: an allocation of 1.0 EiB failed; the 1 file read holds 2.9 KiB, "
                            "read whole into memory; to need less, replay fewer files at once"), line
     assert "without --split or --html" in line and line.endswith("or raise the memory limit (ulimit -v)")
@@ -41,8 +41,8 @@ def test_memory_line_names_the_size_the_files_and_what_cuts_it(tmp_path):
                                                    "capacity of 139.81 GiB"), "2.00 GiB"),
 ])
 def test_memory_line_reads_the_size_torch_and_python_give(error, size):
-    assert guard.out_of_memory(error)
-    line = guard.memory_line(error, "diff")
+    assert exits.out_of_memory(error)
+    line = exits.memory_line(error, "diff")
     want = f"an allocation of {size} failed" if size else "an allocation failed"
     assert line.startswith(f"diff: out of memory: {want}; to need less, compare fewer files at once"), line
 
@@ -50,16 +50,16 @@ def test_memory_line_reads_the_size_torch_and_python_give(error, size):
 @pytest.mark.parametrize("command,options", [("reduce", "reduce fewer files"), ("simulate", "fewer --steps"),
                                              ("export-test", "reduce the recording first"), ("inspect", "fewer files")])
 def test_memory_line_says_what_cuts_each_command(command, options):
-    assert options in guard.memory_line(MemoryError(), command)
+    assert options in exits.memory_line(MemoryError(), command)
 
 
 def test_what_is_not_out_of_memory():
-    assert not guard.out_of_memory(RuntimeError("something else"))
-    assert not guard.out_of_memory(ValueError("can't allocate memory"))  # only torch's allocator's RuntimeError
+    assert not exits.out_of_memory(RuntimeError("something else"))
+    assert not exits.out_of_memory(ValueError("can't allocate memory"))  # only torch's allocator's RuntimeError
 
 
 def test_sizes_in_binary_units():
-    assert [guard._size(n) for n in (0, 1023, 1024, 5 << 20, 3 << 30, 1 << 60)] == [
+    assert [exits._size(n) for n in (0, 1023, 1024, 5 << 20, 3 << 30, 1 << 60)] == [
         "0 bytes", "1,023 bytes", "1.0 KiB", "5.0 MiB", "3.0 GiB", "1.0 EiB"]
 
 
@@ -72,8 +72,8 @@ def test_usage_line_is_one_line_naming_the_command_and_its_help():
     group = get_command(app)
     ctx = group.make_context("dcptool", ["replay", "x"])
     sub = group.get_command(ctx, "replay").make_context("replay", ["x"], parent=ctx)
-    e = guard.usage_line(typer.BadParameter("not a\nnumber.", ctx=sub), ctx)
+    e = exits.usage_line(typer.BadParameter("not a\nnumber.", ctx=sub), ctx)
     assert e.exit_code == 2 and e.message == ("replay: Invalid value: not a number (see 'dcptool replay --help')")
-    assert guard.usage_line(e, ctx) is e  # converted once
-    top = guard.usage_line(typer.BadParameter("No such command 'x'.", ctx=ctx), ctx)
+    assert exits.usage_line(e, ctx) is e  # converted once
+    top = exits.usage_line(typer.BadParameter("No such command 'x'.", ctx=ctx), ctx)
     assert top.message == "Invalid value: No such command 'x' (see 'dcptool --help')"
