@@ -11,6 +11,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.kernel
 
 
+# On a GPU machine the benchmark runs for real (its table is in docs/performance.md); the smoke is the CPU's view of
+# it under Triton's interpreter, which on the GPU image (triton 3.6, numpy 2.5) cannot run loops bounded by a loaded
+# value (tools/accelerator_suite.sh): there the same fault comparison ran compiled, on the GPU, and agreed.
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU: bench_guard.py runs for real there")
 def test_smoke_runs_and_prints_the_table():
     env = {k: v for k, v in os.environ.items() if not k.startswith("DCPTOOL_")}
     env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
