@@ -704,13 +704,20 @@ def test_a_usage_error_is_one_line_naming_the_command_and_its_help(tmp_path, arg
     (["--bogus"], "dcptool: No such option: --bogus (see 'dcptool --help')\n"),
     (["replay", "x", "--backend"], "dcptool: replay: Option '--backend' requires an argument "
                                    "(see 'dcptool replay --help')\n"),
-    (["replay", "x", "--split", "\x1b[31mred"], "dcptool: replay: Invalid value for '--split': Input should be a valid "
-                                                "integer, unable to parse string as an integer (see 'dcptool replay "
+    # click's own words for a bad value differ between typer/click releases (typer 0.29 here, older on the GPU
+    # image): what is between the fixed parts is theirs; the escape is never sent raw to the terminal
+    (["replay", "x", "--split", "\x1b[31mred"], "dcptool: replay: Invalid value for '--split': * (see 'dcptool replay "
                                                 "--help')\n"),
 ])
 def test_usage_error_lines(args, line):
     r = cli(*args)
-    assert (r.returncode, r.stdout, r.stderr) == (2, "", line)
+    assert (r.returncode, r.stdout) == (2, "")
+    head, star, tail = line.partition(": * ")
+    if star:
+        assert r.stderr.startswith(head + ": ") and r.stderr.endswith(" " + tail) and r.stderr.count("\n") == 1, r.stderr
+        assert "\x1b" not in r.stderr
+    else:
+        assert r.stderr == line
 
 
 def test_a_usage_error_in_a_real_process_is_one_line():
