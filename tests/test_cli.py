@@ -714,7 +714,8 @@ def test_usage_error_lines(args, line):
     assert (r.returncode, r.stdout) == (2, "")
     head, star, tail = line.partition(": * ")
     if star:
-        assert r.stderr.startswith(head + ": ") and r.stderr.endswith(" " + tail) and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith(head + ": ") and r.stderr.endswith(" " + tail), r.stderr
+        assert r.stderr.count("\n") == 1
         assert "\x1b" not in r.stderr
     else:
         assert r.stderr == line
