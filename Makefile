@@ -2,7 +2,7 @@
 # CI-sized fuzz run).  make fuzz: the long fuzz run (FUZZ_EXAMPLES random cases per command).
 # make test-vllm: tests/vllm against each of VLLM_VERSIONS' own code on CPU (a matrix: one release per hook table,
 # the newest pre-fix one first), each in its own venv ~/.cache/dcptool-vllm-<version> (built once, ~90 s and 3 GB each).
-# make test-oldest: the non-fuzz tests on the oldest numpy pyproject.toml claims (CPU torch 2.13), numpy
+# make test-oldest: the non-fuzz, non-kernel tests on the oldest numpy pyproject.toml claims (CPU torch 2.13), numpy
 # warnings as errors; its own venv .venv-oldest (built once, ~40 s), then about a minute.
 PY ?= python3
 VENV := .venv
@@ -38,8 +38,8 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q
-	@echo "--- kernel tests once more, under the Triton interpreter (TRITON_INTERPRET=1)"
+	$(BIN)/python -m pytest -q -m "not kernel"
+	@echo "--- the kernel tests, under the Triton interpreter (TRITON_INTERPRET=1 from the start; a GPU machine runs them compiled)"
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel
 
 $(OLDEST)/.installed-stamp: pyproject.toml
@@ -51,7 +51,7 @@ $(OLDEST)/.installed-stamp: pyproject.toml
 test-oldest: $(OLDEST)/.installed-stamp
 	$(OLDEST)/bin/python -c "import numpy; assert numpy.__version__ == '$(NUMPY_OLDEST)', numpy.__version__"
 	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider -W error::DeprecationWarning -W error::RuntimeWarning \
-		--ignore=tests/test_fuzz.py --ignore=tests/test_reliability.py
+		--ignore=tests/test_fuzz.py --ignore=tests/test_reliability.py -m "not kernel"
 
 test-vllm:
 	@failed=""; for v in $(VLLM_VERSIONS); do \
