@@ -26,7 +26,6 @@ from dcptool.dump import Dump
 # mapping is all -1 (vLLM's get_dummy_slot_mappings: dummy runs and graph capture; a group whose spec
 # does not use slot mappings), which these rules therefore do not ask to write.
 
-_SLOT_NEEDS = ("obs.slots", "rows.positions", "rows.slot_mapping", "rows.slot_group")
 _SLOT_KIND_TEXT = {
     "padded": "token {t} lies past the {real} real tokens (padding) but writes slot {s}; padded tokens write "
               "nothing (-1)",
