@@ -175,9 +175,8 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
         go3 = ring.go3
         scratch = torch.empty(4096, dtype=torch.int32, pin_memory=True)
         raw = torch._C._cuda_getCurrentRawStream(dev.index or 0)
-        args = (scratch.data_ptr(), 1, 250, 256, warm._device._ksec, (warm._device._fast_words + 769) & ~7,
-                seq.data_ptr(), 256,
-                dcp.data_ptr(), 256, qsl.data_ptr(), 257)
+        args = (1, scratch.data_ptr(), 1, 250, 256, warm._device._ksec, (warm._device._fast_words + 769) & ~7,
+                seq.data_ptr(), 256, dcp.data_ptr(), 256, qsl.data_ptr(), 257, *(scratch.data_ptr(), -1) * 5)
         alone = []
         for _ in range(reps):
             seq.copy_(base)
@@ -237,12 +236,12 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
             raw = torch.cuda.current_stream().cuda_stream
             ck = K.snapshot_dispatch(raw, ring.base)  # (the compiled kernel)
             # the fast path's kernel (snapshot_args_kernel, the header as arguments)
-            args = (ring.base, 1, 250, 256, rec._device._ksec, (rec._device._fast_words + 769) & ~7, seq.data_ptr(),
-                    256, dcp.data_ptr(), 256, qsl.data_ptr(), 257)
+            args = (1, ring.base, 1, 250, 256, rec._device._ksec, (rec._device._fast_words + 769) & ~7,
+                    seq.data_ptr(), 256, dcp.data_ptr(), 256, qsl.data_ptr(), 257, *ring.absent5)
             ck3 = K.snapshot_args_dispatch(raw, *args)
             for kname, c, a, dispatch, var in (("descriptor kernel (1 argument)", ck, (ring.base,),
                                                 K.snapshot_dispatch, False),
-                                               ("fast path's kernel (12 arguments)", ck3, args,
+                                               ("fast path's kernel (22 arguments)", ck3, args,
                                                 K.snapshot_args_dispatch, True)):
                 for name, go in (("the launcher's C entry", _direct_launch(c, variadic=var)),
                                  ("Triton's compiled launcher", _compiled_launch(c, variadic=var)),
@@ -329,26 +328,17 @@ def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
         part = getattr(rec, "_device", None)  # (None: a Recorder of one class, before the device path was its own)
         ring = rec._use_host_ring(1 << 20) if part is None else part.use_host_ring(1 << 20)
         a, base = ring.np, ring.base
-        if hasattr(ring, "go"):  # the stand-in launch: the slot is done (its header's seqno in `done`)
-            def go(raw, at):
-                w = (at - base) >> 2
-                a[w + 1] = a[w]
-            ring.go = go
-            if getattr(ring, "go3", None) is None:
-                return rec, lambda: go(0, base + 64)
-            ksec = (rec if part is None else part)._ksec
+        if hasattr(ring, "go"):  # the stand-in launches: the slot is done (its header's seqno in `done`)
+            from bench_record_sets import stand_in_launches
 
-            def go3(raw, at, seqno, nr, nrp, ksec, words, sp, sn, dp, dn, qp, qn):
-                # the fast path's stand-in: what the harvest reads of the header the kernel writes
-                w = (at - base) >> 2
-                nsec = ksec & 0xFFFF
-                a[w + 1] = seqno
-                a[w + 4] = nsec
-                a[w + 5] = 0
-                a[w + 10:w + 19:4] = sn, dn, qn
-                a[w + 22:w + 8 + 4 * nsec:4] = -1
-                fast[kind] += 1
-            ring.go3 = go3
+            stand_in_launches(ring, lambda: fast.__setitem__(kind, fast[kind] + 1))
+            if getattr(ring, "go3", None) is None:
+                return rec, lambda: ring.go(0, base + 64)
+            ksec = (rec if part is None else part)._ksec
+            go3 = ring.go3
+            if hasattr(ring, "absent5"):  # (now: the ring keeps the absent sections' arguments)
+                return rec, lambda: go3(0, 1, base + 64, 1, 250, 256, ksec, 800, 0, 256, 0, 256, 0, 257,
+                                        *ring.absent5)
             return rec, lambda: go3(0, base + 64, 1, 250, 256, ksec, 800, 0, 256, 0, 256, 0, 257)
         ring.run = ring.fast = None  # (before: header word 0 is the seqno the kernel wrote, word 7 its flags)
 
@@ -415,7 +405,15 @@ def main() -> None:
     ap.add_argument("--before", default=BEFORE, help="with --cuda-python: the git revision to compare with")
     ap.add_argument("--sets", action="store_true", help="each argument set the vLLM plugin passes (a GPU)")
     ap.add_argument("--cpu", action="store_true", help="with --sets: a reduced run on the CPU (no GPU)")
+    ap.add_argument("--python", action="store_true", help="with --sets: observe()'s Python per set, fast path vs "
+                    "general path (no GPU)")
     args = ap.parse_args()
+    if args.sets and args.python:
+        from bench_record_sets import bench_sets_python
+
+        with tempfile.TemporaryDirectory() as d:
+            bench_sets_python(args.obs, args.reps, Path(d))
+        return
     if args.sets:
         from bench_record_sets import bench_sets
 

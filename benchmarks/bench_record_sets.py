@@ -2,6 +2,7 @@
 
     python benchmarks/bench_record.py --sets [--steps 200] [--reps 3]     (a GPU)
     python benchmarks/bench_record.py --sets --cpu                         (a reduced smoke run, no GPU)
+    python benchmarks/bench_record.py --sets --python                      (observe()'s Python per set, no GPU)
 
 The argument sets (dcptool/engine/vllm_state.py `_observe`, vllm_hooks.py `_slot_kwargs`: the plugin passes
 positions and the [groups, tokens] slot mappings of build_attn_metadata, int64 as vLLM holds them):
@@ -148,3 +149,69 @@ def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool) -> None:
                 copies = "-" if mode is None else str(max(r["copies"] for r in rs))
                 print(f"| {wname} | {SET_NAMES[kind]} | {label} | {m * 1e3:.3f} | {vs} | {us} | {syncs} | {copies} "
                       f"| {rec} |")
+
+
+def stand_in_launches(ring, on_fast=None) -> None:
+    """Replace the ring's launches with stand-ins that write what the harvest reads of a slot (done = seqno, flags
+    0; the fast path's header counts) and copy no rows: observe()'s Python measured alone (--python, and
+    bench_record.py --cuda-python). on_fast(): called per fast-path launch."""
+    a, base = ring.np, ring.base
+
+    def go(raw, at):
+        w = (at - base) >> 2
+        a[w + 1] = a[w]
+
+    def go3(raw, *args):
+        # now: grid, slot, seqno, nr, nrp, modes, words, then 8 sections; before: slot, seqno, nr, nrp, ksec,
+        # words, then 3
+        if len(args) == 12:
+            at, seqno, _, _, ksec, _, *secs = args
+            nsec = ksec & 0xFFFF
+        else:
+            _, at, seqno, _, _, modes, _, *secs = args
+            nsec = modes >> 16
+        w = (at - base) >> 2
+        a[w + 1] = seqno
+        a[w + 4] = nsec
+        a[w + 5] = 0
+        a[w + 10:w + 10 + 4 * nsec:4] = -1
+        a[w + 10:w + 10 + 2 * len(secs):4] = secs[1::2]
+        if on_fast is not None:
+            on_fast()
+    ring.go = go
+    ring.go3 = go3
+
+
+def bench_sets_python(n: int, reps: int, tmp: Path) -> None:
+    """observe()'s Python per argument set (the decode workload), host tensors through the host ring with the
+    launches replaced by stand-ins: the fast path (now) against the general path of the same Recorder (what
+    every set but (a) took before), interleaved blocks of 500, best block; the stand-in's own cost subtracted."""
+    rng = np.random.default_rng(0)
+    dev = torch.device("cpu")
+    block = 500
+    print("observe()'s Python per argument set (decode 256 req x 768 tok; host ring, stand-in launches; CPU time, "
+          f"best of {max(1, n // block) * reps} interleaved blocks of {block}):")
+    print("| argument set | fast path µs/observe | general path µs/observe | fast / general |")
+    print("|---|---|---|---|")
+    for kind in SETS:
+        kw, seq = _arguments(kind, 256, 768, dev, rng)
+        recs, res = {}, {"fast": [], "general": []}
+        for way in res:
+            rec = _recorder(tmp / f"py-{kind}-{way}.safetensors", "async", True)
+            fast = rec._fast
+            stand_in_launches(rec._device.ring)
+            if way == "general":
+                rec._fast = None  # (observe() then takes the general device path, as every set but (a) did)
+            recs[way] = rec
+            assert fast is not None
+        for _ in range(max(1, n // block) * reps):
+            for way, rec in recs.items():
+                t0 = time.process_time()
+                for i in range(block):
+                    rec.observe(step=i, site="attn_metadata", rank=0, num_reqs=256, num_reqs_padded=256, **kw)
+                res[way].append((time.process_time() - t0) / block)
+        for rec in recs.values():
+            assert rec.dropped == 0, rec.dropped
+            rec.discard()
+        f, g = (min(res[w]) * 1e6 for w in ("fast", "general"))
+        print(f"| {SET_NAMES[kind]} | {f:.2f} | {g:.2f} | {f / g:.2f} |")

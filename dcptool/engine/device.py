@@ -22,6 +22,7 @@ from dcptool.engine.arguments import (
     _NoTensor,
     tensor_type,
 )
+from dcptool.engine.harvest import Harvest
 from dcptool.engine.launch import _arm
 from dcptool.engine.ring import (
     _ABSENT,
@@ -33,6 +34,7 @@ from dcptool.engine.ring import (
     _SnapshotRing,
     _tables,
 )
+from dcptool.engine.snapshot import SNAP_ARGS_BLOCK
 from dcptool.engine.writer import Writer
 
 _TENSOR: type = _NoTensor  # torch.Tensor once torch is imported (the Recorder's _find_torch says when)
@@ -48,7 +50,59 @@ def _capturing() -> bool:
     return _T._C._cuda_isCurrentStreamCapturing()  # (torch.cuda.is_current_stream_capturing)
 
 
-class DevicePath:
+def _later_sections(ring: _SnapshotRing, config, rows: int, kv, dq, tot, pos, sm) -> tuple | None:
+    """The fast path's sections 3-7 (kv_pages, dcp_query_start_loc, dcp_tot_seq_lens, positions, slot_mapping):
+    (their kernel arguments, their values in all, their int64 bits of `modes`, the slot mapping's KV-cache groups
+    or 0), checked as the general path checks them from the shapes alone (the values: by the kernel, at harvest);
+    None where the general path must take the observation (and raise what it cannot store)."""
+    did, i32, i64, base = ring.did, ring.i32, ring.i64, ring.base
+    out: list = []
+    n_all = wide = 0
+    for k, x in ((3, kv), (4, dq), (5, tot), (6, pos), (7, sm)):
+        if x is None:
+            out += (base, -1)
+            continue
+        if type(x) is not _TENSOR or x.get_device() != did or not x.is_contiguous():
+            return None
+        dt = x.dtype
+        if dt is i64:
+            wide |= 1 << k
+        elif dt is not i32:
+            return None
+        n = x.numel()
+        out += (x.data_ptr(), n)
+        n_all += n
+    if kv is not None and (out[1] != rows or config.page_size is None):
+        return None
+    groups = 0
+    if pos is not None or sm is not None:
+        if pos is None or sm is None or pos.dim() != 1:
+            return None
+        t = out[7]  # (positions' count)
+        nd = sm.dim()
+        if nd == 1:
+            groups = 1 if out[9] == t else 0
+        elif nd == 2:
+            g, tt = sm.shape
+            groups = g if tt == t else 0
+        if not groups or (config.kv_groups is not None and groups > len(config.kv_groups)):
+            return None
+    return out, n_all, wide, groups
+
+
+_GROUPS: dict[int, _Groups] = {}  # the slot group columns of the fast path, by number of groups
+
+
+def _with_groups(host: tuple | None, nsec: int, groups: int) -> tuple:
+    """The fast path's host-held sections (None: none) with the slot group column of `groups` KV-cache groups (0 ..
+    groups - 1: the harvest builds the entries from the snapshotted rows, ring._slot_rows)."""
+    g = _GROUPS.get(groups)
+    if g is None:
+        g = _GROUPS[groups] = _Groups(range(groups))
+    return (*((None,) * (nsec - 1) if host is None else host[:-1]), g)
+
+
+class DevicePath(Harvest):
     """A Recorder's CUDA tensors, snapshotted without stopping the engine; it owns the ring.
 
     CUDA tensors are not copied with `.to("cpu")` (that waits for the engine's stream): observe_device writes
@@ -182,19 +236,22 @@ class DevicePath:
         slot = _NEW(_Slot, (index, start, words, host))
         ring.pending.append(slot)
         ring.unfenced += 1
+        ring.unfenced_words += words
         self._append(vals, site, slot)
-        if ring.unfenced >= FENCE_EVERY:
+        if ring.unfenced >= FENCE_EVERY or ring.unfenced_words >= ring.fence_words:
             ring.fence()
             self.harvest(wait=False)
         return index
 
     def observe_fast(self, step, site, rank, seq, nr, nrp, dcp, ubatch, parent, rs, ts, te, qsl, ntp,
-                     graph, buf=None) -> int | None:
+                     graph, buf=None, kv=None, dq=None, tot=None, pos=None, sm=None) -> int | None:
         """observe() for what an engine passes each step, once the ring runs: seq_lens (and dcp_local_seq_lens,
         query_start_loc when given) contiguous int32 tensors on the ring's device, or query_start_loc a 1-D numpy
-        array (held on the host), plain int scalars (`buf`: buffer=, None: dcp's storage), no other row column.
-        One launch of snapshot_args_kernel with the header as arguments (the kernel writes it into the slot): no
-        header packed on the CPU, no section loop. The same checks as the general path; anything else returns None
+        array (held on the host), plain int scalars (`buf`: buffer=, None: dcp's storage); kv_pages,
+        dcp_query_start_loc, dcp_tot_seq_lens, positions (1-D) and slot_mapping (1-D, or [groups, tokens])
+        contiguous int32 or int64 tensors on the ring's device, or None (_later_sections). One launch of
+        snapshot_args_kernel with the header as arguments (its program 0 writes it into the slot): no header packed
+        on the CPU, no section loop, no host copy. The same checks as the general path; anything else returns None
         (the general path takes it, and raises what it cannot store). Written for speed (bench_record.py
         --cuda-python): a tensor's get_device() equal to the ring's also says it is a device tensor (-1: the CPU
         tests' host ring)."""
@@ -252,9 +309,24 @@ class DevicePath:
             for v in (rs, ts, te, ntp):
                 if v is not None and not (type(v) is int and -1 <= v <= INT32_MAX):
                     return None
+        modes = self._ksec
+        groups = 0
+        if kv is None and dq is None and tot is None and pos is None and sm is None:
+            rest = ring.absent5
+        else:
+            got = _later_sections(ring, self._w.config, rows, kv, dq, tot, pos, sm)
+            if got is None:
+                return None
+            rest, n, wide, groups = got
+            words += n
+            modes |= wide
+            if groups:
+                host = _with_groups(host, self._nsec, groups)
+        total = words - self._fast_words  # (the row values the kernel copies)
         words &= ~7
         sp = seq.data_ptr()
         w = self._w
+        rec = self._rec
         self._acquire()  # (the lock's acquire/release called directly: 80 ns less than `with`)
         try:
             index = w.count
@@ -263,9 +335,13 @@ class DevicePath:
             start = ring.alloc(words)
             if start is None:
                 start = self._room(ring, words)
+            if total > SNAP_ARGS_BLOCK:
+                ring.np[start + 5] = 0  # (several programs: each writes the flags word only if it found something)
+            if groups > rec._max_group + 1:
+                rec._max_group = groups - 1
             raw = ring.raw(did)
-            ring.go3(raw, ring.base + 4 * start, index & 0x7FFFFFFF, nr, nrp, self._ksec, words, sp, rows, dp, dn,
-                     qp, qn)
+            ring.go3(raw, (total + SNAP_ARGS_BLOCK - 1) // SNAP_ARGS_BLOCK or 1, ring.base + 4 * start,
+                     index & 0x7FFFFFFF, nr, nrp, modes, words, sp, rows, dp, dn, qp, qn, *rest)
             # (a plain tuple in Fields order: the writer reads the values by position; 70 ns less than a Fields)
             return self._queued(ring, raw, index, start, words, host, (step, rank, ubatch, nr, nrp, parent, rs, ts,
                                                                        te, ntp, buffer if buf is None else buf, graph),
@@ -305,46 +381,3 @@ class DevicePath:
         warnings.warn(f"dcptool Recorder cannot snapshot CUDA tensors asynchronously here ({e}); copying them "
                       "with .to('cpu'), which waits for the stream", RuntimeWarning, stacklevel=4)
         return None
-
-    def _room(self, ring: _SnapshotRing, words: int) -> int:
-        """Start of a free slot of `words`: harvest finished slots, wait for the oldest or drop when full."""
-        start = ring.alloc(words)
-        if start is not None:
-            return start
-        if words > ring.words:  # bigger than the whole ring: finish what is in flight, then grow it
-            self.harvest(wait=True)
-            ring.resize(max(2 * ring.words, 2 * words))
-            return 0
-        self.harvest(wait=False)
-        while (start := ring.alloc(words)) is None:
-            if self.ring_full == "drop":
-                self.ring_drops += 1
-                raise ValueError("the snapshot ring is full (the GPU is far behind); ring_full='wait' waits instead")
-            ring.fence()
-            self.harvest(wait=True, one=True)
-        return start
-
-    def harvest(self, *, wait: bool, one: bool = False) -> None:
-        """Under the lock: copy the finished slots out of the ring (wait: finish all in flight first; one: the
-        slots of one fence only)."""
-        ring = self.ring
-        if ring is not None:
-            for take in ring.finished(wait=wait, one=one):
-                self._resolve(ring, take)
-
-    def _resolve(self, ring: _SnapshotRing, take: list[_Slot]) -> None:
-        """Finished slots into `landed`; an observation whose slot does not hold it is dropped (counted, warned)."""
-        for s, f in self.landed.take(ring, take):
-            self._w.lost(s[0])
-            why = ("a negative value where none may be (seq_lens, dcp_tot_seq_lens, positions)" if f & 2
-                   else "a value int32 cannot hold" if f & 1 else "a ring slot that does not hold it")
-            self._drop(ValueError(f"observation {s[0]}: the device values hold {why}"))
-
-    def abandon(self, e: Exception) -> None:
-        """The slots in flight cannot be harvested: drop those observations (counted, warned)."""
-        ring = self.ring
-        while ring.pending:
-            s = ring.pending.popleft()
-            self._w.lost(s[0])
-            self._drop(ValueError(f"observation {s[0]}: its device snapshot cannot be read ({e})"))
-        ring.fences.clear()

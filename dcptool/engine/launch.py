@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcptool.engine.ring import _ABSENT, _FAST_NEG, ENTRY, FIXED, HEAD_READ, SECTIONS, _head_struct, _SnapshotRing
+from dcptool.engine.ring import _ABSENT, ENTRY, FIXED, HEAD_READ, SECTIONS, _head_struct, _SnapshotRing
 
 _CHECKED: dict = {}  # CUDA device -> (compiled kernel whose launcher proved itself, or None; why not)
 
@@ -60,10 +60,10 @@ def _self_check(ring: _SnapshotRing, go):
 
 def _compiled_launch(ck, variadic: bool = False):
     """A launch through Triton's compiled launcher (no dispatch: no argument binding, no cache lookup); variadic:
-    go(raw, *args) for a kernel of several arguments, else go(raw, slot)."""
+    go(raw, grid, *args) for a kernel of several arguments on `grid` programs, else go(raw, slot) on one."""
     run, fn, meta = ck.run, ck.function, ck.packed_metadata
     if variadic:
-        return lambda raw, *a: run(1, 1, 1, raw, fn, meta, None, None, None, *a)
+        return lambda raw, g, *a: run(g, 1, 1, raw, fn, meta, None, None, None, *a)
     return lambda raw, at: run(1, 1, 1, raw, fn, meta, None, None, None, at)
 
 
@@ -98,37 +98,79 @@ def _direct_launch(ck, variadic: bool = False):
     fn, meta, coop, pdl = ck.function, ck.packed_metadata, run.launch_cooperative_grid, run.launch_pdl
     if kind[0] == 36:
         if variadic:
-            return lambda raw, *a: launch(1, 1, 1, raw, fn, coop, pdl, None, None, meta, None, None, None, *a)
+            return lambda raw, g, *a: launch(g, 1, 1, raw, fn, coop, pdl, None, None, meta, None, None, None, *a)
         return lambda raw, at: launch(1, 1, 1, raw, fn, coop, pdl, None, None, meta, None, None, None, at)
     ann, sig = run.arg_annotations, run.kernel_signature
     if variadic:
-        return lambda raw, *a: launch(1, 1, 1, raw, fn, coop, pdl, meta, None, None, None, None, None, ann, sig, a)
+        return lambda raw, g, *a: launch(g, 1, 1, raw, fn, coop, pdl, meta, None, None, None, None, None, ann, sig, a)
     return lambda raw, at: launch(1, 1, 1, raw, fn, coop, pdl, meta, None, None, None, None, None, ann, sig, (at,))
+
+
+def args_of(srcs: list, base: int) -> tuple[int, int, list]:
+    """snapshot_args_kernel's section arguments for eight device tensors or None: (modes without K, row values in
+    all, [address, count] * 8), an absent section as (base, -1): any readable address (the interpreter converts
+    every address)."""
+    from dcptool.engine.ring import ARGS_NEG
+
+    modes, total, out = ARGS_NEG, 0, []
+    for k, x in enumerate(srcs):
+        if x is None:
+            out += (base, -1)
+        else:
+            n = x.numel()
+            modes |= (x.element_size() == 8) << k
+            total += n
+            out += (x.data_ptr(), n)
+    return modes, total, out
+
+
+def args_slot(srcs: list, seqno: int, nr: int, nrp: int, words: int, fill: int) -> np.ndarray:
+    """The slot snapshot_args_kernel makes of eight host tensors (or None) in a ring filled with `fill`: the header
+    the CPU would write for snapshot_kernel, the rows narrowed to int32, flags and done; the padding untouched."""
+    k = len(SECTIONS)
+    ent, rows, flags = [], [], 0
+    for j, x in enumerate([*srcs, *([None] * (k - len(srcs)))]):
+        if x is None:
+            ent += _ABSENT
+            continue
+        v = x.cpu().numpy().astype(np.int64).reshape(-1)
+        ent += (x.data_ptr(), v.size, (x.element_size() == 8) | (2 * SECTIONS[j].nonneg))
+        rows.append(v)
+        flags |= int((v.astype(np.int32) != v).any()) | (2 * int(SECTIONS[j].nonneg and bool((v < 0).any())))
+    rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+    out = np.full(FIXED + ENTRY * k + rows.size, fill, np.int32)
+    _head_struct(k).pack_into(out, 0, seqno, seqno, nr, nrp, k, flags, words, 0, *ent)
+    out[FIXED + ENTRY * k:] = rows.astype(np.int32)
+    return out
 
 
 def _self_check_args(ring: _SnapshotRing, go):
     """_self_check for the fast path's kernel (snapshot_args_kernel): one launch through `go` on known values (an
-    unaligned view, an absent section, a negative where allowed) compared word by word with the slot the CPU
-    header and snapshot_kernel make; returns what `go` returned."""
+    unaligned view, absent sections, int64 sections, a negative where allowed, a value int32 cannot hold in the
+    last of three programs) compared word by word with args_slot; returns what `go` returned."""
+    from dcptool.engine.snapshot import snapshot_args_grid
+
     torch = ring.torch
     dev = ring.device
-    a = torch.arange(1, 7, dtype=torch.int32, device=dev)[1:]  # an unaligned view: 2..6
-    c = torch.tensor([7, -2, 5, 2**31 - 1], dtype=torch.int32, device=dev)
+    i32, i64 = torch.int32, torch.int64
+    slot = torch.arange(1100, dtype=i64, device=dev) * 3
+    slot[-1] = 2**40
+    srcs = [torch.arange(1, 7, dtype=i32, device=dev)[1:], None,  # an unaligned view: 2..6
+            torch.tensor([7, -2, 5, 2**31 - 1], dtype=i32, device=dev), None,
+            torch.tensor([3, -4], dtype=i64, device=dev), None, torch.arange(1100, dtype=i64, device=dev), slot]
+    modes, total, at = args_of(srcs, ring.base)
     k = len(SECTIONS)
-    words = (FIXED + ENTRY * k + 9 + 7) & ~7
-    ring.np[:HEAD_READ + 16] = -9
-    got = go(ring.raw(dev), ring.base, 12345, 5, 6, k | _FAST_NEG, words, a.data_ptr(), 5, ring.base, -1,
-             c.data_ptr(), 4)
+    words = (FIXED + ENTRY * k + total + 7) & ~7
+    grid = snapshot_args_grid(total)
+    ring.np[:words + HEAD_READ] = -9
+    ring.np[5] = 0  # (several programs: the CPU zeroes the flags word, as observe() does)
+    got = go(ring.raw(dev), grid, ring.base, 12345, 5, 6, k << 16 | modes, words, *at)
     if dev is not None:
         torch.cuda.synchronize(dev)
-    want = np.full(FIXED + ENTRY * k + 9 + 1, -9, np.int32)
-    _head_struct(k).pack_into(want, 0, 12345, 12345, 5, 6, k, 0, words, 0, a.data_ptr(), 5,
-                              (_FAST_NEG >> 15) & 2, *_ABSENT, c.data_ptr(), 4, (_FAST_NEG >> 17) & 2,
-                              *(_ABSENT * (k - 3)))
-    want[FIXED + ENTRY * k:-1] = [2, 3, 4, 5, 6, 7, -2, 5, 2**31 - 1]
-    have = ring.np[:want.size]
-    if not np.array_equal(have, want):
-        raise RuntimeError(f"snapshot_args_kernel self-check wrote {have.tolist()}")
+    want = args_slot(srcs, 12345, 5, 6, words, -9)
+    have = ring.np[:want.size + 1]
+    if grid != 3 or not (np.array_equal(have[:-1], want) and have[-1] == -9):
+        raise RuntimeError(f"snapshot_args_kernel self-check wrote {have[:FIXED].tolist()} ... (grid {grid})")
     return got
 
 

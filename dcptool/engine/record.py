@@ -161,12 +161,11 @@ class Recorder:
         tensors of the device path are snapshotted raw (no waiting; the entries are built at harvest), host
         tensors, numpy arrays and lists copied on the host)."""
         fast = self._fast
-        if (fast is not None and type(seq_lens) is _TENSOR and kv_pages is None
-                and dcp_query_start_loc is None and dcp_tot_seq_lens is None and positions is None
-                and slot_mapping is None):
+        if fast is not None and type(seq_lens) is _TENSOR:
             try:  # the engine's common case (see DevicePath.observe_fast); None: the general path below
                 got = fast(step, site, rank, seq_lens, num_reqs, num_reqs_padded, dcp_local_seq_lens, ubatch, parent,
-                           req_start, tok_start, tok_stop, query_start_loc, num_tokens_padded, graph, buffer)
+                           req_start, tok_start, tok_stop, query_start_loc, num_tokens_padded, graph, buffer, kv_pages,
+                           dcp_query_start_loc, dcp_tot_seq_lens, positions, slot_mapping)
             except Exception as e:  # never break the engine
                 self._drop(e)
                 return -1

@@ -66,10 +66,12 @@ SECTIONS = (Section("seq", "seq_lens", ANY, nonneg=True), Section("dcp", "dcp_lo
             Section("sgrp", "slot_group", ANY))
 if tuple(s.field for s in SECTIONS) != ROW_FIELDS:
     raise ImportError(f"ring.SECTIONS {[s.field for s in SECTIONS]} must follow dump.ROW_FIELDS {ROW_FIELDS}")
-# observe()'s fast path (snapshot.snapshot_args_kernel): sections 0-2 as kernel arguments, their negative-value modes
-if tuple(s.name for s in SECTIONS[:3]) != ("seq_lens", "dcp_local_seq_lens", "query_start_loc"):
-    raise ImportError("ring.SECTIONS must start with seq_lens, dcp_local_seq_lens, query_start_loc (the fast path)")
-_FAST_NEG = sum(1 << (16 + k) for k, s in enumerate(SECTIONS[:3]) if s.nonneg)  # snapshot_args_kernel's ksec
+# observe()'s fast path (snapshot.snapshot_args_kernel): sections 0-7 as kernel arguments (the slot group column is
+# the host's), their negative-value flags at bits 8 + k of its `modes` argument (bit k: int64, set per observation)
+ARGS_SECTIONS = 8  # = snapshot.SNAP_ARGS_SECTIONS
+if tuple(s.name for s in SECTIONS[ARGS_SECTIONS:]) != ("slot_group",):
+    raise ImportError("ring.SECTIONS: the fast path's kernel takes every section but the last (slot_group)")
+ARGS_NEG = sum(1 << (8 + k) for k, s in enumerate(SECTIONS[:ARGS_SECTIONS]) if s.nonneg)
 
 
 def _head_struct(k: int) -> struct.Struct:
@@ -81,7 +83,7 @@ def _tables(sections: tuple[Section, ...]) -> tuple:
     """What the device path derives from the section table (once, not per observation): the section count, the
     header's struct and words, each section's header mode, the (k, section) pairs with a rule, the sections of
     ROWS_PLUS_1 and of ROWS length, the (k, setting) pairs that need a config setting, the fast path's slot words,
-    its host-held padding and its kernel's `ksec` argument."""
+    its host-held padding and its kernel's `modes` argument (without the int64 bits)."""
     k = len(sections)
     return (k, _head_struct(k),
             FIXED + ENTRY * k + 7,  # (+ 7: rounded down to 8 words at the end)
@@ -90,8 +92,8 @@ def _tables(sections: tuple[Section, ...]) -> tuple:
             tuple(j for j, x in enumerate(sections) if x.length == ROWS_PLUS_1),
             tuple(j for j, x in enumerate(sections) if x.length == ROWS),
             tuple((j, x.needs) for j, x in enumerate(sections) if x.needs),
-            FIXED + ENTRY * k + 7,  # (the fast path's slot: sections 0-2 only)
-            (None,) * (k - 3), k | _FAST_NEG)
+            FIXED + ENTRY * k + 7,  # (the fast path's slot, before its rows)
+            (None,) * (k - 3), k << 16 | ARGS_NEG)
 
 
 def _host_rules(rules: tuple, config, ent: list, host: list, rows: int, words: int) -> int:
@@ -185,16 +187,18 @@ class _SnapshotRing:
         self.pending: deque[_Slot] = deque()
         self.fences: deque[tuple[list, int]] = deque()  # (its events, the slots launched before it since the last)
         self.unfenced = 0  # slots launched since the last fence
+        self.unfenced_words = 0  # ... and their words (a fence every fence_words too: large slots fill the ring)
         self.streams: dict = {}  # raw stream -> stream object, for streams with slots not yet fenced
         self.known: dict = {}
         self.free_events: list = []
         self.kernel = None
         self.go = None
         self.how = ""
-        self.go3 = None  # the launch of snapshot.snapshot_args_kernel (observe()'s fast path); None: not here
+        self.go3 = None  # go3(raw, grid, *args): snapshot.snapshot_args_kernel (observe()'s fast path); None: none
         self.how3 = ""
         self.did = -1 if device is None else device  # what get_device() says of a tensor this ring snapshots
         self.i32 = torch.int32
+        self.i64 = torch.int64
         # the engine's current raw stream (the CPU tests' host ring has none)
         self.raw = torch._C._cuda_getCurrentRawStream if device is not None else (lambda d: 0)
         self.resize(words)
@@ -206,6 +210,8 @@ class _SnapshotRing:
         self.np = self.buf.numpy()
         self.base = self.buf.data_ptr()
         self.words = words
+        self.fence_words = words // 8  # (so a full ring has fences to wait for, and the harvest frees it early)
+        self.absent5 = (self.base, -1) * 5  # snapshot_args_kernel's sections 3-7, absent (any readable address)
 
     def alloc(self, need: int) -> int | None:
         """Start of `need` free words, or None when the ring is full."""
@@ -235,7 +241,7 @@ class _SnapshotRing:
             evs.append(ev)
         self.streams.clear()
         self.fences.append((evs, self.unfenced))
-        self.unfenced = 0
+        self.unfenced = self.unfenced_words = 0
 
     def finished(self, *, wait: bool, one: bool = False):
         """The slots of each fence whose launches are done, oldest first, one list a fence (wait: fence and wait

@@ -15,6 +15,10 @@ SNAP_MAX_SECTIONS = (SNAP_HEAD_READ - SNAP_FIXED) // SNAP_ENTRY
 SNAP_BLOCK = 512
 _TL = "dcptool.engine.snapshot_tl"
 SNAP_WARPS = 1  # one warp: reading the header's fields out of its one vector load is then warp shuffles only
+SNAP_ARGS_SECTIONS = 8  # the device sections snapshot_args_kernel takes as arguments (ring.SECTIONS[:8])
+SNAP_ARGS = 6 + 2 * SNAP_ARGS_SECTIONS  # its arguments
+SNAP_ARGS_BLOCK = 1024  # row values per program of snapshot_args_kernel (one load of each in flight)
+SNAP_ARGS_WARPS = 4
 
 
 def snapshot_kernel():
@@ -37,21 +41,27 @@ def snapshot_dispatch(raw_stream: int, slot: int):
 
 
 def snapshot_args_kernel():
-    """The snapshot kernel for the engine's common case: sections 0-2 of the slot (seq_lens,
-    dcp_local_seq_lens, query_start_loc) contiguous int32 device tensors or absent, the rest absent. The
-    header comes as twelve arguments (slot, seqno, num_reqs, num_reqs_padded, K | negative-value flags << 16,
-    words, then address and count of each of the three) and the kernel writes it into the slot itself: the
-    same slot as snapshot_kernel's, without the GPU's read of the header from host memory before the copy
-    and without the CPU's write of it."""
+    """The snapshot kernel of observe()'s fast path: every device section (seq_lens ... slot_mapping, sections
+    0-7 of ring.SECTIONS) a contiguous int32 or int64 device tensor or absent, the rest absent. The header comes
+    as SNAP_ARGS arguments (slot, seqno, num_reqs, num_reqs_padded, modes = K << 16 | negative-value flags << 8 |
+    int64 flags, words, then address and count of each of the eight) and program 0 writes it into the slot:
+    the same slot as snapshot_kernel's, without the GPU's read of the header from host memory and without the
+    CPU's write of it. Launched on snapshot_args_grid(values) programs of SNAP_ARGS_BLOCK values each (a prefill's
+    slot mapping is copied by many programs at once); with more than one the CPU zeroes the flags word first."""
     return load(_TL).snapshot_args_kernel
 
 
-def snapshot_args_dispatch(raw_stream: int, *args):
-    """One launch of snapshot_args_kernel through Triton's dispatch (on the current stream); returns the
-    compiled kernel."""
+def snapshot_args_grid(values: int) -> int:
+    """Programs of snapshot_args_kernel for `values` row values in all (at least one: it writes the header)."""
+    return (values + SNAP_ARGS_BLOCK - 1) // SNAP_ARGS_BLOCK or 1
+
+
+def snapshot_args_dispatch(raw_stream: int, grid: int, *args):
+    """One launch of snapshot_args_kernel on `grid` programs through Triton's dispatch (on the current stream);
+    returns the compiled kernel."""
     k = load(_TL)
     if interpreted() and 0 in args[6::2]:
         # the interpreter types a 0 argument int32 whatever the annotation and cannot make it a pointer (an
         # empty tensor's address is 0): any readable address, none of it is read (count 0 or -1)
         args = (*args[:6], *(a or args[0] if i % 2 == 0 else a for i, a in enumerate(args[6:])))
-    return k.snapshot_args_kernel[(1,)](*args, num_warps=SNAP_WARPS)
+    return k.snapshot_args_kernel[(grid,)](*args, num_warps=SNAP_ARGS_WARPS)

@@ -408,14 +408,17 @@ def test_the_engines_call_takes_the_fast_path_and_records_the_same(tmp_path, mon
 @hostring
 @pytest.mark.kernel
 def test_what_the_fast_path_does_not_take_goes_the_general_way(tmp_path, monkeypatch):
-    """Anything but the engine's plain call (int64 or strided views, another row column, a numpy scalar, a
-    graph mode by name) leaves the fast path: the same file as the host path, and the general path saw
-    each of them."""
+    """Anything but what the fast path takes (int64 or strided views of the first three sections, a strided or
+    int16 later one, a slot mapping as a dict, 2-D positions, a numpy scalar, a graph mode by name) leaves the
+    fast path: the same file as the host path, and the general path saw each of them."""
     calls, a, b = _host_and_ring(monkeypatch, tmp_path, page_size=16)
     seq = torch.arange(1, 9, dtype=torch.int32)
     kw = _engine_kw(0, seq, seq // 2, torch.arange(9, dtype=torch.int32))
+    pos = torch.arange(5, dtype=torch.int64)
     odd = [dict(seq_lens=seq.long()), dict(dcp_local_seq_lens=torch.arange(16, dtype=torch.int32)[::2]),
-           dict(kv_pages=seq), dict(step=np.int64(3)), dict(graph="replay"), dict(ubatch=np.int32(0)),
+           dict(kv_pages=torch.arange(16, dtype=torch.int32)[::2]), dict(dcp_tot_seq_lens=seq.to(torch.int16)),
+           dict(positions=pos, slot_mapping={0: pos * 3}), dict(positions=pos[None], slot_mapping=pos[None]),
+           dict(step=np.int64(3)), dict(graph="replay"), dict(ubatch=np.int32(0)),
            dict(query_start_loc=torch.arange(9))]
     # (a query_start_loc that does not cover the rows stays on the fast path: not recorded, as on the host)
     for i, extra in enumerate([{}, *odd, {}, dict(query_start_loc=seq)]):
@@ -424,6 +427,64 @@ def test_what_the_fast_path_does_not_take_goes_the_general_way(tmp_path, monkeyp
     assert len(calls) == 1 + len(odd) and a.dropped == b.dropped == 0
     ca, cb = _columns(fa), _columns(fb)
     assert sorted(ca) == sorted(cb) and all(np.array_equal(ca[k], cb[k]) for k in ca)
+
+
+@hostring
+@pytest.mark.kernel
+@pytest.mark.parametrize("groups", [1, 2])
+def test_every_argument_set_the_plugin_passes_takes_the_fast_path(tmp_path, monkeypatch, groups):
+    """The sets bench_record.py --sets measures (the fast-path set, + positions + an int64 [groups, tokens] slot
+    mapping, + dcp_query_start_loc + dcp_tot_seq_lens, + kv_pages; the slot mapping also 1-D) all go through the
+    fast path after the first observation, no host copy of a slot section, over sizes around the kernel's block
+    of 1,024 values (several programs): the file equals the host path's, slot entries included."""
+    kv = [{"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False}]
+    calls, a, b = _host_and_ring(monkeypatch, tmp_path, page_size=16, kv_groups=kv)
+    copies = []
+    host = b._slots
+    b._slots = lambda *x: copies.append(1) or host(*x)
+    rng = np.random.default_rng(groups)
+    for i, (rows, toks) in enumerate([(3, 9), (1, 0), (2, 1), (127, 381), (129, 600), (16, 1100), (300, 300)] * 2):
+        seq = torch.from_numpy(rng.integers(0, 1 << 20, rows).astype(np.int32))
+        q = torch.from_numpy(np.linspace(0, toks, rows + 1).astype(np.int32))
+        kw = _engine_kw(i, seq, seq // 2, q)
+        if i % 4:
+            kw.update(positions=torch.from_numpy(rng.integers(0, 1 << 20, toks)),
+                      slot_mapping=torch.from_numpy(rng.integers(-1, 1 << 30, (groups, toks))))
+            if groups == 1 and i % 3 == 0:
+                kw["slot_mapping"] = kw["slot_mapping"][0]  # (1-D: group 0)
+        if i % 4 >= 2:
+            kw.update(dcp_query_start_loc=q.long(), dcp_tot_seq_lens=(seq + 7).long())
+        if i % 4 == 3:
+            kw["kv_pages"] = seq // 16 + 1
+        assert a.observe(**kw) == b.observe(**kw) == i
+    fa, fb = a.close(), b.close()
+    assert calls == ["attn_metadata"] and not copies and a.dropped == b.dropped == 0
+    ca, cb = _columns(fa), _columns(fb)
+    assert sorted(ca) == sorted(cb) and all(np.array_equal(ca[k], cb[k]) for k in ca)
+    assert ca["rows.slot_mapping"].size and set(ca["rows.slot_group"].tolist()) == set(range(groups))
+
+
+@hostring
+@pytest.mark.kernel
+def test_the_fast_path_drops_bad_device_values_at_harvest(tmp_path):
+    """Values only the kernel sees (a negative position or dcp_tot_seq_len, a slot mapping value int32 cannot
+    hold, in the first or a later program) drop the observation at harvest, counted; a -1 slot is kept."""
+    rec = Recorder(tmp_path / "v.safetensors", dcp_size=2)
+    rec._device.use_host_ring()
+    seq = torch.arange(1, 9, dtype=torch.int32)
+    kw = _engine_kw(0, seq, seq // 2, torch.arange(9, dtype=torch.int32))
+    pos = torch.arange(2000, dtype=torch.int64)
+    slot = torch.arange(2000, dtype=torch.int64)
+    good = dict(positions=pos, slot_mapping=slot - 1)
+    bad = [dict(positions=pos - 1, slot_mapping=slot), dict(positions=pos, slot_mapping=slot + 2**40),
+           dict(dcp_tot_seq_lens=seq - 2)]
+    with pytest.warns(RuntimeWarning, match="dropped"):  # (at a harvest: inside a later observe(), or at close())
+        assert [rec.observe(**{**kw, **x}) for x in (good, *bad, good)] == [0, 1, 2, 3, 4]
+        rec.close()
+    d = read_dump(tmp_path / "v.safetensors")
+    assert rec.dropped == 3 and d.n == 2
+    assert np.array_equal(d["rows.positions"], np.tile(np.arange(2000), 2))  # the two good ones
+    assert np.array_equal(d["rows.slot_mapping"], np.tile(np.arange(-1, 1999), 2))
 
 
 @hostring

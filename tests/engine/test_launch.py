@@ -5,7 +5,7 @@ import pytest
 from conftest import hostring
 
 from dcptool.engine.launch import _cheapest, _compiled_launch, _direct_launch, _fast_launch, _self_check_args
-from dcptool.engine.ring import _FAST_NEG, _SnapshotRing
+from dcptool.engine.ring import ARGS_NEG, _SnapshotRing
 
 
 def test_the_direct_launch_passes_what_tritons_launcher_passes(monkeypatch):
@@ -31,10 +31,11 @@ def test_the_direct_launch_passes_what_tritons_launcher_passes(monkeypatch):
     _compiled_launch(ck)(0x5EED, 0xAB00)
     go(0x5EED, 0xAB00)
     assert len(seen) == 2 and seen[0] == seen[1]
-    args = (0xAB00, 7, 250, 256, 9 | _FAST_NEG, 816, 0xC000, 256, 0xD004, 256, 0xE000, 257)  # snapshot_args_kernel
-    _compiled_launch(ck, variadic=True)(0x5EED, *args)
-    _direct_launch(ck, variadic=True)(0x5EED, *args)
-    assert len(seen) == 4 and seen[2] == seen[3] and seen[2] != seen[0]
+    args = (0xAB00, 7, 250, 256, 9 << 16 | ARGS_NEG, 816, 0xC000, 256, 0xD004, 256, 0xE000, 257,
+            *(0xAB00, -1) * 5)  # snapshot_args_kernel's
+    _compiled_launch(ck, variadic=True)(0x5EED, 3, *args)
+    _direct_launch(ck, variadic=True)(0x5EED, 3, *args)
+    assert len(seen) == 4 and seen[2] == seen[3] and seen[2] != seen[0] and seen[2][:3] == (3, 1, 1)  # the grid
     other = types.SimpleNamespace(run=types.SimpleNamespace(launch=print), function=1, packed_metadata=(4, 1, 0))
     assert _direct_launch(other) is None  # a wrapper it does not know: the compiled launcher is used as it is
 
@@ -75,4 +76,6 @@ def test_the_fast_launch_is_checked_before_use():
     go = snapshot_args_dispatch
     _self_check_args(ring, go)
     with pytest.raises(RuntimeError, match="self-check wrote"):
-        _self_check_args(ring, lambda raw, at, *a: go(raw, at, *a[:-1], a[-1] - 1))  # qsl one value short
+        _self_check_args(ring, lambda raw, g, *a: go(raw, g, *a[:-1], a[-1] - 1))  # the slot mapping one short
+    with pytest.raises(RuntimeError, match="self-check wrote"):
+        _self_check_args(ring, lambda raw, g, *a: go(raw, 1, *a))  # one program where three are needed

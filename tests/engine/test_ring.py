@@ -1,12 +1,10 @@
 """The snapshot ring (ring.py): a row column is a section table entry, a full ring waits or drops, fences hand
 over finished slots oldest first, and the harvested copies give each slot its rows."""
 
-import numpy as np
 import pytest
 import torch
 from conftest import hostring
 
-from dcptool.dump import read_dump
 from dcptool.engine import device
 from dcptool.engine.arguments import _scalars
 from dcptool.engine.record import Recorder
@@ -61,44 +59,6 @@ def test_a_fifth_section_is_a_table_entry_not_kernel_code(tmp_path, monkeypatch)
     assert rows[0].tolist() == [5, 9, 0] and rows[2].tolist() == [0, 1, 2, 2]
     assert rows[K].tolist() == list(range(0, 33, 3)) and rows[K + 1].tolist() == [7, 8, 9]
     rec.discard()
-
-
-def _slot_words(rows: int) -> int:
-    """Words of a ring slot holding one section of `rows` values (the header grows with SECTIONS)."""
-    return (FIXED + ENTRY * len(SECTIONS) + rows + 7) & ~7
-
-
-@hostring
-@pytest.mark.kernel
-def test_a_full_ring_waits_and_loses_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(_HostEvent, "hold", True)  # no launch finishes until waited for
-    monkeypatch.setattr(_HostEvent, "waits", 0)
-    rec = Recorder(tmp_path / "w.safetensors", dcp_size=2)
-    rec._device.use_host_ring(3 * _slot_words(300) + 8)
-    seen = []
-    for i in range(12):
-        seen.append(np.arange(i, i + 300, dtype=np.int32))
-        assert rec.observe(step=i, site="x", rank=0, seq_lens=torch.from_numpy(seen[-1]), num_reqs=300,
-                           num_reqs_padded=300) == i
-    assert _HostEvent.waits == 3  # 3 slots fit: the 4th, 7th and 10th waited for those before
-    rec.close()
-    d = read_dump(tmp_path / "w.safetensors")
-    assert rec.dropped == 0 and d.n == 12 and all(np.array_equal(d.seq_lens_of(i), seen[i]) for i in range(12))
-
-
-@hostring
-@pytest.mark.kernel
-def test_a_full_ring_drops_and_counts_when_told_to(tmp_path, monkeypatch):
-    monkeypatch.setattr(_HostEvent, "hold", True)
-    rec = Recorder(tmp_path / "d.safetensors", dcp_size=2, ring_full="drop")
-    rec._device.use_host_ring(3 * _slot_words(300) + 8)
-    with pytest.warns(RuntimeWarning, match="snapshot ring is full"):
-        got = [rec.observe(step=i, site="x", rank=0, seq_lens=torch.full((300,), i, dtype=torch.int32),
-                           num_reqs=300, num_reqs_padded=300) for i in range(6)]
-    assert got == [0, 1, 2, -1, -1, -1] and rec.ring_drops == rec.dropped == 3
-    rec.close()
-    d = read_dump(tmp_path / "d.safetensors")
-    assert d.n == 3 and [int(d.seq_lens_of(i)[0]) for i in range(3)] == [0, 1, 2]  # the kept ones, intact
 
 
 def _launched(ring: _SnapshotRing, index: int, words: int) -> _Slot:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcptool.engine.ring import _FAST_NEG, ENTRY, FIXED, HEAD_READ, SECTIONS, _head_struct, _slot_rows
+from dcptool.engine.ring import ENTRY, FIXED, HEAD_READ, SECTIONS, _head_struct, _slot_rows
 
 
 def _kernel_device() -> str:
@@ -86,49 +86,86 @@ def test_snapshot_flags_values_int32_cannot_hold_and_forbidden_negatives():
 # --------------------------------------------------------------------------------------------
 # observe()'s fast path (issue 13 item 4): the engine's call, the header as kernel arguments
 
-def _launch_args(seq, dcp, qsl, seqno: int = 41, nr: int = 3, nrp: int = 5, pad: int = 64):
-    """snapshot_args_kernel on seq/dcp/qsl (tensors, or None: absent) into a fresh ring filled with -7, as
-    observe()'s fast path launches it; returns the ring's words (numpy) and the slot's words."""
-    from dcptool.engine.snapshot import snapshot_args_dispatch
+def _launch_args(secs: list, seqno: int = 41, nr: int = 3, nrp: int = 5, pad: int = 64):
+    """snapshot_args_kernel on up to eight sections (tensors, or None: absent) into a fresh ring filled with -7, as
+    observe()'s fast path launches it (on snapshot_args_grid programs; with several, the flags word zeroed first);
+    returns the ring's words (numpy), the slot's words and the grid."""
+    from dcptool.engine.launch import args_of
+    from dcptool.engine.snapshot import snapshot_args_dispatch, snapshot_args_grid
 
     k = len(SECTIONS)
-    words = (FIXED + ENTRY * k + sum(t.numel() for t in (seq, dcp, qsl) if t is not None) + 7) & ~7
+    secs = [*secs, *([None] * (8 - len(secs)))]
+    words = (FIXED + ENTRY * k + sum(t.numel() for t in secs if t is not None) + 7) & ~7
     ring = torch.full((words + HEAD_READ + pad,), -7, dtype=torch.int32, device=_kernel_device())
-    args = []
-    for t in (seq, dcp, qsl):
-        args += (ring.data_ptr(), -1) if t is None else (t.data_ptr(), t.numel())
-    snapshot_args_dispatch(0, ring.data_ptr(), seqno, nr, nrp, k | _FAST_NEG, words, *args)
-    return ring.cpu().numpy(), words
+    modes, total, at = args_of(secs, ring.data_ptr())
+    grid = snapshot_args_grid(total)
+    if grid > 1:
+        ring[5] = 0
+    snapshot_args_dispatch(0, grid, ring.data_ptr(), seqno, nr, nrp, k << 16 | modes, words, *at)
+    return ring.cpu().numpy(), words, grid
+
+
+def _sections(n: int, g: torch.Generator, dev: str) -> list:
+    """Eight sections as an engine hands them: unaligned int32 seq_lens, a DCP view with negatives (allowed),
+    query_start_loc, kv_pages, int64 dcp_query_start_loc and dcp_tot_seq_lens, int64 positions and a [2, n]
+    int64 slot mapping with -1s; every value fits int32."""
+    i32, i64 = torch.int32, torch.int64
+    return [torch.randint(0, 1 << 30, (n + 1,), generator=g, dtype=i32).to(dev)[1:],
+            torch.randint(-5, 1 << 20, (n,), generator=g, dtype=i32).to(dev),
+            torch.arange(n + 1, dtype=i32, device=dev), torch.randint(0, 99, (n,), generator=g, dtype=i32).to(dev),
+            torch.arange(n + 1, dtype=i64, device=dev) * 2, torch.randint(0, 1 << 30, (n,), generator=g,
+                                                                           dtype=i64).to(dev),
+            torch.randint(0, 1 << 20, (n,), generator=g, dtype=i64).to(dev),
+            torch.randint(-1, 1 << 30, (2, n), generator=g, dtype=i64).to(dev)]
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("n", [0, 1, 300, 513])
+@pytest.mark.parametrize("n", [0, 1, 127, 300, 1025])
 def test_the_args_kernel_writes_the_slot_the_descriptor_kernel_writes(n):
     """The fast path's kernel takes the header as arguments and writes it itself: word for word the slot that
-    the CPU's header and snapshot_kernel make (header, rows, flags, done; nothing past the slot), with any
-    of the three sections absent, for lengths around the kernel's block (empty sections: the same but for
-    the address words, which the interpreter cannot take as 0)."""
+    the CPU's header and snapshot_kernel make (header, rows, flags, done; nothing past the slot), with sections
+    absent, int64 sections narrowed, on one program or several (lengths around its block of 1,024 values;
+    empty sections: the same but for the address words, which the interpreter cannot take as 0)."""
     dev = _kernel_device()
     g = torch.Generator().manual_seed(n)
-    base = torch.randint(0, 1 << 30, (n + 1,), generator=g, dtype=torch.int32).to(dev)
-    seq = base[1:]  # unaligned
-    dcp = torch.randint(-5, 1 << 20, (n,), generator=g, dtype=torch.int32).to(dev)  # negatives allowed here
-    qsl = torch.arange(n + 1, dtype=torch.int32, device=dev)
-    for secs in ((seq, dcp, qsl), (seq, None, qsl), (seq, dcp, None), (seq, None, None)):
-        got, words = _launch_args(*secs, seqno=n + 3)
-        flags = [(t, k == 0) for k, t in enumerate(secs)] + [(None, False)] * (len(SECTIONS) - 3)
+    full = _sections(n, g, dev)
+    cases = [full[:3], [full[0], None, full[2]], [full[0], full[1]], [full[0]], full,
+             [full[0], None, None, None, None, full[5], full[6], full[7]]]
+    for secs in cases:
+        got, words, grid = _launch_args(secs, seqno=n + 3)
+        flags = [(t, SECTIONS[k].nonneg) for k, t in enumerate(secs)]
+        flags += [(None, False)] * (len(SECTIONS) - len(secs))
         want, want_words = _launch_slot(flags, seqno=n + 3)
         if n == 0:
-            addr = FIXED + ENTRY * np.arange(3)[:, None] + np.arange(2)
+            addr = FIXED + ENTRY * np.arange(len(SECTIONS))[:, None] + np.arange(2)
             got[addr], want[addr] = 0, 0
-        assert words == want_words and np.array_equal(got, want), [t is None for t in secs]
+        assert words == want_words and np.array_equal(got, want), ([t is None for t in secs], grid)
         assert got[1] == n + 3 and got[5] == 0
+        assert grid == max(1, -(-sum(t.numel() for t in secs if t is not None) // 1024))
 
 
 @pytest.mark.kernel
-def test_the_args_kernel_flags_like_the_descriptor_kernel():
+@pytest.mark.parametrize("sec,at", [("pos", 0), ("pos", 1400), ("slot", 1499)])  # programs 0, 1 and 2
+def test_the_args_kernel_flags_like_the_descriptor_kernel(sec, at):
+    """Bit 1 for a negative where the section forbids them (seq_lens, dcp_tot_seq_lens, positions), bit 0 for a
+    value int32 cannot hold, found by whichever of three programs holds it; negatives allowed elsewhere."""
     dev = _kernel_device()
     ok = torch.arange(1, 9, dtype=torch.int32, device=dev)
     neg = torch.tensor([4, -1, 3, 2, 1, 0, 5, 6], dtype=torch.int32, device=dev)
-    assert _launch_args(neg, ok, None)[0][5] == 2  # a negative seq_len: bit 1
-    assert _launch_args(ok, neg, torch.full((9,), -3, dtype=torch.int32, device=dev))[0][5] == 0  # allowed there
+    assert _launch_args([neg, ok])[0][5] == 2  # a negative seq_len: bit 1
+    assert _launch_args([ok, neg, torch.full((9,), -3, dtype=torch.int32, device=dev)])[0][5] == 0  # allowed there
+    pos = torch.arange(1500, dtype=torch.int64, device=dev)
+    slot = torch.arange(1500, dtype=torch.int64, device=dev)
+    clean, _, grid = _launch_args([ok, None, None, None, None, None, pos, slot])
+    assert clean[5] == 0 and grid == 3
+    if sec == "pos":
+        pos[at] = -4
+        want = 2
+    else:
+        slot[at] = 2**35 + 1
+        want = 1
+    got, _, _ = _launch_args([ok, None, None, None, None, None, pos, slot])
+    assert got[5] == want and got[1] == 41
+    rows = _slot_rows(got, 0, None)
+    assert np.array_equal(rows[6], pos.cpu().numpy().astype(np.int32))  # copied all the same (the harvest drops it)
+    assert np.array_equal(rows[7], slot.cpu().numpy().astype(np.int32))
