@@ -405,6 +405,7 @@ def main() -> None:
     ap.add_argument("--before", default=BEFORE, help="with --cuda-python: the git revision to compare with")
     ap.add_argument("--sets", action="store_true", help="each argument set the vLLM plugin passes (a GPU)")
     ap.add_argument("--cpu", action="store_true", help="with --sets: a reduced run on the CPU (no GPU)")
+    ap.add_argument("--run-ahead", action="store_true", help="with --sets: no wait at the end of each step")
     ap.add_argument("--python", action="store_true", help="with --sets: observe()'s Python per set, fast path vs "
                     "general path (no GPU)")
     args = ap.parse_args()
@@ -419,7 +420,7 @@ def main() -> None:
 
         with tempfile.TemporaryDirectory() as d:
             bench_sets(min(args.steps, 4) if args.cpu else args.steps, 1 if args.cpu else args.reps, Path(d),
-                       args.cpu)
+                       args.cpu, args.run_ahead)
         return
     if args.cuda_python:
         with tempfile.TemporaryDirectory() as d:

@@ -12,8 +12,11 @@ requests and 768 tokens (3 query tokens a request: speculative decoding), and an
 requests. Each step: an in-place update of the metadata buffers, 3 queued bf16 4096x4096 matmuls (CPU: 256x256
 float32) and 4 observes; recording off, cuda_mode="sync" (the baseline: .to("cpu") per tensor) and the device
 snapshot ("async"), interleaved in one run, median of --reps. Host syncs are counted with
-torch.cuda.set_sync_debug_mode("warn") around the loop (each synchronising call warns; "error" would make observe
-drop the observation instead: observe() catches everything); on the CPU they are not measurable and the table says
+torch.cuda.set_sync_debug_mode("warn") around each observe() (each synchronising call warns; "error" would make
+observe drop the observation instead: observe() catches everything), and the waits of a full ring (an event waited
+for: not a call the debug mode sees) from the ring's counter. Each step ends waiting for its work, as vLLM waits for
+the sampled tokens (--run-ahead: no wait, the CPU queues steps until the launch queue or the ring is full, and that
+wait lands in observe()'s time); on the CPU they are not measurable and the table says
 how many observations copied their slots on the host instead ("host slot copies": 0 on the device path).
 """
 
@@ -64,8 +67,12 @@ def _recorder(path: Path, mode: str, cpu: bool) -> Recorder:
     return rec
 
 
-def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, path: Path, cpu: bool) -> dict:
-    """One run: per-step seconds, CPU seconds per observe, syncs (warnings), host slot copies, recorded, dropped."""
+def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, path: Path, cpu: bool,
+          run_ahead: bool = False) -> dict:
+    """One run: per-step seconds, CPU seconds per observe, syncs in observe() (warnings), ring waits, host slot
+    copies, recorded, dropped. Each step ends waiting for its work, as an engine waits for the sampled tokens
+    (run_ahead: it does not, and the CPU queues steps until a queue is full: the launch queue, or the ring, whose
+    wait then counts in observe()'s time)."""
     rec = None if mode is None else _recorder(path, mode, cpu)
     copies = [0]
     if rec is not None:
@@ -79,39 +86,43 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
         rec.observe(step=0, site="attn_metadata", rank=0, num_reqs=seq.numel(), num_reqs_padded=seq.numel(), **kw)
     a, b, c = mm
     spent = 0.0
+    debug = (lambda mode: None) if cpu else torch.cuda.set_sync_debug_mode
+    sampled = None if cpu else torch.cuda.Event()
     if not cpu:
         torch.cuda.synchronize()
+    waits = 0 if rec is None or rec._device.ring is None else rec._device.ring.waits
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if not cpu:
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            t0 = time.perf_counter()
-            for s in range(steps):
-                seq.add_(1)  # the engine refreshes its metadata buffers on the stream every step
-                for k in range(4):
-                    if k < 3:
-                        torch.mm(a, b, out=c)
-                    if rec is not None:
-                        t = time.perf_counter()
-                        rec.observe(step=s, site="attn_metadata", rank=0, num_reqs=seq.numel(),
-                                    num_reqs_padded=seq.numel(), **kw)
-                        spent += time.perf_counter() - t
-        finally:
-            if not cpu:
-                torch.cuda.set_sync_debug_mode("default")
+        t0 = time.perf_counter()
+        for s in range(steps):
+            seq.add_(1)  # the engine refreshes its metadata buffers on the stream every step
+            for k in range(4):
+                if k < 3:
+                    torch.mm(a, b, out=c)
+                if rec is not None:
+                    debug("warn")  # (only observe()'s synchronising calls are counted, not the step's own wait)
+                    t = time.perf_counter()
+                    rec.observe(step=s, site="attn_metadata", rank=0, num_reqs=seq.numel(),
+                                num_reqs_padded=seq.numel(), **kw)
+                    spent += time.perf_counter() - t
+                    debug("default")
+            if sampled is not None and not run_ahead:
+                sampled.record()  # the engine waits for the step's sampled tokens before it schedules the next
+                sampled.synchronize()
         if not cpu:
             torch.cuda.synchronize()
         per = (time.perf_counter() - t0) / steps
     syncs = sum("synchroniz" in str(w.message) for w in caught)
-    out = dict(step=per, cpu=spent / (4 * steps), syncs=syncs, copies=copies[0], n=0, dropped=0)
+    out = dict(step=per, cpu=spent / (4 * steps), syncs=syncs, copies=copies[0], n=0, dropped=0, waits=0)
     if rec is not None:
+        if rec._device.ring is not None:
+            out["waits"] = rec._device.ring.waits - waits  # (the ring full: observe() waited for the GPU)
         rec.close()
         out.update(n=len(rec), dropped=rec.dropped)
     return out
 
 
-def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool) -> None:
+def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool, run_ahead: bool = False) -> None:
     dev = torch.device("cpu" if cpu else "cuda")
     torch.manual_seed(0)
     size, dtype = (256, torch.float32) if cpu else (4096, torch.bfloat16)
@@ -120,22 +131,24 @@ def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool) -> None:
     rng = np.random.default_rng(0)
     workloads = {k: (r, t // 8 if cpu else t) for k, (r, t) in WORKLOADS.items()}  # (CPU: the interpreter is slow)
     name = "CPU (host ring, interpreted kernel; reduced: tokens / 8)" if cpu else torch.cuda.get_device_name()
+    how = ("the CPU running ahead (no wait per step)" if run_ahead
+           else "a wait at the end of each step (as an engine waits for its sampled tokens)")
     print(f"argument sets on {name}: {steps} steps x {reps} runs a cell, off / sync / async interleaved, 4 observes "
-          "a step")
-    print("| workload | argument set | recording | ms/step | vs off | CPU µs/observe | host syncs | host slot copies "
-          "| recorded |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"a step, {how}")
+    print("| workload | argument set | recording | ms/step | vs off | CPU µs/observe | host syncs in observe "
+          "| ring waits | host slot copies | recorded |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for wname, (reqs, toks) in workloads.items():
         for kind in SETS:
             kw, seq = _arguments(kind, reqs, toks, dev, rng)
             base = seq.clone()
             for mode in (None, "sync", "async"):  # warm up (cuBLAS, the kernel, the ring)
-                _loop(kw, seq, mode, 3, mm, tmp / "w.safetensors", cpu)
+                _loop(kw, seq, mode, 3, mm, tmp / "w.safetensors", cpu, run_ahead)
             res: dict = {None: [], "sync": [], "async": []}
             for _ in range(reps):
                 for mode in res:
                     seq.copy_(base)
-                    res[mode].append(_loop(kw, seq, mode, steps, mm, tmp / f"{kind}.safetensors", cpu))
+                    res[mode].append(_loop(kw, seq, mode, steps, mm, tmp / f"{kind}.safetensors", cpu, run_ahead))
             off = float(np.median([r["step"] for r in res[None]]))
             for mode, label in ((None, "off"), ("sync", "sync (baseline)"), ("async", "device snapshot")):
                 rs = res[mode]
@@ -147,8 +160,9 @@ def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool) -> None:
                                                 + (f" ({sum(r['dropped'] for r in rs)} dropped)"
                                                    if any(r["dropped"] for r in rs) else ""))
                 copies = "-" if mode is None else str(max(r["copies"] for r in rs))
-                print(f"| {wname} | {SET_NAMES[kind]} | {label} | {m * 1e3:.3f} | {vs} | {us} | {syncs} | {copies} "
-                      f"| {rec} |")
+                waits = "-" if mode != "async" else str(max(r["waits"] for r in rs))
+                print(f"| {wname} | {SET_NAMES[kind]} | {label} | {m * 1e3:.3f} | {vs} | {us} | {syncs} | {waits} "
+                      f"| {copies} | {rec} |")
 
 
 def stand_in_launches(ring, on_fast=None) -> None:

@@ -188,6 +188,7 @@ class _SnapshotRing:
         self.fences: deque[tuple[list, int]] = deque()  # (its events, the slots launched before it since the last)
         self.unfenced = 0  # slots launched since the last fence
         self.unfenced_words = 0  # ... and their words (a fence every fence_words too: large slots fill the ring)
+        self.waits = 0  # fences the host waited for (a full ring, close(): the GPU was behind)
         self.streams: dict = {}  # raw stream -> stream object, for streams with slots not yet fenced
         self.known: dict = {}
         self.free_events: list = []
@@ -253,6 +254,7 @@ class _SnapshotRing:
             if not all(ev.query() for ev in evs):
                 if not wait:
                     return
+                self.waits += 1
                 for ev in evs:
                     ev.synchronize()
             self.fences.popleft()
