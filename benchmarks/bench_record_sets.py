@@ -122,6 +122,24 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
     return out
 
 
+def _gpu_per_snapshot(kw: dict, seq: torch.Tensor, path: Path, n: int = 32) -> float:
+    """GPU time of one snapshot of this set: n observe() calls queued behind a sleeping kernel (so the GPU runs
+    them back to back, after the CPU has queued them all), timed with CUDA events."""
+    rec = _recorder(path, "async", False)
+    obs = dict(step=0, site="attn_metadata", rank=0, num_reqs=seq.numel(), num_reqs_padded=seq.numel(), **kw)
+    rec.observe(**obs)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(50_000_000)
+    start.record()
+    for _ in range(n):
+        rec.observe(**obs)
+    end.record()
+    torch.cuda.synchronize()
+    rec.discard()
+    return start.elapsed_time(end) * 1e3 / n
+
+
 def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool, run_ahead: bool = False) -> None:
     dev = torch.device("cpu" if cpu else "cuda")
     torch.manual_seed(0)
@@ -136,8 +154,8 @@ def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool, run_ahead: bool = Fa
     print(f"argument sets on {name}: {steps} steps x {reps} runs a cell, off / sync / async interleaved, 4 observes "
           f"a step, {how}")
     print("| workload | argument set | recording | ms/step | vs off | CPU µs/observe | host syncs in observe "
-          "| ring waits | host slot copies | recorded |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| ring waits | host slot copies | recorded | GPU µs/snapshot |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for wname, (reqs, toks) in workloads.items():
         for kind in SETS:
             kw, seq = _arguments(kind, reqs, toks, dev, rng)
@@ -149,6 +167,7 @@ def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool, run_ahead: bool = Fa
                 for mode in res:
                     seq.copy_(base)
                     res[mode].append(_loop(kw, seq, mode, steps, mm, tmp / f"{kind}.safetensors", cpu, run_ahead))
+            gpu = "-" if cpu else f"{_gpu_per_snapshot(kw, seq, tmp / 'g.safetensors'):.2f}"
             off = float(np.median([r["step"] for r in res[None]]))
             for mode, label in ((None, "off"), ("sync", "sync (baseline)"), ("async", "device snapshot")):
                 rs = res[mode]
@@ -162,7 +181,7 @@ def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool, run_ahead: bool = Fa
                 copies = "-" if mode is None else str(max(r["copies"] for r in rs))
                 waits = "-" if mode != "async" else str(max(r["waits"] for r in rs))
                 print(f"| {wname} | {SET_NAMES[kind]} | {label} | {m * 1e3:.3f} | {vs} | {us} | {syncs} | {waits} "
-                      f"| {copies} | {rec} |")
+                      f"| {copies} | {rec} | {gpu if mode == 'async' else '-'} |")
 
 
 def stand_in_launches(ring, on_fast=None) -> None:
