@@ -211,7 +211,9 @@ class _SnapshotRing:
         self.np = self.buf.numpy()
         self.base = self.buf.data_ptr()
         self.words = words
-        self.fence_words = words // 8  # (so a full ring has fences to wait for, and the harvest frees it early)
+        # a fence every 1/32 of the ring at least: a full ring has fences to wait for, and no harvest (inside an
+        # observe()) copies more than that at once: one large copy would hold the engine thread for 100s of µs
+        self.fence_words = words // 32
         self.absent5 = (self.base, -1) * 5  # snapshot_args_kernel's sections 3-7, absent (any readable address)
 
     def alloc(self, need: int) -> int | None:

@@ -28,7 +28,7 @@ def test_a_full_ring_waits_and_loses_nothing(tmp_path, monkeypatch):
         seen.append(np.arange(i, i + 300, dtype=np.int32))
         assert rec.observe(step=i, site="x", rank=0, seq_lens=torch.from_numpy(seen[-1]), num_reqs=300,
                            num_reqs_padded=300) == i
-    # 3 slots fit, each past an eighth of the ring and so fenced alone: the 4th to the 12th each waited for the
+    # 3 slots fit, each past 1/32 of the ring and so fenced alone: the 4th to the 12th each waited for the
     # oldest slot only (not for all in flight)
     assert _HostEvent.waits == 9
     rec.close()
