@@ -36,7 +36,7 @@ def test_a_fifth_section_is_a_table_entry_not_kernel_code(tmp_path, monkeypatch)
     monkeypatch.setattr(device, "SECTIONS", (*SECTIONS, Section("x1", "extra_tokens", ANY, nonneg=True),
                                              Section("x2", "extra_rows", ROWS)))
     rec = Recorder(tmp_path / "f.safetensors", dcp_size=2)
-    ring = rec._device.use_host_ring()
+    ring = rec._device.use_host_ring(1 << 16)  # (large enough that no observation here is fenced at once)
     assert ring.kernel is kernel and rec._device._nsec == K + 2
     seq = torch.tensor([5, 9, 0], dtype=torch.int32)
     pos = torch.arange(11, dtype=torch.int64) * 3
