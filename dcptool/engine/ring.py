@@ -37,6 +37,7 @@ FIXED = 8  # = snapshot.SNAP_FIXED: the fixed header words of a slot (described 
 ENTRY = 4  # = snapshot.SNAP_ENTRY: header words per section
 HEAD_READ = 64  # = snapshot.SNAP_HEAD_READ: words the kernel reads at a slot's start (the ring is padded by it)
 _ABSENT = (0, -1, 0)  # a header entry of an absent section (or one the host holds): address, count, mode
+FEW = 8  # a harvest of up to FEW slots checks them in plain Python (_Landed._take_few)
 FENCE_EVERY = 64  # device observations between CUDA events (an event per launch would double the CPU cost)
 DEFAULT_RING_BYTES = 4 << 20  # ~1,300 observations of 256 requests in flight
 
@@ -288,6 +289,8 @@ class _Landed:
         bad_slots: list[tuple[_Slot, int]] = []
         if not take:
             return bad_slots
+        if len(take) <= FEW:
+            return self._take_few(ring, take)
         cols = tuple(zip(*take))  # (one pass over the slots, in C)
         index, starts, words = np.array(cols[0], np.int64), np.array(cols[1], np.int64), np.array(cols[2], np.int64)
         ends = starts + words
@@ -302,6 +305,27 @@ class _Landed:
             bad = (blk[offs + 1] != seqno) | (flags != 0)
             if bad.any():
                 bad_slots += [(take[i + k], int(flags[k])) for k in np.flatnonzero(bad).tolist()]
+        return bad_slots
+
+    def _take_few(self, ring: _SnapshotRing, take: list[_Slot]) -> list[tuple[_Slot, int]]:
+        """take() for a few slots (a harvest every slot or two, as large slots are fenced): the same copies and
+        checks without take()'s dozen numpy calls, which cost more than the checks of a few slots."""
+        bad_slots = []
+        n = len(take)
+        i = 0
+        while i < n:
+            j = i + 1
+            while j < n and take[j][1] == take[j - 1][1] + take[j - 1][2]:  # (contiguous: one copy)
+                j += 1
+            lo = take[i][1]
+            blk = self._keep(ring.np[lo:take[j - 1][1] + take[j - 1][2]])
+            self.runs.append((take[i][0], blk, lo))
+            for s in take[i:j]:
+                o = s[1] - lo
+                f = int(blk[o + 5])
+                if f or int(blk[o + 1]) != s[0] & 0x7FFFFFFF:
+                    bad_slots.append((s, f))
+            i = j
         return bad_slots
 
     def _keep(self, src: np.ndarray) -> np.ndarray:
