@@ -31,7 +31,7 @@ def main() -> None:
             kw, seq = _arguments(kind, reqs, toks, dev, rng)
             secs = [kw.get(n) for n in ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "kv_pages",
                                        "dcp_query_start_loc", "dcp_tot_seq_lens", "positions", "slot_mapping")]
-            out = []
+            out, values = [], 0
             for where, base in (("pinned host ring", ring.base), ("device memory", devslot.data_ptr()),
                                 ("no rows (empty launch)", None)):
                 s = secs if base is not None else [secs[0][:0]] + [None] * 7
@@ -39,6 +39,7 @@ def main() -> None:
                 modes, total, at = args_of(s, b)
                 words = (FIXED + ENTRY * k + total + 7) & ~7
                 grid = snapshot_args_grid(total)
+                values = total if base is not None else values
                 args = (grid, b, 1, reqs, reqs, k << 16 | modes, words, *at)
                 for _ in range(20):
                     go3(raw, *args)
@@ -51,7 +52,7 @@ def main() -> None:
                 end.record()
                 torch.cuda.synchronize()
                 out.append(f"{where} {start.elapsed_time(end) * 1e3 / 500:.2f} µs")
-            print(f"set {kind} ({reqs} req x {toks} tok, {total} values): " + "; ".join(out))
+            print(f"set {kind} ({reqs} req x {toks} tok, {values} values): " + "; ".join(out))
         rec.discard()
 
 
