@@ -100,6 +100,7 @@ class ReplayResult:
     grid: ObsGrid | None = None
     views: dict[int, RowsView] = field(default_factory=dict)  # merged index -> row view (for --html)
     problems: list = field(default_factory=list)  # problems.Problem: the findings grouped by root cause
+    capped: int | None = None  # the size cap (bytes) the recording stopped at (dcptool.capped); None: it did not
 
     @property
     def errors(self) -> int:
@@ -134,7 +135,8 @@ class ReplayResult:
                 "findings": len(self.findings), "errors": self.errors, "warnings": self.warnings,
                 "by_rule": self.by_rule(), "by_site": self.by_site(),
                 "first": self.findings[0].to_json() if self.findings else None, "skipped": self.skipped,
-                "backend": self.backend, "device": self.device, "seconds": round(self.seconds, 4)}
+                "backend": self.backend, "device": self.device, "seconds": round(self.seconds, 4),
+                **({} if self.capped is None else {"capped": self.capped})}
 
 
 def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int | None = None,
@@ -176,7 +178,8 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         raise
     d.finish()  # (a streamed dump: the file validated whole before anything is reported)
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=found.table(), backend=backend,
-                       device=device, seconds=0.0, skipped=skipped, grid=grid)
+                       device=device, seconds=0.0, skipped=skipped, grid=grid,
+                       capped=next((x for x in d.capped if x is not None), None))
     if split is not None:
         res.splits = splits(d, split, version)
         res.findings = merge_split_findings(d, res.findings, res.splits)

@@ -202,6 +202,9 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         say(console, ("clean", "green"), ": every observation's DCP metadata is what it must be")
     for check, why in res.skipped.items():
         say(console, literal(f"skipped {check}: {why}"), style="dim")
+    if getattr(res, "capped", None) is not None:
+        say(console, ("size cap", "yellow"), f": the recording stopped at its size cap of {res.capped:,} bytes; "
+            "later observations were not recorded (DCPTOOL_RECORD_MAX_GB, Recorder(max_bytes=))")
     say(console, f"backend {res.backend} on {res.device}, {res.seconds:.2f} s", style="dim")
     if res.findings:
         # cmp-style, the first finding last; its message only when the table above does not show it (each

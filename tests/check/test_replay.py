@@ -117,3 +117,31 @@ def test_a_failing_background_check_fails_the_replay(tmp_path, monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 4)
     with pytest.raises(RuntimeError, match="check failed"):
         replay(d, "torch")
+
+
+@pytest.mark.parametrize("capped", [False, True])
+def test_replay_says_when_the_recording_stopped_at_its_size_cap(tmp_path, capped):
+    """A recording that stopped at its size cap (dcptool.capped in its last file) is replayed as usual, and the
+    result, the text report and the JSON summary say it stopped (later observations are missing); one that did not
+    stop says nothing of it."""
+    import json
+    import warnings
+    from io import StringIO
+
+    from rich.console import Console
+
+    from dcptool.engine.record import Recorder
+    from dcptool.report.text import render_replay, replay_json_lines
+
+    rec = Recorder(tmp_path / "run.safetensors", dcp_size=2, rollover=10, max_bytes=2500 if capped else None)
+    seq = np.arange(1, 65, dtype=np.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(20):
+            rec.observe(step=i, site="attn", rank=0, seq_lens=seq, num_reqs=64, num_reqs_padded=64)
+    res = replay(open_dumps([str(f) for f in rec.close()]))
+    out = StringIO()
+    render_replay(res, Console(file=out, width=200))
+    summary = json.loads(list(replay_json_lines(res))[-1])
+    assert res.capped == (2500 if capped else None) and summary.get("capped") == res.capped
+    assert ("stopped at its size cap of 2,500 bytes" in out.getvalue()) == capped
