@@ -2,6 +2,7 @@
 
     python benchmarks/bench_guard.py [--steps 300] [--reps 5] [--replays 1000]    (a GPU: the H200 table)
     python benchmarks/bench_guard.py --smoke                                      (CPU: the same code paths, tiny)
+    python benchmarks/bench_guard.py --python [--before REV]                      (any machine: observe()'s Python)
 
 Each step: an in-place update of the seq_lens buffer (and the DCP view the engine derives from it), 3 queued
 bf16 4096x4096 matmuls and 4 builds of 256 rows (seq_lens, dcp_local_seq_lens, query_start_loc as CUDA tensors),
@@ -15,6 +16,11 @@ the kernel, against the host path's first wrong observation and rule (tests/engi
 
 --smoke: CPU tensors through the kernel under Triton's interpreter (64x64 float32 matmuls, 8 rows, 3 steps, no
 graph: capture needs CUDA, and two faults): it proves the script runs, not what anything costs.
+
+--python: the Python part of one eager observe() on the device path (the loop's keywords, 256 rows), the launch
+replaced by a stand-in (CPU tensors: no GPU needed), µs per observe, best of 9 x 50,000; and the same for the
+dcptool of git revision --before (default: the Guard before its launch went through launch.py), in a subprocess.
+A GPU adds the launch itself (the launcher's C entry: a few µs) to the eager figure.
 """
 
 from __future__ import annotations
@@ -212,13 +218,78 @@ def faults(dev, tmp: Path, which: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+BEFORE = "7f80754"  # the Guard launching through Triton's dispatch with tensor arguments (82.5 µs on the H200)
+
+
+def python_cost() -> float:
+    """µs of Python per eager observe(): the device path with the launch replaced by a stand-in (self-contained:
+    --before runs it in a subprocess against another revision's dcptool)."""
+    import tempfile
+    import timeit
+
+    import numpy as np
+    import torch
+
+    from dcptool.engine.guard import Guard
+    from dcptool.engine.guard_dev import GuardDevice
+
+    class Stand:  # (the old launch: kernel[grid](...))
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+
+    rows = 256
+    seq = torch.from_numpy(np.random.default_rng(0).integers(1, 1 << 17, rows).astype(np.int32))
+    dcp = (seq + 1) // 2
+    qsl = torch.arange(rows + 1, dtype=torch.int32)
+    g = Guard(tempfile.mkdtemp(), 2, 1, kernel=True, on_wrong="count")
+    g._dev = dev = GuardDevice(torch, seq.device, g.keep, g._spec, None, None)
+    dev.kernel = Stand()
+    dev.go = lambda *a: None
+    kw = dict(site="attn_metadata", rank=0, seq_lens=seq, num_reqs=rows, num_reqs_padded=rows, dcp_local_seq_lens=dcp,
+              query_start_loc=qsl)
+    n = 50_000
+    t = min(timeit.repeat(lambda: g.observe(step=1, **kw), number=n, repeat=9)) / n
+    if g.dropped or g.count < n:
+        raise RuntimeError(f"observe() dropped {g.dropped} of {g.count + g.dropped}")
+    return t * 1e6
+
+
+def python_before(rev: str) -> float | None:
+    """python_cost() against the dcptool of git revision rev (git archive into a temporary directory); None when
+    it cannot run there."""
+    import inspect
+    import os
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as t:
+        arch = subprocess.run(["git", "archive", rev, "dcptool"], cwd=ROOT, capture_output=True)
+        if arch.returncode:
+            print(f"(revision {rev}: {arch.stderr.decode().strip()})")
+            return None
+        subprocess.run(["tar", "-x", "-C", t], input=arch.stdout, check=True)
+        code = "from __future__ import annotations\n" + inspect.getsource(python_cost) + "print(python_cost())\n"
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=t,  # (not this tree's)
+                           env={**os.environ, "PYTHONPATH": t})
+        if p.returncode:
+            print(f"(revision {rev} did not run: {p.stderr.strip().splitlines()[-1:]})")
+            return None
+        return float(p.stdout.split()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--replays", type=int, default=1000)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny: the code paths, not the costs")
+    ap.add_argument("--python", action="store_true", help="observe()'s Python, the launch a stand-in (no GPU needed)")
+    ap.add_argument("--before", default=BEFORE, help="with --python: the git revision to compare with")
     a = ap.parse_args()
+    if a.python:
+        now, before = python_cost(), python_before(a.before)
+        was = "n/a" if before is None else f"{before:.2f} µs (without the launch it made through Triton's dispatch)"
+        print(f"Python per eager observe(), launch a stand-in: now {now:.2f} µs; {a.before}: {was}")
+        return
     cuda = torch.cuda.is_available() and not a.smoke
     dev = torch.device("cuda" if cuda else "cpu")
     if a.smoke:

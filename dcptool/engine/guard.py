@@ -19,6 +19,16 @@ _ARRAYS = ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "kv_pages", "dcp
            "dcp_tot_seq_lens", "positions")
 
 
+def _free(dir: Path, stem: str) -> Path:
+    """dir/stem.safetensors, or stem.<k>.safetensors where that exists (an earlier dump is never replaced: the
+    same process id and step again, or a second Guard in one process)."""
+    path, k = dir / f"{stem}.safetensors", 0
+    while path.exists():
+        k += 1
+        path = dir / f"{stem}.{k}.safetensors"
+    return path
+
+
 class GuardError(DcptoolError, RuntimeError):
     """on_wrong="raise": a wrong observation was seen (raised at the next observe() or at close())."""
 
@@ -108,7 +118,9 @@ class Guard:
                 kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None, positions=None,
                 slot_mapping=None) -> int:
         """Check one attention-metadata build and keep it; its index in this Guard's stream, -1 if dropped."""
-        self._poll()
+        dev = self._dev
+        if self.first_rule is not None or (dev is not None and dev.flag_np[0]):
+            self._poll()
         if type(seq_lens) is self._tensor and (seq_lens.is_cuda if self._kernel is None else self._kernel):
             return self._observe_device(step, site, rank, seq_lens, num_reqs, num_reqs_padded, dcp_local_seq_lens,
                                         ubatch, parent, req_start, tok_start, tok_stop, query_start_loc,
@@ -213,17 +225,22 @@ class Guard:
             warnings.warn(f"dcptool Guard: wrong DCP metadata ({self.first_rule}), larger than the ring's slots: "
                           "nothing kept to write", RuntimeWarning, stacklevel=3)
             return
-        step = kept[-1][1]["step"]
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"guard.{os.getpid()}.step{step}.safetensors"
+        step, rank = kept[-1][1]["step"], kept[-1][1]["rank"]
         at = {i: j for j, (i, _) in enumerate(kept)}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (a held path: the Recorder picks another name and says so)
-            rec = Recorder(path, **self._kw)
-            for _, kw in kept:
-                p = kw["parent"]
-                rec.observe(**dict(kw, parent=None if p is None or p < 0 else at.get(p)))
-            files = rec.close()
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path = _free(self.dir, f"guard.{os.getpid()}.rank{rank}.step{step}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (a held path: the Recorder picks another name and says so)
+                rec = Recorder(path, **self._kw)
+                for _, kw in kept:
+                    p = kw["parent"]
+                    rec.observe(**dict(kw, parent=None if p is None or p < 0 else at.get(p)))
+                files = rec.close()
+        except Exception as e:  # never break the engine (a full disk, a directory it may not write)
+            warnings.warn(f"dcptool Guard: wrong DCP metadata ({self.first_rule}) at step {step}, and its dump "
+                          f"could not be written: {e}", RuntimeWarning, stacklevel=3)
+            return
         self.dump_dropped = rec.dropped  # (observations the dump could not hold: none expected)
         self.dumped = files[0] if files else rec.path
         where = f"after step {step} (the wrong one was larger than the ring's slots)" if lost else f"at step {step}"

@@ -2,6 +2,7 @@
 whose replay names the rule at the step and rank replaying the full recording does."""
 
 import inspect
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -149,3 +150,26 @@ def test_page_size_and_kv_groups_set_later(tmp_path):
         g.observe(**dict(kw, kv_pages=None, positions=np.array([0, 1], np.int32),
                          slot_mapping=np.array([[0, -1]], np.int32)))
     assert read_dump(g.close()).config.kv_groups[0].name == "mamba"
+
+
+@pytest.mark.parametrize("where", ["free", "taken", "unwritable"])
+def test_a_dump_never_replaces_another_nor_breaks_the_engine(tmp_path, where):
+    """The dump is named by process, rank and step; a name already there (a second Guard in one process, a process
+    id used again) gets .1, .2 ...; a directory it cannot write into is said in the warning, observe() goes on."""
+    seq = np.array([8, 5], np.int32)
+    kw = dict(step=3, site="s", rank=1, seq_lens=seq, num_reqs=2, num_reqs_padded=2,
+              dcp_local_seq_lens=np.array([4, 3], np.int32))  # rank 1 of 2: 4, 2
+    out = tmp_path / "g"
+    if where == "unwritable":
+        out.write_text("a file, not a directory")
+    for _ in range(1 + (where == "taken")):
+        g = Guard(out, 2)
+        with pytest.warns(RuntimeWarning, match=r"\(values\) at step 3"):
+            assert g.observe(**kw) == 0
+        assert g.observe(**dict(kw, step=4)) == 1 and g.close() == g.dumped
+    if where == "unwritable":
+        assert g.dumped is None and out.read_text() == "a file, not a directory"
+        return
+    name = f"guard.{os.getpid()}.rank1.step3"
+    assert g.dumped.name == (f"{name}.1.safetensors" if where == "taken" else f"{name}.safetensors")
+    assert sorted(p.name for p in out.iterdir()) == sorted({f"{name}.safetensors", g.dumped.name})

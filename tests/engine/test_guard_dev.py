@@ -109,6 +109,7 @@ def test_every_replay_of_a_captured_launch_gets_its_own_index_and_slot(tmp_path)
     o = _obs(0, 6)
     g.observe(**o)  # eager: the ring
     cap = g._dev.kernel = _Capture(g._dev.kernel)
+    g._dev.go = g._dev.dispatch  # (on a GPU the launch is the launcher's C entry: the stand-in takes the dispatch)
     g._dev.capturing = lambda: True
     cap.on = True
     assert g.observe(**dict(o, step=1)) == 1  # captured: not run
@@ -149,3 +150,64 @@ def test_a_real_cuda_graph_replay_is_checked_each_time(tmp_path):
     with pytest.warns(RuntimeWarning, match="dcptool Guard"):
         path = g.close()
     assert read_dump(path).n == 12
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to verify on the H200)")
+def test_on_a_gpu_the_launch_is_the_checked_launcher(tmp_path):
+    """The first eager observe checks the cheap launch on known values (once per process and device); observe()
+    then calls it, not Triton's dispatch, and it catches and keeps as the dispatch does."""
+    g = Guard(tmp_path / "g", 2, 1, keep=4)
+    g.observe(**_obs(0, 6))
+    how = g._dev.how
+    assert g._dev.go != g._dev.dispatch and how.startswith(("the launcher's C entry", "Triton's compiled")), how
+    g.observe(**_obs(1, 6, wrong=True))
+    torch.cuda.synchronize()
+    with pytest.warns(RuntimeWarning, match=r"\(values\) at step 1"):
+        g.observe(**_obs(2, 6))
+    d = read_dump(g.close())
+    assert d.n == 2 and d.dcp_of(1).tolist() != d.dcp_of(0).tolist()
+
+
+def test_host_arrays_inside_capture_are_left_out(tmp_path):
+    """On a GPU, host arrays (the vLLM plugin's numpy query_start_loc, page counts, slot entries) are not read inside
+    capture: a replay could only re-read their capture values (and copying them there would break the graph). The
+    device tensors are checked; a build whose DCP view itself is on the host is skipped. (A CPU run stands in for
+    the GPU: the device path is told it runs on one, and that it captures.)"""
+    g = Guard(tmp_path / "g", 2, 1, keep=4, kernel=True, on_wrong="count", page_size=4)
+    o = _obs(0, 4)
+    g.observe(**o)
+    g._dev.cuda, g._dev.capturing = True, lambda: True
+    qsl = np.array([0, 1, 2, 3, 9], np.int32)  # its last row is wrong for dcp_query_start_loc below
+    host = dict(query_start_loc=qsl, kv_pages=np.array([9, 9, 9, 9], np.int32),  # page counts all wrong
+                dcp_query_start_loc=torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32), positions=np.arange(4),
+                slot_mapping=np.array([[5, 5, 5, 5]]))  # rank 1 writes positions it does not own
+    assert g.observe(**dict(o, step=1, **host)) == 1  # checked, the host arrays left out: nothing wrong
+    assert g.observe(**dict(o, step=2, dcp_local_seq_lens=o["dcp_local_seq_lens"].numpy())) == -1
+    assert g.skipped_capture == 1
+    assert g.observe(**_obs(3, 4, wrong=True)) == 2  # the device tensors still checked inside capture
+    g._dev.cuda, g._dev.capturing = False, lambda: False
+    assert g.close() is None and (g.count, g.wrong, g.first_rule, g.first_index) == (3, 1, "values", 2)
+    read = Guard(tmp_path / "h", 2, 1, on_wrong="count", page_size=4)  # (the same build, its host arrays read)
+    read.observe(**dict(o, step=1, **host))
+    assert read.first_rule == "pages"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to verify on the H200)")
+def test_on_a_gpu_host_arrays_are_copied_without_a_sync(tmp_path):
+    """The vLLM plugin's numpy query_start_loc and page counts: through pinned memory, no host synchronisation."""
+    g = Guard(tmp_path / "g", 2, 1, keep=4, page_size=4)
+    o = _obs(0, 4)
+    g.observe(**o)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        g.observe(**dict(o, step=1, query_start_loc=np.arange(5, dtype=np.int32),
+                         kv_pages=np.array([9, 9, 9, 9], np.int32)))  # page counts all wrong
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert g._dev.wrong_seen() and g.dropped == 0
+    with pytest.warns(RuntimeWarning, match=r"\(pages\) at step 1"):
+        g.close()
