@@ -46,8 +46,8 @@ def _launcher(dev: GuardDevice) -> tuple:
 
     key = dev.did
     if key not in _CHECKED:
-        probe = _Probe(dev)
         try:
+            probe = _Probe(dev)
             with dev.torch.cuda.device(dev.device):
                 ck = _probe_check(probe, dev.dispatch)  # (compiles it; what it writes is the reference)
                 go, how, why = _cheapest(probe, _probe_check, ck, variadic=True)
@@ -64,9 +64,9 @@ def _launcher(dev: GuardDevice) -> tuple:
 
 class _Probe:
     """The known launch _launcher checks each way with: a 2-slot ring of its own, an unaligned seq_lens view, a
-    DCP view one row wrong (the values bit), query_start_loc, int64 positions and a strided int64 slot mapping of
-    two groups, the second
-    written on every rank (the slots bit): the wide reads and the row stride exercised."""
+    DCP view two rows wrong (the values bit), query_start_loc, int64 positions and a strided int64 slot mapping of
+    two sharded groups, the second written at every position (the slots bit): every argument, the int64 reads
+    and the row stride exercised."""
 
     def __init__(self, dev: GuardDevice):
         t, d = dev.torch, dev.device
@@ -76,7 +76,7 @@ class _Probe:
         self.ring = t.zeros((2, words), dtype=t.int32, device=d)
         self.state = t.zeros(4, dtype=t.int32, device=d)
         self.flag = t.zeros(2, dtype=t.int32, pin_memory=True)
-        seq = t.arange(1, 6, dtype=t.int32, device=d)[1:] * 5  # 10, 15, 20, 25 (unaligned)
+        seq = (t.arange(1, 6, dtype=t.int32, device=d) * 5)[1:]  # 10, 15, 20, 25 (a view, 4 bytes in)
         self.held = [seq, t.tensor([5, 8, 10, 13], dtype=t.int32, device=d),  # rank 1 of 2: 5, 7, 10, 12
                      t.tensor([0, 1, 2, 3, 4], dtype=t.int32, device=d), t.arange(4, dtype=t.int64, device=d),
                      t.tensor([[-1, 7, -1, 9, 0, 0], [3, 4, 5, 6, 0, 0]], dtype=t.int64, device=d)]

@@ -58,7 +58,7 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
     # not one per section). wide: bit 0 positions int64, bit 1 the slot mapping int64 (vLLM's, narrowed here:
     # no conversion launched on the host); map_stride: the slot mapping's row stride in elements.
     st = state.to(tl.pointer_type(tl.int32))
-    idx = tl.atomic_add(st, 1)
+    idx = tl.atomic_add(st, 1, sem="relaxed")  # (an index only: no fence before the loads)
     stop = tl.load(st + 1, volatile=True)
     seqp = seq_p.to(tl.pointer_type(tl.int32))
     dcpp = dcp_p.to(tl.pointer_type(tl.int32))

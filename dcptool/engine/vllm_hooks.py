@@ -13,7 +13,18 @@ import textwrap
 from typing import NamedTuple
 
 from dcptool.engine.vllm_builders import _Build, _builder_kwargs
-from dcptool.engine.vllm_state import _S, _broken, _ctx, _dcp, _Frame, _observe, _observe_batch, _recorder, _stack
+from dcptool.engine.vllm_state import (
+    _S,
+    _broken,
+    _ctx,
+    _dcp,
+    _Frame,
+    _observe,
+    _observe_batch,
+    _recorder,
+    _stack,
+    query_start_loc,
+)
 
 
 class UbatchOf(NamedTuple):
@@ -144,7 +155,7 @@ def _read_build(sig: _Sig, consumed: frozenset, args: tuple, kwargs: dict) -> di
         nr, nrp = batch.num_reqs, batch.num_reqs_after_padding
         if cut:
             nr, nrp = min(nr, n), n
-        kw["query_start_loc"] = batch.query_start_loc_np[: nrp + 1]
+        kw["query_start_loc"] = query_start_loc(batch, nrp)
         kw["num_tokens_padded"] = int(batch.num_tokens_after_padding)
     else:
         nr, nrp = int(c.get("num_reqs", n)), n

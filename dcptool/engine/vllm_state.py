@@ -242,8 +242,16 @@ def _observe_batch(site: str, batch, graph: int) -> int:
     """Record a whole InputBatch that is no attention build itself (a micro-batch parent, a PCP input)."""
     nrp = batch.num_reqs_after_padding
     return _observe(site=site, seq_lens=batch.seq_lens, num_reqs=batch.num_reqs, num_reqs_padded=nrp,
-                    dcp_local_seq_lens=batch.dcp_local_seq_lens, query_start_loc=batch.query_start_loc_np[: nrp + 1],
+                    dcp_local_seq_lens=batch.dcp_local_seq_lens, query_start_loc=query_start_loc(batch, nrp),
                     num_tokens_padded=int(batch.num_tokens_after_padding), graph=int(graph))
+
+
+def query_start_loc(batch, nrp: int):
+    """The batch's query_start_loc[:nrp + 1]: the host copy for the Recorder (it keeps host arrays on the host);
+    for the Guard the device buffer, which its kernel reads as it is (a host array there costs a copy per build,
+    and inside a captured graph is not read at all: replays re-read the buffer)."""
+    dev = getattr(batch, "query_start_loc", None) if _S.guarding else None
+    return batch.query_start_loc_np[: nrp + 1] if dev is None else dev[: nrp + 1]
 
 
 def sites_note(version: str) -> str:

@@ -4,8 +4,8 @@ the same run names for that build.
 
 The same engine run as test_vllm_recording.py's (capture, DFlash capture, dummy runs, real steps; vLLM's builders),
 once recorded in full (DCPTOOL_RECORD) and once guarded; the Guard on CPU tensors takes its host path (the numpy
-reference) or, `kernel`, its check kernel under Triton's interpreter (vLLM's int64 positions and strided slot
-mappings read as they are).
+reference) or, `kernel`, its check kernel under Triton's interpreter (every column launched as vLLM hands it:
+the device query_start_loc, int64 positions, strided int64 slot mappings; no conversion per build).
 """
 
 import functools
@@ -17,6 +17,7 @@ from test_vllm_recording import drive_engine, drive_ubatches, messages, replayed
 
 from dcptool.engine import guard as guard_mod
 from dcptool.engine import vllm as plugin
+from dcptool.engine.guard_dev import GuardDevice
 
 pytestmark = pytest.mark.vllm
 
@@ -27,8 +28,11 @@ def guarded(dcp: int, drive, out, monkeypatch, kernel: bool) -> tuple[list, list
     monkeypatch.delenv(plugin.ENV_DIR, raising=False)
     monkeypatch.setenv(plugin.ENV_GUARD, str(out))
     monkeypatch.setattr(plugin._S, "guarding", True)  # (what register() sets when only DCPTOOL_GUARD is)
+    copies = []
     if kernel:
         monkeypatch.setattr(guard_mod, "Guard", functools.partial(guard_mod.Guard, kernel=True))
+        real = GuardDevice._i32
+        monkeypatch.setattr(GuardDevice, "_i32", lambda self, x: copies.append(x) or real(self, x))
     dumps, seen = [], []
     for rank in range(dcp):
         E.set_dcp(dcp, rank)
@@ -42,6 +46,7 @@ def guarded(dcp: int, drive, out, monkeypatch, kernel: bool) -> tuple[list, list
         seen.append((g.count, g.wrong, g.first_rule, g.dropped + g.skipped_capture))
     E.set_dcp(1, 0)
     monkeypatch.undo()
+    assert copies == []  # every column of vLLM's builds launched as it is (no conversion per build)
     return dumps, seen
 
 
