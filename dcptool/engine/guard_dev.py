@@ -93,7 +93,7 @@ def _probe_check(p: _Probe, go):
     t = p.torch
     for x in (p.ring, p.state, p.flag):
         x.zero_()
-    got = go(t._C._cuda_getCurrentRawStream(p.device.index), *p.args)
+    got = go(t._C._cuda_getCurrentRawStream(p.device.index), 1, *p.args)
     t.cuda.synchronize(p.device)
     have = np.concatenate([p.ring.cpu().numpy().ravel(), p.state.cpu().numpy(), p.flag.numpy()])
     if p.want is None:
@@ -117,9 +117,9 @@ class GuardDevice:
     outside capture: observations captured before the first eager one are skipped (vLLM runs eager profile and
     warm-up builds before it captures).
 
-    `go(raw_stream, *args)` launches the kernel: on a GPU the cheapest launch that wrote what Triton's dispatch
-    writes on known values (checked once per process and device, when the ring is first allocated: _launcher),
-    else Triton's dispatch (`dispatch`, always under the interpreter); `how` says which."""
+    `go(raw_stream, 1, *args)` launches the kernel on one program: on a GPU the cheapest launch that wrote what
+    Triton's dispatch writes on known values (checked once per process and device, when the ring is first
+    allocated: _launcher), else Triton's dispatch (`dispatch`, always under the interpreter); `how` says which."""
 
     def __init__(self, torch, device, keep: int, spec, max_rows: int | None, max_tokens: int | None):
         self.torch = torch
@@ -163,10 +163,10 @@ class GuardDevice:
             self._fixed = (self.ring.data_ptr(), self.state.data_ptr(), self.flag.data_ptr(), self.keep, self._words(),
                            self.cap, self.tcap, s.dcp_size, s.cp_interleave, s.page_size or 0)
 
-    def dispatch(self, raw: int, *args):
-        """One launch through Triton's dispatch, on the current stream (raw: that stream); returns the compiled
-        kernel (the launcher's C entry is then called with the same arguments: _launcher)."""
-        return self.kernel[(1,)](*args, num_warps=GUARD_WARPS)
+    def dispatch(self, raw: int, grid: int, *args):
+        """One launch through Triton's dispatch, on the current stream (raw: that stream), on `grid` programs (1);
+        returns the compiled kernel (the launcher's C entry is then called with the same arguments: _launcher)."""
+        return self.kernel[(grid,)](*args, num_warps=GUARD_WARPS)
 
     def _words(self) -> int:
         return HEAD + SECTIONS * self.cap + self.tcap
@@ -310,7 +310,7 @@ class GuardDevice:
             self.frozen = True
         step, rank, ubatch, nr, nrp, parent, rs, ts, te, ntp, buf, graph = vals  # (dump.FIELDS order)
         buf = _NONE if buf is None else buf
-        self.go(self.raw(self.did), *self._fixed, step, sid, rank, ubatch, nr, nrp,
+        self.go(self.raw(self.did), 1, *self._fixed, step, sid, rank, ubatch, nr, nrp,
                 _NONE if parent is None else parent, _NONE if rs is None else rs, _NONE if ts is None else ts,
                 _NONE if te is None else te, _NONE if ntp is None else ntp, _NONE if graph is None else graph,
                 (buf & 0xFFFFFFFF) - ((buf & 0x80000000) << 1), buf >> 32, sp, ns, dp, nd, qp, nq, kp, nk, yp, ny,

@@ -2,6 +2,8 @@
 GPU): slots sized from the first observation and grown for a larger one, the flag, the ring frozen at the wrong one,
 a larger observation once a graph holds the ring, a captured observation before the ring exists."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -211,3 +213,44 @@ def test_on_a_gpu_host_arrays_are_copied_without_a_sync(tmp_path):
     assert g._dev.wrong_seen() and g.dropped == 0
     with pytest.warns(RuntimeWarning, match=r"\(pages\) at step 1"):
         g.close()
+
+
+class _NoGpu:
+    """torch for _launcher's probe on the CPU: no pinned memory, no streams, nothing to wait for."""
+
+    def __init__(self):
+        self._C = type("C", (), {"_cuda_getCurrentRawStream": staticmethod(lambda i: 0)})
+        self.cuda = type("Cuda", (), {"synchronize": staticmethod(lambda d=None: None),
+                                      "device": staticmethod(lambda d: contextlib.nullcontext())})
+
+    def __getattr__(self, k):
+        return getattr(torch, k)
+
+    def zeros(self, *a, pin_memory=False, **k):
+        return torch.zeros(*a, **k)
+
+
+def test_the_launcher_check_takes_the_first_way_that_writes_what_the_dispatch_does(tmp_path, monkeypatch):
+    """_launcher on the CPU (the interpreted dispatch stands in for the GPU's): the probe's known words hold, a
+    launch that writes one word otherwise is refused (and said why), the next way is taken, once per device."""
+    from dcptool.engine import guard_dev as D
+    from dcptool.engine import launch as L
+
+    g = Guard(tmp_path / "g", 2, 1, kernel=True)
+    g.observe(**_obs(0, 3))
+    dev = g._dev
+    dev.torch, dev.did = _NoGpu(), 0
+    real = D._Probe.__init__
+
+    def probe(self, d):
+        real(self, d)
+        self.device = torch.device("cuda", 0)  # (its index names the stream: none here)
+
+    monkeypatch.setattr(D._Probe, "__init__", probe)
+    monkeypatch.setattr(D, "_CHECKED", {})
+    monkeypatch.setattr(L, "_direct_launch", lambda ck, variadic: lambda raw, n, *a: dev.dispatch(
+        raw, n, *a[:10], 999, *a[11:]))  # (the step argument wrong)
+    monkeypatch.setattr(L, "_compiled_launch", lambda ck, variadic: dev.dispatch)
+    go, how = D._launcher(dev)
+    assert go == dev.dispatch and how.startswith("Triton's compiled launcher (the launcher's C entry: RuntimeError")
+    assert D._CHECKED[0] == (go, how)
