@@ -82,7 +82,12 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
     for off in range(0, rows, _BLOCK):
         j = off + tl.arange(0, _BLOCK)
         real = j < nr
-        ms, md, mq, mk, mdq, mt = j < n_seq, j < n_dcp, j < n_qsl, j < n_kv, j < n_dq, j < n_tot
+        ms = j < n_seq
+        md = j < n_dcp
+        mq = j < n_qsl
+        mk = j < n_kv
+        mdq = j < n_dq
+        mt = j < n_tot
         seq = tl.load(seqp + j, mask=ms, other=0)
         dv = tl.load(dcpp + j, mask=md, other=0)
         qv = tl.load(qslp + j, mask=mq, other=0)
