@@ -62,7 +62,10 @@ class Recorder:
 
     With `rollover=K`, every K observations go to a new numbered file (`run.00000.safetensors`,
     `run.00001.safetensors`, ...) so a long run never risks one huge file and everything up to the
-    last rollover survives a killed process. Read the files together.
+    last rolled file written survives a killed process. Read the files together. A rolled file is packed
+    and written on a background thread (one per Recorder, started at the first rollover), so the observe()
+    that rolls over only hands its observations over (a process killed meanwhile loses that file); the
+    files still come in observation order, and `flush()` waits for those handed over.
 
     CUDA tensors (`cuda_mode="async"`, the default) are snapshotted on the engine's current stream
     with no host synchronisation (see device.DevicePath); their values are checked when the slot
@@ -337,6 +340,12 @@ class Recorder:
         """Copy the finished device snapshots out of the ring now (no waiting): for a step boundary."""
         with self._lock:
             self._device.harvest(wait=False)
+
+    def flush(self) -> None:
+        """Wait until every rolled file is written: a rollover hands its file to a background thread, so
+        `files` right after the observe() that rolled over may not list it yet. A failed write warns (once), as
+        at a rollover; its observations stay in memory for the next rollover and close()."""
+        self._writer.flush()
 
     def close(self) -> list[Path]:
         """Write what is left (atomically); returns the files written. Safe to call twice.
