@@ -89,20 +89,20 @@ class Rolled:
         if self.sync:
             self.write_all(raise_errors=False)
             return
-        if self._thread is None:
+        if self._thread is None:  # (it ends once it has nothing it can write: no thread is left behind idle)
             self._thread = threading.Thread(target=self._run, name="dcptool-recorder-writer", daemon=True)
             self._thread.start()
         self._kick.set()
 
     def _run(self) -> None:
         while True:
-            self._kick.wait()
             self._kick.clear()
             while True:
                 with self.cond:
                     if not self.queue or self.failed is not None:
+                        self._thread = None  # (the next hand-over starts another)
                         self.cond.notify_all()
-                        break
+                        return
                     b, config, self.busy = self.queue[0], self.w.config, True
                 try:
                     self._write(b, config)
@@ -129,8 +129,9 @@ class Rolled:
         while self.queue:
             self._write(self.queue[0], self.w.config)
             if self.failed is not None:
-                self.report(stacklevel=5)
-                if raise_errors:
+                if not raise_errors:
+                    self.report(stacklevel=5)
+                else:
                     raise WriteError(f"{self.failed[1]} ({len(self.w._sites) + self.kept()} observations kept in "
                                      "memory; call close() again once the problem is fixed)") from None
                 return
