@@ -102,11 +102,11 @@ def main(path, rollover, kill_at, stage, force, sleep):
         dump.os.replace = replace
     arm = [10**9]
     r = Recorder(path, 2, sites=("attn_metadata", "ubatch", "dummy"), rollover=rollover or None, force=force)
-    real_write = r._writer._write_current
-    def counted():
-        real_write()
+    real_write = r._writer._rolled._write  # (a rolled file is written on the Recorder's thread)
+    def counted(*a):
+        real_write(*a)
         writes[0] += 1
-    r._writer._write_current = counted
+    r._writer._rolled._write = counted
     i = 0
     while True:
         if i == kill_at:
@@ -116,6 +116,8 @@ def main(path, rollover, kill_at, stage, force, sleep):
         r.observe(**gen(i))
         if sleep:
             time.sleep(sleep)
+        else:
+            r.flush()  # killed between observations: once the files they rolled over are written
         i += 1
         if stage and i > kill_at + 2 * (rollover or 1) + 5:
             r.close()  # without rollover the only write is close()
@@ -359,6 +361,7 @@ else:  # rollover: a rollover write fails inside observe(), which must not raise
         warnings.simplefilter("always")
         for i in range(120):
             assert r.observe(**gen(i)) == i
+        r.flush()  # (the rolled files are written on the Recorder's thread)
     out["warnings"] = [str(x.message) for x in w]
     out["write_errors"] = r.write_errors
     out["files_while_full"] = len(r.files)

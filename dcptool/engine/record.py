@@ -54,35 +54,32 @@ def _kept_by(part: str, name: str, doc: str) -> property:
 class Recorder:
     """Record observations; `close()` (or leaving a `with` block) writes the dump atomically.
 
-    `observe()` never raises into the engine: a value it cannot store (a bad length, a value int32
-    cannot hold, a scalar that is not an integer: `step=1.9`, `rank="7"` and bools are dropped, never
-    coerced) is counted in `dropped` and warned about once; an observation made inside CUDA-graph
-    capture is not recorded and counted in `skipped_capture`. observe() is thread-safe: index
-    allocation, appending and rollover happen under one lock.
+    `observe()` never raises into the engine: a value it cannot store (a bad length, a value int32 cannot hold, a
+    scalar that is not an integer: `step=1.9`, `rank="7"` and bools are dropped, never coerced) is counted in
+    `dropped` and warned about once; an observation made inside CUDA-graph capture is not recorded and counted in
+    `skipped_capture`. observe() is thread-safe: index allocation, appending and rollover happen under one lock.
 
     With `rollover=K`, every K observations go to a new numbered file (`run.00000.safetensors`,
-    `run.00001.safetensors`, ...) so a long run never risks one huge file and everything up to the
-    last rollover survives a killed process. Read the files together.
+    `run.00001.safetensors`, ...), written in order on a background thread (the observe() that rolls over
+    only hands its observations over; `flush()` waits for those), so a long run never risks one huge file
+    and everything up to the last file written survives a killed process. Read the files together.
 
-    CUDA tensors (`cuda_mode="async"`, the default) are snapshotted on the engine's current stream
-    with no host synchronisation (see device.DevicePath); their values are checked when the slot
-    is harvested, and an observation whose device values cannot be stored (a negative seq_len, an
-    int64 value int32 cannot hold) is dropped then: counted in `dropped`, and the index observe()
-    returned for it is not in the file (a `parent=` pointing at it is recorded as unknown). A full
-    ring waits for the oldest launches (`ring_full="wait"`) or drops the observation and counts it in
-    `ring_drops` (`ring_full="drop"`). `cuda_mode="sync"` copies with `.to("cpu")` as before.
+    CUDA tensors (`cuda_mode="async"`, the default) are snapshotted on the engine's current stream with no host
+    synchronisation (see device.DevicePath); their values are checked when the slot is harvested, and an observation
+    whose device values cannot be stored (a negative seq_len, an int64 value int32 cannot hold) is dropped then:
+    counted in `dropped`, and the index observe() returned for it is not in the file (a `parent=` pointing at it is
+    recorded as unknown). A full ring waits for the oldest launches (`ring_full="wait"`) or drops the observation
+    and counts it in `ring_drops` (`ring_full="drop"`). `cuda_mode="sync"` copies with `.to("cpu")` as before.
 
-    Nothing is lost quietly: an existing recording at `path` (or its numbered files) is refused
-    unless `force=True`, which replaces it (numbered files included). While a Recorder is open it
-    holds `path` on this host: a second Recorder (another process, or this one) for the same path
-    records to `STEM.pPID.SUFFIX` instead, says so in a RuntimeWarning, and `path` names where it
-    writes (`requested_path` what was asked for); every write also checks its file is still absent
-    (or the earlier recording being replaced) and moves to such a name if another writer made it.
-    A rollover file that cannot be written (disk full) is kept in memory, warned about, and retried
-    at the next rollover and at close(), which raises WriteError if it still fails (call it again
-    once there is room). A Recorder that was never closed is closed at interpreter exit. A killed
-    process leaves every file it completed intact, and at most a hidden `.NAME.*.tmp` temporary
-    that no reader uses.
+    Nothing is lost quietly: an existing recording at `path` (or its numbered files) is refused unless `force=True`,
+    which replaces it (numbered files included). While a Recorder is open it holds `path` on this host: a second
+    Recorder (another process, or this one) for the same path records to `STEM.pPID.SUFFIX` instead, says so in a
+    RuntimeWarning, and `path` names where it writes (`requested_path` what was asked for); every write also checks
+    its file is still absent (or the earlier recording being replaced) and moves to such a name if another writer
+    made it. A rollover file that cannot be written (disk full) is kept in memory, warned about, and retried at the
+    next rollover and at close(), which raises WriteError if it still fails (call it again once there is room). A
+    Recorder that was never closed is closed at interpreter exit. A killed process leaves every file it completed
+    intact, and at most a hidden `.NAME.*.tmp` temporary that no reader uses.
 
     With `max_bytes` the recording stops at that size (checked at each rollover, else every 1,024 observations;
     it may pass it by that much): the last file's metadata says so (`dcptool.capped`), a RuntimeWarning says so
@@ -337,6 +334,10 @@ class Recorder:
         """Copy the finished device snapshots out of the ring now (no waiting): for a step boundary."""
         with self._lock:
             self._device.harvest(wait=False)
+
+    def flush(self) -> None:
+        """Wait until every rolled file is written (a failed write warns once and keeps its observations)."""
+        self._writer.flush()
 
     def close(self) -> list[Path]:
         """Write what is left (atomically); returns the files written. Safe to call twice.

@@ -14,9 +14,10 @@ import threading
 import warnings
 from pathlib import Path
 
-from dcptool.dump import FIELDS, ROW_FIELDS, DumpConfig, DumpError, OutputExistsError, WriteError, columns, write_dump
+from dcptool.dump import DumpConfig, OutputExistsError, WriteError
 from dcptool.engine.arguments import Fields
 from dcptool.engine.ring import FENCE_EVERY, _Slot
+from dcptool.engine.rolled import Batch, Rolled
 
 CAP_EVERY = 1024  # observations kept between two size checks of a capped recording without rollover
 
@@ -26,7 +27,8 @@ class Writer:
 
     Holds `path` on this host for the Recorder's life (a second Recorder for it records beside it), keeps each
     observation (its scalars, site and rows) until it is written, writes `rollover` observations per numbered
-    file (all at close() without rollover) and keeps what it could not write for a later retry; a Recorder
+    file (all at close() without rollover; a rolled file on a background thread: Rolled) and keeps what it
+    could not write for a later retry; a Recorder
     that was never closed is closed at interpreter exit. With `max_bytes`, the recording stops at that size
     (_stop). The owner (the Recorder, its DevicePath) calls append() and lost() under `lock`; `device` (set by
     the owner) holds the slots in flight and their copies.
@@ -64,6 +66,8 @@ class Writer:
         self._every = rollover or (CAP_EVERY if max_bytes is not None else sys.maxsize)
         self._retry_at = self._every  # pending observations that trigger the next write (or size check)
         self._warned_write = False
+        self._index = 0  # the next file's number, reserved when its observations are taken
+        self._rolled = Rolled(self)
         self.closed = False
         atexit.register(self._at_exit)
 
@@ -79,7 +83,8 @@ class Writer:
 
     def _due(self) -> None:
         """Under the lock: a file is full (rollover), or a capped recording's size is to be checked."""
-        if self.max_bytes is not None and self.bytes + self._kept_bytes() >= self.max_bytes:
+        cap = self.max_bytes
+        if cap is not None and self.bytes + self._rolled.queued_bytes() + self._kept_bytes() >= cap:
             self._stop()
         elif self.rollover is not None:
             self._flush(raise_errors=False)
@@ -190,69 +195,31 @@ class Writer:
 
     # ---- the files ---------------------------------------------------------------------------------
 
-    def _target(self) -> Path:
+    def _target(self, index: int) -> Path:
         if self.rollover is None:
             return self.path
-        return self.path.with_name(f"{self.path.stem}.{len(self.files):05d}{self.path.suffix or '.safetensors'}")
+        return self.path.with_name(f"{self.path.stem}.{index:05d}{self.path.suffix or '.safetensors'}")
 
-    def _pack(self, n: int) -> tuple[dict, list | None]:
-        """The first n observations since the last file, as dump columns (site indices stable across rolled
-        files), and the file row of each kept observation (None when all were kept)."""
-        vals, sites, rows = self._vals[:n], self._sites[:n], self._rows[:n]
+    def _take(self, n: int | None = None) -> Batch:
+        """Under the lock: the first n observations kept (all by default) as the next file's batch, its number
+        reserved; packing and writing it happen outside the lock (Rolled)."""
+        n = len(self._sites) if n is None else n
+        rows = self._rows[:n]
         if any(type(r) is _Slot for r in rows):  # harvested device observations: their rows from the copies
             pending = self.device.ring.pending
             rows = self.device.landed.rows(rows, pending[0][0] if pending else None)
-        fs = self._file_start
-        where = None
-        if any(r is None for r in rows):  # dropped at harvest: renumber the rest and their parents
-            where, k = [], 0
-            for r in rows:
-                where.append(k if r is not None else -1)
-                k += r is not None
-            keep = [i for i, r in enumerate(rows) if r is not None]
-            vals = [vals[i] for i in keep]
-            sites = [sites[i] for i in keep]
-            rows = [rows[i] for i in keep]
-        out = []
-        for v in vals:  # parent: index in this file, -1 when it went to an earlier file or was dropped
-            p = v[5]
-            if p is not None:
-                p = p - fs if p >= fs else -1
-                if where is not None and p >= 0:
-                    p = where[p]
-                v = (*v[:5], p, *v[6:])
-            out.append(v)
-        n = len(sites)
-        cv = dict(zip(FIELDS, zip(*out))) if n else {f: () for f in FIELDS}
-        cr = dict(zip(ROW_FIELDS, zip(*rows))) if n else {k: () for k in ROW_FIELDS}
-        self.config, cols = columns(self.config, sites, cv, cr)
-        return cols, where
-
-    def _write_current(self, n: int | None = None) -> None:
-        """Write the first n observations kept (all by default) to the next file."""
-        target = self._target()
-        n = len(self._sites) if n is None else n
-        cols, where = self._pack(n)
-        injected = None
-        if self.injected is not None:
-            lo, hi = self._file_start, self._file_start + n
-            injected = {k: [i - lo if where is None else where[i - lo] for i in v if lo <= i < hi
-                            and (where is None or where[i - lo] >= 0)] for k, v in self.injected.items()}
-        replace = target in self._stale  # force=True: the earlier recording goes when this one has a file
-        for f in self._stale:
-            if f != target:
-                f.unlink(missing_ok=True)
-        if not replace and os.path.lexists(target):  # someone else wrote our file: never replace it
-            self._claim(False, taken=f"{target} was written by another writer")
-            target = self._target()
-        write_dump(target, self.config, cols, injected, extra_metadata=self._meta)
-        self.bytes += os.path.getsize(target)
-        self._est = (0, 0)
-        self._stale = []
-        self.files.append(target)
-        self._file_start += n
-        self.device.landed.written(self._file_start)  # (the copies no observation still to write points into)
+        est = self._kept_bytes() if self.max_bytes is not None else 0
+        lo = self._file_start
+        injected = None if self.injected is None else {
+            k: [i - lo for i in v if lo <= i < lo + n] for k, v in self.injected.items()}
+        b = Batch(self._index, lo, self._vals[:n], self._sites[:n], rows, injected, self._meta)
         self._vals, self._sites, self._rows = self._vals[n:], self._sites[n:], self._rows[n:]
+        self._index += 1
+        self._file_start += n
+        self._est = (0, 0)
+        if self.max_bytes is not None:
+            b.est = est - self._kept_bytes()
+        return b
 
     def _flush(self, *, raise_errors: bool) -> None:
         n = None
@@ -266,25 +233,16 @@ class Writer:
                     # try again once some have landed (a rolled file may hold a few more than `rollover`)
                     self._retry_at = len(self._sites) + min(FENCE_EVERY, self.rollover or FENCE_EVERY)
                     return
-        try:
-            if n is None:
-                self._write_current()
-            else:
-                self._write_current(n)  # (the first n: the rest is still in flight)
-        except (OSError, DumpError) as e:
-            self.write_errors += 1
-            self.last_error = str(e)
-            if self.rollover is not None:
-                self._retry_at = len(self._sites) + self.rollover  # keep them; try again a rollover later
-            if raise_errors:
-                raise WriteError(f"{e} ({len(self._sites)} observations kept in memory; call close() again "
-                                 "once the problem is fixed)") from None
-            if not self._warned_write:
-                self._warned_write = True
-                warnings.warn(f"dcptool Recorder could not write ({e}); keeping the observations and retrying "
-                              "at the next rollover and at close()", RuntimeWarning, stacklevel=4)
-            return
         self._retry_at = self._every
+        rolled = self._rolled
+        if self._sites or not (self.files or rolled.queue):  # (the first n: the rest is still in flight)
+            b = self._take(n)
+            if not (raise_errors or self.stopped):  # a rollover: the thread writes it, the engine goes on
+                rolled.report(stacklevel=5)  # (an earlier rolled file that failed: warned once)
+                rolled.hand_over(b)
+                return
+            rolled.queue.append(b)
+        rolled.write_all(raise_errors=raise_errors)  # close(), the size cap: here, after the files handed over
 
     def close(self) -> list[Path]:
         """Recorder.close(): write what is left once the device values in flight have landed."""
@@ -295,16 +253,22 @@ class Writer:
                 self.device.harvest(wait=True)
             except Exception as e:  # the device is gone (a CUDA error, interpreter exit): keep the rest
                 self.device.abandon(e)
-            if self._sites or not self.files:
-                self._flush(raise_errors=True)
+            self._flush(raise_errors=True)
             self.closed = self.stopped = True
             self._release()
             atexit.unregister(self._at_exit)
             return self.files
 
+    def flush(self) -> None:
+        """Recorder.flush(): wait until every rolled file handed over is written (or its write failed)."""
+        with self._lock:
+            self._rolled.wait()
+            self._rolled.report(stacklevel=4)
+
     def discard(self) -> None:
         """Recorder.discard(): write nothing more, not even at exit."""
         self._vals, self._sites, self._rows = [], [], []
+        self._rolled.queue.clear()
         self.closed = self.stopped = True
         atexit.unregister(self._at_exit)
 
@@ -312,5 +276,5 @@ class Writer:
         try:
             self.close()
         except WriteError as e:
-            warnings.warn(f"dcptool Recorder lost {len(self._sites)} observations at exit: {e}", RuntimeWarning,
-                          stacklevel=1)
+            lost = len(self._sites) + self._rolled.kept()
+            warnings.warn(f"dcptool Recorder lost {lost} observations at exit: {e}", RuntimeWarning, stacklevel=1)

@@ -9,7 +9,7 @@ import pytest
 from conftest import obs, write
 from dump_cases import _cols
 
-from dcptool.dump import DumpError, write_dump
+from dcptool.dump import DumpConfig, DumpError, write_dump
 
 
 def test_safetensors_library_reads_our_files(tmp_path):
@@ -58,3 +58,26 @@ def test_atomic_write_replaces_a_link_never_its_target(tmp_path):
     atomic_write(link, [b"ours"], force=True)
     assert not link.is_symlink() and link.read_bytes() == b"ours" and target.read_bytes() == b"theirs"
     assert sorted(os.listdir(tmp_path)) == ["other", "out.safetensors"]  # no temporaries left behind
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_columns_concatenated_in_pieces_equal_one_concatenation(monkeypatch, seed):
+    """cat() a piece at a time (a Recorder's packing on its thread leaves the GIL free between pieces): the same
+    columns, mixed dtypes included, and the same error for a value int32 cannot hold."""
+    import dcptool.dump.write as W
+
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(0, 1 << 20, int(rng.integers(0, 50))).astype(rng.choice(["<i4", "<i8", "<u2"]))
+            for _ in range(200)]
+    n = len(rows)
+    vals = {f: [0] * n for f in W.FIELDS[:5]} | {f: [None] * n for f in W.FIELDS[5:]}
+    rws = {k: [None] * n for k in W.ROW_FIELDS} | {"seq": rows, "dcp": rows}
+    whole = W.columns(DumpConfig(dcp_size=2), ["a"] * n, vals, rws)[1]
+    monkeypatch.setattr(W, "CAT_PIECE", 37)
+    pieces = W.columns(DumpConfig(dcp_size=2), ["a"] * n, vals, rws)[1]
+    assert sorted(whole) == sorted(pieces)
+    for k in whole:
+        assert whole[k].dtype == pieces[k].dtype and np.array_equal(whole[k], pieces[k]), k
+    rws["seq"] = rows[:-1] + [np.array([1 << 40])]
+    with pytest.raises(W.DumpError, match=f"rows.seq_lens: value {1 << 40} does not fit"):
+        W.columns(DumpConfig(dcp_size=2), ["a"] * n, vals, rws)

@@ -117,11 +117,13 @@ def test_a_file_someone_else_wrote_is_never_replaced_at_a_write(tmp_path):
     rec = Recorder(path, dcp_size=2, rollover=2)
     for k in range(2):
         rec.observe(step=k, site="mine", rank=0, seq_lens=[k + 1], num_reqs=1, num_reqs_padded=1)
+    rec.flush()  # (the rolled file is written on the Recorder's thread)
     assert rec.files == [tmp_path / "run.00000.safetensors"]
     write_observations(tmp_path / "run.00001.safetensors", [obs(step=9, site="theirs")], DumpConfig(dcp_size=2))
     with pytest.warns(RuntimeWarning, match=r"run\.00001\.safetensors was written by another writer"):
         for k in range(2, 5):
             rec.observe(step=k, site="mine", rank=0, seq_lens=[k + 1], num_reqs=1, num_reqs_padded=1)
+        rec.flush()
     files = rec.close()
     assert read_dump(tmp_path / "run.00001.safetensors").config.sites[0] == "theirs"  # untouched
     assert files[0].name == "run.00000.safetensors" and all(f.name.startswith("run.p") for f in files[1:])
@@ -143,6 +145,7 @@ def test_rollover_waits_for_the_slots_of_its_file(tmp_path, monkeypatch):
     for i in range(10, 80):
         rec.observe(step=i, site="x", rank=0, seq_lens=torch.tensor([i], dtype=torch.int32), num_reqs=1,
                     num_reqs_padded=1)
+    rec.flush()
     assert len(rec.files) >= 2
     files = rec.close()
     d = open_dumps(files)

@@ -1,0 +1,185 @@
+"""A Recorder's rolled files packed and written on a background thread, in order, so observe() does not stall."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from dcptool.dump import FIELDS, ROW_FIELDS, DumpConfig, DumpError, WriteError, columns, write_dump
+
+
+@dataclass
+class Batch:
+    """The observations of one file, taken from the Writer under its lock: the file's number is reserved then,
+    so the files stay in observation order whatever fails and is retried."""
+
+    index: int  # the file's number (rollover)
+    start: int  # global index of its first observation
+    vals: list
+    sites: list
+    rows: list  # host rows, or None (dropped at harvest)
+    injected: dict | None  # simulate's faults {fault: [index in the batch]}
+    meta: dict | None
+    est: int = 0  # estimated bytes (the size cap)
+
+
+def pack(config: DumpConfig, b: Batch) -> tuple[DumpConfig, dict, list | None]:
+    """The batch as dump columns (site indices stable across rolled files: config grows), and the file row of
+    each kept observation (None when all were kept)."""
+    vals, sites, rows, fs = b.vals, b.sites, b.rows, b.start
+    where = None
+    if any(r is None for r in rows):  # dropped at harvest: renumber the rest and their parents
+        where, k = [], 0
+        for r in rows:
+            where.append(k if r is not None else -1)
+            k += r is not None
+        keep = [i for i, r in enumerate(rows) if r is not None]
+        vals = [vals[i] for i in keep]
+        sites = [sites[i] for i in keep]
+        rows = [rows[i] for i in keep]
+    out = []
+    for v in vals:  # parent: index in this file, -1 when it went to an earlier file or was dropped
+        p = v[5]
+        if p is not None:
+            p = p - fs if p >= fs else -1
+            if where is not None and p >= 0:
+                p = where[p]
+            v = (*v[:5], p, *v[6:])
+        out.append(v)
+    n = len(sites)
+    cv = dict(zip(FIELDS, zip(*out))) if n else {f: () for f in FIELDS}
+    cr = dict(zip(ROW_FIELDS, zip(*rows))) if n else {k: () for k in ROW_FIELDS}
+    config, cols = columns(config, sites, cv, cr)
+    return config, cols, where
+
+
+class Rolled:
+    """The batches handed over and not written yet, oldest first, and the daemon thread that writes them.
+
+    One batch is written at a time, by the thread or (close(), the size cap) by the Writer's caller holding
+    the lock once the thread is idle. A failed write keeps its batch at the head: the thread stops until the
+    next hand-over (a rollover) or close() kicks it again. Bookkeeping under the Writer's lock (`cond`).
+    """
+
+    def __init__(self, writer):
+        self.w = writer
+        self.cond = threading.Condition(writer._lock)
+        self.queue: deque[Batch] = deque()
+        self.busy = False  # a batch is being written (outside the lock)
+        self.failed: tuple[Batch, str] | None = None  # the head's last failure, until the next kick
+        self.reported = 0  # write_errors already warned about
+        self.sync = False  # write inline (the benchmark's baseline)
+        self._thread: threading.Thread | None = None
+        self._kick = threading.Event()
+
+    def kept(self) -> int:
+        return sum(len(b.sites) for b in self.queue)
+
+    def queued_bytes(self) -> int:
+        return sum(b.est for b in self.queue)
+
+    def hand_over(self, b: Batch) -> None:
+        """Under the lock: queue the batch and wake the thread (which retries a failed head first)."""
+        self.queue.append(b)
+        self.failed = None
+        if self.sync:
+            self.write_all(raise_errors=False)
+            return
+        if self._thread is None:  # (it ends once it has nothing it can write: no thread is left behind idle)
+            self._thread = threading.Thread(target=self._run, name="dcptool-recorder-writer", daemon=True)
+            self._thread.start()
+        self._kick.set()
+
+    def _run(self) -> None:
+        while True:
+            self._kick.clear()
+            while True:
+                with self.cond:
+                    if not self.queue or self.failed is not None:
+                        self._thread = None  # (the next hand-over starts another)
+                        self.cond.notify_all()
+                        return
+                    b, config, self.busy = self.queue[0], self.w.config, True
+                try:
+                    self._write(b, config)
+                except Exception as e:  # (a bug: the thread goes on, close() retries the batch inline and raises)
+                    with self.cond:
+                        self.w.write_errors += 1
+                        self.w.last_error = repr(e)
+                        self.failed = (b, repr(e))
+                finally:
+                    with self.cond:
+                        self.busy = False
+                        self.cond.notify_all()
+
+    def wait(self) -> None:
+        """Under the lock (released while waiting): until the thread is idle and has nothing it can write."""
+        while self.busy or (self.queue and self.failed is None and self._thread is not None and not self.sync):
+            self._kick.set()
+            self.cond.wait(0.1)
+
+    def write_all(self, *, raise_errors: bool) -> None:
+        """Under the lock, the thread idle: write the queued batches here, in order (close(), the size cap)."""
+        self.wait()
+        self.failed = None
+        while self.queue:
+            self._write(self.queue[0], self.w.config)
+            if self.failed is not None:
+                if not raise_errors:
+                    self.report(stacklevel=5)
+                else:
+                    raise WriteError(f"{self.failed[1]} ({len(self.w._sites) + self.kept()} observations kept in "
+                                     "memory; call close() again once the problem is fixed)") from None
+                return
+
+    def report(self, stacklevel: int = 4) -> None:
+        """Warn once about a failed write (from the engine's thread, where warnings are seen)."""
+        w = self.w
+        if w.write_errors > self.reported:
+            self.reported = w.write_errors
+            if not w._warned_write:
+                w._warned_write = True
+                warnings.warn(f"dcptool Recorder could not write ({w.last_error}); keeping the observations and "
+                              "retrying at the next rollover and at close()", RuntimeWarning, stacklevel=stacklevel)
+
+    def _write(self, b: Batch, config: DumpConfig) -> None:
+        """Pack and write one batch (the head), then, under the lock, account for it and drop it."""
+        w = self.w
+        target = w._target(b.index)
+        try:
+            config, cols, where = pack(config, b)
+            injected = None
+            if b.injected is not None:
+                injected = {k: [i if where is None else where[i] for i in v if where is None or where[i] >= 0]
+                            for k, v in b.injected.items()}
+            replace = target in w._stale  # force=True: the earlier recording goes when this one has a file
+            for f in w._stale:
+                if f != target:
+                    f.unlink(missing_ok=True)
+            if not replace and os.path.lexists(target):  # someone else wrote our file: never replace it
+                with self.cond:
+                    w._claim(False, taken=f"{target} was written by another writer")
+                target = w._target(b.index)
+            write_dump(target, config, cols, injected, extra_metadata=b.meta)
+            size = os.path.getsize(target)
+            del cols
+        except (OSError, DumpError) as e:
+            with self.cond:
+                w.write_errors += 1
+                w.last_error = str(e)
+                self.failed = (b, f"{target}: {e}" if str(target) not in str(e) else str(e))
+            return
+        with self.cond:
+            w.config = DumpConfig(**{**w.config.__dict__, "sites": config.sites})  # (kv_groups may have changed)
+            w.bytes += size
+            w._stale = []
+            w.files.append(Path(target))
+            if self.queue and self.queue[0] is b:  # (else discard() emptied the queue meanwhile)
+                self.queue.popleft()
+            b.vals = b.rows = []  # (their copies' chunks go back to the pool once nothing refers to them)
+            w.device.landed.written(b.start + len(b.sites))  # (the copies no observation still to write points into)
+
