@@ -25,7 +25,6 @@ class Chunks:
     def __init__(self, spare: int = SPARE):
         self.spare = spare
         self._ready: deque[np.ndarray] = deque()  # (append / popleft are atomic: no lock on the engine's side)
-        self._want = threading.Event()
         self._thread: threading.Thread | None = None
         self.fresh = 0  # chunks take() had to allocate itself (none was ready): their faults were the caller's
         self.recycled = 0
@@ -37,10 +36,10 @@ class Chunks:
         except IndexError:
             a = np.empty(ARENA_WORDS, np.int32)
             self.fresh += 1
-        if self._thread is None:
+        if len(self._ready) < self.spare and (self._thread is None or not self._thread.is_alive()):
+            # (the thread ends once the spares are ready: no idle dcptool- thread is left behind)
             self._thread = threading.Thread(target=self._run, name="dcptool-arena", daemon=True)
             self._thread.start()
-        self._want.set()
         return a
 
     def give(self, a: np.ndarray) -> None:
@@ -50,13 +49,10 @@ class Chunks:
             self.recycled += 1
 
     def _run(self) -> None:
-        while True:
-            self._want.wait()
-            self._want.clear()
-            while len(self._ready) < self.spare:
-                a = np.empty(ARENA_WORDS, np.int32)
-                a[::_PAGE_WORDS] = 0
-                self._ready.append(a)
+        while len(self._ready) < self.spare:
+            a = np.empty(ARENA_WORDS, np.int32)
+            a[::_PAGE_WORDS] = 0
+            self._ready.append(a)
 
 
 CHUNKS = Chunks()  # one pool a process: every Recorder's harvests
