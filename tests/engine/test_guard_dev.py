@@ -7,6 +7,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from conftest import hostring
 
 from dcptool.dcp.reference import local_np
 from dcptool.dump import read_dump
@@ -37,6 +38,8 @@ def test_ring_grows_for_a_larger_observation_and_is_frozen_at_the_wrong_one(tmp_
     g.observe(**_obs(1, 100))
     assert g._dev.cap == 200 and not g._dev.wrong_seen()
     g.observe(**_obs(2, 5, wrong=True))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # (the flag is written by the kernel, asynchronously: observe() never waits)
     assert g._dev.flag_np[0] == 1 and g._dev.state[1].item() == 3
     with pytest.warns(RuntimeWarning, match=r"\(values\) at step 2"):
         g.observe(**_obs(3, 6))
@@ -230,6 +233,7 @@ class _NoGpu:
         return torch.zeros(*a, **k)
 
 
+@hostring
 def test_the_launcher_check_takes_the_first_way_that_writes_what_the_dispatch_does(tmp_path, monkeypatch):
     """_launcher on the CPU (the interpreted dispatch stands in for the GPU's): the probe's known words hold, a
     launch that writes one word otherwise is refused (and said why), the next way is taken, once per device."""
