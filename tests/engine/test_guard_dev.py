@@ -188,7 +188,7 @@ def test_host_arrays_inside_capture_are_left_out(tmp_path):
                 dcp_query_start_loc=torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32), positions=np.arange(4),
                 slot_mapping=np.array([[5, 5, 5, 5]]))  # rank 1 writes positions it does not own
     assert g.observe(**dict(o, step=1, **host)) == 1  # checked, the host arrays left out: nothing wrong
-    assert g.observe(**dict(o, step=2, dcp_local_seq_lens=o["dcp_local_seq_lens"].numpy())) == -1
+    assert g.observe(**dict(o, step=2, dcp_local_seq_lens=o["dcp_local_seq_lens"].cpu().numpy())) == -1
     assert g.skipped_capture == 1
     assert g.observe(**_obs(3, 4, wrong=True)) == 2  # the device tensors still checked inside capture
     g._dev.cuda, g._dev.capturing = False, lambda: False
