@@ -29,6 +29,12 @@ def _obs(step, rows, wrong=False, rank=1):
                 dcp_local_seq_lens=dcp.to(_dev()))
 
 
+def _settle() -> None:
+    """On a GPU, wait for the stream: the kernel writes the flag asynchronously (observe() never waits for it)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def test_ring_grows_for_a_larger_observation_and_is_frozen_at_the_wrong_one(tmp_path):
     """Slots sized from the first observation (64 rows at least); a larger one grows the ring (what it held kept);
     the flag and the frozen index are set by the wrong one, and later observations leave the ring as it was."""
@@ -38,8 +44,7 @@ def test_ring_grows_for_a_larger_observation_and_is_frozen_at_the_wrong_one(tmp_
     g.observe(**_obs(1, 100))
     assert g._dev.cap == 200 and not g._dev.wrong_seen()
     g.observe(**_obs(2, 5, wrong=True))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # (the flag is written by the kernel, asynchronously: observe() never waits)
+    _settle()
     assert g._dev.flag_np[0] == 1 and g._dev.state[1].item() == 3
     with pytest.warns(RuntimeWarning, match=r"\(values\) at step 2"):
         g.observe(**_obs(3, 6))
@@ -58,6 +63,7 @@ def test_a_larger_observation_after_capture_is_checked_not_kept(tmp_path):
     g.observe(**_obs(0, 3))
     g._dev.frozen = True  # (what a captured launch does)
     g.observe(**_obs(1, 500, wrong=True))
+    _settle()
     assert g._dev.cap == 64 and g._dev.wrong_seen()
     kept, count, wrong = g._dev.kept()
     assert [(k[0], k[2] is None) for k in kept] == [(0, False), (1, True)] and (count, wrong) == (2, 1)
@@ -195,6 +201,8 @@ def test_host_arrays_inside_capture_are_left_out(tmp_path):
     assert g.close() is None and (g.count, g.wrong, g.first_rule, g.first_index) == (3, 1, "values", 2)
     read = Guard(tmp_path / "h", 2, 1, on_wrong="count", page_size=4)  # (the same build, its host arrays read)
     read.observe(**dict(o, step=1, **host))
+    _settle()
+    read.close()  # (the flag seen: its rule named)
     assert read.first_rule == "pages"
 
 
