@@ -62,7 +62,7 @@ class Rolled:
 
     One batch is written at a time, by the thread or (close(), the size cap) by the Writer's caller holding
     the lock once the thread is idle. A failed write keeps its batch at the head: the thread stops until the
-    next hand-over (a rollover) or close() kicks it again. Bookkeeping under the Writer's lock (`cond`).
+    next hand-over (a rollover) or close() retries it inline. Bookkeeping under the Writer's lock (`cond`).
     """
 
     def __init__(self, writer):
@@ -70,11 +70,10 @@ class Rolled:
         self.cond = threading.Condition(writer._lock)
         self.queue: deque[Batch] = deque()
         self.busy = False  # a batch is being written (outside the lock)
-        self.failed: tuple[Batch, str] | None = None  # the head's last failure, until the next kick
+        self.failed: tuple[Batch, str] | None = None  # the head's last failure, until the next hand-over
         self.reported = 0  # write_errors already warned about
         self.sync = False  # write inline (the benchmark's baseline)
         self._thread: threading.Thread | None = None
-        self._kick = threading.Event()
 
     def kept(self) -> int:
         return sum(len(b.sites) for b in self.queue)
@@ -89,37 +88,35 @@ class Rolled:
         if self.sync:
             self.write_all(raise_errors=False)
             return
-        if self._thread is None:  # (it ends once it has nothing it can write: no thread is left behind idle)
+        if self._thread is None:  # (a running thread takes the new batch after the ones before it)
             self._thread = threading.Thread(target=self._run, name="dcptool-recorder-writer", daemon=True)
             self._thread.start()
-        self._kick.set()
 
     def _run(self) -> None:
+        """Write the head batch until the queue is empty or a write failed; then end (the next hand-over starts
+        another thread: none is left behind idle)."""
         while True:
-            self._kick.clear()
-            while True:
+            with self.cond:
+                if not self.queue or self.failed is not None:
+                    self._thread = None
+                    self.cond.notify_all()
+                    return
+                b, config, self.busy = self.queue[0], self.w.config, True
+            try:
+                self._write(b, config)
+            except Exception as e:  # (a bug: the thread stops, close() retries the batch inline and raises)
                 with self.cond:
-                    if not self.queue or self.failed is not None:
-                        self._thread = None  # (the next hand-over starts another)
-                        self.cond.notify_all()
-                        return
-                    b, config, self.busy = self.queue[0], self.w.config, True
-                try:
-                    self._write(b, config)
-                except Exception as e:  # (a bug: the thread goes on, close() retries the batch inline and raises)
-                    with self.cond:
-                        self.w.write_errors += 1
-                        self.w.last_error = repr(e)
-                        self.failed = (b, repr(e))
-                finally:
-                    with self.cond:
-                        self.busy = False
-                        self.cond.notify_all()
+                    self.w.write_errors += 1
+                    self.w.last_error = repr(e)
+                    self.failed = (b, repr(e))
+            finally:
+                with self.cond:
+                    self.busy = False
+                    self.cond.notify_all()
 
     def wait(self) -> None:
         """Under the lock (released while waiting): until the thread is idle and has nothing it can write."""
         while self.busy or (self.queue and self.failed is None and self._thread is not None and not self.sync):
-            self._kick.set()
             self.cond.wait(0.1)
 
     def write_all(self, *, raise_errors: bool) -> None:
