@@ -271,6 +271,7 @@ class Writer:
         self._rolled.queue.clear()
         self.closed = self.stopped = True
         atexit.unregister(self._at_exit)
+        self._release()  # (the path is free again: a new Recorder of it records there, not beside it)
 
     def _at_exit(self) -> None:
         try:

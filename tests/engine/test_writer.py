@@ -108,6 +108,19 @@ def test_second_recorder_in_one_process_is_separated_and_the_name_is_free_after_
     assert sorted(f.name for f in tmp_path.iterdir()) == sorted(["r.safetensors", b.path.name])  # no lock files
 
 
+@pytest.mark.parametrize("end", ["close", "discard"])
+def test_the_name_is_free_after_close_or_discard(tmp_path, end):
+    path = tmp_path / "r.safetensors"
+    a = Recorder(path, dcp_size=2)
+    a.observe(step=0, site="a", rank=0, seq_lens=[1], num_reqs=1, num_reqs_padded=1)
+    getattr(a, end)()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a discarded recording holds its name no longer than a closed one
+        b = Recorder(path, dcp_size=2, force=True)
+    assert b.path == path
+    b.close()
+
+
 def test_a_file_someone_else_wrote_is_never_replaced_at_a_write(tmp_path):
     """Checked at every write, not only at construction: a file that appeared at our next target
     (a writer that is no Recorder) stays, and our observations go to a separate name."""
