@@ -6,7 +6,8 @@
 
 Each step: an in-place update of the seq_lens buffer (and the DCP view the engine derives from it), 3 queued
 bf16 4096x4096 matmuls and 4 builds of 256 rows (seq_lens, dcp_local_seq_lens, query_start_loc as CUDA tensors),
-guard off vs on, interleaved in one run. Eager: ms per step (median of --reps), its slowdown, CPU µs per
+guard off vs on vs the floor (an empty kernel launched per observe instead: what any check launched per
+observation costs at least), interleaved in one run. Eager: ms per step (median of --reps), its slowdown, CPU µs per
 observe() in the loop. Graph: the same step captured once (the observes inside the captured region), replayed
 --replays times: ms per replay, slowdown, and the device counter, which must have counted every replay's builds
 (each in its own ring slot). Host synchronisations are counted with torch.cuda.set_sync_debug_mode("warn") over
@@ -107,13 +108,48 @@ class SyncCount:
             self.n = sum("synchroniz" in str(w.message) for w in self.got)
 
 
+class Floor:
+    """The floor of one launch per observation, in place of a Guard: each observe() launches the snapshot kernel with
+    no rows (bench_record_sets._empty_launch, through launch.py's launcher), nothing else; its ring is started by
+    the first observe() (outside any capture: the loops' warm step)."""
+
+    def __init__(self, path: Path):
+        self.path, self.go, self.count, self.wrong, self.dumped = path, None, 0, 0, None
+
+    def observe(self, **kw) -> None:
+        if self.go is None:
+            from bench_record_sets import _empty_launch
+
+            from dcptool.engine.record import Recorder
+
+            self.rec = Recorder(self.path, dcp_size=2, cuda_mode="async", force=True)
+            if not kw["seq_lens"].is_cuda:
+                self.rec._device.use_host_ring(1 << 16)  # (--smoke: host tensors through the interpreted kernel)
+            self.rec.observe(**kw)
+            self.go = _empty_launch(self.rec, kw["seq_lens"])
+        self.go()
+        self.count += 1
+
+    def close(self) -> None:
+        if self.go is not None:
+            self.rec.discard()
+
+
+VARIANTS = ("off", "on", "floor")
+
+
+def _make(which: str, path: Path):
+    return None if which == "off" else Guard(path, 2, 1, kernel=True) if which == "on" else Floor(path)
+
+
 def eager(e: Engine, dev, steps: int, reps: int, tmp: Path) -> dict:
-    """Per-step time off and on (interleaved), CPU per observe, host syncs, the Guard's own counts."""
-    per: dict = {False: [], True: []}
-    cpu, syncs, counts = [], 0, []
+    """Per-step time off, on and at the floor (interleaved), CPU per observe, host syncs, the Guard's own counts."""
+    per: dict = {v: [] for v in VARIANTS}
+    cpu: dict = {"on": [], "floor": []}
+    syncs, counts = 0, []
     for r in range(reps + 1):  # (the first: warm-up, not counted)
-        for on in (False, True):
-            g = Guard(tmp / f"eager{r}", 2, 1, kernel=True) if on else None
+        for v in VARIANTS:
+            g = _make(v, tmp / f"eager-{v}{r}.safetensors" if v == "floor" else tmp / f"eager{r}")
             e.reset()
             _sync(dev)
             with SyncCount(dev) as sc:
@@ -124,23 +160,26 @@ def eager(e: Engine, dev, steps: int, reps: int, tmp: Path) -> dict:
                 dt = (time.perf_counter() - t0) / steps
             if g is not None:
                 g.close()
-                counts.append((g.count, g.wrong, g.dumped))
+                if v == "on":
+                    counts.append((g.count, g.wrong, g.dumped))
             if r:
-                per[on].append(dt)
-                if on:
-                    cpu.append(e.spent / (4 * steps))
-                    syncs += sc.n
-    off, on = float(np.median(per[False])), float(np.median(per[True]))
-    return dict(off=off, on=on, cpu=float(np.median(cpu)), syncs=syncs, counts=counts)
+                per[v].append(dt)
+                if g is not None:
+                    cpu[v].append(e.spent / (4 * steps))
+                syncs += sc.n if v == "on" else 0
+    out = {v: float(np.median(per[v])) for v in VARIANTS}
+    return dict(out, cpu=float(np.median(cpu["on"])), cpu_floor=float(np.median(cpu["floor"])), syncs=syncs,
+                counts=counts)
 
 
 def graph(e: Engine, replays: int, reps: int, tmp: Path) -> dict:
-    """The step captured (observes inside), replayed: per-replay time off and on, syncs, the device counter."""
-    per: dict = {False: [], True: []}
+    """The step captured (observes inside), replayed: per-replay time off, on and at the floor, syncs, the device
+    counter."""
+    per: dict = {v: [] for v in VARIANTS}
     syncs, counted = 0, []
     for r in range(reps + 1):
-        for on in (False, True):
-            g = Guard(tmp / f"graph{r}", 2, 1, kernel=True) if on else None
+        for v in VARIANTS:
+            g = _make(v, tmp / f"graph-{v}{r}.safetensors" if v == "floor" else tmp / f"graph{r}")
             e.reset()
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
@@ -159,11 +198,12 @@ def graph(e: Engine, replays: int, reps: int, tmp: Path) -> dict:
                 dt = (time.perf_counter() - t0) / replays
             if g is not None:
                 g.close()
-                counted.append(g.count - 4 - 4 * replays)  # (the warm step's 4; the capture launches nothing)
+                if v == "on":
+                    counted.append(g.count - 4 - 4 * replays)  # (the warm step's 4; the capture launches nothing)
             if r:
-                per[on].append(dt)
-                syncs += sc.n if on else 0
-    return dict(off=float(np.median(per[False])), on=float(np.median(per[True])), syncs=syncs, counted=counted)
+                per[v].append(dt)
+                syncs += sc.n if v == "on" else 0
+    return dict({v: float(np.median(per[v])) for v in VARIANTS}, syncs=syncs, counted=counted)
 
 
 def caught(e: Engine, dev, tmp: Path, in_graph: bool) -> str:
@@ -299,20 +339,24 @@ def main() -> None:
         tmp = Path(t)
         r = eager(e, dev, a.steps, a.reps, tmp)
         name = torch.cuda.get_device_name() if cuda else "CPU (smoke: Triton's interpreter, not a cost)"
-        print(f"Guard in an engine-like loop on {name}: {a.steps} steps x {a.reps} runs, off/on interleaved")
-        print("| mode | off ms | on ms | slowdown | CPU µs/observe | host syncs (on) |")
-        print("|---|---|---|---|---|---|")
+        print(f"Guard in an engine-like loop on {name}: {a.steps} steps x {a.reps} runs, off/on/floor interleaved "
+              "(floor: an empty kernel launched per observe in place of the Guard)")
+        print("| mode | off ms | on ms | slowdown | floor ms | floor slowdown | CPU µs/observe (floor) "
+              "| host syncs (on) |")
+        print("|---|---|---|---|---|---|---|---|")
         print(f"| eager | {r['off'] * 1e3:.3f} | {r['on'] * 1e3:.3f} | {(r['on'] / r['off'] - 1) * 100:+.1f}% | "
-              f"{r['cpu'] * 1e6:.1f} | {r['syncs'] if cuda else 'n/a'} |")
+              f"{r['floor'] * 1e3:.3f} | {(r['floor'] / r['off'] - 1) * 100:+.1f}% | {r['cpu'] * 1e6:.1f} "
+              f"({r['cpu_floor'] * 1e6:.1f}) | {r['syncs'] if cuda else 'n/a'} |")
         clean = all(w == 0 and p is None for _, w, p in r["counts"])
         if cuda:
             gr = graph(e, a.replays, a.reps, tmp)
             print(f"| graph ({a.replays} replays) | {gr['off'] * 1e3:.3f} | {gr['on'] * 1e3:.3f} | "
-                  f"{(gr['on'] / gr['off'] - 1) * 100:+.1f}% | 0 (no Python per replay) | {gr['syncs']} |")
+                  f"{(gr['on'] / gr['off'] - 1) * 100:+.1f}% | {gr['floor'] * 1e3:.3f} | "
+                  f"{(gr['floor'] / gr['off'] - 1) * 100:+.1f}% | 0 (no Python per replay) | {gr['syncs']} |")
             print(f"every replay's builds counted by the device counter: {all(c == 0 for c in gr['counted'])} "
                   f"(missing per run: {gr['counted']})")
         else:
-            print("| graph | - | - | - | - | capture needs CUDA |")
+            print("| graph | - | - | - | - | - | - | capture needs CUDA |")
         print(f"clean runs wrote nothing: {clean}")
         print(f"a wrong view, eager: {caught(e, dev, tmp, False)}")
         if cuda:

@@ -73,8 +73,9 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
     copies, recorded, dropped. Each step ends waiting for its work, as an engine waits for the sampled tokens
     (run_ahead: it does not, and the CPU queues steps until a queue is full: the launch queue, or the ring, whose
     wait then counts in observe()'s time)."""
-    rec = None if mode is None else _recorder(path, mode, cpu)
+    rec = None if mode is None else _recorder(path, "async" if mode == "floor" else mode, cpu)
     copies = [0]
+    observe = None if rec is None else rec.observe
     if rec is not None:
         host = rec._slots
 
@@ -84,6 +85,8 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
         rec._slots = counted
         # (the first observe starts the ring, whose launch check synchronises once: before the counted loop)
         rec.observe(step=0, site="attn_metadata", rank=0, num_reqs=seq.numel(), num_reqs_padded=seq.numel(), **kw)
+        if mode == "floor":
+            observe = _empty_launch(rec, seq)
     a, b, c = mm
     spent = 0.0
     debug = (lambda mode: None) if cpu else torch.cuda.set_sync_debug_mode
@@ -102,8 +105,8 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
                 if rec is not None:
                     debug("warn")  # (only observe()'s synchronising calls are counted, not the step's own wait)
                     t = time.perf_counter()
-                    rec.observe(step=s, site="attn_metadata", rank=0, num_reqs=seq.numel(),
-                                num_reqs_padded=seq.numel(), **kw)
+                    observe(step=s, site="attn_metadata", rank=0, num_reqs=seq.numel(),
+                            num_reqs_padded=seq.numel(), **kw)
                     spent += time.perf_counter() - t
                     debug("default")
             if sampled is not None and not run_ahead:
@@ -114,12 +117,31 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
         per = (time.perf_counter() - t0) / steps
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     out = dict(step=per, cpu=spent / (4 * steps), syncs=syncs, copies=copies[0], n=0, dropped=0, waits=0)
-    if rec is not None:
+    if mode == "floor":
+        rec.discard()  # (its launches wrote over the first observation's slot)
+    elif rec is not None:
         if rec._device.ring is not None:
             out["waits"] = rec._device.ring.waits - waits  # (the ring full: observe() waited for the GPU)
         rec.close()
         out.update(n=len(rec), dropped=rec.dropped)
     return out
+
+
+def _empty_launch(rec: Recorder, seq: torch.Tensor):
+    """The floor of one launch per observation: an observe() stand-in that launches the snapshot kernel with no rows
+    (its header only) through the ring's launcher, the arguments computed once: no Recorder bookkeeping, no harvest."""
+    from dcptool.engine.launch import args_of
+    from dcptool.engine.ring import ARGS_SECTIONS, ENTRY, FIXED, SECTIONS
+
+    ring = rec._device.ring
+    k = len(SECTIONS)
+    modes, total, at = args_of([seq[:0]] + [None] * (ARGS_SECTIONS - 1), ring.base)
+    args = (1, ring.base, 1, 0, 0, k << 16 | modes, (FIXED + ENTRY * k + total + 7) & ~7, *at)
+    go3, raw, did = ring.go3, ring.raw, ring.did
+
+    def observe(**_):
+        go3(raw(did), *args)
+    return observe
 
 
 def _gpu_per_snapshot(kw: dict, seq: torch.Tensor, path: Path, n: int = 32) -> float:
@@ -160,25 +182,26 @@ def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool, run_ahead: bool = Fa
         for kind in SETS:
             kw, seq = _arguments(kind, reqs, toks, dev, rng)
             base = seq.clone()
-            for mode in (None, "sync", "async"):  # warm up (cuBLAS, the kernel, the ring)
+            for mode in (None, "sync", "async", "floor"):  # warm up (cuBLAS, the kernel, the ring)
                 _loop(kw, seq, mode, 3, mm, tmp / "w.safetensors", cpu, run_ahead)
-            res: dict = {None: [], "sync": [], "async": []}
+            res: dict = {None: [], "sync": [], "async": [], "floor": []}
             for _ in range(reps):
                 for mode in res:
                     seq.copy_(base)
                     res[mode].append(_loop(kw, seq, mode, steps, mm, tmp / f"{kind}.safetensors", cpu, run_ahead))
             gpu = "-" if cpu else f"{_gpu_per_snapshot(kw, seq, tmp / 'g.safetensors'):.2f}"
             off = float(np.median([r["step"] for r in res[None]]))
-            for mode, label in ((None, "off"), ("sync", "sync (baseline)"), ("async", "device snapshot")):
+            for mode, label in ((None, "off"), ("sync", "sync (baseline)"), ("async", "device snapshot"),
+                                ("floor", "floor: an empty launch per observe")):
                 rs = res[mode]
                 m = float(np.median([r["step"] for r in rs]))
                 vs = "-" if mode is None else f"{(m / off - 1) * 100:+.1f}%"
                 us = "-" if mode is None else f"{np.median([r['cpu'] for r in rs]) * 1e6:.1f}"
                 syncs = "-" if cpu else str(max(r["syncs"] for r in rs))
-                rec = "-" if mode is None else (f"{sum(r['n'] for r in rs):,}"
+                rec = "-" if mode in (None, "floor") else (f"{sum(r['n'] for r in rs):,}"
                                                 + (f" ({sum(r['dropped'] for r in rs)} dropped)"
                                                    if any(r["dropped"] for r in rs) else ""))
-                copies = "-" if mode is None else str(max(r["copies"] for r in rs))
+                copies = "-" if mode in (None, "floor") else str(max(r["copies"] for r in rs))
                 waits = "-" if mode != "async" else str(max(r["waits"] for r in rs))
                 print(f"| {wname} | {SET_NAMES[kind]} | {label} | {m * 1e3:.3f} | {vs} | {us} | {syncs} | {waits} "
                       f"| {copies} | {rec} | {gpu if mode == 'async' else '-'} |")

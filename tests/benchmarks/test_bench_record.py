@@ -1,0 +1,32 @@
+"""benchmarks/bench_record.py --sets --cpu: the H200 table's code paths on the CPU (the kernel under the interpreter),
+the floor row (an empty launch per observe) among them."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.kernel
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU: bench_record.py --sets runs for real there")
+def test_sets_smoke_prints_every_set_with_its_floor():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DCPTOOL_")}
+    env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_record.py"), "--sets", "--cpu"],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=ROOT / "benchmarks")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "another Recorder" not in p.stderr  # (each run's Recorder frees its name: closed or discarded)
+    rows = [line.split(" | ") for line in p.stdout.splitlines() if line.startswith("| ") and " tok | " in line]
+    labels = ("off", "sync (baseline)", "device snapshot", "floor: an empty launch per observe")
+    assert len(rows) == 2 * 5 * len(labels)  # 2 workloads x 5 sets x (off, sync, snapshot, floor)
+    assert [r[2] for r in rows] == list(labels) * 10
+    for r in rows:
+        assert float(r[3]) > 0  # ms/step
+        if r[2] == "device snapshot":
+            assert r[8] == "0" and int(r[9].replace(",", "")) > 0  # no host slot copy; recorded
+        if r[2] == "floor: an empty launch per observe":
+            assert float(r[5]) > 0 and r[9] == "-"  # CPU per launch measured; nothing recorded
