@@ -4,8 +4,8 @@
 # the newest pre-fix one first), each in its own venv ~/.cache/dcptool-vllm-<version> (built once, ~90 s and 3 GB each).
 # make test-oldest: the non-fuzz, non-kernel tests on the oldest numpy pyproject.toml claims (CPU torch 2.13), numpy
 # warnings as errors, less tests/engine (the engine's host path still runs there through simulate's recordings),
-# tests/vllm, tests/report, test_limits and test_architecture (all run under make test; left out here so that CI
-# keeps under 10 minutes); its own venv .venv-oldest (built once, ~40 s), then about 80 seconds.
+# tests/vllm, tests/report, test_cli, test_limits and test_architecture (all run under make test; left out here so
+# that CI keeps under 10 minutes); its own venv .venv-oldest (built once, ~40 s), then about 70 seconds.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -54,7 +54,8 @@ test-oldest: $(OLDEST)/.installed-stamp
 	$(OLDEST)/bin/python -c "import numpy; assert numpy.__version__ == '$(NUMPY_OLDEST)', numpy.__version__"
 	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider -W error::DeprecationWarning -W error::RuntimeWarning \
 		--ignore=tests/test_fuzz.py --ignore=tests/test_reliability.py --ignore=tests/engine --ignore=tests/vllm \
-		--ignore=tests/test_limits.py --ignore=tests/test_architecture.py --ignore=tests/report -m "not kernel"
+		--ignore=tests/test_limits.py --ignore=tests/test_architecture.py --ignore=tests/report \
+		--ignore=tests/test_cli.py -m "not kernel"
 
 test-vllm:
 	@failed=""; for v in $(VLLM_VERSIONS); do \
