@@ -29,10 +29,28 @@ FLOOR = ("import sys; from dcptool.memory import keep_freed_memory; keep_freed_m
          "print(sum(int(v.max()) if v.size else 0 for v in d.columns.values()))")
 
 
+def env() -> dict:
+    """This environment with this checkout's dcptool first (HOME kept: Triton's kernel cache lives under it)."""
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def warm_dump(data: str, n: int) -> str:
+    """bench-data's dump of n observations (made once by bench_replay.make_dump), its pages in the page cache."""
+    from bench_replay import make_dump
+
+    Path(data).mkdir(exist_ok=True)
+    path = Path(data) / f"bench-{n}.safetensors"
+    if not path.exists():
+        t = time.perf_counter()
+        make_dump(path, n)
+        print(f"made {path} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t:.1f} s", flush=True)
+    timed([sys.executable, "-c", FLOOR, str(path)])
+    return str(path)
+
+
 def timed(cmd: list[str]) -> tuple[float, int]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t = time.perf_counter()
-    p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
     sec = time.perf_counter() - t
     if p.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(cmd)} exited {p.returncode}: {p.stderr.strip()[-500:]}")
@@ -46,20 +64,12 @@ def main() -> None:
     ap.add_argument("--backends", default="torch,triton,auto")
     ap.add_argument("--data", default=str(ROOT / "bench-data"))
     args = ap.parse_args()
-    from bench_replay import make_dump
-
-    Path(args.data).mkdir(exist_ok=True)
     backends = args.backends.split(",")
     rows = []
     for spec in args.sizes.split(","):
         n = int(float(spec))
-        path = Path(args.data) / f"bench-{n}.safetensors"
-        if not path.exists():
-            t = time.perf_counter()
-            make_dump(path, n)
-            print(f"made {path} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t:.1f} s", flush=True)
-        p = str(path)
-        timed([sys.executable, "-c", FLOOR, p])  # warm the page cache
+        p = warm_dump(args.data, n)
+        path = Path(p)
         got: dict[str, list[float]] = {"floor": []}
         codes = set()
         for _ in range(args.runs):  # interleaved, so a drift in the host's load touches every backend alike

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from bench_auto import FLOOR, timed  # noqa: E402
+from bench_auto import FLOOR, env, timed, warm_dump  # noqa: E402
 
 STEPS = r"""
 import time; t = [time.perf_counter()]
@@ -31,7 +31,7 @@ torch.cuda.is_available(); lap("torch.cuda.is_available()")
 if torch.cuda.is_available():
     torch.zeros(1, device="cuda"); torch.cuda.synchronize(); lap("CUDA start-up (first tensor)")
 import triton; lap("import triton")
-from dcptool.dcp import backend as b; lap("dcptool.dcp.backend")
+import dcptool.dcp.backend; lap("dcptool.dcp.backend")
 import dcptool.check.gpu; lap("import check.gpu")
 """
 
@@ -41,26 +41,16 @@ def main() -> None:
     ap.add_argument("--obs", default="1e6")
     ap.add_argument("--data", default=str(ROOT / "bench-data"))
     a = ap.parse_args()
-    from bench_replay import make_dump
-
-    n = int(float(a.obs))
-    path = Path(a.data) / f"bench-{n}.safetensors"
-    Path(a.data).mkdir(exist_ok=True)
-    if not path.exists():
-        make_dump(path, n)
-    p = str(path)
-    timed([sys.executable, "-c", FLOOR, p])
+    p = warm_dump(a.data, int(float(a.obs)))
     for name, cmd in [("floor", [sys.executable, "-c", FLOOR, p])] + [
             (b, [sys.executable, "-m", "dcptool", "replay", p, "--json", "--backend", b]) for b in ("torch", "triton")]:
         print(f"{name}: " + ", ".join(f"{timed(cmd)[0]:.2f}" for _ in range(2)) + " s", flush=True)
     print("a fresh process's start-up, step by step:", flush=True)
-    subprocess.run([sys.executable, "-c", STEPS],
-                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    subprocess.run([sys.executable, "-c", STEPS], env=env())
     print("cProfile of a fresh --backend triton process (main thread, cumulative):", flush=True)
     t = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "cProfile", "-s", "cumtime", "-m", "dcptool", "replay", p, "--json",
-                          "--backend", "triton"], capture_output=True, text=True, env={"PYTHONPATH": str(ROOT),
-                                                                                       "PATH": "/usr/bin:/bin"})
+                          "--backend", "triton"], capture_output=True, text=True, env=env())
     print(f"(wall {time.perf_counter() - t:.2f} s)")
     lines = out.stdout.splitlines()
     start = next((i for i, s in enumerate(lines) if "cumtime" in s), 0)
