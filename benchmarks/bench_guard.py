@@ -114,7 +114,7 @@ class Floor:
     the first observe() (outside any capture: the loops' warm step)."""
 
     def __init__(self, path: Path):
-        self.path, self.go, self.count, self.wrong, self.dumped = path, None, 0, 0, None
+        self.path, self.go = path, None
 
     def observe(self, **kw) -> None:
         if self.go is None:
@@ -128,7 +128,6 @@ class Floor:
             self.rec.observe(**kw)
             self.go = _empty_launch(self.rec, kw["seq_lens"])
         self.go()
-        self.count += 1
 
     def close(self) -> None:
         if self.go is not None:
@@ -138,8 +137,11 @@ class Floor:
 VARIANTS = ("off", "on", "floor")
 
 
-def _make(which: str, path: Path):
-    return None if which == "off" else Guard(path, 2, 1, kernel=True) if which == "on" else Floor(path)
+def _make(which: str, tmp: Path, name: str):
+    """The loop's observer: none (off), a Guard dumping into tmp/name (on), or the floor's stand-in."""
+    if which == "off":
+        return None
+    return Guard(tmp / name, 2, 1, kernel=True) if which == "on" else Floor(tmp / f"{name}-floor.safetensors")
 
 
 def eager(e: Engine, dev, steps: int, reps: int, tmp: Path) -> dict:
@@ -149,7 +151,7 @@ def eager(e: Engine, dev, steps: int, reps: int, tmp: Path) -> dict:
     syncs, counts = 0, []
     for r in range(reps + 1):  # (the first: warm-up, not counted)
         for v in VARIANTS:
-            g = _make(v, tmp / f"eager-{v}{r}.safetensors" if v == "floor" else tmp / f"eager{r}")
+            g = _make(v, tmp, f"eager{r}")
             e.reset()
             _sync(dev)
             with SyncCount(dev) as sc:
@@ -179,7 +181,7 @@ def graph(e: Engine, replays: int, reps: int, tmp: Path) -> dict:
     syncs, counted = 0, []
     for r in range(reps + 1):
         for v in VARIANTS:
-            g = _make(v, tmp / f"graph-{v}{r}.safetensors" if v == "floor" else tmp / f"graph{r}")
+            g = _make(v, tmp, f"graph{r}")
             e.reset()
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())

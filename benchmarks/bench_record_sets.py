@@ -127,16 +127,25 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
     return out
 
 
+def snapshot_args(secs: list, slot: int, reqs: int) -> tuple:
+    """snapshot_args_kernel's launch arguments after the stream (grid, slot, seqno 1, num_reqs, num_reqs_padded,
+    modes, words, the eight sections) for eight device tensors or None, snapshotted into the slot at `slot`."""
+    from dcptool.engine.launch import args_of
+    from dcptool.engine.ring import ENTRY, FIXED, SECTIONS
+    from dcptool.engine.snapshot import snapshot_args_grid
+
+    k = len(SECTIONS)
+    modes, total, at = args_of(secs, slot)
+    return (snapshot_args_grid(total), slot, 1, reqs, reqs, k << 16 | modes, (FIXED + ENTRY * k + total + 7) & ~7, *at)
+
+
 def _empty_launch(rec: Recorder, seq: torch.Tensor):
     """The floor of one launch per observation: an observe() stand-in that launches the snapshot kernel with no rows
     (its header only) through the ring's launcher, the arguments computed once: no Recorder bookkeeping, no harvest."""
-    from dcptool.engine.launch import args_of
-    from dcptool.engine.ring import ARGS_SECTIONS, ENTRY, FIXED, SECTIONS
+    from dcptool.engine.ring import ARGS_SECTIONS
 
     ring = rec._device.ring
-    k = len(SECTIONS)
-    modes, total, at = args_of([seq[:0]] + [None] * (ARGS_SECTIONS - 1), ring.base)
-    args = (1, ring.base, 1, 0, 0, k << 16 | modes, (FIXED + ENTRY * k + total + 7) & ~7, *at)
+    args = snapshot_args([seq[:0]] + [None] * (ARGS_SECTIONS - 1), ring.base, 0)
     go3, raw, did = ring.go3, ring.raw, ring.did
 
     def observe(**_):

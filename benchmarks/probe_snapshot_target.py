@@ -8,11 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_record_sets import _arguments, _recorder
-
-from dcptool.engine.launch import args_of
-from dcptool.engine.ring import ENTRY, FIXED, SECTIONS
-from dcptool.engine.snapshot import snapshot_args_grid
+from bench_record_sets import _arguments, _recorder, snapshot_args
 
 
 def main() -> None:
@@ -26,7 +22,6 @@ def main() -> None:
         go3 = ring.go3
         raw = torch._C._cuda_getCurrentRawStream(0)
         devslot = torch.zeros(1 << 22, dtype=torch.int32, device=dev)
-        k = len(SECTIONS)
         for kind, (reqs, toks) in (("a", (256, 768)), ("b1", (256, 768)), ("b2", (16, 8192)), ("d", (16, 8192))):
             kw, seq = _arguments(kind, reqs, toks, dev, rng)
             secs = [kw.get(n) for n in ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "kv_pages",
@@ -35,12 +30,8 @@ def main() -> None:
             for where, base in (("pinned host ring", ring.base), ("device memory", devslot.data_ptr()),
                                 ("no rows (empty launch)", None)):
                 s = secs if base is not None else [secs[0][:0]] + [None] * 7
-                b = ring.base if base is None else base
-                modes, total, at = args_of(s, b)
-                words = (FIXED + ENTRY * k + total + 7) & ~7
-                grid = snapshot_args_grid(total)
-                values = total if base is not None else values
-                args = (grid, b, 1, reqs, reqs, k << 16 | modes, words, *at)
+                args = snapshot_args(s, ring.base if base is None else base, reqs)
+                values = sum(x.numel() for x in secs if x is not None)
                 for _ in range(20):
                     go3(raw, *args)
                 torch.cuda.synchronize()
