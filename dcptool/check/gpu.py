@@ -7,10 +7,8 @@ import torch
 
 from dcptool.dcp.backend import interpreted, load
 from dcptool.dcp.kernel import INT32_MAX
-from dcptool.dcp.reference import RowStats
+from dcptool.dcp.reference import FUSED_BLOCK, FUSED_WARPS, RowStats, fused_limits
 
-FUSED_BLOCK = 256  # rows per inner step of the fused kernels (observations hold ~64-512 rows)
-FUSED_WARPS = 2
 _TL = "dcptool.check.gpu_tl"
 
 
@@ -46,11 +44,7 @@ def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dc
     if any(t.device != dev for t in tensors) or gpu_only:
         raise ValueError(f"all tensors must be on one device the kernel can run on (got "
                          f"{sorted({str(t.device) for t in tensors})}); use CUDA tensors on a GPU machine")
-    if dcp_size < 1 or cp_interleave < 1 or page_size < 1 or dcp_size * cp_interleave > INT32_MAX \
-            or page_size > INT32_MAX:
-        # the fused kernels compute in int32 (ranks < N, so rank * I < N * I): the reader's bounds
-        raise ValueError(f"need 1 <= dcp_size * cp_interleave <= 2**31-1 and 1 <= page_size <= 2**31-1, got "
-                         f"{dcp_size}, {cp_interleave}, {page_size}")
+    fused_limits(dcp_size, cp_interleave, page_size)
     n = num_reqs.shape[0]
     stats = torch.zeros(6, n, dtype=torch.int32, device=dev)
     stats[1::2] = -1
@@ -72,3 +66,15 @@ def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dc
         k.check_rows_kernel[(ids.numel(),)](sub, ids, ids.numel(), *args, **const, BLOCK=FUSED_BLOCK)
         stats[:, ids] = sub.view(6, -1)
     return RowStats(*stats)
+
+
+def differ_rows(seq_lens: torch.Tensor, rows: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Observations (indices into rows[:-1], ascending) whose seq_lens rows differ from the rows shift[i] before
+    them (shift 0: not compared); one launch of gpu_tl.differ_rows_kernel (the scan's pairs, rank-agree)."""
+    n = shift.shape[0]
+    dev = seq_lens.device
+    flags = torch.zeros(n, dtype=torch.int32, device=dev)
+    if n:
+        load(_TL).differ_rows_kernel[(n,)](flags, _as(seq_lens, torch.int32, dev), _as(rows, torch.int64, dev),
+                                          _as(shift, torch.int64, dev), BLOCK=FUSED_BLOCK, num_warps=FUSED_WARPS)
+    return torch.nonzero(flags).flatten()

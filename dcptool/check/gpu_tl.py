@@ -1,5 +1,5 @@
-"""Triton: the fused whole-dump kernels (expected rows, flag pass, exact counts). Imported only through
-dcp.backend.load."""
+"""Triton: the fused whole-dump kernels (expected rows, flag pass, exact counts, rank-agree's row comparison).
+Imported through dcp.backend.load (torch's launches, the interpreter) or compiled by dcp.cubin (the GPU scan)."""
 
 import triton
 import triton.language as tl
@@ -119,3 +119,21 @@ def check_rows_kernel(stats_ptr, ids_ptr, n_ids, seq_lens_ptr, rows_ptr, dcp_ptr
     tl.store(stats_ptr + 3 * n_ids + k, tl.where(fp == big, -1, fp))
     tl.store(stats_ptr + 4 * n_ids + k, tl.sum(n_pg, axis=0))
     tl.store(stats_ptr + 5 * n_ids + k, tl.where(fg == big, -1, fg))
+
+
+@triton.jit
+def differ_rows_kernel(flags_ptr, seq_lens_ptr, rows_ptr, shift_ptr, BLOCK: tl.constexpr):
+    # rank-agree's row comparison: 1 where an observation's seq_lens rows differ from the rows `shift` before
+    # them (its pair's, in the same chunk; shift 0: nothing to compare). One program per observation.
+    obs = tl.program_id(0).to(tl.int64)
+    start = tl.load(rows_ptr + obs)
+    sh = tl.load(shift_ptr + obs)
+    end = tl.where(sh != 0, tl.load(rows_ptr + obs + 1) - start, 0)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for j0 in range(0, end, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        inb = j < end
+        a = tl.load(seq_lens_ptr + start + j, mask=inb, other=0)
+        b = tl.load(seq_lens_ptr + start - sh + j, mask=inb, other=0)
+        acc |= (a != b).to(tl.int32)
+    tl.store(flags_ptr + obs, tl.max(acc, 0))

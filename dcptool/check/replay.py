@@ -404,24 +404,22 @@ class Phases:
 def resolve_backend(name: str, observations: int | None = None) -> tuple[str, str]:
     """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter. With `observations`
     given, auto keeps a dump smaller than scan.gpu_min_obs() on the CPU (where the GPU cannot win: a process
-    that has not started CUDA yet also pays its start-up). The CPU path is numpy: torch is imported only to
-    ask for a GPU (1.5 s of a CLI run here)."""
+    that has not started CUDA yet also pays its start-up). The GPU is asked of the CUDA driver (dcp.cuda,
+    ~0.1 s), not torch (1.5-1.8 s to import): neither backend's replay imports torch outside the interpreter."""
     from dcptool.check.scan import gpu_min_obs
-
-    least = gpu_min_obs()
+    from dcptool.dcp import cuda
 
     if name not in values(Backend):
         raise ValueError(f"unknown backend {name!r} (auto, triton or torch)")
+    least = gpu_min_obs()
     if name == "torch" or (name == "auto" and observations is not None and observations < least):
         return "torch", "cpu"
-    import torch
-
-    cuda = torch.cuda.is_available()
+    gpu = cuda.available()
     if name == "auto":
-        name = "triton" if cuda and (observations is None or observations >= least) else "torch"
+        name = "triton" if gpu else "torch"
     if name == "torch":
         return "torch", "cpu"
-    return "triton", "cuda" if cuda else "cpu (Triton interpreter)"
+    return "triton", "cuda" if gpu else "cpu (Triton interpreter)"
 
 
 MAX_SPLIT = 64  # --split K: micro-batches per batch at most (vLLM's DBO runs 2); docs/limits.md

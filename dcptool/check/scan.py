@@ -1,9 +1,9 @@
 """Chunked row scans, the hot path of replay: every recorded view and page count against the formula.
 
 One pass over the dump's rows in chunks of ~256K rows (cache-sized) on the CPU, or on the GPU with
-the fused Triton kernel (one launch per chunk of ~64M rows). Only observations with a wrong row
-come back (sparse), so clean dumps produce no Python work per observation. With `bounded=True`
-each chunk's pages are dropped from this process after use, so memory stays flat however large
+the fused Triton kernels (a flag pass per chunk of ~4M rows, through the CUDA driver: scan_cuda.py). Only
+observations with a wrong row come back (sparse), so clean dumps produce no Python work per observation. With
+`bounded=True` each chunk's pages are dropped from this process after use, so memory stays flat however large
 the dump is.
 """
 
@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from dcptool.check.staging import Chunks
 from dcptool.dcp.reference import RowStats, local_of
 from dcptool.dcp.segments import obs_chunks, ragged
 from dcptool.dump import Dump
@@ -28,22 +29,26 @@ CHUNK_ROWS_THREADED = 1 << 20  # CPU, several threads: longer numpy calls (GIL r
 # k+1 overlaps checking chunk k from the start, large enough that a chunk's fixed cost (two launches, one
 # sync, ~0.1 ms) is small against its copy (~1 ms for 48 MB at 50 GB/s).
 GPU_CHUNK_ROWS = 1 << 22
-STAGE_THREADS = 4  # host threads filling a pinned staging buffer (one memcpy thread does ~10 GB/s)
 # `auto` scans on the GPU from this many observations, on the CPU below: under it the GPU cannot win, because
-# a process's first GPU scan pays CUDA start-up and Triton's kernel load (0.76 s on the H200) and the
-# transfers, against the CPU's ~140M rows/s. Measured by `python benchmarks/bench_scan.py` on the H200
-# (2026-12-03: the GPU with its start-up wins from 10^6 observations; docs/performance.md).
+# a process's first GPU scan pays CUDA start-up and the kernels' load and the transfers, against the CPU's
+# ~140M rows/s. Measured by `python benchmarks/bench_scan.py` on the H200 (2026-12-03: the GPU with its
+# start-up wins from 10^6 observations; docs/performance.md).
 GPU_MIN_OBS = 1_000_000
 # The same where this process has not started CUDA yet (a fresh `dcptool replay`): then the GPU path also pays
-# torch's import and CUDA's start-up, ~2.4 s on the H200. Fresh processes there (benchmarks/bench_auto.py,
-# 2026-12-04): torch 2.37 s / triton 4.47 s at 10^6, 5.65 / 6.24 s at 3x10^6; the lines cross near 3.8x10^6.
+# libcuda's start-up and the kernels' load from dcptool's cache (dcp.cuda, dcp.cubin: no torch).
 GPU_MIN_OBS_COLD = 4_000_000
 
 
 def gpu_min_obs() -> int:
-    """auto's crossover for this process: GPU_MIN_OBS once CUDA is started here, GPU_MIN_OBS_COLD before."""
+    """auto's crossover for this process: GPU_MIN_OBS once CUDA is started here (by dcptool or torch),
+    GPU_MIN_OBS_COLD before."""
+    from dcptool.dcp import cuda
+
     torch = sys.modules.get("torch")
-    return GPU_MIN_OBS if torch is not None and torch.cuda.is_initialized() else GPU_MIN_OBS_COLD
+    warm = cuda.started() or (torch is not None and torch.cuda.is_initialized())
+    return GPU_MIN_OBS if warm else GPU_MIN_OBS_COLD
+
+
 T = TypeVar("T")
 
 
@@ -162,18 +167,6 @@ def _shifted_differ(seq: np.ndarray, rel: np.ndarray, sh: np.ndarray) -> np.ndar
     if bad.size == 0:
         return bad
     return np.unique(np.searchsorted(rel, bad, "right") - 1)
-
-
-def _shifted_differ_torch(seq, rel, sh) -> np.ndarray:
-    """_shifted_differ on the device (the staged chunk)."""
-    import torch
-
-    if seq.numel() == 0:
-        return np.zeros(0, np.int64)
-    src = torch.arange(seq.numel(), device=seq.device) - torch.repeat_interleave(sh, rel[1:] - rel[:-1],
-                                                                                 output_size=seq.numel())
-    bad = torch.nonzero(seq[src] != seq).flatten()
-    return torch.unique(torch.searchsorted(rel, bad, right=True) - 1).cpu().numpy().astype(np.int64)
 
 
 def _padded_positions(rows: np.ndarray, nr: np.ndarray, lo: int, hi: int, base: int) -> np.ndarray:
@@ -309,148 +302,68 @@ def _merge(a: Stats, b: Stats) -> Stats:
     return _assemble([p for p in parts if p[1].size])
 
 
-class _Stager:
-    """Double-buffered host-to-device transfer of a dump in chunks of whole observations.
+class _Interpreted:
+    """The GPU scan's chunks under Triton's interpreter (no GPU: CI's kernel runs): the same staging (Chunks)
+    into ordinary buffers that torch tensors share, the fused kernels launched through torch (check.gpu)."""
 
-    Two slots, each a set of staging buffers on the host (pinned on CUDA, so the copy is a DMA at full
-    link speed rather than the driver's pageable copy, ~6 GB/s) and of device buffers. `load(k)` fills
-    slot k % 2's host buffers (several threads: one memcpy thread is slower than the link) and queues the
-    copy to the device on a side stream; `get(k)` makes the compute stream wait for that copy and hands
-    out the device views; `done(k)` marks when the kernels reading the slot finish. So chunk k+1 is
-    staged and copied while chunk k is checked. Events keep each buffer from being overwritten while the
-    copy reading it or the kernel reading its device twin still runs. Without CUDA (the Triton
-    interpreter) the same code runs with ordinary buffers and no streams or events.
-    """
-
-    def __init__(self, d: Dump, chunks: list[tuple[int, int]], dev, pairs: _Pairs | None = None):
-        import torch
-
-        self.d, self.chunks, self.cuda, self.pairs = d, chunks, dev.type == "cuda", pairs
-        self.rows, self.drows = d["obs.rows"], d["obs.dcp_rows"]
-        lo = np.array([c[0] for c in chunks], np.int64)
-        hi = np.array([c[1] for c in chunks], np.int64)
-        most = lambda o: int((o[hi] - o[lo]).max()) if chunks else 0  # noqa: E731
-        nobs = int((hi - lo).max()) if chunks else 0
-        self.kv = "rows.kv_pages" in d.columns
-        i32, i64 = torch.int32, torch.int64
-        sizes = {"seq": (most(self.rows), i32), "rows": (nobs + 1, i64), "dcp": (most(self.drows), i32),
-                 "drows": (nobs + 1, i64), "nr": (nobs, i32), "nrp": (nobs, i32), "rank": (nobs, i32)}
-        if self.kv:
-            sizes["kv"] = (most(self.rows), i32)
-        if pairs is not None:
-            sizes["shift"] = (nobs, i64)
-        self.host = [{k: torch.empty(n, dtype=t, pin_memory=self.cuda) for k, (n, t) in sizes.items()}
-                     for _ in range(2)]
-        self.dev = [{k: torch.empty(n, dtype=t, device=dev) for k, (n, t) in sizes.items()} for _ in range(2)]
-        self.n: list[dict[str, int]] = [{}, {}]  # elements of each buffer the slot's chunk fills
-        self.pool = None
-        if STAGE_THREADS > 1:  # (its threads start on first use: only for a chunk of 2 pieces or more)
-            from concurrent.futures import ThreadPoolExecutor
-
-            self.pool = ThreadPoolExecutor(STAGE_THREADS)
-        if self.cuda:
-            self.stream = torch.cuda.Stream()
-            self.copied = [torch.cuda.Event(), torch.cuda.Event()]  # host slot read, device slot written
-            self.used = [torch.cuda.Event(), torch.cuda.Event()]  # kernels on the device slot finished
-            self.recorded = [False, False]
-
-    def sources(self, k: int) -> dict[str, np.ndarray]:
-        """Chunk k's columns, offsets made relative to the chunk."""
-        d, rows, drows = self.d, self.rows, self.drows
-        lo, hi = self.chunks[k]
-        a, e, da, de = int(rows[lo]), int(rows[hi]), int(drows[lo]), int(drows[hi])
-        src = {"seq": d.upto("rows.seq_lens", e)[a:e], "rows": rows[lo : hi + 1] - a,
-               "dcp": d.upto("rows.dcp_local_seq_lens", de)[da:de], "drows": drows[lo : hi + 1] - da,
-               "nr": d["obs.num_reqs"][lo:hi], "nrp": d["obs.num_reqs_padded"][lo:hi], "rank": d["obs.rank"][lo:hi]}
-        if self.kv:
-            src["kv"] = d.upto("rows.kv_pages", e)[a:e]
-        if self.pairs is not None:
-            src["shift"] = self.pairs.cut(lo, hi)
-        return src
-
-    PIECE = 1 << 20  # elements: a staging copy is split in pieces of at least this many, one per thread
-
-    def _fill(self, dst: np.ndarray, src: np.ndarray) -> None:
-        if self.pool is None or src.size < 2 * self.PIECE:
-            np.copyto(dst, src, casting="unsafe")
-            return
-        # numpy releases the GIL for a plain copy: the pieces run in parallel
-        step = max(self.PIECE, -(-src.size // STAGE_THREADS))
-        list(self.pool.map(lambda i: np.copyto(dst[i : i + step], src[i : i + step], casting="unsafe"),
-                           range(0, src.size, step)))
+    def __init__(self, chunks: Chunks, dcp_size: int, cp_interleave: int, page_size: int):
+        self.c, self.const = chunks, (dcp_size, cp_interleave)
+        self.page = page_size
+        self.host = [{k: np.empty(n, t) for k, (n, t) in chunks.sizes.items()} for _ in range(2)]
+        self.n: list[dict[str, int]] = [{}, {}]
 
     def load(self, k: int) -> None:
+        self.n[k % 2] = self.c.fill(k, self.host[k % 2])
+
+    def check(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         import torch
 
-        slot = k % 2
-        if self.cuda and self.recorded[slot]:
-            self.copied[slot].synchronize()  # the previous copy out of this host slot is complete
-        src = self.sources(k)
-        self.n[slot] = {key: int(v.size) for key, v in src.items()}
-        for key, v in src.items():
-            self._fill(self.host[slot][key][: v.size].numpy(), np.asarray(v))
-        if not self.cuda:
-            for key, n in self.n[slot].items():
-                self.dev[slot][key][:n].copy_(self.host[slot][key][:n])
-            return
-        with torch.cuda.stream(self.stream):
-            if self.recorded[slot]:
-                self.stream.wait_event(self.used[slot])  # the kernels of chunk k-2 are done with the device slot
-            for key, n in self.n[slot].items():
-                self.dev[slot][key][:n].copy_(self.host[slot][key][:n], non_blocking=True)
-            self.copied[slot].record(self.stream)
-        self.recorded[slot] = True
+        from dcptool.check.gpu import check_rows, differ_rows
 
-    def get(self, k: int) -> dict:
-        import torch
-
-        slot = k % 2
-        if self.cuda:
-            torch.cuda.current_stream().wait_event(self.copied[slot])
-        return {key: self.dev[slot][key][:n] for key, n in self.n[slot].items()}
-
-    def done(self, k: int) -> None:
-        import torch
-
-        if self.cuda:
-            self.used[k % 2].record(torch.cuda.current_stream())
+        t = {key: torch.from_numpy(self.host[k % 2][key][:n]) for key, n in self.n[k % 2].items()}
+        st = check_rows(t["seq"], t["rows"], t["dcp"], t["drows"], t["nr"], t["nrp"], t["rank"], *self.const,
+                        kv_pages=t.get("kv"), page_size=self.page)
+        got = differ_rows(t["seq"], t["rows"], t["shift"]) if "shift" in t else torch.zeros(0, dtype=torch.int64)
+        return st.stacked().numpy().astype(np.int64), got.numpy().astype(np.int64)
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
+        self.c.close()
 
 
 def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bounded: bool = False,
          pairs: _Pairs | None = None) -> Stats:
-    """The fused Triton check over chunks of whole observations, each staged and copied to the device
-    while the one before it is checked (_Stager); views and page counts on the device."""
-    from dcptool.check.gpu import check_rows
-    from dcptool.dcp.backend import device
+    """The fused Triton check over chunks of whole observations, each staged and copied to the device while
+    the one before it is checked: on the GPU through the CUDA driver (scan_cuda, no torch), else under the
+    interpreter (_Interpreted); views and page counts on the device."""
+    from dcptool.dcp import cuda
+    from dcptool.dcp.backend import interpreted
 
-    dev = device()
     c = d.config
     b = bounds(d["obs.rows"], GPU_CHUNK_ROWS)
     chunks = list(zip(b[:-1].tolist(), b[1:].tolist()))
-    stage = _Stager(d, chunks, dev, pairs)
+    staged = Chunks(d, chunks, pairs)
+    if cuda.available() and not interpreted():
+        from dcptool.check.scan_cuda import CudaScan as run_on
+    else:
+        run_on = _Interpreted
+    try:
+        run = run_on(staged, c.dcp_size, c.cp_interleave, c.page_size or 1)
+    except BaseException:
+        staged.close()
+        raise
     parts = []
     try:
         if chunks:
-            stage.load(0)
+            run.load(0)
         for k, (lo, hi) in enumerate(chunks):
             if bounded:  # staged: its pages are no longer needed
                 d.release(lo, hi)
             if k + 1 < len(chunks):
-                stage.load(k + 1)
-            t = stage.get(k)
-            st = check_rows(t["seq"], t["rows"], t["dcp"], t["drows"], t["nr"], t["nrp"], t["rank"], c.dcp_size,
-                            c.cp_interleave, kv_pages=t.get("kv"), page_size=c.page_size or 1)
-            stats = st.stacked()
-            if pairs is not None:
-                got = _shifted_differ_torch(t["seq"], t["rows"], t["shift"])
-                if got.size:
-                    pairs.found.append(got + lo)
-            stage.done(k)
-            st = RowStats(*stats.cpu().numpy().astype(np.int64))  # one copy off the device
+                run.load(k + 1)
+            stats, differ = run.check(k)
+            if pairs is not None and differ.size:
+                pairs.found.append(differ + lo)
+            st = RowStats(*stats)
             if not check_views:  # dcp_size 1: a present view is `stray`, its values are not checked
                 none, zero = np.full_like(st.n_wrong, -1), np.zeros_like(st.n_wrong)
                 st = st._replace(n_wrong=zero, first_wrong=none, n_pad=zero, first_pad=none)
@@ -459,9 +372,8 @@ def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bou
             if progress:
                 progress(hi - lo)
     finally:
-        stage.close()
+        run.close()
     return Stats.concat(parts)
-
 
 def default_threads(bounded: bool = False) -> int:
     """The CPU scan's threads when not told: one on a machine of up to 3 cores (replay's background checks

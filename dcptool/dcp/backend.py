@@ -7,10 +7,12 @@ import importlib
 import os
 import sys
 from types import ModuleType
-
-import torch
+from typing import TYPE_CHECKING
 
 from dcptool.errors import DcptoolError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class BackendError(DcptoolError, RuntimeError):
@@ -24,6 +26,8 @@ def interpreted() -> bool:
 @functools.cache
 def load(module: str) -> ModuleType:
     """Import a module of Triton kernels (switching on the interpreter first when there is no GPU)."""
+    import torch  # (here, not above: cubin.py asks interpreted() in processes that never import torch)
+
     if not torch.cuda.is_available():
         if "triton" in sys.modules and not interpreted():
             raise BackendError("triton was imported without TRITON_INTERPRET=1 and there is no GPU; "
@@ -38,4 +42,6 @@ def load(module: str) -> ModuleType:
 
 def device() -> torch.device:
     """Where the Triton kernels run: the GPU when there is one, else the CPU (interpreter)."""
+    import torch
+
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -127,6 +127,19 @@ def expected_rows(seq_lens: torch.Tensor, offsets: torch.Tensor, num_reqs: torch
     return torch.where(j < num_reqs[obs], local, torch.zeros_like(local))
 
 
+FUSED_BLOCK = 256  # rows per inner step of the fused whole-dump kernels (observations hold ~64-512 rows)
+FUSED_WARPS = 2  # their flag pass's warps (the exact pass on the flagged few takes Triton's default, 4)
+
+
+def fused_limits(dcp_size: int, cp_interleave: int, page_size: int) -> None:
+    """Refuse a layout the fused kernels cannot check: they compute in int32 (ranks < N, so rank * I < N * I),
+    the reader's bounds."""
+    if dcp_size < 1 or cp_interleave < 1 or page_size < 1 or dcp_size * cp_interleave > 2**31 - 1 \
+            or page_size > 2**31 - 1:
+        raise ValueError(f"need 1 <= dcp_size * cp_interleave <= 2**31-1 and 1 <= page_size <= 2**31-1, got "
+                         f"{dcp_size}, {cp_interleave}, {page_size}")
+
+
 class RowStats(NamedTuple):
     """check_rows' answer, one [n] int32 tensor per field, one column per observation (-1 = none)."""
 

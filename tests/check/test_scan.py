@@ -6,6 +6,7 @@ import torch
 from conftest import random_dump
 
 from dcptool.check import scan as scan_mod
+from dcptool.dcp import cuda as cuda_mod
 from dcptool.dcp.reference import check_rows
 from dcptool.dump import open_dumps
 
@@ -64,37 +65,39 @@ def test_bounds_cover_everything_once():
 
 
 # --------------------------------------------------------------------------------------------
-# The GPU path's pipelined transfer (issue 16 item 3): chunks of whole observations, double-buffered staging.
-# On CPU the same code runs with ordinary buffers (no pinned memory, streams or events) under the interpreter.
+# The GPU path's pipelined transfer (issue 16 item 3): chunks of whole observations, double-buffered staging
+# (staging.Chunks). On the GPU the slots are pinned and copied by the CUDA driver (scan_cuda); under the
+# interpreter they are ordinary buffers (scan._Interpreted), driven here as _gpu drives them.
 
 CHUNKS = [0, 1, 127, 128, 129, 1000, 5000]
 
 
-def _walk(stage, n_chunks):
-    """Drive a _Stager as _gpu does (load k+1 before using k) and return each chunk's buffers as numpy."""
+def _walk(run, n_chunks):
+    """Drive an _Interpreted as _gpu does (load k+1 before using k) and return each chunk's buffers."""
     out = []
     if n_chunks:
-        stage.load(0)
+        run.load(0)
     for k in range(n_chunks):
         if k + 1 < n_chunks:
-            stage.load(k + 1)
-        out.append({key: v.cpu().numpy().copy() for key, v in stage.get(k).items()})
-        stage.done(k)
-    stage.close()
+            run.load(k + 1)
+        out.append({key: run.host[k % 2][key][:n].copy() for key, n in run.n[k % 2].items()})
+    run.close()
     return out
 
 
 @pytest.mark.parametrize("target", CHUNKS)
-def test_stager_hands_out_every_chunk_whole_and_in_order(tmp_path, monkeypatch, target):
+def test_staging_hands_out_every_chunk_whole_and_in_order(tmp_path, monkeypatch, target):
     """Chunks cut only between observations (a target smaller than an observation still takes it whole),
     cover every row once, and chunk k's buffers are intact after chunk k+1 was loaded into the other slot;
     staging copies split across threads (pieces of 7 elements here) land where they belong."""
-    monkeypatch.setattr(scan_mod._Stager, "PIECE", 7)
+    from dcptool.check import staging
+
+    monkeypatch.setattr(staging, "PIECE", 7)
     d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(3), 80, 4, 2)
     rows, drows = d["obs.rows"], d["obs.dcp_rows"]
     b = scan_mod.bounds(rows, target)
     chunks = list(zip(b[:-1].tolist(), b[1:].tolist()))
-    got = _walk(scan_mod._Stager(d, chunks, torch.device("cpu")), len(chunks))
+    got = _walk(scan_mod._Interpreted(staging.Chunks(d, chunks), 4, 2, 16), len(chunks))
     assert [c[0] for c in chunks] == [0] + [c[1] for c in chunks[:-1]] and chunks[-1][1] == d.n
     if 1 <= target < 128:
         assert len(chunks) > 40  # nearly one observation a chunk: the slots are reused many times
@@ -153,25 +156,28 @@ def test_triton_scan_of_rollover_files_read_lazily(tmp_path, monkeypatch):
 def test_auto_picks_the_cpu_below_the_measured_crossover(monkeypatch):
     from dcptool.check.replay import resolve_backend
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # CUDA already started in this process
+    monkeypatch.setattr(cuda_mod, "available", lambda: True)
+    monkeypatch.setattr(cuda_mod, "started", lambda: True)  # CUDA already started in this process
     assert resolve_backend("auto", scan_mod.GPU_MIN_OBS - 1) == ("torch", "cpu")
     assert resolve_backend("auto", scan_mod.GPU_MIN_OBS) == ("triton", "cuda")
     assert resolve_backend("auto") == ("triton", "cuda")  # size unknown: the GPU, as before
     assert resolve_backend("triton", 10) == ("triton", "cuda")  # asked for by name: always honoured
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cuda_mod, "available", lambda: False)
     assert resolve_backend("auto", 10**9) == ("torch", "cpu")
+    assert resolve_backend("triton", 10) == ("triton", "cpu (Triton interpreter)")
 
 
 @pytest.mark.parametrize("started", [False, True])
-def test_auto_weighs_cuda_start_up_where_this_process_has_not_paid_it(monkeypatch, started):
-    """A fresh `dcptool replay` pays torch's import and CUDA's start-up on the GPU path (issue 28 item 9):
-    auto moves its crossover up to GPU_MIN_OBS_COLD until CUDA is started in the process."""
+@pytest.mark.parametrize("by", ["dcptool", "torch"])
+def test_auto_weighs_cuda_start_up_where_this_process_has_not_paid_it(monkeypatch, started, by):
+    """A fresh `dcptool replay` pays CUDA's start-up on the GPU path (issue 28 item 9): auto moves its
+    crossover up to GPU_MIN_OBS_COLD until CUDA is started in the process, by dcptool's driver or by torch."""
     from dcptool.check.replay import resolve_backend
 
     assert scan_mod.GPU_MIN_OBS < scan_mod.GPU_MIN_OBS_COLD
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: started)
+    monkeypatch.setattr(cuda_mod, "available", lambda: True)
+    monkeypatch.setattr(cuda_mod, "started", lambda: started and by == "dcptool")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: started and by == "torch")
     least = scan_mod.GPU_MIN_OBS if started else scan_mod.GPU_MIN_OBS_COLD
     assert scan_mod.gpu_min_obs() == least
     assert resolve_backend("auto", least - 1) == ("torch", "cpu")
@@ -187,36 +193,6 @@ def test_a_fresh_process_counts_as_cold():
     code = "import dcptool.check.scan as s; import torch; print(s.gpu_min_obs() == s.GPU_MIN_OBS_COLD)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True"
-
-
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@cuda
-def test_cuda_staging_is_pinned_and_copies_on_a_side_stream(tmp_path):
-    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(4), 200, 4, 16)
-    b = scan_mod.bounds(d["obs.rows"], 500)
-    chunks = list(zip(b[:-1].tolist(), b[1:].tolist()))
-    stage = scan_mod._Stager(d, chunks, torch.device("cuda"))
-    assert all(t.is_pinned() for slot in stage.host for t in slot.values())
-    assert stage.stream != torch.cuda.current_stream()
-    got = _walk(stage, len(chunks))
-    rows = d["obs.rows"]
-    for (lo, hi), g in zip(chunks, got):
-        assert np.array_equal(g["seq"], d["rows.seq_lens"][rows[lo] : rows[hi]])
-
-
-@cuda
-@pytest.mark.parametrize("target", CHUNKS + [1 << 22])
-def test_cuda_scan_in_chunks_equals_reference(tmp_path, monkeypatch, target):
-    monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", target)
-    monkeypatch.setattr(scan_mod._Stager, "PIECE", 1000)  # threaded staging on these small chunks too
-    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(5), 400, 4, 16)
-    want_obs, want = reference_stats(d)
-    got_obs, got = as_array(scan_mod.scan(d, "triton"))
-    assert np.array_equal(got_obs, want_obs) and np.array_equal(got, want) and want_obs.size
-    cpu_obs, cpu = as_array(scan_mod.scan(d, "torch"))
-    assert np.array_equal(got_obs, cpu_obs) and np.array_equal(got, cpu)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -321,15 +297,6 @@ def test_triton_scan_compares_pairs_exactly(tmp_path, monkeypatch, target):
     assert np.array_equal(scan_mod.scan(d, "triton", pairs=_Future(pairs)).differ, want)
 
 
-@cuda
-@pytest.mark.parametrize("target", [129, 1 << 22])
-def test_cuda_scan_compares_pairs_exactly(tmp_path, monkeypatch, target):
-    monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", target)
-    d, pairs, want = _pair_dump(tmp_path / "d.safetensors", np.random.default_rng(4))
-    assert np.array_equal(scan_mod.scan(d, "triton", pairs=pairs).differ, want) and want.size
-    assert np.array_equal(scan_mod.scan(d, "triton", pairs=_Future(pairs)).differ, want)
-
-
 def _streamed_scan_agrees(tmp_path, monkeypatch, backend: str) -> None:
     """scan of a streamed read (the rows still coming in pieces while the chunks go) against one read."""
     import dcptool.dump as dump_mod
@@ -353,7 +320,7 @@ def test_triton_scan_of_a_streamed_read(tmp_path, monkeypatch):
     _streamed_scan_agrees(tmp_path, monkeypatch, "triton")
 
 
-@cuda
+@pytest.mark.skipif(not cuda_mod.available(), reason="needs a CUDA GPU")
 def test_cuda_scan_of_a_streamed_read(tmp_path, monkeypatch):
     monkeypatch.setattr(scan_mod, "GPU_CHUNK_ROWS", 700)
     _streamed_scan_agrees(tmp_path, monkeypatch, "triton")
