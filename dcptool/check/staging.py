@@ -71,5 +71,5 @@ class Chunks:
                            range(0, src.size, step)))
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
+        if self.pool is not None:  # (every copy has returned: the idle threads end on their own, nothing to wait for)
+            self.pool.shutdown(wait=False)
