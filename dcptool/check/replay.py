@@ -403,16 +403,15 @@ class Phases:
 
 def resolve_backend(name: str, observations: int | None = None) -> tuple[str, str]:
     """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter. With `observations`
-    given, auto keeps a dump smaller than scan.gpu_min_obs() on the CPU (where the GPU cannot win: a process
-    that has not started CUDA yet also pays its start-up). The GPU is asked of the CUDA driver (dcp.cuda,
+    given, auto keeps a dump smaller than scan.GPU_MIN_OBS on the CPU (where the GPU's start-up and transfers
+    cost more than it saves), without asking for a GPU. The GPU is asked of the CUDA driver (dcp.cuda,
     ~0.1 s), not torch (1.5-1.8 s to import): neither backend's replay imports torch outside the interpreter."""
-    from dcptool.check.scan import gpu_min_obs
+    from dcptool.check.scan import GPU_MIN_OBS
     from dcptool.dcp import cuda
 
     if name not in values(Backend):
         raise ValueError(f"unknown backend {name!r} (auto, triton or torch)")
-    least = gpu_min_obs()
-    if name == "torch" or (name == "auto" and observations is not None and observations < least):
+    if name == "torch" or (name == "auto" and observations is not None and observations < GPU_MIN_OBS):
         return "torch", "cpu"
     gpu = cuda.available()
     if name == "auto":

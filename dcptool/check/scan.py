@@ -9,7 +9,6 @@ the dump is.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,26 +28,12 @@ CHUNK_ROWS_THREADED = 1 << 20  # CPU, several threads: longer numpy calls (GIL r
 # k+1 overlaps checking chunk k from the start, large enough that a chunk's fixed cost (two launches, one
 # sync, ~0.1 ms) is small against its copy (~1 ms for 48 MB at 50 GB/s).
 GPU_CHUNK_ROWS = 1 << 22
-# `auto` scans on the GPU from this many observations, on the CPU below: under it the GPU cannot win, because
-# a process's first GPU scan pays CUDA start-up and the kernels' load and the transfers, against the CPU's
-# ~140M rows/s. Measured by `python benchmarks/bench_scan.py` on the H200 (2026-12-03: the GPU with its
-# start-up wins from 10^6 observations; docs/performance.md).
-GPU_MIN_OBS = 1_000_000
-# The same where this process has not started CUDA yet (a fresh `dcptool replay`): then the GPU path also pays
-# libcuda's start-up and the kernels' load from dcptool's cache (dcp.cuda, dcp.cubin: no torch).
-GPU_MIN_OBS_COLD = 4_000_000
-
-
-def gpu_min_obs() -> int:
-    """auto's crossover for this process: GPU_MIN_OBS once CUDA is started here (by dcptool or torch),
-    GPU_MIN_OBS_COLD before."""
-    from dcptool.dcp import cuda
-
-    torch = sys.modules.get("torch")
-    warm = cuda.started() or (torch is not None and torch.cuda.is_initialized())
-    return GPU_MIN_OBS if warm else GPU_MIN_OBS_COLD
-
-
+# `auto` scans on the GPU from this many observations, on the CPU below: under it the GPU's start-up (libcuda,
+# the primary context, the kernels from dcptool's cubin cache, pinned staging: ~0.45 s on an H100's host) and
+# its transfers cost more than the CPU scan saves. Fresh `dcptool replay` processes on an H100
+# (benchmarks/bench_auto.py, 2026-12-05): GPU 0.34 s slower at 10^5 observations, 0.34 s faster at 10^6; a
+# process that has started CUDA already can only cross lower.
+GPU_MIN_OBS = 500_000
 T = TypeVar("T")
 
 

@@ -157,7 +157,6 @@ def test_auto_picks_the_cpu_below_the_measured_crossover(monkeypatch):
     from dcptool.check.replay import resolve_backend
 
     monkeypatch.setattr(cuda_mod, "available", lambda: True)
-    monkeypatch.setattr(cuda_mod, "started", lambda: True)  # CUDA already started in this process
     assert resolve_backend("auto", scan_mod.GPU_MIN_OBS - 1) == ("torch", "cpu")
     assert resolve_backend("auto", scan_mod.GPU_MIN_OBS) == ("triton", "cuda")
     assert resolve_backend("auto") == ("triton", "cuda")  # size unknown: the GPU, as before
@@ -167,32 +166,18 @@ def test_auto_picks_the_cpu_below_the_measured_crossover(monkeypatch):
     assert resolve_backend("triton", 10) == ("triton", "cpu (Triton interpreter)")
 
 
-@pytest.mark.parametrize("started", [False, True])
-@pytest.mark.parametrize("by", ["dcptool", "torch"])
-def test_auto_weighs_cuda_start_up_where_this_process_has_not_paid_it(monkeypatch, started, by):
-    """A fresh `dcptool replay` pays CUDA's start-up on the GPU path (issue 28 item 9): auto moves its
-    crossover up to GPU_MIN_OBS_COLD until CUDA is started in the process, by dcptool's driver or by torch."""
+def test_below_the_crossover_auto_never_asks_the_driver(monkeypatch):
+    """A small dump's replay does not pay libcuda's start-up (nor torch's import) to learn it will not use it."""
     from dcptool.check.replay import resolve_backend
 
-    assert scan_mod.GPU_MIN_OBS < scan_mod.GPU_MIN_OBS_COLD
-    monkeypatch.setattr(cuda_mod, "available", lambda: True)
-    monkeypatch.setattr(cuda_mod, "started", lambda: started and by == "dcptool")
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: started and by == "torch")
-    least = scan_mod.GPU_MIN_OBS if started else scan_mod.GPU_MIN_OBS_COLD
-    assert scan_mod.gpu_min_obs() == least
-    assert resolve_backend("auto", least - 1) == ("torch", "cpu")
-    assert resolve_backend("auto", least) == ("triton", "cuda")
-    assert resolve_backend("auto", scan_mod.GPU_MIN_OBS) == (("triton", "cuda") if started else ("torch", "cpu"))
-    assert resolve_backend("triton", 10) == ("triton", "cuda")  # by name: honoured either way
+    def asked():
+        raise AssertionError("the driver was asked")
 
-
-def test_a_fresh_process_counts_as_cold():
-    import subprocess
-    import sys
-
-    code = "import dcptool.check.scan as s; import torch; print(s.gpu_min_obs() == s.GPU_MIN_OBS_COLD)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "True"
+    monkeypatch.setattr(cuda_mod, "available", asked)
+    assert resolve_backend("auto", scan_mod.GPU_MIN_OBS - 1) == ("torch", "cpu")
+    assert resolve_backend("torch", 10**9) == ("torch", "cpu")
+    with pytest.raises(AssertionError, match="asked"):
+        resolve_backend("auto", scan_mod.GPU_MIN_OBS)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
