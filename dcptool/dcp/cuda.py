@@ -50,7 +50,6 @@ def _lib() -> ctypes.CDLL | None:
         "cuMemHostAlloc": [ctypes.POINTER(c_void_p), c_size_t, c_uint], "cuMemFreeHost": [c_void_p],
         "cuMemcpyHtoDAsync_v2": [c_uint64, c_void_p, c_size_t, c_void_p],
         "cuMemcpyDtoHAsync_v2": [c_void_p, c_uint64, c_size_t, c_void_p],
-        "cuMemsetD32Async": [c_uint64, c_uint, c_size_t, c_void_p],
         "cuStreamCreate": [ctypes.POINTER(c_void_p), c_uint], "cuStreamDestroy_v2": [c_void_p],
         "cuStreamSynchronize": [c_void_p], "cuStreamWaitEvent": [c_void_p, c_void_p, c_uint],
         "cuEventCreate": [ctypes.POINTER(c_void_p), c_uint], "cuEventDestroy_v2": [c_void_p],
@@ -89,11 +88,6 @@ def _count() -> int:
         return 0
     n = c_int()
     return n.value if lib.cuDeviceGetCount(byref(n)) == 0 else 0
-
-
-def started() -> bool:
-    """This process has started its GPU (through gpu() here)."""
-    return bool(_ctx)
 
 
 def gpu() -> Gpu:
@@ -158,10 +152,6 @@ class Gpu:
         if dst.nbytes:
             _check(self.lib.cuMemcpyDtoHAsync_v2(c_void_p(dst.ctypes.data), src, dst.nbytes, stream),
                    "cuMemcpyDtoHAsync")
-
-    def fill32(self, dst: int, value: int, n: int, stream: int | None) -> None:
-        if n:
-            _check(self.lib.cuMemsetD32Async(dst, value & 0xFFFFFFFF, n, stream), "cuMemsetD32Async")
 
     # streams and events
     def stream(self) -> int:
