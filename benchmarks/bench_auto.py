@@ -4,11 +4,12 @@
     python benchmarks/bench_auto.py --sizes 1e3,1e5 --runs 5
 
 Each run is a new process (`python -m dcptool replay FILE --json --backend B`), so CUDA's start-up, the Triton
-kernels' load (or compile) and pinned staging are paid every time, as on a user's command line. The read
-floor is a fresh process that reads the dump and touches every byte (the least any replay pays, interpreter
-start-up included). The page cache is warmed once per dump. Prints one table: the median seconds of each
-backend, auto / the faster of torch and triton (goal <= 1.1), and the GPU path / the read floor (goal <= 1.5
-at 10^6). Dumps are made by bench_replay.make_dump into bench-data/ (about 2.4 KB per observation).
+kernels' load (or compile) and pinned staging are paid every time, as on a user's command line. The read floor
+is a fresh process that reads the dump and touches every byte (the least any replay pays, interpreter start-up
+included). The page cache is warmed once per dump; each run takes the backends in a rotated order. Prints one
+table: the median seconds of each backend, auto / the faster of torch and triton (goal <= 1.1), and the GPU path
+/ the read floor (goal <= 1.5 at 10^6). Dumps are made by bench_replay.make_dump into bench-data/ (about 2.4 KB
+per observation).
 """
 
 from __future__ import annotations
@@ -72,17 +73,25 @@ def main() -> None:
         path = Path(p)
         got: dict[str, list[float]] = {"floor": []}
         codes = set()
-        for _ in range(args.runs):  # interleaved, so a drift in the host's load touches every backend alike
-            got["floor"].append(timed([sys.executable, "-c", FLOOR, p])[0])
-            for b in backends:
-                sec, rc = timed([sys.executable, "-m", "dcptool", "replay", p, "--json", "--backend", b])
-                got.setdefault(b, []).append(sec)
+        names = ["floor", *backends]
+        for r in range(args.runs):
+            # interleaved, so a drift in the host's load touches every backend alike, and rotated: in a fixed
+            # order each backend always ran right after the same one (a GPU process's teardown, a floor's
+            # freed 2 GB) and its median carried that neighbour's wake (at 10^3 the same CPU path as auto
+            # and torch measured 0.09 s apart on the H200)
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                if name == "floor":
+                    got["floor"].append(timed([sys.executable, "-c", FLOOR, p])[0])
+                    continue
+                sec, rc = timed([sys.executable, "-m", "dcptool", "replay", p, "--json", "--backend", name])
+                got.setdefault(name, []).append(sec)
                 codes.add(rc)
         if len(codes) != 1:
             raise SystemExit(f"the backends disagree on the exit code at {n:,}: {codes}")
         med = {k: statistics.median(v) for k, v in got.items()}
         rows.append((n, path.stat().st_size / 1e6, med))
-        print(f"{n:>10,} obs: " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items()), flush=True)
+        print(f"{n:>10,} obs: " + ", ".join(f"{k} {v:.2f} s ({min(got[k]):.2f}-{max(got[k]):.2f})"
+                                             for k, v in med.items()), flush=True)
     print()
     print("| obs | dump MB | read floor s | " + " | ".join(f"{b} s" for b in backends)
           + " | **auto / best(torch, triton)** | **triton / floor** |")

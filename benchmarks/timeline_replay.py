@@ -11,8 +11,12 @@ wrapped in a timer, and prints the spans over 5 ms in start order, relative to t
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dcptool, run from anywhere
 
 import dcptool.check.problems as problems_mod
 import dcptool.check.provenance as provenance_mod
