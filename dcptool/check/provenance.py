@@ -246,7 +246,7 @@ class _Search:
         n = wrong.size
         in_step, earlier = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
         vkind, vaux = np.zeros(n, np.int8), np.zeros(n, np.int64)
-        cand = np.flatnonzero(nr >= 1)
+        real = nr >= 1  # the candidates (not gathered: member on the whole columns costs three gathers less)
 
         def sub(keep: np.ndarray):
             rows = keep[seg]
@@ -257,7 +257,7 @@ class _Search:
         # a pre-fix recording are stale copies of their parent or of an earlier batch of the step
         todo = ~self._parent_hits(wrong, m)  # 1. (exact, no search)
         q, mq, sq, jq, rq, hq, r0q, _ = sub(todo)  # 2. earlier in the step
-        c = cand[member([rank[cand], step[cand], e0[cand]], [rank[q], step[q], r0q])]  # (no sort of all candidates)
+        c = np.flatnonzero(member([rank, step, e0], [rank[q], step[q], r0q]) & real)  # (no sort of all candidates)
         in_step[todo] = self._search_in_step(q, mq, hq, self._narrow(c, [rank, step, e0], [rank[q], step[q], r0q]))
         hit = np.flatnonzero(in_step >= 0)
         todo[hit[_zero_ext_equal(self.d, wrong[hit], m[hit], in_step[hit], m[hit])]] = False
@@ -267,7 +267,7 @@ class _Search:
         if todo.any():
             q, mq, sq, jq, rq, hq, r0q, r1q = sub(todo)
             ls = np.maximum.reduceat(np.where(rq != 0, jq + 1, 0), np.cumsum(mq) - mq)  # len(strip(rec))
-            c = cand[member([rank[cand], e0[cand], e1[cand]], [rank[q], r0q, r1q])]
+            c = np.flatnonzero(member([rank, e0, e1], [rank[q], r0q, r1q]) & real)
             key = self._narrow(c, [rank, e0, e1, self._strip_lengths(c)], [rank[q], r0q, r1q, ls])
             earlier[todo] = self._search_earlier_steps(q, hq, key)
         # the answers as arrays too, for explain_many (wrong is sorted)

@@ -117,11 +117,28 @@ def member(c_key: list[np.ndarray], q_key: list[np.ndarray]) -> np.ndarray:
             key += np.asarray(col, np.int64) - m
         return key
 
-    kc, kq = pack(c_key), pack(q_key)
-    if total <= 4 * (n + kq.size):  # a table of the packed range: one pass each
+    if total <= 4 * (n + q_key[0].size):  # a table of the packed range: one pass each
         table = np.zeros(total, bool)
-        table[kq] = True
-        return table[kc]
+        table[pack(q_key)] = True
+        return table[pack(c_key)]
+    # a few queries among millions of candidates (provenance's searches): a table of one column's values
+    # first, so only the candidates it leaves are packed and searched (packing all cost ~3 passes each)
+    keep = None  # (all)
+    for col, qcol, m, s in zip(c_key, q_key, lo, span):
+        if s <= 4 * (n + qcol.size) and (n if keep is None else keep.size) > 4 * qcol.size:
+            table = np.zeros(s, bool)
+            table[np.asarray(qcol, np.int64) - m] = True
+            if 2 * np.count_nonzero(table) > s:  # (a rank column: the queries hold most values, nothing to cut)
+                continue
+            hit = table[np.asarray(col if keep is None else col[keep], np.int64) - m]
+            keep = np.flatnonzero(hit) if keep is None else keep[hit]
+    if keep is None:
+        keep = np.arange(n)
+    out = np.zeros(n, bool)
+    if keep.size == 0:
+        return out
+    kc, kq = pack([c[keep] for c in c_key]), pack(q_key)
     u = np.unique(kq)
     at = np.minimum(np.searchsorted(u, kc), u.size - 1)
-    return u[at] == kc
+    out[keep] = u[at] == kc
+    return out

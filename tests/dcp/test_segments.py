@@ -54,6 +54,31 @@ def test_member_uses_a_table_for_a_small_range(monkeypatch):
     assert member([np.array([3, 4, 5])], [np.array([4])]).tolist() == [False, True, False]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_member_cuts_candidates_by_a_selective_column_first(monkeypatch, seed):
+    """Provenance's shape, a few queries among many candidates: (rank, step, a wide value). The step column's
+    table leaves only the queried steps' candidates to pack and search; the rank column, whose values the
+    queries nearly all hold, is not used to cut. Exact either way."""
+    rng = np.random.default_rng(seed)
+    n = 20_000
+    i = np.arange(n)
+    c = [i % 4, i // 4, rng.integers(0, 10**12, n)]
+    k = rng.choice(n, 6, replace=False)
+    q = [np.r_[c[0][k], 0, 3], np.r_[c[1][k], 17, 4000], np.r_[c[2][k], 5, c[2][3]]]  # (the last: other step)
+    searched = []
+    real = np.searchsorted
+    monkeypatch.setattr(np, "searchsorted", lambda a, v, *r, **kw: searched.append(np.size(v)) or real(a, v, *r, **kw))
+    got = member(c, q)
+    assert (got == _naive(c, q)).all() and got.sum() == 6
+    assert searched and max(searched) <= 4 * 8  # the queried steps' 4 ranks, not 20,000
+
+
+def test_member_pre_cut_that_leaves_nothing():
+    c = [np.arange(10_000) // 4, np.arange(10_000) * 10**8]
+    q = [np.array([2600]), np.array([3])]  # a step no candidate has (within the table's range)
+    assert not member(c, q).any()
+
+
 def _splitmix(v: int, j: int, salt: int) -> int:
     """mix's definition, one value at a time in Python integers (mod 2**64)."""
     if v == 0:
