@@ -132,13 +132,11 @@ def member(c_key: list[np.ndarray], q_key: list[np.ndarray]) -> np.ndarray:
                 continue
             hit = table[np.asarray(col if keep is None else col[keep], np.int64) - m]
             keep = np.flatnonzero(hit) if keep is None else keep[hit]
-    if keep is None:
-        keep = np.arange(n)
-    out = np.zeros(n, bool)
-    if keep.size == 0:
-        return out
-    kc, kq = pack([c[keep] for c in c_key]), pack(q_key)
+    kc, kq = pack(c_key if keep is None else [c[keep] for c in c_key]), pack(q_key)
     u = np.unique(kq)
     at = np.minimum(np.searchsorted(u, kc), u.size - 1)
+    if keep is None:
+        return u[at] == kc
+    out = np.zeros(n, bool)
     out[keep] = u[at] == kc
     return out
