@@ -77,12 +77,12 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
     copies = [0]
     observe = None if rec is None else rec.observe
     if rec is not None:
-        host = rec._slots
+        host = rec._host.slots
 
         def counted(*a):
             copies[0] += 1
             return host(*a)
-        rec._slots = counted
+        rec._host.slots = counted
         # (the first observe starts the ring, whose launch check synchronises once: before the counted loop)
         rec.observe(step=0, site="attn_metadata", rank=0, num_reqs=seq.numel(), num_reqs_padded=seq.numel(), **kw)
         if mode == "floor":

@@ -12,6 +12,15 @@ from dcptool.dump.merge import (  # noqa: F401
     open_dumps,
     unique_files,
 )
+from dcptool.dump.observation import (  # noqa: F401
+    FIELDS,
+    FIELDS_TABLE,
+    OPTIONAL_FIELDS,
+    ROW_FIELDS,
+    Observation,
+    Record,
+    Scalars,
+)
 from dcptool.dump.read import (  # noqa: F401
     Dump,
     read_dump,
@@ -35,10 +44,6 @@ from dcptool.dump.schema import (  # noqa: F401
     validate_columns,
 )
 from dcptool.dump.write import (  # noqa: F401
-    FIELDS,
-    OPTIONAL_FIELDS,
-    ROW_FIELDS,
-    Observation,
     atomic_write,
     check_config,
     columns,

@@ -11,7 +11,7 @@ from dcptool.dump import files
 from dcptool.dump.lazy import MergedRows
 from dcptool.dump.schema import (
     _DTYPES,
-    _GROUPS,
+    COLUMN_GROUPS,
     COLUMNS,
     RAGGED,
     REQUIRED,
@@ -205,7 +205,7 @@ def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
     for key in REQUIRED:
         if key not in entries:
             raise _fail(p, key, "missing")
-    for group in _GROUPS:
+    for group in COLUMN_GROUPS:
         present = [k for k in group if k in entries]
         if present and len(present) != len(group):
             raise _fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dcptool.dump.observation import dump_columns
 from dcptool.errors import DcptoolError
 
 FORMAT_VERSION = "1"
@@ -31,53 +32,18 @@ _DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "F16": 16, "BF
                "F32": 32, "U64": 64, "I64": 64, "F64": 64, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F4": 4,
                "F6_E2M3": 6, "F6_E3M2": 6, "C64": 64}
 
-# key -> (dtype, length kind): "n" per observation, "n+1" offsets, or the offsets key that sizes it.
-REQUIRED = {
-    "obs.step": ("I64", "n"),
-    "obs.site": ("I32", "n"),
-    "obs.rank": ("I32", "n"),
-    "obs.ubatch": ("I32", "n"),
-    "obs.num_reqs": ("I32", "n"),
-    "obs.num_reqs_padded": ("I32", "n"),
-    "obs.rows": ("I64", "n+1"),
-    "obs.has_dcp": ("U8", "n"),
-    "obs.dcp_rows": ("I64", "n+1"),
-    "rows.seq_lens": ("I32", "obs.rows"),
-    "rows.dcp_local_seq_lens": ("I32", "obs.dcp_rows"),
-}
-OPTIONAL = {
-    "obs.parent": ("I64", "n"),
-    "obs.req_start": ("I32", "n"),
-    "obs.tok_start": ("I32", "n"),
-    "obs.tok_stop": ("I32", "n"),
-    "obs.qsl": ("I64", "n+1"),
-    "rows.query_start_loc": ("I32", "obs.qsl"),
-    "obs.num_tokens_padded": ("I32", "n"),
-    "obs.buffer": ("I64", "n"),
-    "obs.graph": ("I8", "n"),
-    "rows.kv_pages": ("I32", "obs.rows"),
-    # issue 15 (empty-mask, tot-lens): what the DCP decode path of attention receives beside the local lengths
-    "obs.dqsl": ("I64", "n+1"),
-    "rows.dcp_query_start_loc": ("I32", "obs.dqsl"),
-    "obs.tot": ("I64", "n+1"),
-    "rows.dcp_tot_seq_lens": ("I32", "obs.tot"),
-    # issue 15 (slots): one entry per (token, KV-cache group) of each observation
-    "obs.slots": ("I64", "n+1"),
-    "rows.positions": ("I32", "obs.slots"),
-    "rows.slot_mapping": ("I32", "obs.slots"),
-    "rows.slot_group": ("I32", "obs.slots"),
-}
+# key -> (dtype, length kind): "n" per observation, "n+1" offsets, or the offsets key that sizes it; derived from the
+# observation's fields (dump.observation.FIELDS_TABLE): a new field's columns come along.
+REQUIRED, OPTIONAL = dump_columns()
 COLUMNS = {**REQUIRED, **OPTIONAL}
 # offsets column -> the row columns it sizes, in table order (derived: a new ragged column comes along)
 RAGGED: dict[str, tuple[str, ...]] = {}
 for _key, (_, _kind) in COLUMNS.items():
     if _kind not in ("n", "n+1"):
         RAGGED[_kind] = (*RAGGED.get(_kind, ()), _key)
-# Optional columns come in groups: a key is only meaningful with its partners.
-SLOT_COLUMNS = ("obs.slots", "rows.positions", "rows.slot_mapping", "rows.slot_group")
-_GROUPS = [("obs.qsl", "rows.query_start_loc"), ("obs.dqsl", "rows.dcp_query_start_loc"),
-           ("obs.tot", "rows.dcp_tot_seq_lens"), SLOT_COLUMNS]
-
+# Optional columns come in groups: an offsets column of their own and the row columns it sizes go together.
+COLUMN_GROUPS: list[tuple[str, ...]] = [(offs, *keys) for offs, keys in RAGGED.items() if offs in OPTIONAL]
+SLOT_COLUMNS = next(g for g in COLUMN_GROUPS if g[0] == "obs.slots")
 
 
 class DumpError(DcptoolError, ValueError):
@@ -463,7 +429,7 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
             raise _fail(p, key, f"has {c[key].shape[0]} values but obs.step has {n} observations")
         if kind == "n+1" and c[key].shape[0] != n + 1:
             raise _fail(p, key, f"has {c[key].shape[0]} offsets, expected n+1 = {n + 1}")
-    for group in _GROUPS:  # (read_dump checks this on the file's entries first; here for writers)
+    for group in COLUMN_GROUPS:  # (read_dump checks this on the file's entries first; here for writers)
         present = [k for k in group if k in c]
         if present and len(present) != len(group):
             raise _fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")

@@ -7,11 +7,21 @@ import os
 import stat
 import struct
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from dcptool.dump.observation import (
+    FIELDS,
+    GROUPS,
+    ROW_TABLE,
+    ROWS,
+    SCALAR_FIELDS,
+    TOKENS,
+    Field,
+    Observation,
+    numpy_dtype,
+)
 from dcptool.dump.schema import (
     _DTYPE_NAMES,
     _DTYPES,
@@ -29,61 +39,15 @@ from dcptool.dump.schema import (
 )
 
 
-@dataclass
-class Observation:
-    """One attention-metadata build as an engine saw it (the row form of the columnar dump)."""
-
-    step: int
-    site: str
-    rank: int
-    num_reqs: int
-    num_reqs_padded: int
-    seq_lens: np.ndarray
-    dcp_local_seq_lens: np.ndarray | None
-    ubatch: int = -1
-    parent: int | None = None
-    req_start: int | None = None
-    tok_start: int | None = None
-    tok_stop: int | None = None
-    query_start_loc: np.ndarray | None = None
-    num_tokens_padded: int | None = None
-    buffer: int | None = None
-    graph: int | None = None
-    kv_pages: np.ndarray | None = None
-    dcp_query_start_loc: np.ndarray | None = None  # issue 15: Q of the empty-shard mask (None: not recorded)
-    dcp_tot_seq_lens: np.ndarray | None = None  # issue 15: the global companion (None: not recorded)
-    # issue 15 (slots): each token's position, and the slot this rank writes per token (-1: none) for KV-cache
-    # group 0 (1-D), for groups 0.. ([groups, tokens]), or as {group index: 1-D} (see slot_entries)
-    positions: np.ndarray | None = None
-    slot_mapping: np.ndarray | dict | None = None
-
-
-# --------------------------------------------------------------------------------------------
-# Writing
-
-
-# Optional per-observation columns: field -> (key, dtype, value written where unknown).
-OPTIONAL_FIELDS = {"parent": ("obs.parent", "<i8", -1), "req_start": ("obs.req_start", "<i4", -1),
-                   "tok_start": ("obs.tok_start", "<i4", -1), "tok_stop": ("obs.tok_stop", "<i4", -1),
-                   "num_tokens_padded": ("obs.num_tokens_padded", "<i4", -1), "buffer": ("obs.buffer", "<i8", 0),
-                   "graph": ("obs.graph", "i1", 0)}
-FIELDS = ("step", "rank", "ubatch", "num_reqs", "num_reqs_padded", *OPTIONAL_FIELDS)
-# seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages; issue 15: dcp_query_start_loc, dcp_tot_seq_lens, and
-# the slot entries positions, slot_mapping, slot_group (per token and KV-cache group)
-ROW_FIELDS = ("seq", "dcp", "qsl", "kv", "dqsl", "tot", "pos", "slot", "sgrp")
-# the row fields with an offsets column of their own, written when any observation has them
-_OWN_OFFSETS = {"qsl": ("obs.qsl", "rows.query_start_loc"), "dqsl": ("obs.dqsl", "rows.dcp_query_start_loc"),
-                "tot": ("obs.tot", "rows.dcp_tot_seq_lens")}
-
-
 def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tuple[DumpConfig, dict[str, np.ndarray]]:
     """Row-form observations -> dump columns (DESIGN §2): the one place both writers (pack, Recorder) go through.
 
     sites: one site name per observation (added to the config's list in order of first use);
     vals: FIELDS -> one value per observation (None where unknown); rows: ROW_FIELDS -> one 1-D
     array per observation (None: a `None` DCP view, or an unknown query_start_loc / kv_pages).
-    Optional columns are written when any observation knows them; the others get -1 ("unknown";
-    0 for obs.buffer and obs.graph), so checks needing them skip those observations.
+    The columns follow the observation's fields (dump.observation.FIELDS_TABLE): optional ones are written when
+    any observation knows them; the others get the field's "unknown" value (-1; 0 for obs.buffer and obs.graph),
+    so checks needing them skip those observations.
     """
     n = len(sites)
     names = list(config.sites)
@@ -92,47 +56,50 @@ def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tup
             names.append(site)
     cfg = DumpConfig(**{**config.__dict__, "sites": tuple(names)})
     index = {site: i for i, site in enumerate(names)}
-
-    def col(field: str, dtype: str, unknown: int = -1) -> np.ndarray:
-        v = [unknown if x is None else x for x in vals[field]]
-        try:
-            return np.array(v, dtype=dtype)
-        except OverflowError:  # a Python int the column cannot hold
-            bad = next(x for x in v if not np.iinfo(dtype).min <= int(x) <= np.iinfo(dtype).max)
-            raise DumpError(f"{field}: value {bad} does not fit {np.dtype(dtype).name}") from None
-
-    def offsets(arrs) -> np.ndarray:
-        out = np.zeros(n + 1, np.int64)
-        np.cumsum(np.fromiter((0 if a is None else a.size for a in arrs), np.int64, n), out=out[1:])
-        return out
-
-    def cat(arrs, key: str) -> np.ndarray:
+    cols = {"obs.site": np.array([index[x] for x in sites], "<i4")}
+    for f in SCALAR_FIELDS:
+        if f.always or any(v is not None for v in vals[f.name]):
+            cols[f.column] = _scalar_column(f, vals[f.name])
+    first: dict[str, tuple[str, list | None]] = {}  # offsets column -> (its first field, its arrays if written)
+    for f in ROW_TABLE:
+        arrs = rows.get(f.section)  # (absent from a caller that predates the field: not written)
+        if arrs is None:
+            continue
+        if f.offsets not in first:  # the first field of its offsets column: written when any observation has it
+            known = f.always or any(a is not None for a in arrs)
+            first[f.offsets] = (f.name, arrs if known else None)
+            if not known:
+                continue
+            cols[f.offsets] = _offsets(arrs, n)
+        owner, owned = first[f.offsets]
+        if owned is None:
+            continue  # (the field its offsets go with is not recorded: neither is it)
+        if owner != f.name and f.shape == ROWS:  # one value per row of the field it shares offsets with: None -1
+            if not any(a is not None for a in arrs):
+                continue
+            arrs = [np.full(q.size, -1, np.int32) if a is None else a for a, q in zip(arrs, owned)]
+        if f.present is not None:
+            cols[f.present] = np.array([a is not None for a in arrs], "u1")
         got = [a for a in arrs if a is not None]
-        return _cat(got, key) if got else np.zeros(0, "<i4")
-
-    cols = {"obs.step": col("step", "<i8"), "obs.site": np.array([index[x] for x in sites], "<i4"),
-            "obs.rank": col("rank", "<i4"), "obs.ubatch": col("ubatch", "<i4"),
-            "obs.num_reqs": col("num_reqs", "<i4"), "obs.num_reqs_padded": col("num_reqs_padded", "<i4"),
-            "obs.rows": offsets(rows["seq"]), "rows.seq_lens": cat(rows["seq"], "rows.seq_lens"),
-            "obs.has_dcp": np.array([a is not None for a in rows["dcp"]], "u1"),
-            "obs.dcp_rows": offsets(rows["dcp"]),
-            "rows.dcp_local_seq_lens": cat(rows["dcp"], "rows.dcp_local_seq_lens")}
-    for name, (key, dtype, unknown) in OPTIONAL_FIELDS.items():
-        if any(v is not None for v in vals[name]):
-            cols[key] = col(name, dtype, unknown)
-    if any(a is not None for a in rows["kv"]):
-        cols["rows.kv_pages"] = cat([np.full(q.size, -1, np.int32) if k is None else k
-                                     for k, q in zip(rows["kv"], rows["seq"])], "rows.kv_pages")
-    for name, (offs_key, row_key) in _OWN_OFFSETS.items():  # (absent from a caller that predates them: none)
-        got = rows.get(name)
-        if got is not None and any(a is not None for a in got):
-            cols[offs_key] = offsets(got)
-            cols[row_key] = cat(got, row_key)
-    if any(a is not None for a in rows["pos"]):  # issue 15: slot entries (None: not recorded, 0 entries)
-        cols["obs.slots"] = offsets(rows["pos"])
-        for f, key in (("pos", "rows.positions"), ("slot", "rows.slot_mapping"), ("sgrp", "rows.slot_group")):
-            cols[key] = cat(rows[f], key)
+        cols[f.column] = _cat(got, f.column) if got else np.zeros(0, "<i4")
     return cfg, cols
+
+
+def _scalar_column(f: Field, values) -> np.ndarray:
+    """A scalar field's column: its values in the column's dtype, None as the field's "unknown"."""
+    dtype = numpy_dtype(f)
+    v = [f.unknown if x is None else x for x in values]
+    try:
+        return np.array(v, dtype=dtype)
+    except OverflowError:  # a Python int the column cannot hold
+        bad = next(x for x in v if not np.iinfo(dtype).min <= int(x) <= np.iinfo(dtype).max)
+        raise DumpError(f"{f.name}: value {bad} does not fit {np.dtype(dtype).name}") from None
+
+
+def _offsets(arrs, n: int) -> np.ndarray:
+    out = np.zeros(n + 1, np.int64)
+    np.cumsum(np.fromiter((0 if a is None else a.size for a in arrs), np.int64, n), out=out[1:])
+    return out
 
 
 def slot_entries(positions, slot_mapping, groups: int | None = None) -> tuple:
@@ -162,17 +129,17 @@ def slot_entries(positions, slot_mapping, groups: int | None = None) -> tuple:
 
 
 def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfig, dict[str, np.ndarray]]:
-    """Observation dataclasses -> columns (see columns())."""
+    """Observations (the row form: Observation, or anything with its attributes) -> columns (see columns())."""
     def arr(x):
         return None if x is None else np.asarray(x).reshape(-1)
 
     vals = {f: [getattr(o, f) for o in observations] for f in FIELDS}
-    rows = {"seq": [arr(o.seq_lens) for o in observations], "dcp": [arr(o.dcp_local_seq_lens) for o in observations],
-            "qsl": [arr(o.query_start_loc) for o in observations], "kv": [arr(o.kv_pages) for o in observations],
-            "dqsl": [arr(o.dcp_query_start_loc) for o in observations],
-            "tot": [arr(o.dcp_tot_seq_lens) for o in observations],
-            **dict(zip(("pos", "slot", "sgrp"), zip(*[slot_entries(o.positions, o.slot_mapping)
-                                                    for o in observations]) if observations else ((), (), ())))}
+    rows = {f.section: [arr(getattr(o, f.name)) for o in observations] for f in ROW_TABLE
+            if f.shape not in (TOKENS, GROUPS)}
+    # the slot entries: one per token and KV-cache group (slot_entries), from positions and slot_mapping
+    slots = [f.section for f in ROW_TABLE if f.shape in (TOKENS, GROUPS)]
+    entries = zip(*[slot_entries(o.positions, o.slot_mapping) for o in observations]) if observations else ((),) * 3
+    rows.update(zip(slots, entries))
     return columns(config, [o.site for o in observations], vals, rows)
 
 

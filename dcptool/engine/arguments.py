@@ -5,19 +5,15 @@ from __future__ import annotations
 import operator
 import re
 import sys
-from typing import NamedTuple
 
 import numpy as np
 
-from dcptool.dump import FIELDS, INT32_MAX, slot_entries
+from dcptool.dump import INT32_MAX, Record, Scalars, slot_entries
 from dcptool.dump.schema import GraphMode, _text_ok
 
 _I64 = 2**63 - 1
 _I64_MIN = -(2**63)
-# One observation's scalars, in dump.FIELDS order (step, rank, ubatch, num_reqs, num_reqs_padded, then the optional
-# fields parent ... graph): Python ints, None where unknown.
-Fields = NamedTuple("Fields", [(f, "int | None") for f in FIELDS])
-_NEW = tuple.__new__  # Fields without its Python-level __new__ on the per-observation path (0.3 us -> 0.1 us)
+_NEW = tuple.__new__  # a Record or Scalars without its Python-level __new__ on the per-observation path (0.3 -> 0.1 us)
 _NO_SLOTS = (None, None, None)  # observe() without slot entries
 # Unicode category Cc exactly (C0 controls, DEL, C1 controls): a site name is shown in warnings, logs and reports,
 # where a newline or an escape sequence would forge a line or drive the terminal
@@ -147,37 +143,34 @@ def buffer_id(t) -> int:
 # ---- the checks: what the dump format cannot hold (DESIGN §2) raises here, so a write never fails on it ----------
 
 
-def _scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start, tok_stop,
-             num_tokens_padded, buffer, graph) -> Fields:
-    """dump.FIELDS as Python ints (checked: never coerced); parent None when unknown."""
-    if (type(step) is int and type(rank) is int and type(ubatch) is int and type(num_reqs) is int
-            and type(num_reqs_padded) is int and (parent is None or type(parent) is int)
-            and (req_start is None or type(req_start) is int) and (tok_start is None or type(tok_start) is int)
-            and (tok_stop is None or type(tok_stop) is int)
-            and (num_tokens_padded is None or type(num_tokens_padded) is int)
-            and (buffer is None or type(buffer) is int) and (graph is None or type(graph) is int)):
+def scalars(r: Record) -> Scalars:
+    """The record's integers (dump.FIELDS) as Python ints (checked: never coerced); parent None when unknown."""
+    step, _, rank, nr, nrp, _, _, ubatch, parent, rs, ts, te, _, ntp, buf, graph, *_ = r
+    if (type(step) is int and type(rank) is int and type(ubatch) is int and type(nr) is int and type(nrp) is int
+            and (parent is None or type(parent) is int) and (rs is None or type(rs) is int)
+            and (ts is None or type(ts) is int) and (te is None or type(te) is int)
+            and (ntp is None or type(ntp) is int) and (buf is None or type(buf) is int)
+            and (graph is None or type(graph) is int)):
         # what engines pass: no conversion needed
-        return _NEW(Fields, (step, rank, ubatch, num_reqs, num_reqs_padded,
-                             None if parent is None or parent < 0 else parent, req_start, tok_start, tok_stop,
-                             num_tokens_padded, buffer, graph))
+        return _NEW(Scalars, (step, rank, nr, nrp, ubatch, None if parent is None or parent < 0 else parent, rs, ts,
+                              te, ntp, buf, graph))
     p = _opt(parent, "parent")
     g = int(GraphMode.parse(graph)) if isinstance(graph, str) else _opt(graph, "graph")
-    return Fields(_int(step, "step"), _int(rank, "rank"), _int(ubatch, "ubatch"), _int(num_reqs, "num_reqs"),
-                  _int(num_reqs_padded, "num_reqs_padded"), None if p is None or p < 0 else p,
-                  _opt(req_start, "req_start"), _opt(tok_start, "tok_start"), _opt(tok_stop, "tok_stop"),
-                  _opt(num_tokens_padded, "num_tokens_padded"), _opt(buffer, "buffer"), g)
+    return Scalars(_int(step, "step"), _int(rank, "rank"), _int(nr, "num_reqs"), _int(nrp, "num_reqs_padded"),
+                   _int(ubatch, "ubatch"), None if p is None or p < 0 else p, _opt(rs, "req_start"),
+                   _opt(ts, "tok_start"), _opt(te, "tok_stop"), _opt(ntp, "num_tokens_padded"), _opt(buf, "buffer"), g)
 
 
-def _check_shared(vals: Fields, site, site_ok: set, kv_rows: int | None, rows: int, page_size: int | None) -> None:
+def _check_shared(vals: Scalars, site, site_ok: set, kv_rows: int | None, rows: int, page_size: int | None) -> None:
     """The values one batch's observations share (the rest: _check_own)."""
     _check_vals(vals, site, site_ok)
     if kv_rows is not None and (page_size is None or kv_rows != rows):
         raise ValueError(f"kv_pages needs page_size in the config and one value per seq_lens row ({rows})")
 
 
-def _check_vals(vals: Fields, site, site_ok: set) -> None:
+def _check_vals(vals: Scalars, site, site_ok: set) -> None:
     """The scalars and the site of _check_shared; a site name that passes joins site_ok (the names checked)."""
-    step, _, ubatch, _, nrp, _, rs, ts, te, ntp, _, graph = vals  # Fields, in order (one unpack: the hot path)
+    step, _, _, nrp, ubatch, _, rs, ts, te, ntp, _, graph = vals  # Scalars, in order (one unpack: the hot path)
     # any name a reader accepts (reports show markup literally) but lone surrogates and control characters
     if type(site) is not str or site not in site_ok:
         if type(site) is not str or not _text_ok(site):

@@ -6,13 +6,12 @@ import warnings
 
 import numpy as np
 
-from dcptool.dump import INT32_MAX
+from dcptool.dump import INT32_MAX, Record, Scalars
 from dcptool.engine.arguments import (
     _I64,
     _I64_MIN,
     _NEW,
     _T,
-    Fields,
     _check_own,
     _check_vals,
     _Groups,
@@ -119,27 +118,38 @@ class DevicePath(Harvest):
     path reads them from its own attributes, no more attribute hops than when it was part of the Recorder.
     """
 
-    def __init__(self, rec, writer: Writer, cuda_mode: str, ring_bytes: int, ring_full: str):
+    def __init__(self, writer: Writer, lock, site_ok: set, drop, cuda_mode: str, ring_bytes: int, ring_full: str):
         self.cuda_mode = cuda_mode  # "sync" once a ring cannot run here
         self.ring_full = ring_full
         self.ring_drops = 0  # device observations dropped because the ring was full (ring_full="drop")
+        self.skipped_capture = 0  # observations made inside CUDA-graph capture (not recorded)
         self.ring: _SnapshotRing | None = None
+        self.fast = None  # observe_fast once the ring runs with its kernel (the Recorder's fast path)
         self.landed = _Landed()
         self.on = "is_cuda"  # the tensor attribute that sends a value through the ring (CPU tests: "is_cpu")
         self.capturing = _capturing
         self._ring_words = max(1024, int(ring_bytes) // 4)
-        self._rec = rec  # (its skipped_capture, and its _fast once the ring runs)
         self._w = writer
         self._ranks = writer.config.dcp_size
-        self._lock = rec._lock
-        self._acquire, self._release_lock = rec._acquire, rec._release_lock
-        self._site_ok = rec._site_ok
+        self._lock = lock
+        self._acquire, self._release_lock = lock.acquire, lock.release
+        self._site_ok = site_ok  # the site names checked (the Recorder's, shared with its host path)
         self._append = writer.append
-        self._drop = rec._drop
+        self._drop = drop
         (self._nsec, self._head, self._head_words, self._modes, self._rules, self._plus1, self._sized, self._needs,
          self._fast_words, self._fast_pad, self._ksec) = _tables(SECTIONS)
 
-    def observe_device(self, vals: Fields, site: str, srcs: tuple) -> int | None:
+    def device_tensors(self, r: Record) -> bool:
+        """The record holds a tensor of the device path (seq_lens first: the engine's case at once)."""
+        on, t = self.on, _TENSOR
+        return any(isinstance(x, t) and getattr(x, on) for x in (r[5], r[6], r[12], r[16], r[17], r[18], r[19]))
+
+    def skip_capture(self) -> None:
+        """An observation made inside CUDA-graph capture: not recorded, counted."""
+        with self._lock:
+            self.skipped_capture += 1
+
+    def observe_device(self, vals: Scalars, site: str, srcs: tuple) -> int | None:
         """Snapshot the observation's device tensors in one launch; None: take the host path instead.
 
         The header's section entries are collected here, checked by the section table's rules, and written
@@ -177,7 +187,7 @@ class DevicePath(Harvest):
                     host = [None] * len(srcs)
                 host[k] = x if type(x) is _Groups else _host_fast(x)  # (_Groups: the slot sections' groups)
                 ent += _ABSENT
-        nr, nrp = vals[3], vals[4]
+        nr, nrp = vals[2], vals[3]
         rows = ent[1] if ent[1] >= 0 or host is None or host[0] is None else host[0].size
         if rows < nr or not 0 <= nr <= nrp:
             raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {rows} seq_lens rows")
@@ -206,7 +216,7 @@ class DevicePath(Harvest):
                 w.refuse()  # (raises after close(); counts it past the size cap)
                 return -1
             index = w.count
-            rank, parent, buffer = vals[1], vals[5], vals[10]
+            rank, parent, buffer = vals[1], vals[5], vals[10]  # (Scalars order)
             if not 0 <= rank < self._ranks or (parent is not None and parent >= index) or (
                     buffer is not None and not -_I64 - 1 <= buffer <= _I64):
                 _check_own(rank, parent, buffer, index, self._ranks)  # (raises, saying which)
@@ -243,8 +253,7 @@ class DevicePath(Harvest):
             self.harvest(wait=False)
         return index
 
-    def observe_fast(self, step, site, rank, seq, nr, nrp, dcp, ubatch, parent, rs, ts, te, qsl, ntp,
-                     graph, buf=None, kv=None, dq=None, tot=None, pos=None, sm=None) -> int | None:
+    def observe_fast(self, r: Record) -> int | None:
         """observe() for what an engine passes each step, once the ring runs: seq_lens (and dcp_local_seq_lens,
         query_start_loc when given) contiguous int32 tensors on the ring's device, or query_start_loc a 1-D numpy
         array (held on the host), plain int scalars (`buf`: buffer=, None: dcp's storage); kv_pages,
@@ -255,13 +264,13 @@ class DevicePath(Harvest):
         (the general path takes it, and raises what it cannot store). Written for speed (bench_record.py
         --cuda-python): a tensor's get_device() equal to the ring's also says it is a device tensor (-1: the CPU
         tests' host ring)."""
+        step, site, rank, nr, nrp, seq, dcp, ubatch, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos, sm = r
         ring = self.ring
         did = ring.did
         if seq.get_device() != did:
             return None
         if self.capturing():
-            with self._lock:
-                self._rec.skipped_capture += 1
+            self.skip_capture()
             return -1
         i32 = ring.i32
         if not (type(step) is type(rank) is type(nr) is type(nrp) is type(ubatch) is int and seq.dtype is i32
@@ -326,7 +335,6 @@ class DevicePath(Harvest):
         words &= ~7
         sp = seq.data_ptr()
         w = self._w
-        rec = self._rec
         self._acquire()  # (the lock's acquire/release called directly: 80 ns less than `with`)
         try:
             index = w.count
@@ -337,14 +345,14 @@ class DevicePath(Harvest):
                 start = self._room(ring, words)
             if total > SNAP_ARGS_BLOCK:
                 ring.np[start + 5] = 0  # (several programs: each writes the flags word only if it found something)
-            if groups > rec._max_group + 1:
-                rec._max_group = groups - 1
+            if groups > w.max_group + 1:
+                w.saw_group(groups - 1)
             raw = ring.raw(did)
             ring.go3(raw, (total + SNAP_ARGS_BLOCK - 1) // SNAP_ARGS_BLOCK or 1, ring.base + 4 * start,
                      index & 0x7FFFFFFF, nr, nrp, modes, words, sp, rows, dp, dn, qp, qn, *rest)
-            # (a plain tuple in Fields order: the writer reads the values by position; 70 ns less than a Fields)
-            return self._queued(ring, raw, index, start, words, host, (step, rank, ubatch, nr, nrp, parent, rs, ts,
-                                                                       te, ntp, buffer if buf is None else buf, graph),
+            # (a plain tuple in Scalars order: the writer reads the values by position; 70 ns less than a Scalars)
+            return self._queued(ring, raw, index, start, words, host, (step, rank, nr, nrp, ubatch, parent, rs, ts, te,
+                                                                       ntp, buffer if buf is None else buf, graph),
                                 site)
         finally:
             self._release_lock()
@@ -365,7 +373,7 @@ class DevicePath(Harvest):
         """Take `ring` into use; observe() takes the fast path from now on where the ring has its kernel."""
         self.ring = ring
         if ring.go3 is not None:
-            self._rec._fast = self.observe_fast
+            self.fast = self.observe_fast
 
     def use_host_ring(self, words: int = 4096) -> _SnapshotRing:
         """For the CPU tests: send host torch tensors through a (non-pinned) ring and the interpreted kernel."""

@@ -8,15 +8,17 @@ import warnings
 from collections import deque
 from pathlib import Path
 
+from dcptool.dump import Record
+from dcptool.dump.observation import GROUPS, ROW_TABLE
 from dcptool.dump.schema import KVGroup
-from dcptool.engine.arguments import _host, _host_slots, _scalars, buffer_id, tensor_type
+from dcptool.engine.arguments import _NEW, _host, _host_slots, buffer_id, scalars, tensor_type
 from dcptool.engine.guard_ref import Spec, first_wrong
 from dcptool.engine.record import Recorder
 from dcptool.errors import DcptoolError
 
 ON_WRONG = ("dump", "raise", "count")
-_ARRAYS = ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "kv_pages", "dcp_query_start_loc",
-           "dcp_tot_seq_lens", "positions")
+# the row fields the host path copies as they are (the slot mapping keeps its groups)
+_ARRAYS = tuple(f.name for f in ROW_TABLE if f.argument and f.shape != GROUPS)
 
 
 def _free(dir: Path, stem: str) -> Path:
@@ -68,7 +70,7 @@ class Guard:
         self._ngroups = None
         if recorder_kw.get("kv_groups") is not None:
             self.set_kv_groups(recorder_kw["kv_groups"])
-        self._ring: deque = deque(maxlen=keep)  # (index, keywords with host copies)
+        self._ring: deque = deque(maxlen=keep)  # (index, the Record with host copies)
         self._lock = threading.Lock()
         self.count = 0  # observations seen
         self.wrong = 0  # wrong observations seen
@@ -118,33 +120,21 @@ class Guard:
                 kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None, positions=None,
                 slot_mapping=None) -> int:
         """Check one attention-metadata build and keep it; its index in this Guard's stream, -1 if dropped."""
+        return self.record(_NEW(Record, (step, site, rank, num_reqs, num_reqs_padded, seq_lens, dcp_local_seq_lens,
+                                         ubatch, parent, req_start, tok_start, tok_stop, query_start_loc,
+                                         num_tokens_padded, buffer, graph, kv_pages, dcp_query_start_loc,
+                                         dcp_tot_seq_lens, positions, slot_mapping)))
+
+    def record(self, r: Record) -> int:
+        """observe() for a caller that builds the observation's Record itself (the vLLM plugin)."""
         dev = self._dev
         if self.first_rule is not None or (dev is not None and dev.flag_np[0]):
             self._poll()
-        if type(seq_lens) is self._tensor and (seq_lens.is_cuda if self._kernel is None else self._kernel):
-            return self._observe_device(step, site, rank, seq_lens, num_reqs, num_reqs_padded, dcp_local_seq_lens,
-                                        ubatch, parent, req_start, tok_start, tok_stop, query_start_loc,
-                                        num_tokens_padded, buffer, graph, kv_pages, dcp_query_start_loc,
-                                        dcp_tot_seq_lens, positions, slot_mapping)
-        kw = dict(step=step, site=site, rank=rank, seq_lens=seq_lens, num_reqs=num_reqs,
-                  num_reqs_padded=num_reqs_padded, dcp_local_seq_lens=dcp_local_seq_lens, ubatch=ubatch,
-                  parent=parent, req_start=req_start, tok_start=tok_start, tok_stop=tok_stop,
-                  query_start_loc=query_start_loc, num_tokens_padded=num_tokens_padded, buffer=buffer, graph=graph,
-                  kv_pages=kv_pages, dcp_query_start_loc=dcp_query_start_loc, dcp_tot_seq_lens=dcp_tot_seq_lens,
-                  positions=positions, slot_mapping=slot_mapping)
+        seq = r.seq_lens
+        if type(seq) is self._tensor and (seq.is_cuda if self._kernel is None else self._kernel):
+            return self._observe_device(r)
         try:
-            if buffer is None and hasattr(dcp_local_seq_lens, "untyped_storage"):
-                kw["buffer"] = buffer_id(dcp_local_seq_lens)  # the engine's buffer, not the copy's
-            for k in _ARRAYS:  # private copies: the engine reuses its buffers
-                kw[k] = _host(kw[k])
-            if slot_mapping is not None:
-                kw["slot_mapping"] = ({g: _host(m) for g, m in slot_mapping.items()} if isinstance(slot_mapping, dict)
-                                      else _host(slot_mapping).reshape(-1, kw["positions"].size))
-            slots = ((None,) * 3 if positions is None and slot_mapping is None
-                     else _host_slots(kw["positions"], kw["slot_mapping"], self._ngroups))
-            rule = first_wrong(self._spec, int(rank), int(num_reqs), int(num_reqs_padded), kw["seq_lens"],
-                               kw["dcp_local_seq_lens"], kw["query_start_loc"], kw["kv_pages"],
-                               kw["dcp_query_start_loc"], kw["dcp_tot_seq_lens"], slots)
+            kept, rule = self._check_host(r)
         except Exception:  # never break the engine
             with self._lock:
                 self.dropped += 1
@@ -152,7 +142,7 @@ class Guard:
         with self._lock:
             i = self.count
             self.count += 1
-            self._ring.append((i, kw))
+            self._ring.append((i, kept))
             if rule is not None:
                 self.wrong += 1
                 if self.first_rule is None:
@@ -161,24 +151,40 @@ class Guard:
                         self._dump()
         return i
 
-    def _observe_device(self, step, site, rank, seq_lens, num_reqs, num_reqs_padded, dcp, ubatch, parent, req_start,
-                        tok_start, tok_stop, qsl, num_tokens_padded, buffer, graph, kv, dqsl, tot, positions,
-                        slot_mapping) -> int:
+    def _check_host(self, r: Record) -> tuple[Record, str | None]:
+        """The record with private host copies (the engine reuses its buffers), and the first rule it breaks."""
+        buffer = r.buffer
+        if buffer is None and hasattr(r.dcp_local_seq_lens, "untyped_storage"):
+            buffer = buffer_id(r.dcp_local_seq_lens)  # the engine's buffer, not the copy's
+        copies = {f: _host(getattr(r, f)) for f in _ARRAYS}
+        sm = r.slot_mapping
+        if sm is not None:
+            sm = ({g: _host(m) for g, m in sm.items()} if isinstance(sm, dict)
+                  else _host(sm).reshape(-1, copies["positions"].size))
+        kept = r._replace(buffer=buffer, slot_mapping=sm, **copies)
+        slots = ((None,) * 3 if r.positions is None and r.slot_mapping is None
+                 else _host_slots(kept.positions, sm, self._ngroups))
+        rule = first_wrong(self._spec, int(r.rank), int(r.num_reqs), int(r.num_reqs_padded), kept.seq_lens,
+                           kept.dcp_local_seq_lens, kept.query_start_loc, kept.kv_pages, kept.dcp_query_start_loc,
+                           kept.dcp_tot_seq_lens, slots)
+        return kept, rule
+
+    def _observe_device(self, r: Record) -> int:
         """One launch of the check kernel; nothing read back."""
+        dcp = r.dcp_local_seq_lens
         try:
-            if buffer is None and dcp is not None:
-                buffer = buffer_id(dcp)
-            vals = _scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start, tok_stop,
-                            num_tokens_padded, buffer, graph)
+            if r.buffer is None and dcp is not None:
+                r = r._replace(buffer=buffer_id(dcp))
+            vals = scalars(r)
             with self._lock:
                 if self._dev is None:
                     import torch
 
                     from dcptool.engine.guard_dev import GuardDevice
 
-                    self._dev = GuardDevice(torch, seq_lens.device, self.keep, self._spec, *self._sizes)
+                    self._dev = GuardDevice(torch, r.seq_lens.device, self.keep, self._spec, *self._sizes)
                 i = -1
-                if self._dev.launch(vals, site, seq_lens, dcp, qsl, kv, dqsl, tot, positions, slot_mapping):
+                if self._dev.launch(vals, r):
                     i = self.count
                     self.count += 1
         except Exception:  # never break the engine
@@ -215,7 +221,7 @@ class Guard:
             self.first_index, bits = kept[-1][0], kept[-1][1]
             self.first_rule = rule_of(bits)
             if self.on_wrong == "dump":
-                self._dump([(i, kw) for i, _, kw in kept if kw is not None], kept[-1][2] is None)
+                self._dump([(i, r) for i, _, r in kept if r is not None], kept[-1][2] is None)
 
     def _dump(self, kept: list | None = None, lost: bool = False) -> None:
         """Write the ring (the wrong observation last) as a v1 dump through a Recorder; parents outside it dropped.
@@ -225,7 +231,7 @@ class Guard:
             warnings.warn(f"dcptool Guard: wrong DCP metadata ({self.first_rule}), larger than the ring's slots: "
                           "nothing kept to write", RuntimeWarning, stacklevel=3)
             return
-        step, rank = kept[-1][1]["step"], kept[-1][1]["rank"]
+        step, rank = kept[-1][1].step, kept[-1][1].rank
         at = {i: j for j, (i, _) in enumerate(kept)}
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -233,9 +239,9 @@ class Guard:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # (a held path: the Recorder picks another name and says so)
                 rec = Recorder(path, **self._kw)
-                for _, kw in kept:
-                    p = kw["parent"]
-                    rec.observe(**dict(kw, parent=None if p is None or p < 0 else at.get(p)))
+                for _, r in kept:
+                    p = r.parent
+                    rec.record(r._replace(parent=None if p is None or p < 0 else at.get(p)))
                 files = rec.close()
         except Exception as e:  # never break the engine (a full disk, a directory it may not write)
             warnings.warn(f"dcptool Guard: wrong DCP metadata ({self.first_rule}) at step {step}, and its dump "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from dcptool.dcp.backend import load
+from dcptool.dump import Record
 from dcptool.engine.arguments import _host
 
 # Ring slot layout (int32 words): HEAD header words, then six sections of `cap` rows each (seq_lens, the DCP
@@ -274,9 +275,11 @@ class GuardDevice:
             m = self._masks[groups] = sum(1 << g for g in range(groups) if sh is None or g >= len(sh) or sh[g])
         return m
 
-    def launch(self, vals, site: str, seq_lens, dcp, qsl, kv, dqsl, tot, positions, slot_mapping) -> bool:
+    def launch(self, vals, r) -> bool:
         """One check-and-keep launch on the current stream; nothing read back. False: skipped (_fit). No torch
-        op on the engine's tensors where they are int32 contiguous on the device (slot entries: int64 too)."""
+        op on the engine's tensors where they are int32 contiguous on the device (slot entries: int64 too).
+        vals: the record's Scalars (checked)."""
+        (_, site, _, _, _, seq_lens, dcp, _, _, _, _, _, qsl, _, _, _, kv, dqsl, tot, positions, slot_mapping) = r
         sid = self.sites.get(site)
         if sid is None:
             sid = self.sites[site] = len(self.site_names)
@@ -308,7 +311,7 @@ class GuardDevice:
                 return False
         if not self.frozen and self.capturing():
             self.frozen = True
-        step, rank, ubatch, nr, nrp, parent, rs, ts, te, ntp, buf, graph = vals  # (dump.FIELDS order)
+        step, rank, nr, nrp, ubatch, parent, rs, ts, te, ntp, buf, graph = vals  # (Scalars order)
         buf = _NONE if buf is None else buf
         self.go(self.raw(self.did), 1, *self._fixed, step, sid, rank, ubatch, nr, nrp,
                 _NONE if parent is None else parent, _NONE if rs is None else rs, _NONE if ts is None else ts,
@@ -321,9 +324,9 @@ class GuardDevice:
         """The flag, read from host memory without a sync (the kernel's write lands there)."""
         return bool(self.flag_np[0])
 
-    def kept(self) -> tuple[list[tuple[int, int, dict]], int, int]:
+    def kept(self) -> tuple[list[tuple[int, int, Record | None]], int, int]:
         """Wait for the stream; the ring's observations up to the first wrong one, oldest first, as (index, rule
-        bits, observe keywords or None for one larger than its slot); the number seen, the number wrong."""
+        bits, the Record or None for one larger than its slot); the number seen, the number wrong."""
         t = self.torch
         if self.device.type == "cuda":
             t.cuda.synchronize(self.device)
@@ -346,8 +349,8 @@ class GuardDevice:
         count, _, wrong = (int(v) for v in self.state[:3].cpu().tolist())
         return count, wrong
 
-    def _decode(self, w: np.ndarray) -> dict:
-        """A slot back to observe()'s keywords (host arrays)."""
+    def _decode(self, w: np.ndarray) -> Record:
+        """A slot back to the observation's Record (host arrays)."""
         cap = self.cap
         cnt = w[W_COUNTS:W_COUNTS + 8].tolist()
 
@@ -368,4 +371,4 @@ class GuardDevice:
             base = HEAD + SECTIONS * cap
             kw["positions"] = w[base:base + tok].copy()
             kw["slot_mapping"] = w[base + tok:base + tok * (groups + 1)].reshape(groups, tok).copy()
-        return kw
+        return Record(**kw)

@@ -7,31 +7,24 @@ import threading
 import warnings
 from pathlib import Path
 
-from dcptool.dump import DumpConfig, check_config
+from dcptool.dump import DumpConfig, Record, Scalars, check_config
 from dcptool.dump.schema import KVGroup
 from dcptool.engine.arguments import (
     _NEW,
     _NO_SLOTS,
-    Fields,
-    _batch,
     _check_own,
-    _check_shared,
     _device_slots,
     _Groups,
-    _host,
-    _host_fast,
-    _host_slots,
     _int,
-    _nonneg,
     _NoTensor,
     _opt,
-    _per_rank,
-    _scalars,
     buffer_id,
+    scalars,
     tensor_type,
 )
 from dcptool.engine.device import DevicePath
 from dcptool.engine.device import _find_torch as _device_torch
+from dcptool.engine.host import HostPath, of_rank
 from dcptool.engine.ring import DEFAULT_RING_BYTES
 from dcptool.engine.writer import Writer
 
@@ -99,6 +92,8 @@ class Recorder:
     max_bytes = _kept_by("_writer", "max_bytes", "The size cap of the recording in bytes (None: none).")
     capped = _kept_by("_writer", "capped", "Observations not recorded because the recording reached max_bytes.")
     ring_drops = _kept_by("_device", "ring_drops", 'Device observations dropped because the ring was full ("drop").')
+    skipped_capture = _kept_by("_device", "skipped_capture", "Observations made inside CUDA-graph capture (not "
+                                                              "recorded).")
 
     def __init__(self, path: str | os.PathLike, dcp_size: int, cp_interleave: int = 1, *,
                  sites: tuple[str, ...] = (), pcp_size: int = 1, page_size: int | None = None,
@@ -122,15 +117,14 @@ class Recorder:
         self._lock = threading.RLock()
         self._acquire, self._release_lock = self._lock.acquire, self._lock.release
         self.dropped = 0
-        self.skipped_capture = 0  # observations made inside CUDA-graph capture (not recorded)
         self._site_ok: set[str] = set()  # site names already checked
-        self._max_group = -1  # the highest KV-cache group index recorded (slot entries)
         self._warned = False
         self._fast = None  # observe()'s fast path (DevicePath.observe_fast) once the ring runs with its kernel
         _find_torch()
         self._writer = w = Writer(path, config, rollover, force, self._lock, max_bytes)
         self._append = w.append
-        self._device = w.device = DevicePath(self, w, cuda_mode, ring_bytes, ring_full)
+        self._host = HostPath(w, self._lock, self._site_ok)
+        self._device = w.device = DevicePath(w, self._lock, self._site_ok, self._drop, cuda_mode, ring_bytes, ring_full)
         self._observe_device = self._device.observe_device  # (bench_record.py counts its calls by replacing it)
 
     def __enter__(self) -> Recorder:
@@ -150,87 +144,89 @@ class Recorder:
                 slot_mapping=None) -> int:
         """Record one attention-metadata build; returns its index (pass it as `parent=` later), -1 if dropped.
 
-        dcp_query_start_loc / dcp_tot_seq_lens (issue 15; None: not recorded): the Q the DCP decode path
-        hands the empty-shard mask, and the global companion of the local lengths (device sections, like
-        the other rows). `positions` (each token's position in its sequence) and `slot_mapping` (the KV
-        slot this rank writes per token, -1 for none: a 1-D tensor for KV-cache group 0, a [groups, tokens]
-        tensor, or a dict {group index: 1-D tensor}) go together: CUDA
+        The keywords are the observation's fields (dump.observation.FIELDS_TABLE). dcp_query_start_loc /
+        dcp_tot_seq_lens (None: not recorded): the Q the DCP decode path hands the empty-shard mask, and the global
+        companion of the local lengths (device sections, like the other rows). `positions` (each token's position
+        in its sequence) and `slot_mapping` (the KV slot this rank writes per token, -1 for none: a 1-D tensor for
+        KV-cache group 0, a [groups, tokens] tensor, or a dict {group index: 1-D tensor}) go together: CUDA
         tensors of the device path are snapshotted raw (no waiting; the entries are built at harvest), host
         tensors, numpy arrays and lists copied on the host)."""
+        return self.record(_NEW(Record, (step, site, rank, num_reqs, num_reqs_padded, seq_lens, dcp_local_seq_lens,
+                                         ubatch, parent, req_start, tok_start, tok_stop, query_start_loc,
+                                         num_tokens_padded, buffer, graph, kv_pages, dcp_query_start_loc,
+                                         dcp_tot_seq_lens, positions, slot_mapping)))
+
+    def record(self, r: Record) -> int:
+        """observe() for a caller that builds the observation's Record itself (the vLLM plugin, simulate)."""
         fast = self._fast
-        if fast is not None and type(seq_lens) is _TENSOR:
+        if fast is not None and type(r[5]) is _TENSOR:  # (seq_lens)
             try:  # the engine's common case (see DevicePath.observe_fast); None: the general path below
-                got = fast(step, site, rank, seq_lens, num_reqs, num_reqs_padded, dcp_local_seq_lens, ubatch, parent,
-                           req_start, tok_start, tok_stop, query_start_loc, num_tokens_padded, graph, buffer, kv_pages,
-                           dcp_query_start_loc, dcp_tot_seq_lens, positions, slot_mapping)
+                got = fast(r)
             except Exception as e:  # never break the engine
                 self._drop(e)
                 return -1
             if got is not None:
                 return got
         try:
-            if self._writer.stopped:  # (closed, or past the size cap: nothing to copy)
-                self._writer.refuse()
-                return -1
-            slots = _NO_SLOTS if positions is None and slot_mapping is None else None  # None: not copied yet
-            # SECTIONS (dump.ROW_FIELDS) order, without the slot entries
-            srcs = (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens)
-            dev = self._device
-            on = dev.on
-            if _TENSOR is _NoTensor:
-                _find_torch()  # (torch imported after the Recorder was made)
-            x = seq_lens
-            if not (isinstance(x, _TENSOR) and getattr(x, on)):  # (the engine's case at once)
-                for x in (*srcs, positions):
-                    if isinstance(x, _TENSOR) and getattr(x, on):
-                        break  # a device tensor: the device path
-                else:
-                    x = None
-            if x is not None:
-                if dev.capturing():
-                    with self._lock:
-                        self.skipped_capture += 1
-                    return -1
-                if buffer is None and dcp_local_seq_lens is not None:
-                    buffer = buffer_id(dcp_local_seq_lens)
-                vals = _scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
-                                tok_stop, num_tokens_padded, buffer, graph)
-                if dev.cuda_mode == "async":
-                    if slots is None:  # the slot sections on the device too when they all are (no host copy)
-                        slots = (_device_slots(positions, slot_mapping, self._writer.config.kv_groups, _TENSOR, on,
-                                               self._groups_seen) or self._slots(positions, slot_mapping))
-                    got = self._observe_device(vals, site, (*srcs, *slots))
-                    if got is not None:
-                        return got
-                    if slots is not None and type(slots[2]) is _Groups:
-                        slots = None  # (the host path copies them after all)
-            else:
-                if buffer is None and dcp_local_seq_lens is not None and hasattr(dcp_local_seq_lens,
-                                                                                 "untyped_storage"):
-                    buffer = buffer_id(dcp_local_seq_lens)
-                vals = _scalars(step, rank, ubatch, num_reqs, num_reqs_padded, parent, req_start, tok_start,
-                                tok_stop, num_tokens_padded, buffer, graph)
-            if slots is None:
-                slots = self._slots(positions, slot_mapping)
-            seq, qsl = _batch(seq_lens, vals.num_reqs, vals.num_reqs_padded, query_start_loc)
-            row = (seq, _host_fast(dcp_local_seq_lens), qsl, _host_fast(kv_pages), _host_fast(dcp_query_start_loc),
-                   _nonneg(_host_fast(dcp_tot_seq_lens), "dcp_tot_seq_lens"), *slots)
-            _check_shared(vals, site, self._site_ok, None if row[3] is None else row[3].size, seq.size,
-                          self._writer.config.page_size)
+            got = self._general(r)
         except Exception as e:  # never break the engine
             self._drop(e)
             return -1
+        if type(got) is int:
+            return got
+        vals, site, row = got
         w = self._writer
         with self._lock:
             try:
                 if w.stopped:
                     w.refuse()  # (raises after close(); counts it past the size cap)
                     return -1
-                _check_own(vals.rank, vals.parent, vals.buffer, w.count, self._ranks)
+                _check_own(vals[1], vals[5], vals[10], w.count, self._ranks)  # (rank, parent, buffer)
             except Exception as e:
                 self._drop(e)
                 return -1
             return self._append(vals, site, row)
+
+    def _general(self, r: Record) -> int | tuple:
+        """observe()'s general path: the device snapshot where a tensor of the device path is given (its index, or -1
+        when skipped), else the observation's host copies, checked: (scalars, site, rows) for the writer. Raises
+        what cannot be stored."""
+        if self._writer.stopped:  # (closed, or past the size cap: nothing to copy)
+            self._writer.refuse()
+            return -1
+        dev = self._device
+        if _TENSOR is _NoTensor:
+            _find_torch()  # (torch imported after the Recorder was made)
+        slots = _NO_SLOTS if r.positions is None and r.slot_mapping is None else None  # None: not copied yet
+        dcp = r.dcp_local_seq_lens
+        if dev.device_tensors(r):
+            if dev.capturing():
+                dev.skip_capture()
+                return -1
+            if r.buffer is None and dcp is not None:
+                r = r._replace(buffer=buffer_id(dcp))
+            vals = scalars(r)
+            if dev.cuda_mode == "async":
+                got, slots = self._snapshot(r, vals, slots)
+                if got is not None:
+                    return got
+        else:
+            if r.buffer is None and dcp is not None and hasattr(dcp, "untyped_storage"):
+                r = r._replace(buffer=buffer_id(dcp))
+            vals = scalars(r)
+        return vals, r.site, self._host.row(r, vals, slots)
+
+    def _snapshot(self, r: Record, vals: Scalars, slots: tuple | None) -> tuple[int | None, tuple | None]:
+        """The device snapshot of an observation (DevicePath.observe_device): (its index, or None where the host
+        path must copy it; the slot entries the host path then keeps, None: not copied yet)."""
+        dev = self._device
+        if slots is None:  # the slot sections on the device too when they all are (no host copy)
+            slots = (_device_slots(r.positions, r.slot_mapping, self._writer.config.kv_groups, _TENSOR, dev.on,
+                                   self._host.groups_seen) or self._host.slots(r.positions, r.slot_mapping))
+        got = self._observe_device(vals, r.site, (r.seq_lens, r.dcp_local_seq_lens, r.query_start_loc, r.kv_pages,
+                                                  r.dcp_query_start_loc, r.dcp_tot_seq_lens, *slots))
+        self._fast = dev.fast
+        return got, None if slots is not None and type(slots[2]) is _Groups else slots
 
     def observe_many(self, *, step: int, site: str, ranks, seq_lens, num_reqs: int, num_reqs_padded: int,
                      dcp_local_seq_lens=None, ubatch: int = -1, parents=None, req_start: int | None = None,
@@ -242,39 +238,33 @@ class Recorder:
 
         What the ranks share (seq_lens, query_start_loc and the scalars) is copied once;
         dcp_local_seq_lens and kv_pages are [ranks, rows] (kv_pages may also be one shared row);
-        parents and buffers are per rank; dcp_query_start_loc and dcp_tot_seq_lens (issue 15) are one row
+        parents and buffers are per rank; dcp_query_start_loc and dcp_tot_seq_lens are one row
         shared by every rank or [ranks, rows]. For a simulator or a harness that holds every rank's
         metadata at once (an engine process records its own rank with observe(); CUDA tensors are
         copied here with `.to("cpu")`, which waits for the stream). Returns the indices; a batch that
         cannot be stored is dropped whole ([-1] * len(ranks)). `positions` are shared; `slot_mapping` is
         per rank: [ranks, tokens] for group 0, or a dict {group index: [ranks, tokens]}.
         """
-        ranks = list(ranks)
+        return self.record_many(Record(step, site, ranks, num_reqs, num_reqs_padded, seq_lens, dcp_local_seq_lens,
+                                       ubatch, parents, req_start, tok_start, tok_stop, query_start_loc,
+                                       num_tokens_padded, buffers, graph, kv_pages, dcp_query_start_loc,
+                                       dcp_tot_seq_lens, positions, slot_mapping))
+
+    def record_many(self, r: Record) -> list[int]:
+        """observe_many() for a caller that builds the Record itself: its `rank`, `parent` and `buffer` hold one
+        entry per rank (None: none), its rows as observe_many() takes them."""
+        ranks = list(r.rank)
         k = len(ranks)
         try:
-            if slot_mapping is None:
-                extras = [self._slots(positions, None)] * k
-            else:
-                per = slot_mapping if isinstance(slot_mapping, dict) else {0: slot_mapping}
-                per = {g: _host(m).reshape(k, -1) for g, m in per.items()}
-                extras = [self._slots(positions, {g: m[i] for g, m in per.items()}) for i in range(k)]
-            common = _scalars(step, 0, ubatch, num_reqs, num_reqs_padded, None, req_start, tok_start,
-                              tok_stop, num_tokens_padded, None, graph)
-            step, _, ubatch, nr, nrp, _, rs, ts, te, ntp, _, graph = common  # Fields, in order
-            seq, qsl = _batch(seq_lens, nr, nrp, query_start_loc)
-            dcp = None if dcp_local_seq_lens is None else _host(dcp_local_seq_lens).reshape(k, -1)
-            kv = _per_rank(kv_pages, k)
-            extra = [_per_rank(dcp_query_start_loc, k), _nonneg(_per_rank(dcp_tot_seq_lens, k), "dcp_tot_seq_lens")]
-            parents = [None] * k if parents is None else list(parents)
-            buffers = [None] * k if buffers is None else list(buffers)
-            if len(parents) != k or len(buffers) != k or (kv is not None and kv.shape[0] != k):
+            common, rows = self._host.many(r, k)
+            parents = [None] * k if r.parent is None else list(r.parent)
+            buffers = [None] * k if r.buffer is None else list(r.buffer)
+            if len(parents) != k or len(buffers) != k or (rows[3] is not None and rows[3].shape[0] != k):
                 raise ValueError(f"{k} ranks but {len(parents)} parents, {len(buffers)} buffers")
-            ranks = [_int(r, "rank") for r in ranks]
+            ranks = [_int(x, "rank") for x in ranks]
             parents = [_opt(p, "parent") for p in parents]
             parents = [None if p is None or p < 0 else p for p in parents]
             buffers = [_opt(b, "buffer") for b in buffers]
-            _check_shared(common, site, self._site_ok, None if kv is None else kv.shape[1], seq.size,
-                          self._writer.config.page_size)
         except Exception as e:
             self._drop(e, k)
             return [-1] * k
@@ -289,34 +279,17 @@ class Recorder:
             except Exception as e:
                 self._drop(e, k)
                 return [-1] * k
-            return [self._append(_NEW(Fields, (step, ranks[i], ubatch, nr, nrp, parents[i], rs, ts, te, ntp,
-                                               buffers[i], graph)), site, (seq, None if dcp is None else dcp[i], qsl,
-                                                       None if kv is None else kv[i],
-                                                       *(None if x is None else x[i] for x in extra), *extras[i]))
-                    for i in range(k)]
-
-    def _slots(self, positions, slot_mapping) -> tuple:
-        """arguments._host_slots for this recording's KV-cache groups; notes the highest group recorded."""
-        if positions is None and slot_mapping is None:
-            return _NO_SLOTS
-        kvg = self._writer.config.kv_groups
-        out = _host_slots(positions, slot_mapping, None if kvg is None else len(kvg))
-        self._groups_seen(out[2][-1:].tolist())
-        return out
-
-    def _groups_seen(self, groups) -> None:
-        """Note the highest KV-cache group of an observation's slot entries (groups ascending)."""
-        if groups:
-            with self._lock:
-                self._max_group = max(self._max_group, groups[-1])
+            step, _, nr, nrp, ubatch, _, rs, ts, te, ntp, _, graph = common  # Scalars, in order
+            return [self._append(_NEW(Scalars, (step, ranks[i], nr, nrp, ubatch, parents[i], rs, ts, te, ntp,
+                                                buffers[i], graph)), r.site, of_rank(rows, i)) for i in range(k)]
 
     def set_kv_groups(self, kv_groups) -> None:
         """Name the KV-cache groups (and whether DCP shards each) once they are known, e.g. by an engine
         plugin after the KV cache is set up; ValueError if they do not cover the groups recorded so far."""
         groups = tuple(KVGroup.of(g) for g in kv_groups)
         with self._lock:
-            if len(groups) <= self._max_group:
-                raise ValueError(f"{len(groups)} KV-cache groups, but group {self._max_group} was recorded")
+            if len(groups) <= self._writer.max_group:
+                raise ValueError(f"{len(groups)} KV-cache groups, but group {self._writer.max_group} was recorded")
             w = self._writer
             w.config = DumpConfig(**{**w.config.__dict__, "kv_groups": groups})
             check_config(w.requested_path, w.config)

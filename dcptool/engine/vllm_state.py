@@ -234,8 +234,10 @@ def _observe(**kw) -> int:
         return -1
     if not _stack():  # a build outside any step scope is a step of its own
         _S.step += 1
+    from dcptool.dump import Record  # (the Recorder imported it: no cost here)
+
     with _S.lock:
-        return rec.observe(step=max(_S.step, 0), rank=_dcp()[1], **kw)
+        return rec.record(Record(step=max(_S.step, 0), rank=_dcp()[1], **kw))
 
 
 def _observe_batch(site: str, batch, graph: int) -> int:

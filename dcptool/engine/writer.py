@@ -14,8 +14,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from dcptool.dump import DumpConfig, OutputExistsError, WriteError
-from dcptool.engine.arguments import Fields
+from dcptool.dump import DumpConfig, OutputExistsError, Scalars, WriteError
 from dcptool.engine.ring import FENCE_EVERY, _Slot
 from dcptool.engine.rolled import Batch, Rolled
 
@@ -51,9 +50,10 @@ class Writer:
         # One tuple of scalars and one of row arrays per observation, turned into columns only at write
         # time (zip(*)): observe() stays a couple of appends, close() a handful of concatenations. A row
         # entry is a _Slot while its device values are in flight, None once dropped at harvest.
-        self._vals: list[Fields] = []
+        self._vals: list[Scalars] = []
         self._sites: list[str] = []
         self._rows: list = []  # per dump.ROW_FIELDS: (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages, ...)
+        self.max_group = -1  # the highest KV-cache group index recorded (slot entries)
         self.count = 0  # observation indices handed out over all files
         self.late = 0  # of them, dropped at harvest
         self._file_start = 0  # global index of the current file's first observation
@@ -71,7 +71,7 @@ class Writer:
         self.closed = False
         atexit.register(self._at_exit)
 
-    def append(self, vals: Fields, site: str, row) -> int:
+    def append(self, vals: Scalars, site: str, row) -> int:
         """Under the lock: give the observation its index and keep it; roll over when a file is full."""
         self._vals.append(vals)
         self._sites.append(site)
@@ -121,6 +121,11 @@ class Writer:
             raise RuntimeError("observe() after close()")
         with self._lock:
             self.capped += n
+
+    def saw_group(self, group: int) -> None:
+        """Under the lock: an observation's slot entries name KV-cache group `group`."""
+        if group > self.max_group:
+            self.max_group = group
 
     def lost(self, index: int) -> None:
         """Under the lock: observation `index` (not written yet) is dropped after all (its device values)."""

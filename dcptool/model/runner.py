@@ -4,6 +4,8 @@ where they occurred."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from dcptool.dcp.reference import local_of
@@ -15,9 +17,10 @@ from dcptool.dcp.slicing import (
     splits_on_request_boundary,
     uniform_query_len,
 )
+from dcptool.dump import Record
 from dcptool.dump.schema import GraphMode
 from dcptool.model.columns import Columns
-from dcptool.model.config import KV_GROUPS, SimConfig, applicability
+from dcptool.model.config import SimConfig, applicability
 from dcptool.model.graphs import DBO_PREFILL_TOKENS, Desc, Graphs
 from dcptool.model.rows import Rows, dummy_rows, make_rows
 from dcptool.model.sink import Sink
@@ -25,6 +28,32 @@ from dcptool.model.workload import Batch
 
 # Buffer identities: one address space per recording process, fixed slots for persistent buffers.
 RUNNER, PCP_BUF, DRAFTER, DFLASH, UBATCH = 1, 2, 3, 4, 8
+
+
+class Build(NamedTuple):
+    """What one attention-metadata build is, beside its rows: where and how vLLM made it."""
+
+    step: int
+    site: str
+    role: str  # the runner path that built it: final, global, ubatch, dummy, capture, dflash, draft
+    graph: GraphMode
+    slot: int  # the persistent buffer its view lives in (RUNNER, PCP_BUF, ...)
+    kind: str = "step"  # step, dummy or capture: the run it belongs to
+    ubatch: int = -1
+    pages: bool = True  # its plan's page counts (and the decode path's columns) are recorded
+    disagree: bool = False  # rank-disagree may touch it
+
+
+class Lineage(NamedTuple):
+    """Where a build comes from: its parents per rank, the micro-batch slice, the views it derives from."""
+
+    parents: list[int] | None = None
+    sl: UbatchSlice | None = None
+    parent_views: np.ndarray | None = None
+    global_views: np.ndarray | None = None
+
+
+NO_LINEAGE = Lineage()
 
 
 class Runner:
@@ -68,10 +97,9 @@ class Runner:
 
     # ---- one batch on every DCP rank of PCP rank p
 
-    def emit(self, p: int, b: Rows, *, step: int, site: str, role: str, graph: GraphMode, slot: int, ubatch: int = -1,
-             parents: list[int] | None = None, sl: UbatchSlice | None = None, parent_views: np.ndarray | None = None,
-             global_views: np.ndarray | None = None, kind: str = "step", pages: bool = True, disagree: bool = False):
-        """Record batch `b` on DCP ranks 0..N-1 of PCP rank p.
+    def emit(self, p: int, b: Rows, build: Build, lineage: Lineage = NO_LINEAGE):
+        """Record batch `b` on DCP ranks 0..N-1 of PCP rank p, as `build` says it was built, derived as `lineage`
+        says.
 
         Every rank's view is computed at once ([N, rows]); returns (indices per rank, recorded views
         [N, length] or None) so that children (micro-batches, the PCP-local batch) can derive from them.
@@ -80,7 +108,7 @@ class Runner:
         loc = self._local(b.seq[:nr])  # [N, nr]
         marks: list[tuple[str, np.ndarray]] = []  # (fault, [N] bool: ranks it touched)
         odd_seq = None  # rank-disagree: the last rank's seq_lens (its local lengths and pages follow them)
-        if disagree and "rank-disagree" in F and N > 1 and nr >= 1:
+        if build.disagree and "rank-disagree" in F and N > 1 and nr >= 1:
             odd_seq = b.seq.copy()
             odd_seq[0] += 1
             loc = loc.copy()
@@ -90,63 +118,61 @@ class Runner:
         if N > 1:
             fixed = np.zeros((N, nrp), np.int64)
             fixed[:, :nr] = loc
-            view = self._faults(role, kind, b, fixed, parent_views, global_views, sl, marks)
-        kv = None
-        if pages:
-            glob = -(-b.seq // self.G)
-            glob[nr:] = 0
-            kv = np.zeros((N, nrp), np.int64)
-            kv[:, :nr] = -(-loc // self.G) if N > 1 else glob[:nr]
-            if "flashinfer-global-pages" in F and odd_seq is not None:
-                glob = np.broadcast_to(glob, (N, nrp)).copy()
-                glob[N - 1] = -(-odd_seq // self.G)
-                glob[:, nr:] = 0
-            if "flashinfer-global-pages" in F:
-                marks.append(("flashinfer-global-pages", (kv[:, :nr] != glob[..., :nr]).any(axis=-1)
-                              if glob.ndim == 2 else (kv[:, :nr] != glob[:nr]).any(axis=1)))
-                kv = glob  # one row shared by every rank
-        fresh = view is not None and graph == GraphMode.FULL_REPLAY and "graph-stale" in F
-        home = slot
-        if view is not None and role == "capture" and self.P > 1 and ubatch < 0 and "capture-wrong-buffer" in F:
-            home = RUNNER
+            view = self._faults(build.role, build.kind, b, fixed, lineage.parent_views, lineage.global_views,
+                                lineage.sl, marks)
+        kv = self._pages(b, loc, odd_seq, marks) if build.pages else None
+        fresh = view is not None and build.graph == GraphMode.FULL_REPLAY and "graph-stale" in F
         sink = self.sink
-        sink.by_site[site] = sink.by_site.get(site, 0) + N
+        sink.by_site[build.site] = sink.by_site.get(build.site, 0) + N
         procs = range(p * N, p * N + N)
+        bufs = self._buffers(procs, build, view, fresh)
+        dq, tot = (None, None) if not build.pages or view is None else self.columns.decode_path(b, view, odd_seq, marks)
+        sl = lineage.sl
+        slots = self.columns.slots(b, build.role, build.kind, 0 if sl is None else sl.req_start, marks)
+        r = Record(step=build.step, site=build.site, rank=range(N), num_reqs=nr, num_reqs_padded=nrp, seq_lens=b.seq,
+                   dcp_local_seq_lens=view, ubatch=build.ubatch, parent=lineage.parents, query_start_loc=b.qsl,
+                   num_tokens_padded=b.ntp, buffer=bufs, graph=int(build.graph), kv_pages=kv, dcp_query_start_loc=dq,
+                   dcp_tot_seq_lens=tot, **({} if sl is None else dict(req_start=sl.req_start,
+                                                                        tok_start=sl.tok_start, tok_stop=sl.tok_stop)))
+        idxs = sink.record(p, r, slots, odd_seq)
+        self._mark(procs, idxs, bufs, build, nrp, fresh, marks)
+        return idxs, view
+
+    def _pages(self, b: Rows, loc: np.ndarray, odd_seq: np.ndarray | None, marks: list) -> np.ndarray:
+        """The page counts each rank's plan claims ([N, nrp]; one row shared by every rank under
+        flashinfer-global-pages, from the global lengths)."""
+        N, F, nr, nrp = self.N, self.F, b.nr, b.nrp
+        glob = -(-b.seq // self.G)
+        glob[nr:] = 0
+        kv = np.zeros((N, nrp), np.int64)
+        kv[:, :nr] = -(-loc // self.G) if N > 1 else glob[:nr]
+        if "flashinfer-global-pages" in F and odd_seq is not None:
+            glob = np.broadcast_to(glob, (N, nrp)).copy()
+            glob[N - 1] = -(-odd_seq // self.G)
+            glob[:, nr:] = 0
+        if "flashinfer-global-pages" in F:
+            marks.append(("flashinfer-global-pages", (kv[:, :nr] != glob[..., :nr]).any(axis=-1)
+                          if glob.ndim == 2 else (kv[:, :nr] != glob[:nr]).any(axis=1)))
+            kv = glob  # one row shared by every rank
+        return kv
+
+    def _buffers(self, procs: range, build: Build, view: np.ndarray | None, fresh: bool) -> list[int]:
+        """The buffer each process's view lives in (0: no view; graph-stale: a fresh one per step)."""
+        home = build.slot
+        if (view is not None and build.role == "capture" and self.P > 1 and build.ubatch < 0
+                and "capture-wrong-buffer" in self.F):
+            home = RUNNER
         if view is None:
-            bufs = [0] * N
-        elif fresh:
-            bufs = [self._per_step_buf(proc) for proc in procs]
-        else:
-            bufs = [self._buf(proc, home) for proc in procs]
-        dq, tot = self.columns.decode_path(b, view, odd_seq, marks) if pages and view is not None else (None, None)
-        kw = dict(step=step, site=site, seq_lens=b.seq, num_reqs=nr, num_reqs_padded=nrp, ubatch=ubatch,
-                  query_start_loc=b.qsl, num_tokens_padded=b.ntp, graph=int(graph))
-        slots = self.columns.slots(b, role, kind, 0 if sl is None else sl.req_start, marks)
-        if sl is not None:
-            kw.update(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)
-        if odd_seq is not None:  # the last rank records other seq_lens: one call per rank
-            idxs = [sink.recorders[sink.file_of[proc]].observe(
-                rank=r, dcp_local_seq_lens=None if view is None else view[r],
-                parent=None if parents is None else parents[r], buffer=bufs[r],
-                kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[r],
-                dcp_query_start_loc=None if dq is None else dq[r], dcp_tot_seq_lens=None if tot is None else tot[r],
-                **({} if slots is None else dict(positions=slots[0], slot_mapping=slots[1][r])),
-                **{**kw, "seq_lens": odd_seq if r == N - 1 else b.seq}) for r, proc in enumerate(procs)]
-        elif sink.shared:  # every rank in one file: one call records the batch on all N ranks
-            if slots is not None:
-                kw.update(positions=slots[0], slot_mapping={g: slots[1][:, g] for g in range(len(KV_GROUPS))})
-            idxs = sink.recorders[0].observe_many(ranks=range(N), dcp_local_seq_lens=view, parents=parents,
-                                                  buffers=bufs, kv_pages=kv, dcp_query_start_loc=dq,
-                                                  dcp_tot_seq_lens=tot, **kw)
-        else:
-            idxs = [sink.recorders[proc].observe(rank=r, dcp_local_seq_lens=None if view is None else view[r],
-                                                 parent=None if parents is None else parents[r], buffer=bufs[r],
-                                                 kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[r],
-                                                 dcp_query_start_loc=None if dq is None else dq[r],
-                                                 dcp_tot_seq_lens=None if tot is None else tot[r], **kw,
-                                                 **({} if slots is None else dict(
-                                                     positions=slots[0], slot_mapping=slots[1][r])))
-                    for r, proc in enumerate(procs)]
+            return [0] * len(procs)
+        if fresh:
+            return [self._per_step_buf(proc) for proc in procs]
+        return [self._buf(proc, home) for proc in procs]
+
+    def _mark(self, procs: range, idxs: list[int], bufs: list[int], build: Build, nrp: int, fresh: bool,
+              marks: list) -> None:
+        """Each recorded observation's ground truth: the faults that touched it, and a replay that reads another
+        buffer than its capture (graph-stale, capture-wrong-buffer)."""
+        sink, graph, ubatch = self.sink, build.graph, build.ubatch
         for r, proc in enumerate(procs):
             idx, buf = idxs[r], bufs[r]
             if graph.full and buf:
@@ -157,12 +183,11 @@ class Runner:
                     # the replay reads another buffer than its capture: DESIGN's alias, reported at the replay
                     if fresh:
                         sink.mark(proc, idx, "graph-stale")
-                    if "capture-wrong-buffer" in F and self.P > 1 and ubatch < 0:
+                    if "capture-wrong-buffer" in self.F and self.P > 1 and ubatch < 0:
                         sink.mark(proc, idx, "capture-wrong-buffer")
             for fault, hit in marks:
                 if hit[r]:
                     sink.mark(proc, idx, fault)
-        return idxs, view
 
     def _faults(self, role, kind, b: Rows, fixed, parent_views, global_views, sl, marks):
         """Every rank's view as the faulty engine records it instead of `fixed` ([N, nrp]), or None;
@@ -226,9 +251,10 @@ class Runner:
         top = []
         for p in range(self.P):
             g = GraphMode.EAGER if split and kind != "capture" else graph
-            top.append(self.emit(p, rows_of[p], step=step, site=site, role=role, graph=g, slot=slot,
-                                 parents=parents_of[p], kind=kind, disagree=not split and kind == "step",
-                                 global_views=None if global_views_of is None else global_views_of[p]))
+            top.append(self.emit(p, rows_of[p], Build(step, site, role, g, slot, kind,
+                                                      disagree=not split and kind == "step"),
+                                 Lineage(parents_of[p], global_views=None if global_views_of is None
+                                         else global_views_of[p])))
         if not split:
             return
         ub_graph = desc.mode.recorded(capturing=kind == "capture") if desc.mode.full else GraphMode.EAGER
@@ -242,8 +268,8 @@ class Runner:
                 rows = Rows(ub.seq_lens.astype(np.int64), ub.query_start_loc.astype(np.int64), ub.num_reqs,
                             ub.slice.tok_stop - ub.slice.tok_start,
                             None if req is None else req[ub.slice.req_start : ub.slice.req_stop])
-                self.emit(p, rows, step=step, site="ubatch", role="ubatch", graph=ub_graph, slot=UBATCH + u,
-                          ubatch=u, parents=top[p][0], sl=ub.slice, parent_views=top[p][1], kind=kind)
+                self.emit(p, rows, Build(step, "ubatch", "ubatch", ub_graph, UBATCH + u, kind, ubatch=u),
+                          Lineage(top[p][0], ub.slice, parent_views=top[p][1]))
 
     def startup(self) -> None:
         """Step 0: the profile run, then CUDA-graph capture (generic, then DFlash's)."""
@@ -265,8 +291,8 @@ class Runner:
                 if d.mode.full and d.ubatches == 1:  # PIECEWISE DFlash captures skip attention
                     rows = dummy_rows(d.num_reqs, d.num_tokens, 0, cfg.max_model_len)
                     for p in range(self.P):
-                        self.emit(p, rows, step=0, site="dflash_capture", role="dflash",
-                                  graph=GraphMode.FULL_CAPTURE, slot=DFLASH, kind="capture")
+                        self.emit(p, rows, Build(0, "dflash_capture", "dflash", GraphMode.FULL_CAPTURE, DFLASH,
+                                                 "capture"))
 
     def dummy_run(self, step: int, k: int, rng: np.random.Generator) -> None:
         """A DP-idle dummy batch (a peer's shape, alternating uniform decode and mixed), with context."""
@@ -298,8 +324,8 @@ class Runner:
             self.run_batch(step, [None], [g], desc, "attn_metadata", "final", "step", RUNNER, uniform=uniform)
             return desc
         # the view each process derived from the global batch (before the fix)
-        glob = [self.emit(p, g, step=step, site="prepare_inputs", role="global", graph=GraphMode.EAGER, slot=RUNNER,
-                          pages=False) for p in range(P)]
+        glob = [self.emit(p, g, Build(step, "prepare_inputs", "global", GraphMode.EAGER, RUNNER, pages=False))
+                for p in range(P)]
         local = []
         for p in range(P):
             lb = pcp_partition(q, comp, isp, P, p, self.N)
@@ -316,5 +342,4 @@ class Runner:
             seq = np.minimum(computed_after + k, cfg.max_model_len)
             rows = make_rows(np.ones(n, np.int64), seq, desc.num_reqs or n, n)
             for p in range(self.P):
-                self.emit(p, rows, step=step, site="draft", role="draft", graph=GraphMode.EAGER, slot=DRAFTER,
-                          disagree=True)
+                self.emit(p, rows, Build(step, "draft", "draft", GraphMode.EAGER, DRAFTER, disagree=True))

@@ -65,13 +65,14 @@ def test_columns_concatenated_in_pieces_equal_one_concatenation(monkeypatch, see
     """cat() a piece at a time (a Recorder's packing on its thread leaves the GIL free between pieces): the same
     columns, mixed dtypes included, and the same error for a value int32 cannot hold."""
     import dcptool.dump.write as W
+    from dcptool.dump import FIELDS, ROW_FIELDS
 
     rng = np.random.default_rng(seed)
     rows = [rng.integers(0, 1 << 20, int(rng.integers(0, 50))).astype(rng.choice(["<i4", "<i8", "<u2"]))
             for _ in range(200)]
     n = len(rows)
-    vals = {f: [0] * n for f in W.FIELDS[:5]} | {f: [None] * n for f in W.FIELDS[5:]}
-    rws = {k: [None] * n for k in W.ROW_FIELDS} | {"seq": rows, "dcp": rows}
+    vals = {f: [0] * n for f in FIELDS[:5]} | {f: [None] * n for f in FIELDS[5:]}
+    rws = {k: [None] * n for k in ROW_FIELDS} | {"seq": rows, "dcp": rows}
     whole = W.columns(DumpConfig(dcp_size=2), ["a"] * n, vals, rws)[1]
     monkeypatch.setattr(W, "CAT_PIECE", 37)
     pieces = W.columns(DumpConfig(dcp_size=2), ["a"] * n, vals, rws)[1]

@@ -293,13 +293,13 @@ def _slot_forms(n: int, rng) -> list[dict]:
 @pytest.mark.kernel
 def test_slot_sections_through_the_ring_equal_the_host_path(tmp_path, monkeypatch):
     """positions and slot_mapping of the device path (every form: 1-D, [groups, tokens], a dict, no group; int64
-    and int32, strided) at awkward sizes are snapshotted raw, never copied on the host (no `_slots`), with the other
-    device sections; the entries built at harvest equal the host path's, column for column."""
+    and int32, strided) at awkward sizes are snapshotted raw, never copied on the host (no `HostPath.slots`), with
+    the other device sections; the entries built at harvest equal the host path's, column for column."""
     kv = [{"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False}]
     a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16, kv_groups=kv)
     b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16, kv_groups=kv)
     b._device.use_host_ring(4096)
-    monkeypatch.setattr(b, "_slots", lambda *x: pytest.fail("the device path copied the slots on the host"))
+    monkeypatch.setattr(b._host, "slots", lambda *x: pytest.fail("the device path copied the slots on the host"))
     rng = np.random.default_rng(11)
     i = 0
     for n in (0, 1, 127, 128, 129, 1000, 1500):
@@ -326,7 +326,7 @@ def test_slot_values_that_cannot_be_stored_are_dropped_at_harvest_or_at_once(tmp
     kept); lengths and groups are known from the shapes, so those are dropped at observe()."""
     rec = Recorder(tmp_path / "s.safetensors", dcp_size=2, kv_groups=[{"name": "attn", "dcp": True}])
     rec._device.use_host_ring()
-    rec._slots = lambda *x: pytest.fail("the device path copied the slots on the host")
+    rec._host.slots = lambda *x: pytest.fail("the device path copied the slots on the host")
     t = torch.tensor
     base = dict(site="x", rank=0, seq_lens=t([5, 6], dtype=torch.int32), num_reqs=2, num_reqs_padded=2)
     good = dict(positions=t([3, 4]), slot_mapping=t([7, -1]))
@@ -440,8 +440,8 @@ def test_every_argument_set_the_plugin_passes_takes_the_fast_path(tmp_path, monk
     kv = [{"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False}]
     calls, a, b = _host_and_ring(monkeypatch, tmp_path, page_size=16, kv_groups=kv)
     copies = []
-    host = b._slots
-    b._slots = lambda *x: copies.append(1) or host(*x)
+    host = b._host.slots
+    b._host.slots = lambda *x: copies.append(1) or host(*x)
     rng = np.random.default_rng(groups)
     for i, (rows, toks) in enumerate([(3, 9), (1, 0), (2, 1), (127, 381), (129, 600), (16, 1100), (300, 300)] * 2):
         seq = torch.from_numpy(rng.integers(0, 1 << 20, rows).astype(np.int32))

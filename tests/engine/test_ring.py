@@ -5,8 +5,9 @@ import pytest
 import torch
 from conftest import hostring
 
+from dcptool.dump import Record
 from dcptool.engine import device
-from dcptool.engine.arguments import _scalars
+from dcptool.engine.arguments import scalars
 from dcptool.engine.record import Recorder
 from dcptool.engine.ring import (
     ANY,
@@ -41,7 +42,7 @@ def test_a_fifth_section_is_a_table_entry_not_kernel_code(tmp_path, monkeypatch)
     seq = torch.tensor([5, 9, 0], dtype=torch.int32)
     pos = torch.arange(11, dtype=torch.int64) * 3
     tot = torch.tensor([7, 8, 9], dtype=torch.int32)
-    vals = _scalars(0, 1, -1, 2, 3, None, None, None, None, None, None, None)
+    vals = scalars(Record(0, "x", 1, 2, 3, None))
     pad = (None,) * (K - 4)
     srcs = (seq, None, torch.tensor([0, 1, 2, 2], dtype=torch.int32), None, *pad, pos, tot)
     assert rec._observe_device(vals, "x", srcs) == 0

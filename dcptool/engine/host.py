@@ -1,0 +1,80 @@
+"""observe()'s host path: an observation's arguments as private host copies, checked, as the writer keeps them."""
+
+from __future__ import annotations
+
+from dcptool.dump import Record, Scalars
+from dcptool.engine.arguments import (
+    _NO_SLOTS,
+    _batch,
+    _check_shared,
+    _host,
+    _host_fast,
+    _host_slots,
+    _nonneg,
+    _per_rank,
+    scalars,
+)
+
+
+class HostPath:
+    """What the Recorder keeps of an observation copied on the host (host tensors, numpy arrays, lists, and device
+    tensors where the ring does not take them): its rows in dump.ROW_FIELDS order, checked against what a dump
+    cannot hold (what cannot be stored raises: the Recorder drops it). The KV-cache groups its slot entries name
+    are noted in the writer (Recorder.set_kv_groups checks them). `site_ok`: the site names checked (the
+    Recorder's, shared with its device path)."""
+
+    def __init__(self, writer, lock, site_ok: set):
+        self._w = writer
+        self._lock = lock
+        self._site_ok = site_ok
+
+    def row(self, r: Record, vals: Scalars, slots: tuple | None) -> tuple:
+        """One observation's rows (slots: its slot entries, None: not copied yet)."""
+        if slots is None:
+            slots = self.slots(r.positions, r.slot_mapping)
+        seq, qsl = _batch(r.seq_lens, vals[2], vals[3], r.query_start_loc)
+        row = (seq, _host_fast(r.dcp_local_seq_lens), qsl, _host_fast(r.kv_pages), _host_fast(r.dcp_query_start_loc),
+               _nonneg(_host_fast(r.dcp_tot_seq_lens), "dcp_tot_seq_lens"), *slots)
+        _check_shared(vals, r.site, self._site_ok, None if row[3] is None else row[3].size, seq.size,
+                      self._w.config.page_size)
+        return row
+
+    def many(self, r: Record, k: int) -> tuple[Scalars, list]:
+        """One batch seen by k ranks (Recorder.record_many): the scalars they share and their rows, seq_lens and
+        query_start_loc one host copy for all, the others [ranks, ...] (a shared row broadcast), the slot entries
+        one per rank; in dump.ROW_FIELDS order."""
+        if r.slot_mapping is None:
+            extras = [self.slots(r.positions, None)] * k
+        else:
+            per = r.slot_mapping if isinstance(r.slot_mapping, dict) else {0: r.slot_mapping}
+            per = {g: _host(m).reshape(k, -1) for g, m in per.items()}
+            extras = [self.slots(r.positions, {g: m[i] for g, m in per.items()}) for i in range(k)]
+        common = scalars(r._replace(rank=0, parent=None, buffer=None))
+        seq, qsl = _batch(r.seq_lens, common[2], common[3], r.query_start_loc)
+        dcp = None if r.dcp_local_seq_lens is None else _host(r.dcp_local_seq_lens).reshape(k, -1)
+        rows = [seq, dcp, qsl, _per_rank(r.kv_pages, k), _per_rank(r.dcp_query_start_loc, k),
+                _nonneg(_per_rank(r.dcp_tot_seq_lens, k), "dcp_tot_seq_lens"), *zip(*extras)]
+        kv = rows[3]
+        _check_shared(common, r.site, self._site_ok, None if kv is None else kv.shape[1], seq.size,
+                      self._w.config.page_size)
+        return common, rows
+
+    def slots(self, positions, slot_mapping) -> tuple:
+        """arguments._host_slots for this recording's KV-cache groups; notes the highest group recorded."""
+        if positions is None and slot_mapping is None:
+            return _NO_SLOTS
+        kvg = self._w.config.kv_groups
+        out = _host_slots(positions, slot_mapping, None if kvg is None else len(kvg))
+        self.groups_seen(out[2][-1:].tolist())
+        return out
+
+    def groups_seen(self, groups) -> None:
+        """Note the highest KV-cache group of an observation's slot entries (groups ascending)."""
+        if groups:
+            with self._lock:
+                self._w.saw_group(groups[-1])
+
+
+def of_rank(rows: list, i: int) -> tuple:
+    """Rank i's rows of HostPath.many()'s (seq_lens and query_start_loc shared)."""
+    return tuple(x if j in (0, 2) else None if x is None else x[i] for j, x in enumerate(rows))
