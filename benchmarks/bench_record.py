@@ -19,9 +19,9 @@ each observe (the update before it, not the ones queued after).
 
 --cuda-python (no GPU needed): the Python part of observe() on the device path, the launch replaced by a
 stand-in that writes what the harvest reads (timed alone and subtracted), host tensors through the host
-ring the tests use; the same for the Recorder of git revision --before (default: main before observe()'s
-fast path), interleaved in one run; it says how many observations took the fast path. A GPU adds the
-launch (`--cuda` prints it) and the tensor attribute calls cost about the same there.
+ring the tests use; the same for git revision --before (default: main; its whole dcptool package, in a process
+of its own), interleaved in one run (bench_record_python.py). A GPU adds the launch (`--cuda` prints it) and the
+tensor attribute calls cost about the same there.
 
 --sets: each argument set the vLLM plugin passes (the fast-path set, + positions and slot mappings, + issue 15's
 rows, + kv_pages), decode and prefill, off / sync / device snapshot, host syncs counted (bench_record_sets.py);
@@ -281,115 +281,7 @@ def _counted(fn, count: list):
     return wrapped
 
 
-BEFORE = "d07e667"  # the Recorder before observe()'s fast path (issue 13 item 4; da219d5: before the descriptor launch)
-
-
-def _recorder_before(rev: str):
-    """The Recorder class of git revision rev (its record.py only, dcptool/engine/ or before the packages
-    dcptool/; the rest is today's), or None."""
-    import importlib.util
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    try:
-        for where in ("dcptool/engine/record.py", "dcptool/record.py"):
-            got = subprocess.run(["git", "show", f"{rev}:{where}"], cwd=root, capture_output=True, text=True)
-            if got.returncode == 0:
-                break
-        got.check_returncode()
-        src = got.stdout
-        spec = importlib.util.spec_from_loader("dcptool._record_before", loader=None)
-        mod = importlib.util.module_from_spec(spec)
-        exec(compile(src, f"{rev}:{where}", "exec"), mod.__dict__)
-        return mod.Recorder
-    except Exception as e:  # (no git, or a revision whose record.py no longer runs against today's modules)
-        print(f"(the Recorder of {rev} is not available: {e})")
-        return None
-
-
-def bench_cuda_python(n: int, reps: int, tmp: Path, before: str) -> None:
-    from dcptool.engine.record import Recorder as New
-
-    rng = np.random.default_rng(0)
-    seq = torch.from_numpy(rng.integers(1, 1 << 17, 256).astype(np.int32))
-    dcp = torch.from_numpy(rng.integers(1, 1 << 15, 256).astype(np.int32))
-    qsl = torch.arange(257, dtype=torch.int32)
-    # "plugin": today's Recorder with query_start_loc as numpy, as the vLLM plugin passes it (a host copy)
-    kinds = {"now": New, "plugin": New}
-    qsls = {"now": qsl, "plugin": qsl.numpy(), "before": qsl}
-    old = _recorder_before(before)
-    if old is not None:
-        kinds["before"] = old
-
-    fast: dict = {k: 0 for k in kinds}
-
-    def setup(kind: str, path: Path):
-        rec = kinds[kind](path, dcp_size=2)
-        part = getattr(rec, "_device", None)  # (None: a Recorder of one class, before the device path was its own)
-        ring = rec._use_host_ring(1 << 20) if part is None else part.use_host_ring(1 << 20)
-        a, base = ring.np, ring.base
-        if hasattr(ring, "go"):  # the stand-in launches: the slot is done (its header's seqno in `done`)
-            from bench_record_sets import stand_in_launches
-
-            stand_in_launches(ring, lambda: fast.__setitem__(kind, fast[kind] + 1))
-            if getattr(ring, "go3", None) is None:
-                return rec, lambda: ring.go(0, base + 64)
-            ksec = (rec if part is None else part)._ksec
-            go3 = ring.go3
-            if hasattr(ring, "absent5"):  # (now: the ring keeps the absent sections' arguments)
-                return rec, lambda: go3(0, 1, base + 64, 1, 250, 256, ksec, 800, 0, 256, 0, 256, 0, 257,
-                                        *ring.absent5)
-            return rec, lambda: go3(0, base + 64, 1, 250, 256, ksec, 800, 0, 256, 0, 256, 0, 257)
-        ring.run = ring.fast = None  # (before: header word 0 is the seqno the kernel wrote, word 7 its flags)
-
-        def launch(args, raw):
-            w = (args[0] - base) >> 2
-            a[w] = args[1]
-            a[w + 7] = 0
-        ring.launch = launch
-        args = [base + 64, 1, 250, 256, 0, 256, 0, 0, 256, 0, 0, 257, 0, 0, -1, 0]
-        return rec, lambda: launch(args, 0)
-
-    res: dict = {k: [] for k in kinds}
-    stand: dict = {k: [] for k in kinds}
-    recs = {kind: setup(kind, tmp / f"py-{kind}.safetensors") for kind in kinds}
-    block = 1000  # short blocks, interleaved, best of: the machine's other load hits some blocks, not the minimum
-    for kind, (rec, _) in recs.items():
-        for i in range(2000):  # warm up (the ring wraps: its pages are touched)
-            rec.observe(step=i, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
-                        dcp_local_seq_lens=dcp, query_start_loc=qsls[kind])
-    for _ in range(max(1, n // block) * reps):
-        for kind, (rec, alone) in recs.items():
-            q = qsls[kind]
-            t0 = time.process_time()
-            for i in range(block):
-                rec.observe(step=i, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
-                            dcp_local_seq_lens=dcp, query_start_loc=q)
-            res[kind].append((time.process_time() - t0) / block)
-            t0 = time.process_time()
-            for _ in range(block):
-                alone()
-            stand[kind].append((time.process_time() - t0) / block)
-    for kind, (rec, _) in recs.items():
-        assert rec.dropped == 0 and len(rec) == 2000 + block * len(res[kind]), (kind, rec.dropped)
-        if fast[kind]:
-            print(f"({kind}: {fast[kind] - len(res[kind]) * block:,} of {len(rec):,} observations through "
-                  "observe()'s fast path, the rest through the general one)")
-        rec.discard()
-    print(f"Recorder.observe on the device path, Python only (256 requests, 3 tensors; {len(res['now']):,} blocks "
-          f"of {block:,} observations each, interleaved; CPU time; host tensors, the launch replaced by a stand-in):")
-    print("| Recorder | µs/observe, best block | median block | of which the stand-in launch | Python µs/observe "
-          "(best) |")
-    print("|---|---|---|---|---|")
-    net = {}
-    for kind in kinds:
-        b, m, s = (float(f(v)) * 1e6 for f, v in ((np.min, res[kind]), (np.median, res[kind]), (np.min, stand[kind])))
-        net[kind] = b - s
-        name = {"now": "now", "plugin": "now, query_start_loc as numpy (the plugin's form)"}.get(kind,
-                                                                                              f"before ({before})")
-        print(f"| {name} | {b:.2f} | {m:.2f} | {s:.2f} | {b - s:.2f} |")
-    if "before" in net:
-        print(f"Python per observe: now / before = {net['now'] / net['before']:.2f}x")
+BEFORE = "main"  # the revision --cuda-python compares with
 
 
 def main() -> None:
@@ -423,8 +315,9 @@ def main() -> None:
                        args.cpu, args.run_ahead)
         return
     if args.cuda_python:
-        with tempfile.TemporaryDirectory() as d:
-            bench_cuda_python(args.obs, args.reps, Path(d), args.before)
+        from bench_record_python import bench
+
+        bench(args.obs, args.reps, args.before)
         return
     if args.cuda:
         with tempfile.TemporaryDirectory() as d:
