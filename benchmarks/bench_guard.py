@@ -13,7 +13,7 @@ observe() in the loop. Graph: the same step captured once (the observes inside t
 (each in its own ring slot). Host synchronisations are counted with torch.cuda.set_sync_debug_mode("warn") over
 the guarded loops (close() excluded). Then what it catches: a wrong view eager and inside a replayed graph (one
 dump each, replay names the rule), and every simulate fault replay reports per observation, CUDA tensors through
-the kernel, against the host path's first wrong observation and rule (tests/engine/test_guard.py's workloads).
+the kernel, against the host path's first wrong observation and rule (tests/engine/guard/test_guard.py's workloads).
 
 --smoke: CPU tensors through the kernel under Triton's interpreter (64x64 float32 matmuls, 8 rows, 3 steps, no
 graph: capture needs CUDA, and two faults): it proves the script runs, not what anything costs.
@@ -37,12 +37,12 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "engine"), str(ROOT / "tests" / "model")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "engine" / "guard"), str(ROOT / "tests" / "model")]
 
 from dcptool.check.replay import replay  # noqa: E402
 from dcptool.dcp.reference import dcp_local_seq_lens  # noqa: E402
 from dcptool.dump import read_dump  # noqa: E402
-from dcptool.engine.guard import Guard  # noqa: E402
+from dcptool.engine.guard.guard import Guard  # noqa: E402
 
 
 class Engine:
@@ -120,7 +120,7 @@ class Floor:
         if self.go is None:
             from bench_record_sets import _empty_launch
 
-            from dcptool.engine.record import Recorder
+            from dcptool.engine.recorder.record import Recorder
 
             self.rec = Recorder(self.path, dcp_size=2, cuda_mode="async", force=True)
             if not kw["seq_lens"].is_cuda:
@@ -272,8 +272,8 @@ def python_cost() -> float:
     import numpy as np
     import torch
 
-    from dcptool.engine.guard import Guard
-    from dcptool.engine.guard_dev import GuardDevice
+    from dcptool.engine.guard.device_checks import GuardDevice
+    from dcptool.engine.guard.guard import Guard
 
     class Stand:  # (the old launch: kernel[grid](...))
         def __getitem__(self, grid):

@@ -48,7 +48,7 @@ if "--cpu" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # (before anything imports triton: the snapshot kernel on the CPU)
 
 from dcptool.dump import read_dump, write_dump
-from dcptool.engine.record import Recorder  # noqa: E402
+from dcptool.engine.recorder.record import Recorder  # noqa: E402
 from dcptool.model.simulate import SimConfig, simulate  # noqa: E402
 
 
@@ -224,9 +224,9 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
             pr.disable()
             pstats.Stats(pr).sort_stats("tottime").print_stats(14)
         if ring is not None:  # the launch alone, each way (a slot at the start of the ring, rewritten)
-            from dcptool.engine import snapshot as K
-            from dcptool.engine.launch import _compiled_launch, _direct_launch
-            from dcptool.engine.ring import _head_struct
+            from dcptool.engine.snapshot import kernels as K
+            from dcptool.engine.snapshot.launch import _compiled_launch, _direct_launch
+            from dcptool.engine.snapshot.ring import _head_struct
 
             with rec._lock:
                 rec._device.harvest(wait=True)  # nothing in flight: slot 0 is free to overwrite

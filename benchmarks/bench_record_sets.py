@@ -4,7 +4,7 @@
     python benchmarks/bench_record.py --sets --cpu                         (a reduced smoke run, no GPU)
     python benchmarks/bench_record.py --sets --python                      (observe()'s Python per set, no GPU)
 
-The argument sets (dcptool/engine/vllm_state.py `_observe`, vllm_hooks.py `_slot_kwargs`: the plugin passes
+The argument sets (dcptool/engine/vllm/state.py `observe`, hooks.py `_slot_kwargs`: the plugin passes
 positions and the [groups, tokens] slot mappings of build_attn_metadata, int64 as vLLM holds them):
 (a) the fast-path set: seq_lens, dcp_local_seq_lens, query_start_loc; (b) + positions + slot_mapping, 1 KV-cache
 group and 2; (c) + dcp_query_start_loc + dcp_tot_seq_lens; (d) + kv_pages. Two workloads: a decode step of 256
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dcptool.engine.record import Recorder  # noqa: E402
+from dcptool.engine.recorder.record import Recorder  # noqa: E402
 
 WORKLOADS = {"decode 256 req x 768 tok": (256, 768), "prefill 16 req x 8192 tok": (16, 8192)}
 SETS = ("a", "b1", "b2", "c", "d")
@@ -130,9 +130,9 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
 def snapshot_args(secs: list, slot: int, reqs: int) -> tuple:
     """snapshot_args_kernel's launch arguments after the stream (grid, slot, seqno 1, num_reqs, num_reqs_padded,
     modes, words, the eight sections) for eight device tensors or None, snapshotted into the slot at `slot`."""
-    from dcptool.engine.launch import args_of
-    from dcptool.engine.ring import ENTRY, FIXED, SECTIONS
-    from dcptool.engine.snapshot import snapshot_args_grid
+    from dcptool.engine.snapshot.kernels import snapshot_args_grid
+    from dcptool.engine.snapshot.launch import args_of
+    from dcptool.engine.snapshot.ring import ENTRY, FIXED, SECTIONS
 
     k = len(SECTIONS)
     modes, total, at = args_of(secs, slot)
@@ -142,7 +142,7 @@ def snapshot_args(secs: list, slot: int, reqs: int) -> tuple:
 def _empty_launch(rec: Recorder, seq: torch.Tensor):
     """The floor of one launch per observation: an observe() stand-in that launches the snapshot kernel with no rows
     (its header only) through the ring's launcher, the arguments computed once: no Recorder bookkeeping, no harvest."""
-    from dcptool.engine.ring import ARGS_SECTIONS
+    from dcptool.engine.snapshot.ring import ARGS_SECTIONS
 
     ring = rec._device.ring
     args = snapshot_args([seq[:0]] + [None] * (ARGS_SECTIONS - 1), ring.base, 0)

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 from dcptool.dump import open_dumps  # noqa: E402
-from dcptool.engine.record import Recorder  # noqa: E402
+from dcptool.engine.recorder.record import Recorder  # noqa: E402
 
 
 def run(path: Path, args, inline: bool) -> dict:

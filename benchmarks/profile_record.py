@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from bench_record_sets import WORKLOADS, _arguments, _recorder
 
-from dcptool.engine import device as D
+from dcptool.engine.snapshot import device as D
 
 
 def main() -> None:

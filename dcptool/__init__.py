@@ -15,11 +15,11 @@ def __getattr__(name: str):
 
         return DcptoolError
     if name == "Recorder":
-        from dcptool.engine.record import Recorder
+        from dcptool.engine.recorder.record import Recorder
 
         return Recorder
     if name == "Guard":
-        from dcptool.engine.guard import Guard
+        from dcptool.engine.guard.guard import Guard
 
         return Guard
     raise AttributeError(name)

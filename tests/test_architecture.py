@@ -14,8 +14,8 @@ PACKAGE = ROOT / "dcptool"
 TESTS = ROOT / "tests"
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 300
-# No mirror of its own: the plugin's former address only forwards dcptool.engine.vllm's names (its tests'
-# basename, test_vllm.py, is the engine's: basenames are unique across tests/); checked by the import test below.
+# No mirror of its own: the plugin's former address only forwards dcptool.engine.vllm's names (the plugin's tests
+# are tests/engine/vllm/); checked by the import test below.
 NO_MIRROR = {"dcptool/integrations/vllm.py"}
 
 
@@ -57,7 +57,7 @@ def test_every_module_has_its_mirror_test_file():
 
 def _test_files() -> list[Path]:
     # tests/vllm is the vLLM-matrix suite, collected on its own (pyproject's norecursedirs)
-    return [p for p in TESTS.rglob("test_*.py") if "vllm" not in p.relative_to(TESTS).parts[:-1]]
+    return [p for p in TESTS.rglob("test_*.py") if p.relative_to(TESTS).parts[0] != "vllm"]
 
 
 def test_test_basenames_are_unique_and_test_directories_are_not_packages():
@@ -66,7 +66,7 @@ def test_test_basenames_are_unique_and_test_directories_are_not_packages():
     for p in _test_files():
         seen.setdefault(p.name, []).append(_rel(p))
     assert not {k: v for k, v in seen.items() if len(v) > 1}
-    inits = [_rel(p) for p in TESTS.rglob("__init__.py") if "vllm" not in p.relative_to(TESTS).parts[:-1]]
+    inits = [_rel(p) for p in TESTS.rglob("__init__.py") if p.relative_to(TESTS).parts[0] != "vllm"]
     assert not inits, f"test directories must not be packages: {inits}"
 
 
@@ -92,7 +92,7 @@ import dcptool.dump, dcptool.engine
 from dcptool.dcp.backend import load
 names = []
 for pkg in (dcptool.dump, dcptool.engine):
-    for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
         (load if m.name.endswith("_tl") else importlib.import_module)(m.name)
         names.append(m.name)
 offline = {OFFLINE!r}
@@ -100,7 +100,8 @@ below = tuple(o + "." for o in offline)
 loaded = sorted(m for m in sys.modules if m in offline or m.startswith(below))
 print(json.dumps({{"imported": names, "offline": loaded}}))
 """)
-    assert {"dcptool.dump.schema", "dcptool.dump.write", "dcptool.engine.record", "dcptool.engine.snapshot_tl",
+    assert {"dcptool.dump.schema", "dcptool.dump.write", "dcptool.engine.recorder.record",
+            "dcptool.engine.snapshot.kernels_tl", "dcptool.engine.guard.device_checks_tl",
             "dcptool.engine.vllm"} <= set(got["imported"]), got["imported"]
     assert got["offline"] == []
 

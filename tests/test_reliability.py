@@ -36,7 +36,7 @@ from dcptool.dump import (
     read_dump,
     write_observations,
 )
-from dcptool.engine.record import Recorder
+from dcptool.engine.recorder.record import Recorder
 
 # The recording child: deterministic observations, so the parent knows exactly what each file holds.
 GEN = '''
@@ -61,7 +61,7 @@ def gen(i):
 CHILD = GEN + '''
 import os, signal, sys, tempfile, time
 import dcptool.dump.write as dump
-from dcptool.engine.record import Recorder
+from dcptool.engine.recorder.record import Recorder
 
 def die(*_):
     os.kill(os.getpid(), signal.SIGKILL)
@@ -260,7 +260,7 @@ def test_unclosed_recorder_is_written_at_exit(tmp_path):
     """A process that exits without close() (an exception, sys.exit) still leaves its recording."""
     target = tmp_path / "run.safetensors"
     code = GEN + textwrap.dedent(f"""
-        from dcptool.engine.record import Recorder
+        from dcptool.engine.recorder.record import Recorder
         r = Recorder({str(target)!r}, 2)
         for i in range(9):
             r.observe(**gen(i))
@@ -337,7 +337,7 @@ def test_recorder_refuses_an_earlier_recording_unless_forced(tmp_path):
 FSIZE_CHILD = GEN + '''
 import json, os, resource, signal, sys, warnings
 from dcptool.dump import WriteError, read_dump
-from dcptool.engine.record import Recorder
+from dcptool.engine.recorder.record import Recorder
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG instead
 path, limit, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -428,7 +428,7 @@ def test_full_disk_for_a_writing_command(tmp_path):
 TMPFS_CHILD = GEN + '''
 import json, os, sys
 from dcptool.dump import DumpConfig, WriteError, read_dump, write_observations
-from dcptool.engine.record import Recorder
+from dcptool.engine.recorder.record import Recorder
 
 d = sys.argv[1]
 target = os.path.join(d, "run.safetensors")

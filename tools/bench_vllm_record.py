@@ -38,7 +38,7 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from dcptool.engine.record import Recorder
+    from dcptool.engine.recorder.record import Recorder
 
     dev = torch.device(a.device)
     g = torch.Generator().manual_seed(0)
@@ -86,11 +86,11 @@ def _vllm_builds(a, out: str) -> None:
     b = E.prepare_inputs([1] * a.rows, list(range(100, 100 + a.rows)), bufs)
     E.dcp_step(b, bufs, 2, 0, 1)
     ms, bt = E.model_state(), E.tables(a.rows, a.rows, 2, 0, 1)
-    plugin._S.interleave = 1
+    plugin.STATE.interleave = 1
     on = timed(lambda: E.attn(ms, b, bt), a.builds)
-    plugin._S.active = False
+    plugin.STATE.active = False
     off = timed(lambda: E.attn(ms, b, bt), a.builds)
-    plugin._S.active = True
+    plugin.STATE.active = True
     print(f"vLLM prepare_attn, {a.rows} rows: {off:.1f} us without recording, {on:.1f} us with "
           f"(+{on - off:.1f} us per build)")
     plugin.close()

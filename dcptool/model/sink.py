@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from dcptool.dump import Record, write_target
-from dcptool.engine.record import Recorder
+from dcptool.engine.recorder.record import Recorder
 from dcptool.model.config import KV_GROUPS, SITES, SimConfig
 
 

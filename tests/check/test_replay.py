@@ -130,7 +130,7 @@ def test_replay_says_when_the_recording_stopped_at_its_size_cap(tmp_path, capped
 
     from rich.console import Console
 
-    from dcptool.engine.record import Recorder
+    from dcptool.engine.recorder.record import Recorder
     from dcptool.report.text import render_replay, replay_json_lines
 
     rec = Recorder(tmp_path / "run.safetensors", dcp_size=2, rollover=10, max_bytes=2500 if capped else None)

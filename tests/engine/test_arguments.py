@@ -10,7 +10,7 @@ import torch
 
 from dcptool.dump import Record, read_dump
 from dcptool.engine.arguments import _CONTROL, _check_vals, scalars
-from dcptool.engine.record import Recorder
+from dcptool.engine.recorder.record import Recorder
 
 
 @pytest.mark.parametrize("bad", [dict(step=1.9), dict(rank="1"), dict(rank=1.0), dict(num_reqs=np.float64(1.0)),

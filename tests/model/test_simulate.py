@@ -10,7 +10,7 @@ from conftest import ROOT, cli, cli_subprocess
 
 from dcptool.check.replay import replay
 from dcptool.dump import open_dumps, read_dump
-from dcptool.engine.record import Recorder
+from dcptool.engine.recorder.record import Recorder
 from dcptool.model.config import OPT_IN
 from dcptool.model.simulate import FAULTS, SimConfig, applicability
 

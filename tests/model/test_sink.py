@@ -7,7 +7,7 @@ import pytest
 from simulate_cases import SMALL, run, verify
 
 from dcptool.dump import read_dump
-from dcptool.engine.record import Recorder
+from dcptool.engine.recorder.record import Recorder
 from dcptool.model.simulate import SimConfig
 
 

@@ -36,4 +36,4 @@ else:
 
         yield
         plugin.close()
-        assert plugin._S.active, "the plugin disabled itself: vLLM's internals differ from what it expects"
+        assert plugin.STATE.active, "the plugin disabled itself: vLLM's internals differ from what it expects"

@@ -47,7 +47,7 @@ def test_the_builders_are_hooked_with_the_releases_table(tmp_path, monkeypatch):
                mla.MLACommonMetadataBuilder.build):
         assert fn.__wrapped_by_dcptool__, fn
     for mod in ("vllm.v1.attention.backends.flashinfer", "vllm.model_executor.layers.attention.mla_attention"):
-        assert plugin._S.used[mod] == own.line
+        assert plugin.STATE.used[mod] == own.line
     d, _ = run(2, lambda rank: step([1], [9], 2, rank, 1, B.mla_builder(16, 2, 1)[1]), tmp_path, monkeypatch)
     assert f"builders: {own.builders}" in d.config.note
     assert ("no dcp_query_start_loc" in d.config.note) == (not B.HAS_DCP_QSL)

@@ -15,9 +15,9 @@ import engine as E
 import pytest
 from test_vllm_recording import drive_engine, drive_ubatches, messages, replayed
 
-from dcptool.engine import guard as guard_mod
 from dcptool.engine import vllm as plugin
-from dcptool.engine.guard_dev import GuardDevice
+from dcptool.engine.guard import guard as guard_mod
+from dcptool.engine.guard.device_checks import GuardDevice
 
 pytestmark = pytest.mark.vllm
 
@@ -27,7 +27,7 @@ def guarded(dcp: int, drive, out, monkeypatch, kernel: bool) -> tuple[list, list
     rank, (builds checked, wrong, the Guard's first rule)."""
     monkeypatch.delenv(plugin.ENV_DIR, raising=False)
     monkeypatch.setenv(plugin.ENV_GUARD, str(out))
-    monkeypatch.setattr(plugin._S, "guarding", True)  # (what register() sets when only DCPTOOL_GUARD is)
+    monkeypatch.setattr(plugin.STATE, "guarding", True)  # (what register() sets when only DCPTOOL_GUARD is)
     copies = []
     if kernel:
         monkeypatch.setattr(guard_mod, "Guard", functools.partial(guard_mod.Guard, kernel=True))
@@ -39,7 +39,7 @@ def guarded(dcp: int, drive, out, monkeypatch, kernel: bool) -> tuple[list, list
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             drive(rank)
-            g = plugin._S.recorder
+            g = plugin.STATE.recorder
             dumps += plugin.close()
         said = [str(x.message) for x in w if "dcptool Guard" in str(x.message)]
         assert len(said) == (g.dumped is not None), said  # one warning a dump, naming it

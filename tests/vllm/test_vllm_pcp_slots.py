@@ -14,7 +14,7 @@ from dcptool.check.replay import replay
 from dcptool.dcp.reference import local_of
 from dcptool.dcp.slicing import pcp_partition, pcp_rank_tokens
 from dcptool.dump import open_dumps
-from dcptool.engine.record import Recorder
+from dcptool.engine.recorder.record import Recorder
 from dcptool.model.columns import Columns
 from dcptool.model.config import KV_GROUPS, SimConfig
 from dcptool.model.rows import make_rows

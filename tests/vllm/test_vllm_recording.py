@@ -54,10 +54,10 @@ def messages(res):
 
 def test_the_plugin_is_loaded_by_vllm_and_hooks_its_functions():
     assert E.VERSION in plugin.TESTED
-    assert plugin._S.registered and plugin._S.active, "register() ran through vllm.general_plugins"
+    assert plugin.STATE.registered and plugin.STATE.active, "register() ran through vllm.general_plugins"
     # every hooked module got its release line's own table (0.29, 0.31-0.33, 0.34)
     own = plugin.tables_for(E.VERSION)[0]
-    assert E.VERSION.startswith(own.releases) and set(plugin._S.used.values()) == {own.line}, plugin._S.used
+    assert E.VERSION.startswith(own.releases) and set(plugin.STATE.used.values()) == {own.line}, plugin.STATE.used
     assert attn_utils.build_attn_metadata.__wrapped_by_dcptool__
     # build_attn_metadata cuts both views to [:num_reqs] in every supported release: that is what is recorded
     assert {"seq_lens", "dcp_local_seq_lens"} <= attn_utils.build_attn_metadata.__dcptool_consumed__

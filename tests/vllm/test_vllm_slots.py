@@ -10,7 +10,7 @@ import torch
 
 from dcptool.check.replay import replay
 from dcptool.dump import open_dumps
-from dcptool.engine.record import Recorder
+from dcptool.engine.recorder.record import Recorder
 
 pytestmark = pytest.mark.vllm
 

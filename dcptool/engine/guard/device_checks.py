@@ -1,0 +1,374 @@
+"""The Guard's device path: one check kernel per observe, a device ring of the last `keep`, a host-mapped flag."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dcptool.dcp.backend import load
+from dcptool.dump import Record
+from dcptool.engine.arguments import _host
+
+# Ring slot layout (int32 words): HEAD header words, then six sections of `cap` rows each (seq_lens, the DCP
+# view, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens) and `tcap` words of slot entries
+# (positions, then slot_mapping [groups, tokens]). Header: 0 index + 1 (0: never written), 1 rule bits, 2 step,
+# 3 site id, 4 rank, 5 ubatch, 6 num_reqs, 7 num_reqs_padded, 8 parent, 9 req_start, 10 tok_start, 11 tok_stop,
+# 12 num_tokens_padded, 13 graph, 14-15 buffer (low, high), 16-23 counts (the six sections, tokens, groups;
+# -1 absent), 24 kept (0: larger than the slot, checked but not kept).
+HEAD = 32
+W_COUNTS = 16
+W_KEPT = 24
+SECTIONS = 6
+GUARD_BLOCK = 1024  # rows a block: one pass of loads for up to 1,024 requests
+GUARD_BLOCK_INTERPRETED = 256  # under Triton's interpreter (device_checks_tl.py says why)
+GUARD_WARPS = 8  # (4 rows a thread)
+BIT_VALUES, BIT_PADDING, BIT_SHAPE, BIT_MISSING, BIT_PAGES, BIT_EMPTY, BIT_TOT, BIT_SLOTS = (1 << k for k in range(8))
+# a bit -> the rule replay names (the values bit: stale, global, wrong-rank ... mismatch, replay says which)
+RULE_OF_BIT = ((BIT_MISSING, "missing"), (BIT_VALUES, "values"), (BIT_PADDING, "padding"), (BIT_SHAPE, "shape"),
+               (BIT_PAGES, "pages"), (BIT_EMPTY, "empty-mask"), (BIT_TOT, "tot-lens"), (BIT_SLOTS, "slots"))
+_TL = "dcptool.engine.guard.device_checks_tl"
+_NONE = -1  # a scalar not given
+_HOST_IN_CAPTURE = -2  # _sec's count of a host array met inside capture (not read)
+
+
+def rule_of(bits: int) -> str:
+    """The first rule (table order) of a slot's rule bits."""
+    return next(r for b, r in RULE_OF_BIT if bits & b)
+
+
+_CHECKED: dict = {}  # CUDA device index -> (go, how): the launch that proved itself there (_launcher)
+
+
+def _launcher(dev: GuardDevice) -> tuple:
+    """(go, how): the cheapest launch of the check kernel that writes, on known values, exactly what Triton's
+    dispatch writes (ring, state and flag compared word by word, once per process and device; one synchronisation
+    each): the launcher's C entry called directly, then Triton's compiled launcher (launch._cheapest); else
+    Triton's dispatch, saying why. Called outside capture (where the ring is first allocated)."""
+    from dcptool.engine.snapshot.launch import _cheapest
+
+    key = dev.did
+    if key not in _CHECKED:
+        try:
+            probe = _Probe(dev)
+            with dev.torch.cuda.device(dev.device):
+                ck = _probe_check(probe, dev.dispatch)  # (compiles it; what it writes is the reference)
+                go, how, why = _cheapest(probe, _probe_check, ck, variadic=True)
+        except Exception as e:  # (the dispatch stays: it launched the kernel before this stop too)
+            go, how, why = None, "", [repr(e)]
+        if go is None:
+            how = f"Triton's dispatch ({'; '.join(why)})"
+        elif why:
+            how += f" ({'; '.join(why)})"  # (the ways tried first, and why they were not taken)
+        _CHECKED[key] = (go, how)
+    go, how = _CHECKED[key]
+    return (dev.dispatch, how) if go is None else (go, how)
+
+
+class _Probe:
+    """The known launch _launcher checks each way with: a 2-slot ring of its own, an unaligned seq_lens view, a
+    DCP view two rows wrong (the values bit), query_start_loc, int64 positions and a strided int64 slot mapping of
+    two sharded groups, the second written at every position (the slots bit): every argument, the int64 reads
+    and the row stride exercised."""
+
+    def __init__(self, dev: GuardDevice):
+        t, d = dev.torch, dev.device
+        self.torch, self.device = t, d
+        cap, tcap = 8, 32
+        words = HEAD + SECTIONS * cap + tcap
+        self.ring = t.zeros((2, words), dtype=t.int32, device=d)
+        self.state = t.zeros(4, dtype=t.int32, device=d)
+        self.flag = t.zeros(2, dtype=t.int32, pin_memory=True)
+        seq = (t.arange(1, 6, dtype=t.int32, device=d) * 5)[1:]  # 10, 15, 20, 25 (a view, 4 bytes in)
+        self.held = [seq, t.tensor([5, 8, 10, 13], dtype=t.int32, device=d),  # rank 1 of 2: 5, 7, 10, 12
+                     t.tensor([0, 1, 2, 3, 4], dtype=t.int32, device=d), t.arange(4, dtype=t.int64, device=d),
+                     t.tensor([[-1, 7, -1, 9, 0, 0], [3, 4, 5, 6, 0, 0]], dtype=t.int64, device=d)]
+        (sq, dc, qs, pos, sm), nil = self.held, self.state.data_ptr()
+        self.args = (self.ring.data_ptr(), nil, self.flag.data_ptr(), 2, words, cap, tcap, 2, 1, 0, 12345, 0, 1, -1,
+                     4, 4, -1, -1, -1, -1, -1, 2, 77, 0, sq.data_ptr(), 4, dc.data_ptr(), 4, qs.data_ptr(), 5, nil,
+                     -1, nil, -1, nil, -1, pos.data_ptr(), 4, sm.data_ptr(), 2, 3, 3, 6)
+        self.want = None
+
+
+def _probe_check(p: _Probe, go):
+    """Launch through `go` on the probe's values (ring, state and flag zeroed first) and compare with what the
+    first launch (Triton's dispatch) wrote; that one itself is checked on words known beforehand."""
+    t = p.torch
+    for x in (p.ring, p.state, p.flag):
+        x.zero_()
+    got = go(t._C._cuda_getCurrentRawStream(p.device.index), 1, *p.args)
+    t.cuda.synchronize(p.device)
+    have = np.concatenate([p.ring.cpu().numpy().ravel(), p.state.cpu().numpy(), p.flag.numpy()])
+    if p.want is None:
+        w = p.ring[0].cpu().numpy()
+        if (w[:3].tolist() != [1, BIT_VALUES | BIT_SLOTS, 12345] or p.state[:3].tolist() != [1, 1, 1]
+                or p.flag[0].item() != 1 or w[HEAD:HEAD + 4].tolist() != [10, 15, 20, 25]):
+            raise RuntimeError(f"guard kernel self-check (dispatch) wrote {w[:HEAD + 4].tolist()}")
+        p.want = have
+    elif not np.array_equal(have, p.want):
+        raise RuntimeError("guard kernel self-check: this launch wrote other words than Triton's dispatch")
+    return got
+
+
+class GuardDevice:
+    """The ring (device int32 [keep, words]), the device state (observation counter, frozen-at index + 1, wrong
+    count) and the flag (pinned host memory the kernel writes through its device address; the host reads it
+    without a sync). Slots are sized from `max_rows` / `max_tokens` or from the first observation (twice its rows,
+    at least 64; twice its slot words, at least 256); a larger observation grows the ring (device copies on the
+    stream, no sync) except once a launch was captured in a CUDA graph (the graph holds the ring's address): it is
+    then checked in full but not kept (its slot says so, and the dump leaves it out). The ring is allocated
+    outside capture: observations captured before the first eager one are skipped (vLLM runs eager profile and
+    warm-up builds before it captures).
+
+    `go(raw_stream, 1, *args)` launches the kernel on one program: on a GPU the cheapest launch that wrote what
+    Triton's dispatch writes on known values (checked once per process and device, when the ring is first
+    allocated: _launcher), else Triton's dispatch (`dispatch`, always under the interpreter); `how` says which."""
+
+    def __init__(self, torch, device, keep: int, spec, max_rows: int | None, max_tokens: int | None):
+        self.torch = torch
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.did = device.index if self.cuda else -1  # what get_device() says of a tensor on this device
+        self.keep = keep
+        self.cap = max_rows
+        self.tcap = max_tokens
+        self.ring = None
+        self.state = torch.zeros(4, dtype=torch.int32, device=device)
+        self.flag = torch.zeros(2, dtype=torch.int32, pin_memory=self.cuda)
+        self.flag_np = self.flag.numpy()  # a view: reading it is no sync
+        self.frozen = False  # a launch was captured: the ring keeps its address
+        self.sites: dict[str, int] = {}
+        self.site_names: list[str] = []
+        self.kernel = load(_TL).guard_kernel
+        self.go, self.how = self.dispatch, "Triton's dispatch"
+        # (the C functions behind torch.cuda.is_current_stream_capturing / current_stream: no Python frame each)
+        self.capturing = torch._C._cuda_isCurrentStreamCapturing if self.cuda else (lambda: False)
+        self.raw = torch._C._cuda_getCurrentRawStream if self.cuda else (lambda d: 0)
+        self._tensor, self._i32t, self._i64t = torch.Tensor, torch.int32, torch.int64
+        self._nil = self.state.data_ptr()  # the address an absent section is launched with (never read)
+        self._fixed: tuple = ()  # the launch's leading arguments, fixed while the ring and the spec are (_refix)
+        self._masks: dict[int, int] = {}  # groups -> the sharded-group bit mask under this spec
+        self.spec = spec
+
+    @property
+    def spec(self):
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec) -> None:
+        self._spec = spec
+        self._masks = {}
+        self._refix()
+
+    def _refix(self) -> None:
+        s = self._spec
+        if self.ring is not None:
+            self._fixed = (self.ring.data_ptr(), self.state.data_ptr(), self.flag.data_ptr(), self.keep, self._words(),
+                           self.cap, self.tcap, s.dcp_size, s.cp_interleave, s.page_size or 0)
+
+    def dispatch(self, raw: int, grid: int, *args):
+        """One launch through Triton's dispatch, on the current stream (raw: that stream), on `grid` programs (1);
+        returns the compiled kernel (the launcher's C entry is then called with the same arguments: _launcher)."""
+        return self.kernel[(grid,)](*args, num_warps=GUARD_WARPS)
+
+    def _words(self) -> int:
+        return HEAD + SECTIONS * self.cap + self.tcap
+
+    def _fit(self, rows: int, tokens: int) -> bool:
+        """Allocate the ring, or grow it for a larger observation (not once a graph holds its address); False:
+        there is no ring and this is inside capture (its allocation and zeroing would be captured)."""
+        if self.ring is not None and rows <= self.cap and tokens <= self.tcap:
+            return True
+        if self.capturing():
+            if self.ring is None:
+                return False
+            return True
+        if self.ring is not None and self.frozen:
+            return True
+        t = self.torch
+        cap = max(self.cap or 0, 64, 2 * rows)
+        tcap = max(self.tcap or 0, 256, 2 * tokens)
+        old, oc, ot = self.ring, self.cap, self.tcap
+        self.cap, self.tcap = cap, tcap
+        self.ring = t.zeros((self.keep, self._words()), dtype=t.int32, device=self.device)
+        if old is not None:  # (device copies, queued on the stream)
+            self.ring[:, :HEAD] = old[:, :HEAD]
+            for k in range(SECTIONS):
+                self.ring[:, HEAD + k * cap:HEAD + k * cap + oc] = old[:, HEAD + k * oc:HEAD + (k + 1) * oc]
+            self.ring[:, HEAD + SECTIONS * cap:HEAD + SECTIONS * cap + ot] = old[:, HEAD + SECTIONS * oc:]
+        elif self.cuda:
+            self.go, self.how = _launcher(self)
+        self._refix()
+        return True
+
+    def _i32(self, x):
+        """x as a contiguous 1-D int32 tensor on the device, a copy on the stream (what the launch does not take as
+        it is). On a GPU a host array (the vLLM plugin's query_start_loc and page counts are numpy) goes through
+        pinned memory without waiting for the stream: a plain copy would synchronise, and inside capture break the
+        graph (callers leave host arrays out there: _in_capture)."""
+        t = self.torch
+        if self.cuda and not (isinstance(x, t.Tensor) and x.is_cuda):
+            return t.from_numpy(_host(x)).pin_memory().to(self.device, non_blocking=True)
+        if not isinstance(x, t.Tensor):
+            x = t.as_tensor(np.asarray(x))
+        if x.dtype != t.int32 or not x.is_contiguous() or x.device != self.device:
+            x = x.to(device=self.device, dtype=t.int32).contiguous()
+        return x.reshape(-1)
+
+    def _in_capture(self, x) -> bool:
+        """x is a host array met inside capture: not read (a graph replay could only re-read its capture value)."""
+        return self.cuda and not (isinstance(x, self._tensor) and x.is_cuda) and self.capturing()
+
+    def _sec(self, x, held: list) -> tuple[int, int]:
+        """(address, count) of a row section (count -1: absent, _HOST_IN_CAPTURE: a host array inside capture,
+        not read). An int32 contiguous tensor on the device is launched as it is; anything else is copied first
+        (_i32; `held` keeps the copy until the launch)."""
+        if x is None:
+            return self._nil, -1
+        if not (type(x) is self._tensor and x.get_device() == self.did and x.dtype is self._i32t
+                and x.is_contiguous()):
+            if self._in_capture(x):
+                return self._nil, _HOST_IN_CAPTURE
+            x = self._i32(x)
+            held.append(x)
+        return x.data_ptr() or self._nil, x.numel()  # (an empty tensor's address may be 0: never read)
+
+    def _slot_args(self, positions, slot_mapping, held: list) -> tuple[int, int, int, int, int, int] | None:
+        """(positions' address, tokens, the slot mapping's address, groups, int64 bits, row stride); None: host
+        arrays inside capture (not read: _in_capture). Positions 1-D and the slot mapping [groups, tokens] (rows of
+        contiguous tokens) int32 or int64 on the device are read as they are, the kernel narrows them (vLLM's are
+        int64: no conversion per observe); a dict {group: tokens} (groups 0..G-1) or anything else is copied."""
+        T, did, i32, i64 = self._tensor, self.did, self._i32t, self._i64t
+        wide = 0
+        if positions is None:
+            raise ValueError("slot_mapping needs positions on the device path")
+        maps = slot_mapping.values() if isinstance(slot_mapping, dict) else (slot_mapping,)
+        if self.cuda and self.capturing() and any(self._in_capture(x) for x in (positions, *maps) if x is not None):
+            return None
+        if type(positions) is T and positions.get_device() == did and positions.dim() == 1 and (
+                positions.dtype is i32 or positions.dtype is i64) and positions.is_contiguous():
+            wide = int(positions.dtype is i64)
+        else:
+            positions = self._i32(positions)
+            held.append(positions)
+        n_pos = positions.numel()
+        pp = positions.data_ptr() or self._nil
+        if slot_mapping is None:
+            return pp, n_pos, self._nil, 0, wide, 0
+        sm = slot_mapping
+        if type(sm) is T and sm.get_device() == did and sm.dim() == 2 and (sm.dtype is i32 or sm.dtype is i64) \
+                and sm.shape[1] == n_pos and (sm.stride(1) == 1 or n_pos <= 1):
+            wide |= 2 * (sm.dtype is i64)
+        else:
+            if isinstance(sm, dict):
+                keys = sorted(sm)
+                if keys != list(range(len(keys))):
+                    raise ValueError("slot_mapping's groups must be 0..G-1 on the device path")
+                sm = self.torch.stack([self._i32(sm[g]) for g in keys])
+            sm = self._i32(sm).reshape(-1, n_pos)
+            held.append(sm)
+        return pp, n_pos, sm.data_ptr() or self._nil, sm.shape[0], wide, sm.stride(0)
+
+    def _mask(self, groups: int) -> int:
+        """Bit g: group g is sharded by DCP (the spec's, every group where it names none)."""
+        m = self._masks.get(groups)
+        if m is None:
+            sh = self._spec.sharded
+            m = self._masks[groups] = sum(1 << g for g in range(groups) if sh is None or g >= len(sh) or sh[g])
+        return m
+
+    def launch(self, vals, r) -> bool:
+        """One check-and-keep launch on the current stream; nothing read back. False: skipped (_fit). No torch
+        op on the engine's tensors where they are int32 contiguous on the device (slot entries: int64 too).
+        vals: the record's Scalars (checked)."""
+        (_, site, _, _, _, seq_lens, dcp, _, _, _, _, _, qsl, _, _, _, kv, dqsl, tot, positions, slot_mapping) = r
+        sid = self.sites.get(site)
+        if sid is None:
+            sid = self.sites[site] = len(self.site_names)
+            self.site_names.append(site)
+        held: list = []  # copies made for this launch, alive until it is queued
+        nil, sec = self._nil, self._sec
+        sp, ns = sec(seq_lens, held)
+        dp, nd = sec(dcp, held)
+        qp, nq = sec(qsl, held)
+        kp, nk = sec(kv, held)
+        yp, ny = sec(dqsl, held)
+        tp, nt = sec(tot, held)
+        if min(nd, nq, nk, ny, nt) == _HOST_IN_CAPTURE:  # (host arrays inside capture: those checks left out)
+            if nd == _HOST_IN_CAPTURE:
+                return False  # (without its view nothing of it can be checked: skipped, as before the ring)
+            if nq == _HOST_IN_CAPTURE:  # the slot check's real tokens come from query_start_loc
+                nq, positions, slot_mapping = -1, None, None
+            nk, ny, nt = (-1 if n == _HOST_IN_CAPTURE else n for n in (nk, ny, nt))
+        if positions is None and slot_mapping is None:
+            pp, npos, mp, groups, wide, stride, mask = nil, -1, nil, 0, 0, 0, 0
+        else:
+            got = self._slot_args(positions, slot_mapping, held)
+            pp, npos, mp, groups, wide, stride = (nil, -1, nil, 0, 0, 0) if got is None else got
+            mask = self._mask(groups)
+        rows = max(ns, nd, nq, nk, ny, nt)
+        tokens = max(npos, 0) * (groups + 1)
+        if self.ring is None or rows > self.cap or tokens > self.tcap:
+            if not self._fit(rows, tokens):
+                return False
+        if not self.frozen and self.capturing():
+            self.frozen = True
+        step, rank, nr, nrp, ubatch, parent, rs, ts, te, ntp, buf, graph = vals  # (Scalars order)
+        buf = _NONE if buf is None else buf
+        self.go(self.raw(self.did), 1, *self._fixed, step, sid, rank, ubatch, nr, nrp,
+                _NONE if parent is None else parent, _NONE if rs is None else rs, _NONE if ts is None else ts,
+                _NONE if te is None else te, _NONE if ntp is None else ntp, _NONE if graph is None else graph,
+                (buf & 0xFFFFFFFF) - ((buf & 0x80000000) << 1), buf >> 32, sp, ns, dp, nd, qp, nq, kp, nk, yp, ny,
+                tp, nt, pp, max(npos, 0), mp, groups, mask, wide, stride)
+        return True
+
+    def wrong_seen(self) -> bool:
+        """The flag, read from host memory without a sync (the kernel's write lands there)."""
+        return bool(self.flag_np[0])
+
+    def kept(self) -> tuple[list[tuple[int, int, Record | None]], int, int]:
+        """Wait for the stream; the ring's observations up to the first wrong one, oldest first, as (index, rule
+        bits, the Record or None for one larger than its slot); the number seen, the number wrong."""
+        t = self.torch
+        if self.device.type == "cuda":
+            t.cuda.synchronize(self.device)
+        count, stop, wrong = (int(v) for v in self.state[:3].cpu().tolist())
+        if self.ring is None:
+            return [], count, wrong
+        last = (stop or count) - 1
+        ring = self.ring.cpu().numpy()
+        out = []
+        for i in range(max(0, last - self.keep + 1), last + 1):
+            w = ring[i % self.keep]
+            if w[0] == i + 1:
+                out.append((i, int(w[1]), self._decode(w) if w[W_KEPT] else None))
+        return out, count, wrong
+
+    def counts(self) -> tuple[int, int]:
+        """Wait for the stream; (observations seen, wrong ones) by the kernel's counters."""
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+        count, _, wrong = (int(v) for v in self.state[:3].cpu().tolist())
+        return count, wrong
+
+    def _decode(self, w: np.ndarray) -> Record:
+        """A slot back to the observation's Record (host arrays)."""
+        cap = self.cap
+        cnt = w[W_COUNTS:W_COUNTS + 8].tolist()
+
+        def sec(k):
+            return None if cnt[k] < 0 else w[HEAD + k * cap:HEAD + k * cap + cnt[k]].copy()
+
+        def opt(v):
+            return None if v == _NONE else int(v)
+
+        kw = dict(step=int(w[2]), site=self.site_names[int(w[3])], rank=int(w[4]), ubatch=int(w[5]),
+                  num_reqs=int(w[6]), num_reqs_padded=int(w[7]), parent=opt(w[8]), req_start=opt(w[9]),
+                  tok_start=opt(w[10]), tok_stop=opt(w[11]), num_tokens_padded=opt(w[12]), graph=opt(w[13]),
+                  buffer=opt((int(w[15]) << 32) | (int(w[14]) & 0xFFFFFFFF)),
+                  seq_lens=sec(0), dcp_local_seq_lens=sec(1), query_start_loc=sec(2), kv_pages=sec(3),
+                  dcp_query_start_loc=sec(4), dcp_tot_seq_lens=sec(5))
+        tok, groups = cnt[6], cnt[7]
+        if groups > 0:
+            base = HEAD + SECTIONS * cap
+            kw["positions"] = w[base:base + tok].copy()
+            kw["slot_mapping"] = w[base + tok:base + tok * (groups + 1)].reshape(groups, tok).copy()
+        return Record(**kw)

@@ -1,0 +1,169 @@
+"""Triton: the Guard's check kernel (device_checks.py says what it does). Imported only through dcp.backend.load."""
+
+import triton
+import triton.language as tl
+
+from dcptool.dcp.backend import interpreted
+from dcptool.dcp.kernel_tl import _local
+from dcptool.engine.guard.device_checks import (
+    BIT_EMPTY,
+    BIT_MISSING,
+    BIT_PADDING,
+    BIT_PAGES,
+    BIT_SHAPE,
+    BIT_SLOTS,
+    BIT_TOT,
+    BIT_VALUES,
+    GUARD_BLOCK,
+    GUARD_BLOCK_INTERPRETED,
+    HEAD,
+    SECTIONS,
+    W_COUNTS,
+    W_KEPT,
+)
+
+_ARGS = ["ring", "state", "flag", "keep", "words", "cap", "tcap", "N", "I", "page", "step", "site", "rank", "ubatch",
+         "nr", "nrp", "parent", "req_start", "tok_start", "tok_stop", "ntp", "graph", "buf_lo", "buf_hi", "seq_p",
+         "n_seq", "dcp_p", "n_dcp", "qsl_p", "n_qsl", "kv_p", "n_kv", "dq_p", "n_dq", "tot_p", "n_tot", "pos_p",
+         "n_pos", "map_p", "n_groups", "shard_mask", "wide", "map_stride"]
+
+# (the GPU's time grows with the loops' trips, one round trip to memory each: 1,024 rows in one; the interpreter's
+# with the block's size too, past a few hundred lanes: the CPU tests' blocks are smaller)
+_BLOCK = tl.constexpr(GUARD_BLOCK_INTERPRETED if interpreted() else GUARD_BLOCK)
+_VALUES, _PADDING, _SHAPE, _MISSING = (tl.constexpr(b) for b in (BIT_VALUES, BIT_PADDING, BIT_SHAPE, BIT_MISSING))
+_PAGES, _EMPTY, _TOT, _SLOTS = (tl.constexpr(b) for b in (BIT_PAGES, BIT_EMPTY, BIT_TOT, BIT_SLOTS))
+_HEAD = tl.constexpr(HEAD)
+_SECTIONS = tl.constexpr(SECTIONS)
+_W_COUNTS = tl.constexpr(W_COUNTS)
+_W_KEPT = tl.constexpr(W_KEPT)
+
+
+@triton.jit(do_not_specialize=_ARGS)
+def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32, words: tl.int32, cap: tl.int32,
+                 tcap: tl.int32, N: tl.int32, I: tl.int32, page: tl.int32, step: tl.int32, site: tl.int32,
+                 rank: tl.int32, ubatch: tl.int32, nr: tl.int32, nrp: tl.int32, parent: tl.int32,
+                 req_start: tl.int32, tok_start: tl.int32, tok_stop: tl.int32, ntp: tl.int32, graph: tl.int32,
+                 buf_lo: tl.int32, buf_hi: tl.int32, seq_p: tl.int64, n_seq: tl.int32, dcp_p: tl.int64,
+                 n_dcp: tl.int32, qsl_p: tl.int64, n_qsl: tl.int32, kv_p: tl.int64, n_kv: tl.int32, dq_p: tl.int64,
+                 n_dq: tl.int32, tot_p: tl.int64, n_tot: tl.int32, pos_p: tl.int64, n_pos: tl.int32,
+                 map_p: tl.int64, n_groups: tl.int32, shard_mask: tl.int32, wide: tl.int32, map_stride: tl.int32):
+    # One program: the observation's index from the device counter (state[0], so every replay of a captured
+    # launch gets its own), the checks of engine.guard.host_checks on the rows as attention was handed them, the
+    # observation into ring slot index % keep (its header, then each section's rows) unless the ring is frozen at
+    # an earlier wrong observation (state[1] = its index + 1); on a wrong one: state[1], state[2] += 1 (the wrong
+    # count) and the host-mapped flag (written through its device address: no copy, no sync). The slot's header
+    # is written even when its rows do not fit (kept = 0), so the host still learns what was wrong. Every address
+    # is an integer argument (the launcher's C entry takes the arguments as they are: launch.py); the rows are
+    # checked and kept in one pass (each block of every section loaded once: one round trip to memory per block,
+    # not one per section). wide: bit 0 positions int64, bit 1 the slot mapping int64 (vLLM's, narrowed here:
+    # no conversion launched on the host); map_stride: the slot mapping's row stride in elements.
+    st = state.to(tl.pointer_type(tl.int32))
+    idx = tl.atomic_add(st, 1, sem="relaxed")  # (an index only: no fence before the loads)
+    stop = tl.load(st + 1, volatile=True)
+    seqp = seq_p.to(tl.pointer_type(tl.int32))
+    dcpp = dcp_p.to(tl.pointer_type(tl.int32))
+    qslp = qsl_p.to(tl.pointer_type(tl.int32))
+    kvp = kv_p.to(tl.pointer_type(tl.int32))
+    dqp = dq_p.to(tl.pointer_type(tl.int32))
+    totp = tot_p.to(tl.pointer_type(tl.int32))
+    bits = nr * 0
+    bits = bits | tl.where((n_dcp < 0) & (N > 1), _MISSING, 0)
+    bits = bits | tl.where((n_dcp >= 0) & (n_dcp != nrp), _SHAPE, 0)
+    bits = bits | tl.where((n_dq > 0) & (N > 1) & (n_qsl > 0) & (n_dq > n_qsl), _EMPTY, 0)
+    aligned = n_dcp == n_seq  # the view's values are compared where it is aligned with seq_lens
+    # the ring: frozen at the first wrong observation (stop != 0), so the wrong one stays last
+    live = stop == 0
+    fits = (n_seq <= cap) & (n_dcp <= cap) & (n_qsl <= cap) & (n_kv <= cap) & (n_dq <= cap) & (n_tot <= cap) & (
+        n_pos * (n_groups + 1) <= tcap)
+    keepit = live & fits
+    slot = ring.to(tl.pointer_type(tl.int32)) + (idx % keep).to(tl.int64) * words
+    rows = tl.maximum(tl.maximum(tl.maximum(n_seq, n_dcp), tl.maximum(n_qsl, n_kv)), tl.maximum(n_dq, n_tot))
+    acc = tl.zeros([_BLOCK], tl.int32)
+    for off in range(0, rows, _BLOCK):
+        j = off + tl.arange(0, _BLOCK)
+        real = j < nr
+        ms = j < n_seq
+        md = j < n_dcp
+        mq = j < n_qsl
+        mk = j < n_kv
+        mdq = j < n_dq
+        mt = j < n_tot
+        seq = tl.load(seqp + j, mask=ms, other=0)
+        dv = tl.load(dcpp + j, mask=md, other=0)
+        qv = tl.load(qslp + j, mask=mq, other=0)
+        kv = tl.load(kvp + j, mask=mk, other=-1)
+        dq = tl.load(dqp + j, mask=mdq, other=0)
+        tv = tl.load(totp + j, mask=mt, other=0)
+        wide64 = tl.zeros_like(seq).to(tl.int64)
+        local = _local(seq.to(tl.int64), wide64 + rank, (wide64 + N) * I, I)
+        acc = acc | tl.where(aligned & real & ms & (dv.to(tl.int64) != local), _VALUES, 0)
+        acc = acc | tl.where(aligned & (j >= nr) & (j < nrp) & md & (dv != 0), _PADDING, 0)
+        kv64 = kv.to(tl.int64)
+        acc = acc | tl.where((page > 0) & real & (kv64 >= 0) & (kv64 != (local + page - 1) // tl.maximum(page, 1)),
+                             _PAGES, 0)
+        acc = acc | tl.where((N > 1) & (n_qsl > 0) & mdq & mq & (dq != qv), _EMPTY, 0)
+        acc = acc | tl.where((N > 1) & real & mt & (tv != seq), _TOT, 0)
+        tl.store(slot + _HEAD + j, seq, mask=j < tl.where(keepit, n_seq, 0))
+        tl.store(slot + _HEAD + cap + j, dv, mask=j < tl.where(keepit, n_dcp, 0))
+        tl.store(slot + _HEAD + 2 * cap + j, qv, mask=j < tl.where(keepit, n_qsl, 0))
+        tl.store(slot + _HEAD + 3 * cap + j, kv, mask=j < tl.where(keepit, n_kv, 0))
+        tl.store(slot + _HEAD + 4 * cap + j, dq, mask=j < tl.where(keepit, n_dq, 0))
+        tl.store(slot + _HEAD + 5 * cap + j, tv, mask=j < tl.where(keepit, n_tot, 0))
+    if n_groups > 0:
+        # slots: n_pos tokens, n_groups rows of slot_mapping ([groups, tokens], rows map_stride apart); the real
+        # tokens are qsl[nr]; kept as positions then the groups' rows back to back
+        q = tl.load(qslp + nr + tl.arange(0, 2), mask=tl.arange(0, 2) < tl.where(nr < n_qsl, 1, 0), other=0)
+        real_t = tl.where(n_qsl > nr, tl.sum(q, axis=0), n_pos)
+        out = slot + _HEAD + _SECTIONS * cap
+        kept_t = tl.where(keepit, n_pos, 0)  # (store masks as index bounds: the interpreter's masks must be bool)
+        pos_wide = (wide & 1) != 0  # (int64 sources narrowed as they are read)
+        map_wide = (wide & 2) != 0
+        for g in range(0, n_groups):
+            sharded = (shard_mask >> g) & 1
+            mp = map_p + map_stride.to(tl.int64) * g * (4 + 4 * map_wide)  # (bytes)
+            writes = rank * 0
+            for off in range(0, n_pos, _BLOCK):  # does this rank write anything in the group?
+                t = off + tl.arange(0, _BLOCK)
+                if map_wide:
+                    s = tl.load(mp.to(tl.pointer_type(tl.int64)) + t, mask=t < n_pos, other=-1).to(tl.int32)
+                else:
+                    s = tl.load(mp.to(tl.pointer_type(tl.int32)) + t, mask=t < n_pos, other=-1)
+                writes = writes | tl.max(((t < real_t) & (s >= 0)).to(tl.int32), axis=0)
+            for off in range(0, n_pos, _BLOCK):
+                t = off + tl.arange(0, _BLOCK)
+                m = t < n_pos
+                if pos_wide:
+                    p = tl.load(pos_p.to(tl.pointer_type(tl.int64)) + t, mask=m, other=0).to(tl.int32)
+                else:
+                    p = tl.load(pos_p.to(tl.pointer_type(tl.int32)) + t, mask=m, other=0)
+                if map_wide:
+                    s = tl.load(mp.to(tl.pointer_type(tl.int64)) + t, mask=m, other=-1).to(tl.int32)
+                else:
+                    s = tl.load(mp.to(tl.pointer_type(tl.int32)) + t, mask=m, other=-1)
+                mine = ((p // I) % N == rank) | (sharded == 0)
+                rt = t < real_t
+                bad = (~rt & (s != -1)) | (s < -1) | (rt & (((s >= 0) & ~mine) | ((s == -1) & mine & (writes != 0))))
+                acc = acc | tl.where(m & bad, _SLOTS, 0)
+                tl.store(out + t, p, mask=t < tl.where(g == 0, kept_t, 0))
+                tl.store(out + n_pos * (g + 1) + t, s, mask=t < kept_t)
+    # the rows' rule bits ORed (a max would keep only the highest of bits set in different rows): which of the 8
+    # bits any row set (one max over [rows, 8]), then summed back (two reductions the interpreter does in numpy)
+    k8 = tl.arange(0, 8)
+    bits = bits | tl.sum(tl.max((acc[:, None] >> k8[None, :]) & 1, axis=0) << k8, axis=0)
+    # the header, one vector (each word a select: no nested jit call, which the interpreter pays dearly for)
+    hl = tl.arange(0, _HEAD)
+    hv = tl.where(hl == 0, idx + 1, tl.where(hl == 1, bits, tl.where(hl == 2, step, tl.where(hl == 3, site, 0))))
+    hv = tl.where(hl == 4, rank, tl.where(hl == 5, ubatch, tl.where(hl == 6, nr, tl.where(hl == 7, nrp, hv))))
+    hv = tl.where(hl == 8, parent, tl.where(hl == 9, req_start, tl.where(hl == 10, tok_start, hv)))
+    hv = tl.where(hl == 11, tok_stop, tl.where(hl == 12, ntp, tl.where(hl == 13, graph, hv)))
+    hv = tl.where(hl == 14, buf_lo, tl.where(hl == 15, buf_hi, hv))
+    c = hl - _W_COUNTS
+    hv = tl.where(c == 0, n_seq, tl.where(c == 1, n_dcp, tl.where(c == 2, n_qsl, tl.where(c == 3, n_kv, hv))))
+    hv = tl.where(c == 4, n_dq, tl.where(c == 5, n_tot, tl.where(c == 6, n_pos, tl.where(c == 7, n_groups, hv))))
+    hv = tl.where(hl == _W_KEPT, fits.to(tl.int32), hv)
+    tl.store(slot + hl, hv, mask=hl < tl.where(live, _HEAD, 0))
+    if bits != 0:
+        if live:
+            tl.store(st + 1, idx + 1)
+        tl.atomic_add(st + 2, 1)
+        tl.store(flag.to(tl.pointer_type(tl.int32)), 1)

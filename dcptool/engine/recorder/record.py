@@ -1,0 +1,326 @@
+"""The Recorder an engine calls: each observation checked, copied without stopping the engine, written atomically."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+from dcptool.dump import DumpConfig, Record, Scalars, check_config
+from dcptool.dump.schema import KVGroup
+from dcptool.engine.arguments import (
+    _NEW,
+    _NO_SLOTS,
+    _check_own,
+    _device_slots,
+    _Groups,
+    _int,
+    _NoTensor,
+    _opt,
+    buffer_id,
+    scalars,
+    tensor_type,
+)
+from dcptool.engine.recorder.host import HostPath, of_rank
+from dcptool.engine.recorder.writer import Writer
+from dcptool.engine.snapshot.device import DevicePath
+from dcptool.engine.snapshot.device import _find_torch as _device_torch
+from dcptool.engine.snapshot.ring import DEFAULT_RING_BYTES
+
+_TENSOR: type = _NoTensor  # torch.Tensor once torch is imported (the engine package does not import it)
+
+
+def _find_torch() -> None:
+    """Look for torch.Tensor again (torch may be imported after the Recorder was made): here and on the device path."""
+    global _TENSOR
+    _TENSOR = tensor_type()
+    _device_torch()
+
+
+def _kept_by(part: str, name: str, doc: str) -> property:
+    """A Recorder attribute that one of its parts keeps (`_writer`, `_device`)."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, v: setattr(getattr(self, part), name, v), doc=doc)
+
+
+class Recorder:
+    """Record observations; `close()` (or leaving a `with` block) writes the dump atomically.
+
+    `observe()` never raises into the engine: a value it cannot store (a bad length, a value int32 cannot hold, a
+    scalar that is not an integer: `step=1.9`, `rank="7"` and bools are dropped, never coerced) is counted in
+    `dropped` and warned about once; an observation made inside CUDA-graph capture is not recorded and counted in
+    `skipped_capture`. observe() is thread-safe: index allocation, appending and rollover happen under one lock.
+
+    With `rollover=K`, every K observations go to a new numbered file (`run.00000.safetensors`,
+    `run.00001.safetensors`, ...), written in order on a background thread (the observe() that rolls over
+    only hands its observations over; `flush()` waits for those), so a long run never risks one huge file
+    and everything up to the last file written survives a killed process. Read the files together.
+
+    CUDA tensors (`cuda_mode="async"`, the default) are snapshotted on the engine's current stream with no host
+    synchronisation (see device.DevicePath); their values are checked when the slot is harvested, and an observation
+    whose device values cannot be stored (a negative seq_len, an int64 value int32 cannot hold) is dropped then:
+    counted in `dropped`, and the index observe() returned for it is not in the file (a `parent=` pointing at it is
+    recorded as unknown). A full ring waits for the oldest launches (`ring_full="wait"`) or drops the observation
+    and counts it in `ring_drops` (`ring_full="drop"`). `cuda_mode="sync"` copies with `.to("cpu")` as before.
+
+    Nothing is lost quietly: an existing recording at `path` (or its numbered files) is refused unless `force=True`,
+    which replaces it (numbered files included). While a Recorder is open it holds `path` on this host: a second
+    Recorder (another process, or this one) for the same path records to `STEM.pPID.SUFFIX` instead, says so in a
+    RuntimeWarning, and `path` names where it writes (`requested_path` what was asked for); every write also checks
+    its file is still absent (or the earlier recording being replaced) and moves to such a name if another writer
+    made it. A rollover file that cannot be written (disk full) is kept in memory, warned about, and retried at the
+    next rollover and at close(), which raises WriteError if it still fails (call it again once there is room). A
+    Recorder that was never closed is closed at interpreter exit. A killed process leaves every file it completed
+    intact, and at most a hidden `.NAME.*.tmp` temporary that no reader uses.
+
+    With `max_bytes` the recording stops at that size (checked at each rollover, else every 1,024 observations;
+    it may pass it by that much): the last file's metadata says so (`dcptool.capped`), a RuntimeWarning says so
+    once, and later observations are not recorded (-1, counted in `capped`).
+    """
+
+    path = _kept_by("_writer", "path", "Where it records: requested_path, or STEM.pPID.SUFFIX where that is held.")
+    requested_path = _kept_by("_writer", "requested_path", "The path it was given.")
+    rollover = _kept_by("_writer", "rollover", "Observations per numbered file; None: one file, at close().")
+    files = _kept_by("_writer", "files", "The files written so far.")
+    write_errors = _kept_by("_writer", "write_errors", "Failed writes (each retried later); the last in last_error.")
+    last_error = _kept_by("_writer", "last_error", "The last failed write's error (None: none failed).")
+    injected = _kept_by("_writer", "injected", "simulate's injected faults {fault: [index]}, written with the dump.")
+    config = _kept_by("_writer", "config", "The DumpConfig written (its sites grow as observations name new ones).")
+    cuda_mode = _kept_by("_device", "cuda_mode", '"async" (the snapshot ring) or "sync" (where the ring cannot run).')
+    ring_full = _kept_by("_device", "ring_full", 'What a full ring does: "wait" or "drop".')
+    max_bytes = _kept_by("_writer", "max_bytes", "The size cap of the recording in bytes (None: none).")
+    capped = _kept_by("_writer", "capped", "Observations not recorded because the recording reached max_bytes.")
+    ring_drops = _kept_by("_device", "ring_drops", 'Device observations dropped because the ring was full ("drop").')
+    skipped_capture = _kept_by("_device", "skipped_capture", "Observations made inside CUDA-graph capture (not "
+                                                              "recorded).")
+
+    def __init__(self, path: str | os.PathLike, dcp_size: int, cp_interleave: int = 1, *,
+                 sites: tuple[str, ...] = (), pcp_size: int = 1, page_size: int | None = None,
+                 engine: str | None = None, engine_version: str | None = None, note: str | None = None,
+                 rollover: int | None = None, force: bool = False, cuda_mode: str = "async",
+                 ring_bytes: int = DEFAULT_RING_BYTES, ring_full: str = "wait", kv_groups=None,
+                 max_bytes: int | None = None):
+        config = DumpConfig(dcp_size=dcp_size, cp_interleave=cp_interleave, sites=tuple(sites), pcp_size=pcp_size,
+                            page_size=page_size, engine=engine, engine_version=engine_version, note=note,
+                            kv_groups=None if kv_groups is None else tuple(KVGroup.of(g) for g in kv_groups))
+        check_config(Path(path), config)  # a bad config fails here, not hours later at close()
+        if rollover is not None and rollover < 1:
+            raise ValueError(f"rollover must be >= 1, got {rollover}")
+        if cuda_mode not in ("async", "sync"):
+            raise ValueError(f"cuda_mode must be 'async' or 'sync', got {cuda_mode!r}")
+        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):
+            raise ValueError(f"max_bytes must be an integer >= 1, got {max_bytes!r}")
+        if ring_full not in ("wait", "drop"):
+            raise ValueError(f"ring_full must be 'wait' or 'drop', got {ring_full!r}")
+        self._ranks = dcp_size
+        self._lock = threading.RLock()
+        self._acquire, self._release_lock = self._lock.acquire, self._lock.release
+        self.dropped = 0
+        self._site_ok: set[str] = set()  # site names already checked
+        self._warned = False
+        self._fast = None  # observe()'s fast path (DevicePath.observe_fast) once the ring runs with its kernel
+        _find_torch()
+        self._writer = w = Writer(path, config, rollover, force, self._lock, max_bytes)
+        self._append = w.append
+        self._host = HostPath(w, self._lock, self._site_ok)
+        self._device = w.device = DevicePath(w, self._lock, self._site_ok, self._drop, cuda_mode, ring_bytes, ring_full)
+        self._observe_device = self._device.observe_device  # (bench_record.py counts its calls by replacing it)
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return self._writer.count - self._writer.late
+
+    def observe(self, *, step: int, site: str, rank: int, seq_lens, num_reqs: int, num_reqs_padded: int,
+                dcp_local_seq_lens=None, ubatch: int = -1, parent: int | None = None, req_start: int | None = None,
+                tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
+                num_tokens_padded: int | None = None, buffer: int | None = None, graph: int | str | None = None,
+                kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None, positions=None,
+                slot_mapping=None) -> int:
+        """Record one attention-metadata build; returns its index (pass it as `parent=` later), -1 if dropped.
+
+        The keywords are the observation's fields (dump.observation.FIELDS_TABLE). dcp_query_start_loc /
+        dcp_tot_seq_lens (None: not recorded): the Q the DCP decode path hands the empty-shard mask, and the global
+        companion of the local lengths (device sections, like the other rows). `positions` (each token's position
+        in its sequence) and `slot_mapping` (the KV slot this rank writes per token, -1 for none: a 1-D tensor for
+        KV-cache group 0, a [groups, tokens] tensor, or a dict {group index: 1-D tensor}) go together: CUDA
+        tensors of the device path are snapshotted raw (no waiting; the entries are built at harvest), host
+        tensors, numpy arrays and lists copied on the host)."""
+        return self.record(_NEW(Record, (step, site, rank, num_reqs, num_reqs_padded, seq_lens, dcp_local_seq_lens,
+                                         ubatch, parent, req_start, tok_start, tok_stop, query_start_loc,
+                                         num_tokens_padded, buffer, graph, kv_pages, dcp_query_start_loc,
+                                         dcp_tot_seq_lens, positions, slot_mapping)))
+
+    def record(self, r: Record) -> int:
+        """observe() for a caller that builds the observation's Record itself (the vLLM plugin, simulate)."""
+        fast = self._fast
+        if fast is not None and type(r[5]) is _TENSOR:  # (seq_lens)
+            try:  # the engine's common case (see DevicePath.observe_fast); None: the general path below
+                got = fast(r)
+            except Exception as e:  # never break the engine
+                self._drop(e)
+                return -1
+            if got is not None:
+                return got
+        try:
+            got = self._general(r)
+        except Exception as e:  # never break the engine
+            self._drop(e)
+            return -1
+        if type(got) is int:
+            return got
+        vals, site, row = got
+        w = self._writer
+        with self._lock:
+            try:
+                if w.stopped:
+                    w.refuse()  # (raises after close(); counts it past the size cap)
+                    return -1
+                _check_own(vals[1], vals[5], vals[10], w.count, self._ranks)  # (rank, parent, buffer)
+            except Exception as e:
+                self._drop(e)
+                return -1
+            return self._append(vals, site, row)
+
+    def _general(self, r: Record) -> int | tuple:
+        """observe()'s general path: the device snapshot where a tensor of the device path is given (its index, or -1
+        when skipped), else the observation's host copies, checked: (scalars, site, rows) for the writer. Raises
+        what cannot be stored."""
+        if self._writer.stopped:  # (closed, or past the size cap: nothing to copy)
+            self._writer.refuse()
+            return -1
+        dev = self._device
+        if _TENSOR is _NoTensor:
+            _find_torch()  # (torch imported after the Recorder was made)
+        slots = _NO_SLOTS if r.positions is None and r.slot_mapping is None else None  # None: not copied yet
+        dcp = r.dcp_local_seq_lens
+        if dev.device_tensors(r):
+            if dev.capturing():
+                dev.skip_capture()
+                return -1
+            if r.buffer is None and dcp is not None:
+                r = r._replace(buffer=buffer_id(dcp))
+            vals = scalars(r)
+            if dev.cuda_mode == "async":
+                got, slots = self._snapshot(r, vals, slots)
+                if got is not None:
+                    return got
+        else:
+            if r.buffer is None and dcp is not None and hasattr(dcp, "untyped_storage"):
+                r = r._replace(buffer=buffer_id(dcp))
+            vals = scalars(r)
+        return vals, r.site, self._host.row(r, vals, slots)
+
+    def _snapshot(self, r: Record, vals: Scalars, slots: tuple | None) -> tuple[int | None, tuple | None]:
+        """The device snapshot of an observation (DevicePath.observe_device): (its index, or None where the host
+        path must copy it; the slot entries the host path then keeps, None: not copied yet)."""
+        dev = self._device
+        if slots is None:  # the slot sections on the device too when they all are (no host copy)
+            slots = (_device_slots(r.positions, r.slot_mapping, self._writer.config.kv_groups, _TENSOR, dev.on,
+                                   self._host.groups_seen) or self._host.slots(r.positions, r.slot_mapping))
+        got = self._observe_device(vals, r.site, (r.seq_lens, r.dcp_local_seq_lens, r.query_start_loc, r.kv_pages,
+                                                  r.dcp_query_start_loc, r.dcp_tot_seq_lens, *slots))
+        self._fast = dev.fast
+        return got, None if slots is not None and type(slots[2]) is _Groups else slots
+
+    def observe_many(self, *, step: int, site: str, ranks, seq_lens, num_reqs: int, num_reqs_padded: int,
+                     dcp_local_seq_lens=None, ubatch: int = -1, parents=None, req_start: int | None = None,
+                     tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
+                     num_tokens_padded: int | None = None, buffers=None, graph: int | str | None = None,
+                     kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None, positions=None,
+                     slot_mapping=None) -> list[int]:
+        """Record one batch as seen by several ranks: one observation per entry of `ranks`.
+
+        What the ranks share (seq_lens, query_start_loc and the scalars) is copied once;
+        dcp_local_seq_lens and kv_pages are [ranks, rows] (kv_pages may also be one shared row);
+        parents and buffers are per rank; dcp_query_start_loc and dcp_tot_seq_lens are one row
+        shared by every rank or [ranks, rows]. For a simulator or a harness that holds every rank's
+        metadata at once (an engine process records its own rank with observe(); CUDA tensors are
+        copied here with `.to("cpu")`, which waits for the stream). Returns the indices; a batch that
+        cannot be stored is dropped whole ([-1] * len(ranks)). `positions` are shared; `slot_mapping` is
+        per rank: [ranks, tokens] for group 0, or a dict {group index: [ranks, tokens]}.
+        """
+        return self.record_many(Record(step, site, ranks, num_reqs, num_reqs_padded, seq_lens, dcp_local_seq_lens,
+                                       ubatch, parents, req_start, tok_start, tok_stop, query_start_loc,
+                                       num_tokens_padded, buffers, graph, kv_pages, dcp_query_start_loc,
+                                       dcp_tot_seq_lens, positions, slot_mapping))
+
+    def record_many(self, r: Record) -> list[int]:
+        """observe_many() for a caller that builds the Record itself: its `rank`, `parent` and `buffer` hold one
+        entry per rank (None: none), its rows as observe_many() takes them."""
+        ranks = list(r.rank)
+        k = len(ranks)
+        try:
+            common, rows = self._host.many(r, k)
+            parents = [None] * k if r.parent is None else list(r.parent)
+            buffers = [None] * k if r.buffer is None else list(r.buffer)
+            if len(parents) != k or len(buffers) != k or (rows[3] is not None and rows[3].shape[0] != k):
+                raise ValueError(f"{k} ranks but {len(parents)} parents, {len(buffers)} buffers")
+            ranks = [_int(x, "rank") for x in ranks]
+            parents = [_opt(p, "parent") for p in parents]
+            parents = [None if p is None or p < 0 else p for p in parents]
+            buffers = [_opt(b, "buffer") for b in buffers]
+        except Exception as e:
+            self._drop(e, k)
+            return [-1] * k
+        w = self._writer
+        with self._lock:
+            try:
+                if w.stopped:
+                    w.refuse(k)
+                    return [-1] * k
+                for i in range(k):
+                    _check_own(ranks[i], parents[i], buffers[i], w.count + i, self._ranks)
+            except Exception as e:
+                self._drop(e, k)
+                return [-1] * k
+            step, _, nr, nrp, ubatch, _, rs, ts, te, ntp, _, graph = common  # Scalars, in order
+            return [self._append(_NEW(Scalars, (step, ranks[i], nr, nrp, ubatch, parents[i], rs, ts, te, ntp,
+                                                buffers[i], graph)), r.site, of_rank(rows, i)) for i in range(k)]
+
+    def set_kv_groups(self, kv_groups) -> None:
+        """Name the KV-cache groups (and whether DCP shards each) once they are known, e.g. by an engine
+        plugin after the KV cache is set up; ValueError if they do not cover the groups recorded so far."""
+        groups = tuple(KVGroup.of(g) for g in kv_groups)
+        with self._lock:
+            if len(groups) <= self._writer.max_group:
+                raise ValueError(f"{len(groups)} KV-cache groups, but group {self._writer.max_group} was recorded")
+            w = self._writer
+            w.config = DumpConfig(**{**w.config.__dict__, "kv_groups": groups})
+            check_config(w.requested_path, w.config)
+
+    def _drop(self, e: Exception, n: int = 1) -> None:
+        with self._lock:
+            self.dropped += n
+            if self._warned:
+                return
+            self._warned = True
+        warnings.warn(f"dcptool Recorder dropped an observation it cannot store ({e}); "
+                      "counting further drops silently", RuntimeWarning, stacklevel=3)
+
+    def harvest(self) -> None:
+        """Copy the finished device snapshots out of the ring now (no waiting): for a step boundary."""
+        with self._lock:
+            self._device.harvest(wait=False)
+
+    def flush(self) -> None:
+        """Wait until every rolled file is written (a failed write warns once and keeps its observations)."""
+        self._writer.flush()
+
+    def close(self) -> list[Path]:
+        """Write what is left (atomically); returns the files written. Safe to call twice.
+
+        Waits for the device snapshots still in flight. Raises WriteError (naming the file) when the
+        last file cannot be written; the observations stay in memory and a later close() tries again.
+        """
+        return self._writer.close()
+
+    def discard(self) -> None:
+        """Write nothing more, not even at exit, and drop what is not written yet: for a run that failed or
+        was interrupted (simulate), whose dump would look complete but is not."""
+        self._writer.discard()

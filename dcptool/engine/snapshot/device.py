@@ -1,0 +1,390 @@
+"""observe()'s path for CUDA tensors: one kernel launch copies them into a slot of the ring, harvested later."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from dcptool.dump import INT32_MAX, Record, Scalars
+from dcptool.engine.arguments import (
+    _I64,
+    _I64_MIN,
+    _NEW,
+    _T,
+    _check_own,
+    _check_vals,
+    _Groups,
+    _host_fast,
+    _int32,
+    _narrowed,
+    _NoTensor,
+    tensor_type,
+)
+from dcptool.engine.snapshot.harvest import Harvest
+from dcptool.engine.snapshot.kernels import SNAP_ARGS_BLOCK
+from dcptool.engine.snapshot.launch import _arm
+from dcptool.engine.snapshot.ring import (
+    _ABSENT,
+    FENCE_EVERY,
+    SECTIONS,
+    _host_rules,
+    _Landed,
+    _Slot,
+    _SnapshotRing,
+    _tables,
+)
+
+_TENSOR: type = _NoTensor  # torch.Tensor once torch is imported (the Recorder's _find_torch says when)
+
+
+def _find_torch() -> None:
+    global _TENSOR
+    _TENSOR = tensor_type()
+
+
+def _capturing() -> bool:
+    """Inside CUDA-graph capture on the current stream (only asked once a CUDA tensor was seen)."""
+    return _T._C._cuda_isCurrentStreamCapturing()  # (torch.cuda.is_current_stream_capturing)
+
+
+def _later_sections(ring: _SnapshotRing, config, rows: int, kv, dq, tot, pos, sm) -> tuple | None:
+    """The fast path's sections 3-7 (kv_pages, dcp_query_start_loc, dcp_tot_seq_lens, positions, slot_mapping):
+    (their kernel arguments, their values in all, their int64 bits of `modes`, the slot mapping's KV-cache groups
+    or 0), checked as the general path checks them from the shapes alone (the values: by the kernel, at harvest);
+    None where the general path must take the observation (and raise what it cannot store)."""
+    did, i32, i64, base = ring.did, ring.i32, ring.i64, ring.base
+    out: list = []
+    n_all = wide = 0
+    for k, x in ((3, kv), (4, dq), (5, tot), (6, pos), (7, sm)):
+        if x is None:
+            out += (base, -1)
+            continue
+        if type(x) is not _TENSOR or x.get_device() != did or not x.is_contiguous():
+            return None
+        dt = x.dtype
+        if dt is i64:
+            wide |= 1 << k
+        elif dt is not i32:
+            return None
+        n = x.numel()
+        out += (x.data_ptr(), n)
+        n_all += n
+    if kv is not None and (out[1] != rows or config.page_size is None):
+        return None
+    groups = 0
+    if pos is not None or sm is not None:
+        if pos is None or sm is None or pos.dim() != 1:
+            return None
+        t = out[7]  # (positions' count)
+        nd = sm.dim()
+        if nd == 1:
+            groups = 1 if out[9] == t else 0
+        elif nd == 2:
+            g, tt = sm.shape
+            groups = g if tt == t else 0
+        if not groups or (config.kv_groups is not None and groups > len(config.kv_groups)):
+            return None
+    return out, n_all, wide, groups
+
+
+_GROUPS: dict[int, _Groups] = {}  # the slot group columns of the fast path, by number of groups
+
+
+def _with_groups(host: tuple | None, nsec: int, groups: int) -> tuple:
+    """The fast path's host-held sections (None: none) with the slot group column of `groups` KV-cache groups (0 ..
+    groups - 1: the harvest builds the entries from the snapshotted rows, ring._slot_rows)."""
+    g = _GROUPS.get(groups)
+    if g is None:
+        g = _GROUPS[groups] = _Groups(range(groups))
+    return (*((None,) * (nsec - 1) if host is None else host[:-1]), g)
+
+
+class DevicePath(Harvest):
+    """A Recorder's CUDA tensors, snapshotted without stopping the engine; it owns the ring.
+
+    CUDA tensors are not copied with `.to("cpu")` (that waits for the engine's stream): observe_device writes
+    a descriptor of the observation into the header of a slot of a pinned, device-mapped host ring
+    (layout: ring.py) and launches one Triton kernel on the engine's current stream with one argument, the
+    slot's address; the kernel reads the descriptor and copies every device section into the slot, so the
+    values are those at observe() time. The engine's usual call (seq_lens, the DCP view and query_start_loc
+    as int32 device tensors: observe_fast) launches snapshot.snapshot_args_kernel instead, with the header as
+    arguments: that kernel writes the same header into the slot itself (no CPU write, no GPU read of it).
+    Slots are harvested later (every FENCE_EVERY observations, at a rollover and at close()) once a CUDA
+    event says the launch finished; their copies stay in `landed` until written.
+
+    It shares the Recorder's lock and checked site names, and appends to the Recorder's writer: the fast
+    path reads them from its own attributes, no more attribute hops than when it was part of the Recorder.
+    """
+
+    def __init__(self, writer, lock, site_ok: set, drop, cuda_mode: str, ring_bytes: int, ring_full: str):
+        self.cuda_mode = cuda_mode  # "sync" once a ring cannot run here
+        self.ring_full = ring_full
+        self.ring_drops = 0  # device observations dropped because the ring was full (ring_full="drop")
+        self.skipped_capture = 0  # observations made inside CUDA-graph capture (not recorded)
+        self.ring: _SnapshotRing | None = None
+        self.fast = None  # observe_fast once the ring runs with its kernel (the Recorder's fast path)
+        self.landed = _Landed()
+        self.on = "is_cuda"  # the tensor attribute that sends a value through the ring (CPU tests: "is_cpu")
+        self.capturing = _capturing
+        self._ring_words = max(1024, int(ring_bytes) // 4)
+        self._w = writer
+        self._ranks = writer.config.dcp_size
+        self._lock = lock
+        self._acquire, self._release_lock = lock.acquire, lock.release
+        self._site_ok = site_ok  # the site names checked (the Recorder's, shared with its host path)
+        self._append = writer.append
+        self._drop = drop
+        (self._nsec, self._head, self._head_words, self._modes, self._rules, self._plus1, self._sized, self._needs,
+         self._fast_words, self._fast_pad, self._ksec) = _tables(SECTIONS)
+
+    def device_tensors(self, r: Record) -> bool:
+        """The record holds a tensor of the device path (seq_lens first: the engine's case at once)."""
+        on, t = self.on, _TENSOR
+        return any(isinstance(x, t) and getattr(x, on) for x in (r[5], r[6], r[12], r[16], r[17], r[18], r[19]))
+
+    def skip_capture(self) -> None:
+        """An observation made inside CUDA-graph capture: not recorded, counted."""
+        with self._lock:
+            self.skipped_capture += 1
+
+    def observe_device(self, vals: Scalars, site: str, srcs: tuple) -> int | None:
+        """Snapshot the observation's device tensors in one launch; None: take the host path instead.
+
+        The header's section entries are collected here, checked by the section table's rules, and written
+        with the rest of the header into the slot just before the launch. (Written for speed: this is the
+        engine's cost of recording, see benchmarks/bench_record.py --cuda and --cuda-python.)
+        """
+        on = self.on
+        i32 = _T.int32
+        modes = self._modes
+        ent = []  # address, count, mode per section (count -1: absent, or held on the host)
+        host = None  # the sections the host holds (None: none does)
+        words = self._head_words
+        device = -2
+        keep = None  # converted copies: alive until the launch is queued (their memory is reused in stream order)
+        for k, x in enumerate(srcs):
+            if x is None:
+                ent += _ABSENT
+            elif isinstance(x, _TENSOR) and getattr(x, on):
+                d = x.get_device()
+                if d != device:
+                    if device != -2:
+                        return None  # tensors on two devices: the host path copies them
+                    device = d
+                if x.dtype is i32 and x.is_contiguous():  # (contiguous: its values are numel() words at data_ptr)
+                    n = x.numel()
+                    ent += (x.data_ptr(), n, modes[k])
+                else:
+                    x, wide = _narrowed(x)
+                    keep = [x] if keep is None else [*keep, x]
+                    n = x.numel()
+                    ent += (x.data_ptr(), n, modes[k] | wide)
+                words += n
+            else:
+                if host is None:
+                    host = [None] * len(srcs)
+                host[k] = x if type(x) is _Groups else _host_fast(x)  # (_Groups: the slot sections' groups)
+                ent += _ABSENT
+        nr, nrp = vals[2], vals[3]
+        rows = ent[1] if ent[1] >= 0 or host is None or host[0] is None else host[0].size
+        if rows < nr or not 0 <= nr <= nrp:
+            raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {rows} seq_lens rows")
+        w = self._w
+        if host is None:  # every section on the device (or absent): the length rules on the header's counts
+            for k in self._plus1:
+                n = ent[3 * k + 1]
+                if n >= 0 and n != rows + 1:  # of no use to replay (as on the host path)
+                    ent[3 * k + 1] = -1
+                    words -= n
+            for k in self._sized:
+                n = ent[3 * k + 1]
+                if n >= 0 and n != rows:
+                    raise ValueError(f"{SECTIONS[k].name} needs one value per seq_lens row ({rows}), got {n}")
+            for k, need in self._needs:
+                if ent[3 * k + 1] >= 0 and getattr(w.config, need) is None:
+                    raise ValueError(f"{SECTIONS[k].name} needs {need} in the config")
+        else:
+            words = _host_rules(self._rules, w.config, ent, host, rows, words)
+        _check_vals(vals, site, self._site_ok)
+        words &= ~7
+        if device < 0:
+            device = None  # (the host ring of the CPU tests)
+        with self._lock:
+            if w.stopped:
+                w.refuse()  # (raises after close(); counts it past the size cap)
+                return -1
+            index = w.count
+            rank, parent, buffer = vals[1], vals[5], vals[10]  # (Scalars order)
+            if not 0 <= rank < self._ranks or (parent is not None and parent >= index) or (
+                    buffer is not None and not -_I64 - 1 <= buffer <= _I64):
+                _check_own(rank, parent, buffer, index, self._ranks)  # (raises, saying which)
+            ring = self.ring
+            if ring is None:
+                if device != _T.cuda.current_device():
+                    return None  # (the ring's launcher is bound to the current device's context)
+                ring = self._start_ring(device)
+                if ring is None:
+                    return None
+            elif ring.device != device:
+                return None  # tensors of another device than the ring's: the host path copies them
+            start = ring.alloc(words)
+            if start is None:
+                start = self._room(ring, words)
+            self._head.pack_into(ring.np, 4 * start, index & 0x7FFFFFFF, -1, nr, nrp, self._nsec, 0, words, 0, *ent)
+            raw = ring.raw(device)
+            ring.go(raw, ring.base + 4 * start)
+            del keep
+            return self._queued(ring, raw, index, start, words, host, vals, site)
+
+    def _queued(self, ring: _SnapshotRing, raw: int, index: int, start: int, words: int, host, vals, site: str) -> int:
+        """Under the lock, once a snapshot is launched (either path): keep its slot as the observation's row, and
+        fence every FENCE_EVERY launches (collecting the slots finished by then)."""
+        if raw not in ring.streams:
+            ring.stream(raw)
+        slot = _NEW(_Slot, (index, start, words, host))
+        ring.pending.append(slot)
+        ring.unfenced += 1
+        ring.unfenced_words += words
+        self._append(vals, site, slot)
+        if ring.unfenced >= FENCE_EVERY or ring.unfenced_words >= ring.fence_words:
+            ring.fence()
+            self.harvest(wait=False)
+        return index
+
+    def observe_fast(self, r: Record) -> int | None:
+        """observe() for what an engine passes each step, once the ring runs: seq_lens (and dcp_local_seq_lens,
+        query_start_loc when given) contiguous int32 tensors on the ring's device, or query_start_loc a 1-D numpy
+        array (held on the host), plain int scalars (`buf`: buffer=, None: dcp's storage); kv_pages,
+        dcp_query_start_loc, dcp_tot_seq_lens, positions (1-D) and slot_mapping (1-D, or [groups, tokens])
+        contiguous int32 or int64 tensors on the ring's device, or None (_later_sections). One launch of
+        snapshot_args_kernel with the header as arguments (its program 0 writes it into the slot): no header packed
+        on the CPU, no section loop, no host copy. The same checks as the general path; anything else returns None
+        (the general path takes it, and raises what it cannot store). Written for speed (bench_record.py
+        --cuda-python): a tensor's get_device() equal to the ring's also says it is a device tensor (-1: the CPU
+        tests' host ring)."""
+        step, site, rank, nr, nrp, seq, dcp, ubatch, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos, sm = r
+        ring = self.ring
+        did = ring.did
+        if seq.get_device() != did:
+            return None
+        if self.capturing():
+            self.skip_capture()
+            return -1
+        i32 = ring.i32
+        if not (type(step) is type(rank) is type(nr) is type(nrp) is type(ubatch) is int and seq.dtype is i32
+                and seq.is_contiguous()):
+            return None
+        rows = seq.numel()
+        words = self._fast_words + rows
+        if dcp is None:
+            dp, dn, buffer = ring.base, -1, None  # (absent: count -1, any readable address)
+        elif type(dcp) is _TENSOR and dcp.get_device() == did and dcp.dtype is i32 and dcp.is_contiguous():
+            dp = dcp.data_ptr()
+            dn = dcp.numel()
+            buffer = dp - 4 * dcp.storage_offset()  # (= buffer_id(dcp): its storage's base address)
+            words += dn
+        else:
+            return None
+        host = None
+        if qsl is None:
+            qp, qn = ring.base, -1
+        elif type(qsl) is _TENSOR:
+            if not (qsl.get_device() == did and qsl.dtype is i32 and qsl.is_contiguous()):
+                return None
+            qp = qsl.data_ptr()
+            qn = qsl.numel()
+            if qn == rows + 1:
+                words += qn
+            else:
+                qn = -1  # a query_start_loc that does not cover the rows is of no use to replay (not recorded)
+        elif type(qsl) is np.ndarray and qsl.ndim == 1:
+            qp, qn = ring.base, -1
+            if qsl.size == rows + 1:
+                host = (None, None, _int32(qsl), *self._fast_pad)
+        else:
+            return None
+        if parent is not None:
+            if type(parent) is not int:
+                return None
+            if parent < 0:
+                parent = None
+        if not (0 <= nr <= nrp <= INT32_MAX and nr <= rows and _I64_MIN <= step <= _I64 and -1 <= ubatch <= INT32_MAX
+                and site in self._site_ok and (graph is None or (type(graph) is int and 0 <= graph <= 3))
+                and (buf is None or (type(buf) is int and _I64_MIN <= buf <= _I64))):
+            return None
+        if rs is not None or ts is not None or te is not None or ntp is not None:
+            for v in (rs, ts, te, ntp):
+                if v is not None and not (type(v) is int and -1 <= v <= INT32_MAX):
+                    return None
+        modes = self._ksec
+        groups = 0
+        if kv is None and dq is None and tot is None and pos is None and sm is None:
+            rest = ring.absent5
+        else:
+            got = _later_sections(ring, self._w.config, rows, kv, dq, tot, pos, sm)
+            if got is None:
+                return None
+            rest, n, wide, groups = got
+            words += n
+            modes |= wide
+            if groups:
+                host = _with_groups(host, self._nsec, groups)
+        total = words - self._fast_words  # (the row values the kernel copies)
+        words &= ~7
+        sp = seq.data_ptr()
+        w = self._w
+        self._acquire()  # (the lock's acquire/release called directly: 80 ns less than `with`)
+        try:
+            index = w.count
+            if w.stopped or not 0 <= rank < self._ranks or (parent is not None and parent >= index):
+                return None
+            start = ring.alloc(words)
+            if start is None:
+                start = self._room(ring, words)
+            if total > SNAP_ARGS_BLOCK:
+                ring.np[start + 5] = 0  # (several programs: each writes the flags word only if it found something)
+            if groups > w.max_group + 1:
+                w.saw_group(groups - 1)
+            raw = ring.raw(did)
+            ring.go3(raw, (total + SNAP_ARGS_BLOCK - 1) // SNAP_ARGS_BLOCK or 1, ring.base + 4 * start,
+                     index & 0x7FFFFFFF, nr, nrp, modes, words, sp, rows, dp, dn, qp, qn, *rest)
+            # (a plain tuple in Scalars order: the writer reads the values by position; 70 ns less than a Scalars)
+            return self._queued(ring, raw, index, start, words, host, (step, rank, nr, nrp, ubatch, parent, rs, ts, te,
+                                                                       ntp, buffer if buf is None else buf, graph),
+                                site)
+        finally:
+            self._release_lock()
+
+    def _start_ring(self, device: int | None) -> _SnapshotRing | None:
+        """The ring, its kernel and its launches, checked (launch._arm); None, and sync mode, where they fail."""
+        ring = _SnapshotRing(self._ring_words, device)
+        try:
+            _arm(ring)
+        except Exception as e:
+            return self._no_ring(e)
+        self._run(ring)
+        if self.capturing is _capturing and device is not None:
+            self.capturing = ring.torch._C._cuda_isCurrentStreamCapturing  # (no Python frame per observe)
+        return ring
+
+    def _run(self, ring: _SnapshotRing) -> None:
+        """Take `ring` into use; observe() takes the fast path from now on where the ring has its kernel."""
+        self.ring = ring
+        if ring.go3 is not None:
+            self.fast = self.observe_fast
+
+    def use_host_ring(self, words: int = 4096) -> _SnapshotRing:
+        """For the CPU tests: send host torch tensors through a (non-pinned) ring and the interpreted kernel."""
+        self.on = "is_cpu"
+        self.capturing = lambda: False  # (a CPU build of torch has no capture to ask about)
+        ring = _SnapshotRing(words, None)
+        _arm(ring)
+        self._run(ring)
+        return ring
+
+    def _no_ring(self, e: Exception) -> None:
+        self.cuda_mode = "sync"
+        warnings.warn(f"dcptool Recorder cannot snapshot CUDA tensors asynchronously here ({e}); copying them "
+                      "with .to('cpu'), which waits for the stream", RuntimeWarning, stacklevel=4)
+        return None

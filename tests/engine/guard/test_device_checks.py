@@ -1,0 +1,268 @@
+"""device_checks.py: the Guard's device ring through the check kernel on CPU tensors under Triton's interpreter (or on a
+GPU): slots sized from the first observation and grown for a larger one, the flag, the ring frozen at the wrong one,
+a larger observation once a graph holds the ring, a captured observation before the ring exists."""
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from conftest import hostring
+
+from dcptool.dcp.reference import local_np
+from dcptool.dump import read_dump
+from dcptool.engine.guard.guard import Guard
+
+pytestmark = pytest.mark.kernel
+
+
+def _dev() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _obs(step, rows, wrong=False, rank=1):
+    seq = torch.arange(1, rows + 1, dtype=torch.int32) * 7
+    dcp = torch.from_numpy(local_np(seq.numpy().astype(np.int64), 2, rank, 1).astype(np.int32))
+    if wrong:
+        dcp[-1] += 1
+    return dict(step=step, site="attn", rank=rank, seq_lens=seq.to(_dev()), num_reqs=rows, num_reqs_padded=rows,
+                dcp_local_seq_lens=dcp.to(_dev()))
+
+
+def _settle() -> None:
+    """On a GPU, wait for the stream: the kernel writes the flag asynchronously (observe() never waits for it)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def test_ring_grows_for_a_larger_observation_and_is_frozen_at_the_wrong_one(tmp_path):
+    """Slots sized from the first observation (64 rows at least); a larger one grows the ring (what it held kept);
+    the flag and the frozen index are set by the wrong one, and later observations leave the ring as it was."""
+    g = Guard(tmp_path / "g", 2, 1, keep=4, kernel=True)
+    g.observe(**_obs(0, 3))
+    assert g._dev.cap == 64
+    g.observe(**_obs(1, 100))
+    assert g._dev.cap == 200 and not g._dev.wrong_seen()
+    g.observe(**_obs(2, 5, wrong=True))
+    _settle()
+    assert g._dev.flag_np[0] == 1 and g._dev.state[1].item() == 3
+    with pytest.warns(RuntimeWarning, match=r"\(values\) at step 2"):
+        g.observe(**_obs(3, 6))
+    for k in range(4, 9):
+        g.observe(**_obs(k, 2))
+    assert g.close() == g.dumped and (g.count, g.wrong, g.first_index) == (9, 1, 2)
+    d = read_dump(g.dumped)
+    assert d["obs.step"].tolist() == [0, 1, 2] and [d.seq_lens_of(i).size for i in range(3)] == [3, 100, 5]
+    assert d.seq_lens_of(1).tolist() == list(range(7, 701, 7))
+
+
+def test_a_larger_observation_after_capture_is_checked_not_kept(tmp_path):
+    """Once a launch was captured the ring keeps its address: a larger observation is checked (the flag) but not
+    kept, so the dump holds what came before it."""
+    g = Guard(tmp_path / "g", 2, 1, keep=4, kernel=True, on_wrong="count")
+    g.observe(**_obs(0, 3))
+    g._dev.frozen = True  # (what a captured launch does)
+    g.observe(**_obs(1, 500, wrong=True))
+    _settle()
+    assert g._dev.cap == 64 and g._dev.wrong_seen()
+    kept, count, wrong = g._dev.kept()
+    assert [(k[0], k[2] is None) for k in kept] == [(0, False), (1, True)] and (count, wrong) == (2, 1)
+    assert g.close() is None and (g.first_rule, g.first_index) == ("values", 1)
+    g = Guard(tmp_path / "g", 2, 1, keep=4, kernel=True)
+    g.observe(**_obs(0, 3))
+    g._dev.frozen = True
+    g.observe(**_obs(1, 500, wrong=True))
+    with pytest.warns(RuntimeWarning, match=r"after step 0 \(the wrong one was larger than the ring's slots\)"):
+        path = g.close()
+    assert read_dump(path)["obs.step"].tolist() == [0]
+
+
+def test_a_first_observation_inside_capture_is_skipped(tmp_path):
+    """The ring is allocated outside capture (its zeroing would be captured): before the first eager observation,
+    a captured one is counted in skipped_capture, not checked; after it, captured launches are checked."""
+    g = Guard(tmp_path / "g", 2, 1, keep=4, kernel=True, on_wrong="count")
+    g.observe(**_obs(0, 3))  # makes the device path
+    g._dev.ring = None
+    g._dev.capturing = lambda: True
+    assert g.observe(**_obs(1, 3, wrong=True)) == -1 and (g.skipped_capture, g.dropped) == (1, 0)
+    g._dev.capturing = lambda: False
+    g.observe(**_obs(2, 3))
+    g._dev.capturing = lambda: True
+    assert g.observe(**_obs(3, 3, wrong=True)) >= 0 and g._dev.frozen
+    g._dev.capturing = lambda: False
+    assert g.close() is None and (g.count, g.wrong, g.first_index) == (3, 1, 2)
+
+
+class _Capture:
+    """Stands in for the kernel while a 'capture' is on: the launch is kept, not run, as a CUDA graph keeps it;
+    replay() runs the kept launches again with the same arguments, as a graph replay does."""
+
+    def __init__(self, kernel):
+        self.kernel, self.kept, self.on = kernel, [], False
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            if self.on:
+                self.kept.append((grid, args, kw))
+            else:
+                self.kernel[grid](*args, **kw)
+        return launch
+
+    def replay(self):
+        for grid, args, kw in self.kept:
+            self.kernel[grid](*args, **kw)
+
+
+def test_every_replay_of_a_captured_launch_gets_its_own_index_and_slot(tmp_path):
+    """The device counter (not the host) numbers observations: a captured launch replayed 5 times is 5
+    observations in 5 slots; a replay that sees a wrong view is flagged with its own index and dumped last."""
+    g = Guard(tmp_path / "g", 2, 1, keep=8, kernel=True)
+    o = _obs(0, 6)
+    g.observe(**o)  # eager: the ring
+    cap = g._dev.kernel = _Capture(g._dev.kernel)
+    g._dev.go = g._dev.dispatch  # (on a GPU the launch is the launcher's C entry: the stand-in takes the dispatch)
+    g._dev.capturing = lambda: True
+    cap.on = True
+    assert g.observe(**dict(o, step=1)) == 1  # captured: not run
+    cap.on = False
+    g._dev.capturing = lambda: False
+    assert g._dev.frozen and g._dev.state[0].item() == 1
+    for _ in range(5):
+        cap.replay()
+    ring = g._dev.ring.cpu().numpy()
+    assert g._dev.state[0].item() == 6 and sorted(ring[:6, 0].tolist()) == [1, 2, 3, 4, 5, 6]
+    assert not g._dev.wrong_seen()
+    o["dcp_local_seq_lens"][2] += 1  # the buffer the graph reads goes wrong between replays
+    cap.replay()
+    cap.replay()
+    assert g._dev.wrong_seen() and g._dev.state[1].item() == 7 and g._dev.state[2].item() == 2
+    with pytest.warns(RuntimeWarning, match=r"\(values\) at step 1"):
+        path = g.close()
+    d = read_dump(path)
+    assert d.n == 7 and d["obs.step"].tolist() == [0] + [1] * 6 and g.count == 8 and g.wrong == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to verify on the H200)")
+def test_a_real_cuda_graph_replay_is_checked_each_time(tmp_path):
+    g = Guard(tmp_path / "g", 2, 1, keep=16)
+    o = _obs(0, 6)
+    g.observe(**o)
+    torch.cuda.synchronize()
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        g.observe(**dict(o, step=1))
+    for _ in range(10):
+        cg.replay()
+    o["dcp_local_seq_lens"][2] += 1
+    cg.replay()
+    torch.cuda.synchronize()
+    assert g._dev.wrong_seen() and g._dev.state[0].item() == 12 and g._dev.state[1].item() == 12
+    with pytest.warns(RuntimeWarning, match="dcptool Guard"):
+        path = g.close()
+    assert read_dump(path).n == 12
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to verify on the H200)")
+def test_on_a_gpu_the_launch_is_the_checked_launcher(tmp_path):
+    """The first eager observe checks the cheap launch on known values (once per process and device); observe()
+    then calls it, not Triton's dispatch, and it catches and keeps as the dispatch does."""
+    g = Guard(tmp_path / "g", 2, 1, keep=4)
+    g.observe(**_obs(0, 6))
+    how = g._dev.how
+    assert g._dev.go != g._dev.dispatch and how.startswith(("the launcher's C entry", "Triton's compiled")), how
+    g.observe(**_obs(1, 6, wrong=True))
+    torch.cuda.synchronize()
+    with pytest.warns(RuntimeWarning, match=r"\(values\) at step 1"):
+        g.observe(**_obs(2, 6))
+    d = read_dump(g.close())
+    assert d.n == 2 and d.dcp_of(1).tolist() != d.dcp_of(0).tolist()
+
+
+def test_host_arrays_inside_capture_are_left_out(tmp_path):
+    """On a GPU, host arrays (the vLLM plugin's numpy query_start_loc, page counts, slot entries) are not read inside
+    capture: a replay could only re-read their capture values (and copying them there would break the graph). The
+    device tensors are checked; a build whose DCP view itself is on the host is skipped. (A CPU run stands in for
+    the GPU: the device path is told it runs on one, and that it captures.)"""
+    g = Guard(tmp_path / "g", 2, 1, keep=4, kernel=True, on_wrong="count", page_size=4)
+    o = _obs(0, 4)
+    g.observe(**o)
+    g._dev.cuda, g._dev.capturing = True, lambda: True
+    qsl = np.array([0, 1, 2, 3, 9], np.int32)  # its last row is wrong for dcp_query_start_loc below
+    host = dict(query_start_loc=qsl, kv_pages=np.array([9, 9, 9, 9], np.int32),  # page counts all wrong
+                dcp_query_start_loc=torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32), positions=np.arange(4),
+                slot_mapping=np.array([[5, 5, 5, 5]]))  # rank 1 writes positions it does not own
+    assert g.observe(**dict(o, step=1, **host)) == 1  # checked, the host arrays left out: nothing wrong
+    assert g.observe(**dict(o, step=2, dcp_local_seq_lens=o["dcp_local_seq_lens"].cpu().numpy())) == -1
+    assert g.skipped_capture == 1
+    assert g.observe(**_obs(3, 4, wrong=True)) == 2  # the device tensors still checked inside capture
+    g._dev.cuda, g._dev.capturing = False, lambda: False
+    assert g.close() is None and (g.count, g.wrong, g.first_rule, g.first_index) == (3, 1, "values", 2)
+    read = Guard(tmp_path / "h", 2, 1, on_wrong="count", page_size=4)  # (the same build, its host arrays read)
+    read.observe(**dict(o, step=1, **host))
+    _settle()
+    read.close()  # (the flag seen: its rule named)
+    assert read.first_rule == "pages"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to verify on the H200)")
+def test_on_a_gpu_host_arrays_are_copied_without_a_sync(tmp_path):
+    """The vLLM plugin's numpy query_start_loc and page counts: through pinned memory, no host synchronisation."""
+    g = Guard(tmp_path / "g", 2, 1, keep=4, page_size=4)
+    o = _obs(0, 4)
+    g.observe(**o)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        g.observe(**dict(o, step=1, query_start_loc=np.arange(5, dtype=np.int32),
+                         kv_pages=np.array([9, 9, 9, 9], np.int32)))  # page counts all wrong
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert g._dev.wrong_seen() and g.dropped == 0
+    with pytest.warns(RuntimeWarning, match=r"\(pages\) at step 1"):
+        g.close()
+
+
+class _NoGpu:
+    """torch for _launcher's probe on the CPU: no pinned memory, no streams, nothing to wait for."""
+
+    def __init__(self):
+        self._C = type("C", (), {"_cuda_getCurrentRawStream": staticmethod(lambda i: 0)})
+        self.cuda = type("Cuda", (), {"synchronize": staticmethod(lambda d=None: None),
+                                      "device": staticmethod(lambda d: contextlib.nullcontext())})
+
+    def __getattr__(self, k):
+        return getattr(torch, k)
+
+    def zeros(self, *a, pin_memory=False, **k):
+        return torch.zeros(*a, **k)
+
+
+@hostring
+def test_the_launcher_check_takes_the_first_way_that_writes_what_the_dispatch_does(tmp_path, monkeypatch):
+    """_launcher on the CPU (the interpreted dispatch stands in for the GPU's): the probe's known words hold, a
+    launch that writes one word otherwise is refused (and said why), the next way is taken, once per device."""
+    from dcptool.engine.guard import device_checks as D
+    from dcptool.engine.snapshot import launch as L
+
+    g = Guard(tmp_path / "g", 2, 1, kernel=True)
+    g.observe(**_obs(0, 3))
+    dev = g._dev
+    dev.torch, dev.did = _NoGpu(), 0
+    real = D._Probe.__init__
+
+    def probe(self, d):
+        real(self, d)
+        self.device = torch.device("cuda", 0)  # (its index names the stream: none here)
+
+    monkeypatch.setattr(D._Probe, "__init__", probe)
+    monkeypatch.setattr(D, "_CHECKED", {})
+    monkeypatch.setattr(L, "_direct_launch", lambda ck, variadic: lambda raw, n, *a: dev.dispatch(
+        raw, n, *a[:10], 999, *a[11:]))  # (the step argument wrong)
+    monkeypatch.setattr(L, "_compiled_launch", lambda ck, variadic: dev.dispatch)
+    go, how = D._launcher(dev)
+    assert go == dev.dispatch and how.startswith("Triton's compiled launcher (the launcher's C entry: RuntimeError")
+    assert D._CHECKED[0] == (go, how)

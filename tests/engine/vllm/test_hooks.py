@@ -1,0 +1,50 @@
+"""The vLLM plugin's wrappers (hooks) against a fake vLLM: the view attention consumes, and the engine's own
+errors."""
+
+import json
+
+from conftest import cli
+from vllm_cases import CUT, run_case
+
+BUFFER = """
+# a capture path passing its whole buffer (8 rows) for 2 requests, as 0.29's DFlash capture does
+buf = np.array([9, 13, 0, 0, 0, 0, 0, 0], np.int32)
+out["results"].append(attn_utils.build_attn_metadata(
+    [], 2, 2, None, np.array([0, 1, 2], np.int32), 1, np.array([17, 25, 0, 0, 0, 0, 0, 0], np.int32), 1, None, None,
+    None, dcp_local_seq_lens=buf))
+with plugin.step():
+    out["results"].append(build(batch(), NONE))  # a padded batch, eager: attention reads 2 rows
+"""
+
+
+def test_records_the_view_attention_consumes(tmp_path):
+    out = run_case(tmp_path, BUFFER, cut=CUT)
+    d = out["dump"]
+    assert out["results"] == [{"num_reqs": 2, "dcp": [9, 13]}] * 2
+    assert [d.dcp_of(i).tolist() for i in range(2)] == [[9, 13], [9, 13]]
+    assert [d.seq_lens_of(i).tolist() for i in range(2)] == [[17, 25], [17, 25]]
+    assert d["obs.num_reqs_padded"].tolist() == [2, 2] and d["obs.num_reqs"].tolist() == [2, 2]
+    p = cli("replay", "--backend", "torch", *out["files"], "--json")
+    assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["findings"] == 0
+
+
+def test_a_consumer_that_reads_the_whole_argument_is_recorded_whole(tmp_path):
+    out = run_case(tmp_path, BUFFER)  # no [:num_reqs] in build_attn_metadata: attention would read all 8 rows
+    d = out["dump"]
+    assert d.dcp_of(0).tolist() == [9, 13, 0, 0, 0, 0, 0, 0] and d["obs.num_reqs_padded"].tolist() == [2, 4]
+    p = cli("replay", "--backend", "torch", *out["files"], "--json")
+    assert p.returncode == 1 and "shape" in p.stdout
+
+
+def test_engine_errors_propagate_unchanged(tmp_path):
+    body = """
+    try:
+        with plugin.step():
+            build(batch(num_reqs=-1), NONE)
+    except ValueError as e:
+        out["errors"].append(str(e))
+    out["results"].append(build(batch(), NONE))
+    """
+    out = run_case(tmp_path, body)
+    assert out["errors"] == ["the engine's own error"] and out["results"] == [{"num_reqs": 2, "dcp": [9, 13]}]
+    assert "disabled" not in out["stderr"]
