@@ -45,9 +45,9 @@ class Guard:
     Recorder drops); the other keywords (`pcp_size`, `page_size`, `kv_groups`, `sites`, `engine`...) are the
     Recorder's and go into the dump.
 
-    CPU tensors and numpy arrays are copied and checked with the numpy reference (engine.guard.host_checks). CUDA tensors
-    (and CPU tensors with `kernel=True`, under the Triton interpreter) take one launch of the check kernel
-    (engine.guard.device_checks): the device ring keeps the last `keep`, a wrong one sets a flag in pinned host memory and
+    CPU tensors and numpy arrays are copied and checked with the numpy reference (host_checks). CUDA tensors (and
+    CPU tensors with `kernel=True`, under the Triton interpreter) take one launch of the check kernel
+    (device_checks): the device ring keeps the last `keep`, a wrong one sets a flag in pinned host memory and
     freezes the ring; observe() reads the flag without a sync and, once set, waits for the stream and writes the
     dump. The index observe() returns counts the host's calls (a captured launch replayed by a graph has its own
     index on the device, not one the host saw). Slots: max_rows / max_tokens, or sized from the first observation
