@@ -1,6 +1,6 @@
 """device_checks_tl.py: the Guard's check kernel (through device_checks.py) on CPU tensors under Triton's interpreter
-(or on a GPU): silent on a clean run, and on each per-observation fault the same first wrong observation, rule and dump as the host
-path."""
+(or on a GPU): silent on a clean run, and on each per-observation fault the same first wrong observation, rule and
+dump as the host path."""
 
 import warnings
 
