@@ -226,12 +226,12 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
         if ring is not None:  # the launch alone, each way (a slot at the start of the ring, rewritten)
             from dcptool.engine.snapshot import kernels as K
             from dcptool.engine.snapshot.launch import _compiled_launch, _direct_launch
-            from dcptool.engine.snapshot.ring import _head_struct
+            from dcptool.engine.snapshot.ring import head_struct
 
             with rec._lock:
                 rec._device.harvest(wait=True)  # nothing in flight: slot 0 is free to overwrite
             ent = [seq.data_ptr(), 256, 2, dcp.data_ptr(), 256, 0, qsl.data_ptr(), 257, 0, 0, -1, 0]
-            _head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
+            head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
             torch.cuda.synchronize()
             raw = torch.cuda.current_stream().cuda_stream
             ck = K.snapshot_dispatch(raw, ring.base)  # (the compiled kernel)
@@ -260,7 +260,7 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
                                 ("fast path, header as arguments", ring.go3, args)):
                 if go is None:
                     continue
-                _head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
+                head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda._sleep(200_000_000)  # (the launches queue behind it: their GPU time alone is timed)
                 start.record()

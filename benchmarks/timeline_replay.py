@@ -64,7 +64,7 @@ def main() -> None:
     timed(problems_mod, "problems")
     timed(provenance_mod.Provenance, "prepare")
     timed(provenance_mod.Provenance, "lead")
-    timed(stream_mod._Reader, "_run")  # the streamed read of the row columns (its own thread)
+    timed(stream_mod.Reader, "_run")  # the streamed read of the row columns (its own thread)
     # the GPU scan's start-up (context, kernels, pinned staging), its chunks and its end
     for name in ("__init__", "load", "check", "close"):
         timed(scan_cuda_mod.CudaScan, name)

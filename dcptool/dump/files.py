@@ -10,10 +10,10 @@ import numpy as np
 
 from dcptool.dump.schema import (
     MAX_HEADER_BYTES,
-    _fail,
-    _loads,
-    _sniff,
-    _text_ok,
+    fail,
+    loads,
+    sniff,
+    text_ok,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -24,13 +24,13 @@ def open_file(p: str):
     """Open a dump file for reading: a regular file, else DumpError (a FIFO would block, a directory fail)."""
     st = os.stat(p)
     if stat.S_ISDIR(st.st_mode):
-        raise _fail(p, None, "is a directory, not a dump file")
+        raise fail(p, None, "is a directory, not a dump file")
     if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
-        raise _fail(p, None, "is not a regular file (a pipe, socket or device); save the dump to a file first")
+        raise fail(p, None, "is not a regular file (a pipe, socket or device); save the dump to a file first")
     f = open(p, "rb")
     if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # replaced between the stat and the open
         f.close()
-        raise _fail(p, None, "is not a regular file (a pipe, socket or device); save the dump to a file first")
+        raise fail(p, None, "is not a regular file (a pipe, socket or device); save the dump to a file first")
     return f
 
 
@@ -41,30 +41,30 @@ def header_of(p: str, f) -> tuple[dict, int, int]:
         f.seek(0)
         start = f.read(72)
         if size < 8 or len(start) < 8:
-            raise _fail(p, None, f"not a safetensors file ({size} bytes; a dump starts with an 8-byte "
+            raise fail(p, None, f"not a safetensors file ({size} bytes; a dump starts with an 8-byte "
                                  "header length)" if size else "not a safetensors file (empty: 0 bytes)")
         if start.startswith(b"version ") and b"git-lfs" in start.split(b"\n")[0]:
-            raise _fail(p, None, "is a Git LFS pointer, not the dump itself (run `git lfs pull`)")
+            raise fail(p, None, "is a Git LFS pointer, not the dump itself (run `git lfs pull`)")
         if start[8:9] not in (b"", b"{"):  # a safetensors header is a JSON object
-            raise _fail(p, None, f"not a safetensors file ({_sniff(start)})")
+            raise fail(p, None, f"not a safetensors file ({sniff(start)})")
         (hlen,) = struct.unpack("<Q", start[:8])
         f.seek(8)
         if hlen > MAX_HEADER_BYTES:
-            raise _fail(p, None, f"not a safetensors file, or header too large ({hlen} bytes > "
+            raise fail(p, None, f"not a safetensors file, or header too large ({hlen} bytes > "
                                  f"{MAX_HEADER_BYTES})")
         if 8 + hlen > size:
-            raise _fail(p, None, f"truncated: header declares {hlen} bytes but the file has {size - 8}")
+            raise fail(p, None, f"truncated: header declares {hlen} bytes but the file has {size - 8}")
         raw = f.read(hlen)
         if len(raw) != hlen:
-            raise _fail(p, None, f"truncated while reading: header declares {hlen} bytes, read {len(raw)}")
+            raise fail(p, None, f"truncated while reading: header declares {hlen} bytes, read {len(raw)}")
     except OSError as e:
-        raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
-    header = _loads(p, None, raw, "not a safetensors file (header is not UTF-8 JSON)")
+        raise fail(p, None, f"cannot read: {e.strerror or e}") from None
+    header = loads(p, None, raw, "not a safetensors file (header is not UTF-8 JSON)")
     if not isinstance(header, dict):
-        raise _fail(p, None, "not a safetensors file (header is not a JSON object)")
-    bad = next((k for k in header if not _text_ok(k)), None)
+        raise fail(p, None, "not a safetensors file (header is not a JSON object)")
+    bad = next((k for k in header if not text_ok(k)), None)
     if bad is not None:
-        raise _fail(p, bad, "tensor name is not valid Unicode (a lone surrogate escape)")
+        raise fail(p, bad, "tensor name is not valid Unicode (a lone surrogate escape)")
     return header, 8 + hlen, size
 
 
@@ -74,7 +74,7 @@ def read_header(path: str | os.PathLike) -> tuple[dict, int, int]:
     try:
         f = open_file(p)
     except OSError as e:
-        raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
+        raise fail(p, None, f"cannot read: {e.strerror or e}") from None
     with f:
         return header_of(p, f)
 
@@ -101,7 +101,7 @@ def check_unchanged(p: str, f, before: os.stat_result) -> None:
     after = os.fstat(f.fileno())
     if (before.st_size, before.st_mtime_ns, before.st_ino, before.st_dev) != (
             after.st_size, after.st_mtime_ns, after.st_ino, after.st_dev):
-        raise _fail(p, None, "changed while being read (size or modification time differ from when it was "
+        raise fail(p, None, "changed while being read (size or modification time differ from when it was "
                              "opened); read it again once it is complete")
 
 
@@ -128,7 +128,7 @@ def pread(p: str, f, buf: np.ndarray, at: int, nbytes: int, base: int, size: int
             k = len(b)
             view[got : got + k] = b
         if not k:
-            raise _fail(p, None, f"changed while being read: the file ended after {at + got} of {size} bytes "
+            raise fail(p, None, f"changed while being read: the file ended after {at + got} of {size} bytes "
                                  "(truncated by another process?); read it again once it is complete")
         got += k
 

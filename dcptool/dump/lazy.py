@@ -9,7 +9,7 @@ import numpy as np
 
 from dcptool.dump import files
 from dcptool.dump.schema import (
-    _fail,
+    fail,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -30,7 +30,7 @@ def _max_open_files() -> int:
     return max(4, min(256, soft // 4))
 
 
-class _Files:
+class MappedFiles:
     """The files of a merged bounded dump, each mapped read-only on demand (a few at once, least recently
     used closed first) and checked to be the file that was read and validated: same device, inode, size
     and modification time, else DumpError ("changed while being read")."""
@@ -64,11 +64,11 @@ class _Files:
             with open(p, "rb") as fh:
                 st = os.fstat(fh.fileno())
                 if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self.idents[f]:
-                    raise _fail(p, None, "changed while being read (replaced, or its size or modification time "
+                    raise fail(p, None, "changed while being read (replaced, or its size or modification time "
                                          "differ from when it was opened); read it again once it is complete")
                 m = mmap.mmap(fh.fileno(), st.st_size, access=mmap.ACCESS_READ)
         except OSError as e:
-            raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
+            raise fail(p, None, f"cannot read: {e.strerror or e}") from None
         self.open[f] = m
         while len(self.open) > self.cap:
             self.open.popitem(last=False)  # closed once no array views it (gathers copy out, so at once)
@@ -88,7 +88,7 @@ class MergedRows:
     MARGIN = 2 << 20  # bytes dropped around what a read touched (see _from_file)
     RUNS = 64  # a slice of at most this many runs is copied run by run; more (files interleaved): gathered
 
-    def __init__(self, files: _Files, parts: list[tuple[int, int] | None], dtype, offs: np.ndarray,
+    def __init__(self, files: MappedFiles, parts: list[tuple[int, int] | None], dtype, offs: np.ndarray,
                  src: np.ndarray, base: np.ndarray):
         self.files, self.parts, self.dtype = files, parts, np.dtype(dtype)  # parts[f]: (byte offset, count)
         self.offs, self.src, self.base = offs, src, base

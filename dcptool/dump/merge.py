@@ -7,11 +7,11 @@ import os
 import numpy as np
 
 from dcptool.dump import files
-from dcptool.dump.lazy import MergedRows, _Files
+from dcptool.dump.lazy import MappedFiles, MergedRows
 from dcptool.dump.read import Dump, read_dump
 from dcptool.dump.schema import (
-    _DTYPES,
     COLUMNS,
+    DTYPES,
     RAGGED,
     DumpConfig,
     DumpError,
@@ -104,7 +104,7 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None, stre
             if key == "obs.parent":
                 v = np.where(v >= 0, inv[np.maximum(v, 0)], -1)
             cols[key] = v[order]
-    mapped = _Files([d.files[0] for d in dumps], [d.idents[0] for d in dumps]) if lazy else None
+    mapped = MappedFiles([d.files[0] for d in dumps], [d.idents[0] for d in dumps]) if lazy else None
     in_order = bool((order == np.arange(order.size)).all())
     for offs_key, row_keys in RAGGED.items():
         if offs_key not in keys:
@@ -120,7 +120,7 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None, stre
             if rk not in keys:
                 continue
             if lazy:  # the rows stay in the files
-                cols[rk] = MergedRows(mapped, [d.row_parts.get(rk) for d in dumps], _DTYPES[COLUMNS[rk][0]],
+                cols[rk] = MergedRows(mapped, [d.row_parts.get(rk) for d in dumps], DTYPES[COLUMNS[rk][0]],
                                       new_offs, starts_rows[order], before.astype(np.int64))
             elif in_order:  # rollover files with steps in order: the merge is the files end to end
                 cols[rk] = np.concatenate([d[rk] for d in dumps])

@@ -10,21 +10,21 @@ import numpy as np
 from dcptool.dump import files
 from dcptool.dump.lazy import MergedRows
 from dcptool.dump.schema import (
-    _DTYPES,
     COLUMN_GROUPS,
     COLUMNS,
+    DTYPES,
     RAGGED,
     REQUIRED,
     DumpConfig,
-    _check_entries,
-    _fail,
-    _parse_config,
+    check_entries,
     check_packed,
     check_row_values,
+    fail,
     parse_capped,
+    parse_config,
     validate_columns,
 )
-from dcptool.dump.stream import _Reader, _Streamed
+from dcptool.dump.stream import Reader, Streamed
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Dump:
     bounded: bool = False  # scan with bounded memory (pages dropped after each chunk): a dump too big for RAM
     idents: list[tuple] = field(default_factory=list)  # (st_dev, st_ino, size, mtime_ns) of each file as read
     row_parts: dict[str, tuple[int, int]] = field(default_factory=dict)  # see _obs_only
-    reader: _Reader | None = None  # read_dump(stream=True): the thread still reading the row columns
+    reader: Reader | None = None  # read_dump(stream=True): the thread still reading the row columns
 
     def upto(self, key: str, n: int) -> np.ndarray:
         """self[key] when only its first n values are needed now: a streamed dump waits for those alone (the
@@ -178,7 +178,7 @@ def read_dump(path: str | os.PathLike, bounded: bool | None = None, stream: bool
     try:
         f = files.open_file(p)
     except OSError as e:
-        raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
+        raise fail(p, None, f"cannot read: {e.strerror or e}") from None
     try:
         got = _read_dump(p, f, bounded, stream)
     except BaseException:
@@ -198,24 +198,24 @@ def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
         bounded = avail is not None and size > avail // 2
     meta = header.get("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise _fail(p, "__metadata__", "must map strings to strings")
-    entries = _check_entries(p, header, data_start, size)
-    cfg, injected = _parse_config(p, meta)
+        raise fail(p, "__metadata__", "must map strings to strings")
+    entries = check_entries(p, header, data_start, size)
+    cfg, injected = parse_config(p, meta)
     capped = parse_capped(p, meta)
     for key in REQUIRED:
         if key not in entries:
-            raise _fail(p, key, "missing")
+            raise fail(p, key, "missing")
     for group in COLUMN_GROUPS:
         present = [k for k in group if k in entries]
         if present and len(present) != len(group):
-            raise _fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")
+            raise fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")
     for key, (dt, shape, _a, _b) in entries.items():
         if key not in COLUMNS:
             continue  # unknown keys are allowed: a newer writer may add columns
         if len(shape) != 1:
-            raise _fail(p, key, f"must be 1-D, got shape {shape}")
+            raise fail(p, key, f"must be 1-D, got shape {shape}")
         if dt != COLUMNS[key][0]:
-            raise _fail(p, key, f"dtype must be {COLUMNS[key][0]}, got {dt}")
+            raise fail(p, key, f"dtype must be {COLUMNS[key][0]}, got {dt}")
     check_packed(p, entries)
     stream = stream and not bounded and size > data_start
     try:
@@ -233,25 +233,25 @@ def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
         else:
             buf, base = files.read_data(p, f, data_start, size, before), data_start
     except OSError as e:
-        raise _fail(p, None, f"cannot read: {e.strerror or e}") from None
+        raise fail(p, None, f"cannot read: {e.strerror or e}") from None
     cols: dict[str, np.ndarray] = {}
     maps: dict[str, tuple] = {}
     for key, (dt, shape, a, _b) in entries.items():
         if key not in COLUMNS:
             continue
         if shape[0] == 0:
-            cols[key] = np.zeros(0, _DTYPES[dt])
+            cols[key] = np.zeros(0, DTYPES[dt])
         else:
-            cols[key] = np.frombuffer(buf, dtype=_DTYPES[dt], count=shape[0], offset=data_start + a - base)
+            cols[key] = np.frombuffer(buf, dtype=DTYPES[dt], count=shape[0], offset=data_start + a - base)
             if bounded:
-                maps[key] = (buf, data_start + a, _DTYPES[dt].itemsize)
+                maps[key] = (buf, data_start + a, DTYPES[dt].itemsize)
     drop = (lambda key, lo, hi: files.release_pages(maps[key], lo, hi) if key in maps else None) if bounded else None
     validate_columns(p, cfg, cols, injected, release=drop, row_values=not stream)
     n = cols["obs.step"].shape[0]
     reader = None
     if stream:
-        reader = _Reader(p, f, buf, base, entries, before, lambda: check_row_values(p, cfg, cols))
-    return Dump(files=[p], config=cfg, columns=_Streamed(cols, reader) if reader else cols,
+        reader = Reader(p, f, buf, base, entries, before, lambda: check_row_values(p, cfg, cols))
+    return Dump(files=[p], config=cfg, columns=Streamed(cols, reader) if reader else cols,
                 file_index=np.zeros(n, np.int32), file_obs=np.arange(n, dtype=np.int64), injected=[injected],
                 capped=[capped], sizes=[size], maps=maps, bounded=bool(bounded), reader=reader,
                 idents=[(before.st_dev, before.st_ino, size, before.st_mtime_ns)])

@@ -25,10 +25,10 @@ MAX_JSON_VALUES = 2_000_000
 INT32_MAX = 2**31 - 1
 MAX_DCP_SIZE = 4096  # docs/limits.md
 
-_DTYPES = {"I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "U8": np.dtype("u1"), "I8": np.dtype("i1")}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+DTYPES = {"I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "U8": np.dtype("u1"), "I8": np.dtype("i1")}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # Every safetensors dtype with its size in bits (sub-byte types pack several values in a byte).
-_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "F16": 16, "BF16": 16, "U32": 32, "I32": 32,
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "F16": 16, "BF16": 16, "U32": 32, "I32": 32,
                "F32": 32, "U64": 64, "I64": 64, "F64": 64, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F4": 4,
                "F6_E2M3": 6, "F6_E3M2": 6, "C64": 64}
 
@@ -127,7 +127,7 @@ class KVGroup(NamedTuple):
             name, dcp, bs = g.get("name"), g.get("dcp"), g.get("block_size")
         else:
             name, dcp, bs = (tuple(g) + (None, None, None))[:3]
-        if not (isinstance(name, str) and _text_ok(name)):
+        if not (isinstance(name, str) and text_ok(name)):
             raise ValueError(f"name must be a string, got {name!r}")
         if type(dcp) is not bool:
             raise ValueError(f"dcp must be true or false, got {dcp!r}")
@@ -174,7 +174,7 @@ _VLLM = {"NONE": GraphMode.EAGER, "PIECEWISE": GraphMode.PIECEWISE, "FULL": Grap
 # Checks of a hostile file
 
 
-def _clean(s: object, limit: int = 200) -> str:
+def clean(s: object, limit: int = 200) -> str:
     """Text from a file or a path, safe for a one-line message: escaped and clipped."""
     s = str(s)
     if not s.isprintable():
@@ -182,10 +182,10 @@ def _clean(s: object, limit: int = 200) -> str:
     return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
-def _fail(path: str, key: str | None, what: str) -> DumpError:
+def fail(path: str, key: str | None, what: str) -> DumpError:
     # Everything here may come from a hostile file (keys, values) or an odd file name: one line, short.
-    p, what = _clean(path, 400), _clean(what, 400)
-    return DumpError(f"{p}: {_clean(key)}: {what}" if key else f"{p}: {what}")
+    p, what = clean(path, 400), clean(what, 400)
+    return DumpError(f"{p}: {clean(key)}: {what}" if key else f"{p}: {what}")
 
 
 def _json_values(raw: bytes) -> int:
@@ -207,19 +207,19 @@ def _json_values(raw: bytes) -> int:
     return count + 1
 
 
-def _loads(p: str, key: str | None, raw: bytes | str, invalid: str):
+def loads(p: str, key: str | None, raw: bytes | str, invalid: str):
     """json.loads of text from a file, bounded in the values it may build; DumpError(invalid) if not JSON."""
     b = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     n = _json_values(b)
     if n > MAX_JSON_VALUES:
-        raise _fail(p, key, f"too many JSON values ({n} > {MAX_JSON_VALUES}): not a dcptool header")
+        raise fail(p, key, f"too many JSON values ({n} > {MAX_JSON_VALUES}): not a dcptool header")
     try:
         return json.loads(b.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: bad JSON, or a 5000-digit number
-        raise _fail(p, key, invalid) from None
+        raise fail(p, key, invalid) from None
 
 
-def _text_ok(s: str) -> bool:
+def text_ok(s: str) -> bool:
     """Valid Unicode (no lone surrogates from a JSON escape), so it can be printed anywhere."""
     try:
         s.encode("utf-8")
@@ -234,7 +234,7 @@ _MAGIC = ((b"\x1f\x8b", "gzip-compressed: gunzip it first"), (b"\x28\xb5\x2f\xfd
           (b"\x80", "a Python pickle, e.g. from torch.save; dcptool never unpickles"))
 
 
-def _sniff(start: bytes) -> str:
+def sniff(start: bytes) -> str:
     """What a file that is not safetensors seems to be, from its first bytes."""
     for magic, what in _MAGIC:
         if start.startswith(magic):
@@ -244,11 +244,11 @@ def _sniff(start: bytes) -> str:
     except UnicodeDecodeError:
         text = ""
     if text and all(c.isprintable() or c in "\t\r\n" for c in text):
-        return f"it is text: {_clean(text.splitlines()[0] if text.strip() else text, 40)!r}"
+        return f"it is text: {clean(text.splitlines()[0] if text.strip() else text, 40)!r}"
     return "no safetensors header: an 8-byte length, then a JSON object"
 
 
-def _check_entries(p: str, header: dict, data_start: int, size: int) -> dict[str, tuple[str, list, int, int]]:
+def check_entries(p: str, header: dict, data_start: int, size: int) -> dict[str, tuple[str, list, int, int]]:
     """Each tensor entry well-formed, in bounds, sized by its dtype and shape, not overlapping."""
     data_len = size - data_start
     entries = {}
@@ -257,36 +257,36 @@ def _check_entries(p: str, header: dict, data_start: int, size: int) -> dict[str
             continue
         if not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or not isinstance(
                 e.get("shape"), list) or not isinstance(e.get("data_offsets"), list):
-            raise _fail(p, key, "malformed tensor entry (needs dtype, shape and data_offsets)")
+            raise fail(p, key, "malformed tensor entry (needs dtype, shape and data_offsets)")
         dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-        if dt not in _DTYPE_BITS:
-            raise _fail(p, key, f"unknown dtype {dt!r}")
+        if dt not in DTYPE_BITS:
+            raise fail(p, key, f"unknown dtype {dt!r}")
         if not all(type(s) is int and s >= 0 for s in shape):
-            raise _fail(p, key, f"bad shape {shape!r}")
+            raise fail(p, key, f"bad shape {shape!r}")
         if len(offs) != 2 or not all(type(o) is int for o in offs) or not 0 <= offs[0] <= offs[1]:
-            raise _fail(p, key, f"bad data_offsets {offs!r}")
+            raise fail(p, key, f"bad data_offsets {offs!r}")
         if offs[1] > data_len:
-            raise _fail(p, key, f"truncated: data runs to byte {offs[1]} but the file holds {data_len} "
+            raise fail(p, key, f"truncated: data runs to byte {offs[1]} but the file holds {data_len} "
                                 "bytes of data")
         # Declared element count, compared with the bytes the offsets span; stop multiplying once it
         # cannot fit (a shape of a million 2**62 dims would otherwise cost minutes of bignum work).
-        bits = 0 if 0 in shape else _DTYPE_BITS[dt]
+        bits = 0 if 0 in shape else DTYPE_BITS[dt]
         for s in shape:
             bits *= s
             if bits > 8 * data_len:
                 break
         if bits != 8 * (offs[1] - offs[0]):
             need = "more than the file holds" if bits > 8 * data_len else f"{bits / 8:g} bytes"
-            raise _fail(p, key, f"data_offsets span {offs[1] - offs[0]} bytes, but {dt} of shape "
-                                f"{_clean(shape, 60)} needs {need}")
+            raise fail(p, key, f"data_offsets span {offs[1] - offs[0]} bytes, but {dt} of shape "
+                                f"{clean(shape, 60)} needs {need}")
         entries[key] = (dt, shape, offs[0], offs[1])
     spans = sorted((v[2], v[3], k) for k, v in entries.items() if v[3] > v[2])
     for (_a0, a1, ka), (b0, _b1, kb) in zip(spans, spans[1:]):
         if b0 < a1:
-            raise _fail(p, kb, f"data overlaps {_clean(ka)}")
+            raise fail(p, kb, f"data overlaps {clean(ka)}")
     end = max((v[3] for v in entries.values()), default=0)
     if end != data_len:
-        raise _fail(p, None, f"file size mismatch: tensors end at byte {end} of the data but the file "
+        raise fail(p, None, f"file size mismatch: tensors end at byte {end} of the data but the file "
                              f"holds {data_len} (trailing bytes or a broken copy)")
     return entries
 
@@ -297,10 +297,10 @@ def parse_capped(p: str, meta: dict) -> int | None:
     raw = meta.get("dcptool.capped")
     if raw is None:
         return None
-    c = _loads(p, "dcptool.capped", raw, "not valid JSON")
+    c = loads(p, "dcptool.capped", raw, "not valid JSON")
     v = c.get("max_bytes") if isinstance(c, dict) else None
     if type(v) is not int or v < 1:
-        raise _fail(p, "dcptool.capped", "must be a JSON object {\"max_bytes\": an integer >= 1}")
+        raise fail(p, "dcptool.capped", "must be a JSON object {\"max_bytes\": an integer >= 1}")
     return v
 
 
@@ -311,24 +311,24 @@ def check_packed(p: str, entries: dict[str, tuple[str, list, int, int]]) -> None
     for (_a0, a1, ka), (b0, _b1, kb) in zip([(0, 0, None)] + spans, spans):
         if b0 > a1:
             n = f"{b0 - a1} byte{'s' if b0 - a1 != 1 else ''}"
-            raise _fail(p, kb, f"data starts at byte {b0}, but {_clean(ka)} ends at byte {a1}: no tensor holds the "
+            raise fail(p, kb, f"data starts at byte {b0}, but {clean(ka)} ends at byte {a1}: no tensor holds the "
                                f"{n} between them" if ka is not None else f"data starts at byte {b0}, not 0: no tensor "
                                f"holds the {n} before it")
 
 
-def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
+def parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
     fmt = meta.get("dcptool.format")
     if fmt is None:
-        raise _fail(p, "__metadata__", "not a dcptool dump (no dcptool.format entry)")
+        raise fail(p, "__metadata__", "not a dcptool dump (no dcptool.format entry)")
     if fmt != FORMAT_VERSION:
-        raise _fail(p, "dcptool.format", f"unknown format version {fmt!r} (this dcptool reads "
+        raise fail(p, "dcptool.format", f"unknown format version {fmt!r} (this dcptool reads "
                                          f"{FORMAT_VERSION!r}; upgrade dcptool)")
     raw = meta.get("dcptool.config")
     if raw is None:
-        raise _fail(p, "dcptool.config", "missing")
-    c = _loads(p, "dcptool.config", raw, "not valid JSON")
+        raise fail(p, "dcptool.config", "missing")
+    c = loads(p, "dcptool.config", raw, "not valid JSON")
     if not isinstance(c, dict):
-        raise _fail(p, "dcptool.config", "must be a JSON object")
+        raise fail(p, "dcptool.config", "must be a JSON object")
 
     def int_field(name: str, default: int | None, minimum: int = 1, nullable: bool = False) -> int | None:
         if name not in c:
@@ -337,54 +337,54 @@ def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
         if v is None and nullable:  # page_size may be written as null: no pages
             return None
         if type(v) is not int:
-            raise _fail(p, "dcptool.config", f"{name} must be an integer, got {v!r}")
+            raise fail(p, "dcptool.config", f"{name} must be an integer, got {v!r}")
         if v < minimum:
-            raise _fail(p, "dcptool.config", f"{name} must be >= {minimum}, got {v}")
+            raise fail(p, "dcptool.config", f"{name} must be >= {minimum}, got {v}")
         if v > INT32_MAX:
-            raise _fail(p, "dcptool.config", f"{name} = {v} overflows int32")
+            raise fail(p, "dcptool.config", f"{name} = {v} overflows int32")
         return v
 
     if "dcp_size" not in c:
-        raise _fail(p, "dcptool.config", "dcp_size missing")
+        raise fail(p, "dcptool.config", "dcp_size missing")
     dcp = int_field("dcp_size", None)
     il = int_field("cp_interleave", 1)
     pcp = int_field("pcp_size", 1)
     page = int_field("page_size", None, nullable=True)
     if dcp * il > INT32_MAX:
-        raise _fail(p, "dcptool.config", f"dcp_size * cp_interleave = {dcp * il} overflows int32 arithmetic")
+        raise fail(p, "dcptool.config", f"dcp_size * cp_interleave = {dcp * il} overflows int32 arithmetic")
     if dcp > MAX_DCP_SIZE:  # a recorded number that sizes per-rank work; no engine runs DCP this wide
-        raise _fail(p, "dcptool.config", f"dcp_size = {dcp} is past dcptool's limit of {MAX_DCP_SIZE} (docs/limits.md)")
+        raise fail(p, "dcptool.config", f"dcp_size = {dcp} is past dcptool's limit of {MAX_DCP_SIZE} (docs/limits.md)")
     sites = c.get("sites")
     # (may be empty in a dump without observations: validate_columns checks that)
-    if not isinstance(sites, list) or not all(isinstance(s, str) and _text_ok(s) for s in sites):
-        raise _fail(p, "dcptool.config", "sites must be a list of (valid Unicode) strings")
+    if not isinstance(sites, list) or not all(isinstance(s, str) and text_ok(s) for s in sites):
+        raise fail(p, "dcptool.config", "sites must be a list of (valid Unicode) strings")
     if len(set(sites)) != len(sites):
-        raise _fail(p, "dcptool.config", "sites lists a name twice")
+        raise fail(p, "dcptool.config", "sites lists a name twice")
     strs = {}
     for k in ("engine", "engine_version", "note"):
         v = c.get(k)
-        if v is not None and not (isinstance(v, str) and _text_ok(v)):
-            raise _fail(p, "dcptool.config", f"{k} must be a (valid Unicode) string")
+        if v is not None and not (isinstance(v, str) and text_ok(v)):
+            raise fail(p, "dcptool.config", f"{k} must be a (valid Unicode) string")
         strs[k] = v
     injected = None
     if "dcptool.injected" in meta:
-        injected = _loads(p, "dcptool.injected", meta["dcptool.injected"], "not valid JSON")
+        injected = loads(p, "dcptool.injected", meta["dcptool.injected"], "not valid JSON")
         if not isinstance(injected, dict) or not all(
-                _text_ok(k) and isinstance(v, list) and all(type(i) is int for i in v) for k, v in injected.items()):
-            raise _fail(p, "dcptool.injected", "must map fault names to lists of observation indices")
+                text_ok(k) and isinstance(v, list) and all(type(i) is int for i in v) for k, v in injected.items()):
+            raise fail(p, "dcptool.injected", "must map fault names to lists of observation indices")
     groups = None
     if c.get("kv_groups") is not None:
         raw_groups = c["kv_groups"]
         if not isinstance(raw_groups, list):
-            raise _fail(p, "dcptool.config", "kv_groups must be a list of {\"name\", \"dcp\"} objects")
+            raise fail(p, "dcptool.config", "kv_groups must be a list of {\"name\", \"dcp\"} objects")
         out = []
         for k, g in enumerate(raw_groups):
             if not isinstance(g, dict):
-                raise _fail(p, "dcptool.config", f"kv_groups[{k}] must be an object {{\"name\", \"dcp\"}}")
+                raise fail(p, "dcptool.config", f"kv_groups[{k}] must be an object {{\"name\", \"dcp\"}}")
             try:
                 out.append(KVGroup.of(g))
             except ValueError as e:
-                raise _fail(p, "dcptool.config", f"kv_groups[{k}]: {e}") from None
+                raise fail(p, "dcptool.config", f"kv_groups[{k}]: {e}") from None
         groups = tuple(out)
     cfg = DumpConfig(dcp_size=dcp, cp_interleave=il, sites=tuple(sites), pcp_size=pcp, page_size=page,
                      kv_groups=groups, **strs)
@@ -393,19 +393,19 @@ def _parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
 
 def _check_offsets(p: str, key: str, offs: np.ndarray, total: int) -> None:
     if offs[0] != 0:
-        raise _fail(p, key, f"offsets must start at 0, got {offs[0]}")
+        raise fail(p, key, f"offsets must start at 0, got {offs[0]}")
     d = np.diff(offs)
     if d.size and d.min() < 0:
         i = int(np.argmax(d < 0))
-        raise _fail(p, key, f"offsets not monotone at observation {i} ({offs[i]} > {offs[i + 1]})")
+        raise fail(p, key, f"offsets not monotone at observation {i} ({offs[i]} > {offs[i + 1]})")
     if offs[-1] != total:
-        raise _fail(p, key, f"offsets end at {offs[-1]} but the rows hold {total} values")
+        raise fail(p, key, f"offsets end at {offs[-1]} but the rows hold {total} values")
 
 
 def _first_bad(p: str, key: str, bad: np.ndarray, values: np.ndarray, what: str) -> None:
     if bad.any():
         i = int(np.argmax(bad))
-        raise _fail(p, key, f"{what} at observation {i} (value {values[i]})")
+        raise fail(p, key, f"{what} at observation {i} (value {values[i]})")
 
 
 def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected: dict | None = None,
@@ -416,30 +416,30 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
     applies once the rows are in (read_dump(stream=True))."""
     for key in REQUIRED:
         if key not in c:
-            raise _fail(p, key, "missing")
+            raise fail(p, key, "missing")
     n = c["obs.step"].shape[0]
     if n and not cfg.sites:
-        raise _fail(p, "dcptool.config", "sites must be a non-empty list of strings")
+        raise fail(p, "dcptool.config", "sites must be a non-empty list of strings")
     for key, (_, kind) in COLUMNS.items():
         if key not in c:
             continue
         if c[key].ndim != 1:
-            raise _fail(p, key, f"must be 1-D, got shape {list(c[key].shape)}")
+            raise fail(p, key, f"must be 1-D, got shape {list(c[key].shape)}")
         if kind == "n" and c[key].shape[0] != n:
-            raise _fail(p, key, f"has {c[key].shape[0]} values but obs.step has {n} observations")
+            raise fail(p, key, f"has {c[key].shape[0]} values but obs.step has {n} observations")
         if kind == "n+1" and c[key].shape[0] != n + 1:
-            raise _fail(p, key, f"has {c[key].shape[0]} offsets, expected n+1 = {n + 1}")
+            raise fail(p, key, f"has {c[key].shape[0]} offsets, expected n+1 = {n + 1}")
     for group in COLUMN_GROUPS:  # (read_dump checks this on the file's entries first; here for writers)
         present = [k for k in group if k in c]
         if present and len(present) != len(group):
-            raise _fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")
+            raise fail(p, (set(group) - set(present)).pop(), f"missing (it goes with {present[0]})")
     for key, (_, kind) in COLUMNS.items():
         if key in c and kind.startswith("obs."):
             if kind not in c:
-                raise _fail(p, key, f"present without its offsets {kind}")
+                raise fail(p, key, f"present without its offsets {kind}")
             if key == "rows.kv_pages":
                 if c[key].shape[0] != c["rows.seq_lens"].shape[0]:
-                    raise _fail(p, key, f"has {c[key].shape[0]} rows but rows.seq_lens has "
+                    raise fail(p, key, f"has {c[key].shape[0]} rows but rows.seq_lens has "
                                         f"{c['rows.seq_lens'].shape[0]}")
                 continue
             _check_offsets(p, kind, c[kind], c[key].shape[0])
@@ -475,13 +475,13 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
     if "obs.slots" in c:
         for key in SLOT_COLUMNS[1:]:
             if key not in c:
-                raise _fail(p, key, "missing (it goes with obs.slots)")
+                raise fail(p, key, "missing (it goes with obs.slots)")
     if "rows.kv_pages" in c and cfg.page_size is None:
-        raise _fail(p, "rows.kv_pages", "present but dcptool.config has no page_size")
+        raise fail(p, "rows.kv_pages", "present but dcptool.config has no page_size")
     if injected:
         for fault, idx in injected.items():
             if any(not 0 <= i < n for i in idx):
-                raise _fail(p, "dcptool.injected", f"{fault}: observation index out of range")
+                raise fail(p, "dcptool.injected", f"{fault}: observation index out of range")
     if row_values:
         check_row_values(p, cfg, c, release)
 
@@ -495,14 +495,14 @@ def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=
         part = sl[lo : lo + step]
         if part.min() < 0:
             i = lo + int(np.argmax(part < 0))
-            raise _fail(p, "rows.seq_lens", f"negative length {sl[i]} at row {i}")
+            raise fail(p, "rows.seq_lens", f"negative length {sl[i]} at row {i}")
         if release is not None:
             release("rows.seq_lens", lo, lo + part.size)
     if "rows.dcp_tot_seq_lens" in c:  # global lengths: a negative one is no length (as rows.seq_lens)
         t = c["rows.dcp_tot_seq_lens"]
         if t.size and t.min() < 0:
             i = int(np.argmax(t < 0))
-            raise _fail(p, "rows.dcp_tot_seq_lens", f"negative length {t[i]} at row {i}")
+            raise fail(p, "rows.dcp_tot_seq_lens", f"negative length {t[i]} at row {i}")
     if "obs.slots" in c:
         _check_slots(p, cfg, c)
 
@@ -513,11 +513,11 @@ def _check_slots(p: str, cfg: DumpConfig, c: dict[str, np.ndarray]) -> None:
     pos, grp = c["rows.positions"], c["rows.slot_group"]
     if pos.size and pos.min() < 0:
         i = int(np.argmax(pos < 0))
-        raise _fail(p, "rows.positions", f"negative position {pos[i]} at entry {i}")
+        raise fail(p, "rows.positions", f"negative position {pos[i]} at entry {i}")
     if grp.size:
         hi = INT32_MAX if cfg.kv_groups is None else len(cfg.kv_groups) - 1
         bad = (grp < 0) | (grp > hi)
         if bad.any():
             i = int(np.argmax(bad))
             what = "negative" if grp[i] < 0 else f"out of range (config lists {len(cfg.kv_groups)} kv_groups)"
-            raise _fail(p, "rows.slot_group", f"KV-cache group {grp[i]} at entry {i} is {what}")
+            raise fail(p, "rows.slot_group", f"KV-cache group {grp[i]} at entry {i} is {what}")

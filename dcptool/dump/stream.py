@@ -11,7 +11,7 @@ import numpy as np
 from dcptool.dump import files
 from dcptool.dump.schema import (
     COLUMNS,
-    _fail,
+    fail,
 )
 
 STREAM_PIECE = 8 << 20  # bytes per read of a streamed row column: the grain at which the scan follows the read
@@ -19,7 +19,7 @@ STREAM_PIECE = 8 << 20  # bytes per read of a streamed row column: the grain at 
 SCAN_ROWS = ("rows.seq_lens", "rows.dcp_local_seq_lens", "rows.kv_pages")
 
 
-class _Reader:
+class Reader:
     """read_dump(stream=True)'s thread: the row columns in pieces (the scan's in step with each other, piece k of
     each before piece k + 1 of any), then the file unchanged and the whole validated. wait(key, n) blocks until
     the first n values of key are read; an error (a short or changed file, a rule of DESIGN §2) wakes every
@@ -71,7 +71,7 @@ class _Reader:
             files.check_unchanged(self.p, self.f, self.before)
             self.validate()
         except OSError as e:
-            self.error = _fail(self.p, None, f"cannot read: {e.strerror or e}")
+            self.error = fail(self.p, None, f"cannot read: {e.strerror or e}")
         except BaseException as e:  # a DumpError, or what the caller should see as this read's failure
             self.error = e
         finally:
@@ -102,10 +102,10 @@ class _Reader:
         self.thread.join()
 
 
-class _Streamed(dict):
+class Streamed(dict):
     """A streamed dump's columns: reading one waits until it is read (Dump.upto waits for its first values)."""
 
-    def __init__(self, cols: dict, reader: _Reader) -> None:
+    def __init__(self, cols: dict, reader: Reader) -> None:
         super().__init__(cols)
         self.reader = reader
 

@@ -23,18 +23,18 @@ from dcptool.dump.observation import (
     numpy_dtype,
 )
 from dcptool.dump.schema import (
-    _DTYPE_NAMES,
-    _DTYPES,
     COLUMNS,
+    DTYPE_NAMES,
+    DTYPES,
     FORMAT_VERSION,
     INT32_MAX,
     DumpConfig,
     DumpError,
     OutputExistsError,
     WriteError,
-    _clean,
-    _fail,
-    _parse_config,
+    clean,
+    fail,
+    parse_config,
     validate_columns,
 )
 
@@ -157,8 +157,8 @@ def encode(config: DumpConfig, columns: dict[str, np.ndarray], injected: dict | 
         want = COLUMNS[key][0] if key in COLUMNS else None
         arr = np.ascontiguousarray(columns[key])
         if want is not None:
-            arr = arr.astype(_DTYPES[want], copy=False)
-        header[key] = {"dtype": _DTYPE_NAMES[arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype],
+            arr = arr.astype(DTYPES[want], copy=False)
+        header[key] = {"dtype": DTYPE_NAMES[arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype],
                        "shape": [int(arr.shape[0])], "data_offsets": [off, off + arr.nbytes]}
         off += arr.nbytes
         tensors.append((key, arr))
@@ -172,10 +172,10 @@ def _link_no_clobber(tmp: str, p: Path) -> None:
     try:
         os.link(tmp, p)  # fails if p exists, even if another writer created it a moment ago
     except FileExistsError:
-        raise OutputExistsError(f"{_clean(p)}: exists (use --force to overwrite)") from None
+        raise OutputExistsError(f"{clean(p)}: exists (use --force to overwrite)") from None
     except OSError:  # no hard links here (some FUSE / SMB mounts): check, then rename
         if os.path.lexists(p):
-            raise OutputExistsError(f"{_clean(p)}: exists (use --force to overwrite)") from None
+            raise OutputExistsError(f"{clean(p)}: exists (use --force to overwrite)") from None
         os.replace(tmp, p)
         return
     os.unlink(tmp)
@@ -202,18 +202,18 @@ def write_target(path: str | os.PathLike) -> Path:
     except FileNotFoundError:
         return p
     except OSError as e:
-        raise WriteError(f"{_clean(p)}: cannot write: {e.strerror or e}") from None
+        raise WriteError(f"{clean(p)}: cannot write: {e.strerror or e}") from None
     if stat.S_ISREG(st.st_mode):
         return p
     if not stat.S_ISLNK(st.st_mode):
-        raise WriteError(f"{_clean(p)}: is a {_kind(st.st_mode)}, not a regular file; dcptool only replaces "
+        raise WriteError(f"{clean(p)}: is a {_kind(st.st_mode)}, not a regular file; dcptool only replaces "
                          "regular files")
     try:
         target = os.stat(p)
     except OSError:
-        raise WriteError(f"{_clean(p)}: is a symbolic link to nothing; dcptool only writes regular files") from None
+        raise WriteError(f"{clean(p)}: is a symbolic link to nothing; dcptool only writes regular files") from None
     if not stat.S_ISREG(target.st_mode):
-        raise WriteError(f"{_clean(p)}: is a symbolic link to a {_kind(target.st_mode)}, not a regular file; "
+        raise WriteError(f"{clean(p)}: is a symbolic link to a {_kind(target.st_mode)}, not a regular file; "
                          "dcptool only replaces regular files")
     real = Path(os.path.realpath(p))
     try:  # a /proc/self/fd link to a deleted or unnamed file resolves to no path that is that file
@@ -221,7 +221,7 @@ def write_target(path: str | os.PathLike) -> Path:
     except OSError:
         same = False
     if not same:
-        raise WriteError(f"{_clean(p)}: is a symbolic link whose target cannot be replaced by name")
+        raise WriteError(f"{clean(p)}: is a symbolic link whose target cannot be replaced by name")
     return p
 
 
@@ -242,11 +242,11 @@ def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True, inputs=
         except OSError:  # either does not exist: not the same file
             same = False
         if same:
-            raise WriteError(f"{_clean(p)}: is also an input; write the output to another file")
+            raise WriteError(f"{clean(p)}: is also an input; write the output to another file")
     p = write_target(p)
     existed = os.path.lexists(p)
     if existed and not force:
-        raise OutputExistsError(f"{_clean(shown)}: exists (use --force to overwrite)")
+        raise OutputExistsError(f"{clean(shown)}: exists (use --force to overwrite)")
     d = p.parent
     tmp = None
     try:
@@ -267,7 +267,7 @@ def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True, inputs=
         raise
     except OSError as e:
         keep = " (the previous file is unchanged)" if existed else ""
-        raise WriteError(f"{_clean(shown)}: cannot write: {e.strerror or e}{keep}") from None
+        raise WriteError(f"{clean(shown)}: cannot write: {e.strerror or e}{keep}") from None
     finally:
         if tmp is not None:
             try:
@@ -289,7 +289,7 @@ def check_config(path: str | os.PathLike, config: DumpConfig, injected: dict | N
     meta = {"dcptool.format": FORMAT_VERSION, "dcptool.config": json.dumps(config.to_json())}
     if injected is not None:
         meta["dcptool.injected"] = json.dumps(injected)
-    _parse_config(os.fspath(path), meta)
+    parse_config(os.fspath(path), meta)
 
 
 def _cat(got: list[np.ndarray], key: str) -> np.ndarray:
@@ -322,7 +322,7 @@ def _narrow(a: np.ndarray, want: np.dtype, key: str) -> np.ndarray:
         info = np.iinfo(want)
         lo, hi = a.min(), a.max()
         if lo < info.min or hi > info.max:
-            raise DumpError(f"{key}: value {int(lo) if lo < info.min else int(hi)} does not fit {_DTYPE_NAMES[want]}")
+            raise DumpError(f"{key}: value {int(lo) if lo < info.min else int(hi)} does not fit {DTYPE_NAMES[want]}")
     return a.astype(want, copy=False)
 
 
@@ -332,9 +332,9 @@ def _column(p: str, key: str, v) -> np.ndarray:
     if key not in COLUMNS:
         return a
     try:
-        return _narrow(a, _DTYPES[COLUMNS[key][0]], key)
+        return _narrow(a, DTYPES[COLUMNS[key][0]], key)
     except DumpError as e:
-        raise _fail(p, None, str(e)) from None
+        raise fail(p, None, str(e)) from None
 
 
 def write_dump(path: str | os.PathLike, config: DumpConfig, columns: dict[str, np.ndarray],
@@ -356,6 +356,6 @@ def write_observations(path: str | os.PathLike, observations: list[Observation],
     try:
         cfg, cols = pack(observations, config)
     except DumpError as e:
-        raise _fail(os.fspath(path), None, str(e)) from None
+        raise fail(os.fspath(path), None, str(e)) from None
     write_dump(path, cfg, cols, injected, force=force, inputs=inputs)
     return cfg

@@ -9,19 +9,19 @@ import sys
 import numpy as np
 
 from dcptool.dump import INT32_MAX, Record, Scalars, slot_entries
-from dcptool.dump.schema import GraphMode, _text_ok
+from dcptool.dump.schema import GraphMode, text_ok
 
-_I64 = 2**63 - 1
-_I64_MIN = -(2**63)
+I64_MAX = 2**63 - 1
+I64_MIN = -(2**63)
 _NEW = tuple.__new__  # a Record or Scalars without its Python-level __new__ on the per-observation path (0.3 -> 0.1 us)
-_NO_SLOTS = (None, None, None)  # observe() without slot entries
+NO_SLOTS = (None, None, None)  # observe() without slot entries
 # Unicode category Cc exactly (C0 controls, DEL, C1 controls): a site name is shown in warnings, logs and reports,
 # where a newline or an escape sequence would forge a line or drive the terminal
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _SITES_KEPT = 1024  # site names remembered as checked (the fast path takes only those)
 
 
-def _int32(a: np.ndarray) -> np.ndarray:
+def int32_copy(a: np.ndarray) -> np.ndarray:
     """A private int32 copy; values int32 cannot hold raise (the observation is dropped), never wrap."""
     if a.dtype == np.int32:
         return a.copy()
@@ -33,42 +33,42 @@ def _int32(a: np.ndarray) -> np.ndarray:
     return b
 
 
-def _host(x) -> np.ndarray | None:
+def host_copy(x) -> np.ndarray | None:
     """A private host copy of a tensor / array / list (never a view of engine memory)."""
     if x is None:
         return None
     if hasattr(x, "detach"):  # torch.Tensor, on any device: .cpu() syncs on that device's stream
         x = x.detach().to("cpu").numpy()
     a = np.asarray(x)
-    return _int32(a if a.ndim == 1 else a.reshape(-1))
+    return int32_copy(a if a.ndim == 1 else a.reshape(-1))
 
 
-def _host_fast(x) -> np.ndarray | None:
-    """_host for the common case (None or a numpy array), without the attribute probing."""
+def host_fast(x) -> np.ndarray | None:
+    """host_copy for the common case (None or a numpy array), without the attribute probing."""
     if x is None:
         return None
     if type(x) is np.ndarray and x.ndim == 1:
-        return _int32(x)
-    return _host(x)
+        return int32_copy(x)
+    return host_copy(x)
 
 
-def _per_rank(x, k: int) -> np.ndarray | None:
+def per_rank(x, k: int) -> np.ndarray | None:
     """observe_many's per-rank rows (kv_pages, issue 15's): one shared row (a read-only view of the private
     copy for every rank) or [ranks, rows]."""
     if x is None:
         return None
-    flat = _host(x)
+    flat = host_copy(x)
     one = (x.ndim if hasattr(x, "ndim") else np.ndim(x)) == 1
     return np.broadcast_to(flat, (k, flat.size)) if one else flat.reshape(k, -1)
 
 
-def _nonneg(a: np.ndarray | None, name: str) -> np.ndarray | None:
+def nonneg(a: np.ndarray | None, name: str) -> np.ndarray | None:
     if a is not None and a.size and a.min() < 0:
         raise ValueError(f"negative {name}")
     return a
 
 
-def _int(v, name: str) -> int:
+def integer(v, name: str) -> int:
     """An integer scalar as a Python int. 1.9, "7", 2.0, True and float arrays raise (the observation is
     dropped and counted): a wrong type is a bug in the caller, and coercing it would record a made-up value.
     numpy integer scalars and 0-d integer host tensors are integers."""
@@ -84,25 +84,25 @@ def _int(v, name: str) -> int:
         raise ValueError(f"{name} must be an integer, got {type(v).__name__} {v!r}") from None
 
 
-def _opt(v, name: str) -> int | None:
-    return None if v is None else _int(v, name)
+def optional_integer(v, name: str) -> int | None:
+    return None if v is None else integer(v, name)
 
 
 def _torch_int(dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex) and str(dtype) != "torch.bool"
 
 
-class _NoTensor:
+class NoTensor:
     pass
 
 
 def tensor_type() -> type:
-    """torch.Tensor once torch is imported, else _NoTensor (the engine package does not import torch itself)."""
+    """torch.Tensor once torch is imported, else NoTensor (the engine package does not import torch itself)."""
     torch = sys.modules.get("torch")
-    return _NoTensor if torch is None else torch.Tensor
+    return NoTensor if torch is None else torch.Tensor
 
 
-class _Torch:
+class LazyTorch:
     """torch, looked up on first use (the engine package does not import it: a CPU-only engine may not have it)."""
 
     def __getattr__(self, name):
@@ -113,21 +113,21 @@ class _Torch:
         return getattr(torch, name)
 
 
-_T = _Torch()
+TORCH = LazyTorch()
 
 
-def _narrowed(x):
+def narrowed(x):
     """A device tensor as a contiguous 1-D int32/int64 one (a copy on the stream when it is not): (tensor, wide)."""
     x = x.reshape(-1)
     dt = x.dtype
-    if dt is _T.int64:
+    if dt is TORCH.int64:
         wide = 1
-    elif dt is _T.int32:
+    elif dt is TORCH.int32:
         wide = 0
     elif not _torch_int(dt):
         raise ValueError(f"integer values expected, got dtype {dt}")
     else:
-        x, wide = x.to(_T.int32), 0  # a narrower integer type: no value can be lost
+        x, wide = x.to(TORCH.int32), 0  # a narrower integer type: no value can be lost
     return (x if x.is_contiguous() else x.contiguous()), wide
 
 
@@ -154,33 +154,34 @@ def scalars(r: Record) -> Scalars:
         # what engines pass: no conversion needed
         return _NEW(Scalars, (step, rank, nr, nrp, ubatch, None if parent is None or parent < 0 else parent, rs, ts,
                               te, ntp, buf, graph))
-    p = _opt(parent, "parent")
-    g = int(GraphMode.parse(graph)) if isinstance(graph, str) else _opt(graph, "graph")
-    return Scalars(_int(step, "step"), _int(rank, "rank"), _int(nr, "num_reqs"), _int(nrp, "num_reqs_padded"),
-                   _int(ubatch, "ubatch"), None if p is None or p < 0 else p, _opt(rs, "req_start"),
-                   _opt(ts, "tok_start"), _opt(te, "tok_stop"), _opt(ntp, "num_tokens_padded"), _opt(buf, "buffer"), g)
+    p, opt = optional_integer(parent, "parent"), optional_integer
+    g = int(GraphMode.parse(graph)) if isinstance(graph, str) else opt(graph, "graph")
+    return Scalars(integer(step, "step"), integer(rank, "rank"), integer(nr, "num_reqs"),
+                   integer(nrp, "num_reqs_padded"), integer(ubatch, "ubatch"), None if p is None or p < 0 else p,
+                   opt(rs, "req_start"), opt(ts, "tok_start"), opt(te, "tok_stop"), opt(ntp, "num_tokens_padded"),
+                   opt(buf, "buffer"), g)
 
 
-def _check_shared(vals: Scalars, site, site_ok: set, kv_rows: int | None, rows: int, page_size: int | None) -> None:
-    """The values one batch's observations share (the rest: _check_own)."""
-    _check_vals(vals, site, site_ok)
+def check_shared(vals: Scalars, site, site_ok: set, kv_rows: int | None, rows: int, page_size: int | None) -> None:
+    """The values one batch's observations share (the rest: check_own)."""
+    check_vals(vals, site, site_ok)
     if kv_rows is not None and (page_size is None or kv_rows != rows):
         raise ValueError(f"kv_pages needs page_size in the config and one value per seq_lens row ({rows})")
 
 
-def _check_vals(vals: Scalars, site, site_ok: set) -> None:
-    """The scalars and the site of _check_shared; a site name that passes joins site_ok (the names checked)."""
+def check_vals(vals: Scalars, site, site_ok: set) -> None:
+    """The scalars and the site of check_shared; a site name that passes joins site_ok (the names checked)."""
     step, _, _, nrp, ubatch, _, rs, ts, te, ntp, _, graph = vals  # Scalars, in order (one unpack: the hot path)
     # any name a reader accepts (reports show markup literally) but lone surrogates and control characters
     if type(site) is not str or site not in site_ok:
-        if type(site) is not str or not _text_ok(site):
+        if type(site) is not str or not text_ok(site):
             raise ValueError(f"site must be a string of valid Unicode, got {site!r}")
         if _CONTROL.search(site):
             raise ValueError(f"site {site!r} holds a control character: a site name is text without control "
                              "characters (Unicode category Cc: no newline, tab or escape)")
         if len(site_ok) < _SITES_KEPT:
             site_ok.add(site)
-    if not (-_I64 - 1 <= step <= _I64 and -1 <= ubatch <= INT32_MAX and nrp <= INT32_MAX):
+    if not (-I64_MAX - 1 <= step <= I64_MAX and -1 <= ubatch <= INT32_MAX and nrp <= INT32_MAX):
         raise ValueError(f"step {step}, ubatch {ubatch} or num_reqs_padded {nrp} out of range")
     if rs is not None or ts is not None or te is not None or ntp is not None:
         for v in (rs, ts, te, ntp):
@@ -190,56 +191,56 @@ def _check_vals(vals: Scalars, site, site_ok: set) -> None:
         raise ValueError(f"graph {graph} is not 0..3")
 
 
-def _check_own(rank: int, parent: int | None, buffer: int | None, index: int, dcp_size: int) -> None:
+def check_own(rank: int, parent: int | None, buffer: int | None, index: int, dcp_size: int) -> None:
     """... and the values of one rank's observation (index: the one it will get)."""
     if not 0 <= rank < dcp_size:
         raise ValueError(f"rank {rank} out of range for dcp_size {dcp_size}")
     if parent is not None and parent >= index:
         raise ValueError(f"parent {parent} is not an earlier observation")
-    if buffer is not None and not -_I64 - 1 <= buffer <= _I64:
+    if buffer is not None and not -I64_MAX - 1 <= buffer <= I64_MAX:
         raise ValueError(f"buffer {buffer} does not fit int64")
 
 
-def _batch(seq_lens, nr: int, nrp: int, query_start_loc):
+def batch_rows(seq_lens, nr: int, nrp: int, query_start_loc):
     """Host copies and checks shared by observe() and observe_many(); raises on what cannot be stored."""
-    seq = _host_fast(seq_lens)
+    seq = host_fast(seq_lens)
     if not 0 <= nr <= nrp or seq.size < nr or (seq.size and seq.min() < 0):
         raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {seq.size} seq_lens rows")
-    qsl = _host_fast(query_start_loc)
+    qsl = host_fast(query_start_loc)
     if qsl is not None and qsl.size != seq.size + 1:
         qsl = None  # a query_start_loc that does not cover the rows is of no use to replay
     return seq, qsl
 
 
-def _host_slots(positions, slot_mapping, groups: int | None) -> tuple:
+def host_slots(positions, slot_mapping, groups: int | None) -> tuple:
     """dump.slot_entries of host copies (int32-checked), for a config of `groups` KV-cache groups (None: not
     named yet); raises on what cannot be stored (dropped)."""
     if positions is None or slot_mapping is None:
         raise ValueError("positions and slot_mapping go together")
-    pos = _host(positions)
+    pos = host_copy(positions)
     if pos.size and pos.min() < 0:
         raise ValueError("negative positions")
     if isinstance(slot_mapping, dict):
-        maps = {_int(g, "KV-cache group"): _host(m) for g, m in slot_mapping.items()}
+        maps = {integer(g, "KV-cache group"): host_copy(m) for g, m in slot_mapping.items()}
     else:
         ndim = slot_mapping.ndim if hasattr(slot_mapping, "ndim") else np.ndim(slot_mapping)
-        maps = _host(slot_mapping) if ndim == 1 else dict(enumerate(_host(x) for x in slot_mapping))
+        maps = host_copy(slot_mapping) if ndim == 1 else dict(enumerate(host_copy(x) for x in slot_mapping))
     out = slot_entries(pos, maps, groups)
     return out[0], out[1], out[2].astype(np.int32)
 
 
-class _Groups(tuple):
+class Groups(tuple):
     """The KV-cache groups (ascending) of slot sections snapshotted raw: the ring slot holds the positions once and
-    the slot mapping rows back to back; the harvest tiles the positions per group (ring._slot_rows)."""
+    the slot mapping rows back to back; the harvest tiles the positions per group (ring.slot_rows)."""
 
     __slots__ = ()
 
 
-def _device_slots(positions, slot_mapping, kv_groups, tensor: type, on: str, seen) -> tuple | None:
-    """positions and slot_mapping as device sections (positions, the slot mapping rows in group order, _Groups):
+def device_slots(positions, slot_mapping, kv_groups, tensor: type, on: str, seen) -> tuple | None:
+    """positions and slot_mapping as device sections (positions, the slot mapping rows in group order, Groups):
     the lengths and the groups checked on the host from the shapes (no synchronisation), the values by the
     kernel (negative positions, int32) at harvest. None when any of them is not a tensor of the device path
-    (the host path copies them). Raises what cannot be stored, as _host_slots does; seen(groups): the groups
+    (the host path copies them). Raises what cannot be stored, as host_slots does; seen(groups): the groups
     recorded (kv_groups: the config's, None when not named yet)."""
     if positions is None or slot_mapping is None:
         raise ValueError("positions and slot_mapping go together")
@@ -247,7 +248,7 @@ def _device_slots(positions, slot_mapping, kv_groups, tensor: type, on: str, see
         return None
     n = positions.numel()
     if isinstance(slot_mapping, dict):
-        maps = {_int(g, "KV-cache group"): m for g, m in slot_mapping.items()}
+        maps = {integer(g, "KV-cache group"): m for g, m in slot_mapping.items()}
         keys = sorted(maps)
         rows = [maps[g] for g in keys]
         if not all(isinstance(m, tensor) and getattr(m, on) for m in rows):
@@ -255,7 +256,7 @@ def _device_slots(positions, slot_mapping, kv_groups, tensor: type, on: str, see
         if any(m.numel() != n for m in rows):
             raise ValueError(f"a slot mapping does not have one value per position ({n})")
         # one stream-ordered copy (no synchronisation) makes the rows one section
-        slot = rows[0] if len(rows) == 1 else positions[:0] if not rows else _T.cat([m.reshape(-1) for m in rows])
+        slot = rows[0] if len(rows) == 1 else positions[:0] if not rows else TORCH.cat([m.reshape(-1) for m in rows])
     else:
         if not (isinstance(slot_mapping, tensor) and getattr(slot_mapping, on)) or slot_mapping.ndim not in (1, 2):
             return None
@@ -268,4 +269,4 @@ def _device_slots(positions, slot_mapping, kv_groups, tensor: type, on: str, see
     if keys and not (0 <= keys[0] and keys[-1] <= hi):
         raise ValueError(f"KV-cache group {keys[0] if keys[0] < 0 else keys[-1]} out of range")
     seen(keys)
-    return positions, slot, _Groups(keys)
+    return positions, slot, Groups(keys)

@@ -104,13 +104,13 @@ def test_a_file_truncated_while_streamed_is_one_dump_error(tmp_path, monkeypatch
 
     p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(50)])
     size = os.path.getsize(p)
-    real = stream._Reader._run
+    real = stream.Reader._run
 
     def cut_then_read(self):
         os.truncate(p, size - 40)
         real(self)
 
-    monkeypatch.setattr(stream._Reader, "_run", cut_then_read)
+    monkeypatch.setattr(stream.Reader, "_run", cut_then_read)
     d = read_dump(p, stream=True)
     with pytest.raises(DumpError, match=f"^{p}: changed while being read"):
         d["rows.dcp_local_seq_lens"]
@@ -135,8 +135,8 @@ def test_a_streamed_read_never_hands_out_unread_values(tmp_path, monkeypatch):
     handing out the buffer's unread bytes."""
 
     p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(30)])
-    real = stream._Reader._plan
-    monkeypatch.setattr(stream._Reader, "_plan", lambda self, rows: real(self, rows)[:-1])  # (the last piece lost)
+    real = stream.Reader._plan
+    monkeypatch.setattr(stream.Reader, "_plan", lambda self, rows: real(self, rows)[:-1])  # (the last piece lost)
     d = read_dump(p, stream=True)
     d.reader.thread.join()
     lost = [k for k, n in d.reader.need.items() if d.reader.got[k] < n]

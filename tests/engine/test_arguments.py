@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dcptool.dump import Record, read_dump
-from dcptool.engine.arguments import _CONTROL, _check_vals, scalars
+from dcptool.engine.arguments import _CONTROL, check_vals, scalars
 from dcptool.engine.recorder.record import Recorder
 
 
@@ -65,7 +65,7 @@ def test_a_site_name_with_a_control_character_is_refused(tmp_path, site):
 
 def test_the_control_character_error_names_the_site_and_what_is_allowed():
     with pytest.raises(ValueError) as e:
-        _check_vals(scalars(Record(0, "a\nb", 0, 1, 1, None)), "a\nb", set())
+        check_vals(scalars(Record(0, "a\nb", 0, 1, 1, None)), "a\nb", set())
     assert str(e.value) == ("site 'a\\nb' holds a control character: a site name is text without control "
                             "characters (Unicode category Cc: no newline, tab or escape)")
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from dcptool.dcp.backend import load
 from dcptool.dump import Record
-from dcptool.engine.arguments import _host
+from dcptool.engine.arguments import host_copy
 
 # Ring slot layout (int32 words): HEAD header words, then six sections of `cap` rows each (seq_lens, the DCP
 # view, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens) and `tcap` words of slot entries
@@ -41,9 +41,9 @@ _CHECKED: dict = {}  # CUDA device index -> (go, how): the launch that proved it
 def _launcher(dev: GuardDevice) -> tuple:
     """(go, how): the cheapest launch of the check kernel that writes, on known values, exactly what Triton's
     dispatch writes (ring, state and flag compared word by word, once per process and device; one synchronisation
-    each): the launcher's C entry called directly, then Triton's compiled launcher (launch._cheapest); else
+    each): the launcher's C entry called directly, then Triton's compiled launcher (launch.cheapest); else
     Triton's dispatch, saying why. Called outside capture (where the ring is first allocated)."""
-    from dcptool.engine.snapshot.launch import _cheapest
+    from dcptool.engine.snapshot.launch import cheapest
 
     key = dev.did
     if key not in _CHECKED:
@@ -51,7 +51,7 @@ def _launcher(dev: GuardDevice) -> tuple:
             probe = _Probe(dev)
             with dev.torch.cuda.device(dev.device):
                 ck = _probe_check(probe, dev.dispatch)  # (compiles it; what it writes is the reference)
-                go, how, why = _cheapest(probe, _probe_check, ck, variadic=True)
+                go, how, why = cheapest(probe, _probe_check, ck, variadic=True)
         except Exception as e:  # (the dispatch stays: it launched the kernel before this stop too)
             go, how, why = None, "", [repr(e)]
         if go is None:
@@ -206,7 +206,7 @@ class GuardDevice:
         graph (callers leave host arrays out there: _in_capture)."""
         t = self.torch
         if self.cuda and not (isinstance(x, t.Tensor) and x.is_cuda):
-            return t.from_numpy(_host(x)).pin_memory().to(self.device, non_blocking=True)
+            return t.from_numpy(host_copy(x)).pin_memory().to(self.device, non_blocking=True)
         if not isinstance(x, t.Tensor):
             x = t.as_tensor(np.asarray(x))
         if x.dtype != t.int32 or not x.is_contiguous() or x.device != self.device:

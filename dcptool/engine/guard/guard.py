@@ -11,7 +11,7 @@ from pathlib import Path
 from dcptool.dump import Record
 from dcptool.dump.observation import GROUPS, ROW_TABLE
 from dcptool.dump.schema import KVGroup
-from dcptool.engine.arguments import _NEW, _host, _host_slots, buffer_id, scalars, tensor_type
+from dcptool.engine.arguments import _NEW, buffer_id, host_copy, host_slots, scalars, tensor_type
 from dcptool.engine.guard.host_checks import Spec, first_wrong
 from dcptool.engine.recorder.record import Recorder
 from dcptool.errors import DcptoolError
@@ -156,14 +156,14 @@ class Guard:
         buffer = r.buffer
         if buffer is None and hasattr(r.dcp_local_seq_lens, "untyped_storage"):
             buffer = buffer_id(r.dcp_local_seq_lens)  # the engine's buffer, not the copy's
-        copies = {f: _host(getattr(r, f)) for f in _ARRAYS}
+        copies = {f: host_copy(getattr(r, f)) for f in _ARRAYS}
         sm = r.slot_mapping
         if sm is not None:
-            sm = ({g: _host(m) for g, m in sm.items()} if isinstance(sm, dict)
-                  else _host(sm).reshape(-1, copies["positions"].size))
+            sm = ({g: host_copy(m) for g, m in sm.items()} if isinstance(sm, dict)
+                  else host_copy(sm).reshape(-1, copies["positions"].size))
         kept = r._replace(buffer=buffer, slot_mapping=sm, **copies)
         slots = ((None,) * 3 if r.positions is None and r.slot_mapping is None
-                 else _host_slots(kept.positions, sm, self._ngroups))
+                 else host_slots(kept.positions, sm, self._ngroups))
         rule = first_wrong(self._spec, int(r.rank), int(r.num_reqs), int(r.num_reqs_padded), kept.seq_lens,
                            kept.dcp_local_seq_lens, kept.query_start_loc, kept.kv_pages, kept.dcp_query_start_loc,
                            kept.dcp_tot_seq_lens, slots)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dcptool.dump import Record, Scalars
 from dcptool.engine.arguments import (
-    _NO_SLOTS,
-    _batch,
-    _check_shared,
-    _host,
-    _host_fast,
-    _host_slots,
-    _nonneg,
-    _per_rank,
+    NO_SLOTS,
+    batch_rows,
+    check_shared,
+    host_copy,
+    host_fast,
+    host_slots,
+    nonneg,
+    per_rank,
     scalars,
 )
 
@@ -32,10 +32,10 @@ class HostPath:
         """One observation's rows (slots: its slot entries, None: not copied yet)."""
         if slots is None:
             slots = self.slots(r.positions, r.slot_mapping)
-        seq, qsl = _batch(r.seq_lens, vals[2], vals[3], r.query_start_loc)
-        row = (seq, _host_fast(r.dcp_local_seq_lens), qsl, _host_fast(r.kv_pages), _host_fast(r.dcp_query_start_loc),
-               _nonneg(_host_fast(r.dcp_tot_seq_lens), "dcp_tot_seq_lens"), *slots)
-        _check_shared(vals, r.site, self._site_ok, None if row[3] is None else row[3].size, seq.size,
+        seq, qsl = batch_rows(r.seq_lens, vals[2], vals[3], r.query_start_loc)
+        row = (seq, host_fast(r.dcp_local_seq_lens), qsl, host_fast(r.kv_pages), host_fast(r.dcp_query_start_loc),
+               nonneg(host_fast(r.dcp_tot_seq_lens), "dcp_tot_seq_lens"), *slots)
+        check_shared(vals, r.site, self._site_ok, None if row[3] is None else row[3].size, seq.size,
                       self._w.config.page_size)
         return row
 
@@ -47,24 +47,24 @@ class HostPath:
             extras = [self.slots(r.positions, None)] * k
         else:
             per = r.slot_mapping if isinstance(r.slot_mapping, dict) else {0: r.slot_mapping}
-            per = {g: _host(m).reshape(k, -1) for g, m in per.items()}
+            per = {g: host_copy(m).reshape(k, -1) for g, m in per.items()}
             extras = [self.slots(r.positions, {g: m[i] for g, m in per.items()}) for i in range(k)]
         common = scalars(r._replace(rank=0, parent=None, buffer=None))
-        seq, qsl = _batch(r.seq_lens, common[2], common[3], r.query_start_loc)
-        dcp = None if r.dcp_local_seq_lens is None else _host(r.dcp_local_seq_lens).reshape(k, -1)
-        rows = [seq, dcp, qsl, _per_rank(r.kv_pages, k), _per_rank(r.dcp_query_start_loc, k),
-                _nonneg(_per_rank(r.dcp_tot_seq_lens, k), "dcp_tot_seq_lens"), *zip(*extras)]
+        seq, qsl = batch_rows(r.seq_lens, common[2], common[3], r.query_start_loc)
+        dcp = None if r.dcp_local_seq_lens is None else host_copy(r.dcp_local_seq_lens).reshape(k, -1)
+        rows = [seq, dcp, qsl, per_rank(r.kv_pages, k), per_rank(r.dcp_query_start_loc, k),
+                nonneg(per_rank(r.dcp_tot_seq_lens, k), "dcp_tot_seq_lens"), *zip(*extras)]
         kv = rows[3]
-        _check_shared(common, r.site, self._site_ok, None if kv is None else kv.shape[1], seq.size,
+        check_shared(common, r.site, self._site_ok, None if kv is None else kv.shape[1], seq.size,
                       self._w.config.page_size)
         return common, rows
 
     def slots(self, positions, slot_mapping) -> tuple:
-        """arguments._host_slots for this recording's KV-cache groups; notes the highest group recorded."""
+        """arguments.host_slots for this recording's KV-cache groups; notes the highest group recorded."""
         if positions is None and slot_mapping is None:
-            return _NO_SLOTS
+            return NO_SLOTS
         kvg = self._w.config.kv_groups
-        out = _host_slots(positions, slot_mapping, None if kvg is None else len(kvg))
+        out = host_slots(positions, slot_mapping, None if kvg is None else len(kvg))
         self.groups_seen(out[2][-1:].tolist())
         return out
 

@@ -11,27 +11,27 @@ from dcptool.dump import DumpConfig, Record, Scalars, check_config
 from dcptool.dump.schema import KVGroup
 from dcptool.engine.arguments import (
     _NEW,
-    _NO_SLOTS,
-    _check_own,
-    _device_slots,
-    _Groups,
-    _int,
-    _NoTensor,
-    _opt,
+    NO_SLOTS,
+    Groups,
+    NoTensor,
     buffer_id,
+    check_own,
+    device_slots,
+    integer,
+    optional_integer,
     scalars,
     tensor_type,
 )
 from dcptool.engine.recorder.host import HostPath, of_rank
 from dcptool.engine.recorder.writer import Writer
 from dcptool.engine.snapshot.device import DevicePath
-from dcptool.engine.snapshot.device import _find_torch as _device_torch
+from dcptool.engine.snapshot.device import find_torch as _device_torch
 from dcptool.engine.snapshot.ring import DEFAULT_RING_BYTES
 
-_TENSOR: type = _NoTensor  # torch.Tensor once torch is imported (the engine package does not import it)
+_TENSOR: type = NoTensor  # torch.Tensor once torch is imported (the engine package does not import it)
 
 
-def _find_torch() -> None:
+def find_torch() -> None:
     """Look for torch.Tensor again (torch may be imported after the Recorder was made): here and on the device path."""
     global _TENSOR
     _TENSOR = tensor_type()
@@ -120,7 +120,7 @@ class Recorder:
         self._site_ok: set[str] = set()  # site names already checked
         self._warned = False
         self._fast = None  # observe()'s fast path (DevicePath.observe_fast) once the ring runs with its kernel
-        _find_torch()
+        find_torch()
         self._writer = w = Writer(path, config, rollover, force, self._lock, max_bytes)
         self._append = w.append
         self._host = HostPath(w, self._lock, self._site_ok)
@@ -181,7 +181,7 @@ class Recorder:
                 if w.stopped:
                     w.refuse()  # (raises after close(); counts it past the size cap)
                     return -1
-                _check_own(vals[1], vals[5], vals[10], w.count, self._ranks)  # (rank, parent, buffer)
+                check_own(vals[1], vals[5], vals[10], w.count, self._ranks)  # (rank, parent, buffer)
             except Exception as e:
                 self._drop(e)
                 return -1
@@ -195,9 +195,9 @@ class Recorder:
             self._writer.refuse()
             return -1
         dev = self._device
-        if _TENSOR is _NoTensor:
-            _find_torch()  # (torch imported after the Recorder was made)
-        slots = _NO_SLOTS if r.positions is None and r.slot_mapping is None else None  # None: not copied yet
+        if _TENSOR is NoTensor:
+            find_torch()  # (torch imported after the Recorder was made)
+        slots = NO_SLOTS if r.positions is None and r.slot_mapping is None else None  # None: not copied yet
         dcp = r.dcp_local_seq_lens
         if dev.device_tensors(r):
             if dev.capturing():
@@ -221,12 +221,12 @@ class Recorder:
         path must copy it; the slot entries the host path then keeps, None: not copied yet)."""
         dev = self._device
         if slots is None:  # the slot sections on the device too when they all are (no host copy)
-            slots = (_device_slots(r.positions, r.slot_mapping, self._writer.config.kv_groups, _TENSOR, dev.on,
+            slots = (device_slots(r.positions, r.slot_mapping, self._writer.config.kv_groups, _TENSOR, dev.on,
                                    self._host.groups_seen) or self._host.slots(r.positions, r.slot_mapping))
         got = self._observe_device(vals, r.site, (r.seq_lens, r.dcp_local_seq_lens, r.query_start_loc, r.kv_pages,
                                                   r.dcp_query_start_loc, r.dcp_tot_seq_lens, *slots))
         self._fast = dev.fast
-        return got, None if slots is not None and type(slots[2]) is _Groups else slots
+        return got, None if slots is not None and type(slots[2]) is Groups else slots
 
     def observe_many(self, *, step: int, site: str, ranks, seq_lens, num_reqs: int, num_reqs_padded: int,
                      dcp_local_seq_lens=None, ubatch: int = -1, parents=None, req_start: int | None = None,
@@ -261,10 +261,10 @@ class Recorder:
             buffers = [None] * k if r.buffer is None else list(r.buffer)
             if len(parents) != k or len(buffers) != k or (rows[3] is not None and rows[3].shape[0] != k):
                 raise ValueError(f"{k} ranks but {len(parents)} parents, {len(buffers)} buffers")
-            ranks = [_int(x, "rank") for x in ranks]
-            parents = [_opt(p, "parent") for p in parents]
+            ranks = [integer(x, "rank") for x in ranks]
+            parents = [optional_integer(p, "parent") for p in parents]
             parents = [None if p is None or p < 0 else p for p in parents]
-            buffers = [_opt(b, "buffer") for b in buffers]
+            buffers = [optional_integer(b, "buffer") for b in buffers]
         except Exception as e:
             self._drop(e, k)
             return [-1] * k
@@ -275,7 +275,7 @@ class Recorder:
                     w.refuse(k)
                     return [-1] * k
                 for i in range(k):
-                    _check_own(ranks[i], parents[i], buffers[i], w.count + i, self._ranks)
+                    check_own(ranks[i], parents[i], buffers[i], w.count + i, self._ranks)
             except Exception as e:
                 self._drop(e, k)
                 return [-1] * k

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dcptool.dump import DumpConfig, OutputExistsError, Scalars, WriteError
 from dcptool.engine.recorder.rolled import Batch, Rolled
-from dcptool.engine.snapshot.ring import FENCE_EVERY, _Slot
+from dcptool.engine.snapshot.ring import FENCE_EVERY, Slot
 
 CAP_EVERY = 1024  # observations kept between two size checks of a capped recording without rollover
 
@@ -49,7 +49,7 @@ class Writer:
         self.files: list[Path] = []
         # One tuple of scalars and one of row arrays per observation, turned into columns only at write
         # time (zip(*)): observe() stays a couple of appends, close() a handful of concatenations. A row
-        # entry is a _Slot while its device values are in flight, None once dropped at harvest.
+        # entry is a Slot while its device values are in flight, None once dropped at harvest.
         self._vals: list[Scalars] = []
         self._sites: list[str] = []
         self._rows: list = []  # per dump.ROW_FIELDS: (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages, ...)
@@ -96,7 +96,7 @@ class Writer:
         scalars each), adding the observations kept since the last call."""
         k, b = self._est
         for r in self._rows[k:]:
-            b += 100 + (4 * r[2] if type(r) is _Slot else 0 if r is None else
+            b += 100 + (4 * r[2] if type(r) is Slot else 0 if r is None else
                         sum(a.nbytes for a in r if a is not None))
         self._est = (len(self._rows), b)
         return b
@@ -210,7 +210,7 @@ class Writer:
         reserved; packing and writing it happen outside the lock (Rolled)."""
         n = len(self._sites) if n is None else n
         rows = self._rows[:n]
-        if any(type(r) is _Slot for r in rows):  # harvested device observations: their rows from the copies
+        if any(type(r) is Slot for r in rows):  # harvested device observations: their rows from the copies
             pending = self.device.ring.pending
             rows = self.device.landed.rows(rows, pending[0][0] if pending else None)
         est = self._kept_bytes() if self.max_bytes is not None else 0

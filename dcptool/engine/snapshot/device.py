@@ -8,47 +8,47 @@ import numpy as np
 
 from dcptool.dump import INT32_MAX, Record, Scalars
 from dcptool.engine.arguments import (
-    _I64,
-    _I64_MIN,
     _NEW,
-    _T,
-    _check_own,
-    _check_vals,
-    _Groups,
-    _host_fast,
-    _int32,
-    _narrowed,
-    _NoTensor,
+    I64_MAX,
+    I64_MIN,
+    TORCH,
+    Groups,
+    NoTensor,
+    check_own,
+    check_vals,
+    host_fast,
+    int32_copy,
+    narrowed,
     tensor_type,
 )
 from dcptool.engine.snapshot.harvest import Harvest
 from dcptool.engine.snapshot.kernels import SNAP_ARGS_BLOCK
-from dcptool.engine.snapshot.launch import _arm
+from dcptool.engine.snapshot.launch import arm
 from dcptool.engine.snapshot.ring import (
-    _ABSENT,
+    ABSENT,
     FENCE_EVERY,
     SECTIONS,
-    _host_rules,
-    _Landed,
-    _Slot,
-    _SnapshotRing,
+    Landed,
+    Slot,
+    SnapshotRing,
     _tables,
+    host_rules,
 )
 
-_TENSOR: type = _NoTensor  # torch.Tensor once torch is imported (the Recorder's _find_torch says when)
+_TENSOR: type = NoTensor  # torch.Tensor once torch is imported (the Recorder's find_torch says when)
 
 
-def _find_torch() -> None:
+def find_torch() -> None:
     global _TENSOR
     _TENSOR = tensor_type()
 
 
 def _capturing() -> bool:
     """Inside CUDA-graph capture on the current stream (only asked once a CUDA tensor was seen)."""
-    return _T._C._cuda_isCurrentStreamCapturing()  # (torch.cuda.is_current_stream_capturing)
+    return TORCH._C._cuda_isCurrentStreamCapturing()  # (torch.cuda.is_current_stream_capturing)
 
 
-def _later_sections(ring: _SnapshotRing, config, rows: int, kv, dq, tot, pos, sm) -> tuple | None:
+def _later_sections(ring: SnapshotRing, config, rows: int, kv, dq, tot, pos, sm) -> tuple | None:
     """The fast path's sections 3-7 (kv_pages, dcp_query_start_loc, dcp_tot_seq_lens, positions, slot_mapping):
     (their kernel arguments, their values in all, their int64 bits of `modes`, the slot mapping's KV-cache groups
     or 0), checked as the general path checks them from the shapes alone (the values: by the kernel, at harvest);
@@ -88,15 +88,15 @@ def _later_sections(ring: _SnapshotRing, config, rows: int, kv, dq, tot, pos, sm
     return out, n_all, wide, groups
 
 
-_GROUPS: dict[int, _Groups] = {}  # the slot group columns of the fast path, by number of groups
+_GROUPS: dict[int, Groups] = {}  # the slot group columns of the fast path, by number of groups
 
 
 def _with_groups(host: tuple | None, nsec: int, groups: int) -> tuple:
     """The fast path's host-held sections (None: none) with the slot group column of `groups` KV-cache groups (0 ..
-    groups - 1: the harvest builds the entries from the snapshotted rows, ring._slot_rows)."""
+    groups - 1: the harvest builds the entries from the snapshotted rows, ring.slot_rows)."""
     g = _GROUPS.get(groups)
     if g is None:
-        g = _GROUPS[groups] = _Groups(range(groups))
+        g = _GROUPS[groups] = Groups(range(groups))
     return (*((None,) * (nsec - 1) if host is None else host[:-1]), g)
 
 
@@ -122,9 +122,9 @@ class DevicePath(Harvest):
         self.ring_full = ring_full
         self.ring_drops = 0  # device observations dropped because the ring was full (ring_full="drop")
         self.skipped_capture = 0  # observations made inside CUDA-graph capture (not recorded)
-        self.ring: _SnapshotRing | None = None
+        self.ring: SnapshotRing | None = None
         self.fast = None  # observe_fast once the ring runs with its kernel (the Recorder's fast path)
-        self.landed = _Landed()
+        self.landed = Landed()
         self.on = "is_cuda"  # the tensor attribute that sends a value through the ring (CPU tests: "is_cpu")
         self.capturing = _capturing
         self._ring_words = max(1024, int(ring_bytes) // 4)
@@ -156,7 +156,7 @@ class DevicePath(Harvest):
         engine's cost of recording, see benchmarks/bench_record.py --cuda and --cuda-python.)
         """
         on = self.on
-        i32 = _T.int32
+        i32 = TORCH.int32
         modes = self._modes
         ent = []  # address, count, mode per section (count -1: absent, or held on the host)
         host = None  # the sections the host holds (None: none does)
@@ -165,7 +165,7 @@ class DevicePath(Harvest):
         keep = None  # converted copies: alive until the launch is queued (their memory is reused in stream order)
         for k, x in enumerate(srcs):
             if x is None:
-                ent += _ABSENT
+                ent += ABSENT
             elif isinstance(x, _TENSOR) and getattr(x, on):
                 d = x.get_device()
                 if d != device:
@@ -176,7 +176,7 @@ class DevicePath(Harvest):
                     n = x.numel()
                     ent += (x.data_ptr(), n, modes[k])
                 else:
-                    x, wide = _narrowed(x)
+                    x, wide = narrowed(x)
                     keep = [x] if keep is None else [*keep, x]
                     n = x.numel()
                     ent += (x.data_ptr(), n, modes[k] | wide)
@@ -184,8 +184,8 @@ class DevicePath(Harvest):
             else:
                 if host is None:
                     host = [None] * len(srcs)
-                host[k] = x if type(x) is _Groups else _host_fast(x)  # (_Groups: the slot sections' groups)
-                ent += _ABSENT
+                host[k] = x if type(x) is Groups else host_fast(x)  # (Groups: the slot sections' groups)
+                ent += ABSENT
         nr, nrp = vals[2], vals[3]
         rows = ent[1] if ent[1] >= 0 or host is None or host[0] is None else host[0].size
         if rows < nr or not 0 <= nr <= nrp:
@@ -205,8 +205,8 @@ class DevicePath(Harvest):
                 if ent[3 * k + 1] >= 0 and getattr(w.config, need) is None:
                     raise ValueError(f"{SECTIONS[k].name} needs {need} in the config")
         else:
-            words = _host_rules(self._rules, w.config, ent, host, rows, words)
-        _check_vals(vals, site, self._site_ok)
+            words = host_rules(self._rules, w.config, ent, host, rows, words)
+        check_vals(vals, site, self._site_ok)
         words &= ~7
         if device < 0:
             device = None  # (the host ring of the CPU tests)
@@ -217,11 +217,11 @@ class DevicePath(Harvest):
             index = w.count
             rank, parent, buffer = vals[1], vals[5], vals[10]  # (Scalars order)
             if not 0 <= rank < self._ranks or (parent is not None and parent >= index) or (
-                    buffer is not None and not -_I64 - 1 <= buffer <= _I64):
-                _check_own(rank, parent, buffer, index, self._ranks)  # (raises, saying which)
+                    buffer is not None and not -I64_MAX - 1 <= buffer <= I64_MAX):
+                check_own(rank, parent, buffer, index, self._ranks)  # (raises, saying which)
             ring = self.ring
             if ring is None:
-                if device != _T.cuda.current_device():
+                if device != TORCH.cuda.current_device():
                     return None  # (the ring's launcher is bound to the current device's context)
                 ring = self._start_ring(device)
                 if ring is None:
@@ -237,12 +237,12 @@ class DevicePath(Harvest):
             del keep
             return self._queued(ring, raw, index, start, words, host, vals, site)
 
-    def _queued(self, ring: _SnapshotRing, raw: int, index: int, start: int, words: int, host, vals, site: str) -> int:
+    def _queued(self, ring: SnapshotRing, raw: int, index: int, start: int, words: int, host, vals, site: str) -> int:
         """Under the lock, once a snapshot is launched (either path): keep its slot as the observation's row, and
         fence every FENCE_EVERY launches (collecting the slots finished by then)."""
         if raw not in ring.streams:
             ring.stream(raw)
-        slot = _NEW(_Slot, (index, start, words, host))
+        slot = _NEW(Slot, (index, start, words, host))
         ring.pending.append(slot)
         ring.unfenced += 1
         ring.unfenced_words += words
@@ -301,7 +301,7 @@ class DevicePath(Harvest):
         elif type(qsl) is np.ndarray and qsl.ndim == 1:
             qp, qn = ring.base, -1
             if qsl.size == rows + 1:
-                host = (None, None, _int32(qsl), *self._fast_pad)
+                host = (None, None, int32_copy(qsl), *self._fast_pad)
         else:
             return None
         if parent is not None:
@@ -309,9 +309,9 @@ class DevicePath(Harvest):
                 return None
             if parent < 0:
                 parent = None
-        if not (0 <= nr <= nrp <= INT32_MAX and nr <= rows and _I64_MIN <= step <= _I64 and -1 <= ubatch <= INT32_MAX
+        if not (0 <= nr <= nrp <= INT32_MAX and nr <= rows and I64_MIN <= step <= I64_MAX and -1 <= ubatch <= INT32_MAX
                 and site in self._site_ok and (graph is None or (type(graph) is int and 0 <= graph <= 3))
-                and (buf is None or (type(buf) is int and _I64_MIN <= buf <= _I64))):
+                and (buf is None or (type(buf) is int and I64_MIN <= buf <= I64_MAX))):
             return None
         if rs is not None or ts is not None or te is not None or ntp is not None:
             for v in (rs, ts, te, ntp):
@@ -356,11 +356,11 @@ class DevicePath(Harvest):
         finally:
             self._release_lock()
 
-    def _start_ring(self, device: int | None) -> _SnapshotRing | None:
-        """The ring, its kernel and its launches, checked (launch._arm); None, and sync mode, where they fail."""
-        ring = _SnapshotRing(self._ring_words, device)
+    def _start_ring(self, device: int | None) -> SnapshotRing | None:
+        """The ring, its kernel and its launches, checked (launch.arm); None, and sync mode, where they fail."""
+        ring = SnapshotRing(self._ring_words, device)
         try:
-            _arm(ring)
+            arm(ring)
         except Exception as e:
             return self._no_ring(e)
         self._run(ring)
@@ -368,18 +368,18 @@ class DevicePath(Harvest):
             self.capturing = ring.torch._C._cuda_isCurrentStreamCapturing  # (no Python frame per observe)
         return ring
 
-    def _run(self, ring: _SnapshotRing) -> None:
+    def _run(self, ring: SnapshotRing) -> None:
         """Take `ring` into use; observe() takes the fast path from now on where the ring has its kernel."""
         self.ring = ring
         if ring.go3 is not None:
             self.fast = self.observe_fast
 
-    def use_host_ring(self, words: int = 4096) -> _SnapshotRing:
+    def use_host_ring(self, words: int = 4096) -> SnapshotRing:
         """For the CPU tests: send host torch tensors through a (non-pinned) ring and the interpreted kernel."""
         self.on = "is_cpu"
         self.capturing = lambda: False  # (a CPU build of torch has no capture to ask about)
-        ring = _SnapshotRing(words, None)
-        _arm(ring)
+        ring = SnapshotRing(words, None)
+        arm(ring)
         self._run(ring)
         return ring
 

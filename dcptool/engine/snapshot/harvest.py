@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dcptool.engine.snapshot.ring import _Slot, _SnapshotRing
+from dcptool.engine.snapshot.ring import Slot, SnapshotRing
 
 
 class Harvest:
@@ -10,7 +10,7 @@ class Harvest:
     `_drop`): make room for a slot, copy the finished ones out, drop those that cannot be read. Always under the
     Recorder's lock."""
 
-    def _room(self, ring: _SnapshotRing, words: int) -> int:
+    def _room(self, ring: SnapshotRing, words: int) -> int:
         """Start of a free slot of `words`: harvest finished slots, wait for the oldest or drop when full."""
         start = ring.alloc(words)
         if start is not None:
@@ -36,7 +36,7 @@ class Harvest:
             for take in ring.finished(wait=wait, one=one):
                 self._resolve(ring, take)
 
-    def _resolve(self, ring: _SnapshotRing, take: list[_Slot]) -> None:
+    def _resolve(self, ring: SnapshotRing, take: list[Slot]) -> None:
         """Finished slots into `landed`; an observation whose slot does not hold it is dropped (counted, warned)."""
         for s, f in self.landed.take(ring, take):
             self._w.lost(s[0])

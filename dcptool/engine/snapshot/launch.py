@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcptool.engine.snapshot.ring import _ABSENT, ENTRY, FIXED, HEAD_READ, SECTIONS, _head_struct, _SnapshotRing
+from dcptool.engine.snapshot.ring import ABSENT, ENTRY, FIXED, HEAD_READ, SECTIONS, SnapshotRing, head_struct
 
 _CHECKED: dict = {}  # CUDA device -> (compiled kernel whose launcher proved itself, or None; why not)
 
 
-def _arm(ring: _SnapshotRing) -> None:
+def arm(ring: SnapshotRing) -> None:
     """Give the ring its kernel and launches. On a GPU a one-time check (one synchronisation each) that a launch
     writes what the kernel should, trying the cheapest launch first: the launcher's C entry called directly, then
     Triton's compiled launcher, then Triton's dispatch. The same for the fast path's kernel (_fast_launch; without
@@ -28,7 +28,7 @@ def _arm(ring: _SnapshotRing) -> None:
         torch = ring.torch
         with torch.cuda.device(device):
             ck = _self_check(ring, K.snapshot_dispatch)  # (compiles it)
-            go, how, why = _cheapest(ring, _self_check, ck, variadic=False)
+            go, how, why = cheapest(ring, _self_check, ck, variadic=False)
             if go is None:
                 go, how = K.snapshot_dispatch, f"Triton's dispatch ({'; '.join(why)})"
             elif why:
@@ -38,7 +38,7 @@ def _arm(ring: _SnapshotRing) -> None:
         _CHECKED[device] = (ring.go, ring.how, ring.go3, ring.how3)
 
 
-def _self_check(ring: _SnapshotRing, go):
+def _self_check(ring: SnapshotRing, go):
     """Launch the kernel through `go` once on known values (unaligned, int64, an overflow, an absent section)
     and compare; returns what `go` returned (the compiled kernel, for Triton's dispatch)."""
     torch = ring.torch
@@ -46,7 +46,7 @@ def _self_check(ring: _SnapshotRing, go):
     a = torch.arange(1, 7, dtype=torch.int32, device=dev)[1:]  # an unaligned view: 2..6
     b = torch.tensor([7, -2, 2**40], dtype=torch.int64, device=dev)
     ring.np[:HEAD_READ] = -9
-    _head_struct(4).pack_into(ring.np, 0, 12345, -1, 5, 6, 4, 0, 40, 0, a.data_ptr(), 5, 2, 0, -1, 0, b.data_ptr(), 3,
+    head_struct(4).pack_into(ring.np, 0, 12345, -1, 5, 6, 4, 0, 40, 0, a.data_ptr(), 5, 2, 0, -1, 0, b.data_ptr(), 3,
                               1, a.data_ptr(), 5, 0)
     got = go(torch._C._cuda_getCurrentRawStream(dev), ring.base)
     torch.cuda.synchronize(dev)
@@ -82,7 +82,7 @@ _WRAPPED = {  # triton 3.6: the kernel's arguments unpacked
 def _direct_launch(ck, variadic: bool = False):
     """A launch through the compiled launcher's C entry with the arguments its Python wrapper would pass (2-3 us
     less per launch), for a wrapper known to pass exactly these (_WRAPPED) with no scratch memory to allocate;
-    else None. (_arm checks it against known values before using it.) variadic: as _compiled_launch."""
+    else None. (arm checks it against known values before using it.) variadic: as _compiled_launch."""
     import inspect
 
     run = ck.run
@@ -131,7 +131,7 @@ def args_slot(srcs: list, seqno: int, nr: int, nrp: int, words: int, fill: int) 
     ent, rows, flags = [], [], 0
     for j, x in enumerate([*srcs, *([None] * (k - len(srcs)))]):
         if x is None:
-            ent += _ABSENT
+            ent += ABSENT
             continue
         v = x.cpu().numpy().astype(np.int64).reshape(-1)
         ent += (x.data_ptr(), v.size, (x.element_size() == 8) | (2 * SECTIONS[j].nonneg))
@@ -139,12 +139,12 @@ def args_slot(srcs: list, seqno: int, nr: int, nrp: int, words: int, fill: int) 
         flags |= int((v.astype(np.int32) != v).any()) | (2 * int(SECTIONS[j].nonneg and bool((v < 0).any())))
     rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
     out = np.full(FIXED + ENTRY * k + rows.size, fill, np.int32)
-    _head_struct(k).pack_into(out, 0, seqno, seqno, nr, nrp, k, flags, words, 0, *ent)
+    head_struct(k).pack_into(out, 0, seqno, seqno, nr, nrp, k, flags, words, 0, *ent)
     out[FIXED + ENTRY * k:] = rows.astype(np.int32)
     return out
 
 
-def _self_check_args(ring: _SnapshotRing, go):
+def _self_check_args(ring: SnapshotRing, go):
     """_self_check for the fast path's kernel (snapshot_args_kernel): one launch through `go` on known values (an
     unaligned view, absent sections, int64 sections, a negative where allowed, a value int32 cannot hold in the
     last of three programs) compared word by word with args_slot; returns what `go` returned."""
@@ -174,9 +174,9 @@ def _self_check_args(ring: _SnapshotRing, go):
     return got
 
 
-def _fast_launch(ring: _SnapshotRing) -> tuple:
+def _fast_launch(ring: SnapshotRing) -> tuple:
     """(go3, how3): the cheapest launch of snapshot_args_kernel that writes what it should (checked once, as
-    _arm does for snapshot_kernel), or (None, why) when neither the launcher's C entry nor the compiled
+    arm does for snapshot_kernel), or (None, why) when neither the launcher's C entry nor the compiled
     launcher does (observe() then has no fast path: through Triton's dispatch it would cost more than the
     general path; the CPU tests' host ring sets the dispatch itself)."""
     from dcptool.engine.snapshot import kernels as K
@@ -185,11 +185,11 @@ def _fast_launch(ring: _SnapshotRing) -> tuple:
         ck = _self_check_args(ring, K.snapshot_args_dispatch)  # (compiles it)
     except Exception as e:
         return None, f"none ({e!r})"
-    go, how, why = _cheapest(ring, _self_check_args, ck, variadic=True)
+    go, how, why = cheapest(ring, _self_check_args, ck, variadic=True)
     return (go, how) if go is not None else (None, f"none, the general path instead ({'; '.join(why)})")
 
 
-def _cheapest(ring: _SnapshotRing, check, ck, variadic: bool) -> tuple:
+def cheapest(ring: SnapshotRing, check, ck, variadic: bool) -> tuple:
     """(go, how, why): the first launch of compiled kernel `ck` that `check` (_self_check or _self_check_args)
     accepts, trying the launcher's C entry, then Triton's compiled launcher; (None, "", why) when neither does.
     `why` says what each rejected way raised."""

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dcptool.dump import ROW_FIELDS
-from dcptool.engine.arguments import _Groups
+from dcptool.engine.arguments import Groups
 from dcptool.engine.snapshot.arena import ARENA_WORDS, CHUNKS, unused
 
 # Ring slots (int32 words; a slot starts at a multiple of 8 words, 32 bytes; the CPU writes the header before the
@@ -36,8 +36,8 @@ from dcptool.engine.snapshot.arena import ARENA_WORDS, CHUNKS, unused
 FIXED = 8  # = snapshot.SNAP_FIXED: the fixed header words of a slot (described here without importing triton)
 ENTRY = 4  # = snapshot.SNAP_ENTRY: header words per section
 HEAD_READ = 64  # = snapshot.SNAP_HEAD_READ: words the kernel reads at a slot's start (the ring is padded by it)
-_ABSENT = (0, -1, 0)  # a header entry of an absent section (or one the host holds): address, count, mode
-FEW = 8  # a harvest of up to FEW slots checks them in plain Python (_Landed._take_few)
+ABSENT = (0, -1, 0)  # a header entry of an absent section (or one the host holds): address, count, mode
+FEW = 8  # a harvest of up to FEW slots checks them in plain Python (Landed._take_few)
 FENCE_EVERY = 64  # device observations between CUDA events (an event per launch would double the CPU cost)
 DEFAULT_RING_BYTES = 4 << 20  # ~1,300 observations of 256 requests in flight
 
@@ -62,7 +62,7 @@ SECTIONS = (Section("seq", "seq_lens", ANY, nonneg=True), Section("dcp", "dcp_lo
             Section("dqsl", "dcp_query_start_loc", ANY), Section("tot", "dcp_tot_seq_lens", ANY, nonneg=True),
             # issue 15: slot entries (positions, slot mapping, KV-cache group). Device tensors are snapshotted raw
             # (the positions once, the slot mapping rows of the groups back to back) and the entries built at
-            # harvest (_slot_rows, dump.slot_entries' layout); the group column is always the host's (_Groups)
+            # harvest (slot_rows, dump.slot_entries' layout); the group column is always the host's (Groups)
             Section("pos", "positions", ANY, nonneg=True), Section("slot", "slot_mapping", ANY),
             Section("sgrp", "slot_group", ANY))
 if tuple(s.field for s in SECTIONS) != ROW_FIELDS:
@@ -75,7 +75,7 @@ if tuple(s.name for s in SECTIONS[ARGS_SECTIONS:]) != ("slot_group",):
 ARGS_NEG = sum(1 << (8 + k) for k, s in enumerate(SECTIONS[:ARGS_SECTIONS]) if s.nonneg)
 
 
-def _head_struct(k: int) -> struct.Struct:
+def head_struct(k: int) -> struct.Struct:
     """A slot header with k section entries (the fixed words, then address, count, mode per section)."""
     return struct.Struct("<8i" + "qii" * k)
 
@@ -86,7 +86,7 @@ def _tables(sections: tuple[Section, ...]) -> tuple:
     ROWS_PLUS_1 and of ROWS length, the (k, setting) pairs that need a config setting, the fast path's slot words,
     its host-held padding and its kernel's `modes` argument (without the int64 bits)."""
     k = len(sections)
-    return (k, _head_struct(k),
+    return (k, head_struct(k),
             FIXED + ENTRY * k + 7,  # (+ 7: rounded down to 8 words at the end)
             tuple(2 if x.nonneg else 0 for x in sections),  # header mode bit 1: negatives flagged
             tuple((j, x) for j, x in enumerate(sections) if x.length != ANY or x.needs or x.nonneg),
@@ -97,7 +97,7 @@ def _tables(sections: tuple[Section, ...]) -> tuple:
             (None,) * (k - 3), k << 16 | ARGS_NEG)
 
 
-def _host_rules(rules: tuple, config, ent: list, host: list, rows: int, words: int) -> int:
+def host_rules(rules: tuple, config, ent: list, host: list, rows: int, words: int) -> int:
     """The section table's length rules when the host holds some sections (`rules`: the (k, section) pairs that
     have one; `ent`: the header's entries, 3 per section, `host`: the host-held arrays, both updated); returns the
     slot's words."""
@@ -122,14 +122,14 @@ def _host_rules(rules: tuple, config, ent: list, host: list, rows: int, words: i
     return words
 
 
-class _Slot(tuple):
+class Slot(tuple):
     """One observation in flight: (index, start, words, host); host holds, per section, the array of a
     section the host holds (None: none does)."""
 
     __slots__ = ()
 
 
-def _slot_rows(blk: np.ndarray, o: int, host: list | None) -> tuple:
+def slot_rows(blk: np.ndarray, o: int, host: list | None) -> tuple:
     """A harvested slot's rows, from word o of blk (a private copy of the ring): one entry per section in
     dump.ROW_FIELDS order, a view of the copy, a host array, or None."""
     k = int(blk[o + 4])
@@ -143,13 +143,13 @@ def _slot_rows(blk: np.ndarray, o: int, host: list | None) -> tuple:
         else:
             out.append(None if host is None else host[j])
     g = out[-1]
-    if type(g) is _Groups:  # slot sections snapshotted raw: dump.slot_entries' entries, one per token and group
+    if type(g) is Groups:  # slot sections snapshotted raw: dump.slot_entries' entries, one per token and group
         pos = out[-3]
         return (*out[:-3], np.tile(pos, len(g)), out[-2], np.repeat(np.array(g, np.int32), pos.size))
     return tuple(out)
 
 
-class _HostEvent:
+class HostEvent:
     """The host ring's stand-in for a CUDA event (CPU tests): done at once, unless a test sets `hold`;
     synchronize() finishes it (and counts the wait)."""
 
@@ -160,18 +160,18 @@ class _HostEvent:
         self.done = True
 
     def record(self, stream=None) -> None:
-        self.done = not _HostEvent.hold
+        self.done = not HostEvent.hold
 
     def query(self) -> bool:
-        return self.done or not _HostEvent.hold  # (released: the "GPU" caught up)
+        return self.done or not HostEvent.hold  # (released: the "GPU" caught up)
 
     def synchronize(self) -> None:
         if not self.done:
-            _HostEvent.waits += 1
+            HostEvent.waits += 1
         self.done = True
 
 
-class _SnapshotRing:
+class SnapshotRing:
     """A circular buffer of int32 words (pinned host memory the GPU writes into) holding slots in flight.
 
     Slots are allocated in observation order; a fence is one CUDA event per stream that launched
@@ -185,7 +185,7 @@ class _SnapshotRing:
         self.device = device  # CUDA device index; None: the host ring of the CPU tests (interpreted kernel)
         self.torch = torch
         self.words = 0
-        self.pending: deque[_Slot] = deque()
+        self.pending: deque[Slot] = deque()
         self.fences: deque[tuple[list, int]] = deque()  # (its events, the slots launched before it since the last)
         self.unfenced = 0  # slots launched since the last fence
         self.unfenced_words = 0  # ... and their words (a fence every fence_words too: large slots fill the ring)
@@ -233,7 +233,7 @@ class _SnapshotRing:
     def event(self):
         if self.free_events:
             return self.free_events.pop()
-        return self.torch.cuda.Event() if self.device is not None else _HostEvent()
+        return self.torch.cuda.Event() if self.device is not None else HostEvent()
 
     def fence(self) -> None:
         if not self.unfenced:
@@ -274,7 +274,7 @@ class _SnapshotRing:
         self.streams[raw] = s
 
 
-class _Landed:
+class Landed:
     """Harvested slots: one private copy of each contiguous run of the ring, kept until every observation whose
     rows lie in it is written (the rows are cut out of the copy at the write)."""
 
@@ -283,10 +283,10 @@ class _Landed:
         self._arena: np.ndarray | None = None  # where _keep cuts the copies from
         self._arena_at = 0
 
-    def take(self, ring: _SnapshotRing, take: list[_Slot]) -> list[tuple[_Slot, int]]:
+    def take(self, ring: SnapshotRing, take: list[Slot]) -> list[tuple[Slot, int]]:
         """Copy finished slots out of the ring, their headers checked at once (done == seqno, flags); returns
         the slots that do not hold their observation, each with its flags."""
-        bad_slots: list[tuple[_Slot, int]] = []
+        bad_slots: list[tuple[Slot, int]] = []
         if not take:
             return bad_slots
         if len(take) <= FEW:
@@ -307,7 +307,7 @@ class _Landed:
                 bad_slots += [(take[i + k], int(flags[k])) for k in np.flatnonzero(bad).tolist()]
         return bad_slots
 
-    def _take_few(self, ring: _SnapshotRing, take: list[_Slot]) -> list[tuple[_Slot, int]]:
+    def _take_few(self, ring: SnapshotRing, take: list[Slot]) -> list[tuple[Slot, int]]:
         """take() for a few slots (a harvest every slot or two, as large slots are fenced): the same copies and
         checks without take()'s dozen numpy calls, which cost more than the checks of a few slots."""
         bad_slots = []
@@ -342,16 +342,16 @@ class _Landed:
         return out
 
     def rows(self, rows: list, in_flight: int | None) -> list:
-        """rows with each _Slot replaced by its rows (_slot_rows) from the copies; in_flight: the index of the
+        """rows with each Slot replaced by its rows (slot_rows) from the copies; in_flight: the index of the
         oldest slot not harvested yet (None: none), which no slot to write may reach."""
         firsts = [x[0] for x in self.runs]
         rows = list(rows)
         for i, r in enumerate(rows):
-            if type(r) is _Slot:
+            if type(r) is Slot:
                 first, blk, lo = self.runs[bisect.bisect_right(firsts, r[0]) - 1]
                 if first > r[0] or (in_flight is not None and in_flight <= r[0]):
                     raise RuntimeError(f"dcptool Recorder: observation {r[0]} is written before it landed")
-                rows[i] = _slot_rows(blk, r[1] - lo, r[3])
+                rows[i] = slot_rows(blk, r[1] - lo, r[3])
         return rows
 
     def written(self, file_start: int) -> None:

@@ -10,7 +10,7 @@ from conftest import hostring, obs
 
 from dcptool.dump import DumpConfig, open_dumps, pack, read_dump
 from dcptool.engine.recorder.record import Recorder
-from dcptool.engine.snapshot.ring import _HostEvent
+from dcptool.engine.snapshot.ring import HostEvent
 
 
 def test_rollover_numbers_files_and_rebases_parents(tmp_path):
@@ -147,14 +147,14 @@ def test_a_file_someone_else_wrote_is_never_replaced_at_a_write(tmp_path):
 @hostring
 @pytest.mark.kernel
 def test_rollover_waits_for_the_slots_of_its_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(_HostEvent, "hold", True)
+    monkeypatch.setattr(HostEvent, "hold", True)
     rec = Recorder(tmp_path / "r.safetensors", dcp_size=2, rollover=3)
     rec._device.use_host_ring()
     for i in range(10):
         rec.observe(step=i, site="x", rank=0, seq_lens=torch.tensor([i], dtype=torch.int32), num_reqs=1,
                     num_reqs_padded=1)
     assert rec.files == []  # their values are still in flight: the write waits, the engine does not
-    monkeypatch.setattr(_HostEvent, "hold", False)
+    monkeypatch.setattr(HostEvent, "hold", False)
     for i in range(10, 80):
         rec.observe(step=i, site="x", rank=0, seq_lens=torch.tensor([i], dtype=torch.int32), num_reqs=1,
                     num_reqs_padded=1)

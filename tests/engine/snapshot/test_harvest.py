@@ -8,7 +8,7 @@ from conftest import hostring
 
 from dcptool.dump import read_dump
 from dcptool.engine.recorder.record import Recorder
-from dcptool.engine.snapshot.ring import ENTRY, FIXED, SECTIONS, _HostEvent
+from dcptool.engine.snapshot.ring import ENTRY, FIXED, SECTIONS, HostEvent
 
 
 def _slot_words(rows: int) -> int:
@@ -19,8 +19,8 @@ def _slot_words(rows: int) -> int:
 @hostring
 @pytest.mark.kernel
 def test_a_full_ring_waits_and_loses_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(_HostEvent, "hold", True)  # no launch finishes until waited for
-    monkeypatch.setattr(_HostEvent, "waits", 0)
+    monkeypatch.setattr(HostEvent, "hold", True)  # no launch finishes until waited for
+    monkeypatch.setattr(HostEvent, "waits", 0)
     rec = Recorder(tmp_path / "w.safetensors", dcp_size=2)
     rec._device.use_host_ring(3 * _slot_words(300) + 8)
     seen = []
@@ -30,7 +30,7 @@ def test_a_full_ring_waits_and_loses_nothing(tmp_path, monkeypatch):
                            num_reqs_padded=300) == i
     # 3 slots fit, each past 1/32 of the ring and so fenced alone: the 4th to the 12th each waited for the
     # oldest slot only (not for all in flight)
-    assert _HostEvent.waits == 9
+    assert HostEvent.waits == 9
     rec.close()
     d = read_dump(tmp_path / "w.safetensors")
     assert rec.dropped == 0 and d.n == 12 and all(np.array_equal(d.seq_lens_of(i), seen[i]) for i in range(12))
@@ -39,7 +39,7 @@ def test_a_full_ring_waits_and_loses_nothing(tmp_path, monkeypatch):
 @hostring
 @pytest.mark.kernel
 def test_a_full_ring_drops_and_counts_when_told_to(tmp_path, monkeypatch):
-    monkeypatch.setattr(_HostEvent, "hold", True)
+    monkeypatch.setattr(HostEvent, "hold", True)
     rec = Recorder(tmp_path / "d.safetensors", dcp_size=2, ring_full="drop")
     rec._device.use_host_ring(3 * _slot_words(300) + 8)
     with pytest.warns(RuntimeWarning, match="snapshot ring is full"):
@@ -54,7 +54,7 @@ def test_a_full_ring_drops_and_counts_when_told_to(tmp_path, monkeypatch):
 @hostring
 @pytest.mark.kernel
 def test_slots_in_flight_that_cannot_be_read_are_dropped_and_counted(tmp_path, monkeypatch):
-    monkeypatch.setattr(_HostEvent, "hold", True)
+    monkeypatch.setattr(HostEvent, "hold", True)
     rec = Recorder(tmp_path / "a.safetensors", dcp_size=2)
     rec._device.use_host_ring(4 * _slot_words(300) + 8)
     for i in range(3):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcptool.engine.snapshot.ring import ENTRY, FIXED, HEAD_READ, SECTIONS, _head_struct, _slot_rows
+from dcptool.engine.snapshot.ring import ENTRY, FIXED, HEAD_READ, SECTIONS, head_struct, slot_rows
 
 
 def _kernel_device() -> str:
@@ -30,7 +30,7 @@ def _launch_slot(secs: list[tuple], seqno: int = 41, nr: int = 3, nrp: int = 5, 
     dev = _kernel_device()
     ring = torch.full((words + HEAD_READ + pad,), -7, dtype=torch.int32, device=dev)
     host = np.full(ring.numel(), -7, np.int32)
-    _head_struct(len(secs)).pack_into(host, 0, seqno, -1, nr, nrp, len(secs), 0, words, 0, *ent)
+    head_struct(len(secs)).pack_into(host, 0, seqno, -1, nr, nrp, len(secs), 0, words, 0, *ent)
     ring.copy_(torch.from_numpy(host))  # (on a GPU the header is written to device memory here; same reads)
     snapshot_dispatch(0, ring.data_ptr())
     return ring.cpu().numpy(), words
@@ -58,7 +58,7 @@ def test_snapshot_slot_read_back_equals_the_sources(n):
     assert hdr == [n, n, 3, 5, 5, 0, words, 0]
     counts = got[FIXED:FIXED + 5 * ENTRY].reshape(5, ENTRY)[:, 2].tolist()
     assert counts == [n, -1, n + 1, n, -1]
-    rows = _slot_rows(got, 0, None)
+    rows = slot_rows(got, 0, None)
     assert rows[1] is None and rows[4] is None
     assert np.array_equal(rows[0], seq.cpu().numpy()) and np.array_equal(rows[2], wide.cpu().numpy())
     assert np.array_equal(rows[3], np.arange(3, n + 3))
@@ -74,7 +74,7 @@ def test_snapshot_flags_values_int32_cannot_hold_and_forbidden_negatives():
     neg = torch.tensor([4, -1], dtype=torch.int32, device=dev)
     got, _ = _launch_slot([(ok, True), (big, False)])
     assert got[5] == 1 and got[1] == 41  # bit 0; done still written
-    assert _slot_rows(got, 0, None)[1].tolist() == [5, 7, 6]  # narrowed (wrapped); the harvest drops it
+    assert slot_rows(got, 0, None)[1].tolist() == [5, 7, 6]  # narrowed (wrapped); the harvest drops it
     got, _ = _launch_slot([(neg, True), (ok, False)])
     assert got[5] == 2  # bit 1: a negative where the section forbids them
     got, _ = _launch_slot([(ok, True), (neg, False)])
@@ -166,6 +166,6 @@ def test_the_args_kernel_flags_like_the_descriptor_kernel(sec, at):
         want = 1
     got, _, _ = _launch_args([ok, None, None, None, None, None, pos, slot])
     assert got[5] == want and got[1] == 41
-    rows = _slot_rows(got, 0, None)
+    rows = slot_rows(got, 0, None)
     assert np.array_equal(rows[6], pos.cpu().numpy().astype(np.int32))  # copied all the same (the harvest drops it)
     assert np.array_equal(rows[7], slot.cpu().numpy().astype(np.int32))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dcptool.dcp.backend import load
-from dcptool.engine.snapshot.ring import _ABSENT, ARGS_NEG, ENTRY, FIXED, HEAD_READ, SECTIONS, _head_struct
+from dcptool.engine.snapshot.ring import ABSENT, ARGS_NEG, ENTRY, FIXED, HEAD_READ, SECTIONS, head_struct
 
 pytestmark = pytest.mark.kernel
 POISON = -7  # what the ring holds before the launch
@@ -39,8 +39,8 @@ def test_both_kernels_write_the_slot_their_header_describes(tl, n, warps):
     k = len(SECTIONS)
     words = (FIXED + ENTRY * k + 3 * n + 1 + 7) & ~7
     want = np.full(words + HEAD_READ + 16, POISON, np.int32)
-    head = (seq.data_ptr(), n, 2, dcp.data_ptr(), n, 0, qsl.data_ptr(), n + 1, 0, *(_ABSENT * (k - 3)))
-    _head_struct(k).pack_into(want, 0, 41, -1, n, n, k, 0, words, 0, *head)
+    head = (seq.data_ptr(), n, 2, dcp.data_ptr(), n, 0, qsl.data_ptr(), n + 1, 0, *(ABSENT * (k - 3)))
+    head_struct(k).pack_into(want, 0, 41, -1, n, n, k, 0, words, 0, *head)
     before = torch.from_numpy(want.copy()).to(dev)
     want[1] = 41  # done: the seqno, written last
     p = FIXED + ENTRY * k

@@ -4,8 +4,8 @@ cheapest launch the self-check accepts is used, and the fast path's launch is ch
 import pytest
 from conftest import hostring
 
-from dcptool.engine.snapshot.launch import _cheapest, _compiled_launch, _direct_launch, _fast_launch, _self_check_args
-from dcptool.engine.snapshot.ring import ARGS_NEG, _SnapshotRing
+from dcptool.engine.snapshot.launch import _compiled_launch, _direct_launch, _fast_launch, _self_check_args, cheapest
+from dcptool.engine.snapshot.ring import ARGS_NEG, SnapshotRing
 
 
 def test_the_direct_launch_passes_what_tritons_launcher_passes(monkeypatch):
@@ -41,7 +41,7 @@ def test_the_direct_launch_passes_what_tritons_launcher_passes(monkeypatch):
 
 
 def test_the_cheapest_launch_is_the_first_the_check_accepts():
-    """_cheapest tries the launcher's C entry, then the compiled launcher, keeps the first whose launch the
+    """cheapest tries the launcher's C entry, then the compiled launcher, keeps the first whose launch the
     self-check accepts, and says why each way before it was refused; neither: None and both reasons."""
     import types
 
@@ -51,14 +51,14 @@ def test_the_cheapest_launch_is_the_first_the_check_accepts():
 
     calls: list = []
     ck = types.SimpleNamespace(run=Run(), function=0xF00, packed_metadata=(4, 1, 0))
-    go, how, why = _cheapest(None, lambda ring, go: go(0x5EED, 0xAB00), ck, variadic=False)
+    go, how, why = cheapest(None, lambda ring, go: go(0x5EED, 0xAB00), ck, variadic=False)
     assert how == "Triton's compiled launcher" and len(why) == 1 and "C entry" in why[0]
     assert calls and calls[-1][3] == 0x5EED and calls[-1][-1] == 0xAB00  # (its launch ran: the check called it)
 
     def refuse(ring, go):
         raise RuntimeError("the slot holds garbage")
 
-    go, how, why = _cheapest(None, refuse, ck, variadic=True)
+    go, how, why = cheapest(None, refuse, ck, variadic=True)
     assert go is None and how == "" and len(why) == 2 and "garbage" in why[1]
 
 
@@ -70,7 +70,7 @@ def test_the_fast_launch_is_checked_before_use():
     one argument wrong fails the check (and so is never used)."""
     from dcptool.engine.snapshot.kernels import snapshot_args_dispatch
 
-    ring = _SnapshotRing(4096, None)
+    ring = SnapshotRing(4096, None)
     go, how = _fast_launch(ring)
     assert go is None and how.startswith("none, the general path instead (the launcher's C entry: ")
     go = snapshot_args_dispatch

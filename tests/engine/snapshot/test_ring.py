@@ -15,12 +15,12 @@ from dcptool.engine.snapshot.ring import (
     FIXED,
     ROWS,
     SECTIONS,
+    HostEvent,
+    Landed,
     Section,
-    _HostEvent,
-    _Landed,
-    _Slot,
-    _slot_rows,
-    _SnapshotRing,
+    Slot,
+    SnapshotRing,
+    slot_rows,
 )
 
 
@@ -54,7 +54,7 @@ def test_a_fifth_section_is_a_table_entry_not_kernel_code(tmp_path, monkeypatch)
         rec._device.harvest(wait=True)
     assert rec.dropped == 1  # the negative value, found at harvest
     first, blk, lo = rec._device.landed.runs[0]
-    rows = _slot_rows(blk, 0, None)
+    rows = slot_rows(blk, 0, None)
     assert first == 0 and len(rows) == K + 2 and rows[1] is None and rows[3] is None
     assert all(r is None for r in rows[4:K])
     assert rows[0].tolist() == [5, 9, 0] and rows[2].tolist() == [0, 1, 2, 2]
@@ -62,12 +62,12 @@ def test_a_fifth_section_is_a_table_entry_not_kernel_code(tmp_path, monkeypatch)
     rec.discard()
 
 
-def _launched(ring: _SnapshotRing, index: int, words: int) -> _Slot:
+def _launched(ring: SnapshotRing, index: int, words: int) -> Slot:
     """A slot allocated and "launched" on the host ring (the kernel's part done by hand: done = seqno)."""
     start = ring.alloc(words)
     ring.np[start:start + words] = 0
     ring.np[start], ring.np[start + 1], ring.np[start + 4] = index, index, 0
-    slot = _Slot((index, start, words, None))
+    slot = Slot((index, start, words, None))
     ring.pending.append(slot)
     ring.unfenced += 1
     ring.stream(0)
@@ -77,28 +77,28 @@ def _launched(ring: _SnapshotRing, index: int, words: int) -> _Slot:
 def test_fences_hand_over_finished_slots_oldest_first(monkeypatch):
     """finished(): nothing while the launches before the oldest fence run (without waiting), then each fence's
     slots in launch order; one=True stops after one fence, wait=True fences and waits for all."""
-    monkeypatch.setattr(_HostEvent, "hold", True)
-    monkeypatch.setattr(_HostEvent, "waits", 0)
-    ring = _SnapshotRing(256, None)
+    monkeypatch.setattr(HostEvent, "hold", True)
+    monkeypatch.setattr(HostEvent, "waits", 0)
+    ring = SnapshotRing(256, None)
     a, b = _launched(ring, 0, 8), _launched(ring, 1, 8)
     ring.fence()
     c = _launched(ring, 2, 8)
     ring.fence()
     d = _launched(ring, 3, 8)
-    assert list(ring.finished(wait=False)) == [] and _HostEvent.waits == 0 and len(ring.pending) == 4
-    assert list(ring.finished(wait=True, one=True)) == [[a, b]] and _HostEvent.waits == 1
+    assert list(ring.finished(wait=False)) == [] and HostEvent.waits == 0 and len(ring.pending) == 4
+    assert list(ring.finished(wait=True, one=True)) == [[a, b]] and HostEvent.waits == 1
     assert list(ring.finished(wait=True)) == [[c], [d]] and not ring.pending and not ring.fences
-    assert _HostEvent.waits == 3 and ring.alloc(256) == 0  # (empty again: the whole ring is free)
+    assert HostEvent.waits == 3 and ring.alloc(256) == 0  # (empty again: the whole ring is free)
 
 
 def test_landed_copies_give_each_slot_its_rows_and_refuse_one_in_flight():
-    ring = _SnapshotRing(256, None)
+    ring = SnapshotRing(256, None)
     slots = [_launched(ring, i, 16) for i in range(3)]
     for s in slots:  # one section of 3 rows each
         ring.np[s[1] + 4], ring.np[s[1] + FIXED + 2] = 1, 3
         ring.np[s[1] + FIXED + ENTRY:s[1] + FIXED + ENTRY + 3] = [s[0], 10 + s[0], 20 + s[0]]
     ring.np[slots[1][1] + 5] = 2  # flags: a forbidden negative in slot 1
-    landed = _Landed()
+    landed = Landed()
     assert landed.take(ring, slots[:2]) == [(slots[1], 2)] and landed.take(ring, []) == []
     rows = landed.rows([slots[0], None, "host row"], in_flight=2)
     assert rows[0][0].tolist() == [0, 10, 20] and rows[1:] == [None, "host row"]
@@ -117,18 +117,18 @@ def test_a_harvest_of_few_slots_and_of_many_checks_and_copies_alike(monkeypatch,
     got = []
     for few in (0, 100):
         monkeypatch.setattr(R, "FEW", few)
-        ring = _SnapshotRing(16 * (n + 2), None)
+        ring = SnapshotRing(16 * (n + 2), None)
         ring.np[:] = 0
         slots = []
         for i in range(n):
             at = 16 * (i + (i >= n // 2))  # (a gap of one slot: two runs to copy)
             ring.np[at], ring.np[at + 1], ring.np[at + 8] = i, i, 100 + i
-            slots.append(_Slot((i, at, 16, None)))
+            slots.append(Slot((i, at, 16, None)))
         for k in range(0, n, 3):
             ring.np[slots[k][1] + 5] = 1 + k % 3  # flags
         if n > 1:
             ring.np[slots[1][1] + 1] = -1  # `done` not written: a slot that does not hold its observation
-        landed = _Landed()
+        landed = Landed()
         bad = landed.take(ring, slots)
         got.append(([(s[0], f) for s, f in bad], [(f, b.tolist(), lo) for f, b, lo in landed.runs]))
     assert got[0] == got[1]
