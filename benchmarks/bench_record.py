@@ -3,6 +3,7 @@
     python benchmarks/bench_record.py [--obs 20000] [--sim-steps 400]
     python benchmarks/bench_record.py --cuda [--steps 300] [--reps 5]
     python benchmarks/bench_record.py --cuda-python [--before REV]
+    python benchmarks/bench_record.py --launch [--obs 20000] [--reps 5]
     python benchmarks/bench_record.py --sets [--cpu] [--steps 200] [--reps 3]
 
 Baselines in the same run: for the Recorder, the bare host copies any recorder must make (three
@@ -22,6 +23,10 @@ stand-in that writes what the harvest reads (timed alone and subtracted), host t
 ring the tests use; the same for git revision --before (default: main; its whole dcptool package, in a process
 of its own), interleaved in one run (bench_record_python.py). A GPU adds the launch (`--cuda` prints it) and the
 tensor attribute calls cost about the same there.
+
+--launch (a GPU): each launch way of dcptool/engine/snapshot/launch.py (the launcher's C entry, cuda.core, Triton's
+compiled launcher, Triton's dispatch) timed in one run: the launch alone, Recorder.observe and the Guard's observe
+with that way, the GPU time per snapshot (bench_record_launch.py); --cuda runs it too.
 
 --sets: each argument set the vLLM plugin passes (the fast-path set, + positions and slot mappings, + issue 15's
 rows, + kv_pages), decode and prefill, off / sync / device snapshot, host syncs counted (bench_record_sets.py);
@@ -175,7 +180,7 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
         go3 = ring.go3
         scratch = torch.empty(4096, dtype=torch.int32, pin_memory=True)
         raw = torch._C._cuda_getCurrentRawStream(dev.index or 0)
-        args = (1, scratch.data_ptr(), 1, 250, 256, warm._device._ksec, (warm._device._fast_words + 769) & ~7,
+        args = (1, scratch.data_ptr(), 1, 250, 256, warm._device._ksec, (warm._device._head_words + 769) & ~7,
                 seq.data_ptr(), 256, dcp.data_ptr(), 256, qsl.data_ptr(), 257, *(scratch.data_ptr(), -1) * 5)
         alone = []
         for _ in range(reps):
@@ -223,53 +228,6 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
                             dcp_local_seq_lens=dcp, query_start_loc=qsl)
             pr.disable()
             pstats.Stats(pr).sort_stats("tottime").print_stats(14)
-        if ring is not None:  # the launch alone, each way (a slot at the start of the ring, rewritten)
-            from dcptool.engine.snapshot import kernels as K
-            from dcptool.engine.snapshot.launch import _compiled_launch, _direct_launch
-            from dcptool.engine.snapshot.ring import head_struct
-
-            with rec._lock:
-                rec._device.harvest(wait=True)  # nothing in flight: slot 0 is free to overwrite
-            ent = [seq.data_ptr(), 256, 2, dcp.data_ptr(), 256, 0, qsl.data_ptr(), 257, 0, 0, -1, 0]
-            head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
-            torch.cuda.synchronize()
-            raw = torch.cuda.current_stream().cuda_stream
-            ck = K.snapshot_dispatch(raw, ring.base)  # (the compiled kernel)
-            # the fast path's kernel (snapshot_args_kernel, the header as arguments)
-            args = (1, ring.base, 1, 250, 256, rec._device._ksec, (rec._device._fast_words + 769) & ~7,
-                    seq.data_ptr(), 256, dcp.data_ptr(), 256, qsl.data_ptr(), 257, *ring.absent5)
-            ck3 = K.snapshot_args_dispatch(raw, *args)
-            for kname, c, a, dispatch, var in (("descriptor kernel (1 argument)", ck, (ring.base,),
-                                                K.snapshot_dispatch, False),
-                                               ("fast path's kernel (22 arguments)", ck3, args,
-                                                K.snapshot_args_dispatch, True)):
-                for name, go in (("the launcher's C entry", _direct_launch(c, variadic=var)),
-                                 ("Triton's compiled launcher", _compiled_launch(c, variadic=var)),
-                                 ("Triton's dispatch", dispatch)):
-                    if go is None:
-                        continue
-                    t0 = time.perf_counter()
-                    for _ in range(n):
-                        go(raw, *a)
-                    us = (time.perf_counter() - t0) / n * 1e6
-                    torch.cuda.synchronize()
-                    print(f"  the launch alone, {kname}, {name}: {us:.1f} µs of CPU")
-            # GPU time of one snapshot: back-to-back launches, the descriptor kernel (header read from host
-            # memory) and the fast path's (header as arguments)
-            for name, go, a in (("descriptor kernel, header in host memory", ring.go, (ring.base,)),
-                                ("fast path, header as arguments", ring.go3, args)):
-                if go is None:
-                    continue
-                head_struct(4).pack_into(ring.np, 0, 1, -1, 250, 256, 4, 0, 800, 0, *ent)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(200_000_000)  # (the launches queue behind it: their GPU time alone is timed)
-                start.record()
-                for _ in range(2000):
-                    go(raw, *a)
-                end.record()
-                torch.cuda.synchronize()
-                gpu = start.elapsed_time(end) / 2000 * 1e3
-                print(f"  GPU time per snapshot (256 x 3 rows, back to back), {name}: {gpu:.2f} µs")
         rec.close()
 
 
@@ -296,6 +254,7 @@ def main() -> None:
                     "now and before (no GPU needed)")
     ap.add_argument("--before", default=BEFORE, help="with --cuda-python: the git revision to compare with")
     ap.add_argument("--sets", action="store_true", help="each argument set the vLLM plugin passes (a GPU)")
+    ap.add_argument("--launch", action="store_true", help="each launch way timed in one run (a GPU)")
     ap.add_argument("--cpu", action="store_true", help="with --sets: a reduced run on the CPU (no GPU)")
     ap.add_argument("--run-ahead", action="store_true", help="with --sets: no wait at the end of each step")
     ap.add_argument("--python", action="store_true", help="with --sets: observe()'s Python per set, fast path vs "
@@ -314,14 +273,19 @@ def main() -> None:
             bench_sets(min(args.steps, 4) if args.cpu else args.steps, 1 if args.cpu else args.reps, Path(d),
                        args.cpu, args.run_ahead)
         return
+    if args.launch or args.cuda:
+        from bench_record_launch import bench_launch
+
+        if args.cuda:
+            with tempfile.TemporaryDirectory() as d:
+                bench_cuda(args.steps, args.reps, Path(d), args.profile)
+        with tempfile.TemporaryDirectory() as d:
+            bench_launch(min(args.obs, 20000), args.reps, Path(d))
+        return
     if args.cuda_python:
         from bench_record_python import bench
 
         bench(args.obs, args.reps, args.before)
-        return
-    if args.cuda:
-        with tempfile.TemporaryDirectory() as d:
-            bench_cuda(args.steps, args.reps, Path(d), args.profile)
         return
     print("| what | cost | baseline | ratio | notes |")
     print("|---|---|---|---|---|")

@@ -130,9 +130,9 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
 def snapshot_args(secs: list, slot: int, reqs: int) -> tuple:
     """snapshot_args_kernel's launch arguments after the stream (grid, slot, seqno 1, num_reqs, num_reqs_padded,
     modes, words, the eight sections) for eight device tensors or None, snapshotted into the slot at `slot`."""
+    from dcptool.engine.snapshot.arm import args_of
     from dcptool.engine.snapshot.kernels import snapshot_args_grid
-    from dcptool.engine.snapshot.launch import args_of
-    from dcptool.engine.snapshot.ring import ENTRY, FIXED, SECTIONS
+    from dcptool.engine.snapshot.layout import ENTRY, FIXED, SECTIONS
 
     k = len(SECTIONS)
     modes, total, at = args_of(secs, slot)
@@ -142,7 +142,7 @@ def snapshot_args(secs: list, slot: int, reqs: int) -> tuple:
 def _empty_launch(rec: Recorder, seq: torch.Tensor):
     """The floor of one launch per observation: an observe() stand-in that launches the snapshot kernel with no rows
     (its header only) through the ring's launcher, the arguments computed once: no Recorder bookkeeping, no harvest."""
-    from dcptool.engine.snapshot.ring import ARGS_SECTIONS
+    from dcptool.engine.snapshot.layout import ARGS_SECTIONS
 
     ring = rec._device.ring
     args = snapshot_args([seq[:0]] + [None] * (ARGS_SECTIONS - 1), ring.base, 0)

@@ -9,9 +9,9 @@ from collections import deque
 from pathlib import Path
 
 from dcptool.dump import Record
-from dcptool.dump.observation import GROUPS, ROW_TABLE
+from dcptool.dump.observation import GROUPS, ROW_TABLE, keyword_door
 from dcptool.dump.schema import KVGroup
-from dcptool.engine.arguments import _NEW, buffer_id, host_copy, host_slots, scalars, tensor_type
+from dcptool.engine.arguments import buffer_id, host_copy, host_slots, scalars, tensor_type
 from dcptool.engine.guard.host_checks import Spec, first_wrong
 from dcptool.engine.recorder.record import Recorder
 from dcptool.errors import DcptoolError
@@ -113,17 +113,8 @@ class Guard:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def observe(self, *, step: int, site: str, rank: int, seq_lens, num_reqs: int, num_reqs_padded: int,
-                dcp_local_seq_lens=None, ubatch: int = -1, parent: int | None = None, req_start: int | None = None,
-                tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
-                num_tokens_padded: int | None = None, buffer: int | None = None, graph: int | str | None = None,
-                kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None, positions=None,
-                slot_mapping=None) -> int:
-        """Check one attention-metadata build and keep it; its index in this Guard's stream, -1 if dropped."""
-        return self.record(_NEW(Record, (step, site, rank, num_reqs, num_reqs_padded, seq_lens, dcp_local_seq_lens,
-                                         ubatch, parent, req_start, tok_start, tok_stop, query_start_loc,
-                                         num_tokens_padded, buffer, graph, kv_pages, dcp_query_start_loc,
-                                         dcp_tot_seq_lens, positions, slot_mapping)))
+    observe = keyword_door("observe", "record", """Check one attention-metadata build and keep it; its index in this
+        Guard's stream, -1 if dropped (Recorder.observe's keywords).""")
 
     def record(self, r: Record) -> int:
         """observe() for a caller that builds the observation's Record itself (the vLLM plugin)."""

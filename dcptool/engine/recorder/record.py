@@ -8,9 +8,9 @@ import warnings
 from pathlib import Path
 
 from dcptool.dump import DumpConfig, Record, Scalars, check_config
+from dcptool.dump.observation import keyword_door
 from dcptool.dump.schema import KVGroup
 from dcptool.engine.arguments import (
-    _NEW,
     NO_SLOTS,
     Groups,
     NoTensor,
@@ -23,11 +23,13 @@ from dcptool.engine.arguments import (
     tensor_type,
 )
 from dcptool.engine.recorder.host import HostPath, of_rank
+from dcptool.engine.recorder.settings import Options, settings
 from dcptool.engine.recorder.writer import Writer
 from dcptool.engine.snapshot.device import DevicePath
 from dcptool.engine.snapshot.device import find_torch as _device_torch
-from dcptool.engine.snapshot.ring import DEFAULT_RING_BYTES
+from dcptool.engine.snapshot.harvest import Harvest
 
+_NEW = tuple.__new__
 _TENSOR: type = NoTensor  # torch.Tensor once torch is imported (the engine package does not import it)
 
 
@@ -88,43 +90,33 @@ class Recorder:
     injected = _kept_by("_writer", "injected", "simulate's injected faults {fault: [index]}, written with the dump.")
     config = _kept_by("_writer", "config", "The DumpConfig written (its sites grow as observations name new ones).")
     cuda_mode = _kept_by("_device", "cuda_mode", '"async" (the snapshot ring) or "sync" (where the ring cannot run).')
-    ring_full = _kept_by("_device", "ring_full", 'What a full ring does: "wait" or "drop".')
+    ring_full = _kept_by("_harvest", "ring_full", 'What a full ring does: "wait" or "drop".')
     max_bytes = _kept_by("_writer", "max_bytes", "The size cap of the recording in bytes (None: none).")
     capped = _kept_by("_writer", "capped", "Observations not recorded because the recording reached max_bytes.")
-    ring_drops = _kept_by("_device", "ring_drops", 'Device observations dropped because the ring was full ("drop").')
+    ring_drops = _kept_by("_harvest", "ring_drops", 'Device observations dropped because the ring was full ("drop").')
     skipped_capture = _kept_by("_device", "skipped_capture", "Observations made inside CUDA-graph capture (not "
                                                               "recorded).")
 
-    def __init__(self, path: str | os.PathLike, dcp_size: int, cp_interleave: int = 1, *,
-                 sites: tuple[str, ...] = (), pcp_size: int = 1, page_size: int | None = None,
-                 engine: str | None = None, engine_version: str | None = None, note: str | None = None,
-                 rollover: int | None = None, force: bool = False, cuda_mode: str = "async",
-                 ring_bytes: int = DEFAULT_RING_BYTES, ring_full: str = "wait", kv_groups=None,
-                 max_bytes: int | None = None):
-        config = DumpConfig(dcp_size=dcp_size, cp_interleave=cp_interleave, sites=tuple(sites), pcp_size=pcp_size,
-                            page_size=page_size, engine=engine, engine_version=engine_version, note=note,
-                            kv_groups=None if kv_groups is None else tuple(KVGroup.of(g) for g in kv_groups))
+    def __init__(self, path: str | os.PathLike, dcp_size: int | None = None, cp_interleave: int = 1, *,
+                 config: DumpConfig | None = None, options: Options | None = None, **kw):
+        """Record into `path`. The keywords (settings.settings): DumpConfig's fields (sites, pcp_size, page_size,
+        engine, engine_version, note, kv_groups: what the dump says of the run) and Options' (rollover, force,
+        cuda_mode, ring_bytes, ring_full, max_bytes: how it records), or a whole `config=` / `options=`."""
+        config, opts = settings(dcp_size, cp_interleave, config, options, kw)
         check_config(Path(path), config)  # a bad config fails here, not hours later at close()
-        if rollover is not None and rollover < 1:
-            raise ValueError(f"rollover must be >= 1, got {rollover}")
-        if cuda_mode not in ("async", "sync"):
-            raise ValueError(f"cuda_mode must be 'async' or 'sync', got {cuda_mode!r}")
-        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 1):
-            raise ValueError(f"max_bytes must be an integer >= 1, got {max_bytes!r}")
-        if ring_full not in ("wait", "drop"):
-            raise ValueError(f"ring_full must be 'wait' or 'drop', got {ring_full!r}")
-        self._ranks = dcp_size
+        self._ranks = config.dcp_size
         self._lock = threading.RLock()
-        self._acquire, self._release_lock = self._lock.acquire, self._lock.release
         self.dropped = 0
-        self._site_ok: set[str] = set()  # site names already checked
+        self._site_ok: set[str] = set()  # site names already checked (by the host and the device path)
         self._warned = False
         self._fast = None  # observe()'s fast path (DevicePath.observe_fast) once the ring runs with its kernel
         find_torch()
-        self._writer = w = Writer(path, config, rollover, force, self._lock, max_bytes)
+        self._harvest = h = Harvest(opts.ring_full, self._lost)
+        self._writer = w = Writer(path, config, h, self._lock, rollover=opts.rollover, force=opts.force,
+                                  max_bytes=opts.max_bytes)
         self._append = w.append
         self._host = HostPath(w, self._lock, self._site_ok)
-        self._device = w.device = DevicePath(w, self._lock, self._site_ok, self._drop, cuda_mode, ring_bytes, ring_full)
+        self._device = DevicePath(w, h, self._lock, self._site_ok, opts.cuda_mode, opts.ring_bytes)
         self._observe_device = self._device.observe_device  # (bench_record.py counts its calls by replacing it)
 
     def __enter__(self) -> Recorder:
@@ -136,25 +128,17 @@ class Recorder:
     def __len__(self) -> int:
         return self._writer.count - self._writer.late
 
-    def observe(self, *, step: int, site: str, rank: int, seq_lens, num_reqs: int, num_reqs_padded: int,
-                dcp_local_seq_lens=None, ubatch: int = -1, parent: int | None = None, req_start: int | None = None,
-                tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
-                num_tokens_padded: int | None = None, buffer: int | None = None, graph: int | str | None = None,
-                kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None, positions=None,
-                slot_mapping=None) -> int:
-        """Record one attention-metadata build; returns its index (pass it as `parent=` later), -1 if dropped.
+    observe = keyword_door("observe", "record", """Record one attention-metadata build; returns its index (pass it as
+        `parent=` later), -1 if dropped.
 
-        The keywords are the observation's fields (dump.observation.FIELDS_TABLE). dcp_query_start_loc /
+        The keywords are the observation's fields (dump.observation.FIELDS_TABLE, docs/format.md says what each
+        holds; `graph` also takes a name: "eager", "piecewise", "capture", "replay"). dcp_query_start_loc /
         dcp_tot_seq_lens (None: not recorded): the Q the DCP decode path hands the empty-shard mask, and the global
         companion of the local lengths (device sections, like the other rows). `positions` (each token's position
         in its sequence) and `slot_mapping` (the KV slot this rank writes per token, -1 for none: a 1-D tensor for
         KV-cache group 0, a [groups, tokens] tensor, or a dict {group index: 1-D tensor}) go together: CUDA
         tensors of the device path are snapshotted raw (no waiting; the entries are built at harvest), host
-        tensors, numpy arrays and lists copied on the host)."""
-        return self.record(_NEW(Record, (step, site, rank, num_reqs, num_reqs_padded, seq_lens, dcp_local_seq_lens,
-                                         ubatch, parent, req_start, tok_start, tok_stop, query_start_loc,
-                                         num_tokens_padded, buffer, graph, kv_pages, dcp_query_start_loc,
-                                         dcp_tot_seq_lens, positions, slot_mapping)))
+        tensors, numpy arrays and lists copied on the host.""")
 
     def record(self, r: Record) -> int:
         """observe() for a caller that builds the observation's Record itself (the vLLM plugin, simulate)."""
@@ -228,13 +212,8 @@ class Recorder:
         self._fast = dev.fast
         return got, None if slots is not None and type(slots[2]) is Groups else slots
 
-    def observe_many(self, *, step: int, site: str, ranks, seq_lens, num_reqs: int, num_reqs_padded: int,
-                     dcp_local_seq_lens=None, ubatch: int = -1, parents=None, req_start: int | None = None,
-                     tok_start: int | None = None, tok_stop: int | None = None, query_start_loc=None,
-                     num_tokens_padded: int | None = None, buffers=None, graph: int | str | None = None,
-                     kv_pages=None, dcp_query_start_loc=None, dcp_tot_seq_lens=None, positions=None,
-                     slot_mapping=None) -> list[int]:
-        """Record one batch as seen by several ranks: one observation per entry of `ranks`.
+    observe_many = keyword_door("observe_many", "record_many", """Record one batch as seen by several ranks: one
+        observation per entry of `ranks`.
 
         What the ranks share (seq_lens, query_start_loc and the scalars) is copied once;
         dcp_local_seq_lens and kv_pages are [ranks, rows] (kv_pages may also be one shared row);
@@ -243,12 +222,8 @@ class Recorder:
         metadata at once (an engine process records its own rank with observe(); CUDA tensors are
         copied here with `.to("cpu")`, which waits for the stream). Returns the indices; a batch that
         cannot be stored is dropped whole ([-1] * len(ranks)). `positions` are shared; `slot_mapping` is
-        per rank: [ranks, tokens] for group 0, or a dict {group index: [ranks, tokens]}.
-        """
-        return self.record_many(Record(step, site, ranks, num_reqs, num_reqs_padded, seq_lens, dcp_local_seq_lens,
-                                       ubatch, parents, req_start, tok_start, tok_stop, query_start_loc,
-                                       num_tokens_padded, buffers, graph, kv_pages, dcp_query_start_loc,
-                                       dcp_tot_seq_lens, positions, slot_mapping))
+        per rank: [ranks, tokens] for group 0, or a dict {group index: [ranks, tokens]}.""",
+                                {"rank": "ranks", "parent": "parents", "buffer": "buffers"}, "list[int]")
 
     def record_many(self, r: Record) -> list[int]:
         """observe_many() for a caller that builds the Record itself: its `rank`, `parent` and `buffer` hold one
@@ -294,6 +269,11 @@ class Recorder:
             w.config = DumpConfig(**{**w.config.__dict__, "kv_groups": groups})
             check_config(w.requested_path, w.config)
 
+    def _lost(self, index: int, e: Exception) -> None:
+        """Under the lock: a device observation whose values cannot be stored, found at harvest (Harvest)."""
+        self._writer.lost(index)
+        self._drop(e)
+
     def _drop(self, e: Exception, n: int = 1) -> None:
         with self._lock:
             self.dropped += n
@@ -306,7 +286,7 @@ class Recorder:
     def harvest(self) -> None:
         """Copy the finished device snapshots out of the ring now (no waiting): for a step boundary."""
         with self._lock:
-            self._device.harvest(wait=False)
+            self._harvest.harvest(wait=False)
 
     def flush(self) -> None:
         """Wait until every rolled file is written (a failed write warns once and keeps its observations)."""

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
-from dcptool.dump import FIELDS, ROW_FIELDS, DumpConfig, DumpError, WriteError, columns, write_dump
+from dcptool.dump import FIELDS, ROW_FIELDS, DumpConfig, DumpError, WriteError, columns
 
 
 @dataclass
@@ -58,21 +56,26 @@ def pack(config: DumpConfig, b: Batch) -> tuple[DumpConfig, dict, list | None]:
 
 
 class Rolled:
-    """The batches handed over and not written yet, oldest first, and the daemon thread that writes them.
+    """The batches handed over and not written yet, oldest first, and the daemon thread that writes them in order
+    through `write(batch)` (the Writer's: it packs and writes the batch's file, raising OSError or DumpError when
+    it cannot, and accounts for it under the lock).
 
     One batch is written at a time, by the thread or (close(), the size cap) by the Writer's caller holding
     the lock once the thread is idle. A failed write keeps its batch at the head: the thread stops until the
     next hand-over (a rollover) or close() retries it inline. Bookkeeping under the Writer's lock (`cond`).
     """
 
-    def __init__(self, writer):
-        self.w = writer
-        self.cond = threading.Condition(writer._lock)
+    def __init__(self, lock, write):
+        self.cond = threading.Condition(lock)
         self.queue: deque[Batch] = deque()
         self.busy = False  # a batch is being written (outside the lock)
         self.failed: tuple[Batch, str] | None = None  # the head's last failure, until the next hand-over
+        self.write_errors = 0  # failed writes (each retried later); the last one in `last_error`
+        self.last_error: str | None = None
         self.reported = 0  # write_errors already warned about
+        self.warned = False
         self.sync = False  # write inline (the benchmark's baseline)
+        self._write_batch = write
         self._thread: threading.Thread | None = None
 
     def kept(self) -> int:
@@ -101,14 +104,11 @@ class Rolled:
                     self._thread = None
                     self.cond.notify_all()
                     return
-                b, config, self.busy = self.queue[0], self.w.config, True
+                b, self.busy = self.queue[0], True
             try:
-                self._write(b, config)
+                self._write(b)
             except Exception as e:  # (a bug: the thread stops, close() retries the batch inline and raises)
-                with self.cond:
-                    self.w.write_errors += 1
-                    self.w.last_error = repr(e)
-                    self.failed = (b, repr(e))
+                self._failed(b, repr(e))
             finally:
                 with self.cond:
                     self.busy = False
@@ -119,64 +119,43 @@ class Rolled:
         while self.busy or (self.queue and self.failed is None and self._thread is not None and not self.sync):
             self.cond.wait(0.1)
 
-    def write_all(self, *, raise_errors: bool) -> None:
-        """Under the lock, the thread idle: write the queued batches here, in order (close(), the size cap)."""
+    def write_all(self, *, raise_errors: bool, kept: int = 0) -> None:
+        """Under the lock, the thread idle: write the queued batches here, in order (close(), the size cap);
+        `kept`: the observations the Writer keeps beside them (said in the error)."""
         self.wait()
         self.failed = None
         while self.queue:
-            self._write(self.queue[0], self.w.config)
+            self._write(self.queue[0])
             if self.failed is not None:
                 if not raise_errors:
                     self.report(stacklevel=5)
                 else:
-                    raise WriteError(f"{self.failed[1]} ({len(self.w._sites) + self.kept()} observations kept in "
-                                     "memory; call close() again once the problem is fixed)") from None
+                    raise WriteError(f"{self.failed[1]} ({kept + self.kept()} observations kept in memory; call "
+                                     "close() again once the problem is fixed)") from None
                 return
 
     def report(self, stacklevel: int = 4) -> None:
         """Warn once about a failed write (from the engine's thread, where warnings are seen)."""
-        w = self.w
-        if w.write_errors > self.reported:
-            self.reported = w.write_errors
-            if not w._warned_write:
-                w._warned_write = True
-                warnings.warn(f"dcptool Recorder could not write ({w.last_error}); keeping the observations and "
+        if self.write_errors > self.reported:
+            self.reported = self.write_errors
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"dcptool Recorder could not write ({self.last_error}); keeping the observations and "
                               "retrying at the next rollover and at close()", RuntimeWarning, stacklevel=stacklevel)
 
-    def _write(self, b: Batch, config: DumpConfig) -> None:
-        """Pack and write one batch (the head), then, under the lock, account for it and drop it."""
-        w = self.w
-        target = w._target(b.index)
+    def _write(self, b: Batch) -> None:
+        """Write one batch (the head), then drop it; a failure keeps it at the head."""
         try:
-            config, cols, where = pack(config, b)
-            injected = None
-            if b.injected is not None:
-                injected = {k: [i if where is None else where[i] for i in v if where is None or where[i] >= 0]
-                            for k, v in b.injected.items()}
-            replace = target in w._stale  # force=True: the earlier recording goes when this one has a file
-            for f in w._stale:
-                if f != target:
-                    f.unlink(missing_ok=True)
-            if not replace and os.path.lexists(target):  # someone else wrote our file: never replace it
-                with self.cond:
-                    w._claim(False, taken=f"{target} was written by another writer")
-                target = w._target(b.index)
-            write_dump(target, config, cols, injected, extra_metadata=b.meta)
-            size = os.path.getsize(target)
-            del cols
+            self._write_batch(b)
         except (OSError, DumpError) as e:
-            with self.cond:
-                w.write_errors += 1
-                w.last_error = str(e)
-                self.failed = (b, f"{target}: {e}" if str(target) not in str(e) else str(e))
+            self._failed(b, str(e))
             return
         with self.cond:
-            w.config = DumpConfig(**{**w.config.__dict__, "sites": config.sites})  # (kv_groups may have changed)
-            w.bytes += size
-            w._stale = []
-            w.files.append(Path(target))
             if self.queue and self.queue[0] is b:  # (else discard() emptied the queue meanwhile)
                 self.queue.popleft()
-            b.vals = b.rows = []  # (their copies' chunks go back to the pool once nothing refers to them)
-            w.device.landed.written(b.start + len(b.sites))  # (the copies no observation still to write points into)
 
+    def _failed(self, b: Batch, why: str) -> None:
+        with self.cond:
+            self.write_errors += 1
+            self.last_error = why
+            self.failed = (b, why)

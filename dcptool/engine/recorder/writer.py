@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import atexit
-import errno
-import hashlib
 import json
 import os
 import re
-import socket
 import sys
 import threading
 import warnings
 from pathlib import Path
 
-from dcptool.dump import DumpConfig, OutputExistsError, Scalars, WriteError
-from dcptool.engine.recorder.rolled import Batch, Rolled
+from dcptool.dump import DumpConfig, DumpError, OutputExistsError, Scalars, WriteError, write_dump
+from dcptool.engine.recorder.claim import Claim
+from dcptool.engine.recorder.rolled import Batch, Rolled, pack
+from dcptool.engine.snapshot.harvest import Harvest
 from dcptool.engine.snapshot.ring import FENCE_EVERY, Slot
 
 CAP_EVERY = 1024  # observations kept between two size checks of a capped recording without rollover
@@ -24,28 +23,25 @@ CAP_EVERY = 1024  # observations kept between two size checks of a capped record
 class Writer:
     """A Recorder's observations from their index to a file, and the path they go to.
 
-    Holds `path` on this host for the Recorder's life (a second Recorder for it records beside it), keeps each
-    observation (its scalars, site and rows) until it is written, writes `rollover` observations per numbered
-    file (all at close() without rollover; a rolled file on a background thread: Rolled) and keeps what it
-    could not write for a later retry; a Recorder
-    that was never closed is closed at interpreter exit. With `max_bytes`, the recording stops at that size
-    (_stop). The owner (the Recorder, its DevicePath) calls append() and lost() under `lock`; `device` (set by
-    the owner) holds the slots in flight and their copies.
+    Holds `path` on this host for the Recorder's life (claim.Claim: a second Recorder for it records beside it),
+    keeps each observation (its scalars, site and rows) until it is written, writes `rollover` observations per
+    numbered file (all at close() without rollover; a rolled file on a background thread: Rolled) and keeps what
+    it could not write for a later retry; a Recorder that was never closed is closed at interpreter exit. With
+    `max_bytes`, the recording stops at that size (_stop). The owner (the Recorder, its device path) calls
+    append() and lost() under `lock`; `harvest` holds the device observations in flight and their copies.
     """
 
-    def __init__(self, path: str | os.PathLike, config: DumpConfig, rollover: int | None, force: bool,
-                 lock: threading.RLock, max_bytes: int | None = None):
+    def __init__(self, path: str | os.PathLike, config: DumpConfig, harvest: Harvest, lock: threading.RLock, *,
+                 rollover: int | None = None, force: bool = False, max_bytes: int | None = None):
         self.requested_path = Path(path)
         self.config = config
         self.rollover = rollover
         self._lock = lock
-        self.device = None  # the owner's DevicePath
-        self._claim_sock = None
+        self._harvest = harvest
+        self._claim_held: Claim | None = None
         self.path = self.requested_path
         self._stale = self._claim(force)
         self.injected: dict[str, list[int]] | None = None
-        self.write_errors = 0  # failed writes (each retried later); the last one in `last_error`
-        self.last_error: str | None = None
         self.files: list[Path] = []
         # One tuple of scalars and one of row arrays per observation, turned into columns only at write
         # time (zip(*)): observe() stays a couple of appends, close() a handful of concatenations. A row
@@ -65,9 +61,8 @@ class Writer:
         self._est = (0, 0)  # (kept observations sized, their estimated bytes): the size cap's running estimate
         self._every = rollover or (CAP_EVERY if max_bytes is not None else sys.maxsize)
         self._retry_at = self._every  # pending observations that trigger the next write (or size check)
-        self._warned_write = False
         self._index = 0  # the next file's number, reserved when its observations are taken
-        self._rolled = Rolled(self)
+        self._rolled = Rolled(lock, self._write)
         self.closed = False
         atexit.register(self._at_exit)
 
@@ -107,9 +102,9 @@ class Writer:
         self.stopped = True
         self._meta = {"dcptool.capped": json.dumps({"max_bytes": self.max_bytes})}
         try:
-            self.device.harvest(wait=True)  # (once: the slots in flight land, so the last file holds them)
+            self._harvest.harvest(wait=True)  # (once: the slots in flight land, so the last file holds them)
         except Exception as e:
-            self.device.abandon(e)
+            self._harvest.abandon(e)
         warnings.warn(f"dcptool Recorder: the recording reached its size cap ({self.max_bytes:,} bytes: max_bytes=, "
                       "DCPTOOL_RECORD_MAX_GB); it records nothing more (counted in `capped`)", RuntimeWarning,
                       stacklevel=5)
@@ -144,24 +139,6 @@ class Writer:
         except OSError:
             return []  # the directory may not exist yet; writing will say so
 
-    @staticmethod
-    def _hold(path: Path):
-        """Hold `path` for this Recorder's life: an abstract Unix socket named after it (this host, this
-        network namespace), which the kernel releases when the process dies, so a killed recording
-        leaves no lock file behind. None when another Recorder holds it; True where there are no such
-        sockets (the per-write existence check still guards)."""
-        try:
-            where = os.path.join(os.path.realpath(path.parent), path.name)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        except (OSError, AttributeError):
-            return True
-        try:
-            s.bind(b"\0dcptool-recorder:" + hashlib.sha1(os.fsencode(where)).hexdigest().encode())
-        except OSError as e:
-            s.close()
-            return None if e.errno == errno.EADDRINUSE else True  # held by another; else: no such sockets
-        return s
-
     def _claim(self, force: bool, taken: str | None = None) -> list[Path]:
         """Take `self.path` (or, when another writer has it, the first free STEM.pPID[-k] beside it) and
         return the earlier recording it replaces. Raises OutputExistsError for one without force."""
@@ -174,19 +151,17 @@ class Writer:
                 taken = f"{base} is being recorded by another Recorder"
             if cand == self.path and taken is not None:
                 continue
-            held = self._hold(cand)
+            held = Claim.take(cand)
             if held is None:
                 continue
             stale = self._earlier_files(cand)
             if stale and (taken is not None or not force):
-                if held is not True:
-                    held.close()
+                held.release()
                 if taken is None:
                     raise OutputExistsError(f"{stale[0]}: exists (an earlier recording; pass force=True to replace it)")
                 continue  # a separated recording never replaces anything
-            if self._claim_sock is not None and self._claim_sock is not True:
-                self._claim_sock.close()
-            self._claim_sock = held
+            self._release()
+            self._claim_held = held
             self.path = cand
             if taken is not None:
                 warnings.warn(f"dcptool Recorder: {taken}; recording to {cand} instead", RuntimeWarning, stacklevel=4)
@@ -194,9 +169,9 @@ class Writer:
         raise OutputExistsError(f"{base}: no free name beside it for a second recording")
 
     def _release(self) -> None:
-        if self._claim_sock is not None and self._claim_sock is not True:
-            self._claim_sock.close()
-        self._claim_sock = None
+        if self._claim_held is not None:
+            self._claim_held.release()
+        self._claim_held = None
 
     # ---- the files ---------------------------------------------------------------------------------
 
@@ -211,8 +186,7 @@ class Writer:
         n = len(self._sites) if n is None else n
         rows = self._rows[:n]
         if any(type(r) is Slot for r in rows):  # harvested device observations: their rows from the copies
-            pending = self.device.ring.pending
-            rows = self.device.landed.rows(rows, pending[0][0] if pending else None)
+            rows = self._harvest.rows(rows)
         est = self._kept_bytes() if self.max_bytes is not None else 0
         lo = self._file_start
         injected = None if self.injected is None else {
@@ -228,16 +202,13 @@ class Writer:
 
     def _flush(self, *, raise_errors: bool) -> None:
         n = None
-        ring = self.device.ring
-        if ring is not None and ring.pending:  # device values still in flight: write the observations before
-            self.device.harvest(wait=raise_errors)
-            if ring.pending:
-                ring.fence()  # (so that they land soon)
-                n = ring.pending[0][0] - self._file_start
-                if n == 0:
-                    # try again once some have landed (a rolled file may hold a few more than `rollover`)
-                    self._retry_at = len(self._sites) + min(FENCE_EVERY, self.rollover or FENCE_EVERY)
-                    return
+        oldest = self._harvest.settle(wait=raise_errors)
+        if oldest is not None:  # device values still in flight: write the observations before
+            n = oldest - self._file_start
+            if n == 0:
+                # try again once some have landed (a rolled file may hold a few more than `rollover`)
+                self._retry_at = len(self._sites) + min(FENCE_EVERY, self.rollover or FENCE_EVERY)
+                return
         self._retry_at = self._every
         rolled = self._rolled
         if self._sites or not (self.files or rolled.queue):  # (the first n: the rest is still in flight)
@@ -247,7 +218,7 @@ class Writer:
                 rolled.hand_over(b)
                 return
             rolled.queue.append(b)
-        rolled.write_all(raise_errors=raise_errors)  # close(), the size cap: here, after the files handed over
+        rolled.write_all(raise_errors=raise_errors, kept=len(self._sites))  # close(), the size cap: here
 
     def close(self) -> list[Path]:
         """Recorder.close(): write what is left once the device values in flight have landed."""
@@ -255,9 +226,9 @@ class Writer:
             if self.closed:
                 return self.files
             try:
-                self.device.harvest(wait=True)
+                self._harvest.harvest(wait=True)
             except Exception as e:  # the device is gone (a CUDA error, interpreter exit): keep the rest
-                self.device.abandon(e)
+                self._harvest.abandon(e)
             self._flush(raise_errors=True)
             self.closed = self.stopped = True
             self._release()
@@ -277,6 +248,51 @@ class Writer:
         self.closed = self.stopped = True
         atexit.unregister(self._at_exit)
         self._release()  # (the path is free again: a new Recorder of it records there, not beside it)
+
+    @property
+    def write_errors(self) -> int:
+        """Failed writes (each retried later); the last one in `last_error`."""
+        return self._rolled.write_errors
+
+    @property
+    def last_error(self) -> str | None:
+        return self._rolled.last_error
+
+    def _write(self, b: Batch) -> None:
+        """Pack and write one batch as its numbered file (outside the lock; Rolled calls it in file order), then,
+        under the lock, account for it. Raises WriteError (naming the file) when it cannot be written."""
+        with self._lock:
+            config = self.config
+        target = self._target(b.index)
+        try:
+            config, target, size = self._write_file(b, config, target)
+        except (OSError, DumpError) as e:
+            raise WriteError(f"{target}: {e}" if str(target) not in str(e) else str(e)) from None
+        with self._lock:
+            self.config = DumpConfig(**{**self.config.__dict__, "sites": config.sites})  # (kv_groups may change)
+            self.bytes += size
+            self._stale = []
+            self.files.append(Path(target))
+            b.vals = b.rows = []  # (their copies' chunks go back to the pool once nothing refers to them)
+            self._harvest.written(b.start + len(b.sites))  # (the copies no observation still to write points into)
+
+    def _write_file(self, b: Batch, config: DumpConfig, target: Path) -> tuple[DumpConfig, Path, int]:
+        """The batch's file at `target` (or, where another writer made that, beside it); its config, path, size."""
+        config, cols, where = pack(config, b)
+        injected = None
+        if b.injected is not None:
+            injected = {k: [i if where is None else where[i] for i in v if where is None or where[i] >= 0]
+                        for k, v in b.injected.items()}
+        replace = target in self._stale  # force=True: the earlier recording goes when this one has a file
+        for f in self._stale:
+            if f != target:
+                f.unlink(missing_ok=True)
+        if not replace and os.path.lexists(target):  # someone else wrote our file: never replace it
+            with self._lock:
+                self._claim(False, taken=f"{target} was written by another writer")
+            target = self._target(b.index)
+        write_dump(target, config, cols, injected, extra_metadata=b.meta)
+        return config, target, os.path.getsize(target)
 
     def _at_exit(self) -> None:
         try:

@@ -7,8 +7,8 @@ import warnings
 import numpy as np
 
 from dcptool.dump import INT32_MAX, Record, Scalars
+from dcptool.dump.observation import NAMES
 from dcptool.engine.arguments import (
-    _NEW,
     I64_MAX,
     I64_MIN,
     TORCH,
@@ -21,20 +21,20 @@ from dcptool.engine.arguments import (
     narrowed,
     tensor_type,
 )
+from dcptool.engine.snapshot.arm import arm
 from dcptool.engine.snapshot.harvest import Harvest
 from dcptool.engine.snapshot.kernels import SNAP_ARGS_BLOCK
-from dcptool.engine.snapshot.launch import arm
-from dcptool.engine.snapshot.ring import (
-    ABSENT,
-    FENCE_EVERY,
-    SECTIONS,
-    Landed,
-    Slot,
-    SnapshotRing,
-    _tables,
-    host_rules,
-)
+from dcptool.engine.snapshot.layout import ABSENT, SECTIONS, SGRP, host_rules, layout
+from dcptool.engine.snapshot.ring import FENCE_EVERY, Slot, SnapshotRing
 
+_NEW = tuple.__new__
+# observe_fast unpacks the record in this order (a new field of the table: read it there, and decline it while the
+# fast path's kernel cannot take it)
+_FAST_FIELDS = ("step", "site", "rank", "num_reqs", "num_reqs_padded", "seq_lens", "dcp_local_seq_lens", "ubatch",
+                "parent", "req_start", "tok_start", "tok_stop", "query_start_loc", "num_tokens_padded", "buffer",
+                "graph", "kv_pages", "dcp_query_start_loc", "dcp_tot_seq_lens", "positions", "slot_mapping")
+if NAMES != _FAST_FIELDS:
+    raise ImportError("snapshot.device: observe_fast unpacks the Record as _FAST_FIELDS; the table's fields changed")
 _TENSOR: type = NoTensor  # torch.Tensor once torch is imported (the Recorder's find_torch says when)
 
 
@@ -93,50 +93,93 @@ _GROUPS: dict[int, Groups] = {}  # the slot group columns of the fast path, by n
 
 def _with_groups(host: tuple | None, nsec: int, groups: int) -> tuple:
     """The fast path's host-held sections (None: none) with the slot group column of `groups` KV-cache groups (0 ..
-    groups - 1: the harvest builds the entries from the snapshotted rows, ring.slot_rows)."""
+    groups - 1: the harvest builds the entries from the snapshotted rows, layout.slot_rows)."""
     g = _GROUPS.get(groups)
     if g is None:
         g = _GROUPS[groups] = Groups(range(groups))
-    return (*((None,) * (nsec - 1) if host is None else host[:-1]), g)
+    out = [None] * nsec if host is None else list(host)
+    out[SGRP] = g
+    return tuple(out)
 
 
-class DevicePath(Harvest):
+def _first_sections(ring: SnapshotRing, rows: int, dcp, qsl, pad: tuple) -> tuple | None:
+    """The fast path's sections 1-2 (dcp_local_seq_lens: a contiguous int32 tensor on the ring's device;
+    query_start_loc: the same, or a 1-D numpy array the host keeps): (the values the kernel copies, the view's
+    address and count, its storage's base address (buffer=), query_start_loc's address and count, the host-held
+    sections or None); an absent section as (any readable address, -1); None where the general path must take
+    them. A query_start_loc that does not cover the rows is of no use to replay: not recorded."""
+    did, i32, base = ring.did, ring.i32, ring.base
+    if dcp is None:
+        n, dp, dn, buffer = 0, base, -1, None
+    elif type(dcp) is _TENSOR and dcp.get_device() == did and dcp.dtype is i32 and dcp.is_contiguous():
+        dp = dcp.data_ptr()
+        n = dn = dcp.numel()
+        buffer = dp - 4 * dcp.storage_offset()  # (= buffer_id(dcp): its storage's base address)
+    else:
+        return None
+    host = None
+    if qsl is None:
+        qp, qn = base, -1
+    elif type(qsl) is _TENSOR:
+        if not (qsl.get_device() == did and qsl.dtype is i32 and qsl.is_contiguous()):
+            return None
+        qp = qsl.data_ptr()
+        qn = qsl.numel()
+        if qn == rows + 1:
+            n += qn
+        else:
+            qn = -1
+    elif type(qsl) is np.ndarray and qsl.ndim == 1:
+        qp, qn = base, -1
+        if qsl.size == rows + 1:
+            host = (None, None, int32_copy(qsl), *pad)
+    else:
+        return None
+    return n, dp, dn, buffer, qp, qn, host
+
+
+class DevicePath:
     """A Recorder's CUDA tensors, snapshotted without stopping the engine; it owns the ring.
 
     CUDA tensors are not copied with `.to("cpu")` (that waits for the engine's stream): observe_device writes
     a descriptor of the observation into the header of a slot of a pinned, device-mapped host ring
-    (layout: ring.py) and launches one Triton kernel on the engine's current stream with one argument, the
+    (layout.py) and launches one Triton kernel on the engine's current stream with one argument, the
     slot's address; the kernel reads the descriptor and copies every device section into the slot, so the
-    values are those at observe() time. The engine's usual call (seq_lens, the DCP view and query_start_loc
-    as int32 device tensors: observe_fast) launches snapshot.snapshot_args_kernel instead, with the header as
-    arguments: that kernel writes the same header into the slot itself (no CPU write, no GPU read of it).
-    Slots are harvested later (every FENCE_EVERY observations, at a rollover and at close()) once a CUDA
-    event says the launch finished; their copies stay in `landed` until written.
+    values are those at observe() time. Slots are harvested later (every FENCE_EVERY observations, at a rollover
+    and at close(): Harvest) once a CUDA event says the launch finished.
 
-    It shares the Recorder's lock and checked site names, and appends to the Recorder's writer: the fast
-    path reads them from its own attributes, no more attribute hops than when it was part of the Recorder.
+    The fast path (observe_fast, the Recorder's `fast` once the ring runs with its kernel) takes what an engine
+    passes each step: seq_lens (and dcp_local_seq_lens, query_start_loc when given) contiguous int32 tensors on the
+    ring's device, or query_start_loc a 1-D numpy array (held on the host), plain int scalars (buffer= None: the
+    view's storage); kv_pages, dcp_query_start_loc, dcp_tot_seq_lens, positions (1-D) and slot_mapping (1-D, or
+    [groups, tokens]) contiguous int32 or int64 tensors on the ring's device, or None. One launch of
+    snapshot_args_kernel with the header as arguments (its program 0 writes it into the slot): no header packed on
+    the CPU, no section loop, no host copy, the same checks as the general path. Written for speed
+    (bench_record.py --cuda-python): a tensor's get_device() equal to the ring's also says it is a device tensor
+    (-1: the CPU tests' host ring).
+
+    It appends to the Recorder's writer, under the Recorder's lock, and checks sites against the Recorder's
+    checked names (site_ok, shared with its host path).
     """
 
-    def __init__(self, writer, lock, site_ok: set, drop, cuda_mode: str, ring_bytes: int, ring_full: str):
+    def __init__(self, writer, harvest: Harvest, lock, site_ok: set, cuda_mode: str, ring_bytes: int):
         self.cuda_mode = cuda_mode  # "sync" once a ring cannot run here
-        self.ring_full = ring_full
-        self.ring_drops = 0  # device observations dropped because the ring was full (ring_full="drop")
         self.skipped_capture = 0  # observations made inside CUDA-graph capture (not recorded)
         self.ring: SnapshotRing | None = None
         self.fast = None  # observe_fast once the ring runs with its kernel (the Recorder's fast path)
-        self.landed = Landed()
         self.on = "is_cuda"  # the tensor attribute that sends a value through the ring (CPU tests: "is_cpu")
         self.capturing = _capturing
         self._ring_words = max(1024, int(ring_bytes) // 4)
         self._w = writer
+        self._harvest = harvest
         self._ranks = writer.config.dcp_size
         self._lock = lock
         self._acquire, self._release_lock = lock.acquire, lock.release
-        self._site_ok = site_ok  # the site names checked (the Recorder's, shared with its host path)
+        self._site_ok = site_ok
         self._append = writer.append
-        self._drop = drop
-        (self._nsec, self._head, self._head_words, self._modes, self._rules, self._plus1, self._sized, self._needs,
-         self._fast_words, self._fast_pad, self._ksec) = _tables(SECTIONS)
+        L = self._layout = layout(SECTIONS)
+        self._nsec, self._head, self._head_words, self._modes = L.nsec, L.head, L.head_words, L.modes
+        self._fast_pad, self._ksec = L.fast_pad, L.ksec
 
     def device_tensors(self, r: Record) -> bool:
         """The record holds a tensor of the device path (seq_lens first: the engine's case at once)."""
@@ -151,18 +194,50 @@ class DevicePath(Harvest):
     def observe_device(self, vals: Scalars, site: str, srcs: tuple) -> int | None:
         """Snapshot the observation's device tensors in one launch; None: take the host path instead.
 
-        The header's section entries are collected here, checked by the section table's rules, and written
-        with the rest of the header into the slot just before the launch. (Written for speed: this is the
-        engine's cost of recording, see benchmarks/bench_record.py --cuda and --cuda-python.)
-        """
+        The header's section entries are collected here (_entries), checked by the sections' rules
+        (_length_rules), and written with the rest of the header into the slot just before the launch."""
+        got = self._entries(srcs)
+        if got is None:
+            return None
+        ent, host, words, device, keep = got
+        nr, nrp = vals[2], vals[3]
+        rows = ent[1] if ent[1] >= 0 or host is None or host[0] is None else host[0].size
+        if rows < nr or not 0 <= nr <= nrp:
+            raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {rows} seq_lens rows")
+        words = self._length_rules(ent, host, rows, words)
+        check_vals(vals, site, self._site_ok)
+        words &= ~7
+        w = self._w
+        with self._lock:
+            if w.stopped:
+                w.refuse()  # (raises after close(); counts it past the size cap)
+                return -1
+            index = w.count
+            check_own(vals[1], vals[5], vals[10], index, self._ranks)  # (rank, parent, buffer)
+            ring = self._ring_on(None if device < 0 else device)  # (-1: the host ring of the CPU tests)
+            if ring is None:
+                return None
+            start = ring.alloc(words)
+            if start is None:
+                start = self._harvest.room(ring, words)
+            self._head.pack_into(ring.np, 4 * start, index & 0x7FFFFFFF, -1, nr, nrp, self._nsec, 0, words, 0, *ent)
+            raw = ring.raw(ring.device)
+            ring.go(raw, ring.base + 4 * start)
+            del keep
+            return self._queued(ring, raw, index, start, words, host, vals, site)
+
+    def _entries(self, srcs: tuple) -> tuple | None:
+        """The header's section entries of observe_device: (address, count, mode per section, count -1 for an
+        absent section or one the host holds; the host-held sections or None; the slot's words so far; the device
+        index; the converted copies, kept alive until the launch is queued); None: tensors on two devices."""
         on = self.on
         i32 = TORCH.int32
         modes = self._modes
-        ent = []  # address, count, mode per section (count -1: absent, or held on the host)
-        host = None  # the sections the host holds (None: none does)
+        ent: list = []
+        host = None
         words = self._head_words
         device = -2
-        keep = None  # converted copies: alive until the launch is queued (their memory is reused in stream order)
+        keep = None
         for k, x in enumerate(srcs):
             if x is None:
                 ent += ABSENT
@@ -186,56 +261,37 @@ class DevicePath(Harvest):
                     host = [None] * len(srcs)
                 host[k] = x if type(x) is Groups else host_fast(x)  # (Groups: the slot sections' groups)
                 ent += ABSENT
-        nr, nrp = vals[2], vals[3]
-        rows = ent[1] if ent[1] >= 0 or host is None or host[0] is None else host[0].size
-        if rows < nr or not 0 <= nr <= nrp:
-            raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {rows} seq_lens rows")
-        w = self._w
-        if host is None:  # every section on the device (or absent): the length rules on the header's counts
-            for k in self._plus1:
-                n = ent[3 * k + 1]
-                if n >= 0 and n != rows + 1:  # of no use to replay (as on the host path)
-                    ent[3 * k + 1] = -1
-                    words -= n
-            for k in self._sized:
-                n = ent[3 * k + 1]
-                if n >= 0 and n != rows:
-                    raise ValueError(f"{SECTIONS[k].name} needs one value per seq_lens row ({rows}), got {n}")
-            for k, need in self._needs:
-                if ent[3 * k + 1] >= 0 and getattr(w.config, need) is None:
-                    raise ValueError(f"{SECTIONS[k].name} needs {need} in the config")
-        else:
-            words = host_rules(self._rules, w.config, ent, host, rows, words)
-        check_vals(vals, site, self._site_ok)
-        words &= ~7
-        if device < 0:
-            device = None  # (the host ring of the CPU tests)
-        with self._lock:
-            if w.stopped:
-                w.refuse()  # (raises after close(); counts it past the size cap)
-                return -1
-            index = w.count
-            rank, parent, buffer = vals[1], vals[5], vals[10]  # (Scalars order)
-            if not 0 <= rank < self._ranks or (parent is not None and parent >= index) or (
-                    buffer is not None and not -I64_MAX - 1 <= buffer <= I64_MAX):
-                check_own(rank, parent, buffer, index, self._ranks)  # (raises, saying which)
-            ring = self.ring
-            if ring is None:
-                if device != TORCH.cuda.current_device():
-                    return None  # (the ring's launcher is bound to the current device's context)
-                ring = self._start_ring(device)
-                if ring is None:
-                    return None
-            elif ring.device != device:
-                return None  # tensors of another device than the ring's: the host path copies them
-            start = ring.alloc(words)
-            if start is None:
-                start = self._room(ring, words)
-            self._head.pack_into(ring.np, 4 * start, index & 0x7FFFFFFF, -1, nr, nrp, self._nsec, 0, words, 0, *ent)
-            raw = ring.raw(device)
-            ring.go(raw, ring.base + 4 * start)
-            del keep
-            return self._queued(ring, raw, index, start, words, host, vals, site)
+        return ent, host, words, device, keep
+
+    def _length_rules(self, ent: list, host: list | None, rows: int, words: int) -> int:
+        """The sections' length rules and config settings on the header's counts (and the host-held sections);
+        returns the slot's words. Raises what cannot be stored."""
+        config, L = self._w.config, self._layout
+        if host is not None:
+            return host_rules(L.rules, config, ent, host, rows, words)
+        for k in L.plus1:
+            n = ent[3 * k + 1]
+            if n >= 0 and n != rows + 1:  # of no use to replay (as on the host path)
+                ent[3 * k + 1] = -1
+                words -= n
+        for k in L.sized:
+            n = ent[3 * k + 1]
+            if n >= 0 and n != rows:
+                raise ValueError(f"{SECTIONS[k].name} needs one value per seq_lens row ({rows}), got {n}")
+        for k, need in L.needs:
+            if ent[3 * k + 1] >= 0 and getattr(config, need) is None:
+                raise ValueError(f"{SECTIONS[k].name} needs {need} in the config")
+        return words
+
+    def _ring_on(self, device: int | None) -> SnapshotRing | None:
+        """Under the lock: the ring for tensors of `device` (started on the first); None where it cannot take them
+        (the host path copies them)."""
+        ring = self.ring
+        if ring is None:
+            if device != TORCH.cuda.current_device():
+                return None  # (the ring's launcher is bound to the current device's context)
+            return self._start_ring(device)
+        return ring if ring.device == device else None
 
     def _queued(self, ring: SnapshotRing, raw: int, index: int, start: int, words: int, host, vals, site: str) -> int:
         """Under the lock, once a snapshot is launched (either path): keep its slot as the observation's row, and
@@ -249,20 +305,12 @@ class DevicePath(Harvest):
         self._append(vals, site, slot)
         if ring.unfenced >= FENCE_EVERY or ring.unfenced_words >= ring.fence_words:
             ring.fence()
-            self.harvest(wait=False)
+            self._harvest.harvest(wait=False)
         return index
 
     def observe_fast(self, r: Record) -> int | None:
-        """observe() for what an engine passes each step, once the ring runs: seq_lens (and dcp_local_seq_lens,
-        query_start_loc when given) contiguous int32 tensors on the ring's device, or query_start_loc a 1-D numpy
-        array (held on the host), plain int scalars (`buf`: buffer=, None: dcp's storage); kv_pages,
-        dcp_query_start_loc, dcp_tot_seq_lens, positions (1-D) and slot_mapping (1-D, or [groups, tokens])
-        contiguous int32 or int64 tensors on the ring's device, or None (_later_sections). One launch of
-        snapshot_args_kernel with the header as arguments (its program 0 writes it into the slot): no header packed
-        on the CPU, no section loop, no host copy. The same checks as the general path; anything else returns None
-        (the general path takes it, and raises what it cannot store). Written for speed (bench_record.py
-        --cuda-python): a tensor's get_device() equal to the ring's also says it is a device tensor (-1: the CPU
-        tests' host ring)."""
+        """observe() for what an engine passes each step, once the ring runs (the class says which arguments); None
+        where the general path must take the observation (and raise what it cannot store)."""
         step, site, rank, nr, nrp, seq, dcp, ubatch, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos, sm = r
         ring = self.ring
         did = ring.did
@@ -271,39 +319,15 @@ class DevicePath(Harvest):
         if self.capturing():
             self.skip_capture()
             return -1
-        i32 = ring.i32
-        if not (type(step) is type(rank) is type(nr) is type(nrp) is type(ubatch) is int and seq.dtype is i32
+        if not (type(step) is type(rank) is type(nr) is type(nrp) is type(ubatch) is int and seq.dtype is ring.i32
                 and seq.is_contiguous()):
             return None
         rows = seq.numel()
-        words = self._fast_words + rows
-        if dcp is None:
-            dp, dn, buffer = ring.base, -1, None  # (absent: count -1, any readable address)
-        elif type(dcp) is _TENSOR and dcp.get_device() == did and dcp.dtype is i32 and dcp.is_contiguous():
-            dp = dcp.data_ptr()
-            dn = dcp.numel()
-            buffer = dp - 4 * dcp.storage_offset()  # (= buffer_id(dcp): its storage's base address)
-            words += dn
-        else:
+        first = _first_sections(ring, rows, dcp, qsl, self._fast_pad)
+        if first is None:
             return None
-        host = None
-        if qsl is None:
-            qp, qn = ring.base, -1
-        elif type(qsl) is _TENSOR:
-            if not (qsl.get_device() == did and qsl.dtype is i32 and qsl.is_contiguous()):
-                return None
-            qp = qsl.data_ptr()
-            qn = qsl.numel()
-            if qn == rows + 1:
-                words += qn
-            else:
-                qn = -1  # a query_start_loc that does not cover the rows is of no use to replay (not recorded)
-        elif type(qsl) is np.ndarray and qsl.ndim == 1:
-            qp, qn = ring.base, -1
-            if qsl.size == rows + 1:
-                host = (None, None, int32_copy(qsl), *self._fast_pad)
-        else:
-            return None
+        total, dp, dn, buffer, qp, qn, host = first
+        total += rows  # (the row values the kernel copies)
         if parent is not None:
             if type(parent) is not int:
                 return None
@@ -326,12 +350,11 @@ class DevicePath(Harvest):
             if got is None:
                 return None
             rest, n, wide, groups = got
-            words += n
+            total += n
             modes |= wide
             if groups:
                 host = _with_groups(host, self._nsec, groups)
-        total = words - self._fast_words  # (the row values the kernel copies)
-        words &= ~7
+        words = (self._head_words + total) & ~7
         sp = seq.data_ptr()
         w = self._w
         self._acquire()  # (the lock's acquire/release called directly: 80 ns less than `with`)
@@ -341,7 +364,7 @@ class DevicePath(Harvest):
                 return None
             start = ring.alloc(words)
             if start is None:
-                start = self._room(ring, words)
+                start = self._harvest.room(ring, words)
             if total > SNAP_ARGS_BLOCK:
                 ring.np[start + 5] = 0  # (several programs: each writes the flags word only if it found something)
             if groups > w.max_group + 1:
@@ -357,7 +380,7 @@ class DevicePath(Harvest):
             self._release_lock()
 
     def _start_ring(self, device: int | None) -> SnapshotRing | None:
-        """The ring, its kernel and its launches, checked (launch.arm); None, and sync mode, where they fail."""
+        """The ring, its kernel and its launches, checked (arm.arm); None, and sync mode, where they fail."""
         ring = SnapshotRing(self._ring_words, device)
         try:
             arm(ring)
@@ -370,7 +393,7 @@ class DevicePath(Harvest):
 
     def _run(self, ring: SnapshotRing) -> None:
         """Take `ring` into use; observe() takes the fast path from now on where the ring has its kernel."""
-        self.ring = ring
+        self.ring = self._harvest.ring = ring
         if ring.go3 is not None:
             self.fast = self.observe_fast
 

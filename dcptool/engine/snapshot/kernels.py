@@ -1,54 +1,28 @@
-"""The Recorder's device snapshot: one launch copies an observation's device tensors into a ring slot (kernels in
-kernels_tl.py)."""
+"""The Recorder's snapshot kernels (kernels_tl.py), launched through Triton's dispatch: one launch copies an
+observation's device tensors into a ring slot. The slot's layout, which these kernels and the host share:
+layout.py. launch.py picks the cheapest launch that writes what these do."""
 
 from __future__ import annotations
 
 from dcptool.dcp.backend import interpreted, load
 
-# --------------------------------------------------------------------------------------------
-# The Recorder's device snapshot (dcptool.engine.snapshot.device): one launch copies an observation's device tensors
-
-SNAP_FIXED = 8  # int32 words of a ring slot's fixed header (layout: dcptool.engine.snapshot.ring, "Ring slots")
-SNAP_ENTRY = 4  # int32 words per section entry in the header (address: 2, count, mode)
-SNAP_HEAD_READ = 64  # int32 words the kernel reads at once: the fixed header and up to 14 section entries
-SNAP_MAX_SECTIONS = (SNAP_HEAD_READ - SNAP_FIXED) // SNAP_ENTRY
-SNAP_BLOCK = 512
 _TL = "dcptool.engine.snapshot.kernels_tl"
+SNAP_BLOCK = 512  # values the descriptor kernel copies per step of a section's loop
 SNAP_WARPS = 1  # one warp: reading the header's fields out of its one vector load is then warp shuffles only
-SNAP_ARGS_SECTIONS = 8  # the device sections snapshot_args_kernel takes as arguments (ring.SECTIONS[:8])
-SNAP_ARGS = 6 + 2 * SNAP_ARGS_SECTIONS  # its arguments
 SNAP_ARGS_BLOCK = 1024  # row values per program of snapshot_args_kernel (one load of each in flight)
 SNAP_ARGS_WARPS = 4
 
 
-def snapshot_kernel():
-    """The Triton kernel behind Recorder.observe with CUDA tensors (compiled on first use).
-
-    One argument, the slot's address (a runtime integer: one compiled kernel serves every slot, launched
-    through Triton's compiled launcher with no dispatch). The CPU writes the slot's header first: which
-    sources to copy (address, count, int64 or int32, negatives flagged or not), any number of sections up
-    to SNAP_MAX_SECTIONS. One program reads that header in one go, copies every section into the slot
-    back to back (int64 narrowed to int32; engine views need not be aligned), flags values int32 cannot
-    hold and forbidden negatives, and writes `done` last.
-    """
-    return load(_TL).snapshot_kernel
-
-
 def snapshot_dispatch(raw_stream: int, slot: int):
-    """One snapshot launch through Triton's dispatch (on the current stream: raw_stream is that stream);
-    returns the compiled kernel, whose launcher launch.py then calls directly."""
+    """One launch of the descriptor kernel (snapshot_kernel) through Triton's dispatch on the current stream
+    (raw_stream is that stream); returns the compiled kernel, whose launcher launch.py then calls directly.
+
+    One argument, the slot's address (a runtime integer: one compiled kernel serves every slot). The CPU writes
+    the slot's header first: which sources to copy (address, count, int64 or int32, negatives flagged or not), up
+    to layout.MAX_SECTIONS sections. One program reads that header in one go, copies every section into the slot
+    back to back (int64 narrowed to int32; engine views need not be aligned), flags values int32 cannot hold and
+    forbidden negatives, and writes `done` last."""
     return load(_TL).snapshot_kernel[(1,)](slot, num_warps=SNAP_WARPS)
-
-
-def snapshot_args_kernel():
-    """The snapshot kernel of observe()'s fast path: every device section (seq_lens ... slot_mapping, sections
-    0-7 of ring.SECTIONS) a contiguous int32 or int64 device tensor or absent, the rest absent. The header comes
-    as SNAP_ARGS arguments (slot, seqno, num_reqs, num_reqs_padded, modes = K << 16 | negative-value flags << 8 |
-    int64 flags, words, then address and count of each of the eight) and program 0 writes it into the slot:
-    the same slot as snapshot_kernel's, without the GPU's read of the header from host memory and without the
-    CPU's write of it. Launched on snapshot_args_grid(values) programs of SNAP_ARGS_BLOCK values each (a prefill's
-    slot mapping is copied by many programs at once); with more than one the CPU zeroes the flags word first."""
-    return load(_TL).snapshot_args_kernel
 
 
 def snapshot_args_grid(values: int) -> int:
@@ -57,8 +31,16 @@ def snapshot_args_grid(values: int) -> int:
 
 
 def snapshot_args_dispatch(raw_stream: int, grid: int, *args):
-    """One launch of snapshot_args_kernel on `grid` programs through Triton's dispatch (on the current stream);
-    returns the compiled kernel."""
+    """One launch of observe()'s fast path kernel (snapshot_args_kernel) on `grid` programs through Triton's
+    dispatch (on the current stream); returns the compiled kernel.
+
+    Every device section of layout.ARGS_SECTIONS (seq_lens ... slot_mapping) is a contiguous int32 or int64 device
+    tensor or absent, the rest absent. The header comes as arguments (slot, seqno, num_reqs, num_reqs_padded,
+    modes = K << 16 | negative-value flags << 8 | int64 flags, words, then address and count of each of the eight)
+    and program 0 writes it into the slot: the same slot as the descriptor kernel's, without the GPU's read of the
+    header from host memory and without the CPU's write of it. Launched on snapshot_args_grid(values) programs of
+    SNAP_ARGS_BLOCK values each (a prefill's slot mapping is copied by many programs at once); with more than one
+    the CPU zeroes the flags word first."""
     k = load(_TL)
     if interpreted() and 0 in args[6::2]:
         # the interpreter types a 0 argument int32 whatever the annotation and cannot make it a pointer (an

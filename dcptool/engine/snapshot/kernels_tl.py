@@ -1,14 +1,16 @@
-"""Triton: the Recorder's snapshot kernels (kernels.py says what they do). Imported only through dcp.backend.load."""
+"""Triton: the Recorder's snapshot kernels (kernels.py says what they do, layout.py the slot they write). Imported
+only through dcp.backend.load."""
 
 import triton
 import triton.language as tl
 
-from dcptool.engine.snapshot.kernels import SNAP_ARGS_BLOCK, SNAP_BLOCK, SNAP_ENTRY, SNAP_FIXED, SNAP_HEAD_READ
+from dcptool.engine.snapshot.kernels import SNAP_ARGS_BLOCK, SNAP_BLOCK
+from dcptool.engine.snapshot.layout import ENTRY, FIXED, HEAD_READ
 
 _SNAP_BLOCK = tl.constexpr(SNAP_BLOCK)
-_SNAP_FIXED = tl.constexpr(SNAP_FIXED)
-_SNAP_ENTRY = tl.constexpr(SNAP_ENTRY)
-_SNAP_LANES = tl.constexpr(SNAP_HEAD_READ // 2)
+_SNAP_FIXED = tl.constexpr(FIXED)
+_SNAP_ENTRY = tl.constexpr(ENTRY)
+_SNAP_LANES = tl.constexpr(HEAD_READ // 2)
 
 
 @triton.jit
@@ -41,7 +43,7 @@ def _lane(head, lane, k):
 
 @triton.jit(do_not_specialize=["slot"])
 def snapshot_kernel(slot):
-    # The slot's header describes the copy (layout: dcptool.engine.snapshot.ring): one vector read of it (the ring is
+    # The slot's header describes the copy (layout.py): one vector read of it (the ring is
     # host memory: one PCIe round trip, not one per field), then each section's rows back to back after
     # the header, then flags and `done` (= seqno) last.
     p32 = slot.to(tl.pointer_type(tl.int32))
@@ -65,7 +67,7 @@ def snapshot_kernel(slot):
     tl.store(p32 + 1, w01.to(tl.int32))  # done: the seqno, written last
 
 
-_SNAP_HEAD = tl.constexpr(SNAP_HEAD_READ)
+_SNAP_HEAD = tl.constexpr(HEAD_READ)
 _ARGS_BLOCK = tl.constexpr(SNAP_ARGS_BLOCK)
 
 
@@ -82,7 +84,7 @@ def snapshot_args_kernel(slot: tl.int64, seqno: tl.int32, nr: tl.int32, nrp: tl.
                          words: tl.int32, s0: tl.int64, n0: tl.int32, s1: tl.int64, n1: tl.int32, s2: tl.int64,
                          n2: tl.int32, s3: tl.int64, n3: tl.int32, s4: tl.int64, n4: tl.int32, s5: tl.int64,
                          n5: tl.int32, s6: tl.int64, n6: tl.int32, s7: tl.int64, n7: tl.int32):
-    # observe()'s fast path (snapshot.snapshot_args_kernel says when): the header comes as arguments (no read of
+    # observe()'s fast path (kernels.snapshot_args_dispatch says when): the header comes as arguments (no read of
     # host memory before the copy can start) and program 0 writes it into the slot, the same layout as the CPU
     # writes for snapshot_kernel: sections 0-7 from the arguments (address, count; -1 absent), the other K - 8
     # absent. modes: K << 16 | (bit 8 + k: section k flags negatives) | (bit k: section k is int64). The rows of

@@ -1,66 +1,28 @@
-"""How the snapshot kernels are launched: the cheapest way that writes, checked once on known values, what it should."""
+"""The ways a compiled Triton kernel can be launched from the engine's thread, cheapest first, and the first of them a
+caller's check accepts (on known values, once: a way that writes anything else is never used).
+
+WAYS, in the order they are tried (DCPTOOL_LAUNCH=way,way,... picks others, e.g. `cuda-core,compiled`):
+- "c-entry": the compiled launcher's C entry, called with the arguments Triton's own Python wrapper
+  (CudaLauncher.__call__) passes. The wrapper is private, so the entry is used only where its source is one of the
+  two this module knows (_WRAPPED: triton 3.6 and 3.9); any other Triton takes the next way, with a warning.
+- "cuda-core": NVIDIA's cuda.core (maintained, public): the kernel's cubin (compiled.asm["cubin"]) loaded as an
+  ObjectCode and launched with cuda.core.launch on the engine's stream; where cuda.core is installed.
+- "compiled": Triton's compiled launcher (CompiledKernel.run) as Triton's dispatch calls it, without the dispatch's
+  argument binding and cache lookup.
+Triton's dispatch itself (kernel[grid](...)) is the caller's reference and last resort.
+
+A way is `go(raw_stream, grid, *args)` (variadic) or `go(raw_stream, arg)` (one argument on one program)."""
 
 from __future__ import annotations
 
-import numpy as np
+import os
+import warnings
 
-from dcptool.engine.snapshot.ring import ABSENT, ENTRY, FIXED, HEAD_READ, SECTIONS, SnapshotRing, head_struct
-
-_CHECKED: dict = {}  # CUDA device -> (compiled kernel whose launcher proved itself, or None; why not)
-
-
-def arm(ring: SnapshotRing) -> None:
-    """Give the ring its kernel and launches. On a GPU a one-time check (one synchronisation each) that a launch
-    writes what the kernel should, trying the cheapest launch first: the launcher's C entry called directly, then
-    Triton's compiled launcher, then Triton's dispatch. The same for the fast path's kernel (_fast_launch; without
-    a compiled launcher observe() has no fast path). The CPU tests' host ring: Triton's dispatch, interpreted.
-    Raises what fails (the Recorder then copies synchronously)."""
-    from dcptool.engine.snapshot import kernels as K
-
-    ring.kernel = K.snapshot_kernel()
-    device = ring.device
-    if device is None:
-        ring.go, ring.how = K.snapshot_dispatch, "the Triton interpreter"
-        ring.go3, ring.how3 = K.snapshot_args_dispatch, "the Triton interpreter"
-    elif device in _CHECKED:  # (checked once per process and device)
-        ring.go, ring.how, ring.go3, ring.how3 = _CHECKED[device]
-    else:
-        torch = ring.torch
-        with torch.cuda.device(device):
-            ck = _self_check(ring, K.snapshot_dispatch)  # (compiles it)
-            go, how, why = cheapest(ring, _self_check, ck, variadic=False)
-            if go is None:
-                go, how = K.snapshot_dispatch, f"Triton's dispatch ({'; '.join(why)})"
-            elif why:
-                how += f" ({'; '.join(why)})"
-            ring.go, ring.how = go, how
-            ring.go3, ring.how3 = _fast_launch(ring)
-        _CHECKED[device] = (ring.go, ring.how, ring.go3, ring.how3)
+ENV_LAUNCH = "DCPTOOL_LAUNCH"
 
 
-def _self_check(ring: SnapshotRing, go):
-    """Launch the kernel through `go` once on known values (unaligned, int64, an overflow, an absent section)
-    and compare; returns what `go` returned (the compiled kernel, for Triton's dispatch)."""
-    torch = ring.torch
-    dev = ring.device
-    a = torch.arange(1, 7, dtype=torch.int32, device=dev)[1:]  # an unaligned view: 2..6
-    b = torch.tensor([7, -2, 2**40], dtype=torch.int64, device=dev)
-    ring.np[:HEAD_READ] = -9
-    head_struct(4).pack_into(ring.np, 0, 12345, -1, 5, 6, 4, 0, 40, 0, a.data_ptr(), 5, 2, 0, -1, 0, b.data_ptr(), 3,
-                              1, a.data_ptr(), 5, 0)
-    got = go(torch._C._cuda_getCurrentRawStream(dev), ring.base)
-    torch.cuda.synchronize(dev)
-    want = [12345, 12345, 5, 6, 4, 1, 40, 0]
-    rows = [2, 3, 4, 5, 6, 7, -2, 0, 2, 3, 4, 5, 6]
-    have = ring.np[:FIXED].tolist(), ring.np[FIXED + 4 * ENTRY:FIXED + 4 * ENTRY + len(rows)].tolist()
-    if have != (want, rows):
-        raise RuntimeError(f"snapshot kernel self-check wrote {have}")
-    return got
-
-
-def _compiled_launch(ck, variadic: bool = False):
-    """A launch through Triton's compiled launcher (no dispatch: no argument binding, no cache lookup); variadic:
-    go(raw, grid, *args) for a kernel of several arguments on `grid` programs, else go(raw, slot) on one."""
+def _compiled(ck, variadic: bool = False):
+    """A launch through Triton's compiled launcher (no dispatch: no argument binding, no cache lookup)."""
     run, fn, meta = ck.run, ck.function, ck.packed_metadata
     if variadic:
         return lambda raw, g, *a: run(g, 1, 1, raw, fn, meta, None, None, None, *a)
@@ -68,7 +30,7 @@ def _compiled_launch(ck, variadic: bool = False):
 
 
 # The Python wrapper (CudaLauncher.__call__) of the launchers whose C entry `launch` is called directly: its
-# call of `self.launch`, whitespace removed. Another wrapper (another Triton) is used as it is.
+# call of `self.launch`, whitespace removed. Another wrapper (another Triton) is not used.
 _WRAPPED = {  # triton 3.6: the kernel's arguments unpacked
     "self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,self.launch_pdl,global_scratch,"
     "profile_scratch,*args)": 36,
@@ -77,12 +39,13 @@ _WRAPPED = {  # triton 3.6: the kernel's arguments unpacked
     "launch_metadata,launch_enter_hook,launch_exit_hook,global_scratch,profile_scratch,self.arg_annotations,"
     "self.kernel_signature,kernel_args)": 39,
 }
+_WARNED: set = set()
 
 
-def _direct_launch(ck, variadic: bool = False):
+def _c_entry(ck, variadic: bool = False):
     """A launch through the compiled launcher's C entry with the arguments its Python wrapper would pass (2-3 us
     less per launch), for a wrapper known to pass exactly these (_WRAPPED) with no scratch memory to allocate;
-    else None. (arm checks it against known values before using it.) variadic: as _compiled_launch."""
+    else None (warned once: an unknown Triton takes the next way)."""
     import inspect
 
     run = ck.run
@@ -92,6 +55,11 @@ def _direct_launch(ck, variadic: bool = False):
     except (OSError, TypeError):
         return None
     kind = [v for k, v in _WRAPPED.items() if k in src]
+    if launch is not None and len(kind) != 1 and type(run) not in _WARNED:
+        _WARNED.add(type(run))
+        warnings.warn("dcptool: this Triton's kernel launcher is not one dcptool knows (triton 3.6 and 3.9 are); "
+                      "its C entry is not used, the next launch way is (DCPTOOL_LAUNCH picks one)", RuntimeWarning,
+                      stacklevel=4)
     if (launch is None or len(kind) != 1 or getattr(run, "global_scratch_size", 1) != 0
             or getattr(run, "profile_scratch_size", 1) != 0 or getattr(run, "gsan_enabled", False)):
         return None
@@ -106,100 +74,72 @@ def _direct_launch(ck, variadic: bool = False):
     return lambda raw, at: launch(1, 1, 1, raw, fn, coop, pdl, meta, None, None, None, None, None, ann, sig, (at,))
 
 
-def args_of(srcs: list, base: int) -> tuple[int, int, list]:
-    """snapshot_args_kernel's section arguments for eight device tensors or None: (modes without K, row values in
-    all, [address, count] * 8), an absent section as (base, -1): any readable address (the interpreter converts
-    every address)."""
-    from dcptool.engine.snapshot.ring import ARGS_NEG
-
-    modes, total, out = ARGS_NEG, 0, []
-    for k, x in enumerate(srcs):
-        if x is None:
-            out += (base, -1)
-        else:
-            n = x.numel()
-            modes |= (x.element_size() == 8) << k
-            total += n
-            out += (x.data_ptr(), n)
-    return modes, total, out
-
-
-def args_slot(srcs: list, seqno: int, nr: int, nrp: int, words: int, fill: int) -> np.ndarray:
-    """The slot snapshot_args_kernel makes of eight host tensors (or None) in a ring filled with `fill`: the header
-    the CPU would write for snapshot_kernel, the rows narrowed to int32, flags and done; the padding untouched."""
-    k = len(SECTIONS)
-    ent, rows, flags = [], [], 0
-    for j, x in enumerate([*srcs, *([None] * (k - len(srcs)))]):
-        if x is None:
-            ent += ABSENT
-            continue
-        v = x.cpu().numpy().astype(np.int64).reshape(-1)
-        ent += (x.data_ptr(), v.size, (x.element_size() == 8) | (2 * SECTIONS[j].nonneg))
-        rows.append(v)
-        flags |= int((v.astype(np.int32) != v).any()) | (2 * int(SECTIONS[j].nonneg and bool((v < 0).any())))
-    rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-    out = np.full(FIXED + ENTRY * k + rows.size, fill, np.int32)
-    head_struct(k).pack_into(out, 0, seqno, seqno, nr, nrp, k, flags, words, 0, *ent)
-    out[FIXED + ENTRY * k:] = rows.astype(np.int32)
-    return out
-
-
-def _self_check_args(ring: SnapshotRing, go):
-    """_self_check for the fast path's kernel (snapshot_args_kernel): one launch through `go` on known values (an
-    unaligned view, absent sections, int64 sections, a negative where allowed, a value int32 cannot hold in the
-    last of three programs) compared word by word with args_slot; returns what `go` returned."""
-    from dcptool.engine.snapshot.kernels import snapshot_args_grid
-
-    torch = ring.torch
-    dev = ring.device
-    i32, i64 = torch.int32, torch.int64
-    slot = torch.arange(1100, dtype=i64, device=dev) * 3
-    slot[-1] = 2**40
-    srcs = [torch.arange(1, 7, dtype=i32, device=dev)[1:], None,  # an unaligned view: 2..6
-            torch.tensor([7, -2, 5, 2**31 - 1], dtype=i32, device=dev), None,
-            torch.tensor([3, -4], dtype=i64, device=dev), None, torch.arange(1100, dtype=i64, device=dev), slot]
-    modes, total, at = args_of(srcs, ring.base)
-    k = len(SECTIONS)
-    words = (FIXED + ENTRY * k + total + 7) & ~7
-    grid = snapshot_args_grid(total)
-    ring.np[:words + HEAD_READ] = -9
-    ring.np[5] = 0  # (several programs: the CPU zeroes the flags word, as observe() does)
-    got = go(ring.raw(dev), grid, ring.base, 12345, 5, 6, k << 16 | modes, words, *at)
-    if dev is not None:
-        torch.cuda.synchronize(dev)
-    want = args_slot(srcs, 12345, 5, 6, words, -9)
-    have = ring.np[:want.size + 1]
-    if grid != 3 or not (np.array_equal(have[:-1], want) and have[-1] == -9):
-        raise RuntimeError(f"snapshot_args_kernel self-check wrote {have[:FIXED].tolist()} ... (grid {grid})")
-    return got
-
-
-def _fast_launch(ring: SnapshotRing) -> tuple:
-    """(go3, how3): the cheapest launch of snapshot_args_kernel that writes what it should (checked once, as
-    arm does for snapshot_kernel), or (None, why) when neither the launcher's C entry nor the compiled
-    launcher does (observe() then has no fast path: through Triton's dispatch it would cost more than the
-    general path; the CPU tests' host ring sets the dispatch itself)."""
-    from dcptool.engine.snapshot import kernels as K
-
+def _cuda_core(ck, variadic: bool = False):
+    """A launch through NVIDIA's cuda.core: the kernel's cubin loaded once, launched with cuda.core.launch on the
+    caller's stream (wrapped once per stream), one LaunchConfig per grid size. The kernel's parameters past the
+    caller's arguments (Triton's global and profile scratch pointers) are passed as null. Python ints go as 8-byte
+    values; the driver copies each parameter's own size of them (an int32 parameter: the low 4 bytes). None where
+    cuda.core is not installed."""
     try:
-        ck = _self_check_args(ring, K.snapshot_args_dispatch)  # (compiles it)
-    except Exception as e:
-        return None, f"none ({e!r})"
-    go, how, why = cheapest(ring, _self_check_args, ck, variadic=True)
-    return (go, how) if go is not None else (None, f"none, the general path instead ({'; '.join(why)})")
+        from cuda.core import LaunchConfig, ObjectCode, Stream, launch
+    except ImportError:
+        return None
+    meta = ck.metadata
+    if getattr(meta, "shared", 0) > 48 * 1024:
+        return None  # (more shared memory than a launch gets without an attribute set first)
+    kernel = ObjectCode.from_cubin(ck.asm["cubin"]).get_kernel(meta.name)
+    block = 32 * meta.num_warps
+    configs: dict = {}
+    streams: dict = {}
+    extra: list = []  # (the null scratch pointers, counted at the first launch from the kernel's parameters)
+
+    def go(raw, g, *a):
+        s = streams.get(raw)
+        if s is None:
+            s = streams[raw] = Stream.from_handle(raw)
+            extra[:] = [0] * (kernel.num_arguments - len(a))
+        c = configs.get(g)
+        if c is None:
+            c = configs[g] = LaunchConfig(grid=g, block=block, shmem_size=meta.shared)
+        launch(s, c, kernel, *a, *extra)
+
+    if variadic:
+        return go
+    return lambda raw, at: go(raw, 1, at)
 
 
-def cheapest(ring: SnapshotRing, check, ck, variadic: bool) -> tuple:
-    """(go, how, why): the first launch of compiled kernel `ck` that `check` (_self_check or _self_check_args)
-    accepts, trying the launcher's C entry, then Triton's compiled launcher; (None, "", why) when neither does.
-    `why` says what each rejected way raised."""
+WAYS = {"c-entry": ("the launcher's C entry", _c_entry), "cuda-core": ("cuda.core", _cuda_core),
+        "compiled": ("Triton's compiled launcher", _compiled)}
+
+
+def order() -> list[str]:
+    """The ways to try, in order: DCPTOOL_LAUNCH's (names of WAYS, comma-separated; an unknown name warns), else
+    WAYS' order."""
+    got = [w.strip() for w in os.environ.get(ENV_LAUNCH, "").split(",") if w.strip()]
+    unknown = [w for w in got if w not in WAYS]
+    if unknown:
+        warnings.warn(f"dcptool: {ENV_LAUNCH}={os.environ[ENV_LAUNCH]!r} names no launch way {unknown[0]!r} (known: "
+                      f"{', '.join(WAYS)}); launching in the default order", RuntimeWarning, stacklevel=3)
+        got = []
+    return got or list(WAYS)
+
+
+def way(name: str, ck, variadic: bool):
+    """One way's launch of compiled kernel `ck`, or None where this way cannot launch it here."""
+    return WAYS[name][1](ck, variadic=variadic)
+
+
+def cheapest(target, check, ck, variadic: bool) -> tuple:
+    """(go, how, why): the first launch of compiled kernel `ck` (in order()) that `check(target, go)` accepts; (None,
+    "", why) when none does. `why` says what each rejected way raised."""
     why = []
-    for how, way in (("the launcher's C entry", _direct_launch), ("Triton's compiled launcher", _compiled_launch)):
+    for name in order():
+        how = WAYS[name][0]
         try:
-            go = way(ck, variadic=variadic)
+            go = way(name, ck, variadic)
             if go is None:
-                raise RuntimeError("not this Triton's launcher")
-            check(ring, go)
+                raise RuntimeError("not available here")
+            check(target, go)
             return go, how, why
         except Exception as e:  # not callable so here: the next way
             why.append(f"{how}: {e!r}")

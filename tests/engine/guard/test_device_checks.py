@@ -260,9 +260,11 @@ def test_the_launcher_check_takes_the_first_way_that_writes_what_the_dispatch_do
 
     monkeypatch.setattr(D._Probe, "__init__", probe)
     monkeypatch.setattr(D, "_CHECKED", {})
-    monkeypatch.setattr(L, "_direct_launch", lambda ck, variadic: lambda raw, n, *a: dev.dispatch(
-        raw, n, *a[:10], 999, *a[11:]))  # (the step argument wrong)
-    monkeypatch.setattr(L, "_compiled_launch", lambda ck, variadic: dev.dispatch)
+    monkeypatch.setitem(L.WAYS, "c-entry", ("the launcher's C entry", lambda ck, variadic: lambda raw, n, *a:
+                                            dev.dispatch(raw, n, *a[:10], 999, *a[11:])))  # (the step argument wrong)
+    monkeypatch.setitem(L.WAYS, "cuda-core", ("cuda.core", lambda ck, variadic: None))  # (not installed)
+    monkeypatch.setitem(L.WAYS, "compiled", ("Triton's compiled launcher", lambda ck, variadic: dev.dispatch))
     go, how = D._launcher(dev)
     assert go == dev.dispatch and how.startswith("Triton's compiled launcher (the launcher's C entry: RuntimeError")
+    assert "cuda.core: RuntimeError('not available here')" in how
     assert D._CHECKED[0] == (go, how)

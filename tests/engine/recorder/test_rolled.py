@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-import dcptool.engine.recorder.rolled as rolled
+import dcptool.engine.recorder.writer as writer
 from dcptool.dump import WriteError, open_dumps, read_dump
 from dcptool.engine.recorder.record import Recorder
 
@@ -25,14 +25,14 @@ def _observe(rec, rng, n: int, start: int = 0) -> None:
 def test_a_rollover_does_not_wait_for_its_write(tmp_path, monkeypatch):
     """The observe() that rolls over returns while the write is blocked; later observations keep coming (another
     rollover is handed over behind it); close() waits and returns every file, in order."""
-    started, go, real = threading.Event(), threading.Event(), rolled.write_dump
+    started, go, real = threading.Event(), threading.Event(), writer.write_dump
 
     def blocked(*a, **k):
         started.set()
         assert go.wait(30)
         return real(*a, **k)
 
-    monkeypatch.setattr(rolled, "write_dump", blocked)
+    monkeypatch.setattr(writer, "write_dump", blocked)
     rec = Recorder(tmp_path / "r.safetensors", dcp_size=2, rollover=5)
     rng = np.random.default_rng(0)
     _observe(rec, rng, 5)
@@ -48,14 +48,14 @@ def test_a_rollover_does_not_wait_for_its_write(tmp_path, monkeypatch):
 def test_a_failed_background_write_keeps_its_observations(tmp_path, monkeypatch):
     """Disk full on the thread: warned once (at flush() or the next rollover), retried at the next rollover, kept in
     memory; close() raises WriteError naming the file while it still fails, and a later close() writes them."""
-    full, real = [True], rolled.write_dump
+    full, real = [True], writer.write_dump
 
     def write(*a, **k):
         if full[0]:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(*a, **k)
 
-    monkeypatch.setattr(rolled, "write_dump", write)
+    monkeypatch.setattr(writer, "write_dump", write)
     rec = Recorder(tmp_path / "r.safetensors", dcp_size=2, rollover=4)
     rng = np.random.default_rng(1)
     with pytest.warns(RuntimeWarning, match="could not write") as caught:
@@ -76,7 +76,7 @@ def test_a_failed_background_write_keeps_its_observations(tmp_path, monkeypatch)
 def test_background_files_equal_an_inline_recording(tmp_path, monkeypatch, seed):
     """Seeded observations (parents across files, sites first seen late) over several rollovers, the writes slowed
     at random: the files hold what the same observations written inline give, file for file."""
-    real, delays = rolled.write_dump, np.random.default_rng(seed)
+    real, delays = writer.write_dump, np.random.default_rng(seed)
 
     def slow(*a, **k):
         threading.Event().wait(float(delays.random()) * 0.01)
@@ -87,7 +87,7 @@ def test_background_files_equal_an_inline_recording(tmp_path, monkeypatch, seed)
         rec = Recorder(tmp_path / f"{inline}.safetensors", dcp_size=2, rollover=7)
         rec._writer._rolled.sync = inline
         if not inline:
-            monkeypatch.setattr(rolled, "write_dump", slow)
+            monkeypatch.setattr(writer, "write_dump", slow)
         _observe(rec, np.random.default_rng(seed), 40)
         got.append([read_dump(f) for f in rec.close()])
     (a, b) = got

@@ -10,7 +10,7 @@ from conftest import hostring
 
 from dcptool.dump import open_dumps
 from dcptool.engine.recorder.record import Recorder
-from dcptool.engine.snapshot import arena, ring
+from dcptool.engine.snapshot import arena, landed
 from dcptool.engine.snapshot.arena import ARENA_WORDS, Chunks, unused
 
 
@@ -54,8 +54,8 @@ def test_a_rolling_recording_reuses_its_chunks_and_keeps_every_value(tmp_path, m
     after each write and are used again, and every file holds what the host path records."""
     pool = Chunks(spare=1)
     monkeypatch.setattr(arena, "ARENA_WORDS", 2048)
-    monkeypatch.setattr(ring, "ARENA_WORDS", 2048)
-    monkeypatch.setattr(ring, "CHUNKS", pool)
+    monkeypatch.setattr(landed, "ARENA_WORDS", 2048)
+    monkeypatch.setattr(landed, "CHUNKS", pool)
     a = Recorder(tmp_path / "a.safetensors", dcp_size=2, rollover=12)
     b = Recorder(tmp_path / "b.safetensors", dcp_size=2, rollover=12)
     b._device.use_host_ring(4096)

@@ -8,7 +8,8 @@ from conftest import hostring
 
 from dcptool.dump import read_dump
 from dcptool.engine.recorder.record import Recorder
-from dcptool.engine.snapshot.ring import ENTRY, FIXED, SECTIONS, HostEvent
+from dcptool.engine.snapshot.layout import ENTRY, FIXED, SECTIONS
+from dcptool.engine.snapshot.ring import HostEvent
 
 
 def _slot_words(rows: int) -> int:
@@ -61,7 +62,7 @@ def test_slots_in_flight_that_cannot_be_read_are_dropped_and_counted(tmp_path, m
         assert rec.observe(step=i, site="x", rank=0, seq_lens=torch.full((300,), i, dtype=torch.int32),
                            num_reqs=300, num_reqs_padded=300) == i
     with rec._lock, pytest.warns(RuntimeWarning, match="cannot be read"):
-        rec._device.abandon(RuntimeError("device lost"))
+        rec._harvest.abandon(RuntimeError("device lost"))
     assert rec.dropped == 3 and not rec._device.ring.pending and not rec._device.ring.fences
     rec.close()
     assert read_dump(tmp_path / "a.safetensors").n == 0

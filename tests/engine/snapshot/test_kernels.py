@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcptool.engine.snapshot.ring import ENTRY, FIXED, HEAD_READ, SECTIONS, head_struct, slot_rows
+from dcptool.engine.snapshot.layout import ENTRY, FIXED, HEAD_READ, MAX_SECTIONS, SECTIONS, head_struct, slot_rows
 
 
 def _kernel_device() -> str:
@@ -43,10 +43,9 @@ def test_snapshot_slot_read_back_equals_the_sources(n):
     entry per section) stays, `done` becomes the seqno, flags 0, and the rows are the sources back to back
     in section order (an int64 source narrowed, an unaligned view, absent sections taking no room), for
     every section length around the kernel's block; nothing past the slot is written."""
-    from dcptool.engine.snapshot.kernels import SNAP_BLOCK, SNAP_ENTRY, SNAP_FIXED, SNAP_HEAD_READ, SNAP_MAX_SECTIONS
+    from dcptool.engine.snapshot.kernels import SNAP_BLOCK
 
-    assert (SNAP_FIXED, SNAP_ENTRY, SNAP_HEAD_READ) == (FIXED, ENTRY, HEAD_READ) and SNAP_BLOCK == 512
-    assert len(SECTIONS) <= SNAP_MAX_SECTIONS
+    assert SNAP_BLOCK == 512 and len(SECTIONS) <= MAX_SECTIONS
     dev = _kernel_device()
     g = torch.Generator().manual_seed(n)
     seq = torch.randint(0, 1 << 30, (n,), generator=g, dtype=torch.int32).to(dev)
@@ -90,8 +89,8 @@ def _launch_args(secs: list, seqno: int = 41, nr: int = 3, nrp: int = 5, pad: in
     """snapshot_args_kernel on up to eight sections (tensors, or None: absent) into a fresh ring filled with -7, as
     observe()'s fast path launches it (on snapshot_args_grid programs; with several, the flags word zeroed first);
     returns the ring's words (numpy), the slot's words and the grid."""
+    from dcptool.engine.snapshot.arm import args_of
     from dcptool.engine.snapshot.kernels import snapshot_args_dispatch, snapshot_args_grid
-    from dcptool.engine.snapshot.launch import args_of
 
     k = len(SECTIONS)
     secs = [*secs, *([None] * (8 - len(secs)))]

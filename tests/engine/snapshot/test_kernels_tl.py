@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dcptool.dcp.backend import load
-from dcptool.engine.snapshot.ring import ABSENT, ARGS_NEG, ENTRY, FIXED, HEAD_READ, SECTIONS, head_struct
+from dcptool.engine.snapshot.layout import ABSENT, ARGS_NEG, ENTRY, FIXED, HEAD_READ, SECTIONS, head_struct
 
 pytestmark = pytest.mark.kernel
 POISON = -7  # what the ring holds before the launch
