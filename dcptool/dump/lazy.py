@@ -13,7 +13,7 @@ from dcptool.dump.schema import (
 )
 
 # --------------------------------------------------------------------------------------------
-# Several files in bounded memory: row columns read on demand from the files (issue 16 item 5)
+# Several files in bounded memory: row columns read on demand from the files
 
 
 def _max_open_files() -> int:

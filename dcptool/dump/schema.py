@@ -508,7 +508,7 @@ def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=
 
 
 def _check_slots(p: str, cfg: DumpConfig, c: dict[str, np.ndarray]) -> None:
-    """Slot columns (issue 15): positions are token positions (>= 0); each entry's KV-cache group is one the
+    """Slot columns: positions are token positions (>= 0); each entry's KV-cache group is one the
     config lists (any index >= 0 without kv_groups). Slot values are findings, not file errors."""
     pos, grp = c["rows.positions"], c["rows.slot_group"]
     if pos.size and pos.min() < 0:

@@ -1,4 +1,4 @@
-"""What DCP attention consumes beside the local lengths (issue 15), on every rank at once: the decode path's
+"""What DCP attention consumes beside the local lengths, on every rank at once: the decode path's
 dcp_query_start_loc and global companion, and the KV slot mappings, with the faults injected on them."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dcptool.model.rows import Rows
 
 
 class Columns:
-    """Issue 15's columns of the batches of one configuration, as the runner model records them; `faults`: the
-    faults that apply."""
+    """The decode path's columns and the slot mappings of the batches of one configuration, as the runner model
+    records them; `faults`: the faults that apply."""
 
     def __init__(self, cfg: SimConfig, faults: frozenset[str]):
         self.cfg, self.F = cfg, faults
@@ -23,7 +23,8 @@ class Columns:
         """What vLLM's FlashInfer decode path (0.30+) receives beside the local lengths, per rank ([N, ...]):
         dcp_query_start_loc = query_start_loc[:num_decodes+1] and the global companion seq_lens[:num_decodes]
         (as MLA's dcp_tot_seq_lens); num_decodes as split_decodes_and_prefills at threshold 1 (padded rows
-        count). (None, None) when the batch has no decode rows: no decode path. Applies issue 15's faults."""
+        count). (None, None) when the batch has no decode rows: no decode path. Applies their faults
+        (dcp-qsl-local, tot-local)."""
         N, F = self.N, self.F
         ql = np.diff(b.qsl)
         nd = int(np.argmax(ql > 1)) if (ql > 1).any() else b.nrp
@@ -54,7 +55,7 @@ class Columns:
 
     def slots(self, b: Rows, role: str, kind: str, req0: int, marks: list) -> tuple | None:
         """(positions [ntp], slot mappings [N, groups, ntp]) as vLLM's _compute_slot_mappings_kernel writes them
-        on every DCP rank (issue 15), or None where simulate records none (drafts, the global batch of a PCP step).
+        on every DCP rank, or None where simulate records none (drafts, the global batch of a PCP step).
 
         Request k of the batch (k + req0 in a micro-batch's parent, b.req[k] where rows are a PCP rank's local
         rows) owns blocks k * blocks_per_request + j, so slots are distinct as vLLM's allocator makes them. Dummy

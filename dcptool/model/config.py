@@ -23,17 +23,17 @@ _FAULT_WHAT = {
     "graph-stale": "a per-step buffer baked into a full graph",
     "sentinel": "padded rows keep a -1 left in the buffer",
     "flashinfer-global-pages": "page counts from the global length",
-    # issue 15: what else DCP attention consumes (opt-in with --inject; not part of --pipeline legacy)
+    # what else DCP attention consumes (opt-in with --inject; not part of --pipeline legacy)
     "dcp-qsl-local": "the empty-shard mask's dcp_query_start_loc counts only the query tokens of this rank's "
                      "non-empty shards (rank-local) instead of query_start_loc[:num_decodes+1]",
     "tot-local": "the global companion (dcp_tot_seq_lens) is passed this rank's local lengths",
     "rank-disagree": "one DCP rank sees a request's seq_len off by one (ranks disagree on what must be replicated)",
 }
-# Faults of issue 15: real failure classes, but not the pre-fix ordering `--pipeline legacy` models.
+# Opt-in faults: real failure classes, but not the pre-fix ordering `--pipeline legacy` models.
 # The slot faults too: slot-all-ranks is in no release, and whether 0.29-0.30's replicated groups (Mamba/GDN)
 # ever read the slots slot-wrong-group localises is not established (a legacy run must model known faults only).
 OPT_IN = frozenset({"dcp-qsl-local", "tot-local", "rank-disagree", "slot-wrong-group", "slot-all-ranks"})
-# issue 15 item 3: which rank writes each KV slot
+# which rank writes each KV slot
 _FAULT_WHAT.update({
     "slot-wrong-group": "the slot mapping localises a replicated KV-cache group (Mamba/GDN state) as DCP-sharded",
     "slot-all-ranks": "every rank writes every token of a DCP-sharded group (the non-owner mask dropped)",

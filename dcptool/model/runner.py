@@ -70,7 +70,7 @@ class Runner:
         self.N, self.P, self.I, self.G = cfg.dcp, cfg.pcp, cfg.interleave, cfg.page_size
         self.F = frozenset(cfg.faults) - {f for f, why in applicability(cfg).items() if why is not None}
         self.graphs = Graphs(cfg)
-        self.columns = Columns(cfg, self.F)  # issue 15's: the decode path's companions, the slot mappings
+        self.columns = Columns(cfg, self.F)  # the decode path's companions, the slot mappings
         self.ranks = np.arange(self.N).reshape(-1, 1)
         self._fresh = 0
         self._captured: dict[tuple, set[int]] = {}

@@ -17,8 +17,8 @@ class Chunks:
     """int32 chunks of ARENA_WORDS words, their pages already touched: taking one costs no page fault.
 
     A harvest copies finished ring slots into fresh memory inside the engine's observe(); the first write to each
-    fresh page faults (measured here: ~6 µs a 4 KiB page, a 128 KB harvest 190 µs instead of 5 µs), which held the
-    engine thread long enough to idle the GPU. A daemon thread touches the pages of SPARE chunks ahead of use (its
+    fresh page faults (docs/performance.md: a 128 KB harvest ~40 times longer than into touched pages), which held
+    the engine thread long enough to idle the GPU. A daemon thread touches the pages of SPARE chunks ahead of use (its
     faults happen while numpy has released the GIL), and chunks whose copies were all written come back (give())
     and are used again, so a recording that rolls over faults no new page once it runs."""
 

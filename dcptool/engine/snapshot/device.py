@@ -344,7 +344,7 @@ class DevicePath:
         words = (self._head_words + total) & ~7
         sp = seq.data_ptr()
         w = self._w
-        self._acquire()  # (the lock's acquire/release called directly: 80 ns less than `with`)
+        self._acquire()  # (the lock's acquire/release called directly: cheaper than `with`)
         try:
             index = w.count
             if w.stopped or not 0 <= rank < self._ranks or (parent is not None and parent >= index):
@@ -359,7 +359,7 @@ class DevicePath:
             raw = ring.raw(did)
             ring.go3(raw, (total + SNAP_ARGS_BLOCK - 1) // SNAP_ARGS_BLOCK or 1, ring.base + 4 * start,
                      index & 0x7FFFFFFF, nr, nrp, modes, words, sp, rows, dp, dn, qp, qn, *rest)
-            # (a plain tuple in Scalars order: the writer reads the values by position; 70 ns less than a Scalars)
+            # (a plain tuple in Scalars order: the writer reads the values by position; cheaper than a Scalars)
             return self._queued(ring, raw, index, start, words, host, (step, rank, nr, nrp, ubatch, parent, rs, ts, te,
                                                                        ntp, buffer if buf is None else buf, graph),
                                 site)

@@ -43,9 +43,9 @@ _WARNED: set = set()
 
 
 def _c_entry(ck, variadic: bool = False):
-    """A launch through the compiled launcher's C entry with the arguments its Python wrapper would pass (2-3 us
-    less per launch), for a wrapper known to pass exactly these (_WRAPPED) with no scratch memory to allocate;
-    else None (warned once: an unknown Triton takes the next way)."""
+    """A launch through the compiled launcher's C entry with the arguments its Python wrapper would pass (its
+    Python frame saved per launch), for a wrapper known to pass exactly these (_WRAPPED) with no scratch memory to
+    allocate; else None (warned once: an unknown Triton takes the next way)."""
     import inspect
 
     run = ck.run

@@ -185,7 +185,7 @@ def _record_build(sig: Sig, args: tuple, kwargs: dict, kw: dict, got: dict) -> N
 
 
 def _slot_kwargs(sig: Sig, args: tuple, kwargs: dict, batch, kw: dict) -> None:
-    """Issue 15: the slot mappings build_attn_metadata hands every KV-cache group ([groups, tokens], what the KV
+    """The slot mappings build_attn_metadata hands every KV-cache group ([groups, tokens], what the KV
     writes use) with the tokens' positions (the batch's, else the call's), and the groups' sharding."""
     sm = sig.get(args, kwargs, "slot_mappings") if "slot_mappings" in sig.pos else None
     pos = getattr(batch, "positions", None) if batch is not None else None

@@ -32,7 +32,7 @@ class _State:
     guarding = False  # DCPTOOL_GUARD (set by register(): builds inside capture are checked, not skipped)
     rank = None
     interleave: int | None = None
-    block_tables = None  # the runner's BlockTables, once seen (slot mappings' KV-cache groups: issue 15)
+    block_tables = None  # the runner's BlockTables, once seen (the slot mappings' KV-cache groups)
     kv_groups: list | None = None  # the groups the recorder's config names (set with the first slot mapping)
     page_size: int | None = None  # the FlashInfer plans' page size, once a builder planned pages (the config's)
     skipped: Counter = Counter()

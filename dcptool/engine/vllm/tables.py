@@ -38,9 +38,9 @@ class Table:
     hooks: Hooks
     sites: tuple[str, ...]
     why_not: str = ""  # the sites it cannot produce, and why
-    # issue 15: the slot columns (build_attn_metadata's slot_mappings, every release) and how groups are sharded
+    # the slot columns (build_attn_metadata's slot_mappings, every release) and how groups are sharded
     slots: str = "slot mappings per KV-cache group, each group's sharding from its spec (dcp_sharded)"
-    # issue 26: what the attention-metadata builders hand attention (builders)
+    # what the attention-metadata builders hand attention (builders)
     builders: str = ("dcp_query_start_loc (FlashInfer's trtllm-gen/XQA decode), kv_pages (FlashInfer's native plans; "
                      "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode)")
 
