@@ -25,6 +25,11 @@ from dcptool.engine.snapshot.launch import WAYS
 from dcptool.engine.snapshot.layout import head_struct
 
 
+def markdown(header: tuple, rows: list) -> list[str]:
+    """A markdown table's lines."""
+    return [f"| {' | '.join(header)} |", "|" + "---|" * len(header)] + [f"| {' | '.join(map(str, r))} |" for r in rows]
+
+
 def _per_call(fn, n: int) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -116,18 +121,18 @@ def bench_launch(n: int, reps: int, tmp: Path) -> None:
             torch.cuda.synchronize()
             res[name]["gpu"].append(start.elapsed_time(end) / 2000 * 1e3)
     ring.go, ring.how, ring.go3, ring.how3 = own
-    print(f"launch ways on {torch.cuda.get_device_name()}, {reps} interleaved rounds of {n:,} calls each, median; "
-          f"the Recorder's own choice: {own[3]}")
-    print("| way | launch alone, descriptor kernel µs | launch alone, fast-path kernel µs | Recorder.observe µs "
-          "(idle GPU) | Guard.observe µs (eager) | GPU µs per snapshot |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for name, (go, why) in ways.items():
         if go is None:
-            print(f"| {name} | not available: {why} | | | | |")
+            rows.append((name, f"not available: {why}", "", "", "", ""))
             continue
         m = {k: (f"{np.median(v):.2f}" if v else "-") for k, v in res[name].items()}
         gwhy = guard["ways"].get(name, (None, "-"))[1]
-        print(f"| {name} | {m['go']} | {m['go3']} | {m['observe']} | {m['guard'] if not gwhy else gwhy} | "
-              f"{m['gpu']} |")
+        rows.append((name, m["go"], m["go3"], m["observe"], m["guard"] if not gwhy else gwhy, m["gpu"]))
+    print(f"launch ways on {torch.cuda.get_device_name()}, {reps} interleaved rounds of {n:,} calls each, median; "
+          f"the Recorder's own choice: {own[3]}")
+    print("\n".join(markdown(("way", "launch alone, descriptor kernel µs", "launch alone, fast-path kernel µs",
+                               "Recorder.observe µs (idle GPU)", "Guard.observe µs (eager)", "GPU µs per snapshot"),
+                              rows)))
     rec.discard()
     guard["guard"].close()

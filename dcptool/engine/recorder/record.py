@@ -40,8 +40,27 @@ def find_torch() -> None:
     _device_torch()
 
 
+# The Recorder's attributes its parts keep (the part that owns each is the one that changes it): name -> (part, doc).
+_KEPT_BY = {
+    "path": ("_writer", "Where it records: requested_path, or STEM.pPID.SUFFIX where that is held."),
+    "requested_path": ("_writer", "The path it was given."),
+    "rollover": ("_writer", "Observations per numbered file; None: one file, at close()."),
+    "files": ("_writer", "The files written so far."),
+    "write_errors": ("_writer", "Failed writes (each retried later); the last in last_error."),
+    "last_error": ("_writer", "The last failed write's error (None: none failed)."),
+    "injected": ("_writer", "simulate's injected faults {fault: [index]}, written with the dump."),
+    "config": ("_writer", "The DumpConfig written (its sites grow as observations name new ones)."),
+    "max_bytes": ("_writer", "The size cap of the recording in bytes (None: none)."),
+    "capped": ("_writer", "Observations not recorded because the recording reached max_bytes."),
+    "cuda_mode": ("_device", '"async" (the snapshot ring) or "sync" (where the ring cannot run).'),
+    "skipped_capture": ("_device", "Observations made inside CUDA-graph capture (not recorded)."),
+    "ring_full": ("_harvest", 'What a full ring does: "wait" or "drop".'),
+    "ring_drops": ("_harvest", 'Device observations dropped because the ring was full ("drop").'),
+}
+
+
 def _kept_by(part: str, name: str, doc: str) -> property:
-    """A Recorder attribute that one of its parts keeps (`_writer`, `_device`)."""
+    """A Recorder attribute that one of its parts keeps."""
     return property(lambda self: getattr(getattr(self, part), name),
                     lambda self, v: setattr(getattr(self, part), name, v), doc=doc)
 
@@ -80,22 +99,6 @@ class Recorder:
     it may pass it by that much): the last file's metadata says so (`dcptool.capped`), a RuntimeWarning says so
     once, and later observations are not recorded (-1, counted in `capped`).
     """
-
-    path = _kept_by("_writer", "path", "Where it records: requested_path, or STEM.pPID.SUFFIX where that is held.")
-    requested_path = _kept_by("_writer", "requested_path", "The path it was given.")
-    rollover = _kept_by("_writer", "rollover", "Observations per numbered file; None: one file, at close().")
-    files = _kept_by("_writer", "files", "The files written so far.")
-    write_errors = _kept_by("_writer", "write_errors", "Failed writes (each retried later); the last in last_error.")
-    last_error = _kept_by("_writer", "last_error", "The last failed write's error (None: none failed).")
-    injected = _kept_by("_writer", "injected", "simulate's injected faults {fault: [index]}, written with the dump.")
-    config = _kept_by("_writer", "config", "The DumpConfig written (its sites grow as observations name new ones).")
-    cuda_mode = _kept_by("_device", "cuda_mode", '"async" (the snapshot ring) or "sync" (where the ring cannot run).')
-    ring_full = _kept_by("_harvest", "ring_full", 'What a full ring does: "wait" or "drop".')
-    max_bytes = _kept_by("_writer", "max_bytes", "The size cap of the recording in bytes (None: none).")
-    capped = _kept_by("_writer", "capped", "Observations not recorded because the recording reached max_bytes.")
-    ring_drops = _kept_by("_harvest", "ring_drops", 'Device observations dropped because the ring was full ("drop").')
-    skipped_capture = _kept_by("_device", "skipped_capture", "Observations made inside CUDA-graph capture (not "
-                                                              "recorded).")
 
     def __init__(self, path: str | os.PathLike, dcp_size: int | None = None, cp_interleave: int = 1, *,
                  config: DumpConfig | None = None, options: Options | None = None, **kw):
@@ -304,3 +307,7 @@ class Recorder:
         """Write nothing more, not even at exit, and drop what is not written yet: for a run that failed or
         was interrupted (simulate), whose dump would look complete but is not."""
         self._writer.discard()
+
+
+for _name, (_part, _doc) in _KEPT_BY.items():
+    setattr(Recorder, _name, _kept_by(_part, _name, _doc))
