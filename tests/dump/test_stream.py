@@ -42,9 +42,10 @@ def test_streamed_read_gives_the_one_reads_columns_and_findings(tmp_path, monkey
 
 
 def test_the_scan_follows_a_slow_read(tmp_path, monkeypatch):
-    """With a slow read the scan's chunks go on while later rows are still being read (Dump.upto waits for its
-    chunk alone), and the findings are those of one read."""
-    import time
+    """With a read held back (its second piece waits for the scan's first request) the scan's chunks go on while
+    later rows are still being read (Dump.upto waits for its chunk alone), and the findings are those of one
+    read."""
+    import threading
 
     from conftest import random_dump
 
@@ -57,19 +58,22 @@ def test_the_scan_follows_a_slow_read(tmp_path, monkeypatch):
     path = tmp_path / "r.safetensors"
     want = _replay_lines(random_dump(path, np.random.default_rng(7), 400, 4, 16))
     real_pread, real_upto = files.pread, dump_mod.Dump.upto
-    ahead = []
+    ahead, asked, reads = [], threading.Event(), []
 
-    def slow(*a):
-        time.sleep(0.002)
+    def held(*a):  # the read's second piece waits until the scan asked for rows: it asks while the read goes on
+        if threading.current_thread().name == "dcptool-read":
+            reads.append(1)
+            if len(reads) > 1:
+                assert asked.wait(30)
         return real_pread(*a)
 
     def upto(self, key, n):
-        out = real_upto(self, key, n)
         if self.reader is not None:
-            ahead.append(key in self.reader.pending)  # the column was still being read when a chunk got its rows
-        return out
+            ahead.append(key in self.reader.pending)  # the column was still being read when a chunk asked
+        asked.set()
+        return real_upto(self, key, n)
 
-    monkeypatch.setattr(files, "pread", slow)
+    monkeypatch.setattr(files, "pread", held)
     monkeypatch.setattr(dump_mod.Dump, "upto", upto)
     assert _replay_lines(read_dump(path, stream=True)) == want
     assert ahead and any(ahead)
@@ -188,7 +192,6 @@ def test_a_failed_replay_ends_no_thread_of_its_own_running(tmp_path, monkeypatch
     exit 2, and by then every check thread has ended (was: the checks ran on, daemon threads, as the process
     exited over them, which can abort it). A failure before the scan stops the read's thread too."""
     import threading
-    import time
 
     from conftest import cli
 
@@ -198,17 +201,21 @@ def test_a_failed_replay_ends_no_thread_of_its_own_running(tmp_path, monkeypatch
     p = write(tmp_path / "run.safetensors", [obs(step=s, rank=s % 2) for s in range(400)])
     size = os.path.getsize(p)
     real_pread, real_shape = files.pread, replay_mod.check_shape
-    pieces = []
+    pieces, short = [], threading.Event()
 
     def cut_after_the_first_pieces(*a, **k):
         if threading.current_thread().name == "dcptool-read":
             pieces.append(1)
             if len(pieces) == 3:
                 os.truncate(p, size // 2)  # another process rewrites it: first it truncates
-        return real_pread(*a, **k)
+        try:
+            return real_pread(*a, **k)
+        except Exception:
+            short.set()  # the read met the short file
+            raise
 
     def slow_shape(d):
-        time.sleep(0.5)  # still running when the scan meets the short file
+        short.wait(30)  # still running when the read meets the short file
         return real_shape(d)
 
     monkeypatch.setattr(files, "pread", cut_after_the_first_pieces)
@@ -225,18 +232,18 @@ def test_a_failed_replay_ends_no_thread_of_its_own_running(tmp_path, monkeypatch
 
 
 REWRITE = """
-import os, sys, threading, time
+import os, sys, threading
 from dcptool.dump import files, stream
 p, other, at = sys.argv[1], open(sys.argv[2], "rb").read(), int(sys.argv[3])
 stream.STREAM_PIECE = 4096
-real, pieces, go = files.pread, [], threading.Event()
+real, pieces, go, done = files.pread, [], threading.Event(), threading.Event()
 
 def read(*a, **k):  # once the read's thread is `at` pieces in, another writer rewrites the file in place
     if threading.current_thread().name == "dcptool-read":
         pieces.append(1)
         if len(pieces) == at:
             go.set()
-            time.sleep(0.05)
+            done.wait(30)
     return real(*a, **k)
 
 def rewrite():
@@ -244,6 +251,7 @@ def rewrite():
     with open(p, "r+b") as f:  # in place: the same inode, other bytes, another length
         f.write(other)
         f.truncate(len(other))
+    done.set()
 
 files.pread = read
 threading.Thread(target=rewrite, daemon=True).start()
