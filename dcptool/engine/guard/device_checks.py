@@ -6,6 +6,7 @@ import numpy as np
 
 from dcptool.dcp.backend import load
 from dcptool.dump import Record
+from dcptool.dump.observation import NAMES
 from dcptool.engine.arguments import host_copy
 
 # Ring slot layout (int32 words): HEAD header words, then six sections of `cap` rows each (seq_lens, the DCP
@@ -18,6 +19,24 @@ HEAD = 32
 W_COUNTS = 16
 W_KEPT = 24
 SECTIONS = 6
+# What a kept slot holds of each field of the observation (dump.observation.FIELDS_TABLE): a scalar at its header
+# word (the site as its id, the buffer as two words, low and high), a row field as its section, the slot entries in
+# the token area. Every field is kept (a field the Guard did not keep would be missing from its dumps: the import
+# fails until the kernel keeps it); the kernel's arguments follow (device_checks_tl checks them against KERNEL_ARGS).
+HEAD_WORDS = {"step": 2, "site": 3, "rank": 4, "ubatch": 5, "num_reqs": 6, "num_reqs_padded": 7, "parent": 8,
+              "req_start": 9, "tok_start": 10, "tok_stop": 11, "num_tokens_padded": 12, "graph": 13, "buffer": 14}
+ROW_SECTIONS = ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "kv_pages", "dcp_query_start_loc",
+                "dcp_tot_seq_lens")
+TOKEN_AREA = ("positions", "slot_mapping")
+if sorted((*HEAD_WORDS, *ROW_SECTIONS, *TOKEN_AREA)) != sorted(NAMES) or len(ROW_SECTIONS) != SECTIONS:
+    raise ImportError("guard.device_checks: the Guard's slot keeps every field of dump.observation.FIELDS_TABLE; "
+                      f"it keeps {sorted((*HEAD_WORDS, *ROW_SECTIONS, *TOKEN_AREA))}, the table has {sorted(NAMES)}")
+# The check kernel's arguments: the ring's and the spec's (fixed while they are), then the observation's: each scalar
+# under the kernel's short name, each row section's address and count, the slot entries.
+KERNEL_ARGS = ("ring", "state", "flag", "keep", "words", "cap", "tcap", "N", "I", "page", "step", "site", "rank",
+               "ubatch", "nr", "nrp", "parent", "req_start", "tok_start", "tok_stop", "ntp", "graph", "buf_lo",
+               "buf_hi", "seq_p", "n_seq", "dcp_p", "n_dcp", "qsl_p", "n_qsl", "kv_p", "n_kv", "dq_p", "n_dq",
+               "tot_p", "n_tot", "pos_p", "n_pos", "map_p", "n_groups", "shard_mask", "wide", "map_stride")
 GUARD_BLOCK = 1024  # rows a block: one pass of loads for up to 1,024 requests
 GUARD_BLOCK_INTERPRETED = 256  # under Triton's interpreter (device_checks_tl.py says why)
 GUARD_WARPS = 8  # (4 rows a thread)
@@ -360,12 +379,12 @@ class GuardDevice:
         def opt(v):
             return None if v == _NONE else int(v)
 
-        kw = dict(step=int(w[2]), site=self.site_names[int(w[3])], rank=int(w[4]), ubatch=int(w[5]),
-                  num_reqs=int(w[6]), num_reqs_padded=int(w[7]), parent=opt(w[8]), req_start=opt(w[9]),
-                  tok_start=opt(w[10]), tok_stop=opt(w[11]), num_tokens_padded=opt(w[12]), graph=opt(w[13]),
-                  buffer=opt((int(w[15]) << 32) | (int(w[14]) & 0xFFFFFFFF)),
-                  seq_lens=sec(0), dcp_local_seq_lens=sec(1), query_start_loc=sec(2), kv_pages=sec(3),
-                  dcp_query_start_loc=sec(4), dcp_tot_seq_lens=sec(5))
+        required = ("step", "rank", "ubatch", "num_reqs", "num_reqs_padded")  # (never _NONE)
+        kw = {f: int(w[k]) if f in required else opt(w[k]) for f, k in HEAD_WORDS.items()}
+        b = HEAD_WORDS["buffer"]
+        kw.update(site=self.site_names[int(w[HEAD_WORDS["site"]])],
+                  buffer=opt((int(w[b + 1]) << 32) | (int(w[b]) & 0xFFFFFFFF)))
+        kw.update((f, sec(k)) for k, f in enumerate(ROW_SECTIONS))
         tok, groups = cnt[6], cnt[7]
         if groups > 0:
             base = HEAD + SECTIONS * cap

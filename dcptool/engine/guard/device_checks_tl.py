@@ -17,15 +17,13 @@ from dcptool.engine.guard.device_checks import (
     GUARD_BLOCK,
     GUARD_BLOCK_INTERPRETED,
     HEAD,
+    KERNEL_ARGS,
     SECTIONS,
     W_COUNTS,
     W_KEPT,
 )
 
-_ARGS = ["ring", "state", "flag", "keep", "words", "cap", "tcap", "N", "I", "page", "step", "site", "rank", "ubatch",
-         "nr", "nrp", "parent", "req_start", "tok_start", "tok_stop", "ntp", "graph", "buf_lo", "buf_hi", "seq_p",
-         "n_seq", "dcp_p", "n_dcp", "qsl_p", "n_qsl", "kv_p", "n_kv", "dq_p", "n_dq", "tot_p", "n_tot", "pos_p",
-         "n_pos", "map_p", "n_groups", "shard_mask", "wide", "map_stride"]
+_ARGS = list(KERNEL_ARGS)
 
 # (the GPU's time grows with the loops' trips, one round trip to memory each: 1,024 rows in one; the interpreter's
 # with the block's size too, past a few hundred lanes: the CPU tests' blocks are smaller)
@@ -167,3 +165,7 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
             tl.store(st + 1, idx + 1)
         tl.atomic_add(st + 2, 1)
         tl.store(flag.to(tl.pointer_type(tl.int32)), 1)
+
+
+if tuple(guard_kernel.arg_names) != KERNEL_ARGS:
+    raise ImportError(f"guard_kernel's parameters {guard_kernel.arg_names} are not device_checks.KERNEL_ARGS")
