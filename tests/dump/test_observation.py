@@ -115,3 +115,29 @@ def test_pack_writes_what_the_fields_say(tmp_path, seed):
             assert (kv == -1).all() and kv.size == o.seq_lens.size
     assert np.array_equal(np.diff(d["obs.slots"]), [6] * len(obs))
     assert d["rows.slot_group"][:6].tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_the_keyword_door_takes_the_tables_fields_and_builds_one_record():
+    """observe()'s signature is generated from the table: every argument keyword-only, in the table's order, with
+    its default; a call hands the method one Record of the values given and the defaults (renamed keywords too)."""
+    from dcptool.dump.observation import ARGUMENTS, keyword_door
+
+    class Door:
+        observe = keyword_door("observe", "take", "the doc")
+        many = keyword_door("many", "take", "doc", {"rank": "ranks", "parent": "parents"}, "list[int]")
+
+        def take(self, r):
+            return r
+
+    params = inspect.signature(Door.observe).parameters
+    assert list(params)[1:] == [f.name for f in ARGUMENTS] and Door.observe.__doc__ == "the doc"
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(params.values())[1:])
+    assert {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty} == {
+        f.name: f.default for f in ARGUMENTS if f.default is not REQUIRED}
+    seq = np.arange(3)
+    r = Door().observe(step=4, site="s", rank=1, seq_lens=seq, num_reqs=3, num_reqs_padded=3, graph=2)
+    assert type(r) is Record and r == Record(4, "s", 1, 3, 3, seq, graph=2)
+    r = Door().many(step=4, site="s", ranks=[0, 1], seq_lens=seq, num_reqs=3, num_reqs_padded=3, parents=[None, 0])
+    assert r.rank == [0, 1] and r.parent == [None, 0] and inspect.signature(Door.many).return_annotation == "list[int]"
+    with pytest.raises(TypeError):
+        Door().observe(step=4, site="s", rank=1, seq_lens=seq, num_reqs=3, num_reqs_padded=3, rnak=0)

@@ -66,3 +66,26 @@ def test_slots_in_flight_that_cannot_be_read_are_dropped_and_counted(tmp_path, m
     assert rec.dropped == 3 and not rec._device.ring.pending and not rec._device.ring.fences
     rec.close()
     assert read_dump(tmp_path / "a.safetensors").n == 0
+
+
+@hostring
+@pytest.mark.kernel
+def test_settle_names_the_oldest_in_flight_and_rows_come_from_the_copies(tmp_path, monkeypatch):
+    """Before a file the writer settles what is in flight: nothing in flight, None; held launches, the oldest index
+    (its fence recorded); once they land, their rows from the copies, equal to what was observed."""
+    monkeypatch.setattr(HostEvent, "hold", True)
+    rec = Recorder(tmp_path / "s.safetensors", dcp_size=2)
+    rec._device.use_host_ring(1 << 14)
+    h = rec._harvest
+    with rec._lock:
+        assert h.settle(wait=False) is None
+    seqs = [torch.arange(i, i + 5, dtype=torch.int32) for i in range(3)]
+    for i, s in enumerate(seqs):
+        assert rec.observe(step=i, site="x", rank=0, seq_lens=s, num_reqs=5, num_reqs_padded=5) == i
+    with rec._lock:
+        assert h.settle(wait=False) == 0 and h.ring.fences  # (held: still in flight, fenced)
+        monkeypatch.setattr(HostEvent, "hold", False)
+        assert h.settle(wait=True) is None and not h.ring.pending
+        rows = h.rows([e[2] for e in rec._writer._kept])
+    assert [r[0].tolist() for r in rows] == [s.tolist() for s in seqs]
+    rec.discard()

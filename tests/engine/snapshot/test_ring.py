@@ -30,3 +30,39 @@ def test_fences_hand_over_finished_slots_oldest_first(monkeypatch):
     assert list(ring.finished(wait=True, one=True)) == [[a, b]] and HostEvent.waits == 1
     assert list(ring.finished(wait=True)) == [[c], [d]] and not ring.pending and not ring.fences
     assert HostEvent.waits == 3 and ring.alloc(256) == 0  # (empty again: the whole ring is free)
+
+
+def test_alloc_follows_a_model_of_the_ring(monkeypatch):
+    """alloc(): slots in observation order, at the end of the last one or (wrapped) from word 0 up to the oldest in
+    flight; None when nothing that long is free. Checked against a model of the free words over random launches and
+    fences, the oldest finishing first."""
+    import random
+
+    monkeypatch.setattr(HostEvent, "hold", False)
+    rng = random.Random(5)
+    for words in (64, 256, 1000):
+        ring = SnapshotRing(words, None)
+        used: list[tuple[int, int]] = []  # (start, words) in flight, oldest first
+        for i in range(400):
+            need = rng.choice((8, 16, 24, words // 4, words // 2))
+            got = ring.alloc(need)
+            if not used:
+                want = 0 if need <= words else None
+            else:
+                tail, (s, n) = used[0][0], used[-1]
+                head = s + n
+                if s >= tail:
+                    want = head if head + need <= words else (0 if need <= tail else None)
+                else:
+                    want = head if head + need <= tail else None
+            assert got == want, (i, need, used)
+            if got is not None and rng.random() < 0.7:
+                slot = Slot((i, got, need, None))
+                ring.pending.append(slot)
+                ring.unfenced += 1
+                ring.stream(0)
+                used.append((got, need))
+            elif used:  # the oldest fence finishes
+                ring.fence()
+                for take in ring.finished(wait=True, one=True):
+                    del used[:len(take)]
