@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dcptool.dump import Record, Scalars
+from dcptool.dump.observation import GROUPS, ROW_TABLE, ROWS, ROWS_PLUS_1, TOKENS, Field, R
 from dcptool.engine.arguments import (
     NO_SLOTS,
     batch_rows,
@@ -14,6 +15,10 @@ from dcptool.engine.arguments import (
     per_rank,
     scalars,
 )
+
+# The row fields the host copies as given, after seq_lens (the slot entries go through dump.slot_entries), with
+# their positions in the Record.
+_COPIED = tuple((R[f.name], f) for f in ROW_TABLE[1:] if f.argument and f.shape not in (TOKENS, GROUPS))
 
 
 class HostPath:
@@ -78,3 +83,18 @@ class HostPath:
 def of_rank(rows: list, i: int) -> tuple:
     """Rank i's rows of HostPath.many()'s (seq_lens and query_start_loc shared)."""
     return tuple(x if j in (0, 2) else None if x is None else x[i] for j, x in enumerate(rows))
+
+
+def _copied(f: Field, x, rows: int, config):
+    """A row field's private host copy, checked by the field's rules (its shape against the observation's `rows`
+    seq_lens rows, the config setting it needs, no negative value where none may be); None: not given, or (rows
+    + 1 fields) of no use to replay. Raises what cannot be stored."""
+    a = host_fast(x)
+    if a is None:
+        return None
+    if f.shape == ROWS_PLUS_1:
+        return a if a.size == rows + 1 else None
+    if f.needs and getattr(config, f.needs) is None or f.shape == ROWS and a.size != rows:
+        raise ValueError(f"{f.name} needs {f.needs} in the config and one value per seq_lens row ({rows})"
+                         if f.needs else f"{f.name} needs one value per seq_lens row ({rows}), got {a.size}")
+    return nonneg(a, f.name) if f.nonneg else a
