@@ -180,14 +180,16 @@ def dump_columns() -> tuple[dict[str, tuple[str, str]], dict[str, tuple[str, str
 
 
 def keyword_door(name: str, method: str, doc: str, renames: dict[str, str] | None = None,
-                 returns: str = "int") -> Any:
+                 returns: str = "int", fast: str | None = None) -> Any:
     """A method `name(self, *, <one keyword per field of the table>)` returning `self.<method>(record)`, the
     record built from its keywords with tuple.__new__ (the cheapest way: observe() is an engine's hot path).
 
     observe()'s keywords are the table's arguments, in its order, with their defaults (`renames`: other keywords
     for some fields, observe_many's ranks/parents/buffers): a field added to the table is a keyword of observe()
     at once. Generated as namedtuple and dataclasses generate __init__, so that the keywords are bound as plain
-    parameters (a **kwargs door would build a dict and bind it again per call: docs/performance.md)."""
+    parameters (a **kwargs door would build a dict and bind it again per call: docs/performance.md). `fast`: the
+    name of an attribute of self holding a callable or None (a fast path, tried first; it returns None for what it
+    does not take, and never raises), so that the engine's common case costs no call of `method`."""
     renames = renames or {}
     ns: dict[str, Any] = {"_new": tuple.__new__, "_Record": Record}
     params = []
@@ -199,7 +201,10 @@ def keyword_door(name: str, method: str, doc: str, renames: dict[str, str] | Non
             ns[f"_default_{kw}"] = f.default
             params.append(f"{kw}=_default_{kw}")
     values = ", ".join(renames.get(f.name, f.name) for f in ARGUMENTS)
-    exec(f"def {name}(self, *, {', '.join(params)}):\n    return self.{method}(_new(_Record, ({values},)))\n", ns)
+    first = "" if fast is None else (f"    fast = self.{fast}\n    if fast is not None:\n        got = fast(r)\n"
+                                     "        if got is not None:\n            return got\n")
+    exec(f"def {name}(self, *, {', '.join(params)}):\n    r = _new(_Record, ({values},))\n{first}"
+         f"    return self.{method}(r)\n", ns)
     fn = ns[name]
     fn.__doc__ = doc
     fn.__annotations__ = {f.name: "str" if f.shape == SITE else "int | None" if f.optional else "int"

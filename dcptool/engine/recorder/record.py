@@ -119,7 +119,7 @@ class Recorder:
                                   max_bytes=opts.max_bytes)
         self._append = w.append
         self._host = HostPath(w, self._lock, self._site_ok)
-        self._device = DevicePath(w, h, self._lock, self._site_ok, opts.cuda_mode, opts.ring_bytes)
+        self._device = DevicePath(w, h, self._lock, self._site_ok, self._drop, opts.cuda_mode, opts.ring_bytes)
         self._observe_device = self._device.observe_device  # (bench_record.py counts its calls by replacing it)
 
     def __enter__(self) -> Recorder:
@@ -141,19 +141,19 @@ class Recorder:
         in its sequence) and `slot_mapping` (the KV slot this rank writes per token, -1 for none: a 1-D tensor for
         KV-cache group 0, a [groups, tokens] tensor, or a dict {group index: 1-D tensor}) go together: CUDA
         tensors of the device path are snapshotted raw (no waiting; the entries are built at harvest), host
-        tensors, numpy arrays and lists copied on the host.""")
+        tensors, numpy arrays and lists copied on the host.""", fast="_fast")
 
     def record(self, r: Record) -> int:
         """observe() for a caller that builds the observation's Record itself (the vLLM plugin, simulate)."""
         fast = self._fast
-        if fast is not None and type(r[5]) is _TENSOR:  # (seq_lens)
-            try:  # the engine's common case (see DevicePath.observe_fast); None: the general path below
-                got = fast(r)
-            except Exception as e:  # never break the engine
-                self._drop(e)
-                return -1
+        if fast is not None:  # the engine's common case (DevicePath.observe_fast: None for what it does not take)
+            got = fast(r)
             if got is not None:
                 return got
+        return self._record_general(r)
+
+    def _record_general(self, r: Record) -> int:
+        """The general path of record(): its index, -1 when dropped or skipped."""
         try:
             got = self._general(r)
         except Exception as e:  # never break the engine

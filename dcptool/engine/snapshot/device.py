@@ -126,7 +126,7 @@ class DevicePath:
     checked names (site_ok, shared with its host path).
     """
 
-    def __init__(self, writer, harvest: Harvest, lock, site_ok: set, cuda_mode: str, ring_bytes: int):
+    def __init__(self, writer, harvest: Harvest, lock, site_ok: set, drop, cuda_mode: str, ring_bytes: int):
         self.cuda_mode = cuda_mode  # "sync" once a ring cannot run here
         self.skipped_capture = 0  # observations made inside CUDA-graph capture (not recorded)
         self.ring: SnapshotRing | None = None
@@ -140,6 +140,7 @@ class DevicePath:
         self._lock = lock
         self._acquire, self._release_lock = lock.acquire, lock.release
         self._site_ok = site_ok
+        self._drop = drop  # drop(error): an observation the fast path cannot store (counted and warned by the owner)
         self._append = writer.append
         L = self._layout = layout(SECTIONS)
         self._nsec, self._head, self._head_words, self._modes = L.nsec, L.head, L.head_words, L.modes
@@ -273,98 +274,102 @@ class DevicePath:
         return index
 
     def observe_fast(self, r: Record) -> int | None:
-        """observe() for what an engine passes each step, once the ring runs (the class says which arguments); None
-        where the general path must take the observation (and raise what it cannot store)."""
+        """observe() for what an engine passes each step, once the ring runs (the class says which); None: the general
+        path takes it (and raises what it cannot store); -1, dropped and counted (it never raises into the engine)."""
         step, site, rank, nr, nrp, seq, dcp, ubatch, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos, sm = r
-        ring = self.ring
-        did = ring.did
-        if seq.get_device() != did:
-            return None
-        if self.capturing():
-            self.skip_capture()
-            return -1
-        if not (type(step) is type(rank) is type(nr) is type(nrp) is type(ubatch) is int and seq.dtype is ring.i32
-                and seq.is_contiguous()):  # (int scalars and an int32 contiguous seq_lens; else the general path)
-            return None
-        rows = total = seq.numel()  # (total: the row values the kernel copies)
-        i32, base = ring.i32, ring.base
-        if dcp is None:
-            dp, dn, buffer = base, -1, None  # (absent: count -1, any readable address)
-        elif type(dcp) is _TENSOR and dcp.get_device() == did and dcp.dtype is i32 and dcp.is_contiguous():
-            dp = dcp.data_ptr()
-            dn = dcp.numel()
-            buffer = dp - 4 * dcp.storage_offset()  # (= buffer_id(dcp): its storage's base address)
-            total += dn
-        else:
-            return None
-        host = None
-        if qsl is None:
-            qp, qn = base, -1
-        elif type(qsl) is _TENSOR:
-            if not (qsl.get_device() == did and qsl.dtype is i32 and qsl.is_contiguous()):
-                return None
-            qp = qsl.data_ptr()
-            qn = qsl.numel()
-            if qn == rows + 1:
-                total += qn
-            else:
-                qn = -1  # a query_start_loc that does not cover the rows is of no use to replay (not recorded)
-        elif type(qsl) is np.ndarray and qsl.ndim == 1:
-            qp, qn = base, -1
-            if qsl.size == rows + 1:
-                host = (None, None, int32_copy(qsl), *self._fast_pad)
-        else:
-            return None
-        if parent is not None:
-            if type(parent) is not int:
-                return None
-            if parent < 0:
-                parent = None
-        if not (0 <= nr <= nrp <= INT32_MAX and nr <= rows and I64_MIN <= step <= I64_MAX and -1 <= ubatch <= INT32_MAX
-                and site in self._site_ok and (graph is None or (type(graph) is int and 0 <= graph <= 3))
-                and (buf is None or (type(buf) is int and I64_MIN <= buf <= I64_MAX))):
-            return None
-        if rs is not None or ts is not None or te is not None or ntp is not None:
-            for v in (rs, ts, te, ntp):
-                if v is not None and not (type(v) is int and -1 <= v <= INT32_MAX):
-                    return None
-        modes = self._ksec
-        groups = 0
-        if kv is None and dq is None and tot is None and pos is None and sm is None:
-            rest = ring.absent5
-        else:
-            got = _later_sections(ring, self._w.config, rows, kv, dq, tot, pos, sm)
-            if got is None:
-                return None
-            rest, n, wide, groups = got
-            total += n
-            modes |= wide
-            if groups:
-                host = _with_groups(host, self._nsec, groups)
-        words = (self._head_words + total) & ~7
-        sp = seq.data_ptr()
-        w = self._w
-        self._acquire()  # (the lock's acquire/release called directly: cheaper than `with`)
         try:
-            index = w.count
-            if w.stopped or not 0 <= rank < self._ranks or (parent is not None and parent >= index):
+            ring = self.ring
+            did = ring.did
+            if type(seq) is not _TENSOR or seq.get_device() != did:
                 return None
-            start = ring.alloc(words)
-            if start is None:
-                start = self._harvest.room(ring, words)
-            if total > SNAP_ARGS_BLOCK:
-                ring.np[start + 5] = 0  # (several programs: each writes the flags word only if it found something)
-            if groups > w.max_group + 1:
-                w.saw_group(groups - 1)
-            raw = ring.raw(did)
-            ring.go3(raw, (total + SNAP_ARGS_BLOCK - 1) // SNAP_ARGS_BLOCK or 1, ring.base + 4 * start,
-                     index & 0x7FFFFFFF, nr, nrp, modes, words, sp, rows, dp, dn, qp, qn, *rest)
-            # (a plain tuple in Scalars order: the writer reads the values by position; cheaper than a Scalars)
-            return self._queued(ring, raw, index, start, words, host, (step, rank, nr, nrp, ubatch, parent, rs, ts, te,
-                                                                       ntp, buffer if buf is None else buf, graph),
-                                site)
-        finally:
-            self._release_lock()
+            if self.capturing():
+                self.skip_capture()
+                return -1
+            if not (type(step) is type(rank) is type(nr) is type(nrp) is type(ubatch) is int and seq.dtype is ring.i32
+                    and seq.is_contiguous()):  # (int scalars and an int32 contiguous seq_lens; else the general path)
+                return None
+            rows = total = seq.numel()  # (total: the row values the kernel copies)
+            i32, base = ring.i32, ring.base
+            if dcp is None:
+                dp, dn, buffer = base, -1, None  # (absent: count -1, any readable address)
+            elif type(dcp) is _TENSOR and dcp.get_device() == did and dcp.dtype is i32 and dcp.is_contiguous():
+                dp = dcp.data_ptr()
+                dn = dcp.numel()
+                buffer = dp - 4 * dcp.storage_offset()  # (= buffer_id(dcp): its storage's base address)
+                total += dn
+            else:
+                return None
+            host = None
+            if qsl is None:
+                qp, qn = base, -1
+            elif type(qsl) is _TENSOR:
+                if not (qsl.get_device() == did and qsl.dtype is i32 and qsl.is_contiguous()):
+                    return None
+                qp = qsl.data_ptr()
+                qn = qsl.numel()
+                if qn == rows + 1:
+                    total += qn
+                else:
+                    qn = -1  # a query_start_loc that does not cover the rows is of no use to replay (not recorded)
+            elif type(qsl) is np.ndarray and qsl.ndim == 1:
+                qp, qn = base, -1
+                if qsl.size == rows + 1:
+                    host = (None, None, int32_copy(qsl), *self._fast_pad)
+            else:
+                return None
+            if parent is not None:
+                if type(parent) is not int:
+                    return None
+                if parent < 0:
+                    parent = None
+            if not (0 <= nr <= nrp <= INT32_MAX and nr <= rows and I64_MIN <= step <= I64_MAX
+                    and -1 <= ubatch <= INT32_MAX and site in self._site_ok
+                    and (graph is None or (type(graph) is int and 0 <= graph <= 3))
+                    and (buf is None or (type(buf) is int and I64_MIN <= buf <= I64_MAX))):
+                return None
+            if rs is not None or ts is not None or te is not None or ntp is not None:
+                for v in (rs, ts, te, ntp):
+                    if v is not None and not (type(v) is int and -1 <= v <= INT32_MAX):
+                        return None
+            modes = self._ksec
+            groups = 0
+            if kv is None and dq is None and tot is None and pos is None and sm is None:
+                rest = ring.absent5
+            else:
+                got = _later_sections(ring, self._w.config, rows, kv, dq, tot, pos, sm)
+                if got is None:
+                    return None
+                rest, n, wide, groups = got
+                total += n
+                modes |= wide
+                if groups:
+                    host = _with_groups(host, self._nsec, groups)
+            words = (self._head_words + total) & ~7
+            sp = seq.data_ptr()
+            w = self._w
+            self._acquire()  # (the lock's acquire/release called directly: cheaper than `with`)
+            try:
+                index = w.count
+                if w.stopped or not 0 <= rank < self._ranks or (parent is not None and parent >= index):
+                    return None
+                start = ring.alloc(words)
+                if start is None:
+                    start = self._harvest.room(ring, words)
+                if total > SNAP_ARGS_BLOCK:
+                    ring.np[start + 5] = 0  # (several programs: each writes the flags word only if it found something)
+                if groups > w.max_group + 1:
+                    w.saw_group(groups - 1)
+                raw = ring.raw(did)
+                ring.go3(raw, (total + SNAP_ARGS_BLOCK - 1) // SNAP_ARGS_BLOCK or 1, ring.base + 4 * start,
+                         index & 0x7FFFFFFF, nr, nrp, modes, words, sp, rows, dp, dn, qp, qn, *rest)
+                # (a plain tuple in Scalars order: the writer reads the values by position; cheaper than a Scalars)
+                vals = (step, rank, nr, nrp, ubatch, parent, rs, ts, te, ntp, buffer if buf is None else buf, graph)
+                return self._queued(ring, raw, index, start, words, host, vals, site)
+            finally:
+                self._release_lock()
+        except Exception as e:  # never break the engine
+            self._drop(e)
+            return -1
 
     def _start_ring(self, device: int | None) -> SnapshotRing | None:
         """The ring, its kernel and its launches, checked (arm.arm); None, and sync mode, where they fail."""
