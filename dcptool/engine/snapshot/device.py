@@ -88,18 +88,16 @@ def _later_sections(ring: SnapshotRing, config, rows: int, kv, dq, tot, pos, sm)
     return out, n_all, wide, groups
 
 
-_GROUPS: dict[int, Groups] = {}  # the slot group columns of the fast path, by number of groups
+_GROUPS: dict[tuple[int, int], tuple] = {}  # (sections, groups) -> the host-held sections with only the groups
 
 
 def _with_groups(host: tuple | None, nsec: int, groups: int) -> tuple:
     """The fast path's host-held sections (None: none) with the slot group column of `groups` KV-cache groups (0 ..
     groups - 1: the harvest builds the entries from the snapshotted rows, layout.slot_rows)."""
-    g = _GROUPS.get(groups)
-    if g is None:
-        g = _GROUPS[groups] = Groups(range(groups))
-    out = [None] * nsec if host is None else list(host)
-    out[SGRP] = g
-    return tuple(out)
+    only = _GROUPS.get((nsec, groups))
+    if only is None:
+        only = _GROUPS[nsec, groups] = (*(None,) * SGRP, Groups(range(groups)), *(None,) * (nsec - SGRP - 1))
+    return only if host is None else (*host[:SGRP], only[SGRP], *host[SGRP + 1:])
 
 
 class DevicePath:
