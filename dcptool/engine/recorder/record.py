@@ -93,7 +93,8 @@ class Recorder:
     made it. A rollover file that cannot be written (disk full) is kept in memory, warned about, and retried at the
     next rollover and at close(), which raises WriteError if it still fails (call it again once there is room). A
     Recorder that was never closed is closed at interpreter exit. A killed process leaves every file it completed
-    intact, and at most a hidden `.NAME.*.tmp` temporary that no reader uses.
+    intact, at most a hidden `.NAME.*.tmp` temporary that no reader uses, and its path's `.NAME.lock` unlocked (the
+    next recording of the path takes and removes it).
 
     With `max_bytes` the recording stops at that size (checked at each rollover, else every 1,024 observations;
     it may pass it by that much): the last file's metadata says so (`dcptool.capped`), a RuntimeWarning says so
