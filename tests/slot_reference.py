@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dcptool.check.findings import Issue
 from dcptool.check.ranks import kth_per_rank
-from dcptool.check.rules import Issue
 from dcptool.check.slots import _SLOT_KIND_TEXT, _SLOT_KINDS, _few, _group_name
 from dcptool.dcp.segments import group_ids, obs_chunks, ragged
 from dcptool.dump import Dump

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dcptool.check.findings import Issue
 from dcptool.check.ranks import rank_sets
-from dcptool.check.rules import Issue
 from dcptool.dcp.reference import local_of
 from dcptool.dcp.segments import group_ids, ragged
 from dcptool.dcp.segments import obs_chunks as _obs_chunks

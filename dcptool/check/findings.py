@@ -15,17 +15,26 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from dcptool.check.provenance import Source
-from dcptool.check.rules import RULES, SEVERITY, Issue
+from dcptool.dcp.rules import RULES, SEVERITY
 
 if TYPE_CHECKING:
     from dcptool.dump import Dump
 
 RELATIONS = ("parent-rows", "earlier-in-step", "earlier-step")  # Source.relation, by code
+
+
+class Issue(NamedTuple):
+    """What a vectorised check found at one observation; `fields` are Finding's keyword arguments."""
+
+    index: int
+    rule: str
+    text: str
+    fields: dict
 
 
 @dataclass(frozen=True)

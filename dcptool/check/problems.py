@@ -19,7 +19,7 @@ from importlib import resources
 import numpy as np
 
 from dcptool.check.findings import Finding
-from dcptool.check.rules import RULE_ORDER, RULES
+from dcptool.dcp.rules import RULE_ORDER, RULES
 from dcptool.dump import Dump
 
 RELATIONS = ("", "parent-rows", "earlier-in-step", "earlier-step")

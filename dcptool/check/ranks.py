@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcptool.check.rules import Issue
+from dcptool.check.findings import Issue
 from dcptool.check.scan import rows_differ
 from dcptool.dcp.segments import group_ids, join, mix, ragged, seg_sums
 from dcptool.dcp.segments import obs_chunks as _obs_chunks

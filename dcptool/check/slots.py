@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dcptool.check.findings import FindingTable, Issue, findings_of
 from dcptool.check.ranks import kth_per_rank
-from dcptool.check.rules import Issue
 from dcptool.check.scan import default_threads, in_order
 from dcptool.check.slot_screen import merged, slot_screen
 from dcptool.dcp.segments import group_ids, ragged
@@ -192,10 +192,10 @@ def _slot_pass(d: Dump, members: bool = True, threads: int | None = None) -> tup
     return out, _SlotMembers(*(np.concatenate(x) for x in zip(*parts)))
 
 
-def check_slot_rules(d: Dump) -> tuple[list[Issue], list[Issue]]:
-    """Both rules from one pass over the slot entries (what replay runs): (slots, slot-partition)."""
+def check_slot_rules(d: Dump) -> FindingTable:
+    """Both rules from one pass over the slot entries (what replay runs): slots and slot-partition."""
     found, members = _slot_pass(d, members=d.config.dcp_size > 1)
-    return found, check_slot_partition(d, members)
+    return FindingTable.concat(d, [findings_of(d, found), findings_of(d, check_slot_partition(d, members))])
 
 
 def check_slots(d: Dump) -> list[Issue]:

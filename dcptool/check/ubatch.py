@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcptool.check.findings import FindingTable, findings_of
-from dcptool.check.rules import RULES, Issue
+from dcptool.check.findings import FindingTable, Issue, findings_of
+from dcptool.dcp.rules import RULES
 from dcptool.dcp.segments import ragged
 from dcptool.dcp.slicing import (
     first_disagreement,

@@ -8,8 +8,8 @@ import numpy as np
 
 from dcptool.check.findings import MISSING, PADDING, PAGES, SHAPE, STRAY, VALUE, FindingTable
 from dcptool.check.provenance import KINDS, Provenance
-from dcptool.check.rules import RULES
 from dcptool.dcp.reference import local_np
+from dcptool.dcp.rules import RULES
 from dcptool.dump import Dump
 
 if TYPE_CHECKING:

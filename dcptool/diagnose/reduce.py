@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcptool.check.findings import Finding
-from dcptool.check.rules import RULES
+from dcptool.dcp.rules import RULES
 from dcptool.dump import COLUMNS, RAGGED, Dump, DumpConfig
 from dcptool.errors import DcptoolError
 

@@ -189,14 +189,14 @@ def _summary(res, shown: int) -> list[str]:
 
 
 def _code(rule: str) -> str:
-    from dcptool.check.rules import RULE_CODES, SEVERITY
+    from dcptool.dcp.rules import RULE_CODES, SEVERITY
 
     return f'<span class="code {_SEV_CLASS[SEVERITY[rule]]}">{RULE_CODES[rule]}</span>'
 
 
 def _svg(res, tl: Timeline) -> str:
     """The timeline as inline SVG: a <title> tooltip on every cell that has observations."""
-    from dcptool.check.rules import RULES
+    from dcptool.dcp.rules import RULES
 
     cw = max(4, min(22, 960 // max(tl.columns, 1)))
     ch, top = 18, 22
@@ -259,7 +259,7 @@ def _tooltip(res, tl: Timeline, r: int, c: int, rules) -> str:
 
 
 def _legend(tl: Timeline) -> str:
-    from dcptool.check.rules import RULES, SEVERITY
+    from dcptool.dcp.rules import RULES, SEVERITY
 
     present = [RULES[i] for i in np.unique(tl.worst()) if i >= 0]
     items = ['<span class="code ok">&nbsp;</span>clean', '<span class="code none">&nbsp;</span>no observations']

@@ -227,7 +227,7 @@ def _axis(tl: Timeline) -> str:
 
 def render_timeline(res, console: Console) -> None:
     """Timeline strip: rows (site, rank), columns step buckets sized to the console, worst finding per cell."""
-    from dcptool.check.rules import RULE_CODES, RULES, SEVERITY
+    from dcptool.dcp.rules import RULE_CODES, RULES, SEVERITY
 
     g = res.grid
     if g is None or g.count.size == 0:
@@ -391,7 +391,7 @@ def inspect_json(info) -> str:
 def _rules(counts: dict[str, int]) -> Text:
     if not counts:
         return Text("clean", style="green")
-    from dcptool.check.rules import RULES
+    from dcptool.dcp.rules import RULES
 
     return Text(", ".join(f"{r} {counts[r]}" for r in RULES if r in counts), style="bold red")
 

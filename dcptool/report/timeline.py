@@ -48,7 +48,7 @@ class Timeline:
 
     def worst(self) -> np.ndarray:
         """[rows, cols] index into RULES of each cell's worst finding (errors first, then table order), -1 if none."""
-        from dcptool.check.rules import RULES, SEVERITY
+        from dcptool.dcp.rules import RULES, SEVERITY
 
         prio = np.array([i + (len(RULES) if SEVERITY[r] == "warning" else 0) for i, r in enumerate(RULES)])
         masked = np.where(self.rules > 0, prio, 10 * len(RULES))
@@ -76,7 +76,7 @@ def timeline(res, max_columns: int) -> Timeline | None:
     rows drawn are capped (TIMELINE_ROWS), micro-batch indices are indexed by the values present and
     capped (TIMELINE_UBATCHES), and step offsets are taken modulo 2**64 (steps may span all of int64).
     """
-    from dcptool.check.rules import RULES
+    from dcptool.dcp.rules import RULES
 
     g = res.grid
     if g is None or g.count.size == 0:
@@ -140,7 +140,7 @@ def timeline(res, max_columns: int) -> Timeline | None:
 
 def cells(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
     """Per cell: its character and its kind (empty, clean, warning, error)."""
-    from dcptool.check.rules import RULE_CODES, RULES, SEVERITY
+    from dcptool.dcp.rules import RULE_CODES, RULES, SEVERITY
 
     worst = tl.worst()
     codes = np.array([RULE_CODES[r] for r in RULES] + [CLEAN, EMPTY])

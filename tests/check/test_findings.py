@@ -36,7 +36,7 @@ def test_output_is_byte_identical_to_the_per_finding_objects(dump, tmp_path):
 from dcptool.check import findings as F  # noqa: E402
 from dcptool.check.findings import Finding, FindingTable  # noqa: E402
 from dcptool.check.replay import replay  # noqa: E402
-from dcptool.check.rules import RULE_ORDER, RULES  # noqa: E402
+from dcptool.dcp.rules import RULE_ORDER, RULES  # noqa: E402
 from dcptool.dump import open_dumps  # noqa: E402
 
 LEGACY = str(ROOT / "samples" / "legacy.safetensors")
@@ -120,8 +120,7 @@ def test_messages_are_rendered_only_for_what_is_shown(monkeypatch, tmp_path):
 
 def test_concat_sorts_stably_and_keeps_issue_texts(legacy):
     d, _ = legacy
-    from dcptool.check.findings import findings_of
-    from dcptool.check.rules import Issue
+    from dcptool.check.findings import Issue, findings_of
 
     a = findings_of(d, [Issue(5, "alias", "second", {"detail": {"x": 1}}), Issue(2, "alias", "a", {})])
     b = FindingTable.build(d, [5, 1], "missing", F.MISSING)
@@ -138,7 +137,7 @@ def test_old_style_results_still_slot_in(legacy):
     """A check that still returns (index, Finding) pairs, or Issues, is collected like a table (other branches'
     rules: their `found += ...` lines keep working)."""
     d, res = legacy
-    from dcptool.check.rules import Issue
+    from dcptool.check.findings import Issue
 
     col = F.Collector(d)
     col += [(f.index, f) for f in res.findings[:3]]

@@ -11,7 +11,7 @@ from conftest import ROOT, cli, obs, write
 
 from dcptool.check.problems import PATTERNS, STRADDLE, known_bugs, match_known, parse_version, problems
 from dcptool.check.replay import replay
-from dcptool.check.rules import RULE_OF_FAULT
+from dcptool.dcp.rules import RULE_OF_FAULT
 from dcptool.dump import open_dumps
 from dcptool.model.simulate import SimConfig, simulate
 
@@ -214,7 +214,7 @@ def test_known_bugs_ship_in_the_wheel(tmp_path):
 def test_every_rule_has_a_mechanism_sentence():
     """A problem line explains its mechanism; a rule added to the table without one would print 'X findings'."""
     from dcptool.check.problems import VIEW, explain
-    from dcptool.check.rules import RULES
+    from dcptool.dcp.rules import RULES
 
     for rule in RULES:
         relation = "parent-rows" if rule == "stale" else None  # (a stale finding always names its source)

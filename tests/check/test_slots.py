@@ -413,18 +413,20 @@ def test_slot_rules_make_one_pass_for_both(tmp_path, monkeypatch):
     from slot_reference import old_check_slot_partition, old_check_slots
 
     import dcptool.check.slots as R
+    from dcptool.check.findings import FindingTable, findings_of
 
     d = random_slot_dump(tmp_path / "s.safetensors", np.random.default_rng(21), 80, 4, 2)
     want = old_check_slots(d), old_check_slot_partition(d)
+    both = FindingTable.concat(d, [findings_of(d, want[0]), findings_of(d, want[1])])
     passes = []
     real = R._slot_pass
     monkeypatch.setattr(R, "_slot_pass", lambda *a, **k: passes.append(1) or real(*a, **k))
-    assert R.check_slot_rules(d) == want and len(passes) == 1
+    assert R.check_slot_rules(d) == both and len(both) and len(passes) == 1
     assert (R.check_slot_partition(d), R.check_slots(d)) == want[::-1] and len(passes) == 3
     with ThreadPoolExecutor(2) as pool:
         for _ in range(3):
             a, b = pool.submit(R.check_slot_rules, d), pool.submit(R.check_slot_rules, d)
-            assert a.result() == b.result() == want
+            assert a.result() == b.result() == both
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,13 +449,13 @@ def test_slot_rules_on_pcp_simulate_dumps(tmp_path, fault):
     offs = d["obs.slots"]
     assert d.config.pcp_size == 2 and (d["rows.slot_mapping"] >= 0).any()
     assert {d.site_name(i) for i in np.flatnonzero(np.diff(offs) > 0)} >= {"pcp_partition", "ubatch"}
-    found = dict(zip(("slots", "slot-partition"), check_slot_rules(d)))
+    found = check_slot_rules(d)
     rr = replay(d, "torch")
     assert not {"slots", "slot-partition"} & set(rr.skipped)
     if fault is None:
-        assert found == {"slots": [], "slot-partition": []} and rr.findings == []
+        assert found == [] and rr.findings == []
         return
     rule = FAULTS[fault][0]
     touched = set(res.faults[fault].touched[res.files[0]])
-    assert touched and {i.index for i in found[rule]} == touched  # exactly where the fault touched
+    assert touched and set(found.index[found.rule == rule].tolist()) == touched  # exactly where the fault touched
     assert {f.obs for f in rr.findings if f.rule == rule} == touched
