@@ -8,7 +8,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dcptool.check.findings import FindingTable, findings_of
+from dcptool.check.findings import FindingTable
 from dcptool.check.later import value
 from dcptool.dcp.rules import RULE, SHARDED, SKIPPED_ORDER, TABLE, Rule, applies
 from dcptool.dump import Dump
@@ -72,4 +72,4 @@ def plan(d: Dump) -> Plan:
 def run_check(d: Dump, rule: Rule, inputs: dict) -> FindingTable:
     """Rule's check on `d`, called with the inputs its row names (taken from `inputs`; a check run by later() is
     waited for)."""
-    return findings_of(d, check_function(rule)(d, *(value(inputs[k]) for k in rule.inputs)))
+    return check_function(rule)(d, *(value(inputs[k]) for k in rule.inputs))

@@ -81,9 +81,7 @@ def timeline(res, max_columns: int) -> Timeline | None:
     g = res.grid
     if g is None or g.count.size == 0:
         return None
-    from dcptool.check.findings import finding_columns
-
-    fa = finding_columns(res.findings, res.config)  # from the columns: no Finding object per finding
+    fa = res.findings.cells()  # from the columns: no Finding object per finding
     # rows: distinct (site, rank), compared as columns (no packing into one integer)
     site = np.concatenate([g.site.astype(np.int64), fa[:, 0]])
     rank = np.concatenate([g.rank.astype(np.int64), fa[:, 1]])

@@ -163,9 +163,12 @@ def test_side_shape_joins_its_problem_but_a_cut_view_is_its_own(tmp_path):
 def test_grouping_is_deterministic_and_independent_of_object_identity():
     d = open_dumps([str(SAMPLES / "legacy.safetensors")])
     res = replay(d, "torch")
+    from dcptool.check.findings import FindingTable
+
     a = [q.to_json() for q in problems(d, res.findings)]
-    b = [q.to_json() for q in problems(d, list(res.findings))]
-    assert a == b and json.loads(json.dumps(a)) == a
+    b = [q.to_json() for q in problems(d, FindingTable.concat(d, [res.findings[:]]))]  # (other Finding objects)
+    c = [q.to_json() for q in problems(d, replay(open_dumps([str(SAMPLES / "legacy.safetensors")]), "torch").findings)]
+    assert a == b == c and json.loads(json.dumps(a)) == a
 
 
 def test_replay_report_leads_with_problems_and_json_references_findings():
