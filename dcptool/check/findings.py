@@ -91,13 +91,13 @@ _MASK = ("has_row", "has_recorded", "has_expected")
 class FindingTable(Sequence):
     """Findings in observation order (then DESIGN §3's table order), as columns.
 
-    A Sequence of Finding: `t[k]`, iteration and slices (`t[:100]`, a table again) work as on the list replay
-    used to return; a Finding and its message are made only when one is read (and `t[k]` keeps it, so the
-    same object comes back). Arrays for vectorised readers: `index`, `rule_code` (into rules.RULES), `rule`
-    (names), `obs`, `file_index`, `step`, `site_code` (into config.sites), `site`, `rank`, `ubatch`, `row`,
-    `recorded`, `expected` (with `has_row`, `has_recorded`, `has_expected`: False where the field is None),
-    `wrong_rows`, `source` (merged index, -1 none), `relation` (into RELATIONS, -1 none), `severity_code`
-    (1 error, 0 warning).
+    A Sequence of Finding: `t[k]`, iteration and slices (`t[:100]`, a table again) work as on a list, and a
+    table equals a list of the same findings; a Finding and its message are made only when one is read (and
+    `t[k]` keeps it, so the same object comes back). Arrays for vectorised readers: `index`, `rule_code` (into
+    rules.RULES), `rule` (names), `obs`, `file_index`, `step`, `site_code` (into config.sites), `site`, `rank`,
+    `ubatch`, `row`, `recorded`, `expected` (with `has_row`, `has_recorded`, `has_expected`: False where the
+    field is None), `wrong_rows`, `source` (merged index, -1 none), `relation` (into RELATIONS, -1 none),
+    `severity_code` (1 error, 0 warning).
     """
 
     def __init__(self, d: Dump | None, cols: dict[str, np.ndarray], stored: dict[int, tuple[str, dict]],

@@ -259,10 +259,11 @@ class Phases:
 def resolve_backend(name: str, observations: int | None = None) -> tuple[str, str]:
     """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter. With `observations`
     given, auto keeps a dump smaller than scan.GPU_MIN_OBS on the CPU (where the GPU's start-up and transfers
-    cost more than it saves), without asking for a GPU. The GPU is asked of the CUDA driver (dcp.cuda,
-    ~0.1 s), not torch (1.5-1.8 s to import): neither backend's replay imports torch outside the interpreter."""
+    cost more than it saves), without asking for a GPU. The GPU is asked of the CUDA driver (gpu.cuda.available:
+    its bindings, no context started), not torch (seconds to import): neither backend's replay imports torch
+    outside the interpreter."""
     from dcptool.check.scan import GPU_MIN_OBS
-    from dcptool.dcp import cuda
+    from dcptool.gpu import cuda
 
     if name not in values(Backend):
         raise ValueError(f"unknown backend {name!r} (auto, triton or torch)")

@@ -43,8 +43,7 @@ SLOT_KIND_TEXT = {
 SLOT_KINDS = tuple(SLOT_KIND_TEXT)
 
 SLOT_CHUNK = 1 << 18  # slot entries per chunk (whole observations): the screen's temporaries stay in the L2 cache
-# on several threads: longer numpy calls, less time holding the GIL between them (dense recording, 2 threads on
-# 2 cores: 0.49 s in chunks of 256K entries, 0.33 s in chunks of 1M, against 0.55 s on one thread)
+# on several threads: longer numpy calls, less time holding the GIL between them (docs/performance.md)
 SLOT_CHUNK_THREADED = 1 << 20
 
 
