@@ -133,7 +133,7 @@ class Gpu:
         """n page-locked host values (the copies from them are DMA at the link's speed): the array, and the buffer
         that owns them (close it when done; the array must not be used after)."""
         dtype = np.dtype(dtype)
-        buf = self.host.allocate(max(n * dtype.itemsize, 1))
+        buf = self.host.allocate(max(n, 1) * dtype.itemsize)  # (whole values, one at least: a view needs both)
         return np.from_dlpack(buf).view(dtype)[:n], buf
 
     @driver_call("cuStreamCreate")

@@ -102,6 +102,73 @@ def test_a_driver_failure_is_one_line_and_exit_2(tmp_path, monkeypatch):
     assert "Traceback" not in r.stderr
 
 
+class _Host:
+    """A stand-in pinned memory resource: host memory numpy exports through DLPack, as cuda-core's pinned buffers
+    export theirs."""
+
+    def __init__(self):
+        self.sizes = []
+
+    def allocate(self, size):
+        self.sizes.append(size)
+        return np.zeros(size, np.int8)
+
+
+class _Buffer:
+    """cuda.core.Buffer.from_handle's stand-in: the views a copy is made between, and the copies."""
+
+    copies: list = []
+
+    def __init__(self, address, size):
+        self.address, self.size = address, size
+
+    @classmethod
+    def from_handle(cls, address, size):
+        return cls(address, size)
+
+    @property
+    def handle(self):
+        return self.address
+
+    def copy_from(self, src, stream):
+        _Buffer.copies.append(((self.address, self.size), (src.address, src.size), stream))
+
+
+def _host_only_gpu():
+    g = cuda.Gpu.__new__(cuda.Gpu)  # (no device: what these methods do on the host)
+    g.host = _Host()
+    g.cc_module = type("cc", (), {"Buffer": _Buffer})
+    return g
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 1000, 100_003])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_pinned_memory_is_a_writable_array_of_n_values(n, dtype):
+    g = _host_only_gpu()
+    a, buf = g.pinned(n, dtype)
+    assert a.shape == (n,) and a.dtype == dtype and a.flags.writeable and a.flags.c_contiguous
+    assert g.host.sizes == [max(n, 1) * np.dtype(dtype).itemsize] and buf.size == g.host.sizes[0]
+    a[:] = np.arange(n)
+    assert np.array_equal(buf.view(dtype)[:n], np.arange(n))  # (the array is the buffer's memory)
+
+
+@pytest.mark.parametrize("n", [0, 1, 129])
+def test_copies_go_between_the_array_and_the_start_of_the_buffer(n):
+    """A copy views the start of the device buffer and the array's own bytes (a slice of a pinned array starts
+    where it starts); nothing is queued for an empty array; a strided one is refused."""
+    g = _host_only_gpu()
+    _Buffer.copies = []
+    a, _ = g.pinned(2 * n + 1, np.int64)
+    dev = _Buffer(0x7000, 10**6)
+    g.to_device(dev, a[1 : n + 1], "s")
+    g.to_host(a[n : 2 * n], dev, "t")
+    at = a.__array_interface__["data"][0]
+    want = [((0x7000, 8 * n), (at + 8, 8 * n), "s"), ((at + 8 * n, 8 * n), (0x7000, 8 * n), "t")] if n else []
+    assert _Buffer.copies == want
+    with pytest.raises(cuda.CudaError, match="contiguous"):
+        g.to_device(dev, g.pinned(8, np.int64)[0][::2], "s")
+
+
 # --------------------------------------------------------------------------------------------
 # On a GPU
 
