@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 STATIC_SHARED_MAX = 48 * 1024  # a kernel asking more shared memory must opt in to it: dcptool's never do
 # cuda-core and its driver bindings are dependencies of dcptool on Linux (pyproject.toml); a GPU host without them
 # has a broken install
-MISSING = ("cuda-core is not installed ({}): reinstall dcptool (pip install 'cuda-core>=1.2' 'cuda-bindings>=13.3') "
+MISSING = ("cuda-core is not installed ({}): reinstall dcptool (pip install 'cuda-core>=1.2' 'cuda-bindings>=12.8') "
            "or use --backend torch")
 
 
