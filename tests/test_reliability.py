@@ -149,8 +149,9 @@ def check_remains(d: Path, stem: str, rollover: int) -> int:
     observations, equal to what the recording saw; returns how many observations survived."""
     files = sorted(d.glob(f"{stem}.*.safetensors"))
     assert [f.name for f in files] == [f"{stem}.{k:05d}.safetensors" for k in range(len(files))]
-    for f in d.iterdir():  # anything else is a hidden temporary of the killed write, never a dump
-        assert f in files or (f.name.startswith(f".{stem}.") and f.name.endswith(".tmp")), f.name
+    for f in d.iterdir():  # anything else is a hidden temporary of the killed write, or its path's lock, never a dump
+        assert f in files or (f.name.startswith(f".{stem}.") and f.name.endswith(".tmp")) or (
+            f.name == f".{stem}.safetensors.lock"), f.name
     if not files:
         return 0
     dump = open_dumps(files)
@@ -472,7 +473,7 @@ def test_full_tmpfs(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["error"].startswith(f"{d}/run.safetensors: cannot write: No space left on device"), out
-    assert out["intact"] and out["files"] == ["run.safetensors"], out
+    assert out["intact"] and out["files"] == [".run.safetensors.lock", "run.safetensors"], out  # (still recording)
     assert list(d.iterdir()) == []  # the tmpfs lived only in the child's namespace
 
 

@@ -103,12 +103,11 @@ def _with_groups(host: tuple | None, nsec: int, groups: int) -> tuple:
 class DevicePath:
     """A Recorder's CUDA tensors, snapshotted without stopping the engine; it owns the ring.
 
-    CUDA tensors are not copied with `.to("cpu")` (that waits for the engine's stream): observe_device writes
-    a descriptor of the observation into the header of a slot of a pinned, device-mapped host ring
-    (layout.py) and launches one Triton kernel on the engine's current stream with one argument, the
-    slot's address; the kernel reads the descriptor and copies every device section into the slot, so the
-    values are those at observe() time. Slots are harvested later (every FENCE_EVERY observations, at a rollover
-    and at close(): Harvest) once a CUDA event says the launch finished.
+    CUDA tensors are not copied with `.to("cpu")` (that waits for the engine's stream): observe_device writes a
+    descriptor of the observation into the header of a slot of a pinned, device-mapped host ring (layout.py) and
+    launches one Triton kernel on the engine's current stream with the slot's address; the kernel copies every
+    device section into the slot, so the values are those at observe() time. Slots are harvested later (every
+    FENCE_EVERY observations, at a rollover and at close(): Harvest) once a CUDA event says the launch finished.
 
     The fast path (observe_fast, the Recorder's `fast` once the ring runs with its kernel) takes what an engine
     passes each step: seq_lens (and dcp_local_seq_lens, query_start_loc when given) contiguous int32 tensors on the
@@ -116,12 +115,11 @@ class DevicePath:
     view's storage); kv_pages, dcp_query_start_loc, dcp_tot_seq_lens, positions (1-D) and slot_mapping (1-D, or
     [groups, tokens]) contiguous int32 or int64 tensors on the ring's device, or None. One launch of
     snapshot_args_kernel with the header as arguments (its program 0 writes it into the slot): no header packed on
-    the CPU, no section loop, no host copy, the same checks as the general path. Written for speed
-    (bench_record.py --cuda-python): a tensor's get_device() equal to the ring's also says it is a device tensor
-    (-1: the CPU tests' host ring).
+    the CPU, no section loop, no host copy, the same checks as the general path. A tensor's get_device() equal to
+    the ring's also says it is a device tensor (-1: the CPU tests' host ring).
 
-    It appends to the Recorder's writer, under the Recorder's lock, and checks sites against the Recorder's
-    checked names (site_ok, shared with its host path).
+    It appends to the Recorder's writer under the Recorder's lock, checks sites against the Recorder's checked
+    names (site_ok, shared with its host path) and reports what it cannot store to drop(error).
     """
 
     def __init__(self, writer, harvest: Harvest, lock, site_ok: set, drop, cuda_mode: str, ring_bytes: int):
