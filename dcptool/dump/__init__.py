@@ -48,6 +48,7 @@ from dcptool.dump.write import (  # noqa: F401
     check_config,
     columns,
     encode,
+    exists_error,
     pack,
     slot_entries,
     write_dump,

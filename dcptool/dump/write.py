@@ -167,15 +167,20 @@ def encode(config: DumpConfig, columns: dict[str, np.ndarray], injected: dict | 
     return struct.pack("<Q", len(raw)) + raw, tensors
 
 
+def exists_error(p: str | os.PathLike) -> OutputExistsError:
+    """The one error for an output that exists when no --force (force=True) allows replacing it."""
+    return OutputExistsError(f"{clean(p)}: exists (use --force to overwrite)")
+
+
 def _link_no_clobber(tmp: str, p: Path) -> None:
     """Move tmp to p unless p exists, atomically where the filesystem has hard links."""
     try:
         os.link(tmp, p)  # fails if p exists, even if another writer created it a moment ago
     except FileExistsError:
-        raise OutputExistsError(f"{clean(p)}: exists (use --force to overwrite)") from None
+        raise exists_error(p) from None
     except OSError:  # no hard links here (some FUSE / SMB mounts): check, then rename
         if os.path.lexists(p):
-            raise OutputExistsError(f"{clean(p)}: exists (use --force to overwrite)") from None
+            raise exists_error(p) from None
         os.replace(tmp, p)
         return
     os.unlink(tmp)
@@ -246,7 +251,7 @@ def atomic_write(path: str | os.PathLike, chunks, *, force: bool = True, inputs=
     p = write_target(p)
     existed = os.path.lexists(p)
     if existed and not force:
-        raise OutputExistsError(f"{clean(shown)}: exists (use --force to overwrite)")
+        raise exists_error(shown)
     d = p.parent
     tmp = None
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dcptool.dump import Record, write_target
+from dcptool.dump import Record, exists_error, write_target
 from dcptool.engine.recorder.record import Recorder
 from dcptool.model.config import KV_GROUPS, SITES, SimConfig
 
@@ -49,7 +49,7 @@ class Sink:
         if not force:  # (the Recorder refuses too; this says it in the CLI's words)
             clash = [str(p) for p in self.paths if os.path.lexists(p)]
             if clash:
-                raise FileExistsError(f"{clash[0]}: exists (use --force to overwrite)")
+                raise exists_error(clash[0])
         self.recorders = [Recorder(p, force=force, **kw) for p in self.paths]
         self.shared = not per_rank
         self.touched: list[dict[str, list[int]]] = [{} for _ in self.recorders]
