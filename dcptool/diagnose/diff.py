@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool.dump import Dump
+from dcptool.dump import Dump, obs_ref
 
 # Per-pair fields in report order (DESIGN §4 names); config differences come first, with no key.
 CONFIG_FIELDS = ("dcp_size", "cp_interleave", "pcp_size", "page_size")
@@ -78,10 +78,20 @@ class Difference:
         """The whole line, as JSON carries it: `WHERE: FIELD: TEXT`."""
         return f"{self.where}: {self.field}: {self.text}"
 
+    @property
+    def a_ref(self) -> str | None:
+        """A's observation as `FILE:I` (what `dcptool replay A --obs` takes); None where A has none."""
+        return None if self.a_obs is None or self.a_file is None else obs_ref(self.a_file, self.a_obs)
+
+    @property
+    def b_ref(self) -> str | None:
+        return None if self.b_obs is None or self.b_file is None else obs_ref(self.b_file, self.b_obs)
+
     def to_json(self) -> dict:
         return {"type": "difference", "key": None if self.key is None else self.key.to_json(), "field": self.field,
                 "a_obs": self.a_obs, "b_obs": self.b_obs, "a_file": self.a_file, "b_file": self.b_file,
-                "row": self.row, "a": self.a, "b": self.b, "count": self.count, "message": self.message}
+                "a_ref": self.a_ref, "b_ref": self.b_ref, "row": self.row, "a": self.a, "b": self.b,
+                "count": self.count, "message": self.message}
 
 
 @dataclass

@@ -106,14 +106,14 @@ def test_html_structure(run12):
     stale = [x for x in t.titles if x.startswith("step 6 · ubatch rank 1")]
     f = next(f for f in res.findings if f.step == 6 and f.rule == "stale")
     assert stale == ["step 6 · ubatch rank 1\n2 observations (ub0 1, ub1 1)\nfindings: stale 1, rank-sum 1 (ub0 2)\n"
-                     f"first: obs {f.obs} ({f.file}) {f.message}"]
+                     f"first: {f.file}:{f.obs} {f.message}"]
     # a row view for every observation with findings, and for each stale finding's source (the parent batch)
     with_findings = {f.index for f in res.findings}
     sources = {f.source.index for f in res.findings if f.source is not None}
     assert set(res.views) == with_findings | sources and {f"obs{i}" for i in res.views} <= set(t.ids)
     for f in res.findings:
         if f.source is not None:
-            assert f'source: <a href="#obs{f.source.index}">obs {f.source.obs}</a>' in html
+            assert f'source: <a href="#obs{f.source.index}">{f.source.file}:{f.source.obs}</a>' in html
     assert "Configuration and summary" in html and "16 findings (16 errors, 0 warnings)" in html
     assert html.count('<select id="f-') == 3 and '<option value="stale">' in html and '<option value="dummy">' in html
 
@@ -156,7 +156,9 @@ def test_html_per_rank_files_clean_runs_and_obs(tmp_path):
     res = replay(open_dumps(files), "torch", obs=0, views=VIEW_FINDINGS)
     html = render_html(res)
     t = Tree(html)
-    assert len(t.rows) == len(res.findings) == 4 and '<th class="l">file</th>' in html  # padding, missing x2, shape
+    assert len(t.rows) == len(res.findings) == 4  # padding, missing x2, shape
+    for f in res.findings:  # each observation as FILE:I, as --obs takes it (the file of each rank's own)
+        assert f">{f.ref}<" in html and f.ref == f"{files[f.rank]}:{f.obs}"
     assert all(h[1:] in t.ids for h in t.hrefs) and all(n == 1 for n in t.ids.values())
     assert "obs0" in t.ids and res.rows_view.index == 0 and 0 not in res.views  # --obs adds its own row view
     clean = replay(open_dumps([write(tmp_path / "clean.safetensors", [obs(step=s) for s in range(5)])]), "torch")
@@ -239,13 +241,13 @@ def test_cli_html_writes_refuses_and_forces(tmp_path):
     assert not [x for x in tmp_path.iterdir() if x.name.startswith(".report.html")]  # no temporary left behind
     r = cli("replay", dump, "--html", out)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr == f"dcptool: --html {out}: exists (use --force to overwrite)\n"
+    assert r.stderr == f"dcptool replay: --html: {out}: exists (use --force to overwrite)\n"
     assert out.read_bytes() == first
     r = cli("replay", dump, "--html", out, "--force", "--max-findings", "3")
     assert r.returncode == 1 and "Timeline of steps 0..11" in r.stdout and len(Tree(out.read_text()).rows) == 3
 
 
-@pytest.mark.parametrize("target,needle", [("DUMP", "is one of the dumps being replayed"),
+@pytest.mark.parametrize("target,needle", [("DUMP", "is one of the dumps read"),
                                            ("nodir/r.html", "does not exist"), (".", "is a directory")])
 def test_cli_html_bad_targets(tmp_path, target, needle):
     dump = write(tmp_path / "run.safetensors", [obs()])

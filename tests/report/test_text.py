@@ -149,7 +149,7 @@ def one_line_items(kind: str, res) -> list[str]:
         return [f"{res.observations:,} ({res.with_view:,} with a DCP view"]
     if kind == "simulate":
         return [f"fixed: {len(res.fixed.findings)} findings in {res.fixed.observations} observations"]
-    return [f"{res.observations} observations ("]
+    return ["by site: " + ", ".join(f"{s} {n}" for s, n in res.by_site.items())]
 
 
 @pytest.mark.parametrize("width", WIDTHS)
