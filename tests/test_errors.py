@@ -14,11 +14,11 @@ from dcptool.errors import DcptoolError
 
 def test_one_exception_root():
     from dcptool.check.replay import LimitError
-    from dcptool.errors import UsageError
-    from dcptool.inputs import InputError
     from dcptool.dcp.backend import BackendError
     from dcptool.dump import DumpError, OutputExistsError, WriteError
     from dcptool.dump.schema import DcptoolError
+    from dcptool.errors import UsageError
+    from dcptool.inputs import InputError
     from dcptool.model.config import SimError
 
     for cls in (DumpError, WriteError, OutputExistsError, LimitError, SimError, BackendError, UsageError,

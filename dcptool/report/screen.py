@@ -17,7 +17,6 @@ from dcptool.report.text import (
     render_timeline,
     say,
     severity_style,
-    show_findings,
     side_name,
 )
 
@@ -51,11 +50,13 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
     if res.splits:
         render_splits(res.splits, console)
     if res.rows_view is not None:
-        render_rows_view(res.rows_view, console)
+        render_rows_view(res.rows_view, console, findings=False)  # (they come last)
     if not focus:
         render_timeline(res, console, max_rows=SCREEN_TIMELINE_ROWS, by_site=True)
     if max_findings is not None and res.findings:
-        show_findings(console, res.findings[:max_findings], len(res.findings))
+        say(console, (f"Findings ({len(res.findings)})", "bold"))
+        for f in res.findings[:max_findings]:
+            wrap(console, literal(f"{f.ref} "), (f.rule, severity_style(f.severity)), literal(f" {f.message}"))
     problems = getattr(res, "problems", [])
     if problems and not focus:
         say(console, (f"Problems ({len(problems)})", "bold"))

@@ -317,7 +317,8 @@ def rank_window(rank: int, n_ranks: int, width: int = VIEW_RANKS) -> tuple[int, 
     return lo, min(n_ranks, lo + width)
 
 
-def render_rows_view(v, console: Console) -> None:
+def render_rows_view(v, console: Console, findings: bool = True) -> None:
+    """`--obs`: the observation row by row, then (`findings`) its findings."""
     ub = f" ubatch {v.ubatch}" if v.ubatch >= 0 else ""
     say(console, literal(f"{obs_ref(v.file, v.obs)}: step {v.step} {v.site} rank {v.rank}{ub}, num_reqs {v.num_reqs}, "
                          f"num_reqs_padded {v.num_reqs_padded}"))  # a line of its own: never wrapped to the table
@@ -345,7 +346,7 @@ def render_rows_view(v, console: Console) -> None:
             say(console, f"(ranks {r_lo}..{r_hi - 1} of {n_ranks} shown; --json has every rank)", style="dim")
     else:
         say(console, "(no rows)")
-    for f in v.findings:
+    for f in v.findings if findings else ():
         say(console, (f.rule, severity_style(f.severity)), literal(f" {f.message}"))
 
 
