@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dcptool.dump import OutputExistsError, WriteError, atomic_write, write_target
+from dcptool.dump import OutputExistsError, atomic_write, write_target
 from dcptool.model.config import (  # noqa: F401 - SimConfig, SimError, FAULTS, FAULT_WHERE, applicability are simulate's API
     FAULT_WHERE,
     FAULTS,
@@ -109,18 +109,14 @@ def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: 
     try:
         sink = Sink(cfg, parts.next(), per_rank)
         return _run(cfg, sink, parts, paths, Run(force, progress, notice, written, t0))
-    except BaseException as e:
+    except BaseException:
         # Interrupted (Ctrl-C) or failed: a dump whose note says `--steps 5000` must not hold 2,407 of them.
         # Nothing reaches the final paths but whole dumps (atomic writes), and those this run already wrote
         # (--per-rank) go too, so no partial set is left.
         for f in written:
             f.unlink(missing_ok=True)
-        failed = None
         for rec in [] if sink is None else sink.recorders:
-            failed = failed or rec.last_error
             rec.discard()
-        if isinstance(e, WriteError) and failed:  # one line: the file and the problem, not the Recorder's advice
-            raise WriteError(failed) from None
         raise
     finally:
         parts.close()
@@ -136,6 +132,7 @@ class Run:
     written: list[Path]  # the dumps written so far (removed again if the run fails)
     t0: float
     noticed: bool = False
+    last: tuple[int, int] | None = None  # (step, bytes) when the last part was written
 
 
 def _run(cfg: SimConfig, sink: Sink, parts: Parts, paths: list[Path], run: Run) -> SimResult:
@@ -188,33 +185,38 @@ def _run(cfg: SimConfig, sink: Sink, parts: Parts, paths: list[Path], run: Run) 
 
 
 def _part(sink: Sink, parts: Parts, touched: list[dict[str, list[int]]], after: list[Path] | None) -> None:
-    """The part recorded so far written and appended to the dumps' columns; recording goes on at `after`'s paths."""
-    written = []
-    for rec in sink.recorders:
-        written += rec.close()
-    before = parts.add(written)
+    """The part recorded so far handed over to be written and appended to the dumps' columns (spool.Parts); recording
+    goes on at `after`'s paths, or (None: the last part) waits until it is appended."""
+    before = parts.hand_over(sink.recorders)
     for i, got in enumerate(sink.touched):  # part indices -> indices in the whole file
         for f, idx in got.items():
             touched[i].setdefault(f, []).extend(k + before[i] for k in idx)
     if after is not None:
         sink.reopen(after)
+    else:
+        parts.wait()
 
 
 def _expect(cfg: SimConfig, parts: Parts, step: int, paths: list[Path], run: Run) -> None:
-    """Say, once, what the run will write when that is more than NOTICE_BYTES (and how much room there is)."""
-    expect = parts.bytes / step * cfg.steps
-    if run.notice is None or run.noticed or expect < NOTICE_BYTES:
+    """Say, once, what the run will write when that is more than NOTICE_BYTES (and how much room there is): what it
+    wrote, and the steps left at the bytes a step took in the last part (the first holds the start-up's captures,
+    which do not recur; the batches grow as requests arrive, so the latest rate is the closest)."""
+    last, run.last = run.last, (step, parts.bytes)
+    if run.notice is None or run.noticed or last is None:
+        return
+    expect = parts.bytes + (parts.bytes - last[1]) / (step - last[0]) * (cfg.steps - step)
+    if expect < NOTICE_BYTES:
         return
     run.noticed = True
     where = paths[0].parent if str(paths[0].parent) else Path(".")
     free = shutil.disk_usage(where).free
-    room = f"; {where} has {_gb(free)} free" + (": not enough" if free < 2 * expect else "")
-    run.notice(f"{cfg.steps:,} steps will write about {_gb(expect)} to {', '.join(map(str, paths))} (about "
-               f"{_gb(expect / cfg.steps * 1000)} per 1,000 steps; twice that is needed while it is written){room}")
+    room = f"; {where} has {_size(free)} free" + (": not enough" if free < 2 * expect else "")
+    run.notice(f"{cfg.steps:,} steps will write about {_size(expect)} to {', '.join(map(str, paths))} (twice that "
+               f"while it is written){room}")
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
 # --------------------------------------------------------------------------------------------

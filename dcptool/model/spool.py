@@ -9,11 +9,12 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from dcptool.dump import COLUMNS, OPTIONAL_FIELDS, DumpConfig, check_config, encode_header, read_dump
+from dcptool.dump import COLUMNS, OPTIONAL_FIELDS, DumpConfig, WriteError, check_config, encode_header, read_dump
 
 PART_BYTES = 32 << 20  # a part's size on disk, about (the Recorder holds ~2.5x that in memory until it writes it)
 FIRST_PART_OBS = 1024  # observations of the first part; later parts are sized from the bytes an observation took
@@ -96,10 +97,13 @@ class Column:
 
 
 class Parts:
-    """Where a run's parts go: a hidden directory beside its first output (same file system), removed in any case."""
+    """Where a run's parts go: a hidden directory beside its first output (same file system), removed in any case. A
+    part handed over is written and appended on a thread of its own while the run records the next (one part at a
+    time: memory holds at most two)."""
 
     def __init__(self, outputs: list[Path]):
         first = outputs[0]
+        self.outputs = outputs
         self.dir = Path(tempfile.mkdtemp(prefix=f".{first.name}.", suffix=".parts", dir=first.parent or Path(".")))
         self.columns = []
         for k in range(len(outputs)):
@@ -107,26 +111,54 @@ class Parts:
             self.columns.append(Column(self.dir / str(k)))
         self.count = 0
         self.part_obs = FIRST_PART_OBS
+        self._recorded = [0] * len(outputs)  # observations handed over, per output
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcptool-simulate-part")
+        self._pending: Future | None = None
 
     def next(self) -> list[Path]:
         """The paths of the next part, one per output."""
         self.count += 1
         return [self.dir / f"{k}.part{self.count:06d}.safetensors" for k in range(len(self.columns))]
 
-    def add(self, parts: list[Path]) -> list[int]:
-        """Append the written parts (one per output); returns the observation count each output had before them, and
-        sizes the next part from the bytes an observation took."""
-        before = [c.n for c in self.columns]
+    def hand_over(self, recorders: list) -> list[int]:
+        """The Recorders of a part (one per output, none recording any more): closed, and their files appended to the
+        dumps' columns, on the part thread once the part before is done. Returns the observation count each output had
+        before them (a Recorder keeps every observation it indexed: host values, checked as observe() took them)."""
+        self.wait()
+        before = list(self._recorded)
+        self._recorded = [n + len(r) for n, r in zip(self._recorded, recorders)]
+        self._pending = self._pool.submit(self._add, recorders)
+        return before
+
+    def wait(self) -> None:
+        """Until the part handed over last is appended (its error raised here)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _add(self, recorders: list) -> None:
+        parts = []
+        for out, rec in zip(self.outputs, recorders):
+            try:
+                parts += rec.close()
+            except WriteError:  # one line: the dump and the problem, not the Recorder's advice to call close() again
+                rec.discard()
+                raise WriteError(f"{out}: {rec.last_error}") from None
         size = [os.path.getsize(p) for p in parts]
         got = [c.add(p) for c, p in zip(self.columns, parts)]
         per_obs = max((s / g for s, g in zip(size, got) if g), default=0)
-        if per_obs:
+        if per_obs:  # the next parts sized from the bytes an observation took
             self.part_obs = int(min(1 << 18, max(64, PART_BYTES // per_obs)))
-        return before
 
     @property
     def bytes(self) -> int:
         return sum(c.bytes for c in self.columns)
 
     def close(self) -> None:
+        """Wait for the part thread (whatever it raised: the caller fails already, or is done); remove the parts."""
+        try:
+            self.wait()
+        except BaseException:
+            pass
+        self._pool.shutdown(wait=True)
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -380,3 +380,39 @@ def test_html_leads_with_the_problems_like_the_text_report(tmp_path):
     assert capped.count("first finding</a>") == sum(int(p.findings[0]) < 1 for p in res.problems)
     clean = replay(open_dumps([write(tmp_path / "c.safetensors", [obs(step=s) for s in range(3)])]), "torch")
     assert not clean.problems and 'id="problems"' not in render_html(clean)
+
+
+# --------------------------------------------------------------------------------------------
+# diff --html
+
+
+def test_diff_html_page(tmp_path):
+    """diff --html: one self-contained page with the summary, the first divergence and every difference as a row,
+    each observation as FILE:I; the text and JSON reports are the same as without it."""
+    from dcptool.diagnose.diff import diff
+
+    legacy, fixed = str(ROOT / "samples" / "legacy.safetensors"), str(ROOT / "samples" / "fixed.safetensors")
+    out = tmp_path / "d.html"
+    r = cli("diff", legacy, fixed, "--json", "--html", out)
+    assert r.returncode == 1 and r.stderr == f"dcptool: wrote {out}\n"
+
+    def timeless(text: str) -> str:
+        return re.sub(r'"seconds": [0-9.e-]+', "", text)
+
+    assert timeless(r.stdout) == timeless(cli("diff", legacy, fixed, "--json").stdout)
+    html = out.read_text()
+    t = Tree(html)
+    no_network(html, t)
+    res = diff(open_dumps([legacy]), open_dumps([fixed]))
+    rows = re.findall(r'<tr id="d(\d+)">', html)
+    assert len(rows) == res.total == 1448 and rows == [str(k) for k in range(res.total)]
+    first = res.first
+    assert f"First divergence at {first.where}: <b>{first.field}</b>" in html and f"<code>{first.a_ref}</code>" in html
+    for x in res.differences[:50]:
+        assert f"<td>{x.a_ref}</td><td>{x.b_ref}</td>" in html
+    capped = cli("diff", legacy, fixed, "--html", tmp_path / "c.html", "--max-findings", "7")
+    assert capped.returncode == 1 and len(re.findall(r'<tr id="d', (tmp_path / "c.html").read_text())) == 7
+    assert "The first 7 of 1,448 differences" in (tmp_path / "c.html").read_text()
+    same = cli("diff", fixed, fixed, "--html", tmp_path / "s.html")
+    assert same.returncode == 0 and "Same: A and B record the same" in (tmp_path / "s.html").read_text()
+    assert cli("diff", legacy, fixed, "--html", out).returncode == 2 and out.read_text() == html  # no --force
