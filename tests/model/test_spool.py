@@ -42,7 +42,7 @@ def test_parts_of_any_size_write_the_same_bytes(tmp_path, monkeypatch, case, per
     many = _run(tmp_path, monkeypatch, "many", 37, 1, per_rank, **CASES[case])  # 37 observations, then 64 a part
     assert len(one) == len(many) and all(a == b for a, b in zip(one, many))
     # and what the plain writer makes of the same columns
-    for k, f in enumerate(sorted((tmp_path / "many").glob("*.safetensors"))):
+    for f in sorted((tmp_path / "many").glob("*.safetensors")):
         d = read_dump(f)
         write_dump(tmp_path / "again.safetensors", d.config, d.columns, d.injected[0])
         assert (tmp_path / "again.safetensors").read_bytes() == f.read_bytes()
@@ -66,7 +66,7 @@ def test_optional_columns_appear_and_vanish_between_parts(tmp_path):
     col = spool.Column(tmp_path)
     for part in range(3):
         p = tmp_path / f"part{part}.safetensors"
-        chunk = [o for o in run[part * 20 : part * 20 + 20]]
+        chunk = run[part * 20 : part * 20 + 20]
         for o in chunk:  # parents index the part (as a Recorder's part file holds them)
             if o.parent is not None:
                 o.parent -= part * 20
