@@ -604,5 +604,5 @@ def render_reduction(red, output: str, console: Console) -> None:
         f"{b['rows']} -> {a['rows']} rows ({red.candidates} replays, {red.seconds:.2f} s"
         + (", stopped at --max-seconds" if red.stopped else "") + ")"))
     for f in red.findings:
-        say(console, (f.rule, severity_style(f.severity)), literal(f" obs {f.obs} {f.message}"))
+        say(console, (f.rule, severity_style(f.severity)), literal(f" {f.ref} {f.message}"))
     say(console, literal(f"replay it: dcptool replay {output}"), style="dim")
