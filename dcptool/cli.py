@@ -173,13 +173,10 @@ def _backend(name: str) -> None:
                                           "TRITON_INTERPRET=1 to run the interpreter anyway")
 
 
-def _render(name: str, full: bool, res, max_findings: int | None) -> None:
-    """Render with report.text's `name`, or on a terminal without --full one screen of it (report.screen's)."""
-    from dcptool.report import screen
-    from dcptool.report import text as report
-
+def _render(whole, screen, full: bool, res, max_findings: int | None) -> None:
+    """Render the whole report, or on a terminal without --full one screen of it."""
     console = _console()
-    getattr(report if full or not console.is_terminal else screen, name)(res, console, max_findings)
+    (whole if full or not console.is_terminal else screen)(res, console, max_findings)
 
 
 FULL_HELP = ("The whole report on a terminal too: every finding (up to --max-findings), the by-site table, the "
@@ -244,7 +241,9 @@ def replay(
         for line in report.replay_json_lines(res, max_findings):
             sys.stdout.write(line + "\n")
     else:
-        _render("render_replay", full, res, max_findings)
+        from dcptool.report import screen
+
+        _render(report.render_replay, screen.render_replay, full, res, max_findings)
     raise typer.Exit(code)
 
 
@@ -273,11 +272,12 @@ def diff(
         output_target("--html", html, first + second, force)
     da = _open(first, merge)
     db = _open(second, merge)
-    from dcptool.report import text as report
+    from dcptool.report.differences import diff_json_lines, render_diff
     from dcptool.report.html import HTML_MAX_FINDINGS
+    from dcptool.report.text import TEXT_MAX_FINDINGS
 
     # the differences kept: as many as the longest of the reports asked for shows (None: all)
-    shown = [max_findings if max_findings is not None else None if json_out else report.TEXT_MAX_FINDINGS]
+    shown = [max_findings if max_findings is not None else None if json_out else TEXT_MAX_FINDINGS]
     if html is not None:
         shown.append(max_findings if max_findings is not None else HTML_MAX_FINDINGS)
     res = run_diff(da, db, None if None in shown else max(shown))
@@ -287,10 +287,12 @@ def diff(
         _write_html(html, render_diff_html(res, max_findings), force, first + second)
     exits.verdict(0 if res.same else 1)
     if json_out:
-        for line in report.diff_json_lines(res, max_findings):
+        for line in diff_json_lines(res, max_findings):
             sys.stdout.write(line + "\n")
     else:
-        _render("render_diff", full, res, max_findings)
+        from dcptool.report import screen
+
+        _render(render_diff, screen.render_diff, full, res, max_findings)
     raise typer.Exit(0 if res.same else 1)
 
 

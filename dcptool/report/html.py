@@ -8,7 +8,8 @@ import numpy as np
 
 from dcptool import __version__
 from dcptool.dump.ref import obs_ref
-from dcptool.report.text import rank_window, side_name
+from dcptool.report.differences import side_name
+from dcptool.report.text import rank_window
 from dcptool.report.timeline import Timeline, cells, timeline
 
 HTML_COLUMNS = 240  # step buckets of the SVG timeline

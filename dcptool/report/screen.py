@@ -7,9 +7,9 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
+from dcptool.report.differences import diff_refs, side_name
 from dcptool.report.text import (
     TEXT_MAX_FINDINGS,
-    diff_refs,
     layout_width,
     literal,
     render_rows_view,
@@ -17,7 +17,6 @@ from dcptool.report.text import (
     render_timeline,
     say,
     severity_style,
-    side_name,
 )
 
 SCREEN_TIMELINE_ROWS = 12  # one row per site (ranks folded in), rows with findings first
