@@ -1,5 +1,5 @@
-"""report/differences.py: diff as text and JSON Lines: the differences table at any width, the summary, the first divergence
-last with both observations as FILE:I, and JSON's a_ref/b_ref."""
+"""report/differences.py: diff as text and JSON Lines: the differences table at any width, the summary, the first
+divergence last with both observations as FILE:I, and JSON's a_ref/b_ref."""
 
 from __future__ import annotations
 
