@@ -126,7 +126,8 @@ def _obs_index(d, spec: str) -> int:
     i = d.index_of(fi, k)
     if i is None:
         n = int((d.file_index == fi).sum())
-        raise UsageError("--obs", f"{spec}: {d.files[fi]} has no observation {k} (it has {n}: 0..{n - 1})")
+        raise UsageError("--obs", f"{spec}: {d.files[fi]} has no observation {k} "
+                                  f"({f'it has {n}: 0..{n - 1}' if n else 'it has none'})")
     from dcptool.check.replay import MAX_VIEW_CELLS, view_cells
 
     if view_cells(d, i) > MAX_VIEW_CELLS:

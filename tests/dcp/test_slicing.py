@@ -389,7 +389,7 @@ def test_cli_engine_version_option(tmp_path):
         (0, 2, 0, 6), (2, 5, 6, 15)]
     assert CliRunner().invoke(app, ["replay", p, "--split", "2"]).exit_code == 1
     bad = CliRunner().invoke(app, ["replay", p, "--engine-version", "latest"])
-    assert bad.exit_code == 2 and "--engine-version 'latest'" in bad.output
+    assert bad.exit_code == 2 and "--engine-version: 'latest'" in bad.output
 
 
 @pytest.mark.parametrize("seed", range(4))
