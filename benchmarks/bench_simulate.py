@@ -1,8 +1,8 @@
 """simulate's peak memory as the steps grow: `dcptool simulate --steps N -o FILE` as a fresh process each time, its
 peak resident memory (ru_maxrss of the child, from os.wait4), wall time and file size.
 
-    python benchmarks/bench_simulate.py [--steps 1000 10000 100000] [--before REV] [--before-max 10000]
-                                        [--dir DIR] [--keep]
+    python benchmarks/bench_simulate.py [--steps 1000 10000 100000] [--args "--dcp 8 --pipeline legacy"]
+                                        [--before REV] [--before-max 10000] [--dir DIR] [--keep]
 
 Baseline in the same run: the same command of git revision --before (default e12844c, which held every observation
 in memory until it wrote the file at close()), extracted with `git archive` and run the same way, interleaved, for the
@@ -26,11 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(tree: Path, steps: int, out: Path) -> tuple[float, float, int]:
-    """(peak MB, seconds, bytes) of one `simulate --steps N -o out` in a fresh process of the code in `tree`."""
+def run(tree: Path, steps: int, out: Path, args: list[str]) -> tuple[float, float, int]:
+    """(peak MB, seconds, bytes) of one `simulate --steps N ARGS -o out` in a fresh process of the code in `tree`."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     t = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "dcptool", "simulate", "--steps", str(steps), "-o", str(out),
+    p = subprocess.Popen([sys.executable, "-m", "dcptool", "simulate", "--steps", str(steps), *args, "-o", str(out),
                           "--force"], env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)
@@ -53,6 +53,7 @@ def sha(path: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, nargs="+", default=[1000, 10000, 100000])
+    ap.add_argument("--args", default="", help="more simulate options, e.g. \"--dcp 8 --pipeline legacy\"")
     ap.add_argument("--before", default="e12844c")
     ap.add_argument("--before-max", type=int, default=10000)
     ap.add_argument("--dir", type=Path, default=None)
@@ -64,17 +65,19 @@ def main() -> None:
         before.mkdir()
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", a.before], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
-        print(f"simulate -o, a fresh process per run; before = {a.before}, now = this checkout")
+        args = a.args.split()
+        print(f"simulate {a.args + ' ' if args else ''}-o, a fresh process per run; before = {a.before}, now = this "
+              "checkout")
         print("| steps | code | peak MB | s | file MB | sha256 |")
         print("|---:|---|---:|---:|---:|---|")
         for steps in a.steps:
             out = work / f"now-{steps}.safetensors"
-            peak, s, size = run(ROOT, steps, out)
+            peak, s, size = run(ROOT, steps, out, args)
             digest = sha(out)
             print(f"| {steps:,} | now | {peak:,.0f} | {s:.1f} | {size / 1e6:,.0f} | {digest} |", flush=True)
             if steps <= a.before_max:
                 old = work / f"before-{steps}.safetensors"
-                bpeak, bs, bsize = run(before, steps, old)
+                bpeak, bs, bsize = run(before, steps, old, args)
                 same = sha(old) == digest
                 print(f"| {steps:,} | {a.before} | {bpeak:,.0f} | {bs:.1f} | {bsize / 1e6:,.0f} | "
                       f"{'same bytes' if same else 'DIFFERENT'} |", flush=True)

@@ -141,7 +141,7 @@ def _run(cfg: SimConfig, sink: Sink, parts: Parts, paths: list[Path], run: Run) 
     work = Workload(cfg, rng)
     runner.startup()
     dummies = 0
-    touched: list[dict[str, list[int]]] = [{} for _ in paths]  # per file: fault -> indices in the whole file
+    touched: list[dict[str, list[np.ndarray]]] = [{} for _ in paths]  # per file: fault -> indices, a part at a time
     for step in range(1, cfg.steps + 1):
         if run.progress:
             run.progress(1)
@@ -164,9 +164,9 @@ def _run(cfg: SimConfig, sink: Sink, parts: Parts, paths: list[Path], run: Run) 
                for f in cfg.faults}
     for i, got in enumerate(touched):
         for f, rep in reports.items():
-            shape = sorted(got.get(f + ":shape", []))
-            rep.touched[files[i]] = sorted(got.get(f, []) + shape)
-            rep.shape_only[files[i]] = shape
+            shape = np.concatenate(got.get(f + ":shape", [np.zeros(0, np.int64)]))
+            rep.touched[files[i]] = np.sort(np.concatenate([*got.get(f, []), shape])).tolist()
+            rep.shape_only[files[i]] = np.sort(shape).tolist()
     units, left = _write_units(cfg), [0]
     total = max(1, parts.bytes)
 
@@ -184,13 +184,13 @@ def _run(cfg: SimConfig, sink: Sink, parts: Parts, paths: list[Path], run: Run) 
     return SimResult(cfg, files, sum(by_site.values()), by_site, reports, time.perf_counter() - run.t0)
 
 
-def _part(sink: Sink, parts: Parts, touched: list[dict[str, list[int]]], after: list[Path] | None) -> None:
+def _part(sink: Sink, parts: Parts, touched: list[dict[str, list[np.ndarray]]], after: list[Path] | None) -> None:
     """The part recorded so far handed over to be written and appended to the dumps' columns (spool.Parts); recording
     goes on at `after`'s paths, or (None: the last part) waits until it is appended."""
     before = parts.hand_over(sink.recorders)
     for i, got in enumerate(sink.touched):  # part indices -> indices in the whole file
         for f, idx in got.items():
-            touched[i].setdefault(f, []).extend(k + before[i] for k in idx)
+            touched[i].setdefault(f, []).append(np.asarray(idx, np.int64) + before[i])
     if after is not None:
         sink.reopen(after)
     else:

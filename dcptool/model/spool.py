@@ -16,7 +16,8 @@ import numpy as np
 
 from dcptool.dump import COLUMNS, OPTIONAL_FIELDS, DumpConfig, WriteError, check_config, encode_header, read_dump
 
-PART_BYTES = 32 << 20  # a part's size on disk, about (the Recorder holds ~2.5x that in memory until it writes it)
+PART_BYTES = 8 << 20  # a part's size on disk, about (memory holds ~10x that: the Recorder's observations as it keeps
+# them, and the part before being appended on the part thread meanwhile)
 FIRST_PART_OBS = 1024  # observations of the first part; later parts are sized from the bytes an observation took
 CHUNK = 8 << 20  # bytes copied at a time from the column files into the dump
 _UNKNOWN = {key: unknown for key, _, unknown in OPTIONAL_FIELDS.values()}  # (as dump.columns fills them)
