@@ -396,7 +396,7 @@ class _Ctx:
             k = self.key(s, i)
             obs, f = int(s.d.file_obs[i]), s.d.file_of(i)
             view = "None" if not s.d["obs.has_dcp"][i] else f"{int(np.diff(s.d['obs.dcp_rows'])[i])} DCP rows"
-            msg = (f"obs {obs} of {side} (num_reqs {int(s.d['obs.num_reqs'][i])}, "
+            msg = (f"obs {s.d.ref(i)} of {side} (num_reqs {int(s.d['obs.num_reqs'][i])}, "
                    f"{view}); {other} has no such observation")
             return Difference(key=k, field="only-in-a" if src == 0 else "only-in-b",
                               a_obs=obs if src == 0 else None, b_obs=obs if src == 1 else None,
@@ -426,8 +426,8 @@ class _Ctx:
             return Difference(**base, row=None, a=va, b=vb, count=1, text=msg)
         if name == "parent":
             pa, pb = int(da["obs.parent"][i]), int(db["obs.parent"][j])
-            wa = "none" if pa < 0 else f"obs {int(da.file_obs[pa])} ({self.key(self.a, pa)})"
-            wb = "none" if pb < 0 else f"obs {int(db.file_obs[pb])} ({self.key(self.b, pb)})"
+            wa = "none" if pa < 0 else f"obs {da.ref(pa)} ({self.key(self.a, pa)})"
+            wb = "none" if pb < 0 else f"obs {db.ref(pb)} ({self.key(self.b, pb)})"
             return Difference(**base, row=None, a=None if pa < 0 else int(da.file_obs[pa]),
                               b=None if pb < 0 else int(db.file_obs[pb]), count=1,
                               text=f"derived from {wa} in A, from {wb} in B")
@@ -439,7 +439,7 @@ class _Ctx:
                     return "is unknown"
                 if f == me:
                     return "is first used here"
-                return f"was first used by obs {int(d.file_obs[f])} ({self.key(side, f)})"
+                return f"was first used by obs {d.ref(f)} ({self.key(side, f)})"
 
             return Difference(**base, row=None, a=int(da.file_obs[fa]) if fa >= 0 else None,
                               b=int(db.file_obs[fb]) if fb >= 0 else None, count=1,
