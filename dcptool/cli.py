@@ -166,7 +166,7 @@ def _backend(name: str) -> None:
     if name not in values(Backend):
         raise UsageError("--backend", f"{name!r}: choose {spoken(Backend)}")
     if name == "triton" and os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
-        from dcptool.dcp import cuda
+        from dcptool.gpu import cuda
 
         if not cuda.available():
             raise UsageError("--backend", "triton: no GPU here, and Triton's interpreter on the CPU is about 100x "

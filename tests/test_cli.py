@@ -121,7 +121,7 @@ def test_max_findings_limits_output_not_counts(tmp_path):
 def test_triton_backend_without_gpu_is_refused_unless_the_interpreter_is_asked_for(tmp_path, interpret):
     """--backend triton without a GPU would run Triton's interpreter, ~100x slower than torch: one line saying what to
     use instead, exit 2; TRITON_INTERPRET=1 (the interpreter asked for by name) runs it. On a GPU it just runs."""
-    from dcptool.dcp import cuda
+    from dcptool.gpu import cuda
 
     p = write(tmp_path / "t.safetensors", [obs(step=i) for i in range(3)] + [obs(step=3, view=[9, 14, 0, 0])])
     r = cli("replay", p, "--backend", "triton", "--json", env={"TRITON_INTERPRET": interpret})
