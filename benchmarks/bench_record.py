@@ -97,6 +97,8 @@ def bench_simulate(steps: int, tmp: Path) -> None:
 
 
 def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
+    from bench_record_sets import engine_steps
+
     dev = torch.device("cuda")
     torch.manual_seed(0)
     a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=dev)
@@ -119,16 +121,12 @@ def bench_cuda(steps: int, reps: int, tmp: Path, profile: bool = False) -> None:
         torch.cuda.synchronize()
         spent = 0.0
         t0 = time.perf_counter()
-        for s in range(n):
-            seq.add_(1)  # the engine refreshes its metadata buffer on the stream every step
-            for k in range(4):
-                if k < 3:
-                    torch.mm(a, b, out=c)
-                if rec is not None:
-                    t = time.perf_counter()
-                    rec.observe(step=s, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250,
-                                num_reqs_padded=256, dcp_local_seq_lens=dcp, query_start_loc=qsl)
-                    spent += time.perf_counter() - t
+        for s, _ in engine_steps(seq, (a, b, c), n):
+            if rec is not None:
+                t = time.perf_counter()
+                rec.observe(step=s, site="attn_metadata", rank=0, seq_lens=seq, num_reqs=250, num_reqs_padded=256,
+                            dcp_local_seq_lens=dcp, query_start_loc=qsl)
+                spent += time.perf_counter() - t
         torch.cuda.synchronize()
         per = (time.perf_counter() - t0) / n
         if rec is not None:

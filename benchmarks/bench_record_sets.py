@@ -87,7 +87,6 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
         rec.observe(step=0, site="attn_metadata", rank=0, num_reqs=seq.numel(), num_reqs_padded=seq.numel(), **kw)
         if mode == "floor":
             observe = _empty_launch(rec, seq)
-    a, b, c = mm
     spent = 0.0
     debug = (lambda mode: None) if cpu else torch.cuda.set_sync_debug_mode
     sampled = None if cpu else torch.cuda.Event()
@@ -97,19 +96,15 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
-        for s in range(steps):
-            seq.add_(1)  # the engine refreshes its metadata buffers on the stream every step
-            for k in range(4):
-                if k < 3:
-                    torch.mm(a, b, out=c)
-                if rec is not None:
-                    debug("warn")  # (only observe()'s synchronising calls are counted, not the step's own wait)
-                    t = time.perf_counter()
-                    observe(step=s, site="attn_metadata", rank=0, num_reqs=seq.numel(),
-                            num_reqs_padded=seq.numel(), **kw)
-                    spent += time.perf_counter() - t
-                    debug("default")
-            if sampled is not None and not run_ahead:
+        for s, last in engine_steps(seq, mm, steps):
+            if rec is not None:
+                debug("warn")  # (only observe()'s synchronising calls are counted, not the step's own wait)
+                t = time.perf_counter()
+                observe(step=s, site="attn_metadata", rank=0, num_reqs=seq.numel(), num_reqs_padded=seq.numel(),
+                        **kw)
+                spent += time.perf_counter() - t
+                debug("default")
+            if last and sampled is not None and not run_ahead:
                 sampled.record()  # the engine waits for the step's sampled tokens before it schedules the next
                 sampled.synchronize()
         if not cpu:
@@ -125,6 +120,18 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
         rec.close()
         out.update(n=len(rec), dropped=rec.dropped)
     return out
+
+
+def engine_steps(seq: torch.Tensor, mm: tuple, steps: int):
+    """An engine-like loop: each step refreshes its metadata buffer on the stream (seq += 1), then 3 queued matmuls
+    and 4 attention-metadata builds; yields (step, last build of the step) where each build is observed."""
+    a, b, c = mm
+    for s in range(steps):
+        seq.add_(1)  # the engine refreshes its metadata buffers on the stream every step
+        for k in range(4):
+            if k < 3:
+                torch.mm(a, b, out=c)
+            yield s, k == 3
 
 
 def snapshot_args(secs: list, slot: int, reqs: int) -> tuple:

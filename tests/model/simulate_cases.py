@@ -12,21 +12,22 @@ from dcptool.model.simulate import SimConfig, simulate
 SMALL = dict(steps=7, dummy_every=3, max_num_reqs=16, token_budget=1024)
 
 # (N, I, P, K, U, graph mode, spec method): every value of every axis of the issue's matrix appears,
-# and every fault applies in at least one row (see test_every_fault_is_exercised).
-MATRIX = [
-    (1, 1, 1, 0, 1, "none", "mtp"),
-    (1, 16, 2, 3, 2, "full", "mtp"),
-    (2, 1, 1, 3, 2, "full", "mtp"),
-    (2, 16, 2, 0, 1, "piecewise", "mtp"),
-    (2, 1, 2, 3, 2, "full", "mtp"),
-    (4, 1, 1, 0, 2, "piecewise", "mtp"),
-    (4, 16, 2, 3, 1, "full", "mtp"),
-    (4, 1, 2, 0, 2, "none", "dflash"),
-    (8, 16, 1, 3, 2, "full", "dflash"),
-    (8, 1, 2, 3, 2, "full", "mtp"),
-    (8, 16, 2, 0, 1, "none", "mtp"),
-    (2, 16, 1, 0, 1, "full", "mtp"),
-]
+# and every fault applies in at least one row (see test_every_fault_is_exercised). One row a line.
+_MATRIX = """
+1  1 1 0 1 none      mtp
+1 16 2 3 2 full      mtp
+2  1 1 3 2 full      mtp
+2 16 2 0 1 piecewise mtp
+2  1 2 3 2 full      mtp
+4  1 1 0 2 piecewise mtp
+4 16 2 3 1 full      mtp
+4  1 2 0 2 none      dflash
+8 16 1 3 2 full      dflash
+8  1 2 3 2 full      mtp
+8 16 2 0 1 none      mtp
+2 16 1 0 1 full      mtp
+"""
+MATRIX = [(*map(int, r[:5]), r[5], r[6]) for r in (line.split() for line in _MATRIX.strip().splitlines())]
 
 
 def config_of(row, seed, **kw) -> SimConfig:

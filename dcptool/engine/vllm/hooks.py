@@ -265,23 +265,30 @@ def _cg(sig: Sig, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
-def wrap_prepare_attn(orig, sig):
+def _framed(orig, frame):
+    """orig's wrapper: each call runs inside the frame that frame(args, kwargs) makes (Frame: one that cannot be made
+    stops recording, never the call)."""
     @functools.wraps(orig)
-    def prepare_attn(*args, **kwargs):
-        def make():
-            batch = sig.get(args, kwargs, "input_batch")
-            f = {"scope": True, "batch": batch, "cg": _mode(sig.get(args, kwargs, "cudagraph_mode"))}
-            for parent in reversed(stack()):
-                sliced = parent.get("sliced")
-                if sliced is not None and id(batch) in sliced:
-                    i = int(sig.get(args, kwargs, "ubatch_idx")) if "ubatch_idx" in sig.pos else 0
-                    f["ubatch"] = UbatchOf(i, parent["parent"], *sliced[id(batch)])
-                    break
-            return f
-
-        with Frame(make):
+    def wrapper(*args, **kwargs):
+        with Frame(lambda: frame(args, kwargs)):
             return orig(*args, **kwargs)
 
+    return wrapper
+
+
+def wrap_prepare_attn(orig, sig):
+    def frame(args, kwargs) -> dict:
+        batch = sig.get(args, kwargs, "input_batch")
+        f = {"scope": True, "batch": batch, "cg": _mode(sig.get(args, kwargs, "cudagraph_mode"))}
+        for parent in reversed(stack()):
+            sliced = parent.get("sliced")
+            if sliced is not None and id(batch) in sliced:
+                i = int(sig.get(args, kwargs, "ubatch_idx")) if "ubatch_idx" in sig.pos else 0
+                f["ubatch"] = UbatchOf(i, parent["parent"], *sliced[id(batch)])
+                break
+        return f
+
+    prepare_attn = _framed(orig, frame)
     prepare_attn.__dcptool_prepare__ = True
     return prepare_attn
 
@@ -298,38 +305,28 @@ def _ensure_prepare_wrapped(model_state) -> None:
 
 
 def wrap_execute(orig, sig):
-    @functools.wraps(orig)
-    def execute_model(*args, **kwargs):
-        def make():
-            runner = args[0]
-            learn(runner)
-            if getattr(runner, "model_state", None) is not None:
-                _ensure_prepare_wrapped(runner.model_state)
-            return {"scope": True, "site": "dummy" if sig.get(args, kwargs, "dummy_run") else "attn_metadata"}
+    def frame(args, kwargs) -> dict:
+        runner = args[0]
+        learn(runner)
+        if getattr(runner, "model_state", None) is not None:
+            _ensure_prepare_wrapped(runner.model_state)
+        return {"scope": True, "site": "dummy" if sig.get(args, kwargs, "dummy_run") else "attn_metadata"}
 
-        with Frame(make):
-            return orig(*args, **kwargs)
-
-    return execute_model
+    return _framed(orig, frame)
 
 
 def wrap_capture(site: str, full_param: str | None):
     """prepare_inputs_to_capture (full_cudagraph) and the DFlash capture path (FULL only)."""
 
     def make_wrapper(orig, sig):
-        @functools.wraps(orig)
-        def capture(*args, **kwargs):
-            def make():
-                learn(sig.get(args, kwargs, "block_tables"))
-                if "model_state" in sig.pos:
-                    _ensure_prepare_wrapped(sig.get(args, kwargs, "model_state"))
-                full = True if full_param is None else bool(sig.get(args, kwargs, full_param))
-                return {"scope": True, "site": site, "capture_graph": 2 if full else 1, "batch": None}
+        def frame(args, kwargs) -> dict:
+            learn(sig.get(args, kwargs, "block_tables"))
+            if "model_state" in sig.pos:
+                _ensure_prepare_wrapped(sig.get(args, kwargs, "model_state"))
+            full = True if full_param is None else bool(sig.get(args, kwargs, full_param))
+            return {"scope": True, "site": site, "capture_graph": 2 if full else 1, "batch": None}
 
-            with Frame(make):
-                return orig(*args, **kwargs)
-
-        return capture
+        return _framed(orig, frame)
 
     return make_wrapper
 
@@ -385,27 +382,22 @@ def wrap_slice(orig, sig):
 
 
 def wrap_draft(orig, sig):
-    @functools.wraps(orig)
-    def _build_attn_metadata(*args, **kwargs):
-        def make():
-            spec = args[0]
-            learn(getattr(spec, "block_tables", None))
-            f = {"site": "draft", "batch": None, "num_reqs": int(sig.get(args, kwargs, "num_reqs"))}
-            cg = _cg(sig, args, kwargs)
-            if cg is not None:
-                f["cg"] = cg
-            # 0.30+ keep the speculator's DCP size, 0.29 its block tables'
-            size = getattr(spec, "dcp_size", None)
-            if size is None:
-                size = getattr(getattr(spec, "block_tables", None), "cp_size", None)
-            if size == 1 and dcp_group()[0] > 1:
-                f["skip"] = "draft builds of a speculator whose KV cache is not DCP-sharded"
-            return f
+    def frame(args, kwargs) -> dict:
+        spec = args[0]
+        learn(getattr(spec, "block_tables", None))
+        f = {"site": "draft", "batch": None, "num_reqs": int(sig.get(args, kwargs, "num_reqs"))}
+        cg = _cg(sig, args, kwargs)
+        if cg is not None:
+            f["cg"] = cg
+        # 0.30+ keep the speculator's DCP size, 0.29 its block tables'
+        size = getattr(spec, "dcp_size", None)
+        if size is None:
+            size = getattr(getattr(spec, "block_tables", None), "cp_size", None)
+        if size == 1 and dcp_group()[0] > 1:
+            f["skip"] = "draft builds of a speculator whose KV cache is not DCP-sharded"
+        return f
 
-        with Frame(make):
-            return orig(*args, **kwargs)
-
-    return _build_attn_metadata
+    return _framed(orig, frame)
 
 
 def wrap_partition(orig, sig):
