@@ -5,7 +5,7 @@ each followed by the lines it prints and, when it does not exit 0, a last line `
 runs too, as a script that must exit 0, in its place among the page's blocks (so a console block can read
 what it wrote); pages whose Python examples another test runs are named in PYTHON_RUN_ELSEWHERE. A line `...` stands
 for any number of lines (none included), and `...` inside a line for any text. Timings (`0.12 s`, `3.68s`) are
-compared as numbers of seconds, whatever their value.
+compared as numbers of seconds, whatever their value, and the scratch directory's path is shown as `.`.
 
 Each command runs in bash on a pseudo-terminal of WIDTH x HEIGHT, as in a user's terminal (what a command
 prints differs between a terminal and a pipe), with the checkout's `dcptool` first on PATH and stdout and
@@ -217,6 +217,7 @@ def lines_match(expected: list[str], actual: list[str]) -> bool:
 def check_command(cmd: Command, where: str, cwd: Path, env: dict[str, str]) -> str | None:
     """None when the command exits and prints as shown, else what differs."""
     rc, actual = run_in_terminal(cmd.text, cwd, env)
+    actual = [ln.replace(str(cwd), ".") for ln in actual]
     if rc == cmd.exit and lines_match(cmd.expected, actual):
         return None
     head = f"{where}:{cmd.line}: $ {cmd.text}\n  exit {rc}" + ("" if rc == cmd.exit else f", shown [exit {cmd.exit}]")

@@ -112,6 +112,7 @@ def test_parse_console_reads_commands_outputs_and_exit_codes():
     ("printf 'a\\nb\\n'", ["a", "b"], 0, True),
     ("printf 'a\\nb\\n'", ["a", "c"], 0, False),
     ("echo no >&2; exit 3", ["no"], 3, True),  # stderr shows on the terminal, in order
+    ("pwd", ["."], 0, True),  # the scratch directory's path is shown as .
     ("echo no >&2; exit 3", ["no"], 0, False),  # an exit code not shown fails
     ("exit 0", [], 2, False),
     ("test -t 1 && echo terminal", ["terminal"], 0, True),  # run as on a user's terminal
@@ -239,6 +240,16 @@ def test_named_make_targets_exist(page):
            for t in re.findall(r"(?<![\w-])make ([a-z][\w-]*)", text) if t not in MAKE_TARGETS]
     assert not bad, "\n".join(bad)
 
+
+SOURCES = "\n".join(f.read_text(encoding="utf-8") for d in ("dcptool", "tests") for f in (ROOT / d).rglob("*.py"))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_ids(PAGES))
+def test_named_environment_variables_exist(page):
+    """Every DCPTOOL_* variable a page names is one the code reads (or the tests set)."""
+    names = set(re.findall(r"\bDCPTOOL_[A-Z_]*[A-Z]\b", page.read_text(encoding="utf-8")))
+    missing = sorted(n for n in names if n not in SOURCES)
+    assert not missing, f"{REL[page]} names {missing}, which nothing reads"
 
 METADATA_KEYS = {"dcptool.format", "dcptool.config", "dcptool.injected", "dcptool.capped"}  # docs/format.md
 
