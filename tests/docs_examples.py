@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyte
 from markdown_it import MarkdownIt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,6 +136,8 @@ def user_env() -> dict[str, str]:
 
 def screen_text(data: bytes) -> list[str]:
     """The lines a terminal shows after `data` (long lines whole), trailing blanks dropped."""
+    import pyte  # a test dependency (pip install -e '.[test]'); imported here so the other page checks run without it
+
     screen = pyte.Screen(SCREEN_COLUMNS, SCREEN_LINES)
     pyte.Stream(screen).feed(data.decode("utf-8", "replace"))
     if screen.cursor.y >= SCREEN_LINES - 1:
