@@ -55,7 +55,7 @@ test-oldest: $(OLDEST)/.installed-stamp
 	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider -W error::DeprecationWarning -W error::RuntimeWarning \
 		--ignore=tests/test_fuzz.py --ignore=tests/test_reliability.py --ignore=tests/engine --ignore=tests/vllm \
 		--ignore=tests/test_limits.py --ignore=tests/test_architecture.py --ignore=tests/report \
-		--ignore=tests/test_cli.py --ignore=tests/test_docs.py --ignore=tests/dcp/test_cubin.py -m "not kernel"
+		--ignore=tests/test_cli.py --ignore=tests/test_docs.py --ignore=tests/gpu/test_cubin.py -m "not kernel"
 
 test-vllm:
 	@failed=""; for v in $(VLLM_VERSIONS); do \

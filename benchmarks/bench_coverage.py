@@ -1,8 +1,8 @@
-"""What issue 15's checks (empty-mask, tot-lens, rank-agree) add to a replay, on a simulated clean dump.
+"""What the decode and cross-rank checks (empty-mask, tot-lens, rank-agree) add to a replay, on a simulated clean dump.
 
     python benchmarks/bench_coverage.py                  # DCP 4, PCP 2, 400 steps, decodes without drafts
     python benchmarks/bench_coverage.py --steps 2000
-    python benchmarks/bench_coverage.py --slots          # issue 16: slots + slot-partition, old vs new
+    python benchmarks/bench_coverage.py --slots          # slots + slot-partition, old vs new
     python benchmarks/bench_coverage.py --slots --inject slot-wrong-group,slot-all-ranks   # with findings
     python benchmarks/bench_coverage.py --slots --dump x.safetensors
 
@@ -10,7 +10,8 @@
 entries, 1.1 GB) prints each slot check's time, old (the whole-column implementation), chunked (main d07e667's,
 before the screen; both kept in tests/slot_reference.py) and new, that they agree, and per variant a replay
 in a fresh process: load time, replay time, replay/load ratio and its peak RSS against the dump's size.
-The new check_slots computes slot-partition's members in the same pass, so "both" is the figure to compare.
+The new pass (slot_pass) computes slot-partition's members with the slots findings, so "both" is the figure to
+compare.
 
     python benchmarks/bench_coverage.py --slots --no-old --dump bench-data/legacy-dcp8-3000.safetensors
 
@@ -44,7 +45,10 @@ def best(f, k: int = 5) -> float:
 
 
 def main() -> None:
+    import dcptool.check.decode as DEC
+    import dcptool.check.ranks as RK
     import dcptool.check.replay as R
+    from dcptool.check.findings import Written
     from dcptool.dump import open_dumps
     from dcptool.model.simulate import SimConfig, simulate
 
@@ -63,17 +67,22 @@ def main() -> None:
         res = simulate(SimConfig(dcp=4, pcp=2, steps=a.steps, spec_tokens=0, cudagraph="piecewise"),
                        Path(tmp) / "b.safetensors", force=True)
         d = open_dumps(res.files)
-    checks = (R.check_empty_mask, R.check_tot_lens, R.check_rank_agree)
+    # (replay finds each check by the name the rule table gives: replaced there, they find nothing)
+    names = {"empty-mask": (DEC, "check_empty_mask"), "tot-lens": (DEC, "check_tot_lens"),
+             "rank-agree": (RK, "check_rank_agree")}
+    checks = tuple(getattr(m, n) for m, n in names.values())
     assert R.replay(d, a.backend).findings == []
     with_ = best(lambda: R.replay(d, a.backend))
-    R.check_empty_mask = R.check_tot_lens = R.check_rank_agree = lambda d: []
+    for m, n in names.values():
+        setattr(m, n, lambda d, *_: Written(d).table())
     try:
         without = best(lambda: R.replay(d, a.backend))
     finally:
-        R.check_empty_mask, R.check_tot_lens, R.check_rank_agree = checks
+        for (m, n), f in zip(names.values(), checks):
+            setattr(m, n, f)
     print(f"{d.n} observations, {int(d['rows.seq_lens'].size)} seq_lens rows, "
           f"{int(d['rows.dcp_query_start_loc'].size)} dcp_query_start_loc rows")
-    print(f"replay: {with_:.3f} s with the issue-15 checks, {without:.3f} s without (ratio {with_ / without:.2f})")
+    print(f"replay: {with_:.3f} s with the three checks, {without:.3f} s without (ratio {with_ / without:.2f})")
     for name, f in zip(("empty-mask", "tot-lens", "rank-agree"), checks):
         print(f"  {name}: {best(lambda f=f: f(d)):.4f} s")
 
@@ -82,11 +91,13 @@ _REPLAY = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 import dcptool.check.replay as R
+import dcptool.check.slots as S
+from dcptool.check.findings import FindingTable
 from dcptool.dump import open_dumps
 if {variant!r} != "new":
     import slot_reference as ref
-    R.check_slot_rules = lambda d: (getattr(ref, {variant!r} + "_check_slots")(d),
-                                    getattr(ref, {variant!r} + "_check_slot_partition")(d))
+    S.check_slot_rules = lambda d: FindingTable.concat(d, [getattr(ref, {variant!r} + "_check_slots")(d),
+                                                           getattr(ref, {variant!r} + "_check_slot_partition")(d)])
 t0 = time.perf_counter(); d = open_dumps([{path!r}]); t1 = time.perf_counter()
 res = R.replay(d, {backend!r}); t2 = time.perf_counter()
 # VmHWM: this process's own peak (ru_maxrss also counts the parent's RSS at fork: Linux keeps it over exec)
@@ -102,6 +113,7 @@ def slots(a) -> None:
     from typer.testing import CliRunner
 
     import dcptool.check.slots as R
+    from dcptool.check.slot_pass import slot_pass
     from dcptool.cli import app
     from dcptool.dump import open_dumps
 
@@ -117,8 +129,9 @@ def slots(a) -> None:
         print(f"{d.n} observations, {int(d['obs.slots'][-1])} slot entries, {size / 2**30:.2f} GiB")
         variants = ("chunked", "new") if a.no_old else ("old", "chunked", "new")
         impl = {v: (getattr(ref, v + "_check_slots"), getattr(ref, v + "_check_slot_partition")) for v in variants[:-1]}
-        pair: dict = {}  # the new: one pass for both rules (check_slot_rules), timed under check_slots
-        impl["new"] = (lambda d: pair.setdefault("r", R.check_slot_rules(d))[0], lambda d: pair.pop("r")[1])
+        pair: dict = {}  # the new: one pass for both rules (slot_pass, as check_slot_rules), timed under check_slots
+        impl["new"] = (lambda d: pair.setdefault("r", slot_pass(d))[0],
+                       lambda d: R.check_slot_partition(d, pair.pop("r")[1]))
         tot = dict.fromkeys(variants, 0.0)
         got = {}
         for v in variants:

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dcptool.check import gpu  # noqa: E402
+from dcptool.dcp import fused  # noqa: E402
 from dcptool.dcp.reference import check_rows as ref_check  # noqa: E402
 
 
@@ -33,11 +33,11 @@ def make(rows_total: int, N: int = 4, I: int = 16, seed: int = 0):
     seq = torch.randint(1, 1 << 17, (R,), device="cuda", dtype=torch.int32, generator=g)
     nr = (ln - torch.randint(0, 8, (n,), device="cuda", generator=g)).to(torch.int32)
     ranks = torch.randint(0, N, (n,), device="cuda", dtype=torch.int32, generator=g)
-    exp = gpu.expected_rows(seq, rows, nr, ranks, N, I)
+    exp = fused.expected_rows(seq, rows, nr, ranks, N, I)
     return seq, rows, exp, rows.clone(), nr, ln.to(torch.int32), ranks, N, I
 
 
-# (rows per step, warps) of the flag pass; the default is gpu.FUSED_BLOCK / FUSED_WARPS
+# (rows per step, warps) of the flag pass; the default is fused.FUSED_BLOCK / FUSED_WARPS
 CONFIGS = [(256, 2), (128, 2), (256, 4), (512, 2)]
 
 
@@ -52,23 +52,23 @@ def bench(R: int) -> None:
     copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=400, return_mode="median")
     copy_bw = moved / copy_ms / 1e6
     dcp[::997] += 1  # planted wrong rows: the answer is checked below
-    stats = gpu.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I)
+    stats = fused.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I)
     k = min(n, 2000)
     want = ref_check(seq[: rows[k]].cpu(), rows[: k + 1].cpu(), dcp[: drows[k]].cpu(), drows[: k + 1].cpu(),
                      nr[:k].cpu(), nrp[:k].cpu(), ranks[:k].cpu(), N, I)
     assert torch.equal(stats[:4, :k].cpu(), want[:4]), "kernel disagrees with the reference"
     assert int(stats[0].sum()) > 0
-    default = (gpu.FUSED_BLOCK, gpu.FUSED_WARPS)
+    default = (fused.FUSED_BLOCK, fused.FUSED_WARPS)
     for block, warps in CONFIGS:
-        gpu.FUSED_BLOCK, gpu.FUSED_WARPS = block, warps
-        got = gpu.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I)
+        fused.FUSED_BLOCK, fused.FUSED_WARPS = block, warps
+        got = fused.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I)
         assert torch.equal(got, stats), (block, warps)
-        ms = triton.testing.do_bench(lambda: gpu.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I),
+        ms = triton.testing.do_bench(lambda: fused.check_rows(seq, rows, dcp, drows, nr, nrp, ranks, N, I),
                                      warmup=50, rep=400, return_mode="median")
         bw = moved / ms / 1e6
         print(f"| {seq.numel() / 1e6:.0f}M | {n:,} | {ms:.3f} | {bw:.0f} | {copy_ms:.3f} | {copy_bw:.0f} | "
               f"{bw / copy_bw:.2f} | {block} rows, {warps} warps |", flush=True)
-    gpu.FUSED_BLOCK, gpu.FUSED_WARPS = default
+    fused.FUSED_BLOCK, fused.FUSED_WARPS = default
 
 
 def main() -> None:

@@ -1,11 +1,11 @@
-"""Problem grouping (issue 17) against replay itself, in one run (CPU).
+"""Problem grouping against replay itself, in one run (CPU).
 
     python benchmarks/bench_problems.py [--steps 400,1600]
 
-Simulates a legacy recording (DCP 4, PCP 2: every fault), replays it, then times the three parts of
-grouping: the adapter from Finding objects to arrays (problems.finding_arrays, the part columnar findings
-replace), the vectorised grouping (problems.group) and, as the baseline, the replay that made the findings.
-Prints findings, problems, the times and grouping's share of the replay.
+Simulates a legacy recording (DCP 4, PCP 2: every fault), replays it, then times the grouping of its findings into
+problems (problems.problems: the keys read from the findings' columns, the vectorised grouping) against, as the
+baseline, the replay that made the findings. Prints findings, problems, the times and grouping's share of the
+replay.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dcptool.check.problems import finding_arrays, group  # noqa: E402
+from dcptool.check.problems import problems  # noqa: E402
 from dcptool.check.replay import replay  # noqa: E402
 from dcptool.dump import open_dumps
 from dcptool.model.simulate import SimConfig, simulate  # noqa: E402
@@ -46,11 +46,9 @@ def main() -> None:
 
 def measure(d, steps: int) -> None:
     t_rep, res = best(lambda: replay(d, "torch"), 1)
-    t_arr, fa = best(lambda: finding_arrays(res.findings, tuple(d.config.sites)))
-    t_grp, probs = best(lambda: group(d, fa, res.findings))
+    t_grp, probs = best(lambda: problems(d, res.findings))
     print(f"steps {steps}: {d.n} observations, {len(res.findings)} findings -> {len(probs)} problems; "
-          f"replay {t_rep:.3f} s, adapter {t_arr * 1e3:.1f} ms, grouping {t_grp * 1e3:.1f} ms "
-          f"({(t_arr + t_grp) / t_rep:.1%} of the replay)")
+          f"replay {t_rep:.3f} s, grouping {t_grp * 1e3:.1f} ms ({t_grp / t_rep:.1%} of the replay)")
 
 
 if __name__ == "__main__":

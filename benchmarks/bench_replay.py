@@ -113,11 +113,14 @@ def child_phases(path: str, backend: str) -> dict:
     """Each phase of replay timed alone (warm), as replay runs them; costs per observation, wrong view, finding."""
     import torch  # noqa: F401
 
-    from dcptool.check import replay as R  # (replay imports every check, the table and findings_of)
-    from dcptool.check.findings import Collector
+    from dcptool.check.findings import FindingTable
+    from dcptool.check.plan import plan, run_check
+    from dcptool.check.problems import problems
     from dcptool.check.provenance import Provenance
+    from dcptool.check.ranks import rank_pairs
     from dcptool.check.replay import obs_grid, replay
     from dcptool.check.scan import scan
+    from dcptool.dcp import rules as R
     from dcptool.dump import open_dumps
 
     replay(open_dumps([path]), backend)  # warm
@@ -130,42 +133,20 @@ def child_phases(path: str, backend: str) -> dict:
         T[name] = T.get(name, 0.0) + time.perf_counter() - t
         return r
 
-    pairs = R.rank_pairs(d) if d.config.dcp_size > 1 and hasattr(R, "rank_pairs") else None
-    st = timed("scan", lambda: scan(d, backend, pairs=pairs.prev) if pairs is not None else scan(d, backend))
-    found = Collector(d)
+    p = plan(d)
+    pairs = rank_pairs(d) if p.runs("rank-agree") else None
+    st = timed("scan", lambda: scan(d, backend, pairs=None if pairs is None else pairs.prev))
     wrong = st.obs[st.n_wrong > 0]
     prov = Provenance(d)
-    timed("provenance", prov.prepare, wrong)
-    found += timed("provenance", R.check_values, d, prov, st)
-    found += timed("checks", R.check_missing, d)
-    found += timed("checks", R.check_padding, d, st)
-    found += timed("checks", R.check_shape, d)
-    found += timed("checks", lambda: R.findings_of(d, R.check_rank_sum(d, wrong)))
-    if d.has(*R.RULE["ubatch-slice"].needs):
-        found += timed("checks", lambda: R.findings_of(d, R.check_ubatch_slice(d)))
-    if d.has(*R.RULE["alias"].needs):
-        found += timed("checks", lambda: R.findings_of(d, R.check_alias(d)))
-    for rule, name in (("empty-mask", "check_empty_mask"), ("tot-lens", "check_tot_lens"),
-                       ("rank-agree", "check_rank_agree")):  # issue 15's checks, where this version has them
-        check = getattr(R, name, None)
-        if check is not None and rule in R.RULE and d.has(*R.RULE[rule].needs):
-            if pairs is not None and rule == "rank-agree":  # (the rows were compared by the scan)
-                found += timed("checks", lambda: R.findings_of(d, R.check_rank_agree(d, pairs, st.differ)))
-            else:
-                found += timed("checks", lambda c=check: R.findings_of(d, c(d)))
-    if "slots" in R.RULE and d.has(*R.RULE["slots"].needs):
-        from dcptool.check.slots import check_slot_rules
-
-        for part in timed("slots", check_slot_rules, d):  # (one pass, both rules, as replay runs them)
-            found += R.findings_of(d, part)
+    if p.runs("mismatch"):
+        timed("provenance", prov.prepare, wrong)
+    inputs = {R.VERSION: d.config.engine_version, R.SCAN: st, R.WRONG: wrong, R.PAIRS: pairs, R.DIFFER: st.differ,
+              R.PROVENANCE: prov}
+    phase = {R.RULE["mismatch"].check: "provenance", R.RULE["slots"].check: "slots", R.RULE["pages"].check: "findings"}
+    parts = [timed(phase.get(check, "checks"), run_check, d, rules[0], inputs) for check, rules in p.run.items()]
     timed("checks", obs_grid, d)
-    if hasattr(R, "check_empty_mask"):
-        from dcptool.check.problems import problems
-
-        timed("findings", problems, d, found.table())
-    if d.has(*R.RULE["pages"].needs):
-        found += timed("findings", R.check_pages, d, st)
-    t = timed("findings", found.table)
+    t = timed("findings", FindingTable.concat, d, parts)
+    timed("findings", problems, d, t)
     lines = timed("json", lambda: sum(1 for _ in t.json_lines()))
     from dcptool.report.html import render_html
 

@@ -9,7 +9,7 @@ counts, ~1% of observations wrong), every size a prefix of it. Columns per size:
 - cpu s: `scan(d, "torch")`, the CPU path (one thread), best of a few runs;
 - gpu s: `scan(d, "triton")` on CUDA: pinned double-buffered staging, copies on a side stream
   overlapped with the check (warm: the process has run the kernels before);
-- old gpu s: the path before issue 16 item 3, in the same run (one pageable copy of each column,
+- old gpu s: the path before the pipelined transfer, in the same run (one pageable copy of each column,
   then one launch): the baseline for the transfer work;
 - gpu / cpu, gpu / old: ratios (< 1: faster).
 A process's first GPU scan also pays CUDA start-up and Triton's kernel load, once: printed as
@@ -76,21 +76,17 @@ def prefix(cols: dict[str, np.ndarray], n: int):
 
 
 def old_gpu(d):
-    """The GPU scan before issue 16 item 3: each column copied whole through pageable memory, one launch."""
+    """The GPU scan without the pipelined transfer: each column copied whole through pageable memory, one launch."""
     import torch
 
-    from dcptool.check.gpu import check_rows
-    from dcptool.check.scan import Stats
-    from dcptool.dcp.reference import RowStats
+    from dcptool.dcp.fused import check_rows
 
     c = d.config
     t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to("cuda")  # noqa: E731
     st = check_rows(t(d["rows.seq_lens"]), t(d["obs.rows"]), t(d["rows.dcp_local_seq_lens"]), t(d["obs.dcp_rows"]),
                     t(d["obs.num_reqs"]), t(d["obs.num_reqs_padded"]), t(d["obs.rank"]), c.dcp_size, c.cp_interleave,
                     kv_pages=t(d["rows.kv_pages"]), page_size=c.page_size)
-    st = RowStats(*st.stacked().cpu().numpy().astype(np.int64))
-    hit = np.flatnonzero((st.n_wrong > 0) | (st.n_pad > 0) | (st.n_pages > 0))
-    return Stats(hit, *(x[hit] for x in st))
+    return type(st)(*st.stacked().cpu().numpy().astype(np.int64)).sparse()
 
 
 STARTUP = """
@@ -209,19 +205,19 @@ def main() -> None:
             line += " - | - | - | - | - |"
         print(line, flush=True)
     if gpu:
-        from dcptool.check import scan as scan_mod
+        from dcptool.gpu import staging
 
         n = max([x for x in sizes if x <= 1_000_000] or sizes[:1])
         d = prefix(cols, n)
-        default = scan_mod.STAGE_THREADS
-        print(f"\nstaging threads at {n:,} observations (scan.STAGE_THREADS = {default}):")
+        default = staging.STAGE_THREADS
+        print(f"\nstaging threads at {n:,} observations (staging.STAGE_THREADS = {default}):")
         print("| threads | gpu s | GB/s (dump bytes / gpu s) |")
         print("|---|---|---|")
         for k in (1, 2, 4, 8):
-            scan_mod.STAGE_THREADS = k
+            staging.STAGE_THREADS = k
             s, _ = timed(lambda: scan(d, "triton"), 3)
             print(f"| {k} | {s:.4f} | {(int(d['obs.rows'][-1]) * 12 + n * 37) / s / 1e9:.1f} |")
-        scan_mod.STAGE_THREADS = default
+        staging.STAGE_THREADS = default
         say = lambda x: f"{x:,} observations" if x is not None else "not within the sizes run"  # noqa: E731
         print(f"crossover, warm (GPU already started): {say(warm_x)}")
         print(f"crossover, fresh process (start-up included; what `auto` should use): {say(cold_x)}")

@@ -1,12 +1,12 @@
-"""Where a fresh `dcptool replay --backend triton` process spends its time (issue 28 item 9), on a GPU machine
-(written for the next GPU session: on a CPU it runs, the triton backend there being the interpreter).
+"""Where a fresh `dcptool replay --backend triton` process spends its time, on a GPU machine (on a CPU it runs, the
+triton backend there being the interpreter).
 
     python benchmarks/probe_fresh_replay.py [--obs 1e6]
 
 Prints: the read floor and each backend as fresh processes; a fresh process's start-up steps timed one after the
-other (libcuda's start-up, the primary context, the kernels from dcptool's cubin cache, pinned memory, a copy's
-speed; torch's import last, for comparison); and the cumulative profile of a fresh `--backend triton` process
-(its main thread: the waits on the read and on the GPU show as such).
+other (the driver's start-up, cuda-core and the primary context, the kernels from dcptool's cubin cache, pinned
+memory, a copy's speed; torch's import last, for comparison); and the cumulative profile of a fresh
+`--backend triton` process (its main thread: the waits on the read and on the GPU show as such).
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ import time; t = [time.perf_counter()]
 def lap(name): t.append(time.perf_counter()); print(f"  {name:<40} {t[-1] - t[-2]:6.3f} s", flush=True)
 import numpy as np; lap("import numpy")
 import dcptool.dump, dcptool.check.replay; lap("import dcptool's replay")
-from dcptool.dcp import cuda
-ok = cuda.available(); lap(f"libcuda: cuInit, devices ({ok})")
+from dcptool.gpu import cuda
+ok = cuda.available(); lap(f"the driver: cuInit, devices ({ok})")
 if ok:
-    g = cuda.gpu(); lap("primary context (cuda.gpu())")
-    from dcptool.check.scan_cuda import _Fn
+    g = cuda.gpu(); lap("cuda.core, primary context (cuda.gpu())")
+    from dcptool.gpu.scan_cuda import Fn
     c = dict(DCP_SIZE=4, INTERLEAVE=1, PAGE=16, HAS_PAGES=True, BLOCK=256)
-    _Fn(g, "flag_rows_kernel", c, 2); _Fn(g, "check_rows_kernel", c, 4); _Fn(g, "differ_rows_kernel", {"BLOCK": 256}, 2)
+    Fn(g, "flag_rows_kernel", c, 2); Fn(g, "check_rows_kernel", c, 4); Fn(g, "differ_rows_kernel", {"BLOCK": 256}, 2)
     lap("3 kernels (dcptool's cubin cache)")
-    h = [g.pinned(1 << 24, np.int32) for _ in range(6)]; lap("6 x 64 MB pinned (cuMemHostAlloc)")
-    d = g.alloc(1 << 26); s = g.stream(); h[0][:] = 1; lap("touch 64 MB pinned")
+    h = [g.pinned(1 << 24, np.int32)[0] for _ in range(6)]; lap("6 x 64 MB pinned (cuMemAllocHost)")
+    s = g.stream(); d = g.alloc(1 << 26, s); g.sync(s); h[0][:] = 1; lap("touch 64 MB pinned")
     t0 = time.perf_counter(); [g.to_device(d, h[0], s) for _ in range(16)]; g.sync(s)
     print(f"  H2D from pinned: {16 * 64 / 1024 / (time.perf_counter() - t0):.1f} GB/s", flush=True); lap("copies")
 import sys; print("  torch imported so far:", "torch" in sys.modules)

@@ -18,19 +18,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's dcptool, run from anywhere
 
+import importlib
+
 import dcptool.check.problems as problems_mod
 import dcptool.check.provenance as provenance_mod
 import dcptool.check.replay as replay_mod
 import dcptool.check.scan as scan_mod
-import dcptool.check.scan_cuda as scan_cuda_mod
 import dcptool.dump.stream as stream_mod
+import dcptool.gpu.scan_cuda as scan_cuda_mod
+from dcptool.check.plan import checks
 from dcptool.dump import open_dumps
 from dcptool.memory import keep_freed_memory
-
-# replay.py's names for the checks it runs (wrapped where replay looks them up)
-CHECKS = ("check_missing", "check_shape", "check_stray", "check_ubatch_slice", "check_alias", "obs_grid",
-          "check_empty_mask", "check_tot_lens", "check_slot_rules", "check_rank_sum", "check_rank_agree",
-          "check_values", "check_padding", "check_pages", "rank_pairs")
 
 spans: list[tuple[float, float, str, str]] = []
 t0 = [0.0]
@@ -57,9 +55,11 @@ def main() -> None:
                     "fresh process pays them) rather than the second")
     args = ap.parse_args()
     keep_freed_memory()
-    for name in CHECKS:
-        if hasattr(replay_mod, name):
-            timed(replay_mod, name)
+    for check in checks():  # (wrapped where replay looks them up: by the rule table's names)
+        module, _, name = check.rpartition(".")
+        timed(importlib.import_module(f"dcptool.check.{module}"), name)
+    timed(replay_mod, "rank_pairs")
+    timed(replay_mod, "obs_grid")
     timed(scan_mod, "scan")
     timed(problems_mod, "problems")
     timed(provenance_mod.Provenance, "prepare")

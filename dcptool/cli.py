@@ -384,7 +384,7 @@ def simulate(
 
 
 # --------------------------------------------------------------------------------------------
-# Diagnosis (issue 17): a minimal reproducer, and a regression test made from it
+# Diagnosis: a minimal reproducer, and a regression test made from it
 
 
 @app.command()

@@ -9,11 +9,32 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dcptool.check.findings import FindingTable, Written
 from dcptool.check.ranks import kth_per_rank
-from dcptool.check.rules import Issue
-from dcptool.check.slots import _SLOT_KIND_TEXT, _SLOT_KINDS, _few, _group_name
+from dcptool.check.slot_pass import SLOT_KIND_TEXT as _SLOT_KIND_TEXT
+from dcptool.check.slot_pass import SLOT_KINDS as _SLOT_KINDS
+from dcptool.check.slot_pass import group_name as _group_name
+from dcptool.check.slots import few as _few
 from dcptool.dcp.segments import group_ids, obs_chunks, ragged
 from dcptool.dump import Dump
+
+
+class Issue(NamedTuple):
+    """One finding as the references write it; _table makes their lists FindingTables, as the checks return."""
+
+    index: int
+    rule: str
+    text: str
+    fields: dict
+
+
+def _table(d: Dump, issues: list[Issue]) -> FindingTable:
+    w = Written(d)
+    for i in issues:
+        f = i.fields
+        w.add(i.index, i.rule, i.text, row=f.get("row"), recorded=f.get("recorded"), expected=f.get("expected"),
+              wrong_rows=f.get("wrong_rows", 0), detail=f.get("detail"))
+    return w.table()
 
 
 class _SlotEntries(NamedTuple):
@@ -79,7 +100,7 @@ def _slot_entries(d: Dump) -> _SlotEntries:
 
 
 
-def old_check_slots(d: Dump) -> list[Issue]:
+def old_check_slots(d: Dump) -> FindingTable:
     """Per observation: each token's slot against vLLM's ownership rule (module comment above): padded
     tokens and non-owners of a DCP-sharded position write -1; the owner, and every rank in a replicated
     group, writes a slot (unless the build writes nothing at all); where the group's block size is known, a
@@ -88,7 +109,7 @@ def old_check_slots(d: Dump) -> list[Issue]:
     N, I_ = c.dcp_size, c.cp_interleave
     s = _slot_entries(d)
     if s.obs.size == 0:
-        return []
+        return _table(d, [])
     rank = d["obs.rank"].astype(np.int64)[s.obs]
     writes = s.run_writes[s.run]
     w = s.slot >= 0
@@ -119,7 +140,7 @@ def old_check_slots(d: Dump) -> list[Issue]:
     kind = np.select(kinds, np.arange(len(kinds)), -1)
     bad = np.flatnonzero(kind >= 0)
     if bad.size == 0:
-        return []
+        return _table(d, [])
     obs_bad, first, count = np.unique(s.obs[bad], return_index=True, return_counts=True)
     out: list[Issue] = []
     for o, k, n in zip(obs_bad.tolist(), bad[first].tolist(), count.tolist()):
@@ -138,10 +159,10 @@ def old_check_slots(d: Dump) -> list[Issue]:
         expected = -1 if name in ("padded", "non-owner") else None
         out.append(Issue(o, "slots", text, {"row": t, "recorded": sl, "expected": expected, "wrong_rows": n,
                                             "detail": detail}))
-    return out
+    return _table(d, out)
 
 
-def old_check_slot_partition(d: Dump) -> list[Issue]:
+def old_check_slot_partition(d: Dump) -> FindingTable:
     """Across the N ranks of one (step, site, micro-batch, KV-cache group) recorded on every rank (the k-th
     recording of each rank makes the k-th set), each real token of a DCP-sharded group must be written by
     exactly one rank. A position written by several ranks is reported at the ranks that do not own it, one
@@ -153,7 +174,7 @@ def old_check_slot_partition(d: Dump) -> list[Issue]:
     N = c.dcp_size
     s = _slot_entries(d)
     if N == 1 or s.obs.size == 0:
-        return []
+        return _table(d, [])
     # one member per (observation, sharded group) run: its first entry
     first = np.full(s.run_writes.size, s.obs.size, np.int64)
     np.minimum.at(first, s.run, np.arange(s.obs.size))
@@ -162,7 +183,7 @@ def old_check_slot_partition(d: Dump) -> list[Issue]:
     keep = s.sharded[first]
     m = np.flatnonzero(keep)
     if m.size == 0:
-        return []
+        return _table(d, [])
     o = m_obs[m]
     key = [d["obs.step"][o], d["obs.site"][o].astype(np.int64), d["obs.ubatch"][o].astype(np.int64), m_grp[m],
            m_real[m], d["obs.num_reqs"][o].astype(np.int64)]
@@ -174,7 +195,7 @@ def old_check_slot_partition(d: Dump) -> list[Issue]:
     es = set_of_run[s.run]
     sel = np.flatnonzero((es >= 0) & s.real)
     if sel.size == 0:
-        return []
+        return _table(d, [])
     tid = _group_ids([es[sel], s.tok[sel]])
     wr = (s.slot[sel] >= 0).astype(np.int64)
     writers = np.bincount(tid, weights=wr).astype(np.int64)
@@ -189,7 +210,7 @@ def old_check_slot_partition(d: Dump) -> list[Issue]:
     tset[tid] = es[sel]
     bad_tok = (writers != 1) & (pmin == pmax) & set_writes[tset]
     if not bad_tok.any():
-        return []
+        return _table(d, [])
     erank = d["obs.rank"].astype(np.int64)[s.obs[sel]]
     bt = bad_tok[tid]
     many = bt & (writers[tid] >= 2) & (wr > 0) & (erank != s.owner[sel])
@@ -201,7 +222,7 @@ def old_check_slot_partition(d: Dump) -> list[Issue]:
     blame = many | none
     ent = sel[blame]
     if ent.size == 0:
-        return []
+        return _table(d, [])
     out: list[Issue] = []
     eo = s.obs[ent]
     order = np.argsort(eo, kind="stable")
@@ -237,7 +258,7 @@ def old_check_slot_partition(d: Dump) -> list[Issue]:
         out.append(Issue(i, "slot-partition", text, {"row": int(s.tok[k]), "recorded": int(s.slot[k]),
                                                       "expected": None, "wrong_rows": int(mine.size),
                                                       "detail": detail}))
-    return out
+    return _table(d, out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +327,7 @@ def _spread(per_run, run_len: np.ndarray) -> np.ndarray:
     return np.repeat(per_run, run_len)
 
 
-def chunked_check_slots(d: Dump) -> list[Issue]:
+def chunked_check_slots(d: Dump) -> FindingTable:
     """Per observation: each token's slot against vLLM's ownership rule (module comment above): padded
     tokens and non-owners of a DCP-sharded position write -1; the owner, and every rank in a replicated
     group, writes a slot (unless the build writes nothing at all); where the group's block size is known, a
@@ -320,7 +341,7 @@ def chunked_check_slots(d: Dump) -> list[Issue]:
     N, I_ = c.dcp_size, c.cp_interleave
     offs = d["obs.slots"]
     if d.n == 0 or int(offs[-1]) == 0:
-        return []
+        return _table(d, [])
     real_tokens = _real_tokens(d)
     rank_all = d["obs.rank"].astype(np.int64)
     out: list[Issue] = []
@@ -421,7 +442,7 @@ def chunked_check_slots(d: Dump) -> list[Issue]:
             out.append(_slot_issue(d, lo + o, n_bad, k - int(start[r]), int(r_grp[r]), int(r_real[r]), int(pos[k]),
                                    int(slot[k]), bool(real[k]), bool(r_sh[r]), int(r_bs[r]),
                                    True if mine is None else bool(mine[k]), bool(r_writes[r]), two))
-    return out
+    return _table(d, out)
 
 
 def _slot_issue(d: Dump, i: int, n: int, t: int, g: int, n_real: int, p: int, sl: int, real: bool, sharded: bool,
@@ -457,7 +478,7 @@ def _slot_issue(d: Dump, i: int, n: int, t: int, g: int, n_real: int, p: int, sl
     return Issue(i, "slots", text, {"row": t, "recorded": sl, "expected": expected, "wrong_rows": n, "detail": detail})
 
 
-def chunked_check_slot_partition(d: Dump) -> list[Issue]:
+def chunked_check_slot_partition(d: Dump) -> FindingTable:
     """Across the N ranks of one (step, site, micro-batch, KV-cache group) recorded on every rank (the k-th
     recording of each rank makes the k-th set), each real token of a DCP-sharded group must be written by
     exactly one rank. A position written by several ranks is reported at the ranks that do not own it, one
@@ -472,7 +493,7 @@ def chunked_check_slot_partition(d: Dump) -> list[Issue]:
     N, I_ = c.dcp_size, c.cp_interleave
     offs = d["obs.slots"]
     if N == 1 or d.n == 0 or int(offs[-1]) == 0:
-        return []
+        return _table(d, [])
     real_tokens = _real_tokens(d)
     # one member per (observation, DCP-sharded group) run, in (observation, group) order: its first entry and
     # length where its entries are consecutive (the Recorder's layout), else its observation's entries
@@ -495,10 +516,10 @@ def chunked_check_slot_partition(d: Dump) -> list[Issue]:
         parts.append((lo + run_obs, grp[start].astype(np.int64), np.where(rt >= 0, rt, run_len), first, span,
                       run_len))
     if not parts:
-        return []
+        return _table(d, [])
     m_obs, m_grp, m_real, m_first, m_span, m_len = (np.concatenate(x) for x in zip(*parts))
     if m_obs.size == 0:
-        return []
+        return _table(d, [])
     key = [d["obs.step"][m_obs], d["obs.site"][m_obs].astype(np.int64), d["obs.ubatch"][m_obs].astype(np.int64),
            m_grp, m_real, d["obs.num_reqs"][m_obs].astype(np.int64)]
     rank = d["obs.rank"].astype(np.int64)
@@ -510,7 +531,7 @@ def chunked_check_slot_partition(d: Dump) -> list[Issue]:
     mset = sets[mr]
     nset = mr.size // N
     if nset == 0:
-        return []
+        return _table(d, [])
     tokens = np.minimum(m_real, m_len)[mr].reshape(nset, N).max(axis=1)  # real tokens per set (token ids)
     found = []
     for slo, shi in obs_chunks(m_span[mr].reshape(nset, N).sum(axis=1), SLOT_CHUNK):
@@ -571,7 +592,7 @@ def chunked_check_slot_partition(d: Dump) -> list[Issue]:
                                   tok[e].astype(np.int32), m_grp[mm][seg[e]].astype(np.int32),
                                   mset[slo * N + seg[e]], extra=extra))
     if not found:
-        return []
+        return _table(d, [])
     f = _cap_per_obs(*[np.concatenate(x) for x in zip(*[r[0] for r in found])])
     cnt_keys = np.concatenate([r[1] for r in found])
     cnt = np.concatenate([r[2] for r in found])
@@ -607,7 +628,7 @@ def chunked_check_slot_partition(d: Dump) -> list[Issue]:
         detail = {"group": g, "written_by_several": sev, "unwritten": zero, "obs": members[ml:mh]}
         out.append(Issue(i, "slot-partition", msg, {"row": int(tok[kk]), "recorded": int(slot[kk]),
                                                      "expected": None, "wrong_rows": ts + tz, "detail": detail}))
-    return out
+    return _table(d, out)
 
 
 def _cap_per_obs(at, eo, kind, *cols, extra=None):

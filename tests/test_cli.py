@@ -795,7 +795,7 @@ def _out_of_memory(*a, **k):
 @pytest.mark.parametrize("args,target,cut", [
     (["replay", "DUMP"], "dcptool.check.scan.scan", "replay fewer files at once"),
     (["replay", "DUMP", "--json"], "dcptool.check.problems.problems", "without --split or --html"),
-    (["replay", "DUMP"], "dcptool.check.replay.check_missing", "replay fewer files"),  # on a check's thread
+    (["replay", "DUMP"], "dcptool.check.values.check_missing", "replay fewer files"),  # on a check's thread
     (["diff", "DUMP", "DUMP"], "dcptool.diagnose.diff.diff", "compare fewer files at once"),
     (["reduce", "DUMP", "--finding", "missing", "-o", "OUT"], "dcptool.diagnose.reduce.reduce_dump",
      "reduce fewer files"),

@@ -36,7 +36,7 @@ def test_every_public_error_class_of_dcptool_derives_from_the_root():
         mod = importlib.import_module(m.name)
         for name, obj in vars(mod).items():
             if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == m.name:
-                if not name.startswith("_"):  # (reduce's _Budget: control flow inside one function, never raised out)
+                if not name.startswith("_"):  # (a private exception: control flow inside its module)
                     found[f"{m.name}.{name}"] = obj
     assert {"dcptool.dump.schema.DumpError", "dcptool.dcp.backend.BackendError", "dcptool.model.config.SimError",
             "dcptool.diagnose.export.ExportError", "dcptool.diagnose.reduce.ReduceError",

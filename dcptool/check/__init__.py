@@ -1,1 +1,2 @@
-"""The offline checks: replay's pipeline (scan, rules, slots, provenance, findings, problems)."""
+"""The offline checks: replay's pipeline (the plan read from the rule table, the scan, the checks, provenance, findings,
+problems)."""

@@ -1,11 +1,12 @@
-"""Findings as columns (issue 16 item 2): one numpy array per field, messages rendered only for what is shown.
+"""Findings: one type, FindingTable, a table of columns (one numpy array per field) whose messages are rendered
+only for what is read.
 
-A dense recording has a finding on most observations (138,839 in 99,008 observations of `simulate --dcp 8
---pipeline legacy`); building a Finding object and its message for each cost more than the scan. The checks
-hand their results over as arrays (or as rules.Issue lists, for the checks that find few), a FindingTable
-holds them as columns, and a Finding object with its message is made only when a finding is read one at a
-time: the text report's first 100, the HTML table, a test. Vectorised consumers (counts, the timeline) read
-the arrays; the JSON Lines writer streams from the columns.
+A dense recording has a finding on most of its observations (138,839 in 99,008 of `simulate --dcp 8 --pipeline
+legacy`): a Python object and a message for each would cost more than the scan. The vectorised checks hand their
+findings over as arrays (FindingTable.build), the checks that find few write each one's text themselves
+(Written), and a Finding, the view of one row with its message, is made only when a finding is read one at a
+time: the text report's first 100, the HTML table, a test. Vectorised readers (counts, the timeline, problems)
+read the arrays; the JSON Lines writer streams from the columns.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dcptool.check.provenance import Source
-from dcptool.check.rules import RULES, SEVERITY, Issue
+from dcptool.dcp.rules import RULES, SEVERITY
 
 if TYPE_CHECKING:
     from dcptool.dump import Dump
 
 RELATIONS = ("parent-rows", "earlier-in-step", "earlier-step")  # Source.relation, by code
+
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,8 @@ class Finding:
                 "detail": self.detail, "message": self.message}
 
 
-# How a finding's text and detail are made from its columns. STORED: the check wrote them (an Issue);
-# the others are rendered on demand by _TEXT / _DETAIL below from the columns and the dump.
+# How a finding's text and detail are made from its columns. STORED: the check wrote them (Written); the others
+# are rendered when read (render_texts) from the columns and the dump.
 STORED, VALUE, MISSING, PADDING, SHAPE, STRAY, PAGES, ALIAS_UB, ALIAS_GRAPH = range(9)
 
 _EXPLAIN = {
@@ -89,13 +91,13 @@ _MASK = ("has_row", "has_recorded", "has_expected")
 class FindingTable(Sequence):
     """Findings in observation order (then DESIGN §3's table order), as columns.
 
-    A Sequence of Finding: `t[k]`, iteration and slices (`t[:100]`, a table again) work as on the list replay
-    used to return; a Finding and its message are made only when one is read (and `t[k]` keeps it, so the
-    same object comes back). Arrays for vectorised readers: `index`, `rule_code` (into rules.RULES), `rule`
-    (names), `obs`, `file_index`, `step`, `site_code` (into config.sites), `site`, `rank`, `ubatch`, `row`,
-    `recorded`, `expected` (with `has_row`, `has_recorded`, `has_expected`: False where the field is None),
-    `wrong_rows`, `source` (merged index, -1 none), `relation` (into RELATIONS, -1 none), `severity_code`
-    (1 error, 0 warning).
+    A Sequence of Finding: `t[k]`, iteration and slices (`t[:100]`, a table again) work as on a list, and a
+    table equals a list of the same findings; a Finding and its message are made only when one is read (and
+    `t[k]` keeps it, so the same object comes back). Arrays for vectorised readers: `index`, `rule_code` (into
+    rules.RULES), `rule` (names), `obs`, `file_index`, `step`, `site_code` (into config.sites), `site`, `rank`,
+    `ubatch`, `row`, `recorded`, `expected` (with `has_row`, `has_recorded`, `has_expected`: False where the
+    field is None), `wrong_rows`, `source` (merged index, -1 none), `relation` (into RELATIONS, -1 none),
+    `severity_code` (1 error, 0 warning).
     """
 
     def __init__(self, d: Dump | None, cols: dict[str, np.ndarray], stored: dict[int, tuple[str, dict]],
@@ -113,10 +115,11 @@ class FindingTable(Sequence):
         return cls.build(d, np.zeros(0, np.int64), "missing", MISSING)
 
     @classmethod
-    def build(cls, d: Dump | None, index: np.ndarray, rule: str | np.ndarray, kind: int, **cols) -> FindingTable:
-        """Findings of one check: `index` the observations; `rule` a name or codes; other columns by name
-        (missing integer columns are 0, -1 for source and relation; a mask column is True where its
-        field was given)."""
+    def build(cls, d: Dump | None, index: np.ndarray, rule: str | np.ndarray, kind: int,
+              stored: dict[int, tuple[str, dict]] | None = None, **cols) -> FindingTable:
+        """Findings of one check: `index` the observations; `rule` a name or codes; `kind` how their texts are
+        made (STORED: `stored` maps each row to its text and detail); other columns by name (missing integer
+        columns are 0, -1 for source and relation; a mask column is True where its field was given)."""
         index = np.asarray(index, np.int64)
         n = index.size
         code = (np.full(n, RULES.index(rule), np.int8) if isinstance(rule, str) else np.asarray(rule, np.int8))
@@ -128,33 +131,7 @@ class FindingTable(Sequence):
         for k, field in zip(_MASK, ("row", "recorded", "expected")):
             v = cols.get(k)
             out[k] = np.full(n, field in cols, bool) if v is None else np.asarray(v, bool)
-        return cls(d, out, {})
-
-    @classmethod
-    def from_issues(cls, d: Dump, issues: list) -> FindingTable:
-        """rules.Issue lists (checks that find few): their texts and details are kept as written."""
-        n = len(issues)
-        cols: dict[str, list] = {k: [0] * n for k in ("row", "recorded", "expected", "wrong_rows")}
-        masks = {k: [False] * n for k in _MASK}
-        src, rel = [-1] * n, [-1] * n
-        stored = {}
-        for k, (_, _, text, kw) in enumerate(issues):
-            for f, m in zip(("row", "recorded", "expected"), _MASK):
-                v = kw.get(f)
-                if v is not None:
-                    cols[f][k], masks[m][k] = int(v), True
-            cols["wrong_rows"][k] = int(kw.get("wrong_rows", 0))
-            s = kw.get("source")
-            if s is not None:
-                src[k], rel[k] = s.index, RELATIONS.index(s.relation)
-            stored[k] = (text, kw.get("detail") or {})
-        t = cls.build(d, np.array([x[0] for x in issues], np.int64),
-                      np.array([RULES.index(x[1]) for x in issues], np.int8), STORED,
-                      source=np.array(src, np.int64), relation=np.array(rel, np.int64),
-                      **{k: np.array(v, np.int64) for k, v in cols.items()},
-                      **{k: np.array(v, bool) for k, v in masks.items()})
-        t._stored = stored
-        return t
+        return cls(d, out, stored or {})
 
     @classmethod
     def concat(cls, d: Dump | None, parts: list[FindingTable]) -> FindingTable:
@@ -266,17 +243,17 @@ class FindingTable(Sequence):
             source = Source(index=s, obs=int(d.file_obs[s]), file=d.file_of(s),
                             relation=RELATIONS[int(c["relation"][r])], step=int(d["obs.step"][s]),
                             site=d.site_name(s), ubatch=int(d["obs.ubatch"][s]))
-        text, detail = self._text_detail(r, rule)
+        text, detail = self._text_detail(r)
         return Finding(rule=rule, index=i, obs=int(d.file_obs[i]), file=d.file_of(i), step=int(d["obs.step"][i]),
                        site=d.site_name(i), rank=int(d["obs.rank"][i]), ubatch=int(d["obs.ubatch"][i]),
                        row=opt[0], recorded=opt[1], expected=opt[2], wrong_rows=int(c["wrong_rows"][r]), text=text,
                        source=source, detail=detail)
 
-    def _text_detail(self, r: int, rule: str) -> tuple[str, dict]:
-        kind = int(self._cols["kind"][r])
-        if kind == STORED:
+    def _text_detail(self, r: int) -> tuple[str, dict]:
+        if int(self._cols["kind"][r]) == STORED:
             return self._stored[r]
-        return render_text(self, r, rule, kind), _detail(self._cols, r, rule, kind, self.d)
+        texts, details = render_texts(self, np.array([r]))
+        return texts[0], json.loads(details[0])
 
     # ----- JSON Lines, streamed from the columns
 
@@ -357,6 +334,38 @@ class FindingTable(Sequence):
     def count_errors(self) -> tuple[int, int]:
         e = int(self.severity_code.sum())
         return e, len(self) - e
+
+    def cells(self) -> np.ndarray:
+        """[k, 5] int64: (site index, rank, step, ubatch, rule index) per finding (the timeline's input)."""
+        return np.stack([self.site_code, self.rank, self.step, self.ubatch, self.rule_code.astype(np.int64)],
+                        axis=1).reshape(len(self), 5)
+
+
+class Written:
+    """The findings of a check that writes each one's text and detail itself (the checks that find few, Python per
+    finding): add() them in any order, then table(). A field left None is absent (None in the JSON)."""
+
+    def __init__(self, d: Dump):
+        self.d = d
+        self.index: list[int] = []
+        self.rule: list[int] = []
+        self.ints: dict[str, list[int]] = {k: [] for k in ("row", "recorded", "expected", "wrong_rows")}
+        self.texts: list[tuple[str, dict]] = []
+
+    def add(self, index: int, rule: str, text: str, *, row: int | None = None, recorded: int | None = None,
+            expected: int | None = None, wrong_rows: int = 0, detail: dict | None = None) -> None:
+        self.index.append(int(index))
+        self.rule.append(RULES.index(rule))
+        for k, v in (("row", row), ("recorded", recorded), ("expected", expected), ("wrong_rows", wrong_rows)):
+            self.ints[k].append(v)
+        self.texts.append((text, detail or {}))
+
+    def table(self) -> FindingTable:
+        cols = {k: np.array([0 if x is None else int(x) for x in v], np.int64) for k, v in self.ints.items()}
+        masks = {m: np.array([x is not None for x in self.ints[f]], bool) for f, m in zip(("row", "recorded",
+                                                                                           "expected"), _MASK)}
+        return FindingTable.build(self.d, np.array(self.index, np.int64), np.array(self.rule, np.int8), STORED,
+                                  dict(enumerate(self.texts)), **cols, **masks)
 
 
 def render_texts(t: FindingTable, rows: np.ndarray) -> tuple[list[str], list[str]]:
@@ -439,46 +448,6 @@ def render_texts(t: FindingTable, rows: np.ndarray) -> tuple[list[str], list[str
     return texts, details
 
 
-def render_text(t: FindingTable, r: int, rule: str, kind: int) -> str:
-    """The text of column row r (everything after "where: "), as the per-finding builders wrote it."""
-    c, d = t._cols, t.d
-    cfg = d.config
-    i = int(c["index"][r])
-    if kind == MISSING:
-        return (f"dcp_local_seq_lens is None with dcp_size {cfg.dcp_size}; attention metadata would fail "
-                "with 'NoneType' object is not subscriptable")
-    if kind == STRAY:
-        return "a DCP view is present with dcp_size 1; the engine should pass None"
-    if kind == SHAPE:
-        return f"DCP view has {int(c['a0'][r])} rows, must have num_reqs_padded = {int(c['a1'][r])}"
-    if kind in (ALIAS_UB, ALIAS_GRAPH):
-        return _alias_texts(d, np.array([i]), np.array([int(c["a0"][r])]), kind)[0][0]
-    row, rec, exp, n = (int(c[k][r]) for k in ("row", "recorded", "expected", "wrong_rows"))
-    if kind == PADDING:
-        return (f"padded row {row} holds {rec}, must be 0 "
-                f"({n} bad padded row(s); rows >= num_reqs {int(c['a0'][r])})")
-    if kind == PAGES:
-        glob, local = int(c["a0"][r]), int(c["a1"][r])
-        why = " = the global count: page counts were computed from the global length" if rec == glob else ""
-        return (f"attention plan claims {rec} pages for row {row}{why}; this rank owns {exp} "
-                f"(cdiv(local {local}, {cfg.page_size}))")
-    rows = f"row {row} is {rec}, expected {exp} ({n} wrong row{'s' if n > 1 else ''})"
-    if rule == "stale":
-        s = int(c["source"][r])
-        why = _EXPLAIN[RELATIONS[int(c["relation"][r])]].format(obs=int(d.file_obs[s]), site=d.site_name(s),
-                                                                  step=int(d["obs.step"][s]))
-        return f"stale DCP view, {why}; {rows}"
-    if rule == "global":
-        return f"DCP view holds the global seq_lens, not this rank's local lengths; {rows}"
-    if rule == "wrong-rank":
-        return f"DCP view holds rank {int(c['a0'][r])}'s local lengths; pass this rank's dcp_rank; {rows}"
-    if rule == "wrong-interleave":
-        return (f"DCP view was computed with interleave {int(c['a0'][r])}, the dump's is "
-                f"{cfg.cp_interleave} (check cp_kv_cache_interleave_size); {rows}")
-    del i
-    return rows
-
-
 def _alias_texts(d, i: np.ndarray, j: np.ndarray, kind: int) -> tuple[list[str], list[str], list[dict]]:
     """alias: observations i and the other observation j (the micro-batch sharing the buffer, or the capture):
     (texts, details as JSON, details)."""
@@ -494,61 +463,3 @@ def _alias_texts(d, i: np.ndarray, j: np.ndarray, kind: int) -> tuple[list[str],
              "replay sees stale values" for a, b, o in zip(bi, bj, oj)]
     dets = [{"buffer": a, "captured": b, "capture_obs": o} for a, b, o in zip(bi, bj, oj)]
     return texts, [f'{{"buffer": {a}, "captured": {b}, "capture_obs": {o}}}' for a, b, o in zip(bi, bj, oj)], dets
-
-
-def _detail(c: dict, r: int, rule: str, kind: int, d=None) -> dict:
-    if kind in (ALIAS_UB, ALIAS_GRAPH):
-        return _alias_texts(d, np.array([int(c["index"][r])]), np.array([int(c["a0"][r])]), kind)[2][0]
-    if kind == SHAPE:
-        return {"length": int(c["a0"][r]), "expected_length": int(c["a1"][r])}
-    if kind == PAGES:
-        return {"claimed": int(c["recorded"][r]), "allowed": int(c["expected"][r]), "global": int(c["a0"][r])}
-    if rule == "wrong-rank":
-        return {"rank": int(c["a0"][r])}
-    if rule == "wrong-interleave":
-        return {"interleave": int(c["a0"][r])}
-    return {}
-
-
-def finding_columns(findings, config) -> np.ndarray:
-    """[k, 5] int64: (site index, rank, step, ubatch, rule index) per finding, from a FindingTable's arrays or
-    from Finding objects (the timeline's input)."""
-    if isinstance(findings, FindingTable):
-        return np.stack([findings.site_code, findings.rank, findings.step, findings.ubatch,
-                         findings.rule_code.astype(np.int64)], axis=1).reshape(len(findings), 5)
-    site_of = {s: i for i, s in enumerate(config.sites)}
-    rule_of = {r: i for i, r in enumerate(RULES)}
-    return np.array([(site_of[f.site], f.rank, f.step, f.ubatch, rule_of[f.rule]) for f in findings],
-                    np.int64).reshape(len(findings), 5)
-
-
-def findings_of(d: Dump, issues: list[Issue] | FindingTable) -> FindingTable:
-    """A check's Issues as findings (their texts and details kept as written); a check that finds many may
-    build its FindingTable itself (check_alias), which passes through."""
-    return issues if isinstance(issues, FindingTable) else FindingTable.from_issues(d, issues)
-
-
-class Collector:
-    """The checks' results gathered with `+=` (a FindingTable, a list of rules.Issue, or the (index, Finding)
-    pairs checks used to return), made one table in observation order by `table()`."""
-
-    def __init__(self, d: Dump):
-        self.d = d
-        self.parts: list[FindingTable] = []
-
-    def __iadd__(self, part) -> Collector:
-        if not isinstance(part, FindingTable):
-            part = list(part)
-            if part and isinstance(part[0], tuple) and len(part[0]) == 2 and isinstance(part[0][1], Finding):
-                part = [_issue_of(f) for _, f in part]
-            part = FindingTable.from_issues(self.d, part)
-        self.parts.append(part)
-        return self
-
-    def table(self) -> FindingTable:
-        return FindingTable.concat(self.d, self.parts)
-
-
-def _issue_of(f: Finding) -> tuple:
-    return (f.index, f.rule, f.text, {"row": f.row, "recorded": f.recorded, "expected": f.expected,
-                                      "wrong_rows": f.wrong_rows, "source": f.source, "detail": f.detail})

@@ -1,12 +1,11 @@
-"""Root causes: replay's findings grouped into problems, and problems matched against known vLLM bugs (issue 17).
+"""Root causes: replay's findings grouped into problems, and problems matched against known vLLM bugs.
 
 A problem is one mechanism: the same rule (and relation, for `stale`), the same code path (site, where the
 rule is about a path) and the same pattern of rows (every real row, the row straddling a micro-batch split,
 padded rows, a view cut to num_reqs ...). Side findings a fault causes on the observations it touched (a
 stale global-length view is also the wrong `shape`; wrong rows make the ranks' sum wrong) join the problem
-of that observation (or, for `rank-sum`, of its batch). Grouping is one lexsort over plain numpy arrays of
-the findings' fields (FindingArrays): `finding_arrays` is the one adapter from Finding objects, so columnar
-findings can hand their arrays over directly.
+of that observation (or, for `rank-sum`, of its batch). Grouping is one lexsort over the findings' columns
+(_Keys, read from the FindingTable's arrays): no Finding object but each problem's first.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ from importlib import resources
 
 import numpy as np
 
-from dcptool.check.findings import Finding
-from dcptool.check.rules import RULE_ORDER, RULES
+from dcptool.check.findings import PAGES, SHAPE, Finding, FindingTable
+from dcptool.dcp.rules import RULES
 from dcptool.dump import Dump
 
 RELATIONS = ("", "parent-rows", "earlier-in-step", "earlier-step")
@@ -39,7 +38,7 @@ MAIN = frozenset({"missing", "stale", "global", "wrong-rank", "wrong-interleave"
 
 
 @dataclass(frozen=True)
-class FindingArrays:
+class _Keys:
     """The fields grouping reads, one array per field, one entry per finding (in finding order)."""
 
     rule: np.ndarray  # int16: position in rules.RULES
@@ -60,45 +59,17 @@ class FindingArrays:
         return int(self.rule.size)
 
 
-def finding_arrays(findings: list[Finding], sites: tuple[str, ...]) -> FindingArrays:
-    """The one adapter from Finding objects to FindingArrays (columnar findings replace this loop)."""
-    if hasattr(findings, "rule_code"):  # a findings.FindingTable: its arrays, no Finding objects
-        return table_arrays(findings, sites)
-    site_of = {s: i for i, s in enumerate(sites)}
-    extra = [f.site for f in findings if f.site not in site_of]
-    sites = tuple(sites) + tuple(dict.fromkeys(extra))
-    site_of = {s: i for i, s in enumerate(sites)}
-    rel_of = {r: i for i, r in enumerate(RELATIONS)}
-    n = len(findings)
-
-    def arr(get, dtype):
-        return np.fromiter((get(f) for f in findings), dtype, n)
-
-    return FindingArrays(
-        rule=arr(lambda f: RULE_ORDER[f.rule], np.int16),
-        relation=arr(lambda f: rel_of[f.source.relation] if f.source is not None else 0, np.int8),
-        site=arr(lambda f: site_of[f.site], np.int32), step=arr(lambda f: f.step, np.int64),
-        rank=arr(lambda f: f.rank, np.int32), ubatch=arr(lambda f: f.ubatch, np.int32),
-        index=arr(lambda f: f.index, np.int64), row=arr(lambda f: -1 if f.row is None else f.row, np.int64),
-        wrong_rows=arr(lambda f: f.wrong_rows, np.int64),
-        length=arr(lambda f: f.detail.get("length", -1) if f.rule == "shape" else -1, np.int64),
-        claimed_global=arr(lambda f: f.rule == "pages" and f.detail.get("claimed") == f.detail.get("global"), bool),
-        sites=sites)
-
-
-def table_arrays(t, sites: tuple[str, ...]) -> FindingArrays:
-    """FindingArrays from a findings.FindingTable's columns (its relations are RELATIONS[1:], -1 for none)."""
-    from dcptool.check.findings import PAGES, SHAPE
-
+def _keys(t: FindingTable) -> _Keys:
+    """The grouping keys of a FindingTable's findings (its relations are RELATIONS[1:], -1 for none)."""
     kind, rule = t.kind, t.rule_code.astype(np.int16)
-    return FindingArrays(rule=rule, relation=(t.relation + 1).astype(np.int8), site=t.site_code.astype(np.int32),
+    return _Keys(rule=rule, relation=(t.relation + 1).astype(np.int8), site=t.site_code.astype(np.int32),
                          step=t.step, rank=t.rank.astype(np.int32), ubatch=t.ubatch.astype(np.int32), index=t.index,
                          row=np.where(t.has_row, t.row, -1), wrong_rows=t.wrong_rows,
                          length=np.where(kind == SHAPE, t.a0, -1),
-                         claimed_global=(kind == PAGES) & (t.recorded == t.a0), sites=tuple(sites))
+                         claimed_global=(kind == PAGES) & (t.recorded == t.a0), sites=tuple(t.d.config.sites))
 
 
-def row_patterns(d: Dump, fa: FindingArrays) -> np.ndarray:
+def row_patterns(d: Dump, fa: _Keys) -> np.ndarray:
     """Each finding's row pattern (VIEW, REAL_ROWS, STRADDLE, PADDED, CUT, LENGTH), vectorised."""
     rule = np.asarray(RULES)[fa.rule] if fa.n else np.zeros(0, "<U1")
     nr = d["obs.num_reqs"][fa.index].astype(np.int64)
@@ -372,95 +343,97 @@ def _runs(keys: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return order, np.cumsum(new) - 1
 
 
-def group(d: Dump, fa: FindingArrays, findings: list[Finding], engine_version: str | None = None) -> list[Problem]:
+def problems(d: Dump, findings: FindingTable, engine_version: str | None = None) -> list[Problem]:
     """Findings -> problems, deterministic: keyed by (rule, relation, site where SITE_BOUND, row pattern);
     side findings (shape of another length, rank-sum) join the main problem at their observation (rank-sum:
-    at their batch). Problems are numbered in order of first occurrence; `findings` (the same findings, in
-    the same order) give each problem's first finding; `engine_version` (default: the dump's) is what known
-    bugs are checked against."""
+    at their batch). Problems are numbered in order of first occurrence; `engine_version` (default: the dump's)
+    is what known bugs are checked against."""
     version = d.config.engine_version if engine_version is None else engine_version
-    n = fa.n
+    n = len(findings)
     if n == 0:
         return []
-    rules = np.asarray(RULES)
-    rule = rules[fa.rule]
+    fa = _keys(findings)
     pattern = row_patterns(d, fa)
-    bound = np.isin(rule, sorted(SITE_BOUND))
-    site_key = np.where(bound, fa.site, -1).astype(np.int64)
-    pos = np.arange(n, dtype=np.int64)
-    # pass 1: every finding in its own key's group
-    # the straddling row is how a copied parent row usually shows, not another mechanism: one key with real rows
-    key_pattern = np.where(pattern == STRADDLE, REAL_ROWS, pattern).astype(np.int64)
-    order, g_sorted = _runs([key_pattern, site_key, fa.relation.astype(np.int64), fa.rule.astype(np.int64)])
-    gid = np.empty(n, np.int64)
-    gid[order] = g_sorted
-    # pass 2: side findings join the main group of their observation (shape) or batch (rank-sum)
-    main = np.isin(rule, sorted(MAIN))
-    side_shape = (rule == "shape") & (pattern == LENGTH)
-    side_sum = rule == "rank-sum"
-    owner = np.full(n, -1, np.int64)
-    if main.any():
-        mi = np.flatnonzero(main)
-        mo = np.argsort(fa.index[mi], kind="stable")
-        keys, grp = fa.index[mi][mo], gid[mi][mo]
-        s = np.flatnonzero(side_shape | side_sum)  # first: a main finding at the same observation
-        k = np.searchsorted(keys, fa.index[s])
-        hit = (k < keys.size) & (keys[np.minimum(k, keys.size - 1)] == fa.index[s])
-        owner[s[hit]] = grp[k[hit]]
-        # rank-sum is reported where the set of ranks completes: else a main finding of the same batch
-        # (step, site, ubatch), one int key by ranking the triples
-        r = np.flatnonzero(side_sum & (owner < 0))
-        if r.size:
-            both = np.concatenate([mi, r])
-            b_order, b_sorted = _runs([fa.ubatch[both].astype(np.int64), fa.site[both].astype(np.int64),
-                                       fa.step[both]])
-            batch = np.empty(both.size, np.int64)
-            batch[b_order] = b_sorted
-            mb, rb = batch[: mi.size], batch[mi.size:]
-            bo = np.argsort(mb, kind="stable")
-            k = np.searchsorted(mb[bo], rb)
-            hit = (k < mb.size) & (mb[bo][np.minimum(k, mb.size - 1)] == rb)
-            owner[r[hit]] = gid[mi][bo][k[hit]]
+    gid = _key_groups(fa, pattern)
+    owner = _side_owners(fa, pattern, gid)
     final = np.where(owner >= 0, owner, gid)
     # number problems by first occurrence (the first finding of each final group)
     firsts = np.full(int(final.max()) + 1, n, np.int64)
-    np.minimum.at(firsts, final, pos)
+    np.minimum.at(firsts, final, np.arange(n, dtype=np.int64))
     live = np.flatnonzero(firsts < n)
     live = live[np.argsort(firsts[live], kind="stable")]
     by = np.argsort(final, kind="stable")  # positions of each group, ascending
     bounds = np.searchsorted(final[by], live)
     ends = np.searchsorted(final[by], live, side="right")
-    sites = fa.sites
-    out = []
-    for num, (g, a, b) in enumerate(zip(live.tolist(), bounds.tolist(), ends.tolist()), 1):
-        members = by[a:b]  # ascending positions (stable sort of ascending pos)
-        own = members[gid[members] == g]
-        rep = own[0] if own.size else members[0]
-        r_name = str(rule[rep])
-        rel = RELATIONS[int(fa.relation[rep])] or None
-        s_names = tuple(sites[i] for i in np.unique(fa.site[own]).tolist())
-        side_idx = members[gid[members] != g]
-        side = {}
-        if side_idx.size:
-            rs, cnt = np.unique(fa.rule[side_idx], return_counts=True)
-            side = {str(rules[x]): int(c) for x, c in zip(rs.tolist(), cnt.tolist())}
-        pat = int(pattern[rep])
-        straddle = int((pattern[own] == STRADDLE).sum())
-        if pat in (REAL_ROWS, STRADDLE):
-            pat = STRADDLE if straddle == own.size else REAL_ROWS
-        pat_text = PATTERNS[pat] if pat != REAL_ROWS or not straddle else \
-            f"real rows; in {straddle} only the row straddling the micro-batch split"
-        all_global = bool(fa.claimed_global[own].all())
-        prob = Problem(number=num, rule=r_name, relation=rel, pattern=pat_text, sites=s_names,
-                       count=int(own.size), side=side, findings=members.astype(np.int64),
-                       observations=int(np.unique(fa.index[members]).size), steps=_steps(fa.step[own]),
-                       ranks=tuple(np.unique(fa.rank[own]).tolist()), first=findings[int(rep)],
-                       explanation=explain(r_name, rel, pat, s_names, all_global),
-                       known=match_known(r_name, rel, s_names, version))
-        out.append(prob)
-    return out
+    return [_problem(num, fa, pattern, by[a:b], by[a:b][gid[by[a:b]] == g], findings, version)
+            for num, (g, a, b) in enumerate(zip(live.tolist(), bounds.tolist(), ends.tolist()), 1)]
 
 
-def problems(d: Dump, findings: list[Finding], engine_version: str | None = None) -> list[Problem]:
-    """replay's findings (of dump `d`) grouped into problems."""
-    return group(d, finding_arrays(findings, tuple(d.config.sites)), findings, engine_version)
+def _key_groups(fa: _Keys, pattern: np.ndarray) -> np.ndarray:
+    """Each finding's group of its own key (rule, relation, site where SITE_BOUND, row pattern). The straddling
+    row is how a copied parent row usually shows, not another mechanism: one key with real rows."""
+    rule = np.asarray(RULES)[fa.rule]
+    site_key = np.where(np.isin(rule, sorted(SITE_BOUND)), fa.site, -1).astype(np.int64)
+    key_pattern = np.where(pattern == STRADDLE, REAL_ROWS, pattern).astype(np.int64)
+    order, g_sorted = _runs([key_pattern, site_key, fa.relation.astype(np.int64), fa.rule.astype(np.int64)])
+    gid = np.empty(fa.n, np.int64)
+    gid[order] = g_sorted
+    return gid
+
+
+def _side_owners(fa: _Keys, pattern: np.ndarray, gid: np.ndarray) -> np.ndarray:
+    """The main group a side finding joins (-1: none): a main finding's at the same observation (shape of another
+    length, rank-sum), else for rank-sum, which is reported where the set of ranks completes, a main finding's of
+    the same batch (step, site, ubatch)."""
+    rule = np.asarray(RULES)[fa.rule]
+    main = np.isin(rule, sorted(MAIN))
+    side_sum = rule == "rank-sum"
+    owner = np.full(fa.n, -1, np.int64)
+    if not main.any():
+        return owner
+    mi = np.flatnonzero(main)
+    mo = np.argsort(fa.index[mi], kind="stable")
+    keys, grp = fa.index[mi][mo], gid[mi][mo]
+    s = np.flatnonzero(((rule == "shape") & (pattern == LENGTH)) | side_sum)
+    k = np.searchsorted(keys, fa.index[s])
+    hit = (k < keys.size) & (keys[np.minimum(k, keys.size - 1)] == fa.index[s])
+    owner[s[hit]] = grp[k[hit]]
+    r = np.flatnonzero(side_sum & (owner < 0))
+    if r.size:  # (one int key per batch by ranking the triples)
+        both = np.concatenate([mi, r])
+        b_order, b_sorted = _runs([fa.ubatch[both].astype(np.int64), fa.site[both].astype(np.int64), fa.step[both]])
+        batch = np.empty(both.size, np.int64)
+        batch[b_order] = b_sorted
+        mb, rb = batch[: mi.size], batch[mi.size:]
+        bo = np.argsort(mb, kind="stable")
+        k = np.searchsorted(mb[bo], rb)
+        hit = (k < mb.size) & (mb[bo][np.minimum(k, mb.size - 1)] == rb)
+        owner[r[hit]] = gid[mi][bo][k[hit]]
+    return owner
+
+
+def _problem(num: int, fa: _Keys, pattern: np.ndarray, members: np.ndarray, own: np.ndarray, findings: FindingTable,
+             version: str | None) -> Problem:
+    """Problem `num`: its findings (`members`, ascending positions), of them its own key's (`own`) and the side
+    findings that joined it."""
+    rules = np.asarray(RULES)
+    rep = own[0] if own.size else members[0]
+    r_name = str(rules[fa.rule[rep]])
+    rel = RELATIONS[int(fa.relation[rep])] or None
+    s_names = tuple(fa.sites[i] for i in np.unique(fa.site[own]).tolist())
+    side_idx = np.setdiff1d(members, own, assume_unique=True)
+    side = {}
+    if side_idx.size:
+        rs, cnt = np.unique(fa.rule[side_idx], return_counts=True)
+        side = {str(rules[x]): int(c) for x, c in zip(rs.tolist(), cnt.tolist())}
+    pat = int(pattern[rep])
+    straddle = int((pattern[own] == STRADDLE).sum())
+    if pat in (REAL_ROWS, STRADDLE):
+        pat = STRADDLE if straddle == own.size else REAL_ROWS
+    pat_text = PATTERNS[pat] if pat != REAL_ROWS or not straddle else \
+        f"real rows; in {straddle} only the row straddling the micro-batch split"
+    return Problem(number=num, rule=r_name, relation=rel, pattern=pat_text, sites=s_names, count=int(own.size),
+                   side=side, findings=members.astype(np.int64), observations=int(np.unique(fa.index[members]).size),
+                   steps=_steps(fa.step[own]), ranks=tuple(np.unique(fa.rank[own]).tolist()), first=findings[int(rep)],
+                   explanation=explain(r_name, rel, pat, s_names, bool(fa.claimed_global[own].all())),
+                   known=match_known(r_name, rel, s_names, version))

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcptool.check.rules import Issue
+from dcptool.check.findings import FindingTable, Written
 from dcptool.check.scan import rows_differ
 from dcptool.dcp.segments import group_ids, join, mix, ragged, seg_sums
 from dcptool.dcp.segments import obs_chunks as _obs_chunks
@@ -25,7 +25,7 @@ def kth_per_rank(batch: np.ndarray, rank: np.ndarray, idx: np.ndarray) -> np.nda
     return group_ids([batch, occ])
 
 
-def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
+def check_rank_sum(d: Dump, wrong: np.ndarray) -> FindingTable:
     """The same batch recorded with a view on all N ranks must add up to seq_len on each real row.
 
     The formula always adds up, so only batches with a wrong view on some rank can fail: groups
@@ -35,8 +35,9 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     columns and a hash of the real seq_lens, confirmed exactly): no loop over members.
     """
     N = d.config.dcp_size
+    found = Written(d)
     if N == 1 or wrong.size == 0:
-        return []
+        return found.table()
     wrong = np.unique(np.asarray(wrong, np.int64))
     nr = d["obs.num_reqs"].astype(np.int64)
     key = [d["obs.step"], d["obs.site"].astype(np.int64), d["obs.ubatch"].astype(np.int64), nr]
@@ -68,7 +69,7 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     hit[sets[np.isin(m, wrong)]] = True
     full = np.flatnonzero(hit & (size >= N))  # ranks are < N (the reader checks), so size N is every rank
     if full.size == 0:
-        return []
+        return found.table()
     sel = np.isin(sets, full)
     mm, ss = m[sel], sets[sel]
     order = np.lexsort((mm, ss))
@@ -89,7 +90,6 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
     setrow = np.repeat(np.arange(bounds.size), n)
     want = d.take("rows.seq_lens", d["obs.rows"][lead][setrow] + (np.arange(total.size) - base)).astype(np.int64)
     bad = total != want
-    out: list[Issue] = []
     first_row = np.cumsum(n) - n
     for t in np.unique(setrow[bad]):
         rows = np.flatnonzero(bad[first_row[t] : first_row[t] + n[t]])
@@ -98,10 +98,9 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> list[Issue]:
         k = int(first_row[t]) + jr
         msg = (f"across the {N} ranks, local lengths of row {jr} add up to {int(total[k])}, "
                f"not its seq_len {int(want[k])}")
-        out.append(Issue(i, "rank-sum", msg, {"row": jr, "recorded": int(total[k]), "expected": int(want[k]),
-                                         "wrong_rows": int(rows.size),
-                                         "detail": {"obs": sorted(int(d.file_obs[x]) for x in group)}}))
-    return out
+        found.add(i, "rank-sum", msg, row=jr, recorded=int(total[k]), expected=int(want[k]), wrong_rows=int(rows.size),
+                  detail={"obs": sorted(int(d.file_obs[x]) for x in group)})
+    return found.table()
 
 
 def rank_sets(d: Dump, idx: np.ndarray) -> np.ndarray:
@@ -135,7 +134,13 @@ def rank_pairs(d: Dump) -> RankSets:
     return RankSets(sets, prev)
 
 
-def check_rank_agree(d: Dump, pairs: RankSets | None = None, seq_differ: np.ndarray | None = None) -> list[Issue]:
+_SCALARS = {"num_reqs": "obs.num_reqs", "num_reqs_padded": "obs.num_reqs_padded",
+            "num_tokens_padded": "obs.num_tokens_padded", "graph": "obs.graph"}
+_RAGGED = {"seq_lens": ("obs.rows", "rows.seq_lens"), "query_start_loc": ("obs.qsl", "rows.query_start_loc")}
+
+
+def check_rank_agree(d: Dump, pairs: RankSets | None = None,
+                     seq_differ: np.ndarray | None = None) -> FindingTable:
     """What every DCP rank of one batch must share: num_reqs, num_reqs_padded, seq_lens, query_start_loc,
     num_tokens_padded and the graph mode (the last three where recorded). Sets are the k-th recording of
     each rank in one (step, site, micro-batch); the values most of its ranks share are the reference (a tie,
@@ -148,77 +153,90 @@ def check_rank_agree(d: Dump, pairs: RankSets | None = None, seq_differ: np.ndar
     find the majority. Python runs per finding only. `pairs` and `seq_differ` (the observations whose
     seq_lens rows differ from their pair's) come from the scan, which compares the rows as it reads them
     (replay); without them the rows are read here."""
+    found = Written(d)
     if d.config.dcp_size == 1 or d.n == 0:
-        return []
+        return found.table()
+    sets, prev = pairs if pairs is not None else rank_pairs(d)
+    names = [f for f in _AGREE if (f in _SCALARS and d.has(_SCALARS[f])) or (f in _RAGGED and d.has(_RAGGED[f][0]))]
+    bad = _disagreeing_sets(d, sets, prev, names, seq_differ)
+    if bad.size == 0:
+        return found.table()
+    m = np.flatnonzero(np.isin(sets, bad))  # members of the sets that disagree
+    v = _Votes(d, m, sets[m], names)
+    for sset in np.unique(v.sm[v.odd]).tolist():
+        members = v.by_set[np.searchsorted(v.sm_sorted, sset, "left"):np.searchsorted(v.sm_sorted, sset, "right")]
+        _add_disagreement(found, d, v, members, int(v.ref[sset]))
+    return found.table()
+
+
+def _disagreeing_sets(d: Dump, sets: np.ndarray, prev: np.ndarray, names: list[str],
+                      seq_differ: np.ndarray | None) -> np.ndarray:
+    """The sets (of two members or more) in which some member differs from the one before it in a field of
+    `names` (seq_differ: the scan's answer for seq_lens, else the rows are compared here)."""
     idx = np.arange(d.n, dtype=np.int64)
-    sets, pairs = pairs if pairs is not None else rank_pairs(d)
-    size = np.bincount(sets)
-    has = pairs >= 0
-    other = np.where(has, pairs, idx)
-    scalars = {"num_reqs": "obs.num_reqs", "num_reqs_padded": "obs.num_reqs_padded",
-               "num_tokens_padded": "obs.num_tokens_padded", "graph": "obs.graph"}
-    ragged_cols = {"seq_lens": ("obs.rows", "rows.seq_lens"), "query_start_loc": ("obs.qsl", "rows.query_start_loc")}
-    names = [f for f in _AGREE if (f in scalars and d.has(scalars[f])) or (f in ragged_cols and
-                                                                          d.has(ragged_cols[f][0]))]
+    has = prev >= 0
+    other = np.where(has, prev, idx)
     differ = np.zeros(d.n, bool)
     for f in names:
-        if f in scalars:
-            differ |= d[scalars[f]] != d[scalars[f]][other]
+        if f in _SCALARS:
+            differ |= d[_SCALARS[f]] != d[_SCALARS[f]][other]
         elif f == "seq_lens" and seq_differ is not None:
             differ[seq_differ] = True
         else:
             p = np.flatnonzero(has)
-            differ[p[rows_differ(d, *ragged_cols[f], p, other[p])]] = True
-    bad = np.unique(sets[differ & (size[sets] >= 2)])
-    if bad.size == 0:
-        return []
-    m = np.flatnonzero(np.isin(sets, bad))  # members of the sets that disagree
-    cols: dict[str, list[np.ndarray]] = {}
-    for f in names:
-        if f in scalars:
-            cols[f] = [d[scalars[f]][m].astype(np.int64)]
-        else:
-            offs_key, rows_key = ragged_cols[f]
-            cols[f] = [np.diff(d[offs_key])[m], _row_hashes(d, offs_key, rows_key, m)]
-    sm = sets[m]
-    tup = group_ids([sm] + [c for f in names for c in cols[f]])  # one id per (set, values)
-    count = np.bincount(tup)
-    rank = d["obs.rank"][m].astype(np.int64)
-    # the reference of each set: most members, then the lowest rank, then the earliest
-    order = np.lexsort((m, rank, -count[tup], sm))
-    first = np.ones(m.size, bool)
-    first[1:] = sm[order][1:] != sm[order][:-1]
-    ref = np.empty(int(sm.max()) + 1, np.int64)
-    ref[sm[order][first]] = order[first]  # a position in m
-    odd_all = tup != tup[ref[sm]]
-    # each member's first field that differs from its set's reference (names order), all at once
-    refk = ref[sm]
-    diff = np.stack([np.any([c != c[refk] for c in cols[f]], axis=0) for f in names])  # [fields, members]
-    first_f = np.argmax(diff, axis=0)
-    # members grouped by set once (a stable sort: positions in m stay in order), sliced per finding
-    by_set = np.argsort(sm, kind="stable")
-    sm_sorted = sm[by_set]
-    out: list[Issue] = []
-    for sset in np.unique(sm[odd_all]).tolist():
-        members = by_set[np.searchsorted(sm_sorted, sset, "left"):np.searchsorted(sm_sorted, sset, "right")]
-        r0 = int(ref[sset])
-        odd = [int(k) for k in members[odd_all[members]]]
-        parts, fields = [], {}
-        for k in odd:
-            f = names[int(first_f[k])]
-            fields[int(rank[k])] = f
-            parts.append(f"rank {int(rank[k])} {f} {_agree_value(d, int(m[k]), f)}")
-        k = odd[0]
-        f = fields[int(rank[k])]
-        i0 = int(m[r0])
-        ref_text = f"rank {int(rank[r0])} (obs {int(d.file_obs[i0])})"
-        msg = (f"ranks disagree on what every rank of this batch must share: {'; '.join(parts)}; "
-               f"{_reference_text(ref_text, count[tup[members]], int(count[tup[r0]]))} {f} "
-               f"{_agree_value(d, i0, f)} (ranks {', '.join(str(int(rank[x])) for x in odd)} differ)")
-        out.append(Issue(int(m[k]), "rank-agree", msg, {"detail": {
-            "field": f, "ranks": [int(rank[x]) for x in odd], "fields": {str(r): v for r, v in fields.items()},
-            "obs": [int(d.file_obs[m[x]]) for x in members], "reference_obs": int(d.file_obs[i0])}}))
-    return out
+            differ[p[rows_differ(d, *_RAGGED[f], p, other[p])]] = True
+    size = np.bincount(sets)
+    return np.unique(sets[differ & (size[sets] >= 2)])
+
+
+class _Votes:
+    """The members `m` of disagreeing sets grouped by their values: each set's reference (most members, then the
+    lowest rank, then the earliest), which members differ from it and each one's first differing field."""
+
+    def __init__(self, d: Dump, m: np.ndarray, sm: np.ndarray, names: list[str]):
+        cols: dict[str, list[np.ndarray]] = {}
+        for f in names:
+            if f in _SCALARS:
+                cols[f] = [d[_SCALARS[f]][m].astype(np.int64)]
+            else:
+                offs_key, rows_key = _RAGGED[f]
+                cols[f] = [np.diff(d[offs_key])[m], _row_hashes(d, offs_key, rows_key, m)]
+        self.m, self.sm, self.names = m, sm, names
+        self.tup = group_ids([sm] + [c for f in names for c in cols[f]])  # one id per (set, values)
+        self.count = np.bincount(self.tup)
+        self.rank = d["obs.rank"][m].astype(np.int64)
+        order = np.lexsort((m, self.rank, -self.count[self.tup], sm))
+        first = np.ones(m.size, bool)
+        first[1:] = sm[order][1:] != sm[order][:-1]
+        self.ref = np.empty(int(sm.max()) + 1, np.int64)
+        self.ref[sm[order][first]] = order[first]  # a position in m
+        self.odd = self.tup != self.tup[self.ref[sm]]
+        refk = self.ref[sm]  # each member's first field that differs from its set's reference (names order)
+        diff = np.stack([np.any([c != c[refk] for c in cols[f]], axis=0) for f in names])  # [fields, members]
+        self.first_f = np.argmax(diff, axis=0)
+        self.by_set = np.argsort(sm, kind="stable")  # members grouped by set (positions in m stay in order)
+        self.sm_sorted = sm[self.by_set]
+
+
+def _add_disagreement(found: Written, d: Dump, v: _Votes, members: np.ndarray, r0: int) -> None:
+    """The finding of one set (its members, positions in v.m; r0 its reference's), at its first differing member."""
+    m, rank = v.m, v.rank
+    odd = [int(k) for k in members[v.odd[members]]]
+    parts, fields = [], {}
+    for k in odd:
+        f = v.names[int(v.first_f[k])]
+        fields[int(rank[k])] = f
+        parts.append(f"rank {int(rank[k])} {f} {_agree_value(d, int(m[k]), f)}")
+    k = odd[0]
+    f = fields[int(rank[k])]
+    i0 = int(m[r0])
+    ref_text = f"rank {int(rank[r0])} (obs {int(d.file_obs[i0])})"
+    msg = (f"ranks disagree on what every rank of this batch must share: {'; '.join(parts)}; "
+           f"{_reference_text(ref_text, v.count[v.tup[members]], int(v.count[v.tup[r0]]))} {f} "
+           f"{_agree_value(d, i0, f)} (ranks {', '.join(str(int(rank[x])) for x in odd)} differ)")
+    found.add(int(m[k]), "rank-agree", msg, detail={
+        "field": f, "ranks": [int(rank[x]) for x in odd], "fields": {str(r): name for r, name in fields.items()},
+        "obs": [int(d.file_obs[m[x]]) for x in members], "reference_obs": int(d.file_obs[i0])})
 
 
 def _reference_text(ref: str, sizes: np.ndarray, top: int) -> str:
@@ -255,6 +273,4 @@ def _agree_value(d: Dump, i: int, field: str) -> str:
     if field == "query_start_loc":
         q = d.qsl_of(i)
         return str(q[:9].tolist()) + ("..." if q.size > 9 else "")
-    key = {"num_reqs": "obs.num_reqs", "num_reqs_padded": "obs.num_reqs_padded",
-           "num_tokens_padded": "obs.num_tokens_padded", "graph": "obs.graph"}[field]
-    return str(int(d[key][i]))
+    return str(int(d[_SCALARS[field]][i]))

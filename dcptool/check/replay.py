@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool.check.alias import check_alias
-from dcptool.check.decode import check_empty_mask, check_tot_lens
-from dcptool.check.findings import Collector, Finding, FindingTable, findings_of
+from dcptool.check.findings import Finding, FindingTable
+from dcptool.check.later import Later, Threads, runner, value
+from dcptool.check.plan import Plan, plan, run_check
 from dcptool.check.provenance import Provenance, Source, expected_of
-from dcptool.check.ranks import check_rank_agree, check_rank_sum, rank_pairs
-from dcptool.check.rules import PARENT_ROWS_NEEDS, RULE, RULES, SEVERITY
-from dcptool.check.slots import check_slot_rules
-from dcptool.check.ubatch import check_ubatch_slice, merge_split_findings
-from dcptool.check.values import check_missing, check_padding, check_pages, check_shape, check_stray, check_values
+from dcptool.check.ranks import rank_pairs
+from dcptool.check.ubatch import merge_split_findings
 from dcptool.choices import Backend, values
 from dcptool.dcp.reference import local_np
+from dcptool.dcp.rules import DIFFER, PAIRS, PROVENANCE, RULE, RULES, SCAN, SEVERITY, VERSION, WRONG
 from dcptool.dcp.slicing import Ubatch, engine_split
 from dcptool.dump import Dump, DumpError
 
@@ -104,31 +100,17 @@ class ReplayResult:
 
     @property
     def errors(self) -> int:
-        if isinstance(self.findings, FindingTable):
-            return self.findings.count_errors()[0]
-        return sum(f.severity == "error" for f in self.findings)
+        return self.findings.count_errors()[0]
 
     @property
     def warnings(self) -> int:
-        if isinstance(self.findings, FindingTable):
-            return self.findings.count_errors()[1]
-        return sum(f.severity == "warning" for f in self.findings)
+        return self.findings.count_errors()[1]
 
     def by_rule(self) -> dict[str, int]:
-        if isinstance(self.findings, FindingTable):
-            return self.findings.by_rule()
-        out: dict[str, int] = {}
-        for f in self.findings:
-            out[f.rule] = out.get(f.rule, 0) + 1
-        return {r: out[r] for r in RULES if r in out}
+        return self.findings.by_rule()
 
     def by_site(self) -> dict[str, dict[str, int]]:
-        if isinstance(self.findings, FindingTable):
-            return self.findings.by_site()
-        out: dict[str, dict[str, int]] = defaultdict(dict)
-        for f in self.findings:
-            out[f.site][f.rule] = out[f.site].get(f.rule, 0) + 1
-        return dict(out)
+        return self.findings.by_site()
 
     def summary_json(self) -> dict:
         return {"type": "summary", "files": self.files, "observations": self.observations,
@@ -143,12 +125,12 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
            views: int = 0, bounded: bool = False, progress=None, engine_version: str | None = None) -> ReplayResult:
     """Check every observation of a dump; findings in observation order, then DESIGN §3 table order.
 
-    `views` > 0 adds row views of the first `views` observations with findings and of the sources
-    of their stale findings (the HTML report's row views).
-    The row checks are one chunked scan (scan.py); everything else is per finding, or vectorised
-    over observations (structure.py). `bounded` drops each chunk's pages after use (huge dumps);
-    `progress(k)` is called as k more observations are scanned. Micro-batches are split by the rule of
-    `engine_version` (default: the one the dump names; slicing.engine_split).
+    The checks are those of the rule table (dcp.rules) that apply to the dump (check.plan). `views` > 0 adds
+    row views of the first `views` observations with findings and of the sources of their stale findings (the
+    HTML report's row views). The row checks are one chunked scan (scan.py); everything else is per finding, or
+    vectorised over observations. `bounded` drops each chunk's pages after use (huge dumps); `progress(k)` is
+    called as k more observations are scanned. Micro-batches are split by the rule of `engine_version`
+    (default: the one the dump names; slicing.engine_split).
     """
     t0 = time.perf_counter()
     c = d.config
@@ -156,29 +138,21 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     if split is not None:
         check_split(d, split)  # before the scan: an absurd K is bad usage, not an hour of work
     backend, device = resolve_backend(backend, d.n)
-    N = c.dcp_size
-    found = Collector(d)  # each check's findings as columns (findings.py); messages are rendered when read
-    skipped: dict[str, str] = {}
+    p = plan(d)
     bar = Phases(progress)
-    w_checks = W_CHECKS + W_SLICES * d.has(*RULE["ubatch-slice"].needs) + W_ALIAS * d.has(*RULE["alias"].needs)
+    w_checks = W_CHECKS + W_SLICES * p.runs("ubatch-slice") + W_ALIAS * p.runs("alias")
     bar.plan(scan=d.n, checks=round(w_checks * d.n), provenance=0, findings=0)
-    # The checks that do not read the scan's answer run on other threads while it runs (numpy releases the
-    # GIL in its long calls): on a many-core host the checks phase shrinks to its longest check. A bounded
-    # dump stays on one thread (each read drops the pages it touched; reads of several threads at once
-    # would hold more). Collected in the same order either way, so the findings are identical.
-    later = _later(d, bounded)
+    later = runner(bounded or d.bounded or d.n == 0)
     try:
-        parts, grid = _checks(d, backend, N, version, bounded, progress, bar, skipped, later)
-        for part in parts:
-            found += part.result() if hasattr(part, "result") else part
+        parts, grid = _checks(d, p, backend, version, bounded, progress, bar, later)
     except Exception:
-        if isinstance(later, _Threads):  # no check may still read the dump's memory while the error ends the process
+        if isinstance(later, Threads):  # no check may still read the dump's memory while the error ends the process
             later.settle()
         d.finish()  # a streamed dump's DumpError first: what a check raised on rows not yet validated is not the cause
         raise
     d.finish()  # (a streamed dump: the file validated whole before anything is reported)
-    res = ReplayResult(files=d.files, config=c, observations=d.n, findings=found.table(), backend=backend,
-                       device=device, seconds=0.0, skipped=skipped, grid=grid,
+    res = ReplayResult(files=d.files, config=c, observations=d.n, findings=FindingTable.concat(d, parts),
+                       backend=backend, device=device, seconds=0.0, skipped=p.skipped, grid=grid,
                        capped=next((x for x in d.capped if x is not None), None))
     if split is not None:
         res.splits = splits(d, split, version)
@@ -195,44 +169,6 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     return res
 
 
-class _Later:
-    """A check run when its result is asked for (the one-thread replay: the order of today)."""
-
-    def __init__(self, f, *a):
-        self.f, self.a, self.done = f, a, False
-
-    def result(self):
-        if not self.done:  # (once: a result handed out twice is computed once)
-            self.value, self.done = self.f(*self.a), True
-        return self.value
-
-
-CHECK_THREADS = 4  # checks running at once beside the scan (at most the cores there are)
-
-
-class _Background:
-    """A check on a thread of its own (daemon: an interrupted replay exits at once, not when its checks end),
-    at most `slots` running at a time; result() waits and re-raises what the check raised."""
-
-    def __init__(self, slots: threading.Semaphore, f, *a):
-        self.value, self.error = None, None
-        self.t = threading.Thread(target=self._run, args=(slots, f, a), daemon=True, name="dcptool-check")
-        self.t.start()
-
-    def _run(self, slots, f, a) -> None:
-        with slots:
-            try:
-                self.value = f(*a)
-            except BaseException as e:  # handed to the caller by result()
-                self.error = e
-
-    def result(self):
-        self.t.join()
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
 class _Prev:
     """The scan's view of rank_pairs' future: its `prev` column."""
 
@@ -243,127 +179,46 @@ class _Prev:
         return self.f.result().prev
 
 
-class _Threads:
-    """later() on background threads: each check a _Background, at most n running at once. settle() waits for
-    every one started: when the replay fails (a file rewritten while it is read, a check tripping over rows not
-    yet validated), the error must not end the process while checks still run on the dump's buffers (daemon
-    threads that the interpreter's exit stops in the middle of numpy or torch code can abort it)."""
-
-    def __init__(self, n: int):
-        self.slots, self.started = threading.Semaphore(n), []
-
-    def __call__(self, f, *a) -> _Background:
-        self.started.append(_Background(self.slots, f, *a))
-        return self.started[-1]
-
-    def settle(self) -> None:
-        for b in self.started:
-            b.t.join()
-
-
-def _later(d: Dump, bounded: bool):
-    """How the checks run: on background threads, or one after the other when asked for (a bounded dump, one
-    core, nothing to check)."""
-    import os
-
-    n = min(CHECK_THREADS, (os.cpu_count() or 1))
-    if bounded or d.bounded or n < 2 or d.n == 0:
-        return _Later
-    return _Threads(n)
-
-
-def _checks(d: Dump, backend: str, N: int, version, bounded: bool, progress, bar, skipped: dict,
-            later) -> tuple[list, ObsGrid]:
-    """Every check's findings (a table, or what later() returned), in the order they are collected, and the
-    timeline grid (later(f, *args): run f on another thread, or when asked for)."""
+def _checks(d: Dump, p: Plan, backend: str, version, bounded: bool, progress, bar, later) -> tuple[list, ObsGrid]:
+    """The findings of every check of plan `p` (in table order) and the timeline grid. The checks that need only
+    the dump start first and run beside the scan (later(f, *args): f on another thread, or when asked for); those
+    that need its answer start when it ends; the values check (with provenance) runs on this thread meanwhile."""
     from dcptool.check.scan import scan
 
-    out: list = []
-    # first: rank-agree's row comparison rides on the scan's read of the rows; they are computed while the scan
-    # sets up, and its first chunk waits for them
-    pairs = later(rank_pairs, d) if N > 1 else None
-    independent: dict[str, object] = {}  # submitted before the scan
-    if N > 1:
-        independent["missing"] = later(check_missing, d)
-        independent["shape"] = later(check_shape, d)
-    else:
-        independent["stray"] = later(check_stray, d)
-    if d.has(*RULE["ubatch-slice"].needs):
-        independent["ubatch-slice"] = later(lambda: findings_of(d, check_ubatch_slice(d, version)))
-    if d.has(*RULE["alias"].needs):
-        independent["alias"] = later(lambda: findings_of(d, check_alias(d)))
+    found: dict[str, object] = {}
+    # rank-agree's row comparison rides on the scan's read of the rows: the pairs are computed while the scan sets
+    # up, and its first chunk waits for them
+    pairs = later(rank_pairs, d) if p.runs("rank-agree") else None
+    for check, rules in p.run.items():
+        if set(rules[0].inputs) <= {VERSION}:
+            found[check] = later(run_check, d, rules[0], {VERSION: version})
     grid = later(obs_grid, d)
-    for rule, check in (("empty-mask", check_empty_mask), ("tot-lens", check_tot_lens)):
-        if N > 1 and d.has(*RULE[rule].needs):
-            independent[rule] = later(lambda check=check: findings_of(d, check(d)))
-    if d.has(*RULE["slots"].needs):
-        independent["slots"] = later(lambda: [findings_of(d, x) for x in check_slot_rules(d)])  # (one pass, both)
     prov = Provenance(d)
+    by_value = RULE["mismatch"].check if p.runs("mismatch") else None  # the values check, explained by provenance
     lead = None
-    if N > 1 and backend == "triton" and later is not _Later:  # the host waits while the device scans: provenance's
+    if by_value and backend == "triton" and later is not Later:  # the host waits while the device scans: provenance's
         lead = later(prov.lead)  # per-observation keys now (not on one thread: a clean dump would pay for them)
     bar.phase("scan")
     st = scan(d, backend, bounded=bounded, progress=progress, pairs=None if pairs is None else _Prev(pairs))
-    n_wrong = int((st.n_wrong > 0).sum())
-    bar.plan(provenance=round(W_PROVENANCE * d.n + W_WRONG * n_wrong) if n_wrong else 0,
+    wrong = st.obs[st.n_wrong > 0]
+    bar.plan(provenance=round(W_PROVENANCE * d.n + W_WRONG * wrong.size) if wrong.size else 0,
              findings=round(W_FINDING * st.obs.size))
-    if N > 1:
-        # the checks that need the scan but not each other: beside provenance
-        wrong = st.obs[st.n_wrong > 0]
-        rank_sum = later(lambda: findings_of(d, check_rank_sum(d, wrong)))
-        agree = later(lambda: findings_of(d, check_rank_agree(d, pairs.result(), st.differ)))
+    inputs = {VERSION: version, SCAN: st, WRONG: wrong, PAIRS: pairs, DIFFER: st.differ, PROVENANCE: prov}
+    for check, rules in p.run.items():  # the checks that need the scan but not provenance: beside provenance
+        if check not in found and check != by_value:
+            found[check] = later(run_check, d, rules[0], inputs)
+    if by_value:
         bar.phase("provenance")
-        out.append(independent["missing"])
         if lead is not None:
             lead.result()  # (kept in prov)
         if wrong.size:  # every wrong view's sources are searched at once (a clean dump pays nothing)
             prov.prepare(wrong)
-        out.append(check_values(d, prov, st))
-        bar.phase("checks")
-        out.append(check_padding(d, st))
-        out.append(independent["shape"])
-        out.append(rank_sum)
-    else:
-        bar.phase("checks")
-        out.append(independent["stray"])
-        skipped["rank-sum"] = "dcp_size is 1"
-    if "ubatch-slice" in independent:
-        out.append(independent["ubatch-slice"])
-    else:
-        skipped["ubatch-slice"] = "needs obs.parent, obs.req_start, obs.tok_start, obs.tok_stop and query_start_loc"
-    if not d.has(*PARENT_ROWS_NEEDS):
-        skipped["stale/parent-rows"] = "needs obs.parent and obs.req_start"
-    if "alias" in independent:
-        out.append(independent["alias"])
-        if "obs.graph" not in d.columns:
-            skipped["alias/graph"] = "needs obs.graph for capture/replay pairs"
-    else:
-        skipped["alias"] = "needs obs.buffer"
+        found[by_value] = run_check(d, p.first(by_value), inputs)
+    bar.phase("checks")
+    parts = [value(found[check]) for check in p.run]
     grid = grid.result()
     bar.phase("findings")
-    if d.has(*RULE["pages"].needs):
-        out.append(check_pages(d, st))
-    else:
-        skipped["pages"] = "needs rows.kv_pages and page_size"
-    # issue 15: the empty-shard mask, the global companion, rank agreement
-    for rule in ("empty-mask", "tot-lens"):
-        if N == 1:
-            skipped[rule] = "dcp_size is 1"
-        elif rule in independent:
-            out.append(independent[rule])
-        else:
-            skipped[rule] = f"needs {' and '.join(RULE[rule].needs)} (not recorded in this dump)"
-    if N > 1:
-        out.append(agree)
-    else:
-        skipped["rank-agree"] = "dcp_size is 1"
-    # issue 15 item 3: which rank writes each KV slot
-    if "slots" in independent:
-        both = independent["slots"]
-        out += [_Later(lambda: both.result()[0]), _Later(lambda: both.result()[1])]
-    else:
-        skipped["slots"] = "needs the slot columns (obs.slots, rows.positions, rows.slot_mapping, rows.slot_group)"
-    return out, grid
+    return parts, grid
 
 
 # The progress bar's phase weights (progress.PHASES), in observation-scan equivalents: what one more
@@ -404,10 +259,11 @@ class Phases:
 def resolve_backend(name: str, observations: int | None = None) -> tuple[str, str]:
     """auto = Triton on CUDA, torch on CPU; triton without a GPU runs the interpreter. With `observations`
     given, auto keeps a dump smaller than scan.GPU_MIN_OBS on the CPU (where the GPU's start-up and transfers
-    cost more than it saves), without asking for a GPU. The GPU is asked of the CUDA driver (dcp.cuda,
-    ~0.1 s), not torch (1.5-1.8 s to import): neither backend's replay imports torch outside the interpreter."""
+    cost more than it saves), without asking for a GPU. The GPU is asked of the CUDA driver (gpu.cuda.available:
+    its bindings, no context started), not torch (seconds to import): neither backend's replay imports torch
+    outside the interpreter."""
     from dcptool.check.scan import GPU_MIN_OBS
-    from dcptool.dcp import cuda
+    from dcptool.gpu import cuda
 
     if name not in values(Backend):
         raise ValueError(f"unknown backend {name!r} (auto, triton or torch)")

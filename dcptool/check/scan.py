@@ -1,10 +1,9 @@
 """Chunked row scans, the hot path of replay: every recorded view and page count against the formula.
 
 One pass over the dump's rows in chunks of ~256K rows (cache-sized) on the CPU, or on the GPU with
-the fused Triton kernels (a flag pass per chunk of ~4M rows, through the CUDA driver: scan_cuda.py). Only
-observations with a wrong row come back (sparse), so clean dumps produce no Python work per observation. With
-`bounded=True` each chunk's pages are dropped from this process after use, so memory stays flat however large
-the dump is.
+the fused Triton kernels (a flag pass per chunk of ~4M rows: gpu.scan_cuda). Only observations with a wrong row
+come back (sparse RowStats), so clean dumps produce no Python work per observation. With `bounded=True` each
+chunk's pages are dropped from this process after use, so memory stays flat however large the dump is.
 """
 
 from __future__ import annotations
@@ -12,65 +11,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
 import numpy as np
 
-from dcptool.check.staging import Chunks
 from dcptool.dcp.reference import RowStats, local_of
 from dcptool.dcp.segments import obs_chunks, ragged
 from dcptool.dump import Dump
 
 CHUNK_ROWS = 1 << 18  # CPU: ~1 MB of int32 per array, so the passes over a chunk stay in L2
 CHUNK_ROWS_THREADED = 1 << 20  # CPU, several threads: longer numpy calls (GIL released), less waiting for it
-# GPU: rows per chunk of the pipelined transfer (16 MB per row column). Small enough that copying chunk
-# k+1 overlaps checking chunk k from the start, large enough that a chunk's fixed cost (two launches, one
-# sync, ~0.1 ms) is small against its copy (~1 ms for 48 MB at 50 GB/s).
-GPU_CHUNK_ROWS = 1 << 22
-# `auto` scans on the GPU from this many observations, on the CPU below: under it the GPU's start-up (libcuda,
-# the primary context, the kernels from dcptool's cubin cache, pinned staging: ~0.45 s on an H100's host) and
-# its transfers cost more than the CPU scan saves. Fresh `dcptool replay` processes on an H100
-# (benchmarks/bench_auto.py, 2026-12-05): GPU 0.34 s slower at 10^5 observations, 0.34 s faster at 10^6; a
-# process that has started CUDA already can only cross lower.
+# `auto` scans on the GPU from this many observations, on the CPU below: under it the GPU's start-up (the driver, the
+# primary context, the kernels from dcptool's cubin cache, pinned staging) and its transfers cost more than the CPU
+# scan saves (benchmarks/bench_auto.py measures where fresh `dcptool replay` processes cross; docs/performance.md);
+# a process that has started CUDA already can only cross lower.
 GPU_MIN_OBS = 500_000
 T = TypeVar("T")
-
-
-@dataclass
-class Stats:
-    """Sparse per-observation results: only observations with something wrong."""
-
-    obs: np.ndarray  # [k] observation indices, ascending
-    n_wrong: np.ndarray  # wrong real rows
-    first_wrong: np.ndarray  # first wrong real row (-1 if none)
-    n_pad: np.ndarray  # padded rows that are not 0
-    first_pad: np.ndarray
-    n_pages: np.ndarray  # real rows whose kv_pages != cdiv(local, page_size) (0 without kv_pages)
-    first_pages: np.ndarray
-    # scan(pairs=): the observations whose seq_lens rows differ from their pair's (ascending; None: not asked)
-    differ: np.ndarray | None = field(default=None, compare=False)
-
-    @staticmethod
-    def empty() -> Stats:
-        z = np.zeros(0, np.int64)
-        return Stats(z, z, z, z, z, z, z)
-
-    @staticmethod
-    def concat(parts: list[Stats]) -> Stats:
-        parts = [p for p in parts if p.obs.size]
-        if not parts:
-            return Stats.empty()
-        return Stats(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Stats)
-                       if f.name != "differ"))
-
-
-def bounds(rows: np.ndarray, target: int) -> np.ndarray:
-    """Observation boundaries so each chunk holds about `target` rows (at least one observation)."""
-    n = rows.size - 1
-    target = max(int(target), 1)
-    cut = np.searchsorted(rows, np.arange(target, int(rows[-1]), target), side="right") - 1
-    return np.unique(np.concatenate([[0], cut[cut > 0], [n]]))
 
 
 def rows_differ(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, other: np.ndarray,
@@ -98,8 +54,8 @@ class _Pairs:
 
     `pairs` returns that array when first called, by the first chunk: scan() hands in an array's or a
     future's (replay computes rank_pairs on another thread while the scan sets up: buffers, pinned staging).
-    (Scanning chunks before it is ready and comparing them after the scan was measured: on the H200 the GPU
-    scanned most chunks before the pairs came, and their comparison after the scan cost 1 s at 10^6.)"""
+    The first chunk waits for it rather than scanning ahead: a chunk scanned without the pairs would have its
+    rows read again after the scan to compare them."""
 
     def __init__(self, rows: np.ndarray, pairs: Callable[[], np.ndarray]):
         self.rows, self.src = rows, pairs  # (called once, by the first chunk)
@@ -187,7 +143,7 @@ class _CpuScan:
         self.one_rank = bool(d.n == 0 or (self.rank == self.rank[0]).all())
         self.kv = "rows.kv_pages" in d.columns
 
-    def chunk(self, lo: int, hi: int) -> Stats:
+    def chunk(self, lo: int, hi: int) -> RowStats:
         d, rows, drows = self.d, self.rows, self.drows
         a, b = int(rows[lo]), int(rows[hi])
         # (d.upto: a streamed dump is still being read; this chunk waits for its own rows only)
@@ -238,10 +194,10 @@ class _CpuScan:
         return _assemble(out)
 
 
-def _assemble(parts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]) -> Stats:
-    """(kind, observations, counts, first rows) per kind (wrong, pad, pages) -> one sparse Stats."""
+def _assemble(parts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]) -> RowStats:
+    """(kind, observations, counts, first rows) per kind (wrong, pad, pages) -> one sparse RowStats."""
     if not parts:
-        return Stats.empty()
+        return RowStats.empty()
     obs = np.unique(np.concatenate([p[1] for p in parts]))
     cols = {k: np.zeros(obs.size, np.int64) for k in ("n_wrong", "n_pad", "n_pages")}
     firsts = {k: np.full(obs.size, -1, np.int64) for k in ("first_wrong", "first_pad", "first_pages")}
@@ -249,15 +205,15 @@ def _assemble(parts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]) -> St
         idx = np.searchsorted(obs, o)
         cols[f"n_{kind}"][idx] = cnt
         firsts[f"first_{kind}"][idx] = first
-    return Stats(obs=obs, **cols, **firsts)
+    return RowStats(**cols, **firsts, obs=obs)
 
 
-def _irregular(d: Dump, sel: np.ndarray) -> Stats:
+def _irregular(d: Dump, sel: np.ndarray) -> RowStats:
     """Views whose length differs from their seq_lens rows (few; `shape` findings): row j < min(view length,
     num_reqs_padded) against local(seq_lens[j], rank) on real rows and 0 on padded ones, as check_rows (the
     torch reference) does; numpy, so a CPU replay never imports torch."""
     if sel.size == 0:
-        return Stats.empty()
+        return RowStats.empty()
     c = d.config
     rows, drows = d["obs.rows"], d["obs.dcp_rows"]
     seg, j, at = ragged(drows[:-1][sel], np.diff(drows)[sel])
@@ -276,95 +232,22 @@ def _irregular(d: Dump, sel: np.ndarray) -> Stats:
     return _assemble(out)
 
 
-def _merge(a: Stats, b: Stats) -> Stats:
+def _merge(a: RowStats, b: RowStats) -> RowStats:
     """Combine two sparse results that may name the same observation (values from one, pages from the other)."""
     parts = []
     for st in (a, b):
-        for kind in ("wrong", "pad", "pages"):
+        for kind in RowStats.KINDS:
             n, first = getattr(st, f"n_{kind}"), getattr(st, f"first_{kind}")
             keep = n > 0
             parts.append((kind, st.obs[keep], n[keep], first[keep]))
     return _assemble([p for p in parts if p[1].size])
 
 
-class _Interpreted:
-    """The GPU scan's chunks under Triton's interpreter (no GPU: CI's kernel runs): the same staging (Chunks)
-    into ordinary buffers that torch tensors share, the fused kernels launched through torch (check.gpu)."""
-
-    def __init__(self, chunks: Chunks, dcp_size: int, cp_interleave: int, page_size: int):
-        self.c, self.const = chunks, (dcp_size, cp_interleave)
-        self.page = page_size
-        self.host = [{k: np.empty(n, t) for k, (n, t) in chunks.sizes.items()} for _ in range(2)]
-        self.n: list[dict[str, int]] = [{}, {}]
-
-    def load(self, k: int) -> None:
-        self.n[k % 2] = self.c.fill(k, self.host[k % 2])
-
-    def check(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        import torch
-
-        from dcptool.check.gpu import check_rows, differ_rows
-
-        t = {key: torch.from_numpy(self.host[k % 2][key][:n]) for key, n in self.n[k % 2].items()}
-        st = check_rows(t["seq"], t["rows"], t["dcp"], t["drows"], t["nr"], t["nrp"], t["rank"], *self.const,
-                        kv_pages=t.get("kv"), page_size=self.page)
-        got = differ_rows(t["seq"], t["rows"], t["shift"]) if "shift" in t else torch.zeros(0, dtype=torch.int64)
-        return st.stacked().numpy().astype(np.int64), got.numpy().astype(np.int64)
-
-    def close(self) -> None:
-        self.c.close()
-
-
-def _gpu(d: Dump, check_views: bool, progress: Callable[[int], None] | None, bounded: bool = False,
-         pairs: _Pairs | None = None) -> Stats:
-    """The fused Triton check over chunks of whole observations, each staged and copied to the device while
-    the one before it is checked: on the GPU through the CUDA driver (scan_cuda, no torch), else under the
-    interpreter (_Interpreted); views and page counts on the device."""
-    from dcptool.dcp import cuda
-    from dcptool.dcp.backend import interpreted
-
-    c = d.config
-    b = bounds(d["obs.rows"], GPU_CHUNK_ROWS)
-    chunks = list(zip(b[:-1].tolist(), b[1:].tolist()))
-    staged = Chunks(d, chunks, pairs)
-    if cuda.available() and not interpreted():
-        from dcptool.check.scan_cuda import CudaScan as run_on
-    else:
-        run_on = _Interpreted
-    try:
-        run = run_on(staged, c.dcp_size, c.cp_interleave, c.page_size or 1)
-    except BaseException:
-        staged.close()
-        raise
-    parts = []
-    try:
-        if chunks:
-            run.load(0)
-        for k, (lo, hi) in enumerate(chunks):
-            if bounded:  # staged: its pages are no longer needed
-                d.release(lo, hi)
-            if k + 1 < len(chunks):
-                run.load(k + 1)
-            stats, differ = run.check(k)
-            if pairs is not None and differ.size:
-                pairs.found.append(differ + lo)
-            st = RowStats(*stats)
-            if not check_views:  # dcp_size 1: a present view is `stray`, its values are not checked
-                none, zero = np.full_like(st.n_wrong, -1), np.zeros_like(st.n_wrong)
-                st = st._replace(n_wrong=zero, first_wrong=none, n_pad=zero, first_pad=none)
-            hit = np.flatnonzero((st.n_wrong > 0) | (st.n_pad > 0) | (st.n_pages > 0))
-            parts.append(Stats(hit + lo, *(x[hit] for x in st)))
-            if progress:
-                progress(hi - lo)
-    finally:
-        run.close()
-    return Stats.concat(parts)
-
 def default_threads(bounded: bool = False) -> int:
     """The CPU scan's threads when not told: one on a machine of up to 3 cores (replay's background checks
     take the other) or for a bounded dump, else half the cores, at most 4. The chunk passes are numpy calls
-    that release the GIL only while they run: on 2 cores a second thread gained 0.65-0.75x at best and lost
-    when the machine was busy (benchmarks/bench_scan.py --cpu-threads; docs/performance.md)."""
+    that release the GIL only while they run, so a thread pays off only with a core to spare
+    (benchmarks/bench_scan.py --cpu-threads; docs/performance.md)."""
     import os
 
     cores = os.cpu_count() or 1
@@ -381,16 +264,19 @@ def in_order(fn: Callable[[int, int], T], spans: list[tuple[int, int]], workers:
 
 
 def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = None,
-         progress: Callable[[int], None] | None = None, pairs=None) -> Stats:
-    """Check every DCP view (observations with has_dcp, dcp_size > 1) and every page count.
+         progress: Callable[[int], None] | None = None, pairs=None) -> RowStats:
+    """Check every DCP view (observations with has_dcp, dcp_size > 1) and every page count: the observations with
+    something wrong.
 
     `pairs` ([n] int64, -1: none): also compare each observation's seq_lens rows with those of observation
-    pairs[i] (exactly, while the rows are read); Stats.differ lists the observations whose rows differ. It
+    pairs[i] (exactly, while the rows are read); RowStats.differ lists the observations whose rows differ. It
     may be a future of that array (result()), asked for when the first chunk is read."""
     check_views = d.config.dcp_size > 1
     pp = None if pairs is None else _Pairs(d["obs.rows"], pairs.result if hasattr(pairs, "result") else lambda: pairs)
     if backend == "triton":
-        res = _gpu(d, check_views, progress, bounded, pp)
+        from dcptool.gpu.scan_cuda import gpu_scan
+
+        res = gpu_scan(d, check_views, progress, bounded, pp)
         if pp is not None:
             res.differ = pp.differ(d)
         return res
@@ -398,9 +284,9 @@ def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = 
     if not check_views:
         s.aligned = np.zeros_like(s.aligned)
     workers = threads or default_threads(bounded)
-    b = bounds(s.rows, CHUNK_ROWS if workers == 1 else CHUNK_ROWS_THREADED)
+    spans = obs_chunks(np.diff(s.rows), CHUNK_ROWS if workers == 1 else CHUNK_ROWS_THREADED)
 
-    def one(lo: int, hi: int) -> Stats:
+    def one(lo: int, hi: int) -> RowStats:
         r = s.chunk(lo, hi)
         if bounded:
             d.release(lo, hi)
@@ -408,7 +294,7 @@ def scan(d: Dump, backend: str, *, bounded: bool = False, threads: int | None = 
             progress(hi - lo)
         return r
 
-    res = Stats.concat(in_order(one, list(zip(b[:-1].tolist(), b[1:].tolist())), workers))
+    res = RowStats.concat(in_order(one, spans, workers))
     if check_views:
         irregular = np.flatnonzero((s.has == 1) & ~s.aligned)
         res = _merge(res, _irregular(d, irregular))

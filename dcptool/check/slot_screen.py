@@ -54,7 +54,7 @@ class SlotScreen(NamedTuple):
 def slot_screen(pos: np.ndarray, slot: np.ndarray, start: np.ndarray, run_len: np.ndarray, r_rank: np.ndarray,
                 r_sh: np.ndarray, r_bs: np.ndarray, nr: np.ndarray, N: int, I_: int) -> SlotScreen:
     """Which runs of a chunk (Recorder's layout: each run's entries consecutive) can have a finding. Most
-    entries of a correct build are fine, so the exact kind/offset/duplicate work (slots._slot_findings) is left to
+    entries of a correct build are fine, so the exact kind/offset/duplicate work (slot_pass.slot_findings) is left to
     the observations this flags; the screen only has to never miss one. A few whole-chunk passes on int32/bool
     (shifts and masks where N, I and B are powers of two: numpy's % costs several times a mask); the per-run
     facts are counts of the passes' True entries before each run's start, real/padding boundary and end

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcptool.check.findings import FindingTable, findings_of
-from dcptool.check.rules import RULES, Issue
+from dcptool.check.findings import FindingTable, Written
+from dcptool.dcp.rules import RULES
 from dcptool.dcp.segments import ragged
 from dcptool.dcp.slicing import (
     first_disagreement,
@@ -73,54 +73,81 @@ def _check_split_points(d: Dump, cand: np.ndarray, engine_version: str) -> dict[
     return out
 
 
-def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue]:
+class _Slices:
+    """The recorded micro-batches to check (those with a recorded parent and bounds, both with query_start_loc),
+    split into those whose requests run past their parent's (`over`) and the rest (`cand`, with their parent `p`,
+    num_reqs_padded, req_start `r0` and token bounds `ts0`, `te0`)."""
+
+    def __init__(self, d: Dump):
+        par, ub = d["obs.parent"], d["obs.ubatch"]
+        rs, ts, te = (d[k].astype(np.int64) for k in ("obs.req_start", "obs.tok_start", "obs.tok_stop"))
+        self.qlen = qlen = np.diff(d["obs.qsl"])
+        cand = np.flatnonzero((ub >= 0) & (par >= 0) & (rs >= 0) & (ts >= 0) & (te >= 0) & (qlen > 0))
+        if cand.size:
+            cand = cand[qlen[par[cand]] > 0]
+        p = par[cand]
+        nrp = d["obs.num_reqs_padded"][cand].astype(np.int64)
+        r0 = rs[cand]
+        over = (r0 + nrp > qlen[p] - 1) | (r0 + nrp > np.diff(d["obs.rows"])[p])
+        self.over = cand[over]
+        ok = ~over
+        self.cand, self.p, self.nrp, self.r0 = cand[ok], p[ok], nrp[ok], r0[ok]
+        self.ts0, self.te0 = ts[cand][ok], te[cand][ok]
+
+
+def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> FindingTable:
     """A recorded micro-batch must equal slicing its recorded parent at its recorded bounds (§1):
     qsl = clamp(parent qsl[rs:rs+nrp+1] - ts, 0, te - ts); seq_lens = parent rows [rs, rs+nrp),
     the last reduced by max(0, parent qsl[rs+nrp] - te); num_reqs = max(0, min(rs+nrp, parent) - rs).
     When the dump (or `engine_version`) names the engine version, the recorded bounds must also be
-    where that version splits (_check_split_points); a dump that names none is sliced as recorded."""
-    par, ub = d["obs.parent"], d["obs.ubatch"]
-    rs, ts, te = (d[k].astype(np.int64) for k in ("obs.req_start", "obs.tok_start", "obs.tok_stop"))
-    qo, rows = d["obs.qsl"], d["obs.rows"]
-    qlen = np.diff(qo)
-    cand = np.flatnonzero((ub >= 0) & (par >= 0) & (rs >= 0) & (ts >= 0) & (te >= 0) & (qlen > 0))
-    if cand.size:
-        cand = cand[qlen[par[cand]] > 0]
-    if cand.size == 0:
-        return []
-    p = par[cand]
-    nrp = d["obs.num_reqs_padded"][cand].astype(np.int64)
-    r0, ts0, te0 = rs[cand], ts[cand], te[cand]
-    out: list[Issue] = []
-    over = (r0 + nrp > qlen[p] - 1) | (r0 + nrp > np.diff(rows)[p])
-    for i in cand[over]:
-        msg = (f"requests [{int(rs[i])}, {int(rs[i]) + int(d['obs.num_reqs_padded'][i])}) run "
-               f"past the parent's {int(qlen[par[i]]) - 1}")
-        out.append(Issue(int(i), "ubatch-slice", msg, {"detail": {"field": "req_stop"}}))
-    ok = ~over
-    cand, p, nrp, r0, ts0, te0 = cand[ok], p[ok], nrp[ok], r0[ok], ts0[ok], te0[ok]
-    q = d["rows.query_start_loc"]
-    nr_par = d["obs.num_reqs"][p].astype(np.int64)
-    want_nr = sliced_num_reqs(r0, nrp, nr_par)
-    bad_obs: dict[int, tuple] = {}
-    bounds = _check_split_points(d, cand, engine_version) if parse_engine_version(engine_version) else {}
+    where that version splits (_check_split_points); a dump that names none is sliced as recorded.
+    One finding per micro-batch: its bounds first, then the first field that disagrees."""
+    found = Written(d)
+    s = _Slices(d)
+    par = d["obs.parent"]
+    for i in s.over:
+        r = int(d["obs.req_start"][i])
+        msg = f"requests [{r}, {r + int(d['obs.num_reqs_padded'][i])}) run past the parent's {int(s.qlen[par[i]]) - 1}"
+        found.add(int(i), "ubatch-slice", msg, detail={"field": "req_stop"})
+    if s.cand.size == 0:
+        return found.table()
+    bounds = _check_split_points(d, s.cand, engine_version) if parse_engine_version(engine_version) else {}
     for i, (field, _, rec, exp, k) in bounds.items():
         msg = (f"{field} is {rec}, but vLLM {engine_version} splits this batch (obs "
                f"{int(d.file_obs[par[i]])}) into {k} micro-batches with {field} {exp}")
-        out.append(Issue(i, "ubatch-slice", msg, {"recorded": rec, "expected": exp, "wrong_rows": 0,
-                                             "detail": {"field": field, "parent_obs": int(d.file_obs[par[i]]),
-                                                        "ubatches": k, "engine_version": engine_version}}))
+        found.add(i, "ubatch-slice", msg, recorded=rec, expected=exp, detail={
+            "field": field, "parent_obs": int(d.file_obs[par[i]]), "ubatches": k, "engine_version": engine_version})
+    bad_obs = _slice_disagreements(d, s)
+    idx = {int(c): k for k, c in enumerate(s.cand)}
+    for i in sorted(set(bad_obs) - set(bounds)):
+        field, row, rec, exp = bad_obs[i]
+        k = idx[i]
+        msg = (f"{field} disagrees with slicing the parent (obs {int(d.file_obs[s.p[k]])}) at requests "
+               f"[{int(s.r0[k])}, {int(s.r0[k] + s.nrp[k])}) tokens [{int(s.ts0[k])}, {int(s.te0[k])}): "
+               + (f"row {row} is {rec}, slicing gives {exp}" if row is not None else f"{rec}, slicing gives {exp}"))
+        found.add(i, "ubatch-slice", msg, row=row, recorded=rec, expected=exp, wrong_rows=1,
+                  detail={"field": field, "parent_obs": int(d.file_obs[s.p[k]])})
+    return found.table()
+
+
+def _slice_disagreements(d: Dump, s: _Slices) -> dict[int, tuple]:
+    """Per micro-batch of s.cand whose fields disagree with slicing its parent: its first disagreement (field,
+    row or None, recorded, sliced) in the order num_reqs, query_start_loc, seq_lens."""
+    cand, p, nrp, r0 = s.cand, s.p, s.nrp, s.r0
+    qo, rows, q = d["obs.qsl"], d["obs.rows"], d["rows.query_start_loc"]
+    out: dict[int, tuple] = {}
+    want_nr = sliced_num_reqs(r0, nrp, d["obs.num_reqs"][p].astype(np.int64))
     for k in np.flatnonzero(want_nr != d["obs.num_reqs"][cand]):
-        bad_obs[int(cand[k])] = ("num_reqs", None, int(d["obs.num_reqs"][cand[k]]), int(want_nr[k]))
+        out[int(cand[k])] = ("num_reqs", None, int(d["obs.num_reqs"][cand[k]]), int(want_nr[k]))
     # query_start_loc: nrp + 1 values each (only where the recorded length matches)
-    qn = np.where(qlen[cand] == nrp + 1, nrp + 1, 0)
-    seg, j, _ = ragged(np.zeros(cand.size, np.int64), qn)
+    qlen = s.qlen[cand]
+    seg, j, _ = ragged(np.zeros(cand.size, np.int64), np.where(qlen == nrp + 1, nrp + 1, 0))
     got = q[qo[cand][seg] + j].astype(np.int64)
-    want = sliced_query_start_loc(q[qo[p][seg] + r0[seg] + j].astype(np.int64), ts0[seg], te0[seg])
+    want = sliced_query_start_loc(q[qo[p][seg] + r0[seg] + j].astype(np.int64), s.ts0[seg], s.te0[seg])
     for k in np.flatnonzero(got != want):
-        bad_obs.setdefault(int(cand[seg[k]]), ("query_start_loc", int(j[k]), int(got[k]), int(want[k])))
-    for k in np.flatnonzero(qlen[cand] != nrp + 1):
-        bad_obs.setdefault(int(cand[k]), ("query_start_loc", None, int(qlen[cand[k]]), int(nrp[k]) + 1))
+        out.setdefault(int(cand[seg[k]]), ("query_start_loc", int(j[k]), int(got[k]), int(want[k])))
+    for k in np.flatnonzero(qlen != nrp + 1):
+        out.setdefault(int(cand[k]), ("query_start_loc", None, int(qlen[k]), int(nrp[k]) + 1))
     # seq_lens: nrp rows each, the last reduced by the tokens of that request after te. The reader
     # accepts a micro-batch with fewer seq_lens rows than num_reqs_padded (only num_reqs are required):
     # compare the rows it has, and report the short ones below rather than read past them.
@@ -128,22 +155,13 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> list[Issue
     seg, j, _ = ragged(np.zeros(cand.size, np.int64), np.minimum(nrp, have))
     got = d.take("rows.seq_lens", rows[cand][seg] + j).astype(np.int64)
     want = d.take("rows.seq_lens", rows[p][seg] + r0[seg] + j).astype(np.int64)
-    cut = sliced_last_cut(q[qo[p] + r0 + nrp].astype(np.int64), te0)
+    cut = sliced_last_cut(q[qo[p] + r0 + nrp].astype(np.int64), s.te0)
     last = j == nrp[seg] - 1
     want[last] -= cut[seg[last]]
     for k in np.flatnonzero(got != want):
-        bad_obs.setdefault(int(cand[seg[k]]), ("seq_lens", int(j[k]), int(got[k]), int(want[k])))
+        out.setdefault(int(cand[seg[k]]), ("seq_lens", int(j[k]), int(got[k]), int(want[k])))
     for k in np.flatnonzero(have < nrp):
-        bad_obs.setdefault(int(cand[k]), ("seq_lens", None, int(have[k]), int(nrp[k])))
-    idx = {int(c): k for k, c in enumerate(cand)}
-    for i in sorted(set(bad_obs) - set(bounds)):  # one finding per observation: the split is the first wrong
-        field, row, rec, exp = bad_obs[i]
-        k = idx[i]
-        msg = (f"{field} disagrees with slicing the parent (obs {int(d.file_obs[p[k]])}) at requests "
-               f"[{int(r0[k])}, {int(r0[k] + nrp[k])}) tokens [{int(ts0[k])}, {int(te0[k])}): "
-               + (f"row {row} is {rec}, slicing gives {exp}" if row is not None else f"{rec}, slicing gives {exp}"))
-        out.append(Issue(i, "ubatch-slice", msg, {"row": row, "recorded": rec, "expected": exp, "wrong_rows": 1,
-                                             "detail": {"field": field, "parent_obs": int(d.file_obs[p[k]])}}))
+        out.setdefault(int(cand[k]), ("seq_lens", None, int(have[k]), int(nrp[k])))
     return out
 
 
@@ -154,7 +172,7 @@ def merge_split_findings(d: Dump, findings: FindingTable, splits: list) -> Findi
         return findings
     by_parent = {(s.parent, s.ubatch): s for s in splits}
     have = set(findings.index[findings.rule_code == RULES.index("ubatch-slice")].tolist())
-    extra: list[Issue] = []
+    extra = Written(d)
     k = max(x.ubatch for x in splits) + 1
     par, ub = d["obs.parent"], d["obs.ubatch"]
     for i in np.flatnonzero((ub >= 0) & (par >= 0)):
@@ -170,8 +188,7 @@ def merge_split_findings(d: Dump, findings: FindingTable, splits: list) -> Findi
             f, rec, want = bad
             msg = (f"recorded micro-batch disagrees with --split {k} of its parent "
                    f"(obs {s.parent_obs}): {f} is {rec}, the split gives {want}")
-            extra.append(Issue(int(i), "ubatch-slice", msg, {"detail": {"field": f, "parent_obs": s.parent_obs,
-                                                                        "split": True}}))
-    if not extra:
+            extra.add(int(i), "ubatch-slice", msg, detail={"field": f, "parent_obs": s.parent_obs, "split": True})
+    if not extra.index:
         return findings
-    return FindingTable.concat(d, [findings, findings_of(d, extra)])
+    return FindingTable.concat(d, [findings, extra.table()])

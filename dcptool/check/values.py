@@ -8,17 +8,14 @@ import numpy as np
 
 from dcptool.check.findings import MISSING, PADDING, PAGES, SHAPE, STRAY, VALUE, FindingTable
 from dcptool.check.provenance import KINDS, Provenance
-from dcptool.check.rules import RULES
 from dcptool.dcp.reference import local_np
+from dcptool.dcp.rules import RULES
 from dcptool.dump import Dump
 
 if TYPE_CHECKING:
-    from dcptool.check.scan import Stats
+    from dcptool.dcp.reference import RowStats
 
-# Built as columns (findings.FindingTable), their messages rendered only when read.
-
-
-def check_values(d: Dump, prov: Provenance, st: Stats) -> FindingTable:
+def check_values(d: Dump, prov: Provenance, st: RowStats) -> FindingTable:
     """Wrong real rows (the scan's n_wrong): explained by provenance (stale, global, wrong-rank,
     wrong-interleave) or a mismatch, all at once; `prov` has been prepared for these observations."""
     k = st.n_wrong > 0
@@ -36,7 +33,7 @@ def check_missing(d: Dump) -> FindingTable:
     return FindingTable.build(d, np.flatnonzero(~d["obs.has_dcp"].astype(bool)), "missing", MISSING)
 
 
-def check_padding(d: Dump, st: Stats) -> FindingTable:
+def check_padding(d: Dump, st: RowStats) -> FindingTable:
     k = st.n_pad > 0
     i, j = st.obs[k].astype(np.int64), st.first_pad[k].astype(np.int64)
     rec = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][i] + j)
@@ -56,7 +53,7 @@ def check_stray(d: Dump) -> FindingTable:
     return FindingTable.build(d, np.flatnonzero(d["obs.has_dcp"].astype(bool)), "stray", STRAY)
 
 
-def check_pages(d: Dump, st: Stats) -> FindingTable:
+def check_pages(d: Dump, st: RowStats) -> FindingTable:
     c = d.config
     k = st.n_pages > 0
     i, j = st.obs[k].astype(np.int64), st.first_pages[k].astype(np.int64)

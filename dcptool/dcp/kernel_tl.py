@@ -1,4 +1,4 @@
-"""Triton: `_local`, the formula (DESIGN §1) every kernel uses, and vLLM's per-batch kernel. Imported only through
+"""Triton: `local_of`, the formula (DESIGN §1) every kernel uses, and vLLM's per-batch kernel. Imported only through
 dcp.backend.load (TRITON_INTERPRET must be set before triton is imported)."""
 
 import triton
@@ -6,7 +6,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _local(seq, rank, span, cp_interleave):
+def local_of(seq, rank, span, cp_interleave):
     # reference.local_of in Triton (the one body of DESIGN §1; tests hold the two equal)
     rounds = seq // span
     rem = seq - rounds * span
@@ -24,6 +24,6 @@ def dcp_local_seq_lens_kernel(out_ptr, seq_lens_ptr, dcp_size, dcp_rank, cp_inte
     # arguments that may pass 2**31 (the scalars are widened through the int64 row values).
     seq = tl.load(seq_lens_ptr + block, mask=real, other=0).to(tl.int64)
     wide = tl.zeros_like(seq)  # scalars widened through an int64 vector (a 1 may arrive as a constexpr)
-    local = _local(seq, wide + dcp_rank, (wide + dcp_size) * cp_interleave, cp_interleave)
+    local = local_of(seq, wide + dcp_rank, (wide + dcp_size) * cp_interleave, cp_interleave)
     local = tl.where(real, local, 0).to(tl.int32)
     tl.store(out_ptr + block, local, mask=block < max_num_reqs)

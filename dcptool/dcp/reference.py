@@ -3,7 +3,7 @@
 local(L, r) = rounds*I + min(max(rem - r*I, 0), I), rounds = L // (N*I), rem = L % (N*I).
 `local_of` is that body, written once against operators numpy arrays and torch tensors share; the
 numpy form (`local_np`), the torch form (`dcp_local_seq_lens`), the scan, provenance and the
-simulator call it. The Triton kernels (triton_kernels.py's `_local`) restate it in Triton, which
+simulator call it. The Triton kernels (kernel_tl.py's `local_of`) restate it in Triton, which
 cannot call Python; tests hold the two equal. torch is imported by the torch forms only: the numpy
 form serves the CPU replay, which never pays for importing torch.
 """
@@ -11,7 +11,8 @@ form serves the CPU replay, which never pays for importing torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -127,40 +128,62 @@ def expected_rows(seq_lens: torch.Tensor, offsets: torch.Tensor, num_reqs: torch
     return torch.where(j < num_reqs[obs], local, torch.zeros_like(local))
 
 
-FUSED_BLOCK = 256  # rows per inner step of the fused whole-dump kernels (observations hold ~64-512 rows)
-FUSED_WARPS = 2  # their flag pass's warps (the exact pass on the flagged few takes Triton's default, 4)
+@dataclass
+class RowStats:
+    """The row check's answer, one column per observation: how many of its rows are wrong of each kind and the
+    first (-1: none). `obs` names the observations of the columns (None: every observation in order, as check_rows
+    and the fused kernels give them; the scan keeps only those with something wrong: `sparse`). The columns are
+    torch tensors or numpy arrays alike. `differ`: the observations whose seq_lens rows differ from their pair's
+    (the scan's, when asked for)."""
 
+    n_wrong: Any  # real view rows != local(L, rank)
+    first_wrong: Any  # the first such row
+    n_pad: Any  # padded view rows [num_reqs, num_reqs_padded) that are not 0
+    first_pad: Any
+    n_pages: Any  # real rows whose kv_pages != cdiv(local, page_size) (kv_pages -1 = unknown)
+    first_pages: Any
+    obs: np.ndarray | None = None
+    differ: np.ndarray | None = field(default=None, compare=False)
 
-def fused_limits(dcp_size: int, cp_interleave: int, page_size: int) -> None:
-    """Refuse a layout the fused kernels cannot check: they compute in int32 (ranks < N, so rank * I < N * I),
-    the reader's bounds."""
-    if dcp_size < 1 or cp_interleave < 1 or page_size < 1 or dcp_size * cp_interleave > 2**31 - 1 \
-            or page_size > 2**31 - 1:
-        raise ValueError(f"need 1 <= dcp_size * cp_interleave <= 2**31-1 and 1 <= page_size <= 2**31-1, got "
-                         f"{dcp_size}, {cp_interleave}, {page_size}")
+    KINDS: ClassVar[tuple[str, ...]] = ("wrong", "pad", "pages")
 
+    def columns(self) -> tuple:
+        return self.n_wrong, self.first_wrong, self.n_pad, self.first_pad, self.n_pages, self.first_pages
 
-class RowStats(NamedTuple):
-    """check_rows' answer, one [n] int32 tensor per field, one column per observation (-1 = none)."""
-
-    n_wrong: torch.Tensor  # real view rows != local(L, rank)
-    first_wrong: torch.Tensor  # the first such row
-    n_pad: torch.Tensor  # padded view rows [num_reqs, num_reqs_padded) that are not 0
-    first_pad: torch.Tensor
-    n_pages: torch.Tensor  # real rows whose kv_pages != cdiv(local, page_size) (kv_pages -1 = unknown)
-    first_pages: torch.Tensor
-
-    def stacked(self) -> torch.Tensor:
-        """[6, n] in field order."""
+    def stacked(self):
+        """[6, n] in field order (a tensor of tensors, an array of arrays)."""
+        cols = self.columns()
+        if isinstance(self.n_wrong, np.ndarray):
+            return np.stack(cols)
         import torch
 
-        return torch.stack(tuple(self))
+        return torch.stack(cols)
+
+    def sparse(self, first: int = 0) -> RowStats:
+        """The observations with something wrong (numpy; every observation's columns, the first at `first`)."""
+        cols = [np.asarray(c) for c in self.columns()]
+        hit = np.flatnonzero((cols[0] > 0) | (cols[2] > 0) | (cols[4] > 0))
+        return RowStats(*(c[hit] for c in cols), obs=hit + first)
+
+    @staticmethod
+    def empty() -> RowStats:
+        z = np.zeros(0, np.int64)
+        return RowStats(z, z, z, z, z, z, obs=z)
+
+    @staticmethod
+    def concat(parts: list[RowStats]) -> RowStats:
+        """Sparse parts of disjoint, ascending observations as one."""
+        parts = [p for p in parts if p.obs.size]
+        if not parts:
+            return RowStats.empty()
+        cols = [np.concatenate(x) for x in zip(*(p.columns() for p in parts))]
+        return RowStats(*cols, obs=np.concatenate([p.obs for p in parts]))
 
 
 def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dcp_rows: torch.Tensor,
                num_reqs: torch.Tensor, num_reqs_padded: torch.Tensor, ranks: torch.Tensor, dcp_size: int,
                cp_interleave: int = 1, *, kv_pages: torch.Tensor | None = None, page_size: int = 1) -> RowStats:
-    """Compare every recorded DCP view (and page count) with what it must hold: RowStats.
+    """Compare every recorded DCP view (and page count) with what it must hold: RowStats of every observation.
 
     Only view rows [0, min(view length, num_reqs_padded)) are compared: a short or long view is a
     `shape` finding, not a value one. seq_lens/rows/kv_pages: [R]/[n+1]/[R]; dcp/dcp_rows: [D]/[n+1].

@@ -15,9 +15,11 @@ def ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def obs_chunks(lens: np.ndarray, step: int) -> list[tuple[int, int]]:
-    """[lo, hi) ranges of consecutive segments holding about `step` elements each (one may hold more)."""
+    """[lo, hi) ranges of consecutive segments (observations, whole) holding about `step` elements each (one may
+    hold more), covering every segment once, in order."""
     if lens.size == 0:
         return []
+    step = max(int(step), 1)
     cs = np.cumsum(lens)
     cuts = np.searchsorted(cs, np.arange(step, int(cs[-1]) + step, step), "left") + 1
     edges = np.unique(np.concatenate([[0], np.minimum(cuts, lens.size), [lens.size]]))

@@ -1,4 +1,4 @@
-"""`dcptool export-test`: a pytest file an engine team can commit (issue 17 item 4).
+"""`dcptool export-test`: a pytest file an engine team can commit.
 
 It embeds the wrong observations of a (reduced) recording as literal lists and asserts that the engine's
 function computes what the rule expects: the DCP-local lengths of each observation's seq_lens (vLLM's
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pprint
 import textwrap
 
-from dcptool.check.findings import Finding
+from dcptool.check.findings import Finding, FindingTable
 from dcptool.check.provenance import expected_of
 from dcptool.dcp.reference import local_np
 from dcptool.dump import Dump
@@ -49,7 +49,7 @@ def _case(d: Dump, i: int, rules: list[str], msg: str) -> dict:
     return case
 
 
-def cases_of(d: Dump, findings: list[Finding], max_cases: int) -> list[dict]:
+def cases_of(d: Dump, findings: FindingTable, max_cases: int) -> list[dict]:
     """One case per observation with a view or page finding, the first observation of each rule first."""
     by_obs: dict[int, list[Finding]] = {}
     for f in findings:
@@ -135,7 +135,7 @@ def _plain(s: str) -> str:
     return "".join(ch if ch.isprintable() and ch not in '"\\' else "?" for ch in s)
 
 
-def export_test(d: Dump, findings: list[Finding], max_cases: int = 8) -> tuple[str, int]:
+def export_test(d: Dump, findings: FindingTable, max_cases: int = 8) -> tuple[str, int]:
     """The pytest file's text and its number of cases."""
     cases = cases_of(d, findings, max_cases)
     if not cases:

@@ -1,5 +1,5 @@
 """`dcptool reduce`: shrink a recording to the fewest steps, observations and request rows that still show one
-problem (issue 17 item 3), by delta debugging (Zeller's ddmin), each candidate checked by an in-process replay.
+problem, by delta debugging (Zeller's ddmin), each candidate checked by an in-process replay.
 
 A candidate keeps the problem when its replay still has a finding of the same rule, relation (stale) and site,
 and no rule the original replay did not report (a cut that invents a new finding is not the same failure).
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from dcptool.check.findings import Finding
-from dcptool.check.rules import RULES
+from dcptool.check.findings import RELATIONS, Finding, FindingTable
+from dcptool.dcp.rules import RULES
 from dcptool.dump import COLUMNS, RAGGED, Dump, DumpConfig
 from dcptool.errors import DcptoolError
 
@@ -39,9 +39,10 @@ class Target:
     def label(self) -> str:
         return self.rule + (f"/{self.relation}" if self.relation else "")
 
-    def holds(self, findings: list[Finding]) -> bool:
-        return any(f.rule == self.rule and f.site == self.site
-                   and (f.source.relation if f.source is not None else None) == self.relation for f in findings)
+    def holds(self, findings: FindingTable) -> bool:
+        """A finding of the target's rule, site and relation (stale) is among `findings` (their columns read)."""
+        rel = -1 if self.relation is None else RELATIONS.index(self.relation)
+        return bool(((findings.rule == self.rule) & (findings.site == self.site) & (findings.relation == rel)).any())
 
 
 def parse_finding(spec: str) -> tuple[str, str | None, int | None]:
@@ -59,7 +60,7 @@ def parse_finding(spec: str) -> tuple[str, str | None, int | None]:
     return rule, relation or None, obs
 
 
-def find_target(path: str, findings: list[Finding], spec: str, d: Dump) -> Target:
+def find_target(path: str, findings: FindingTable, spec: str, d: Dump) -> Target:
     """The finding `spec` names in a replay of dump `d` (its first file's observation OBS), as a Target."""
     rule, relation, obs = parse_finding(spec)
     hits = [f for f in findings if f.rule == rule
@@ -261,10 +262,6 @@ def drop_requests(d: Dump, drop: set[tuple[int, int]], name: str = "reduced") ->
 # Delta debugging
 
 
-class _Budget(Exception):
-    pass
-
-
 def ddmin(units: list, test: Callable[[list], bool], deadline: float) -> list:
     """Zeller's ddmin: a 1-minimal sublist of units for which test holds (test(units) must hold). Stops at the
     deadline with the smallest list found so far."""
@@ -300,7 +297,7 @@ class Reduction:
     candidates: int  # replays run
     seconds: float
     stopped: bool  # the time budget ran out before ddmin finished
-    findings: list[Finding] = field(default_factory=list)  # the reduced recording's replay
+    findings: FindingTable  # the reduced recording's replay
 
     def to_json(self) -> dict:
         return {"type": "reduce", "rule": self.target.rule, "relation": self.target.relation,
@@ -333,7 +330,7 @@ def reduce_dump(d: Dump, target: Target, rules: set[str], *, max_seconds: float 
                 progress(spent - shown[0])
                 shown[0] = spent
         found = replay(sub, backend).findings
-        return target.holds(found) and {f.rule for f in found} <= rules
+        return target.holds(found) and set(found.rule.tolist()) <= rules
 
     steps = d["obs.step"]
     units = np.unique(steps).tolist()

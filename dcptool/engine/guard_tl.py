@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from dcptool.dcp.backend import interpreted
-from dcptool.dcp.kernel_tl import _local
+from dcptool.dcp.kernel_tl import local_of
 from dcptool.engine.guard_dev import (
     BIT_EMPTY,
     BIT_MISSING,
@@ -95,7 +95,7 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
         dq = tl.load(dqp + j, mask=mdq, other=0)
         tv = tl.load(totp + j, mask=mt, other=0)
         wide64 = tl.zeros_like(seq).to(tl.int64)
-        local = _local(seq.to(tl.int64), wide64 + rank, (wide64 + N) * I, I)
+        local = local_of(seq.to(tl.int64), wide64 + rank, (wide64 + N) * I, I)
         acc = acc | tl.where(aligned & real & ms & (dv.to(tl.int64) != local), _VALUES, 0)
         acc = acc | tl.where(aligned & (j >= nr) & (j < nrp) & md & (dv != 0), _PADDING, 0)
         kv64 = kv.to(tl.int64)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, fields
 
-from dcptool.check.rules import RULE_OF_FAULT
 from dcptool.choices import CudaGraph, Pipeline, SpecMethod, spoken, values
+from dcptool.dcp.rules import RULE_OF_FAULT
 from dcptool.dcp.slicing import parse_engine_version
 from dcptool.errors import DcptoolError
 

@@ -128,8 +128,7 @@ def html_units(res, max_findings: int | None = None) -> int:
 def _positions(findings) -> dict[int, int]:
     """id(Finding) -> its position in the findings, for the Finding objects the row views hold (a FindingTable
     hands out the same object for a position each time: only those already made are looked at)."""
-    made = findings.made() if hasattr(findings, "made") else dict(enumerate(findings))
-    return {id(f): k for k, f in made.items()}
+    return {id(f): k for k, f in findings.made().items()}
 
 
 def _finding_ref(k: int | None, text: str, shown: int) -> str:
@@ -189,14 +188,14 @@ def _summary(res, shown: int) -> list[str]:
 
 
 def _code(rule: str) -> str:
-    from dcptool.check.rules import RULE_CODES, SEVERITY
+    from dcptool.dcp.rules import RULE_CODES, SEVERITY
 
     return f'<span class="code {_SEV_CLASS[SEVERITY[rule]]}">{RULE_CODES[rule]}</span>'
 
 
 def _svg(res, tl: Timeline) -> str:
     """The timeline as inline SVG: a <title> tooltip on every cell that has observations."""
-    from dcptool.check.rules import RULES
+    from dcptool.dcp.rules import RULES
 
     cw = max(4, min(22, 960 // max(tl.columns, 1)))
     ch, top = 18, 22
@@ -259,7 +258,7 @@ def _tooltip(res, tl: Timeline, r: int, c: int, rules) -> str:
 
 
 def _legend(tl: Timeline) -> str:
-    from dcptool.check.rules import RULES, SEVERITY
+    from dcptool.dcp.rules import RULES, SEVERITY
 
     present = [RULES[i] for i in np.unique(tl.worst()) if i >= 0]
     items = ['<span class="code ok">&nbsp;</span>clean', '<span class="code none">&nbsp;</span>no observations']
@@ -320,18 +319,14 @@ def _views(res, pos: dict, shown: int) -> list[str]:
     views = dict(res.views)
     if res.rows_view is not None:
         views.setdefault(res.rows_view.index, res.rows_view)
-    index = np.asarray([f.index for f in res.findings] if isinstance(res.findings, list) else res.findings.index)
-    with_findings = np.unique(index).size
+    with_findings = np.unique(res.findings.index).size
     out.append(f'<p class="note">What each observation holds row by row (as <code>--obs</code> shows it), for the '
                f"first {VIEW_FINDINGS} observations with findings (of {with_findings:,}) and the source observations "
                f"of their stale findings; at most {VIEW_ROWS} rows each, starting near the first wrong row. "
                "Columns r0, r1, ...: the expected local length on each DCP rank (* marks the observation's own "
                "rank).</p>")
     cited: dict[int, list[int]] = {}
-    if isinstance(res.findings, list):
-        source = np.array([-1 if f.source is None else f.source.index for f in res.findings], np.int64)
-    else:
-        source = res.findings.source
+    source = res.findings.source
     for k in np.flatnonzero(source >= 0).tolist():  # the stale findings only
         cited.setdefault(int(source[k]), []).append(k)
     for i in sorted(views):

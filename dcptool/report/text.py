@@ -227,7 +227,7 @@ def _axis(tl: Timeline) -> str:
 
 def render_timeline(res, console: Console) -> None:
     """Timeline strip: rows (site, rank), columns step buckets sized to the console, worst finding per cell."""
-    from dcptool.check.rules import RULE_CODES, RULES, SEVERITY
+    from dcptool.dcp.rules import RULE_CODES, RULES, SEVERITY
 
     g = res.grid
     if g is None or g.count.size == 0:
@@ -343,11 +343,7 @@ def replay_json_lines(res, max_findings: int | None = None) -> Iterator[str]:
     if res.rows_view is not None:
         yield json.dumps(res.rows_view.to_json())
     shown = res.findings if max_findings is None else res.findings[:max_findings]
-    if hasattr(shown, "json_lines"):  # a FindingTable: streamed from its columns, no Finding objects
-        yield from shown.json_lines()
-    else:
-        for f in shown:
-            yield json.dumps(f.to_json())
+    yield from shown.json_lines()  # streamed from the table's columns, no Finding objects
     yield from problem_json_lines(getattr(res, "problems", []))
     yield json.dumps(res.summary_json())
 
@@ -391,7 +387,7 @@ def inspect_json(info) -> str:
 def _rules(counts: dict[str, int]) -> Text:
     if not counts:
         return Text("clean", style="green")
-    from dcptool.check.rules import RULES
+    from dcptool.dcp.rules import RULES
 
     return Text(", ".join(f"{r} {counts[r]}" for r in RULES if r in counts), style="bold red")
 
@@ -549,7 +545,7 @@ def diff_json_lines(res) -> Iterator[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# Problems (issue 17): replay's report leads with one line per root cause
+# Problems: replay's report leads with one line per root cause
 
 
 def render_problems(problems, console: Console) -> None:

@@ -48,7 +48,7 @@ class Timeline:
 
     def worst(self) -> np.ndarray:
         """[rows, cols] index into RULES of each cell's worst finding (errors first, then table order), -1 if none."""
-        from dcptool.check.rules import RULES, SEVERITY
+        from dcptool.dcp.rules import RULES, SEVERITY
 
         prio = np.array([i + (len(RULES) if SEVERITY[r] == "warning" else 0) for i, r in enumerate(RULES)])
         masked = np.where(self.rules > 0, prio, 10 * len(RULES))
@@ -76,14 +76,12 @@ def timeline(res, max_columns: int) -> Timeline | None:
     rows drawn are capped (TIMELINE_ROWS), micro-batch indices are indexed by the values present and
     capped (TIMELINE_UBATCHES), and step offsets are taken modulo 2**64 (steps may span all of int64).
     """
-    from dcptool.check.rules import RULES
+    from dcptool.dcp.rules import RULES
 
     g = res.grid
     if g is None or g.count.size == 0:
         return None
-    from dcptool.check.findings import finding_columns
-
-    fa = finding_columns(res.findings, res.config)  # from the columns: no Finding object per finding
+    fa = res.findings.cells()  # from the columns: no Finding object per finding
     # rows: distinct (site, rank), compared as columns (no packing into one integer)
     site = np.concatenate([g.site.astype(np.int64), fa[:, 0]])
     rank = np.concatenate([g.rank.astype(np.int64), fa[:, 1]])
@@ -140,7 +138,7 @@ def timeline(res, max_columns: int) -> Timeline | None:
 
 def cells(tl: Timeline) -> tuple[np.ndarray, np.ndarray]:
     """Per cell: its character and its kind (empty, clean, warning, error)."""
-    from dcptool.check.rules import RULE_CODES, RULES, SEVERITY
+    from dcptool.dcp.rules import RULE_CODES, RULES, SEVERITY
 
     worst = tl.worst()
     codes = np.array([RULE_CODES[r] for r in RULES] + [CLEAN, EMPTY])

@@ -43,7 +43,7 @@ def _masked(o: Observation, rows: int) -> list[int]:
 
 
 def _em(d):
-    return [(i.index, i.fields["detail"]["field"]) for i in check_empty_mask(d)]
+    return [(i.index, i.detail["field"]) for i in check_empty_mask(d)]
 
 
 def test_empty_mask_worked_example_eager_n2_i16():
@@ -59,16 +59,16 @@ def test_empty_mask_worked_example_eager_n2_i16():
     bad = _batch(2, 16, [7, 40, 16, 17], 4, [0, 1, 2, 3, 4], 4, 0)
     bad[1].dcp_query_start_loc = np.array([0, 0, 1, 1, 2])
     got = check_empty_mask(_dump(bad, 2, 16))
-    assert [(i.index, i.fields["detail"]["field"]) for i in got] == [(1, "dcp_query_start_loc")]
-    assert got[0].fields["row"] == 1 and got[0].fields["recorded"] == 0 and got[0].fields["expected"] == 1
-    assert got[0].fields["detail"]["expected_masked"] == [0, 2] and got[0].fields["detail"]["masked"] != [0, 2]
+    assert [(i.index, i.detail["field"]) for i in got] == [(1, "dcp_query_start_loc")]
+    assert got[0].row == 1 and got[0].recorded == 0 and got[0].expected == 1
+    assert got[0].detail["expected_masked"] == [0, 2] and got[0].detail["masked"] != [0, 2]
     # broken S: global lengths on rank 1 mask nothing where rows 0 and 2 must be masked
     bad = _batch(2, 16, [7, 40, 16, 17], 4, [0, 1, 2, 3, 4], 4, 0)
     bad[1].dcp_local_seq_lens = np.array([7, 40, 16, 17])
     got = check_empty_mask(_dump(bad, 2, 16))
-    assert [(i.index, i.fields["detail"]["field"]) for i in got] == [(1, "mask")]
-    assert got[0].fields["detail"]["masked"] == [] and got[0].fields["detail"]["expected_masked"] == [0, 2]
-    assert "all_ranks_masked" not in got[0].fields["detail"]
+    assert [(i.index, i.detail["field"]) for i in got] == [(1, "mask")]
+    assert got[0].detail["masked"] == [] and got[0].detail["expected_masked"] == [0, 2]
+    assert "all_ranks_masked" not in got[0].detail
 
 
 def test_empty_mask_worked_example_full_graph_n4_i4():
@@ -82,14 +82,14 @@ def test_empty_mask_worked_example_full_graph_n4_i4():
     # broken Q: the padded row not counted as a decode (num_decodes 3)
     bad = _batch(4, 4, [5, 20, 3], 4, [0, 1, 2, 3, 3], 4, 3, Q=[0, 1, 2, 3])
     got = check_empty_mask(_dump(bad, 4, 4))
-    assert [(i.index, i.fields["detail"]["field"]) for i in got] == [(k, "num_decodes") for k in range(4)]
-    assert got[0].fields["recorded"] == 3 and got[0].fields["expected"] == 4
+    assert [(i.index, i.detail["field"]) for i in got] == [(k, "num_decodes") for k in range(4)]
+    assert got[0].recorded == 3 and got[0].expected == 4
     # broken S: rank 2 holds rank 1's lengths, so it keeps row 0 it must mask
     bad = _batch(4, 4, [5, 20, 3], 4, [0, 1, 2, 3, 3], 4, 3)
     bad[2].dcp_local_seq_lens = np.array([1, 4, 0, 0])
     got = check_empty_mask(_dump(bad, 4, 4))
-    assert [(i.index, i.fields["detail"]["field"]) for i in got] == [(2, "mask")]
-    assert got[0].fields["detail"]["masked"] == [2, 3] and got[0].fields["detail"]["expected_masked"] == [0, 2, 3]
+    assert [(i.index, i.detail["field"]) for i in got] == [(2, "mask")]
+    assert got[0].detail["masked"] == [2, 3] and got[0].detail["expected_masked"] == [0, 2, 3]
 
 
 def test_empty_mask_row_masked_on_every_rank_is_named(tmp_path):
@@ -97,8 +97,8 @@ def test_empty_mask_row_masked_on_every_rank_is_named(tmp_path):
     o = _batch(2, 16, [7, 40, 16, 17], 4, [0, 1, 2, 3, 4], 4, 0)
     o[0].dcp_local_seq_lens = np.array([0, 24, 16, 16])
     got = check_empty_mask(_dump(o, 2, 16))
-    assert [(i.index, i.fields["detail"]["field"]) for i in got] == [(0, "mask")]
-    assert got[0].fields["detail"]["all_ranks_masked"] == [0] and "every rank" in got[0].text
+    assert [(i.index, i.detail["field"]) for i in got] == [(0, "mask")]
+    assert got[0].detail["all_ranks_masked"] == [0] and "every rank" in got[0].text
     # through replay: the view's own rule first (DESIGN table order), then empty-mask
     res = run(tmp_path, o, dcp=2, il=16)
     assert rules(res) == [(0, "mismatch"), (0, "empty-mask"), (1, "rank-sum")]
@@ -222,8 +222,8 @@ def test_tot_lens_triggers_on_local_companion_not_on_global(tmp_path):
     assert check_tot_lens(_dump(o, 2)) == []
     o[1].dcp_tot_seq_lens = o[1].dcp_local_seq_lens[:4]
     got = check_tot_lens(_dump(o, 2))
-    assert [(i.index, i.fields["row"], i.fields["recorded"], i.fields["expected"]) for i in got] == [(1, 0, 4, 9)]
-    assert "local lengths" in got[0].text and got[0].fields["wrong_rows"] == 3
+    assert [(i.index, i.row, i.recorded, i.expected) for i in got] == [(1, 0, 4, 9)]
+    assert "local lengths" in got[0].text and got[0].wrong_rows == 3
     # padded rows of the companion are not real rows
     o = _batch(2, 1, [9, 5, 30], 4, [0, 1, 2, 3, 3], 4, 3)
     o[0].dcp_tot_seq_lens = np.array([9, 5, 30, 77])

@@ -1,11 +1,12 @@
-"""Columnar findings (issue 16 item 2): the FindingTable, lazy messages, and output byte-identical to the
-per-finding Finding objects replay built before (golden outputs made by main a364428)."""
+"""findings.py: the FindingTable (columns, a Finding made per row read, lazy messages), Written, and every report's
+output byte-identical to the golden outputs (tests/data/golden)."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+import numpy as np
 import pytest
 from conftest import ROOT
 
@@ -36,7 +37,7 @@ def test_output_is_byte_identical_to_the_per_finding_objects(dump, tmp_path):
 from dcptool.check import findings as F  # noqa: E402
 from dcptool.check.findings import Finding, FindingTable  # noqa: E402
 from dcptool.check.replay import replay  # noqa: E402
-from dcptool.check.rules import RULE_ORDER, RULES  # noqa: E402
+from dcptool.dcp.rules import RULE_ORDER, RULES  # noqa: E402
 from dcptool.dump import open_dumps  # noqa: E402
 
 LEGACY = str(ROOT / "samples" / "legacy.safetensors")
@@ -102,8 +103,7 @@ def test_messages_are_rendered_only_for_what_is_shown(monkeypatch, tmp_path):
     from conftest import cli
 
     calls = []
-    real, real_many = F.render_text, F.render_texts
-    monkeypatch.setattr(F, "render_text", lambda *a: calls.append(1) or real(*a))
+    real_many = F.render_texts
     monkeypatch.setattr(F, "render_texts", lambda t, rows: calls.extend([1] * rows.size) or real_many(t, rows))
     d = open_dumps([LEGACY])
     res = replay(d, "torch")
@@ -118,42 +118,45 @@ def test_messages_are_rendered_only_for_what_is_shown(monkeypatch, tmp_path):
     assert r.stdout.count('"type": "finding"') == 5 + 1 and 5 <= len(calls) <= 6 + made  # 5 lines, the first
 
 
-def test_concat_sorts_stably_and_keeps_issue_texts(legacy):
+def test_concat_sorts_stably_and_keeps_written_texts(legacy):
     d, _ = legacy
-    from dcptool.check.findings import findings_of
-    from dcptool.check.rules import Issue
-
-    a = findings_of(d, [Issue(5, "alias", "second", {"detail": {"x": 1}}), Issue(2, "alias", "a", {})])
+    a = F.Written(d)
+    a.add(5, "alias", "second", detail={"x": 1})
+    a.add(2, "alias", "a")
     b = FindingTable.build(d, [5, 1], "missing", F.MISSING)
-    c = findings_of(d, [Issue(5, "alias", "third", {"row": 3, "recorded": -1, "expected": 0})])
-    t = FindingTable.concat(d, [a, b, c])
+    c = F.Written(d)
+    c.add(5, "alias", "third", row=3, recorded=-1, expected=0, wrong_rows=2)
+    t = FindingTable.concat(d, [a.table(), b, c.table()])
     assert [(f.index, f.rule, f.text if f.rule == "alias" else "") for f in t] == [
         (1, "missing", ""), (2, "alias", "a"), (5, "missing", ""), (5, "alias", "second"), (5, "alias", "third")]
-    assert t[3].detail == {"x": 1} and (t[4].row, t[4].recorded, t[4].expected) == (3, -1, 0)
-    assert (t[3].row, t[3].recorded) == (None, None)
+    assert t[3].detail == {"x": 1} and (t[4].row, t[4].recorded, t[4].expected, t[4].wrong_rows) == (3, -1, 0, 2)
+    assert (t[3].row, t[3].recorded, t[3].expected, t[3].wrong_rows) == (None, None, None, 0)
     assert FindingTable.concat(d, []) == [] and len(FindingTable.concat(d, [t[:2], t[3:]])) == 4
+    assert F.Written(d).table() == [] and list(t[2:4].json_lines()) == [json.dumps(f.to_json()) for f in t[2:4]]
 
 
-def test_old_style_results_still_slot_in(legacy):
-    """A check that still returns (index, Finding) pairs, or Issues, is collected like a table (other branches'
-    rules: their `found += ...` lines keep working)."""
+def test_a_row_read_alone_renders_as_the_block_writer_does(legacy):
+    """t[k] (text and detail of one row) and the JSON Lines writer (a block of rows) give the same finding, for
+    every kind of finding the legacy recording has."""
+    _, res = legacy
+    t = res.findings
+    kinds = {}
+    for k, kind in enumerate(t.kind.tolist()):
+        kinds.setdefault((kind, t.rule_code[k]), k)
+    assert len(kinds) >= 6
+    for k in kinds.values():
+        fresh = FindingTable.concat(t.d, [t[k : k + 1]])  # (no Finding made yet in this table)
+        assert json.dumps(fresh[0].to_json()) == next(t[k : k + 1].json_lines())
+
+
+def test_cells_are_the_timelines_columns(legacy):
     d, res = legacy
-    from dcptool.check.rules import Issue
-
-    col = F.Collector(d)
-    col += [(f.index, f) for f in res.findings[:3]]
-    col += [Issue(0, "stray", "x", {})]
-    col += res.findings[3:6]
-    t = col.table()
-    assert list(t) == sorted([*res.findings[:6], F.Finding(**{**res.findings[0].__dict__, "rule": "stray",
-                                                                "index": 0, "text": "x", "row": None,
-                                                                "recorded": None, "expected": None,
-                                                                "wrong_rows": 0, "source": None, "detail": {},
-                                                                "obs": 0, "step": int(d["obs.step"][0]),
-                                                                "site": d.site_name(0),
-                                                                "rank": int(d["obs.rank"][0]),
-                                                                "ubatch": int(d["obs.ubatch"][0])})],
-                             key=lambda f: (f.index, RULE_ORDER[f.rule]))
+    t = res.findings
+    cells = t.cells()
+    assert cells.shape == (len(t), 5) and cells.dtype == np.int64
+    assert cells[:, 0].tolist() == t.site_code.tolist() and cells[:, 4].tolist() == t.rule_code.tolist()
+    assert [tuple(r) for r in cells[:50].tolist()] == [
+        (d.config.sites.index(f.site), f.rank, f.step, f.ubatch, RULES.index(f.rule)) for f in t[:50]]
 
 
 def test_message_is_where_then_text():

@@ -11,7 +11,7 @@ from conftest import ROOT, cli, obs, write
 
 from dcptool.check.problems import PATTERNS, STRADDLE, known_bugs, match_known, parse_version, problems
 from dcptool.check.replay import replay
-from dcptool.check.rules import RULE_OF_FAULT
+from dcptool.dcp.rules import RULE_OF_FAULT
 from dcptool.dump import open_dumps
 from dcptool.model.simulate import SimConfig, simulate
 
@@ -163,9 +163,12 @@ def test_side_shape_joins_its_problem_but_a_cut_view_is_its_own(tmp_path):
 def test_grouping_is_deterministic_and_independent_of_object_identity():
     d = open_dumps([str(SAMPLES / "legacy.safetensors")])
     res = replay(d, "torch")
+    from dcptool.check.findings import FindingTable
+
     a = [q.to_json() for q in problems(d, res.findings)]
-    b = [q.to_json() for q in problems(d, list(res.findings))]
-    assert a == b and json.loads(json.dumps(a)) == a
+    b = [q.to_json() for q in problems(d, FindingTable.concat(d, [res.findings[:]]))]  # (other Finding objects)
+    c = [q.to_json() for q in problems(d, replay(open_dumps([str(SAMPLES / "legacy.safetensors")]), "torch").findings)]
+    assert a == b == c and json.loads(json.dumps(a)) == a
 
 
 def test_replay_report_leads_with_problems_and_json_references_findings():
@@ -214,7 +217,7 @@ def test_known_bugs_ship_in_the_wheel(tmp_path):
 def test_every_rule_has_a_mechanism_sentence():
     """A problem line explains its mechanism; a rule added to the table without one would print 'X findings'."""
     from dcptool.check.problems import VIEW, explain
-    from dcptool.check.rules import RULES
+    from dcptool.dcp.rules import RULES
 
     for rule in RULES:
         relation = "parent-rows" if rule == "stale" else None  # (a stale finding always names its source)

@@ -280,9 +280,10 @@ def test_no_packed_keys_left():
 
     import dcptool.check.replay as replay_mod
     import dcptool.report.timeline
-    from dcptool.check import alias, decode, ranks, rules, ubatch, values
+    from dcptool.check import alias, decode, plan, ranks, ubatch, values
+    from dcptool.dcp import rules
 
-    for mod in (provenance, rules, values, alias, ranks, ubatch, decode, replay_mod):
+    for mod in (provenance, rules, plan, values, alias, ranks, ubatch, decode, replay_mod):
         src = inspect.getsource(mod)
         assert "<< 48" not in src and "* (1 << 48)" not in src and "2**48" not in src, mod.__name__
     assert "* n_ranks" not in inspect.getsource(dcptool.report.timeline.timeline)

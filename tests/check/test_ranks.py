@@ -118,7 +118,7 @@ def test_rank_agree_names_the_differing_ranks_once_per_batch():
         o = _batch(3, 1, [9, 5, 30], 4, [0, 1, 2, 3, 3], 4, 3)
         change(o[2])  # the majority (ranks 0, 1) is the reference
         got = check_rank_agree(_dump(o, 3))
-        assert [(i.index, i.fields["detail"]["field"], i.fields["detail"]["ranks"]) for i in got] == [
+        assert [(i.index, i.detail["field"], i.detail["ranks"]) for i in got] == [
             (2, field, [2])], field
         assert "rank 2" in got[0].text
     # two ranks of three differ: one finding, at the first of them, naming both
@@ -126,8 +126,8 @@ def test_rank_agree_names_the_differing_ranks_once_per_batch():
     o[4].seq_lens = np.array([9, 6, 30, 0])
     o[5].num_tokens_padded = 8
     got = check_rank_agree(_dump(o, 3))
-    assert [(i.index, i.fields["detail"]["ranks"]) for i in got] == [(4, [1, 2])]
-    assert got[0].fields["detail"]["fields"] == {"1": "seq_lens", "2": "num_tokens_padded"}
+    assert [(i.index, i.detail["ranks"]) for i in got] == [(4, [1, 2])]
+    assert got[0].detail["fields"] == {"1": "seq_lens", "2": "num_tokens_padded"}
     # N=2 tie: the lower rank's values are the reference
     o = _batch(2, 1, [9, 5], 2, [0, 1, 2], 2, 0)
     o[0].seq_lens = np.array([9, 4])
@@ -194,7 +194,7 @@ def test_rank_agree_with_the_scans_pairs_equals_reading_the_rows_itself(monkeypa
         o += b
     d = _dump(o, 3)
     want = check_rank_agree(d)
-    assert {(i.index // 3, i.fields["detail"]["ranks"][0]) for i in want} == planted and planted
+    assert {(i.index // 3, i.detail["ranks"][0]) for i in want} == planted and planted
     pairs = rank_pairs(d)
     for target in (1, 7, 64, 1 << 18):
         monkeypatch.setattr(scan_mod, "CHUNK_ROWS", target)

@@ -83,7 +83,7 @@ def test_checks_on_other_threads_give_the_findings_of_one_thread(tmp_path, monke
     import json
     import warnings
 
-    from dcptool.check import replay as replay_mod
+    from dcptool.check import later
     from dcptool.model.config import FAULTS
     from dcptool.model.simulate import SimConfig, simulate
 
@@ -93,7 +93,7 @@ def test_checks_on_other_threads_give_the_findings_of_one_thread(tmp_path, monke
         simulate(SimConfig(dcp=4, interleave=2, steps=60, pipeline="fixed", inject=tuple(sorted(FAULTS)), seed=3), p)
     out = {}
     for threads in (1, 4):
-        monkeypatch.setattr(replay_mod, "CHECK_THREADS", threads)
+        monkeypatch.setattr(later, "CHECK_THREADS", threads)
         monkeypatch.setattr("os.cpu_count", lambda: 4)
         res = replay(open_dumps([str(p)]), "torch")
         out[threads] = ([json.dumps(f.to_json(), sort_keys=True) for f in res.findings], res.skipped, res.grid.count)
@@ -105,15 +105,15 @@ def test_a_failing_background_check_fails_the_replay(tmp_path, monkeypatch):
     """An exception in a check on another thread reaches the caller (never a silently missing rule)."""
     import pytest
 
-    from dcptool.check import replay as replay_mod
+    from dcptool.check import later, values
 
     d = open_dumps([write(tmp_path / "d.safetensors", worked_example(False))])
 
     def boom(_d):
         raise RuntimeError("check failed")
 
-    monkeypatch.setattr(replay_mod, "check_shape", boom)
-    monkeypatch.setattr(replay_mod, "CHECK_THREADS", 4)
+    monkeypatch.setattr(values, "check_shape", boom)  # (replay finds it by the name the rule table gives)
+    monkeypatch.setattr(later, "CHECK_THREADS", 4)
     monkeypatch.setattr("os.cpu_count", lambda: 4)
     with pytest.raises(RuntimeError, match="check failed"):
         replay(d, "torch")

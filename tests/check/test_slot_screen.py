@@ -27,6 +27,7 @@ def test_slot_screen_misses_no_rare_fault_equal_to_both_references(tmp_path, mon
         old_check_slots,
     )
 
+    import dcptool.check.slot_pass as P
     import dcptool.check.slots as R
 
     rng = np.random.default_rng(seed)
@@ -36,7 +37,7 @@ def test_slot_screen_misses_no_rare_fault_equal_to_both_references(tmp_path, mon
     assert (chunked_check_slots(d), chunked_check_slot_partition(d)) == want
     assert 0 < len(want[0]) < d.n // 2  # most observations clean, some not
     for chunk in (1, 64, 1000, 1 << 18):
-        monkeypatch.setattr(R, "SLOT_CHUNK", chunk)
+        monkeypatch.setattr(P, "SLOT_CHUNK", chunk)
         assert R.check_slots(d) == want[0], chunk
         assert R.check_slot_partition(d) == want[1], chunk
 
@@ -59,11 +60,13 @@ def test_slot_screen_duplicates_across_requests(tmp_path):
 
 def test_slot_screen_sends_only_suspect_observations_to_the_exact_work(tmp_path, monkeypatch):
     """A clean recording gets no exact work at all; one wrong entry sends its observation only."""
+    import dcptool.check.slot_pass as P
     import dcptool.check.slots as R
 
     calls = []
-    real = R._slot_findings
-    monkeypatch.setattr(R, "_slot_findings", lambda d, oid, *a: calls.append(oid.tolist()) or real(d, oid, *a))
+    real = P.slot_findings
+    monkeypatch.setattr(P, "slot_findings", lambda d, found, oid, *a: calls.append(oid.tolist()) or real(d, found, oid,
+                                                                                                       *a))
 
     def one(r, g, pos, slot):
         if r == 2 and g == 0:

@@ -269,25 +269,26 @@ def random_slot_dump(path, rng, batches, N, I_, kv=KV3, bounded=None, faulty=0.6
 def test_slot_checks_in_chunks_equal_the_whole_column_reference(tmp_path, monkeypatch, seed, N, I_, kv):
     from slot_reference import old_check_slot_partition, old_check_slots
 
+    import dcptool.check.slot_pass as P
     import dcptool.check.slots as R
 
     rng = np.random.default_rng(seed)
     d = random_slot_dump(tmp_path / "s.safetensors", rng, 60, N, I_, kv)
     want = old_check_slots(d), old_check_slot_partition(d)
     assert len(want[0]) > 10 and (N == 1 or len(want[1]) > 0)  # the dump has findings of both rules
-    kinds = {i.fields["detail"]["kind"] for i in want[0]}
+    kinds = {i.detail["kind"] for i in want[0]}
     assert kinds >= {"padded", "value", "owner-missing", "duplicate"} | ({"non-owner"} if N > 1 else set()) | (
         {"offset"} if kv else set())
     for chunk in (1, 7, 128, 1 << 22):
-        monkeypatch.setattr(R, "SLOT_CHUNK", chunk)
-        monkeypatch.setattr(R, "SLOT_CHUNK_THREADED", chunk)
+        monkeypatch.setattr(P, "SLOT_CHUNK", chunk)
+        monkeypatch.setattr(P, "SLOT_CHUNK_THREADED", chunk)
         assert R.check_slots(d) == want[0], chunk
         assert R.check_slot_partition(d) == want[1], chunk
         for threads in (1, 3):  # chunks on several threads: the same findings, in the same order
-            found, members = R._slot_pass(d, members=N > 1, threads=threads)
+            found, members = P.slot_pass(d, members=N > 1, threads=threads)
             assert (found, R.check_slot_partition(d, members)) == want, (chunk, threads)
     b = open_dumps([str(tmp_path / "s.safetensors")], bounded=True)
-    monkeypatch.setattr(R, "SLOT_CHUNK", 129)
+    monkeypatch.setattr(P, "SLOT_CHUNK", 129)
     assert (R.check_slots(b), R.check_slot_partition(b)) == want
 
 
@@ -295,13 +296,14 @@ def test_slot_checks_in_chunks_equal_the_whole_column_reference(tmp_path, monkey
 def test_slot_checks_in_chunks_clean_and_awkward_sizes_must_not_trigger(tmp_path, monkeypatch, size):
     from slot_reference import old_check_slot_partition, old_check_slots
 
+    import dcptool.check.slot_pass as P
     import dcptool.check.slots as R
 
     o = slot_batch(0, [size], [3], 4, 2) + slot_batch(1, [size], [17], 4, 2, ntp=size + 3)
     write(tmp_path / "c.safetensors", o, dcp=4, il=2, kv_groups=tuple(KVGroup.of(g) for g in KV2))
     d = open_dumps([str(tmp_path / "c.safetensors")])
     for chunk in (1, 7, 128):
-        monkeypatch.setattr(R, "SLOT_CHUNK", chunk)
+        monkeypatch.setattr(P, "SLOT_CHUNK", chunk)
         assert R.check_slots(d) == [] == old_check_slots(d)
         assert R.check_slot_partition(d) == [] == old_check_slot_partition(d)
 
@@ -330,10 +332,11 @@ def test_slot_checks_read_the_dump_a_chunk_at_a_time(tmp_path, monkeypatch, thre
     """Peak memory bounded by the chunk, not the dump: no read of a slot column is much larger than
     SLOT_CHUNK entries (the whole-column implementation read every column whole); on several threads, by
     SLOT_CHUNK_THREADED entries per thread (the threads a host of many cores gets, forced here)."""
+    import dcptool.check.slot_pass as P
     import dcptool.check.slots as R
 
-    monkeypatch.setattr(R, "default_threads", lambda bounded=False: 1 if bounded else threads)
-    monkeypatch.setattr(R, "SLOT_CHUNK_THREADED", 1000)
+    monkeypatch.setattr(P, "default_threads", lambda bounded=False: 1 if bounded else threads)
+    monkeypatch.setattr(P, "SLOT_CHUNK_THREADED", 1000)
 
     d = random_slot_dump(tmp_path / "s.safetensors", np.random.default_rng(7), 80, 4, 1)
     want = R.check_slots(d), R.check_slot_partition(d)
@@ -341,7 +344,7 @@ def test_slot_checks_read_the_dump_a_chunk_at_a_time(tmp_path, monkeypatch, thre
     log: list[int] = []
     for k in ("rows.positions", "rows.slot_mapping", "rows.slot_group"):
         d.columns[k] = _ReadSpy(d.columns[k], log)
-    monkeypatch.setattr(R, "SLOT_CHUNK", 1000)
+    monkeypatch.setattr(P, "SLOT_CHUNK", 1000)
     most = int(np.diff(d["obs.slots"]).max())
     assert R.check_slots(d) == want[0] and len(want[0]) > 0
     assert R.check_slot_partition(d) == want[1] and len(want[1]) > 0
@@ -353,6 +356,7 @@ def test_slot_partition_many_wrong_entries_per_member_equal_the_reference(tmp_pa
     positions as the whole-column reference has them, in chunks too."""
     from slot_reference import old_check_slot_partition, old_check_slots
 
+    import dcptool.check.slot_pass as P
     import dcptool.check.slots as R
 
     def all_ranks(r, g, pos, slot):
@@ -364,9 +368,9 @@ def test_slot_partition_many_wrong_entries_per_member_equal_the_reference(tmp_pa
     write(tmp_path / "m.safetensors", o, dcp=4, il=1, kv_groups=tuple(KVGroup.of(g) for g in KV2))
     d = open_dumps([str(tmp_path / "m.safetensors")])
     want = old_check_slots(d), old_check_slot_partition(d)
-    assert len(want[1]) >= 4 and max(i.fields["wrong_rows"] for i in want[1]) > 700
+    assert len(want[1]) >= 4 and max(i.wrong_rows for i in want[1]) > 700
     for chunk in (7, 1 << 22):
-        monkeypatch.setattr(R, "SLOT_CHUNK", chunk)
+        monkeypatch.setattr(P, "SLOT_CHUNK", chunk)
         assert (R.check_slots(d), R.check_slot_partition(d)) == want
 
 
@@ -384,6 +388,7 @@ def test_slot_partition_reads_clean_sets_once_and_takes_the_pass_summaries(tmp_p
     given the summaries of a pass made already (check_slot_rules' pass) reads no entry at all."""
     from slot_reference import old_check_slot_partition
 
+    import dcptool.check.slot_pass as P
     import dcptool.check.slots as R
 
     o = []
@@ -395,14 +400,14 @@ def test_slot_partition_reads_clean_sets_once_and_takes_the_pass_summaries(tmp_p
     log: list = []
     for k in ("rows.positions", "rows.slot_mapping", "rows.slot_group"):
         d.columns[k] = _IndexSpy(d.columns[k], log)
-    found, members = R._slot_pass(d)
+    found, members = P.slot_pass(d)
     assert found == [] and log and all(kind == "slice" for kind, _ in log)
     log.clear()
     assert R.check_slot_partition(d, members) == [] and log == []  # the pass's summaries, clean sets unread
     assert R.check_slot_partition(d) == [] and log and all(kind == "slice" for kind, _ in log)  # its own pass
     f = random_slot_dump(tmp_path / "f.safetensors", np.random.default_rng(4), 60, 4, 1)
     want = old_check_slot_partition(f)
-    assert want and R.check_slot_partition(f, R._slot_pass(f)[1]) == want == R.check_slot_partition(f)
+    assert want and R.check_slot_partition(f, P.slot_pass(f)[1]) == want == R.check_slot_partition(f)
 
 
 def test_slot_rules_make_one_pass_for_both(tmp_path, monkeypatch):
@@ -412,19 +417,22 @@ def test_slot_rules_make_one_pass_for_both(tmp_path, monkeypatch):
 
     from slot_reference import old_check_slot_partition, old_check_slots
 
+    import dcptool.check.slot_pass as P
     import dcptool.check.slots as R
+    from dcptool.check.findings import FindingTable
 
     d = random_slot_dump(tmp_path / "s.safetensors", np.random.default_rng(21), 80, 4, 2)
     want = old_check_slots(d), old_check_slot_partition(d)
+    both = FindingTable.concat(d, want)
     passes = []
-    real = R._slot_pass
-    monkeypatch.setattr(R, "_slot_pass", lambda *a, **k: passes.append(1) or real(*a, **k))
-    assert R.check_slot_rules(d) == want and len(passes) == 1
+    real = P.slot_pass
+    monkeypatch.setattr(P, "slot_pass", lambda *a, **k: passes.append(1) or real(*a, **k))
+    assert R.check_slot_rules(d) == both and len(both) and len(passes) == 1
     assert (R.check_slot_partition(d), R.check_slots(d)) == want[::-1] and len(passes) == 3
     with ThreadPoolExecutor(2) as pool:
         for _ in range(3):
             a, b = pool.submit(R.check_slot_rules, d), pool.submit(R.check_slot_rules, d)
-            assert a.result() == b.result() == want
+            assert a.result() == b.result() == both
 
 
 # --------------------------------------------------------------------------------------------
@@ -447,13 +455,13 @@ def test_slot_rules_on_pcp_simulate_dumps(tmp_path, fault):
     offs = d["obs.slots"]
     assert d.config.pcp_size == 2 and (d["rows.slot_mapping"] >= 0).any()
     assert {d.site_name(i) for i in np.flatnonzero(np.diff(offs) > 0)} >= {"pcp_partition", "ubatch"}
-    found = dict(zip(("slots", "slot-partition"), check_slot_rules(d)))
+    found = check_slot_rules(d)
     rr = replay(d, "torch")
     assert not {"slots", "slot-partition"} & set(rr.skipped)
     if fault is None:
-        assert found == {"slots": [], "slot-partition": []} and rr.findings == []
+        assert found == [] and rr.findings == []
         return
     rule = FAULTS[fault][0]
     touched = set(res.faults[fault].touched[res.files[0]])
-    assert touched and {i.index for i in found[rule]} == touched  # exactly where the fault touched
+    assert touched and set(found.index[found.rule == rule].tolist()) == touched  # exactly where the fault touched
     assert {f.obs for f in rr.findings if f.rule == rule} == touched

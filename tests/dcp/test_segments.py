@@ -119,3 +119,22 @@ def test_seg_sums_wraps_like_python_sums(seed):
     assert got.tolist() == [sum(h[s : s + c].tolist()) % 2**64 for s, c in zip(starts, counts)]
     assert segments.seg_sums(np.zeros(0, np.uint64), np.zeros(0, np.int64)).size == 0
     assert segments.seg_sums(np.zeros(0, np.uint64), np.zeros(3, np.int64)).tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("step", [0, 1, 7, 100, 128, 129, 10**6])
+@pytest.mark.parametrize("seed", range(3))
+def test_obs_chunks_cover_every_segment_once_in_order(seed, step):
+    """Chunks of whole segments (empty ones included), cut where the running count passes a multiple of `step`: none
+    holds more than step elements plus its last segment's; a step of 0 counts as 1; no segments, no chunk."""
+    rng = np.random.default_rng(seed)
+    lens = rng.choice([0, 0, 1, 5, 127, 128, 129, 300], rng.integers(0, 200))
+    chunks = segments.obs_chunks(lens, step)
+    if lens.size == 0:
+        assert chunks == []
+        return
+    assert chunks[0][0] == 0 and chunks[-1][1] == lens.size
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])) and all(lo < hi for lo, hi in chunks)
+    for lo, hi in chunks:
+        assert lens[lo : hi - 1].sum() < max(step, 1)
+    if step >= lens.sum() > 0:
+        assert len(chunks) <= 2

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "model"))  # simulate's share
 from simulate_cases import EXERCISE, config_of  # noqa: E402
 
 from dcptool.check.replay import replay  # noqa: E402
-from dcptool.check.rules import RULE_OF_FAULT  # noqa: E402
+from dcptool.dcp.rules import RULE_OF_FAULT  # noqa: E402
 from dcptool.dump import open_dumps, read_dump  # noqa: E402
 from dcptool.engine.guard import Guard, GuardError  # noqa: E402
 from dcptool.engine.record import Recorder  # noqa: E402

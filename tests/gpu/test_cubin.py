@@ -1,6 +1,6 @@
-"""dcp/cubin.py: Triton kernels compiled for the GPU (here: for Hopper, sm_90, on a machine without one) and
-kept in dcptool's own cache, read back by a fresh process without importing triton. Compiles run in fresh
-processes: this one's triton may be the interpreter's."""
+"""gpu/cubin.py: Triton kernels compiled for the GPU (here: for Hopper, sm_90, on a machine without one) and
+kept in dcptool's own cache (written by the dump's one atomic write), read back by a fresh process without
+importing triton. Compiles run in fresh processes: this one's triton may be the interpreter's."""
 
 import json
 import os
@@ -10,20 +10,22 @@ import sys
 import pytest
 from conftest import ROOT
 
-from dcptool.check.scan_cuda import SIGNATURES, TL
-from dcptool.dcp import cubin
-from dcptool.dcp.cuda import CudaError
+from dcptool.dcp.fused import TL
+from dcptool.gpu import cubin
+from dcptool.gpu.cuda import CudaError
+from dcptool.gpu.scan_cuda import SIGNATURES
 
 CONST = {"DCP_SIZE": 4, "INTERLEAVE": 1, "PAGE": 16, "HAS_PAGES": True, "BLOCK": 256}
 
 COMPILE = """
 import json, sys, time
-from dcptool.check.scan_cuda import SIGNATURES, TL
-from dcptool.dcp import cubin
+from dcptool.dcp.fused import TL
+from dcptool.gpu import cubin
+from dcptool.gpu.scan_cuda import SIGNATURES
 name, const, warps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 k = cubin.kernel(TL, name, SIGNATURES[name], const, warps, 90)
-print(json.dumps({"name": k.name, "elf": k.cubin[:4] == b"\\x7fELF", "params": k.params, "threads": k.threads,
-                  "shared": k.shared, "scratch": k.scratch, "triton": "triton" in sys.modules}))
+print(json.dumps({"name": k.name, "elf": k.cubin[:4] == b"\\x7fELF", "threads": k.threads, "shared": k.shared,
+                  "scratch": k.scratch, "triton": "triton" in sys.modules}))
 """
 
 
@@ -40,13 +42,10 @@ def _compile(tmp_path, name, const=CONST, warps=2):
 def test_a_kernel_compiles_for_hopper_then_comes_from_the_cache_without_triton(tmp_path, name, warps):
     first = _compile(tmp_path, name, warps=warps)
     assert first["name"] == name and first["elf"] and first["threads"] == 32 * warps and first["scratch"] == 0
-    sig = list(SIGNATURES[name].values())
-    # one parameter per runtime argument (pointers and i64 8 bytes, i32 4), then Triton's scratch pointers
-    assert first["params"][: len(sig)] == [4 if t == "i32" else 8 for t in sig]
-    assert all(p == 8 for p in first["params"][len(sig):])
     assert first["triton"]  # compiled: triton was imported
     entries = list((tmp_path / "cache" / "kernels").glob("*.json"))
-    assert len(entries) == 1 and not list((tmp_path / "cache" / "kernels").glob(".tmp-*"))
+    assert len(entries) == 1 and not list((tmp_path / "cache" / "kernels").glob(".*"))  # (no temporary left)
+    assert oct(entries[0].stat().st_mode & 0o777) == oct(0o644)
     again = _compile(tmp_path, name, warps=warps)
     assert not again.pop("triton")  # read back: triton not even imported
     assert again == {k: v for k, v in first.items() if k != "triton"}
@@ -57,7 +56,7 @@ def test_a_damaged_cache_entry_is_compiled_again(tmp_path):
     (entry,) = (tmp_path / "cache" / "kernels").glob("*.json")
     entry.write_text('{"name": "differ_rows_kernel", "cubin": "not base64!"')
     again = _compile(tmp_path, "differ_rows_kernel", {"BLOCK": 256})
-    assert again["triton"] and again["elf"] and again["params"] == first["params"]
+    assert again["triton"] and again["elf"] and again == {**first, "triton": True}
     assert json.loads(entry.read_text())["name"] == "differ_rows_kernel"  # rewritten whole
 
 
@@ -90,23 +89,28 @@ def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
     assert cubin.cache_dir() == tmp_path / "x" / "dcptool" / "kernels"
 
 
-PTX = """
-.visible .entry k(
-\t.param .u64 .ptr .global .align 1 k_param_0,
-\t.param .u32 k_param_1,
-\t.param .u64 .ptr .global .align 1 k_param_2
-)
-.reqntid 64
-{
-\tld.param.u32 %r1, [k_param_1];
-}
-"""
+def test_an_entry_is_written_by_the_dumps_atomic_write(tmp_path, monkeypatch):
+    """One atomic write in dcptool (dump.atomic_write): the cache's entries go through it; one it cannot write
+    (here: the write fails) is left out, the kernel returned all the same."""
+    from dcptool.dump import WriteError
 
+    monkeypatch.setenv("DCPTOOL_CACHE_DIR", str(tmp_path))
+    k = cubin.Kernel("k", b"\x7fELF...", 64, 0, 0)
+    calls = []
+    monkeypatch.setattr(cubin, "atomic_write", lambda path, chunks, **kw: calls.append((path, b"".join(chunks))))
+    cubin._write(cubin.cache_dir() / "x.json", k)
+    ((path, data),) = calls
+    assert path == tmp_path / "kernels" / "x.json" and json.loads(data)["name"] == "k"
 
-def test_parameters_are_read_from_the_entry_point():
-    assert cubin.params_of(PTX, "k") == (8, 4, 8)
-    with pytest.raises(CudaError, match="no entry point"):
-        cubin.params_of(PTX, "other")
+    def full(path, chunks, **kw):
+        raise WriteError(f"{path}: cannot write: No space left on device")
+
+    monkeypatch.setattr(cubin, "atomic_write", full)
+    cubin._write(cubin.cache_dir() / "y.json", k)  # (no error: the kernel is compiled again next time)
+    monkeypatch.undo()
+    monkeypatch.setenv("DCPTOOL_CACHE_DIR", str(tmp_path))
+    cubin._write(cubin.cache_dir() / "z.json", k)
+    assert cubin._read(cubin.cache_dir() / "z.json") == k and cubin._read(cubin.cache_dir() / "y.json") is None
 
 
 def test_compiling_under_the_interpreter_is_refused(monkeypatch):

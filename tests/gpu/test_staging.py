@@ -1,12 +1,12 @@
-"""check/staging.py: the GPU scan's chunks, staged whole (the sizes cover every chunk; threaded copies land
+"""gpu/staging.py: the GPU scan's chunks, staged whole (the sizes cover every chunk; threaded copies land
 where they belong; the pairs' shifts are cut per chunk)."""
 
 import numpy as np
 import pytest
 from conftest import random_dump
 
-from dcptool.check import scan as scan_mod
-from dcptool.check import staging
+from dcptool.dcp.segments import obs_chunks
+from dcptool.gpu import staging
 
 
 class _Pairs:
@@ -24,8 +24,7 @@ def test_every_chunk_fits_its_buffers_and_is_copied_exactly(tmp_path, monkeypatc
     monkeypatch.setattr(staging, "PIECE", piece)
     d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(2), 90, 4, 2)
     rows = d["obs.rows"]
-    b = scan_mod.bounds(rows, target)
-    chunks = list(zip(b[:-1].tolist(), b[1:].tolist()))
+    chunks = obs_chunks(np.diff(rows), target)
     shift = np.arange(d.n, dtype=np.int64)
     c = staging.Chunks(d, chunks, _Pairs(shift))
     host = {k: np.full(n, -7, t) for k, (n, t) in c.sizes.items()}

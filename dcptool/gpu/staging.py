@@ -1,5 +1,5 @@
 """What the GPU scan stages per chunk: the columns of whole observations, offsets made chunk-relative, and
-the threaded copy into staging buffers (shared by the CUDA driver's scan and the interpreter's)."""
+the threaded copy into staging buffers (shared by the scan on cuda-core and the interpreter's)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class Chunks:
 
     Columns: seq (seq_lens rows), rows (offsets, n+1), dcp (the views' rows), drows, nr, nrp, rank, kv
     (page counts, when recorded) and shift (rank-agree's pair shifts, when `pairs` is given: an object with
-    cut(lo, hi), scan._Pairs)."""
+    cut(lo, hi), the scan's pairs)."""
 
     def __init__(self, d: Dump, chunks: list[tuple[int, int]], pairs=None):
         self.d, self.chunks, self.pairs = d, chunks, pairs

@@ -1,5 +1,5 @@
-"""gpu_tl.py: the fused kernels launched directly, without gpu.py's launchers: expected rows, the flag pass's bits and
-the exact counts of every observation == the torch reference (interpreter on CPU, real on CUDA)."""
+"""fused_tl.py: the fused kernels launched directly, without fused.py's launchers: expected rows, the flag pass's bits
+and the exact counts of every observation == the torch reference (interpreter on CPU, real on CUDA)."""
 
 import numpy as np
 import pytest
@@ -10,13 +10,13 @@ from dcptool.dcp import reference
 from dcptool.dcp.backend import load
 
 pytestmark = pytest.mark.kernel
-BLOCK = 128  # (smaller than gpu.py's: observations of 129 and 300 rows take several steps)
+BLOCK = 128  # (smaller than fused.py's: observations of 129 and 300 rows take several steps)
 
 
 @pytest.mark.parametrize("N,I,page", [(2, 1, 16), (4, 16, 1), (3, 5, 7)])
 @pytest.mark.parametrize("has_pages", [True, False])
 def test_kernels_launched_directly_match_reference(dev, N, I, page, has_pages):
-    tl = load("dcptool.check.gpu_tl")
+    tl = load("dcptool.dcp.fused_tl")
     c = random_columns(np.random.default_rng(N * 100 + I), 40, N, I, page=page)
     keys = ("rows.seq_lens", "obs.rows", "rows.dcp_local_seq_lens", "obs.dcp_rows", "obs.num_reqs",
             "obs.num_reqs_padded", "obs.rank")

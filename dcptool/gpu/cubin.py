@@ -1,10 +1,11 @@
-"""Triton kernels compiled to cubins for cuda.py's launches, kept in dcptool's own cache between processes.
+"""Triton kernels compiled to cubins for gpu.cuda's launches, kept in dcptool's own cache between processes.
 
-A fresh process that finds its kernel here loads it without importing triton (0.3 s) or computing Triton's
-own cache key (0.4-0.6 s a process: it hashes Triton's compiler). The key is what the cubin depends on: every
-`*_tl.py` kernel module of dcptool byte for byte, Triton's version, the kernel, its signature and constants,
-its warps and the GPU's compute capability. A missing, unreadable or corrupt entry is compiled again (1-2 s)
-and written atomically; an unwritable cache directory only costs the compile.
+A fresh process that finds its kernel here loads it without importing triton or computing Triton's own cache key
+(which hashes Triton's compiler). The key is what the cubin depends on: every `*_tl.py` kernel module of dcptool
+byte for byte, Triton's version, the kernel, its signature and constants, its warps and the GPU's compute
+capability. A missing, unreadable or corrupt entry is compiled again and written atomically (dump.atomic_write);
+an unwritable cache directory only costs the compile. The parameters' sizes are the driver's to read from the
+loaded cubin (gpu.cuda.Gpu.parameter_sizes), not the cache's.
 """
 
 from __future__ import annotations
@@ -15,28 +16,25 @@ import hashlib
 import importlib
 import json
 import os
-import re
-import tempfile
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 from dcptool.dcp.backend import interpreted
-from dcptool.dcp.cuda import CudaError
+from dcptool.dump import atomic_write
+from dcptool.gpu.cuda import CudaError
 
-CACHE_FORMAT = 1  # bump when an entry's fields change
+CACHE_FORMAT = 2  # bump when an entry's fields change
 _PKG = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
 class Kernel:
-    """A compiled kernel: its symbol, the cubin, its parameters' sizes in bytes (ours, then Triton's scratch
-    pointers), threads per program and shared memory."""
+    """A compiled kernel: its symbol, the cubin, threads per program and shared memory."""
 
     name: str
     cubin: bytes
-    params: tuple[int, ...]
     threads: int
     shared: int
     scratch: int  # Triton's own scratch memory per program (0 for every dcptool kernel; launches refuse more)
@@ -87,38 +85,20 @@ def kernel(module: str, name: str, signature: dict[str, str], constants: dict[st
 def _read(path: Path) -> Kernel | None:
     try:
         e = json.loads(path.read_text())
-        return Kernel(e["name"], base64.b64decode(e["cubin"], validate=True), tuple(int(x) for x in e["params"]),
-                      int(e["threads"]), int(e["shared"]), int(e["scratch"]))
+        return Kernel(e["name"], base64.b64decode(e["cubin"], validate=True), int(e["threads"]), int(e["shared"]),
+                      int(e["scratch"]))
     except (OSError, ValueError, KeyError, TypeError):  # missing or damaged: compiled again
         return None
 
 
 def _write(path: Path, k: Kernel) -> None:
-    entry = {"name": k.name, "cubin": base64.b64encode(k.cubin).decode(), "params": list(k.params),
-             "threads": k.threads, "shared": k.shared, "scratch": k.scratch}
+    entry = {"name": k.name, "cubin": base64.b64encode(k.cubin).decode(), "threads": k.threads, "shared": k.shared,
+             "scratch": k.scratch}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(entry, f)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError:  # a read-only home: the kernel is compiled again next time, nothing else changes
+        atomic_write(path, [json.dumps(entry).encode()])
+    except OSError:  # (WriteError too) a read-only home: the kernel is compiled again next time, nothing else changes
         pass
-
-
-_PARAM = re.compile(r"\.param\s+\.[a-z]+(\d+)")
-
-
-def params_of(ptx: str, name: str) -> tuple[int, ...]:
-    """The byte sizes of the entry `name`'s parameters, in order, from its PTX."""
-    m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\((.*?)\)", ptx, re.S)
-    if m is None:
-        raise CudaError(f"compiled kernel {name}: no entry point in its PTX")
-    return tuple(int(bits) // 8 for bits in _PARAM.findall(m.group(1)))
 
 
 def _compile(module: str, name: str, signature: dict[str, str], constants: dict[str, object], warps: int,
@@ -138,9 +118,6 @@ def _compile(module: str, name: str, signature: dict[str, str], constants: dict[
         ck = triton.compile(ASTSource(fn, sig, constants), target=GPUTarget("cuda", cc, 32),
                             options={"num_warps": warps})
     md = ck.metadata
-    params = params_of(ck.asm["ptx"], md.name)
-    if len(params) < len(signature):
-        raise CudaError(f"compiled kernel {name}: {len(params)} parameters for {len(signature)} arguments")
     scratch = int(getattr(md, "global_scratch_size", 0) or 0) + int(getattr(md, "profile_scratch_size", 0) or 0)
-    return Kernel(md.name, bytes(ck.asm["cubin"]), params, 32 * md.num_warps * getattr(md, "num_ctas", 1),
-                  int(md.shared), scratch)
+    return Kernel(md.name, bytes(ck.asm["cubin"]), 32 * md.num_warps * getattr(md, "num_ctas", 1), int(md.shared),
+                  scratch)

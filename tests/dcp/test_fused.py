@@ -1,4 +1,4 @@
-"""gpu.py: the fused whole-dump kernels' launchers == the torch reference (interpreter on CPU, real on CUDA), at the
+"""fused.py: the fused whole-dump kernels' launchers == the torch reference (interpreter on CPU, real on CUDA), at the
 int32 extremes too, and replay's backends agreeing end to end."""
 
 import numpy as np
@@ -6,8 +6,7 @@ import pytest
 import torch
 from conftest import EXTREME_SEQ, I32, ROOT, random_columns
 
-from dcptool.check import gpu
-from dcptool.dcp import reference
+from dcptool.dcp import fused, reference
 
 pytestmark = pytest.mark.kernel
 
@@ -26,11 +25,11 @@ def test_fused_kernels_match_reference(dev, n_obs, N, I):
     seq, rows, dcp, drows, nreq, nrp, ranks = _random_dump(rng, n_obs, N, I)
     t = [torch.from_numpy(x) for x in (seq, rows, dcp, drows, nreq, nrp, ranks)]
     ref = reference.check_rows(*t, N, I).stacked()
-    got = gpu.check_rows(*[x.to(dev) for x in t], N, I).stacked().cpu()
+    got = fused.check_rows(*[x.to(dev) for x in t], N, I).stacked().cpu()
     assert torch.equal(got, ref)
     assert int(ref[0].sum() + ref[2].sum()) > 0 or n_obs == 1  # the planted errors are seen
     exp_ref = reference.expected_rows(t[0], t[1], t[4], t[6], N, I)
-    exp = gpu.expected_rows(t[0].to(dev), t[1].to(dev), t[4].to(dev), t[6].to(dev), N, I).cpu()
+    exp = fused.expected_rows(t[0].to(dev), t[1].to(dev), t[4].to(dev), t[6].to(dev), N, I).cpu()
     assert torch.equal(exp, exp_ref)
 
 
@@ -42,11 +41,11 @@ def test_check_rows_reports_first_wrong_row(dev):
     args = (seq, rows, dcp, torch.tensor([0, 4]), torch.tensor([2]), torch.tensor([4]), torch.tensor([0]), 2, 1)
     want = [[1], [1], [1], [3], [1], [0]]
     assert reference.check_rows(*args, kv_pages=kv, page_size=8).stacked().tolist() == want
-    got = gpu.check_rows(*[a.to(dev) if isinstance(a, torch.Tensor) else a for a in args], kv_pages=kv.to(dev),
+    got = fused.check_rows(*[a.to(dev) if isinstance(a, torch.Tensor) else a for a in args], kv_pages=kv.to(dev),
                             page_size=8)
     assert got.stacked().tolist() == want
     with pytest.raises(ValueError, match="device"):
-        gpu.check_rows(*args[:6], torch.tensor([0], device="meta"), 2, 1)
+        fused.check_rows(*args[:6], torch.tensor([0], device="meta"), 2, 1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -87,12 +86,12 @@ def test_backends_agree_at_int32_extremes(dev, N, I, page):
     t = {k: torch.from_numpy(v) for k, v in c.items()}
     args = (t["seq_lens"], t["rows"], t["dcp"], t["dcp_rows"], t["num_reqs"], t["num_reqs_padded"], t["ranks"])
     want = reference.check_rows(*args, N, I, kv_pages=t["kv_pages"], page_size=page)
-    got = gpu.check_rows(*(a.to(dev) for a in args), N, I, kv_pages=t["kv_pages"].to(dev), page_size=page)
+    got = fused.check_rows(*(a.to(dev) for a in args), N, I, kv_pages=t["kv_pages"].to(dev), page_size=page)
     assert torch.equal(got.stacked().cpu(), want.stacked())
     half = c["num_reqs"].size // 2
     assert (want.n_wrong[:half] == 0).all() and (want.n_wrong[half:] == 1).all()  # the planted wrong rows, nothing else
     assert (want.n_pages == 0).all()  # page counts are right: no `pages` finding on either backend
-    exp = gpu.expected_rows(t["seq_lens"].to(dev), t["rows"].to(dev), t["num_reqs"].to(dev), t["ranks"].to(dev),
+    exp = fused.expected_rows(t["seq_lens"].to(dev), t["rows"].to(dev), t["num_reqs"].to(dev), t["ranks"].to(dev),
                                N, I)
     assert torch.equal(exp.cpu(), reference.expected_rows(t["seq_lens"], t["rows"], t["num_reqs"], t["ranks"], N, I))
 
@@ -100,7 +99,7 @@ def test_backends_agree_at_int32_extremes(dev, N, I, page):
 def test_issue_example_dcp1_page16_seq_max_is_clean_on_triton(dev):
     """dcp_size 1, page_size 16, seq_len 2**31-1: `(local + PAGE - 1) // PAGE` wrapped to a negative count."""
     one = lambda *v, dt=torch.int32: torch.tensor(v, dtype=dt, device=dev)  # noqa: E731
-    stats = gpu.check_rows(one(I32), one(0, 1, dt=torch.int64), one(I32), one(0, 1, dt=torch.int64), one(1),
+    stats = fused.check_rows(one(I32), one(0, 1, dt=torch.int64), one(I32), one(0, 1, dt=torch.int64), one(1),
                               one(1), one(0), 1, 1, kv_pages=one(2**27), page_size=16)
     assert stats.n_pages.tolist() == [0]
 
@@ -109,9 +108,9 @@ def test_fused_kernels_refuse_layouts_past_int32(dev):
     z = torch.zeros(1, dtype=torch.int32, device=dev)
     o = torch.zeros(2, dtype=torch.int64, device=dev)
     with pytest.raises(ValueError, match="2\\*\\*31"):
-        gpu.check_rows(z, o, z, o, z, z, z, 65536, 65536)
+        fused.check_rows(z, o, z, o, z, z, z, 65536, 65536)
     with pytest.raises(ValueError, match="2\\*\\*31"):
-        gpu.expected_rows(z, o, z, z, 65536, 65536)
+        fused.expected_rows(z, o, z, z, 65536, 65536)
 
 
 @pytest.mark.parametrize("N,I,page", [(1, 1, 16), (2, 1, 16), (8, 2**20, 1), (4, 16, 2**30)])

@@ -1,5 +1,5 @@
-"""The fused whole-dump kernels' launchers: every recorded view and page count against the formula (kernels in
-gpu_tl.py)."""
+"""The fused whole-dump kernels' launchers through torch: every recorded view and page count against the formula
+(kernels in fused_tl.py; the GPU scan launches the same kernels without torch: gpu.scan_cuda)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,21 @@ import torch
 
 from dcptool.dcp.backend import interpreted, load
 from dcptool.dcp.kernel import INT32_MAX
-from dcptool.dcp.reference import FUSED_BLOCK, FUSED_WARPS, RowStats, fused_limits
+from dcptool.dcp.reference import RowStats
 
-_TL = "dcptool.check.gpu_tl"
+TL = "dcptool.dcp.fused_tl"
+FUSED_BLOCK = 256  # rows per inner step of the fused whole-dump kernels (observations hold ~64-512 rows)
+FUSED_WARPS = 2  # their flag pass's warps
+CHECK_WARPS = 4  # the exact pass's on the flagged few (Triton's default)
+
+
+def fused_limits(dcp_size: int, cp_interleave: int, page_size: int) -> None:
+    """Refuse a layout the fused kernels cannot check: they compute in int32 (ranks < N, so rank * I < N * I),
+    the reader's bounds."""
+    if dcp_size < 1 or cp_interleave < 1 or page_size < 1 or dcp_size * cp_interleave > 2**31 - 1 \
+            or page_size > 2**31 - 1:
+        raise ValueError(f"need 1 <= dcp_size * cp_interleave <= 2**31-1 and 1 <= page_size <= 2**31-1, got "
+                         f"{dcp_size}, {cp_interleave}, {page_size}")
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
@@ -25,7 +37,7 @@ def expected_rows(seq_lens: torch.Tensor, offsets: torch.Tensor, num_reqs: torch
     n = num_reqs.shape[0]
     out = torch.empty(seq_lens.shape[0], dtype=torch.int32, device=dev)
     if n and seq_lens.shape[0]:
-        load(_TL).expected_rows_kernel[(n,)](out, _as(seq_lens, torch.int32, dev), _as(offsets, torch.int64, dev),
+        load(TL).expected_rows_kernel[(n,)](out, _as(seq_lens, torch.int32, dev), _as(offsets, torch.int64, dev),
                                  _as(num_reqs, torch.int32, dev), _as(ranks, torch.int32, dev), dcp_size,
                                  cp_interleave, BLOCK=FUSED_BLOCK)
     return out
@@ -50,7 +62,7 @@ def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dc
     stats[1::2] = -1
     if n == 0:
         return RowStats(*stats)
-    k = load(_TL)
+    k = load(TL)
     has_pages = kv_pages is not None
     args = (_as(seq_lens, torch.int32, dev), _as(rows, torch.int64, dev), _as(dcp, torch.int32, dev),
             _as(dcp_rows, torch.int64, dev), _as(num_reqs, torch.int32, dev), _as(num_reqs_padded, torch.int32, dev),
@@ -63,18 +75,19 @@ def check_rows(seq_lens: torch.Tensor, rows: torch.Tensor, dcp: torch.Tensor, dc
     ids = torch.nonzero(flags).flatten()
     if ids.numel():
         sub = torch.empty(6 * ids.numel(), dtype=torch.int32, device=dev)
-        k.check_rows_kernel[(ids.numel(),)](sub, ids, ids.numel(), *args, **const, BLOCK=FUSED_BLOCK)
+        k.check_rows_kernel[(ids.numel(),)](sub, ids, ids.numel(), *args, **const, BLOCK=FUSED_BLOCK,
+                                            num_warps=CHECK_WARPS)
         stats[:, ids] = sub.view(6, -1)
     return RowStats(*stats)
 
 
 def differ_rows(seq_lens: torch.Tensor, rows: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """Observations (indices into rows[:-1], ascending) whose seq_lens rows differ from the rows shift[i] before
-    them (shift 0: not compared); one launch of gpu_tl.differ_rows_kernel (the scan's pairs, rank-agree)."""
+    them (shift 0: not compared); one launch of fused_tl.differ_rows_kernel (the scan's pairs, rank-agree)."""
     n = shift.shape[0]
     dev = seq_lens.device
     flags = torch.zeros(n, dtype=torch.int32, device=dev)
     if n:
-        load(_TL).differ_rows_kernel[(n,)](flags, _as(seq_lens, torch.int32, dev), _as(rows, torch.int64, dev),
+        load(TL).differ_rows_kernel[(n,)](flags, _as(seq_lens, torch.int32, dev), _as(rows, torch.int64, dev),
                                           _as(shift, torch.int64, dev), BLOCK=FUSED_BLOCK, num_warps=FUSED_WARPS)
     return torch.nonzero(flags).flatten()

@@ -1,10 +1,11 @@
 """Triton: the fused whole-dump kernels (expected rows, flag pass, exact counts, rank-agree's row comparison).
-Imported through dcp.backend.load (torch's launches, the interpreter) or compiled by dcp.cubin (the GPU scan)."""
+Imported through dcp.backend.load (fused.py's launches through torch, the interpreter) or compiled by gpu.cubin (the
+GPU scan)."""
 
 import triton
 import triton.language as tl
 
-from dcptool.dcp.kernel_tl import _local
+from dcptool.dcp.kernel_tl import local_of
 
 
 @triton.jit
@@ -21,7 +22,7 @@ def expected_rows_kernel(out_ptr, seq_lens_ptr, offsets_ptr, num_reqs_ptr, ranks
         j = j0 + tl.arange(0, BLOCK)
         inb = j < length
         seq = tl.load(seq_lens_ptr + start + j, mask=inb, other=0)
-        local = tl.where(j < nreq, _local(seq, rank, span, cp_interleave), 0)
+        local = tl.where(j < nreq, local_of(seq, rank, span, cp_interleave), 0)
         tl.store(out_ptr + start + j, local, mask=inb)
 
 
@@ -50,7 +51,7 @@ def _rows(j, seq_start, dcp_start, nreq, rank, m, seq_lens_ptr, dcp_ptr, kv_ptr,
     # must be 0), and real rows whose page count is not cdiv(local, PAGE).
     real = j < nreq
     seq = tl.load(seq_lens_ptr + seq_start + j, mask=real, other=0)
-    local = _local(seq, rank, DCP_SIZE * INTERLEAVE, INTERLEAVE)
+    local = local_of(seq, rank, DCP_SIZE * INTERLEAVE, INTERLEAVE)
     inb = j < m
     rec = tl.load(dcp_ptr + dcp_start + j, mask=inb, other=0)
     bad = inb & (rec != tl.where(real, local, 0))

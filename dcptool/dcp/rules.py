@@ -1,0 +1,138 @@
+"""DESIGN §3's rule table: every rule replay, the Guard, the GPU scan, the reports and `--help` know of, one row each.
+
+A row names the rule's severity, its timeline code, the function that finds it ("module.function" of
+dcptool.check: replay imports it by that name, so this table imports nothing of the checks and the engine side may
+read it), the columns it needs beyond the required ones, the inputs its check takes besides the dump, where it
+applies (dcp_size), what it spans (one observation, a rank's run of observations, the ranks of a batch), whether
+the Guard decides it on the device as each observation is made, and the faults of `simulate` that must produce
+it. Checks are vectorised over the dump; several rules may share one check (one pass finds them all).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# Rule.dcp: at which dcp_size a rule applies
+ANY = "any"  # every dcp_size
+SHARDED = "sharded"  # dcp_size > 1 only; at dcp_size 1 replay lists it as skipped
+VIEW = "view"  # a DCP view's own rules: dcp_size > 1 only; at dcp_size 1 `stray` stands for them (no view)
+UNSHARDED = "unsharded"  # dcp_size 1 only: `stray`; at dcp_size > 1 the view rules stand for it
+
+# Rule.scope: what one finding's check looks at
+OBSERVATION = "observation"  # the observation's own columns (the Guard can check it as the observation is made)
+RUN = "run"  # observations of one rank together: a micro-batch and its parent, a graph's capture and its replays
+RANKS = "ranks"  # the DCP ranks' recordings of one batch
+
+# Rule.inputs: what a check takes after the dump, in this order of its parameters
+VERSION = "version"  # the engine version micro-batches are split by
+PROVENANCE = "provenance"  # the provenance search, prepared for the wrong views
+SCAN = "scan"  # the row scan's result (check.scan.ScanResult)
+WRONG = "wrong"  # the observations whose view has a wrong real row (from the scan)
+PAIRS = "pairs"  # each observation's rank set and the member before it (check.ranks.RankSets)
+DIFFER = "differ"  # the observations whose seq_lens rows differ from their pair's (the scan compares them)
+
+
+class Part(NamedTuple):
+    """A part of a rule that needs more columns than the rule: replay names it `rule/part` when they are absent."""
+
+    name: str
+    needs: tuple[str, ...]
+    unrecorded: str  # why it is skipped
+
+
+class Rule(NamedTuple):
+    name: str
+    severity: str  # error or warning
+    code: str  # one character in the timeline, distinct even ignoring case (initials collide: stale/stray/shape,
+    #            missing/mismatch, padding/pages); the legend under the timeline spells them out
+    check: str  # the function that finds it: "module.function", the module of dcptool.check
+    what: str  # what it catches (README's rule table, --help)
+    needs: tuple[str, ...] = ()  # columns it needs beyond the required ones (DESIGN §2)
+    unrecorded: str = ""  # why replay skips it when one of `needs` is not recorded
+    inputs: tuple[str, ...] = ()  # what its check takes after the dump (VERSION ... DIFFER)
+    dcp: str = ANY  # ANY, SHARDED, VIEW or UNSHARDED
+    scope: str = OBSERVATION  # OBSERVATION, RUN or RANKS
+    device: bool = False  # the Guard's check kernel decides it on the device, per observation (errors only)
+    faults: tuple[str, ...] = ()  # simulate's faults (DESIGN §4) that must produce it
+    parts: tuple[Part, ...] = ()
+
+
+_UBATCH = ("obs.parent", "obs.req_start", "obs.tok_start", "obs.tok_stop", "obs.qsl")
+_SLOTS = ("obs.slots", "rows.positions", "rows.slot_mapping", "rows.slot_group")
+_VALUES = dict(check="values.check_values", inputs=(PROVENANCE, SCAN), dcp=VIEW, device=True)
+
+# DESIGN §3, in table order: findings of one observation are reported in this order. A wrong S is reported first
+# as what it holds (stale ... padding), empty-mask then says what the LSE merge does with it; tot-lens is a
+# per-observation companion check beside pages; rank-agree, a group rule like rank-sum, comes after them; the
+# slot rules (which rank writes each KV slot) last.
+TABLE = (
+    Rule("missing", "error", "M", "values.check_missing", "a `None` view with dcp_size > 1", dcp=VIEW, device=True,
+         faults=("dummy-none", "dflash-capture-none", "ubatch-none")),
+    Rule("stale", "error", "S", what="a view that holds another observation's rows, named with its relation: "
+         "`parent-rows`, `earlier-in-step` or `earlier-step`", faults=("ubatch-parent-rows", "pcp-stale"),
+         parts=(Part("parent-rows", ("obs.parent", "obs.req_start"), "needs obs.parent and obs.req_start"),),
+         **_VALUES),
+    Rule("global", "error", "G", what="a view that holds the global seq_lens", **_VALUES),
+    Rule("wrong-rank", "error", "R", what="a view computed for another rank", **_VALUES),
+    Rule("wrong-interleave", "error", "I", what="a view computed with another interleave", **_VALUES),
+    Rule("mismatch", "error", "X", what="wrong rows with no explanation found", **_VALUES),
+    Rule("padding", "error", "P", "values.check_padding", "a padded row that is not 0", inputs=(SCAN,), dcp=VIEW,
+         device=True, faults=("sentinel",)),
+    Rule("shape", "error", "L", "values.check_shape", "a view whose length is not num_reqs_padded", dcp=VIEW,
+         device=True, faults=("pcp-unpadded",)),
+    Rule("stray", "warning", "Y", "values.check_stray", "a view present with dcp_size 1 (warning)", dcp=UNSHARDED),
+    Rule("ubatch-slice", "error", "U", "ubatch.check_ubatch_slice", "a micro-batch that disagrees with slicing its "
+         "parent", needs=_UBATCH, inputs=(VERSION,), scope=RUN,
+         unrecorded="needs obs.parent, obs.req_start, obs.tok_start, obs.tok_stop and query_start_loc"),
+    Rule("alias", "error", "A", "alias.check_alias", "micro-batches sharing a buffer, or a graph replay reading "
+         "another buffer than its capture", needs=("obs.buffer",), unrecorded="needs obs.buffer", scope=RUN,
+         faults=("capture-wrong-buffer", "graph-stale"),
+         parts=(Part("graph", ("obs.graph",), "needs obs.graph for capture/replay pairs"),)),
+    Rule("rank-sum", "error", "K", "ranks.check_rank_sum", "ranks whose local lengths do not add up to seq_len",
+         inputs=(WRONG,), dcp=SHARDED, scope=RANKS),
+    Rule("pages", "error", "B", "values.check_pages", "page counts that are not `cdiv(local, page_size)`",
+         needs=("rows.kv_pages",), unrecorded="needs rows.kv_pages and page_size", inputs=(SCAN,), device=True,
+         faults=("flashinfer-global-pages",)),
+    Rule("empty-mask", "error", "E", "decode.check_empty_mask", "the empty-shard mask's inputs on the DCP decode "
+         "path (vLLM 0.30+ FlashInfer): `dcp_query_start_loc` not `query_start_loc[:num_decodes+1]` (rank-local, "
+         "wrong num_decodes, not starting at 0, decreasing), the view too short for it, or LSE rows masked "
+         "differently from the batch's local lengths; names rows masked on every rank (NaN after the merge)",
+         needs=("obs.dqsl",), unrecorded="needs obs.dqsl (not recorded in this dump)", dcp=SHARDED, device=True,
+         faults=("dcp-qsl-local",)),
+    Rule("tot-lens", "error", "T", "decode.check_tot_lens", "a global companion (`dcp_tot_seq_lens`, "
+         "FlashAttention/FlashMLA's total seq lens) that is not the global seq_lens on a real row (says when it "
+         "holds the local lengths)", needs=("obs.tot",), unrecorded="needs obs.tot (not recorded in this dump)",
+         dcp=SHARDED, device=True, faults=("tot-local",)),
+    Rule("rank-agree", "error", "N", "ranks.check_rank_agree", "DCP ranks of one batch (the k-th recording of each "
+         "rank in a step, site and micro-batch) disagreeing on num_reqs, num_reqs_padded, seq_lens, query_start_loc, "
+         "num_tokens_padded or graph mode; once per batch, at the first differing rank, naming every differing rank",
+         inputs=(PAIRS, DIFFER), dcp=SHARDED, scope=RANKS, faults=("rank-disagree",)),
+    Rule("slots", "error", "W", "slots.check_slot_rules", "a KV slot written by the wrong rank: in a DCP-sharded "
+         "group a position `p` written by another rank than `(p // I) % N` (or not by that one), a replicated group "
+         "(Mamba/GDN state) not written by every rank, a padded token writing, a slot at another block offset than "
+         "vLLM's, two tokens of one build on one slot (needs the slot columns; builds that write nothing at all, "
+         "dummy runs and capture, are not asked to)", needs=_SLOTS, device=True, faults=("slot-wrong-group",),
+         unrecorded="needs the slot columns (obs.slots, rows.positions, rows.slot_mapping, rows.slot_group)"),
+    # (at dcp_size 1 one rank writes every position it owns, which `slots` checks: the partition holds)
+    Rule("slot-partition", "error", "O", "slots.check_slot_rules", "across the N ranks of one (step, site, "
+         "micro-batch, group): a position of a DCP-sharded group written by several ranks (reported at the ranks "
+         "that do not own it) or by none (at its owner), naming the positions", needs=_SLOTS, scope=RANKS,
+         faults=("slot-all-ranks",)),
+)
+RULE = {r.name: r for r in TABLE}
+RULES = tuple(RULE)
+SEVERITY = {r.name: r.severity for r in TABLE}
+RULE_CODES = {r.name: r.code for r in TABLE}
+RULE_OF_FAULT = {f: r.name for r in TABLE for f in r.faults}
+RULE_ORDER = {r: i for i, r in enumerate(RULES)}
+# The order replay lists skipped checks in (the text and HTML reports' lines, the JSON summary's keys): rank-sum,
+# which dcp_size rules out, first; then the micro-batch columns' checks; then the rest in table order.
+SKIPPED_ORDER = ("rank-sum", "ubatch-slice", "stale/parent-rows", "alias", "alias/graph", "pages", "empty-mask",
+                 "tot-lens", "rank-agree", "slots")
+
+
+def applies(rule: Rule, dcp_size: int) -> bool:
+    """The rule is checked at this dcp_size."""
+    if rule.dcp == ANY:
+        return True
+    return (rule.dcp == UNSHARDED) == (dcp_size == 1)

@@ -1,0 +1,60 @@
+"""plan.py: the checks replay runs on a dump, read from the rule table, and the skipped ones with why."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from conftest import ROOT, obs, worked_example, write
+
+from dcptool.check.plan import checks, plan, run_check
+from dcptool.dcp.rules import RULE, TABLE
+from dcptool.dump import open_dumps
+
+
+def test_every_check_once_with_its_rules_in_table_order():
+    c = checks()
+    assert [r for rules in c.values() for r in rules] == sorted(TABLE, key=lambda r: list(c).index(r.check))
+    assert c["values.check_values"] == tuple(RULE[r] for r in ("stale", "global", "wrong-rank", "wrong-interleave",
+                                                               "mismatch"))
+    assert c["slots.check_slot_rules"] == (RULE["slots"], RULE["slot-partition"])
+
+
+def test_a_sample_with_every_column_runs_every_check_at_its_dcp_size():
+    p = plan(open_dumps([str(ROOT / "samples" / "legacy.safetensors")]))
+    assert p.skipped == {} and set(p.run) == set(checks()) - {"values.check_stray"}
+    assert p.runs("stale") and p.first("values.check_values").name == "stale" and not p.runs("stray")
+
+
+def test_dcp_size_1_runs_stray_and_says_which_cross_rank_checks_it_skips(tmp_path):
+    d = open_dumps([write(tmp_path / "d.safetensors", [obs(dcp=1, view=None)], dcp=1)])
+    p = plan(d)
+    assert p.runs("stray") and not p.runs("missing") and not p.runs("mismatch")
+    assert list(p.skipped) == ["rank-sum", "ubatch-slice", "stale/parent-rows", "alias", "pages", "empty-mask",
+                               "tot-lens", "rank-agree", "slots"]  # (SKIPPED_ORDER)
+    assert p.skipped["rank-sum"] == p.skipped["rank-agree"] == "dcp_size is 1"
+    assert p.skipped["ubatch-slice"] == RULE["ubatch-slice"].unrecorded
+
+
+def test_a_part_is_named_when_its_rule_has_its_columns_but_not_the_parts(tmp_path):
+    """alias runs on obs.buffer; its graph pairs need obs.graph too. stale's parent rows need obs.parent."""
+    d = open_dumps([write(tmp_path / "d.safetensors", [obs(buffer=1234)])])
+    p = plan(d)
+    assert p.runs("alias") and p.skipped["alias/graph"] == "needs obs.graph for capture/replay pairs"
+    assert p.skipped["stale/parent-rows"] == "needs obs.parent and obs.req_start"
+    d = open_dumps([write(tmp_path / "e.safetensors", worked_example(False))])
+    assert "stale/parent-rows" not in plan(d).skipped and "alias/graph" not in plan(d).skipped
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_run_check_calls_the_named_check_with_the_rows_inputs(tmp_path, lazy):
+    """ubatch-slice takes the engine version; a value still being computed (later()) is waited for."""
+    from dcptool.check.later import Later
+    from dcptool.dcp.rules import VERSION
+
+    o = worked_example(True)
+    o[1] = dataclasses.replace(o[1], req_start=1)  # a micro-batch that is not its parent sliced where it says
+    d = open_dumps([write(tmp_path / "d.safetensors", o)])
+    version = Later(lambda: None) if lazy else None
+    t = run_check(d, RULE["ubatch-slice"], {VERSION: version})
+    assert t.rule.tolist() == ["ubatch-slice"] and t.index.tolist() == [1]
+    assert np.array_equal(run_check(d, RULE["missing"], {}).index, np.zeros(0, np.int64))
