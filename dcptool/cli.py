@@ -188,6 +188,8 @@ def replay(
             bar.plan(report=html_units(res, max_findings))
             bar.phase("report")
             _write_html(html, res, max_findings, force)
+    if res.gpu_failed is not None:  # (auto's GPU failed before its scan reported anything: the CPU replayed)
+        say(f"--backend auto: {res.gpu_failed}; replaying on the CPU instead")
     from dcptool.report import text as report
 
     code = 1 if res.errors or (strict and res.warnings) else 0
