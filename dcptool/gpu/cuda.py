@@ -197,17 +197,28 @@ class Gpu:
     def to_device(self, dst: Buffer, src: np.ndarray, stream: Stream) -> None:
         """Queue a copy of src (contiguous; pinned for it to be asynchronous) to the start of dst."""
         if src.nbytes:
-            self._view(int(dst.handle), src.nbytes).copy_from(self._view(_address(src), src.nbytes), stream=stream)
+            self._view(dst, src.nbytes).copy_from(self._view(src, src.nbytes), stream=stream)
 
     @driver_call("cuMemcpyAsync")
     def to_host(self, dst: np.ndarray, src: Buffer, stream: Stream) -> None:
         """Queue a copy of the start of src into dst (contiguous, pinned); it is there once the stream is
         synchronised."""
         if dst.nbytes:
-            self._view(_address(dst), dst.nbytes).copy_from(self._view(int(src.handle), dst.nbytes), stream=stream)
+            self._view(dst, dst.nbytes).copy_from(self._view(src, dst.nbytes), stream=stream)
 
-    def _view(self, address: int, nbytes: int) -> Buffer:
-        return self.cc_module.Buffer.from_handle(address, nbytes)  # (owns nothing: frees nothing)
+    def _view(self, of: Buffer | np.ndarray, nbytes: int) -> Buffer:
+        """The first `nbytes` of a device buffer or of an array's memory, as a Buffer that owns nothing (frees
+        nothing). The views are the driver's raw addresses: a copy longer than the buffer is refused here, never
+        written past its end."""
+        if isinstance(of, np.ndarray):
+            if not of.flags.c_contiguous:
+                raise CudaError("a copy to or from the GPU needs a contiguous array")
+            address = int(of.__array_interface__["data"][0])
+        else:
+            if nbytes > of.size:
+                raise CudaError(f"a copy of {nbytes} bytes into or out of a device buffer of {of.size}")
+            address = int(of.handle)
+        return self.cc_module.Buffer.from_handle(address, nbytes)
 
     @driver_call("cuStreamSynchronize")
     def sync(self, stream: Stream) -> None:
@@ -250,8 +261,3 @@ class Gpu:
         if first:
             raise first[0]
 
-
-def _address(a: np.ndarray) -> int:
-    if not a.flags.c_contiguous:
-        raise CudaError("a copy to or from the GPU needs a contiguous array")
-    return int(a.__array_interface__["data"][0])

@@ -315,6 +315,22 @@ def test_copies_go_between_the_array_and_the_start_of_the_buffer(n):
         g.to_device(dev, g.pinned(8, np.int64)[0][::2], "s")
 
 
+@pytest.mark.parametrize("over", [1, 8, 1000])
+def test_a_copy_longer_than_its_device_buffer_is_refused(over):
+    """A copy goes between raw addresses (views that own nothing): one longer than the device buffer would write
+    past its end (or read past it into the host array), so it is refused before anything is queued."""
+    g = _host_only_gpu()
+    _Buffer.copies = []
+    a, _ = g.pinned(64 + over, np.int8)
+    dev = _Buffer(0x7000, 64)
+    g.to_device(dev, a[:64], "s")
+    g.to_host(a[:64], dev, "s")
+    for copy in (lambda: g.to_device(dev, a, "s"), lambda: g.to_host(a, dev, "s")):
+        with pytest.raises(cuda.CudaError, match=f"^a copy of {64 + over} bytes into or out of a device buffer of 64"):
+            copy()
+    assert len(_Buffer.copies) == 2
+
+
 # --------------------------------------------------------------------------------------------
 # On a GPU
 
