@@ -492,3 +492,45 @@ def test_a_fresh_gpu_replay_never_imports_torch(tmp_path, backend):
             assert lines[-1]["backend"] == "triton" and lines[-1]["device"] == "cuda"
     assert got[backend] == got["torch"] and got["torch"]
     assert list((tmp_path / "k" / "kernels").glob("*.json"))  # the kernels came through dcptool's cubin cache
+
+
+@pytest.mark.cuda
+@gpu
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_a_fresh_replay_whose_kernels_the_driver_refuses(tmp_path, backend):
+    """A fresh `dcptool replay` whose cached cubins the driver cannot load (entries that read back whole but hold
+    no kernel image: the driver's own error, in a real process): `triton` exits 2 with one line naming
+    cuLibraryLoadData; `auto` warns once in one line and replays on the CPU, with the CPU's findings and exit
+    code."""
+    import base64
+
+    from dcptool.dcp.fused import CHECK_WARPS, FUSED_BLOCK, FUSED_WARPS, TL
+
+    random_dump(tmp_path / "d.safetensors", np.random.default_rng(8), 300, 4, 16)
+    cc = cuda.gpu().cc
+    const = dict(DCP_SIZE=4, INTERLEAVE=16, PAGE=16, HAS_PAGES=True, BLOCK=FUSED_BLOCK)
+    (tmp_path / "k" / "kernels").mkdir(parents=True)
+    for name, c, warps in (("flag_rows_kernel", const, FUSED_WARPS), ("check_rows_kernel", const, CHECK_WARPS),
+                           ("differ_rows_kernel", {"BLOCK": FUSED_BLOCK}, FUSED_WARPS)):
+        key = cubin.key(TL, name, scan_cuda.SIGNATURES[name], c, warps, cc)
+        entry = {"name": name, "cubin": base64.b64encode(b"no kernel image here").decode(), "threads": 32 * warps,
+                 "shared": 0, "scratch": 0}
+        (tmp_path / "k" / "kernels" / f"{key}.json").write_text(json.dumps(entry))
+    code = ("import sys, runpy\nimport dcptool.check.scan as s; s.GPU_MIN_OBS = 1\n"
+            "sys.argv = ['dcptool', 'replay', sys.argv[1], '--json', '--backend', sys.argv[2]]\n"
+            "runpy.run_module('dcptool', run_name='__main__')")
+    env = {**os.environ, "DCPTOOL_CACHE_DIR": str(tmp_path / "k")}
+    got = {b: subprocess.run([sys.executable, "-c", code, str(tmp_path / "d.safetensors"), b], capture_output=True,
+                             text=True, env=env) for b in (backend, "torch")}
+    p, cpu = got[backend], got["torch"]
+    assert p.stderr.count("\n") == 1 and "CUDA cuLibraryLoadData failed: " in p.stderr, p.stderr[-2000:]
+    if backend == "triton":
+        assert p.returncode == 2 and p.stdout == ""
+        assert p.stderr.endswith("; use --backend torch to replay on the CPU\n")
+        return
+    assert p.stderr.startswith("dcptool: --backend auto: CUDA cuLibraryLoadData failed: ")
+    assert p.stderr.endswith("; replaying on the CPU instead\n")
+    assert p.returncode == cpu.returncode == 1 and cpu.stderr == ""
+    lines, want = ([json.loads(x) for x in q.stdout.splitlines()] for q in (p, cpu))
+    assert lines[:-1] == want[:-1] and (lines[-1]["backend"], lines[-1]["device"]) == ("torch", "cpu")
+    assert lines[-1]["gpu_failed"].startswith("CUDA cuLibraryLoadData failed: ")
