@@ -1,9 +1,11 @@
 """Command line: parse, call the library, render; exit 0 clean, 1 findings, 2 bad usage/input or internal error.
-(Over 450 lines: six commands' options, each a page of help text; the exit-code guard is dcptool.exits.)"""
+(Over 450 lines: six commands' options, each a page of help text; the exit-code guard is dcptool.exits, what the
+commands share on their command lines dcptool.inputs.)"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -14,16 +16,13 @@ from typer.core import TyperCommand
 
 from dcptool import exits
 from dcptool.choices import Backend, CudaGraph, Pipeline, SpecMethod, metavar, spoken, values
-from dcptool.errors import DcptoolError  # stdlib only: --help stays light
+from dcptool.errors import DcptoolError, UsageError  # stdlib only: --help stays light
 from dcptool.exits import Guarded, say
-
-
-class Trouble(DcptoolError):
-    """Bad usage or bad input found by the command line itself: one line on stderr, exit code 2."""
-
+from dcptool.inputs import InputError, dump_paths, integer, number, output_target
 
 app = typer.Typer(cls=Guarded, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
                   rich_markup_mode=None,  # plain help pages, no box (usage errors: the guard's one line)
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Replay and debug decode-context-parallel (DCP) metadata recorded from serving engines.")
 
 
@@ -72,108 +71,155 @@ def _console() -> Console:
     return ReportConsole()
 
 
-def _obs_index(d, spec: str) -> int:
-    """`--obs I` (index in the first file) or `--obs FILE:I`; returns the merged position."""
+# --------------------------------------------------------------------------------------------
+# What the commands share: the dumps they read, the files they write, the options they take alike
 
-    file, _, num = spec.rpartition(":")
+DUMPS_HELP = ("Dump files, directories of them, or quoted globs ('run/*.safetensors'), of one run (per-rank files, "
+              "rolled files); a comma-separated list works too.")
+MERGE_HELP = ("Read the files as one run even where they look like several (different engine versions, or a rank's "
+              "steps recorded twice); without it such files are refused.")
+FORCE_HELP = "Overwrite an existing output file."
+MAX_FINDINGS = typer.Option("--max-findings", parser=integer(0), metavar="M",
+                            help="Show at most M findings (the summary counts all). Text default 100, JSON all.")
+
+
+def _inputs(specs: list[str], also: list[str] | None = None) -> list[str]:
+    """The dump files the arguments name (dcptool.inputs.dump_paths); the out-of-memory line names them."""
+    files = dump_paths(specs)
+    exits.reading([*(also or []), *files])
+    return files
+
+
+def _open(files: list[str], merge: bool, stream: bool = False):
+    """The files read as one run (dump.open_dumps), refused when they look like several runs unless --merge."""
+    from dcptool.dump import open_dumps
+    from dcptool.dump.runs import several_runs
+
+    d = open_dumps(files, stream=stream)
     try:
-        k = int(num)
+        why = None if merge else several_runs(d)
+    except BaseException:
+        d.close()  # (no thread of a streamed read outlives the command)
+        raise
+    if why is not None:
+        d.close()
+        raise InputError(f"{why}; read one run at a time (`dcptool diff A B` compares two), or pass --merge to read "
+                         "them as one")
+    return d
+
+
+def _obs_index(d, spec: str) -> int:
+    """`--obs FILE:I` (as every report names an observation; `I` alone for one file): its merged position."""
+    from dcptool.dump import match_file, obs_ref, parse_ref
+
+    try:
+        file, k = parse_ref(spec)
     except ValueError:
-        raise Trouble(f"--obs {spec!r}: expected an observation index, or FILE:INDEX") from None
-    if file:
-        if file not in d.files:
-            raise Trouble(f"--obs {spec!r}: {file} is not one of the dumps given")
-        fi = d.files.index(file)
-    else:
-        fi = 0
+        raise UsageError("--obs", f"{spec!r}: expected FILE:I, an observation as the reports name it (I alone for "
+                                  "one file)") from None
+    if file is None and len(d.files) > 1:
+        raise UsageError("--obs", f"{spec}: {len(d.files)} files are read; name the file, e.g. "
+                                  f"{obs_ref(d.files[0], k)}")
+    fi = 0 if file is None else match_file(d.files, file)
+    if fi is None:
+        raise UsageError("--obs", f"{spec}: {file} is not one of the dumps read")
     i = d.index_of(fi, k)
     if i is None:
-        raise Trouble(f"--obs {spec!r}: {d.files[fi]} has no observation {k} "
-                      f"(it has {int((d.file_index == fi).sum())})")
+        n = int((d.file_index == fi).sum())
+        raise UsageError("--obs", f"{spec}: {d.files[fi]} has no observation {k} "
+                                  f"({f'it has {n}: 0..{n - 1}' if n else 'it has none'})")
     from dcptool.check.replay import MAX_VIEW_CELLS, view_cells
 
     if view_cells(d, i) > MAX_VIEW_CELLS:
-        raise Trouble(f"--obs {spec!r}: {d.files[fi]} observation {k} has {int(d['obs.num_reqs_padded'][i])} "
-                      f"padded rows and dcp_size {d.config.dcp_size}: too large to show row by row "
-                      f"({view_cells(d, i):,} cells > {MAX_VIEW_CELLS:,}); use replay --json")
+        raise UsageError("--obs", f"{spec}: {int(d['obs.num_reqs_padded'][i])} padded rows and dcp_size "
+                                  f"{d.config.dcp_size}: too large to show row by row ({view_cells(d, i):,} cells > "
+                                  f"{MAX_VIEW_CELLS:,}); use replay --json")
     return i
 
 
-def _check_html_target(path: Path, dumps: list[Path], force: bool) -> None:
-    """Fail before the replay runs: never clobber without --force, never overwrite an input dump, never
-    replace anything but a regular file (a device, a FIFO, /proc/self/fd/N, a directory: dump.write_target)."""
-    from dcptool.dump import WriteError, write_target
-
-    try:
-        write_target(path)
-    except WriteError as e:
-        raise Trouble(f"--html {e}") from None
-    if path.exists():
-        if any(path.resolve() == p.resolve() for p in dumps if p.exists()):
-            raise Trouble(f"--html {path}: is one of the dumps being replayed; dcptool never modifies its input")
-        if not force:
-            raise Trouble(f"--html {path}: exists (use --force to overwrite)")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise Trouble(f"--html {path}: directory {parent} does not exist")
-
-
-def _write_html(path: Path, res, max_findings: int | None, force: bool) -> None:
+def _write_html(path: Path, html: str, force: bool, inputs) -> None:
     from dcptool.dump import DumpError, atomic_write
-    from dcptool.report.html import render_html
 
     try:  # WriteError names the file and the problem (disk full, ...), and the old file is unchanged
-        atomic_write(path, [render_html(res, max_findings).encode("utf-8")], force=force, inputs=res.files)
+        atomic_write(path, [html.encode("utf-8")], force=force, inputs=inputs)
     except DumpError as e:
-        raise Trouble(f"--html {e}") from None
+        raise UsageError("--html", str(e)) from None
     say(f"wrote {path}")
 
 
-def _check_engine_version(v: str | None) -> None:
-    from dcptool.dcp.slicing import parse_engine_version
+def _engine_version(command: str, v: str | None) -> None:
+    """--engine-version: refused unless it names a version; a release dcptool has no model of is said on stderr."""
+    from dcptool.dcp.slicing import parse_engine_version, unmodelled
 
-    if v is not None and parse_engine_version(v) is None:
-        raise Trouble(f"--engine-version {v!r}: expected a vLLM version such as 0.34.0")
+    if not v:
+        return
+    if parse_engine_version(v) is None:
+        raise UsageError("--engine-version", f"{v!r}: expected a vLLM version such as 0.34.0")
+    why = unmodelled(v)
+    if why is not None:
+        say(f"warning: --engine-version {v}: {why}", command)
+
+
+def _backend(name: str) -> None:
+    """--backend: one of the choices; triton without a GPU (its interpreter, ~100x slower than torch) only when
+    TRITON_INTERPRET=1 asks for the interpreter."""
+    if name not in values(Backend):
+        raise UsageError("--backend", f"{name!r}: choose {spoken(Backend)}")
+    if name == "triton" and os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+        from dcptool.gpu import cuda
+
+        if not cuda.available():
+            raise UsageError("--backend", "triton: no GPU here, and Triton's interpreter on the CPU is about 100x "
+                                          "slower than torch; use --backend torch (or auto, which picks it), or set "
+                                          "TRITON_INTERPRET=1 to run the interpreter anyway")
+
+
+def _render(whole, screen, full: bool, res, max_findings: int | None) -> None:
+    """Render the whole report, or on a terminal without --full one screen of it."""
+    console = _console()
+    (whole if full or not console.is_terminal else screen)(res, console, max_findings)
+
+
+FULL_HELP = ("The whole report on a terminal too: every finding (up to --max-findings), the by-site table, the "
+             "problems and the timeline uncut. Without it a terminal gets one screen, the summary and the first "
+             "problem last; a pipe or a file always gets the whole report.")
 
 
 @app.command()
 def replay(
-    dumps: Annotated[list[Path], typer.Argument(metavar="DUMP",
-                                                help="Dump files (one run: per-rank files or chunks) or "
-                                                             "directories of them.")],
+    dumps: Annotated[list[str], typer.Argument(metavar="DUMP", help=DUMPS_HELP)],
+    full: Annotated[bool, typer.Option("--full", help=FULL_HELP)] = False,
     split: Annotated[int | None, typer.Option(
-        "--split", min=1, help="Re-split every recorded full batch into K micro-batches and show what each must "
-                               "carry.")] = None,
-    backend: Annotated[str, typer.Option(metavar=metavar(Backend),
-                                         help="auto (Triton on a GPU, torch on CPU), triton (the interpreter "
-                                              "without a GPU) or torch.")] = "auto",
-    obs: Annotated[str | None, typer.Option("--obs", help="Show one observation row by row: I or FILE:I.")] = None,
+        "--split", parser=integer(1), metavar="K", help="Re-split every recorded full batch into K micro-batches and "
+                                                        "show what each must carry.")] = None,
+    backend: Annotated[str, typer.Option("--backend", metavar=metavar(Backend),
+                                         help="auto (Triton on a GPU, torch on CPU), triton (a GPU) or torch.")]
+    = "auto",
+    obs: Annotated[str | None, typer.Option("--obs", metavar="FILE:I", help="Show one observation row by row: "
+                                            "FILE:I as the reports name it (I alone for one file).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="JSON Lines: findings, then a summary.")] = False,
-    max_findings: Annotated[int | None, typer.Option(min=0, help="Show at most M findings (the summary counts "
-                                                                 "all). Text default 100, JSON all.")] = None,
-    strict: Annotated[bool, typer.Option(help="Exit 1 on warnings too (e.g. `stray`).")] = False,
-    html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report (summary, "
-                                                             "timeline, findings table, row views) to PATH.")] = None,
+    max_findings: Annotated[int | None, MAX_FINDINGS] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too (e.g. `stray`).")] = False,
+    html: Annotated[Path | None, typer.Option("--html", metavar="PATH", help="Also write a self-contained HTML "
+                                              "report (summary, timeline, findings table, row views) to PATH.")]
+    = None,
     force: Annotated[bool, typer.Option("--force", help="Let --html overwrite an existing file.")] = False,
     engine_version: Annotated[str | None, typer.Option(
         "--engine-version", help="Split micro-batches by this vLLM version's rule (e.g. 0.34.0), not the one the "
                                  "dump names.")] = None,
+    merge: Annotated[bool, typer.Option("--merge", help=MERGE_HELP)] = False,
 ) -> None:
     """Recompute every observation's DCP metadata and report what was missing, stale or wrong."""
-    from dcptool.dump import open_dumps
-
-    if backend not in values(Backend):
-        raise Trouble(f"--backend {backend!r}: choose {spoken(Backend)}")
-    _check_engine_version(engine_version)
-    dumps = _dump_args(dumps)
-    exits.reading(dumps)
+    _backend(backend)
+    _engine_version("replay", engine_version)
+    files = _inputs(dumps)
     if html is not None:
-        _check_html_target(html, dumps, force)
-    d = open_dumps([str(p) for p in dumps], stream=True)  # (the scan follows the read; replay() ends it)
+        output_target("--html", html, files, force)
+    d = _open(files, merge, stream=True)  # (the scan follows the read; replay() ends it)
     try:
         i = _obs_index(d, obs) if obs is not None else None
     except DcptoolError:
-        d.close()  # (no thread of the read outlives the command)
+        d.close()
         raise
     from dcptool.check.replay import replay as run_replay
     from dcptool.report.html import VIEW_FINDINGS
@@ -183,13 +229,13 @@ def replay(
         res = run_replay(d, backend, split=split, obs=i, views=0 if html is None else VIEW_FINDINGS,
                          progress=bar, bounded=d.bounded, engine_version=engine_version)
         if html is not None:  # first: a reader of stdout that stops early (`| head`) must not cost the file
-            from dcptool.report.html import html_units
+            from dcptool.report.html import html_units, render_html
 
             bar.plan(report=html_units(res, max_findings))
             bar.phase("report")
-            _write_html(html, res, max_findings, force)
+            _write_html(html, render_html(res, max_findings), force, res.files)
     if res.gpu_failed is not None:  # (auto's GPU failed before its scan reported anything: the CPU replayed)
-        say(f"--backend auto: {res.gpu_failed}; replaying on the CPU instead")
+        say(f"warning: --backend auto: {res.gpu_failed}; replaying on the CPU instead", "replay")
     from dcptool.report import text as report
 
     code = 1 if res.errors or (strict and res.warnings) else 0
@@ -198,97 +244,72 @@ def replay(
         for line in report.replay_json_lines(res, max_findings):
             sys.stdout.write(line + "\n")
     else:
-        report.render_replay(res, _console(), max_findings)
+        from dcptool.report import screen
+
+        _render(report.render_replay, screen.render_replay, full, res, max_findings)
     raise typer.Exit(code)
-
-
-def _natural(p: str) -> list:
-    import re
-
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]
-
-
-def _dir_dumps(path: str) -> list[str]:
-    """A directory's *.safetensors (as the vLLM plugin and rollover write them), in natural order."""
-    import glob
-    import os
-
-    found = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")), key=_natural)
-    if not found:
-        raise Trouble(f"{path}: directory holds no *.safetensors dump")
-    return found
-
-
-def _dump_args(paths: list[Path]) -> list[Path]:
-    """DUMP arguments of replay/inspect: files as given, a directory as its *.safetensors (natural order)."""
-    return [q for p in paths for q in ([Path(f) for f in _dir_dumps(str(p))] if p.is_dir() else [p])]
-
-
-def _dump_side(spec: str) -> list[str]:
-    """A side of `diff`: a file, a directory (its *.safetensors), a glob, or a comma-separated list of these."""
-    import glob
-    import os
-
-    out: list[str] = []
-    for part in (p for p in spec.split(",") if p):
-        if os.path.isdir(part):
-            out += _dir_dumps(part)
-        elif not os.path.exists(part) and any(c in part for c in "*?["):
-            found = sorted(glob.glob(part), key=_natural)
-            if not found:
-                raise Trouble(f"{part}: no file matches")
-            out += found
-        else:
-            out.append(part)
-    if not out:
-        raise Trouble(f"{spec!r}: no dump given")
-    return out
 
 
 @app.command()
 def diff(
-    a: Annotated[str, typer.Argument(metavar="A", help="The first run: a dump, a directory of dumps (per-rank "
-                                                        "files), a glob or a comma-separated list.")],
+    a: Annotated[str, typer.Argument(metavar="A", help="The first run: dump files, a directory, a quoted glob, or a "
+                                                        "comma-separated list of these.")],
     b: Annotated[str, typer.Argument(metavar="B", help="The second run, given the same way.")],
+    full: Annotated[bool, typer.Option("--full", help="The whole report on a terminal too: every difference (up to "
+                                                      "--max-findings). A pipe or a file always gets it.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="JSON Lines: differences, then a summary.")] = False,
-    max_findings: Annotated[int | None, typer.Option(min=0, help="Show at most M differences (the summary counts "
-                                                                 "all). Text default 100, JSON all.")] = None,
+    max_findings: Annotated[int | None, typer.Option(
+        "--max-findings", parser=integer(0), metavar="M", help="Show at most M differences (the summary counts "
+                                                               "all). Text default 100, JSON all.")] = None,
+    html: Annotated[Path | None, typer.Option("--html", metavar="PATH", help="Also write a self-contained HTML "
+                                              "report (summary, differences table) to PATH.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Let --html overwrite an existing file.")] = False,
+    merge: Annotated[bool, typer.Option("--merge", help=MERGE_HELP)] = False,
 ) -> None:
     """Align two runs by (step, site, rank, micro-batch, occurrence) and report every recorded difference."""
     from dcptool.diagnose.diff import diff as run_diff
-    from dcptool.dump import open_dumps
 
-    first = _dump_side(a)
-    exits.reading(first)
-    da = open_dumps(first)
-    second = _dump_side(b)
-    exits.reading(first + second)
-    db = open_dumps(second)
-    from dcptool.report import text as report
+    first = _inputs([a])
+    second = _inputs([b], also=first)
+    if html is not None:
+        output_target("--html", html, first + second, force)
+    da = _open(first, merge)
+    db = _open(second, merge)
+    from dcptool.report.differences import diff_json_lines, render_diff
+    from dcptool.report.html import HTML_MAX_FINDINGS
+    from dcptool.report.text import TEXT_MAX_FINDINGS
 
-    limit = max_findings if (max_findings is not None or json_out) else report.TEXT_MAX_FINDINGS
-    res = run_diff(da, db, limit)
+    # the differences kept: as many as the longest of the reports asked for shows (None: all)
+    shown = [max_findings if max_findings is not None else None if json_out else TEXT_MAX_FINDINGS]
+    if html is not None:
+        shown.append(max_findings if max_findings is not None else HTML_MAX_FINDINGS)
+    res = run_diff(da, db, None if None in shown else max(shown))
+    if html is not None:
+        from dcptool.report.html import render_diff_html
+
+        _write_html(html, render_diff_html(res, max_findings), force, first + second)
     exits.verdict(0 if res.same else 1)
     if json_out:
-        for line in report.diff_json_lines(res):
+        for line in diff_json_lines(res, max_findings):
             sys.stdout.write(line + "\n")
     else:
-        report.render_diff(res, _console())
+        from dcptool.report import screen
+
+        _render(render_diff, screen.render_diff, full, res, max_findings)
     raise typer.Exit(0 if res.same else 1)
 
 
 @app.command()
 def inspect(
-    dump: Annotated[list[Path], typer.Argument(metavar="DUMP", help="Dump file(s) or directories to summarise.")],
+    dump: Annotated[list[str], typer.Argument(metavar="DUMP", help=DUMPS_HELP)],
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+    merge: Annotated[bool, typer.Option("--merge", help=MERGE_HELP)] = False,
 ) -> None:
     """Summarise a dump: config, steps, sites, ranks, micro-batches, sizes, optional columns."""
-    from dcptool.dump import describe, open_dumps
+    from dcptool.dump import describe
     from dcptool.report import text as report
 
-    files = _dump_args(dump)
-    exits.reading(files)
-    d = open_dumps([str(p) for p in files], stream=True)  # replay's read: the same validation, the same errors
+    d = _open(_inputs(dump), merge, stream=True)  # replay's read: the same validation, the same errors
     d.finish()
     info = describe(d)
     if json_out:
@@ -312,39 +333,46 @@ class _FaultHelp(TyperCommand):
         super().format_help(ctx, formatter)
 
 
+def _int(flag: str, lo: int, help: str):
+    return typer.Option(flag, parser=integer(lo), metavar="N", help=help)
+
+
 @app.command(cls=_FaultHelp)
 def simulate(
-    dcp: Annotated[int, typer.Option("--dcp", help="DCP world size N (ranks recorded).")] = 2,
-    interleave: Annotated[int, typer.Option(help="cp_kv_cache_interleave_size I.")] = 1,
-    pcp: Annotated[int, typer.Option("--pcp", help="PCP world size P (P x N recording processes).")] = 1,
-    steps: Annotated[int, typer.Option(help="Engine steps after start-up.")] = 32,
-    spec_tokens: Annotated[int, typer.Option(help="Draft tokens K per decode (0: no speculative decoding).")] = 2,
-    spec_method: Annotated[str, typer.Option(metavar=metavar(SpecMethod),
+    dcp: Annotated[int, _int("--dcp", 1, "DCP world size N (ranks recorded).")] = 2,
+    interleave: Annotated[int, _int("--interleave", 1, "cp_kv_cache_interleave_size I.")] = 1,
+    pcp: Annotated[int, _int("--pcp", 1, "PCP world size P (P x N recording processes).")] = 1,
+    steps: Annotated[int, _int("--steps", 0, "Engine steps after start-up.")] = 32,
+    spec_tokens: Annotated[int, _int("--spec-tokens", 0, "Draft tokens K per decode (0: no speculative "
+                                                         "decoding).")] = 2,
+    spec_method: Annotated[str, typer.Option("--spec-method", metavar=metavar(SpecMethod),
                                              help="mtp or dflash (DFlash captures its own graphs).")] = "mtp",
-    ubatches: Annotated[int, typer.Option(help="Micro-batches (DBO) when a batch passes vLLM's thresholds.")] = 2,
-    cudagraph: Annotated[str, typer.Option(metavar=metavar(CudaGraph),
+    ubatches: Annotated[int, _int("--ubatches", 1, "Micro-batches (DBO) when a batch passes vLLM's "
+                                                   "thresholds.")] = 2,
+    cudagraph: Annotated[str, typer.Option("--cudagraph", metavar=metavar(CudaGraph),
                                            help="none, piecewise, or full (FULL_AND_PIECEWISE).")] = "full",
-    dummy_every: Annotated[int, typer.Option(help="A dummy run every D steps (0: only the profile run).")] = 16,
-    page_size: Annotated[int, typer.Option(help="KV page (block) size for attention page counts.")] = 16,
-    pipeline: Annotated[str, typer.Option(metavar=metavar(Pipeline),
+    dummy_every: Annotated[int, _int("--dummy-every", 0, "A dummy run every D steps (0: only the profile "
+                                                         "run).")] = 16,
+    page_size: Annotated[int, _int("--page-size", 1, "KV page (block) size for attention page counts.")] = 16,
+    pipeline: Annotated[str, typer.Option("--pipeline", metavar=metavar(Pipeline),
                                           help="fixed (vLLM after the fix) or legacy (every pre-fix fault).")]
     = "fixed",
-    inject: Annotated[str | None, typer.Option(help=INJECT_HELP)] = None,  # + the fault table (_FaultHelp)
-    seed: Annotated[int, typer.Option(help="Workload seed (same seed, same dump, byte for byte).")] = 0,
+    inject: Annotated[str | None, typer.Option("--inject", help=INJECT_HELP)] = None,  # + the table (_FaultHelp)
+    seed: Annotated[int, _int("--seed", 0, "Workload seed (same seed, same dump, byte for byte).")] = 0,
     engine_version: Annotated[str, typer.Option("--engine-version", help="vLLM release to model (e.g. 0.34.0): "
                                                 "its micro-batch split rule, recorded as engine_version.")] = "",
-    max_num_reqs: Annotated[int, typer.Option(help="max_num_seqs: requests per step.")] = 64,
-    token_budget: Annotated[int, typer.Option(help="max_num_batched_tokens: tokens per step.")] = 2048,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the dump here instead of "
-                                                                       "printing the side-by-side table.")] = None,
-    per_rank: Annotated[bool, typer.Option(help="With -o: one file per rank (OUT.rankR / OUT.pcpP.rankR).")]
-    = False,
-    force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
+    max_num_reqs: Annotated[int, _int("--max-num-reqs", 1, "max_num_seqs: requests per step.")] = 64,
+    token_budget: Annotated[int, _int("--token-budget", 1, "max_num_batched_tokens: tokens per step.")] = 2048,
+    output: Annotated[Path | None, typer.Option("-o", "--output", metavar="PATH", help="Write the dump here "
+                                                "instead of printing the side-by-side table.")] = None,
+    per_rank: Annotated[bool, typer.Option("--per-rank", help="With -o: one file per rank (OUT.rankR / "
+                                                              "OUT.pcpP.rankR).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="JSON: the table as JSON Lines, or with -o one "
                                                           "object describing what was written.")] = False,
 ) -> None:
     """Simulate a serving workload through a model of vLLM's runner; show or write its DCP metadata."""
-    from dcptool.model.simulate import SimConfig, SimError, compare
+    from dcptool.model.simulate import SimConfig, compare, output_paths, progress_units
     from dcptool.model.simulate import simulate as run_sim
     from dcptool.report import text as report
     from dcptool.report.progress import Progress
@@ -354,32 +382,36 @@ def simulate(
                     spec_method=spec_method, ubatches=ubatches, cudagraph=cudagraph, dummy_every=dummy_every,
                     page_size=page_size, pipeline=pipeline, inject=faults, seed=seed, max_num_reqs=max_num_reqs,
                     token_budget=token_budget, engine_version=engine_version)
+    cfg.validate()
+    _engine_version("simulate", engine_version)
+    if per_rank and output is None:
+        raise UsageError("--per-rank", "needs -o (it is a way of writing the dump)")
+    if output is not None:
+        for p in output_paths(cfg, output, per_rank):
+            output_target("-o", p, (), force)
+    bar = Progress(progress_units(cfg) * (1 if output else 2), "simulate", not json_out and sys.stderr.isatty(),
+                   unit="steps")
     try:
-        cfg.validate()
-        if per_rank and output is None:
-            raise SimError("--per-rank needs -o")
-        bar = Progress(cfg.steps * (1 if output else 2), "simulate", not json_out and sys.stderr.isatty(),
-                       unit="steps")
         with bar:
             if output is None:
                 cmp = compare(cfg, progress=bar)
             else:
-                if output.parent and not output.parent.is_dir():
-                    raise SimError(f"{output}: directory {output.parent} does not exist")
-                res = run_sim(cfg, output, per_rank=per_rank, force=force, progress=bar)
+                res = run_sim(cfg, output, per_rank=per_rank, force=force, progress=bar, notice=say)
+    except FileExistsError as e:
+        raise UsageError("-o", str(e)) from None
     except DcptoolError:
         raise
-    except FileExistsError as e:
-        raise Trouble(str(e)) from None
     except OSError as e:
-        raise Trouble(f"{output}: cannot write: {e.strerror or e}") from None
+        raise InputError(f"{output}: cannot write: {e.strerror or e}") from None
     if output is None:
         if json_out:
             for line in report.simulate_json_lines(cmp):
                 sys.stdout.write(line + "\n")
         else:
             report.render_simulate(cmp, _console())
-    elif json_out:
+        return
+    say(report.simulated_line(res))
+    if json_out:
         sys.stdout.write(json.dumps(res.to_json()) + "\n")
     else:
         report.render_simulated(res, _console())
@@ -391,37 +423,29 @@ def simulate(
 
 @app.command()
 def reduce(
-    dump: Annotated[list[Path], typer.Argument(metavar="DUMP", help="The recording (files of one run, or a "
-                                                                    "directory of them).")],
+    dump: Annotated[list[str], typer.Argument(metavar="DUMP", help=DUMPS_HELP)],
     finding: Annotated[str, typer.Option("--finding", help="The problem to keep: RULE, RULE/RELATION (stale) or "
-                                                           "RULE@OBS (that observation's finding, in the first "
-                                                           "file).")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the reduced recording.")],
-    max_seconds: Annotated[float, typer.Option("--max-seconds", min=0.1, help="Stop shrinking after this long "
-                                                                              "and write the smallest so far.")]
-    = 60.0,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
+                                                           "RULE@FILE:I (that observation's finding, FILE:I as the "
+                                                           "reports name it; RULE@I for one file).")],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="PATH", help="Where to write the reduced "
+                                                                                "recording.")],
+    max_seconds: Annotated[float, typer.Option("--max-seconds", parser=number(0.1), metavar="S",
+                                               help="Stop shrinking after this long and write the smallest so "
+                                                    "far.")] = 60.0,
+    force: Annotated[bool, typer.Option("--force", help=FORCE_HELP)] = False,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object describing the reduction.")] = False,
+    merge: Annotated[bool, typer.Option("--merge", help=MERGE_HELP)] = False,
 ) -> None:
     """Shrink a recording to the fewest steps, observations and rows that still show one problem."""
     from dcptool.check.replay import replay as run_replay
     from dcptool.diagnose.reduce import find_target, reduce_dump, reduced_config
-    from dcptool.dump import DumpError, open_dumps, write_dump, write_target
+    from dcptool.dump import DumpError, write_dump
     from dcptool.report import text as report
     from dcptool.report.progress import Progress
 
-    files = _dump_args(dump)
-    exits.reading(files)
-    try:
-        write_target(output)
-    except DumpError as e:
-        raise Trouble(f"-o {e}") from None
-    if output.exists():
-        if any(p.exists() and output.resolve() == p.resolve() for p in files):
-            raise Trouble(f"-o {output}: is one of the dumps being reduced; dcptool never modifies its input")
-        if not force:
-            raise Trouble(f"-o {output}: exists (use --force to overwrite)")
-    d = open_dumps([str(p) for p in files])
+    files = _inputs(dump)
+    output_target("-o", output, files, force)
+    d = _open(files, merge)
     res = run_replay(d, "torch")
     target = find_target(str(files[0]), res.findings, finding, d)
     with Progress(max(1, int(max_seconds)), "reduce", not json_out and sys.stderr.isatty(), unit="s") as bar:
@@ -433,7 +457,8 @@ def reduce(
         write_dump(output, reduced_config(d, ", ".join(d.files), target), cols, injected, force=force,
                    inputs=d.files)
     except DumpError as e:
-        raise Trouble(str(e)) from None
+        raise UsageError("-o", str(e)) from None
+    say(f"wrote {output}")
     if json_out:
         sys.stdout.write(json.dumps({**red.to_json(), "output": str(output)}) + "\n")
     else:
@@ -442,30 +467,32 @@ def reduce(
 
 @app.command("export-test")
 def export_test(
-    dump: Annotated[list[Path], typer.Argument(metavar="DUMP", help="A (reduced) recording with findings.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="The pytest file to write.")],
-    max_cases: Annotated[int, typer.Option("--max-cases", min=1, help="Embed at most this many observations "
-                                                                       "with findings.")] = 8,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")] = False,
+    dump: Annotated[list[str], typer.Argument(metavar="DUMP", help="A (reduced) recording with findings: " +
+                                              DUMPS_HELP[0].lower() + DUMPS_HELP[1:])],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="PATH", help="The pytest file to write.")],
+    max_cases: Annotated[int, typer.Option("--max-cases", parser=integer(1), metavar="N",
+                                           help="Embed at most this many observations with findings.")] = 8,
+    force: Annotated[bool, typer.Option("--force", help=FORCE_HELP)] = False,
+    merge: Annotated[bool, typer.Option("--merge", help=MERGE_HELP)] = False,
 ) -> None:
     """Write a pytest regression test embedding the recording's wrong observations as literal arrays."""
     from dcptool.check.replay import replay as run_replay
     from dcptool.diagnose.export import ExportError
     from dcptool.diagnose.export import export_test as build
-    from dcptool.dump import DumpError, atomic_write, open_dumps
+    from dcptool.dump import DumpError, atomic_write
 
-    files = _dump_args(dump)
-    exits.reading(files)
-    d = open_dumps([str(p) for p in files])
+    files = _inputs(dump)
+    output_target("-o", output, files, force)
+    d = _open(files, merge)
     res = run_replay(d, "torch")
     try:
         text, cases = build(d, res.findings, max_cases=max_cases)
     except ExportError as e:
-        raise Trouble(f"{files[0]}: {e}") from None
+        raise InputError(f"{files[0]}: {e}") from None
     try:
         atomic_write(output, [text.encode("utf-8")], force=force, inputs=d.files)
     except DumpError as e:
-        raise Trouble(f"-o {e}") from None
+        raise UsageError("-o", str(e)) from None
     say(f"wrote {output}: {cases} case{'s' if cases != 1 else ''} (run it with pytest)")
 
 

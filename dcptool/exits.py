@@ -9,7 +9,7 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from dcptool.errors import DcptoolError  # stdlib only: --help stays light
+from dcptool.errors import DcptoolError, UsageError  # stdlib only: --help stays light
 
 # Every command runs inside Guarded.invoke (CliRunner too), so an unexpected exception is exit 2 with one
 # line, never click's exit 1 ("findings" to a CI job); a usage error is one line too, never click's box.
@@ -23,11 +23,17 @@ _CLICK_EXC = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickE
 _PASS = (typer.Exit, typer.Abort, _CLICK_EXC)
 
 
-def say(msg: str) -> None:
-    """One line on stderr; a path or a string from a file in it cannot reach the terminal as a command."""
+def say(msg: str, command: str | None = None) -> None:
+    """One line on stderr, `dcptool: MSG` or (a usage error) `dcptool COMMAND: MSG`; a path or a string from a file
+    in it cannot reach the terminal as a command."""
     from dcptool.report.text import literal
 
-    typer.echo(f"dcptool: {literal(msg)}", err=True)
+    typer.echo(f"dcptool{' ' + command if command else ''}: {literal(msg)}", err=True)
+
+
+def _is_usage(e: DcptoolError) -> bool:
+    """An error about an option (`--split: ...`, `-o x: ...`): said with the command's name."""
+    return isinstance(e, UsageError) or str(e).startswith("-")
 
 
 def verdict(code: int) -> None:
@@ -136,13 +142,58 @@ def memory_line(e: BaseException, command: str | None) -> str:
 
 
 class _UsageLine(_CLICK_EXC):
-    """A usage error as one line on stderr, exit 2: `COMMAND: what is wrong (see 'dcptool COMMAND --help')`. click's
-    own exception type (click prints it and exits), never raised to a caller: not one of dcptool's errors."""
+    """A usage error as one line on stderr, exit 2: `dcptool COMMAND: --option: what is wrong`. click's own exception
+    type (click prints it and exits), never raised to a caller: not one of dcptool's errors."""
 
     exit_code = 2
 
+    def __init__(self, message: str, command: str | None):
+        super().__init__(message)
+        self.command = command
+
     def show(self, file=None) -> None:
-        say(self.message)
+        say(self.message, self.command)
+
+
+def _kind(e) -> set[str]:
+    return {c.__name__ for c in type(e).__mro__}
+
+
+def _param_name(param) -> str:
+    """An option as it is typed (its longest name: `--max-findings`), an argument as its help names it (`DUMP`)."""
+    if getattr(param, "param_type_name", "") == "argument":
+        return getattr(param, "metavar", None) or (param.name or "argument").upper()
+    opts = list(getattr(param, "opts", None) or [])
+    return max(opts, key=len) if opts else (param.name or "?")
+
+
+def _words(e, group, command: str | None) -> str:
+    """click's usage error in dcptool's words: `--option: what is wrong` (the parsers of dcptool.inputs say what)."""
+    kind = _kind(e)
+    param = getattr(e, "param", None)
+    see = f" (see 'dcptool{' ' + command if command else ''} -h')"
+    if "MissingParameter" in kind and param is not None:
+        if getattr(param, "param_type_name", "") == "argument":
+            return f"{_param_name(param)}: missing{see}"
+        return f"{_param_name(param)}: required{see}"
+    if "BadParameter" in kind and param is not None:
+        return f"{_param_name(param)}: {e.message}"
+    if "NoSuchOption" in kind:
+        maybe = sorted(getattr(e, "possibilities", None) or [])
+        return f"{e.option_name}: no such option" + (f"; did you mean {' or '.join(maybe)}?" if maybe else "") + see
+    msg = " ".join(e.format_message().split()).rstrip(".")
+    if "BadOptionUsage" in kind and getattr(e, "option_name", None):
+        what = ("needs a value" if "requires an argument" in msg else "takes no value" if "not take a value" in msg
+                else msg[:1].lower() + msg[1:])
+        return f"{e.option_name}: {what}"
+    m = re.match(r"No such command '(.*)'", msg)
+    if m:
+        names = ", ".join(group.command.list_commands(group)) if group is not None else ""
+        return f"{m[1]}: no such command" + (f" (the commands: {names})" if names else "")
+    m = re.match(r"Got unexpected extra arguments?(?:\(s\))? \((.*)\)", msg)
+    if m:
+        return f"{m[1]}: unexpected extra argument{see}"
+    return msg[:1].lower() + msg[1:] + see
 
 
 def usage_line(e, group) -> BaseException:
@@ -151,15 +202,14 @@ def usage_line(e, group) -> BaseException:
     the group's context, for an error that names none (an option's missing value)."""
     if isinstance(e, _UsageLine) or type(e).__name__ == "NoArgsIsHelpError":
         return e
-    msg = " ".join(e.format_message().split()).rstrip(".")  # one line, whatever click composed
     ctx = getattr(e, "ctx", None)
     if ctx is not None and ctx.parent is not None:
-        command, where = ctx.info_name, ctx.command_path
+        command = ctx.info_name
     elif ctx is None and group.invoked_subcommand:  # (the command's context was never made)
-        command, where = group.invoked_subcommand, f"{group.command_path} {group.invoked_subcommand}"
+        command = group.invoked_subcommand
     else:  # the group's own: an unknown command, or an option of its own
-        command, where = None, group.command_path
-    return _UsageLine(f"{command + ': ' if command else ''}{msg} (see '{where} --help')")
+        command = None
+    return _UsageLine(_words(e, group, command), command)
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,7 +279,7 @@ class Guarded(TyperGroup):
         except _PASS:
             raise
         except DcptoolError as e:  # bad input or usage, from the library or the command line: the one place
-            say(str(e))
+            say(str(e), ctx.invoked_subcommand if _is_usage(e) else None)
             code = 2
         except KeyboardInterrupt:
             say("interrupted")

@@ -4,6 +4,7 @@ or as a real subprocess)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import traceback
@@ -284,6 +285,47 @@ def cli_subprocess(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
     e = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", **(env or {})}
     return subprocess.run([sys.executable, "-m", "dcptool", *map(str, args)], capture_output=True, text=True,
                           env=e, cwd=cwd, timeout=300)
+
+
+def cli_pty(*args, cols: int = 80, rows: int = 24, env=None, cwd=None) -> tuple[int, str]:
+    """Run `python -m dcptool ARGS` on a real pseudo-terminal of cols x rows, as a user at a terminal sees it:
+    (exit code, everything written to the terminal, stdout and stderr together, \r\n as \n)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    e = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR", "NO_COLOR")}
+    e.update({"PYTHONPATH": str(ROOT), "TERM": "xterm-256color", **(env or {})})
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+    p = subprocess.Popen([sys.executable, "-m", "dcptool", *map(str, args)], stdin=slave, stdout=slave,
+                         stderr=slave, env=e, cwd=cwd, close_fds=True)
+    os.close(slave)
+    out = bytearray()
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every writer closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    code = p.wait(timeout=300)
+    return code, out.decode("utf-8", "replace").replace("\r\n", "\n")
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+
+
+def screen_lines(text: str) -> list[str]:
+    """What a terminal shows of `text`: its lines without colour and cursor codes (a progress bar's redraws
+    included: \r returns to the line's start)."""
+    lines = []
+    for line in ANSI.sub("", text).split("\n"):
+        lines.append(line.rsplit("\r", 1)[-1])
+    return lines[:-1] if lines and lines[-1] == "" else lines
 
 
 @pytest.fixture

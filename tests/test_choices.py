@@ -19,4 +19,4 @@ def test_help_shows_the_choices_and_a_bad_one_is_one_line(cmd, option, enum):
     h = cli(cmd, "--help", env={"COLUMNS": "200"})
     assert f"{option} {metavar(enum)}" in h.stdout
     r = cli(cmd, option, "bogus", *(["x.safetensors"] if cmd == "replay" else ["--steps", "1"]))
-    assert r.returncode == 2 and r.stderr == f"dcptool: {option} 'bogus': choose {spoken(enum)}\n"
+    assert r.returncode == 2 and r.stderr == f"dcptool {cmd}: {option}: 'bogus': choose {spoken(enum)}\n"

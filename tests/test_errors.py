@@ -14,13 +14,15 @@ from dcptool.errors import DcptoolError
 
 def test_one_exception_root():
     from dcptool.check.replay import LimitError
-    from dcptool.cli import Trouble
     from dcptool.dcp.backend import BackendError
     from dcptool.dump import DumpError, OutputExistsError, WriteError
     from dcptool.dump.schema import DcptoolError
+    from dcptool.errors import UsageError
+    from dcptool.inputs import InputError
     from dcptool.model.config import SimError
 
-    for cls in (DumpError, WriteError, OutputExistsError, LimitError, SimError, BackendError, Trouble):
+    for cls in (DumpError, WriteError, OutputExistsError, LimitError, SimError, BackendError, UsageError,
+                InputError):
         assert issubclass(cls, DcptoolError), cls
     # the old bases stay, for callers that catch them
     assert issubclass(DumpError, ValueError) and issubclass(SimError, ValueError)
@@ -40,7 +42,8 @@ def test_every_public_error_class_of_dcptool_derives_from_the_root():
                     found[f"{m.name}.{name}"] = obj
     assert {"dcptool.dump.schema.DumpError", "dcptool.dcp.backend.BackendError", "dcptool.model.config.SimError",
             "dcptool.diagnose.export.ExportError", "dcptool.diagnose.reduce.ReduceError",
-            "dcptool.check.replay.LimitError", "dcptool.cli.Trouble"} <= set(found), sorted(found)
+            "dcptool.check.replay.LimitError", "dcptool.errors.UsageError",
+            "dcptool.inputs.InputError"} <= set(found), sorted(found)
     assert [k for k, cls in found.items() if cls is not DcptoolError and not issubclass(cls, DcptoolError)] == []
 
 

@@ -63,7 +63,7 @@ def test_sizes_in_binary_units():
         "0 bytes", "1,023 bytes", "1.0 KiB", "5.0 MiB", "3.0 GiB", "1.0 EiB"]
 
 
-def test_usage_line_is_one_line_naming_the_command_and_its_help():
+def test_usage_line_is_one_line_naming_the_command_and_the_option():
     import typer
     from typer.main import get_command
 
@@ -72,8 +72,16 @@ def test_usage_line_is_one_line_naming_the_command_and_its_help():
     group = get_command(app)
     ctx = group.make_context("dcptool", ["replay", "x"])
     sub = group.get_command(ctx, "replay").make_context("replay", ["x"], parent=ctx)
-    e = exits.usage_line(typer.BadParameter("not a\nnumber.", ctx=sub), ctx)
-    assert e.exit_code == 2 and e.message == ("replay: Invalid value: not a number (see 'dcptool replay --help')")
+    split = next(p for p in sub.command.params if p.name == "split")
+    e = exits.usage_line(typer.BadParameter("must be >= 1, got 0", ctx=sub, param=split), ctx)
+    assert e.exit_code == 2 and (e.command, e.message) == ("replay", "--split: must be >= 1, got 0")
     assert exits.usage_line(e, ctx) is e  # converted once
-    top = exits.usage_line(typer.BadParameter("No such command 'x'.", ctx=ctx), ctx)
-    assert top.message == "Invalid value: No such command 'x' (see 'dcptool --help')"
+    dump = next(p for p in sub.command.params if p.name == "dumps")
+    import importlib
+
+    missing_cls = importlib.import_module(typer.BadParameter.__module__).MissingParameter  # (click's, or typer's copy)
+    missing = exits.usage_line(missing_cls(ctx=sub, param=dump), ctx)
+    assert (missing.command, missing.message) == ("replay", "DUMP: missing (see 'dcptool replay -h')")
+    top = exits.usage_line(importlib.import_module(typer.BadParameter.__module__).UsageError("No such command 'x'.",
+                                                                                              ctx=ctx), ctx)
+    assert top.command is None and top.message.startswith("x: no such command (the commands: replay, diff")

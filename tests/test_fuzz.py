@@ -688,7 +688,7 @@ def run_command(cmd: Command, path: Path, v: Verdict) -> None:
         assert err == f"dcptool: {want}\n" and out == "", (out, err)
         return
     if code == 2:  # a usage problem on a readable file: --obs 0 of an empty dump, or of a huge batch
-        assert "--obs" in cmd.args and err.startswith("dcptool: --obs") and err.count("\n") == 1, err
+        assert "--obs" in cmd.args and err.startswith("dcptool replay: --obs") and err.count("\n") == 1, err
         assert ("has no observation 0" in err and v.dump.n == 0) or "too large to show row by row" in err, err
         return
     assert err == cmd.stderr.replace("OUT", str(HTML_OUT)), err
@@ -1154,7 +1154,7 @@ def test_every_accepted_dump_replays(case, other, case_dir, warm):
             if crash is not None:
                 raise AssertionError(f"{' '.join(args)} raised:\n" + "".join(traceback.format_exception(crash)))
             if code == 2 and "--obs" in args:
-                assert err.startswith("dcptool: --obs") and err.count("\n") == 1, err
+                assert err.startswith("dcptool replay: --obs") and err.count("\n") == 1, err
                 assert "has no observation 0" in err or "too large to show row by row" in err, err
                 continue
             assert code in ((0,) if args[0] == "inspect" else (0, 1)), (args, code, err)

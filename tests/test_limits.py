@@ -119,7 +119,7 @@ def test_split_past_the_largest_batch_is_refused(tmp_path):
     """Within the cap, K above every batch's token count splits nothing real: exit 2, naming the largest."""
     p = split_dump(tmp_path / "d.safetensors")
     r = runner.invoke(app, ["replay", p, "--split", "6", "--backend", "torch"])
-    assert r.exit_code == 2 and r.stderr.strip() == ("dcptool: --split 6: more micro-batches than tokens; the "
+    assert r.exit_code == 2 and r.stderr.strip() == ("dcptool replay: --split: 6: more micro-batches than tokens; the "
                                                      "largest batch to split has 5")
     r = runner.invoke(app, ["replay", p, "--split", "5", "--backend", "torch", "--json"])
     assert r.exit_code == 0 and sum('"type": "split"' in line for line in r.stdout.splitlines()) == 10

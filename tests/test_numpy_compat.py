@@ -29,7 +29,7 @@ def test_diff_parent_sentinel_is_not_a_real_key(tmp_path):
         warnings.simplefilter("error")  # no silent wrap, no overflow warning on any numpy
         res = diff(open_dumps([a]), open_dumps([b]))
     assert res.by_field == {"parent": 1} and res.first.key.step == 9
-    assert res.first.message == f"step 9 attn_metadata rank 0: parent: derived from none in A, from obs 0 " \
+    assert res.first.message == f"step 9 attn_metadata rank 0: parent: derived from none in A, from obs {b}:0 " \
                                 f"(step {far} attn_metadata rank 0 ubatch 0) in B"
     r = RUNNER.invoke(app, ["diff", a, b, "--json"])
     assert r.exit_code == 1 and json.loads(r.stdout.splitlines()[-1])["by_field"] == {"parent": 1}

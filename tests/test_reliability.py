@@ -420,7 +420,7 @@ def test_full_disk_for_a_writing_command(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dcptool", "replay", str(dump), "--html", str(out), "--force"],
                        capture_output=True, text=True, env=env, timeout=300, preexec_fn=_limit_fsize(8192))
     assert r.returncode == 2, r.stderr
-    assert r.stderr == f"dcptool: --html {out}: cannot write: File too large (the previous file is unchanged)\n"
+    assert r.stderr == f"dcptool replay: --html: {out}: cannot write: File too large (the previous file is unchanged)\n"
     assert out.read_text() == "the previous report\n"
     assert sorted(f.name for f in tmp_path.iterdir()) == ["report.html", "run.safetensors"]
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from dcptool.check.provenance import Source
 from dcptool.dcp.rules import RULES, SEVERITY
+from dcptool.dump.ref import obs_ref
 
 if TYPE_CHECKING:
     from dcptool.dump import Dump
@@ -61,9 +62,14 @@ class Finding:
         """The one-line message: where, then what (the JSON "message")."""
         return f"{self.where}: {self.text}"
 
+    @property
+    def ref(self) -> str:
+        """`FILE:I`, as `replay --obs` takes it (dump.obs_ref)."""
+        return obs_ref(self.file, self.obs)
+
     def to_json(self) -> dict:
         return {"type": "finding", "rule": self.rule, "severity": self.severity, "obs": self.obs,
-                "file": self.file, "step": self.step, "site": self.site, "rank": self.rank,
+                "file": self.file, "ref": self.ref, "step": self.step, "site": self.site, "rank": self.rank,
                 "ubatch": self.ubatch, "row": self.row, "recorded": self.recorded, "expected": self.expected,
                 "wrong_rows": self.wrong_rows, "source": None if self.source is None else self.source.to_json(),
                 "detail": self.detail, "message": self.message}
@@ -74,10 +80,10 @@ class Finding:
 STORED, VALUE, MISSING, PADDING, SHAPE, STRAY, PAGES, ALIAS_UB, ALIAS_GRAPH = range(9)
 
 _EXPLAIN = {
-    "parent-rows": "copied from the parent batch (obs {obs}, {site}); recompute from the micro-batch's own seq_lens",
-    "earlier-in-step": "derived from an earlier batch of this step (obs {obs}, {site}), e.g. the global batch "
+    "parent-rows": "copied from the parent batch (obs {ref}, {site}); recompute from the micro-batch's own seq_lens",
+    "earlier-in-step": "derived from an earlier batch of this step (obs {ref}, {site}), e.g. the global batch "
                        "before the PCP partition; compute it from the final batch",
-    "earlier-step": "left over from step {step} (obs {obs}, {site}); the buffer was not refreshed "
+    "earlier-step": "left over from step {step} (obs {ref}, {site}); the buffer was not refreshed "
                     "(e.g. baked into a CUDA graph)",
 }
 
@@ -266,7 +272,7 @@ class FindingTable(Sequence):
         enc = encode_basestring_ascii  # json.dumps(str) without the encoder object per call
         rule_j = [enc(r) for r in RULES]
         sev_j = [enc(SEVERITY[r]) for r in RULES]
-        files_j = [enc(f) for f in d.files]
+        files, files_j = d.files, [enc(f) for f in d.files]
         sites_j = [enc(s) for s in d.config.sites]
         sites = d.config.sites
         every = self._rows()
@@ -286,7 +292,8 @@ class FindingTable(Sequence):
                 u = ub[k]
                 where = f"step {step[k]} {sites[site[k]]} rank {rank[k]}" + (f" ubatch {u}" if u >= 0 else "")
                 yield (f'{{"type": "finding", "rule": {rule_j[code[k]]}, "severity": {sev_j[code[k]]}, '
-                       f'"obs": {fobs[k]}, "file": {files_j[fidx[k]]}, "step": {step[k]}, '
+                       f'"obs": {fobs[k]}, "file": {files_j[fidx[k]]}, "ref": {enc(obs_ref(files[fidx[k]], fobs[k]))}, '
+                       f'"step": {step[k]}, '
                        f'"site": {sites_j[site[k]]}, "rank": {rank[k]}, "ubatch": {u}, "row": {vals[0][k]}, '
                        f'"recorded": {vals[1][k]}, "expected": {vals[2][k]}, "wrong_rows": {wrong[k]}, '
                        f'"source": {srcs.get(k, "null")}, "detail": {details[k]}, '
@@ -305,7 +312,8 @@ class FindingTable(Sequence):
         site, fidx = d["obs.site"][s].tolist(), d.file_index[s].tolist()
         enc = encode_basestring_ascii
         return {k: f'{{"obs": {obs[n]}, "relation": "{RELATIONS[rel[n]]}", "step": {step[n]}, '
-                   f'"site": {enc(d.config.sites[site[n]])}, "ubatch": {ub[n]}, "file": {enc(d.files[fidx[n]])}}}'
+                   f'"site": {enc(d.config.sites[site[n]])}, "ubatch": {ub[n]}, "file": {enc(d.files[fidx[n]])}, '
+                   f'"ref": {enc(obs_ref(d.files[fidx[n]], obs[n]))}}}'
                 for n, k in enumerate(at.tolist())}
 
     # ----- counts
@@ -423,16 +431,18 @@ def render_texts(t: FindingTable, rows: np.ndarray) -> tuple[list[str], list[str
             s_obs = np.zeros(r.size, np.int64)
             s_step = np.zeros(r.size, np.int64)
             s_site = np.zeros(r.size, np.int64)
+            s_file = np.zeros(r.size, np.int64)
             s_obs[has], s_step[has] = d.file_obs[src[has]], d["obs.step"][src[has]]
-            s_site[has] = d["obs.site"][src[has]]
-            s_obs, s_step, s_site = s_obs.tolist(), s_step.tolist(), s_site.tolist()
+            s_site[has], s_file[has] = d["obs.site"][src[has]], d.file_index[src[has]]
+            s_obs, s_step, s_site, s_file = s_obs.tolist(), s_step.tolist(), s_site.tolist(), s_file.tolist()
             rel = c["relation"][r].tolist()
             for m, k in enumerate(pos):
                 w = wr[m]
                 rws = f"row {row[m]} is {rec[m]}, expected {exp[m]} ({w} wrong row{'s' if w > 1 else ''})"
                 rule = RULES[code[m]]
                 if rule == "stale":
-                    why = _EXPLAIN[RELATIONS[rel[m]]].format(obs=s_obs[m], site=cfg.sites[s_site[m]], step=s_step[m])
+                    why = _EXPLAIN[RELATIONS[rel[m]]].format(ref=obs_ref(d.files[s_file[m]], s_obs[m]),
+                                                             site=cfg.sites[s_site[m]], step=s_step[m])
                     texts[k] = f"stale DCP view, {why}; {rws}"
                 elif rule == "global":
                     texts[k] = f"DCP view holds the global seq_lens, not this rank's local lengths; {rws}"
@@ -453,13 +463,17 @@ def _alias_texts(d, i: np.ndarray, j: np.ndarray, kind: int) -> tuple[list[str],
     (texts, details as JSON, details)."""
     buf = d["obs.buffer"]
     bi, bj, oj = buf[i].tolist(), buf[j].tolist(), d.file_obs[j].tolist()
+    rj = [obs_ref(d.files[f], o) for f, o in zip(d.file_index[j].tolist(), oj)]  # the other one's reference
+    enc = encode_basestring_ascii
     if kind == ALIAS_UB:
         ui, uj = d["obs.ubatch"][i].tolist(), d["obs.ubatch"][j].tolist()
         texts = [f"micro-batch {a} reads the same DCP buffer as micro-batch {b} (obs {o}); each micro-batch "
-                 "needs its own buffer" for a, b, o in zip(ui, uj, oj)]
-        dets = [{"buffer": a, "other_obs": o} for a, o in zip(bi, oj)]
-        return texts, [f'{{"buffer": {a}, "other_obs": {o}}}' for a, o in zip(bi, oj)], dets
+                 "needs its own buffer" for a, b, o in zip(ui, uj, rj)]
+        dets = [{"buffer": a, "other_obs": o, "other_ref": r} for a, o, r in zip(bi, oj, rj)]
+        return texts, [f'{{"buffer": {a}, "other_obs": {o}, "other_ref": {enc(r)}}}'
+                       for a, o, r in zip(bi, oj, rj)], dets
     texts = [f"full-graph replay reads DCP buffer {a:#x} but the graph was captured on {b:#x} (obs {o}); the "
-             "replay sees stale values" for a, b, o in zip(bi, bj, oj)]
-    dets = [{"buffer": a, "captured": b, "capture_obs": o} for a, b, o in zip(bi, bj, oj)]
-    return texts, [f'{{"buffer": {a}, "captured": {b}, "capture_obs": {o}}}' for a, b, o in zip(bi, bj, oj)], dets
+             "replay sees stale values" for a, b, o in zip(bi, bj, rj)]
+    dets = [{"buffer": a, "captured": b, "capture_obs": o, "capture_ref": r} for a, b, o, r in zip(bi, bj, oj, rj)]
+    return texts, [f'{{"buffer": {a}, "captured": {b}, "capture_obs": {o}, "capture_ref": {enc(r)}}}'
+                   for a, b, o, r in zip(bi, bj, oj, rj)], dets

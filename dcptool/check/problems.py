@@ -314,7 +314,7 @@ class Problem:
         f = self.first
         head = (f"problem {self.number}: {self.label} at {', '.join(self.sites)} ({self.pattern}): "
                 f"{self.count} finding{'s' if self.count > 1 else ''}{side}, {self.steps.text}, "
-                f"{_ranks_text(self.ranks)}, first at obs {f.obs} ({f.where}): {self.explanation}")
+                f"{_ranks_text(self.ranks)}, first at {f.ref} ({f.where}): {self.explanation}")
         return head + (f"; {self.known.text}" if self.known is not None and self.known.verdict != "not-affected"
                        else "")
 
@@ -323,7 +323,7 @@ class Problem:
         return {"type": "problem", "problem": self.number, "rule": self.rule, "relation": self.relation,
                 "pattern": self.pattern, "sites": list(self.sites), "count": self.count, "side": self.side,
                 "observations": self.observations, "steps": self.steps.to_json(), "ranks": list(self.ranks),
-                "first": {"obs": f.obs, "file": f.file, "step": f.step, "site": f.site, "rank": f.rank,
+                "first": {"obs": f.obs, "file": f.file, "ref": f.ref, "step": f.step, "site": f.site, "rank": f.rank,
                           "ubatch": f.ubatch, "finding": int(self.findings[0])},
                 "explanation": self.explanation,
                 "known_bug": None if self.known is None or not self.known.named else self.known.to_json(),

@@ -8,7 +8,7 @@ import numpy as np
 
 from dcptool.dcp.reference import local_np, ranks_giving
 from dcptool.dcp.segments import join, member, mix, ragged, seg_sums
-from dcptool.dump import Dump
+from dcptool.dump import Dump, obs_ref
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
 MISMATCH, GLOBAL, WRONG_RANK, WRONG_INTERLEAVE, STALE = range(5)  # explain_many's kinds (prepare: 0 = none of 3-5)
@@ -59,9 +59,14 @@ class Source:
     site: str
     ubatch: int
 
+    @property
+    def ref(self) -> str:
+        """`FILE:I`, as `replay --obs` takes it."""
+        return obs_ref(self.file, self.obs)
+
     def to_json(self) -> dict:
         return {"obs": self.obs, "relation": self.relation, "step": self.step, "site": self.site,
-                "ubatch": self.ubatch, "file": self.file}
+                "ubatch": self.ubatch, "file": self.file, "ref": self.ref}
 
 
 # Row hashing for provenance joins. A view's hash is the sum over its rows j of mix(value, j), with

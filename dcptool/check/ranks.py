@@ -230,7 +230,7 @@ def _add_disagreement(found: Written, d: Dump, v: _Votes, members: np.ndarray, r
     k = odd[0]
     f = fields[int(rank[k])]
     i0 = int(m[r0])
-    ref_text = f"rank {int(rank[r0])} (obs {int(d.file_obs[i0])})"
+    ref_text = f"rank {int(rank[r0])} (obs {d.ref(i0)})"
     msg = (f"ranks disagree on what every rank of this batch must share: {'; '.join(parts)}; "
            f"{_reference_text(ref_text, v.count[v.tup[members]], int(v.count[v.tup[r0]]))} {f} "
            f"{_agree_value(d, i0, f)} (ranks {', '.join(str(int(rank[x])) for x in odd)} differ)")

@@ -17,7 +17,7 @@ from dcptool.choices import Backend, values
 from dcptool.dcp.reference import local_np
 from dcptool.dcp.rules import DIFFER, PAIRS, PROVENANCE, RULE, RULES, SCAN, SEVERITY, VERSION, WRONG
 from dcptool.dcp.slicing import Ubatch, engine_split
-from dcptool.dump import Dump, DumpError
+from dcptool.dump import Dump, DumpError, obs_ref
 from dcptool.gpu.cuda import CudaError, CudaStartError
 
 __all__ = ["RULES", "SEVERITY", "Finding", "LimitError", "ReplayResult", "Source", "expected_of", "local_np", "replay",
@@ -37,7 +37,8 @@ class Split:
 
     def to_json(self) -> dict:
         s = self.ub.slice
-        return {"type": "split", "parent_obs": self.parent_obs, "file": self.file, "ubatch": self.ubatch,
+        return {"type": "split", "parent_obs": self.parent_obs, "file": self.file,
+                "parent_ref": obs_ref(self.file, self.parent_obs), "ubatch": self.ubatch,
                 "req_start": s.req_start, "req_stop": s.req_stop, "tok_start": s.tok_start,
                 "tok_stop": s.tok_stop, "num_reqs": self.ub.num_reqs, "num_reqs_padded": self.ub.num_reqs_padded,
                 "query_start_loc": self.ub.query_start_loc.tolist(), "seq_lens": self.ub.seq_lens.tolist(),
@@ -65,9 +66,10 @@ class RowsView:
     findings: list[Finding]
 
     def to_json(self) -> dict:
-        return {"type": "rows", "obs": self.obs, "file": self.file, "step": self.step, "site": self.site,
-                "rank": self.rank, "ubatch": self.ubatch, "num_reqs": self.num_reqs,
-                "num_reqs_padded": self.num_reqs_padded, "seq_lens": self.seq_lens, "expected": self.expected,
+        return {"type": "rows", "obs": self.obs, "file": self.file, "ref": obs_ref(self.file, self.obs),
+                "step": self.step, "site": self.site, "rank": self.rank, "ubatch": self.ubatch,
+                "num_reqs": self.num_reqs, "num_reqs_padded": self.num_reqs_padded, "seq_lens": self.seq_lens,
+                "expected": self.expected,
                 "recorded": self.recorded, "expected_all_ranks": self.expected_all_ranks, "verdict": self.verdict}
 
 
@@ -333,9 +335,9 @@ def check_split(d: Dump, k: int) -> None:
     so K is capped (MAX_SPLIT) and may not exceed the tokens of the largest batch there is to split
     (past that every micro-batch but one would be empty)."""
     if k < 1:
-        raise LimitError(f"--split {k}: must be >= 1")
+        raise LimitError(f"--split: must be >= 1, got {k}")
     if k > MAX_SPLIT:
-        raise LimitError(f"--split {k}: at most {MAX_SPLIT} micro-batches per batch (docs/limits.md)")
+        raise LimitError(f"--split: {k}: at most {MAX_SPLIT} micro-batches per batch (docs/limits.md)")
     idx = _splittable(d)
     if idx.size:
         tok = d.take("rows.query_start_loc", d["obs.qsl"][idx] + d["obs.num_reqs"][idx]).astype(np.int64)
@@ -344,7 +346,7 @@ def check_split(d: Dump, k: int) -> None:
             tok = np.where(ntp >= 0, ntp, tok)
         most = int(tok.max())
         if k > max(most, 2):  # (K = 2, vLLM's DBO, is always allowed: an odd dump of empty batches still replays)
-            raise LimitError(f"--split {k}: more micro-batches than tokens; the largest batch to split has {most}")
+            raise LimitError(f"--split: {k}: more micro-batches than tokens; the largest batch to split has {most}")
 
 
 def splits(d: Dump, k: int, engine_version: str | None = None) -> list[Split]:

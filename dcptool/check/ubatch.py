@@ -113,8 +113,8 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> FindingTab
         return found.table()
     bounds = _check_split_points(d, s.cand, engine_version) if parse_engine_version(engine_version) else {}
     for i, (field, _, rec, exp, k) in bounds.items():
-        msg = (f"{field} is {rec}, but vLLM {engine_version} splits this batch (obs "
-               f"{int(d.file_obs[par[i]])}) into {k} micro-batches with {field} {exp}")
+        msg = (f"{field} is {rec}, but vLLM {engine_version} splits this batch (obs {d.ref(par[i])}) into {k} "
+               f"micro-batches with {field} {exp}")
         found.add(i, "ubatch-slice", msg, recorded=rec, expected=exp, detail={
             "field": field, "parent_obs": int(d.file_obs[par[i]]), "ubatches": k, "engine_version": engine_version})
     bad_obs = _slice_disagreements(d, s)
@@ -122,7 +122,7 @@ def check_ubatch_slice(d: Dump, engine_version: str | None = None) -> FindingTab
     for i in sorted(set(bad_obs) - set(bounds)):
         field, row, rec, exp = bad_obs[i]
         k = idx[i]
-        msg = (f"{field} disagrees with slicing the parent (obs {int(d.file_obs[s.p[k]])}) at requests "
+        msg = (f"{field} disagrees with slicing the parent (obs {d.ref(s.p[k])}) at requests "
                f"[{int(s.r0[k])}, {int(s.r0[k] + s.nrp[k])}) tokens [{int(s.ts0[k])}, {int(s.te0[k])}): "
                + (f"row {row} is {rec}, slicing gives {exp}" if row is not None else f"{rec}, slicing gives {exp}"))
         found.add(i, "ubatch-slice", msg, row=row, recorded=rec, expected=exp, wrong_rows=1,
@@ -187,7 +187,7 @@ def merge_split_findings(d: Dump, findings: FindingTable, splits: list) -> Findi
         if bad:
             f, rec, want = bad
             msg = (f"recorded micro-batch disagrees with --split {k} of its parent "
-                   f"(obs {s.parent_obs}): {f} is {rec}, the split gives {want}")
+                   f"(obs {d.ref(s.parent)}): {f} is {rec}, the split gives {want}")
             extra.add(int(i), "ubatch-slice", msg, detail={"field": f, "parent_obs": s.parent_obs, "split": True})
     if not extra.index:
         return findings

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 REQUEST_BOUNDARY_SINCE = (0, 34)  # first vLLM release that splits a uniform multi-token batch on a request boundary
 DEFAULT_ENGINE_VERSION = "0.33"  # dumps that name no engine version: the rule dcptool always used
+# The vLLM release lines dcptool models (their split rules here; the plugin's hook tables, engine.vllm_tables, cover the
+# same lines: tests/dcp/test_slicing.py keeps them equal)
+RELEASES = ((0, 29), (0, 30), (0, 31), (0, 32), (0, 33), (0, 34))
 
 
 def parse_engine_version(text: str | None) -> tuple[int, int] | None:
@@ -25,6 +28,18 @@ def parse_engine_version(text: str | None) -> tuple[int, int] | None:
     "vLLM 0.33.0"), or None when it names none (free text such as simulate's default)."""
     m = re.search(r"(?<![\d.])(\d+)\.(\d+)(?![\d])", text or "")
     return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+def unmodelled(engine_version: str) -> str | None:
+    """Why dcptool has no model of this vLLM version (None: it has one): the releases it knows, and the rule it
+    splits micro-batches by instead."""
+    v = parse_engine_version(engine_version)
+    if v is None or v in RELEASES:
+        return None
+    known = ", ".join(f"{a}.{b}" for a, b in RELEASES)
+    rule = "0.34 does (a uniform decode batch on a request boundary)" if v >= REQUEST_BOUNDARY_SINCE else \
+        "0.33 does (at the token midpoint)"
+    return f"no model of this release; dcptool knows vLLM {known}, and splits micro-batches as {rule}"
 
 
 def splits_on_request_boundary(engine_version: str | None) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcptool.dump import Dump
+from dcptool.dump import Dump, obs_ref
 
 # Per-pair fields in report order (DESIGN §4 names); config differences come first, with no key.
 CONFIG_FIELDS = ("dcp_size", "cp_interleave", "pcp_size", "page_size")
@@ -78,10 +78,20 @@ class Difference:
         """The whole line, as JSON carries it: `WHERE: FIELD: TEXT`."""
         return f"{self.where}: {self.field}: {self.text}"
 
+    @property
+    def a_ref(self) -> str | None:
+        """A's observation as `FILE:I` (what `dcptool replay A --obs` takes); None where A has none."""
+        return None if self.a_obs is None or self.a_file is None else obs_ref(self.a_file, self.a_obs)
+
+    @property
+    def b_ref(self) -> str | None:
+        return None if self.b_obs is None or self.b_file is None else obs_ref(self.b_file, self.b_obs)
+
     def to_json(self) -> dict:
         return {"type": "difference", "key": None if self.key is None else self.key.to_json(), "field": self.field,
                 "a_obs": self.a_obs, "b_obs": self.b_obs, "a_file": self.a_file, "b_file": self.b_file,
-                "row": self.row, "a": self.a, "b": self.b, "count": self.count, "message": self.message}
+                "a_ref": self.a_ref, "b_ref": self.b_ref, "row": self.row, "a": self.a, "b": self.b,
+                "count": self.count, "message": self.message}
 
 
 @dataclass
@@ -386,7 +396,7 @@ class _Ctx:
             k = self.key(s, i)
             obs, f = int(s.d.file_obs[i]), s.d.file_of(i)
             view = "None" if not s.d["obs.has_dcp"][i] else f"{int(np.diff(s.d['obs.dcp_rows'])[i])} DCP rows"
-            msg = (f"obs {obs} of {side} (num_reqs {int(s.d['obs.num_reqs'][i])}, "
+            msg = (f"obs {s.d.ref(i)} of {side} (num_reqs {int(s.d['obs.num_reqs'][i])}, "
                    f"{view}); {other} has no such observation")
             return Difference(key=k, field="only-in-a" if src == 0 else "only-in-b",
                               a_obs=obs if src == 0 else None, b_obs=obs if src == 1 else None,
@@ -416,8 +426,8 @@ class _Ctx:
             return Difference(**base, row=None, a=va, b=vb, count=1, text=msg)
         if name == "parent":
             pa, pb = int(da["obs.parent"][i]), int(db["obs.parent"][j])
-            wa = "none" if pa < 0 else f"obs {int(da.file_obs[pa])} ({self.key(self.a, pa)})"
-            wb = "none" if pb < 0 else f"obs {int(db.file_obs[pb])} ({self.key(self.b, pb)})"
+            wa = "none" if pa < 0 else f"obs {da.ref(pa)} ({self.key(self.a, pa)})"
+            wb = "none" if pb < 0 else f"obs {db.ref(pb)} ({self.key(self.b, pb)})"
             return Difference(**base, row=None, a=None if pa < 0 else int(da.file_obs[pa]),
                               b=None if pb < 0 else int(db.file_obs[pb]), count=1,
                               text=f"derived from {wa} in A, from {wb} in B")
@@ -429,7 +439,7 @@ class _Ctx:
                     return "is unknown"
                 if f == me:
                     return "is first used here"
-                return f"was first used by obs {int(d.file_obs[f])} ({self.key(side, f)})"
+                return f"was first used by obs {d.ref(f)} ({self.key(side, f)})"
 
             return Difference(**base, row=None, a=int(da.file_obs[fa]) if fa >= 0 else None,
                               b=int(db.file_obs[fb]) if fb >= 0 else None, count=1,

@@ -18,7 +18,7 @@ import numpy as np
 
 from dcptool.check.findings import RELATIONS, Finding, FindingTable
 from dcptool.dcp.rules import RULES
-from dcptool.dump import COLUMNS, RAGGED, Dump, DumpConfig
+from dcptool.dump import COLUMNS, RAGGED, Dump, DumpConfig, match_file, obs_ref, parse_ref
 from dcptool.errors import DcptoolError
 
 
@@ -45,29 +45,39 @@ class Target:
         return bool(((findings.rule == self.rule) & (findings.site == self.site) & (findings.relation == rel)).any())
 
 
-def parse_finding(spec: str) -> tuple[str, str | None, int | None]:
-    """`RULE[/RELATION][@OBS]` -> (rule, relation, obs)."""
-    head, at, num = spec.partition("@")
+def parse_finding(spec: str) -> tuple[str, str | None, tuple[str | None, int] | None]:
+    """`RULE[/RELATION][@FILE:I]` (`@I` for one file) -> (rule, relation, (FILE or None, I) or None)."""
+    head, at, ref = spec.partition("@")
     rule, _, relation = head.partition("/")
     if rule not in RULES:
-        raise ReduceError(f"--finding {spec!r}: unknown rule {rule!r} (one of {', '.join(RULES)})")
+        raise ReduceError(f"--finding: {spec!r}: unknown rule {rule!r} (one of {', '.join(RULES)})")
     obs = None
     if at:
         try:
-            obs = int(num)
+            obs = parse_ref(ref)
         except ValueError:
-            raise ReduceError(f"--finding {spec!r}: expected RULE@OBS with OBS an observation index") from None
+            raise ReduceError(f"--finding: {spec!r}: expected RULE@FILE:I, an observation as the reports name it "
+                              "(RULE@I for one file)") from None
     return rule, relation or None, obs
 
 
 def find_target(path: str, findings: FindingTable, spec: str, d: Dump) -> Target:
-    """The finding `spec` names in a replay of dump `d` (its first file's observation OBS), as a Target."""
+    """The finding `spec` names in a replay of dump `d` (at observation FILE:I, when it names one), as a Target."""
     rule, relation, obs = parse_finding(spec)
+    file = None
+    if obs is not None:
+        if obs[0] is None and len(d.files) > 1:
+            raise ReduceError(f"--finding: {spec!r}: {len(d.files)} files are read; name the observation as "
+                              f"FILE:I (e.g. {rule}@{obs_ref(d.files[0], obs[1])})")
+        k = 0 if obs[0] is None else match_file(d.files, obs[0])
+        if k is None:
+            raise ReduceError(f"--finding: {spec!r}: {obs[0]} is not one of the dumps read")
+        file = d.files[k]
     hits = [f for f in findings if f.rule == rule
             and (relation is None or (f.source is not None and f.source.relation == relation))
-            and (obs is None or (f.obs == obs and f.file == d.files[0]))]
+            and (obs is None or (f.obs == obs[1] and f.file == file))]
     if not hits:
-        where = f" at observation {obs}" if obs is not None else ""
+        where = f" at {obs_ref(file, obs[1])}" if obs is not None else ""
         raise ReduceError(f"{path}: replay finds no {spec.partition('@')[0]} finding{where}")
     f = hits[0]
     return Target(rule=f.rule, relation=f.source.relation if f.source is not None else None, site=f.site, finding=f)

@@ -16,6 +16,7 @@ from dcptool.dump.read import (  # noqa: F401
     Dump,
     read_dump,
 )
+from dcptool.dump.ref import match_file, obs_ref, parse_ref  # noqa: F401
 from dcptool.dump.schema import (  # noqa: F401
     COLUMNS,
     FORMAT_VERSION,
@@ -43,6 +44,7 @@ from dcptool.dump.write import (  # noqa: F401
     check_config,
     columns,
     encode,
+    encode_header,
     pack,
     slot_entries,
     write_dump,

@@ -9,6 +9,7 @@ import numpy as np
 
 from dcptool.dump import files
 from dcptool.dump.lazy import MergedRows
+from dcptool.dump.ref import obs_ref
 from dcptool.dump.schema import (
     _DTYPES,
     _GROUPS,
@@ -114,6 +115,10 @@ class Dump:
 
     def file_of(self, i: int) -> str:
         return self.files[int(self.file_index[i])]
+
+    def ref(self, i: int) -> str:
+        """Observation i as the reports name it, `FILE:I` (dump.obs_ref)."""
+        return obs_ref(self.file_of(i), int(self.file_obs[i]))
 
     def index_of(self, file: int, k: int) -> int | None:
         """The merged position of observation `k` of file number `file`, or None when it has none."""

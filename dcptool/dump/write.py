@@ -179,25 +179,35 @@ def pack(observations: list[Observation], config: DumpConfig) -> tuple[DumpConfi
 def encode(config: DumpConfig, columns: dict[str, np.ndarray], injected: dict | None = None,
            extra_metadata: dict[str, str] | None = None) -> tuple[bytes, list[tuple[str, np.ndarray]]]:
     """The safetensors header and the tensors to follow it, in a fixed (sorted) order."""
-    meta = {"dcptool.format": FORMAT_VERSION, "dcptool.config": json.dumps(config.to_json(), sort_keys=True)}
-    if injected is not None:
-        meta["dcptool.injected"] = json.dumps({k: sorted(v) for k, v in sorted(injected.items())})
-    meta.update(extra_metadata or {})
-    header: dict = {"__metadata__": meta}
     tensors = []
-    off = 0
     for key in sorted(columns):
         want = COLUMNS[key][0] if key in COLUMNS else None
         arr = np.ascontiguousarray(columns[key])
         if want is not None:
             arr = arr.astype(_DTYPES[want], copy=False)
-        header[key] = {"dtype": _DTYPE_NAMES[arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype],
-                       "shape": [int(arr.shape[0])], "data_offsets": [off, off + arr.nbytes]}
-        off += arr.nbytes
         tensors.append((key, arr))
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    return encode_header({k: (a.dtype, int(a.shape[0])) for k, a in tensors}, config, injected, extra_metadata), tensors
+
+
+def encode_header(shapes: dict[str, tuple[np.dtype, int]], config: DumpConfig, injected: dict | None = None,
+           extra_metadata: dict[str, str] | None = None) -> bytes:
+    """The safetensors header of a dump whose columns have these (dtype, length), laid out in sorted key order
+    (what encode writes; a writer that streams its columns writes it first)."""
+    meta = {"dcptool.format": FORMAT_VERSION, "dcptool.config": json.dumps(config.to_json(), sort_keys=True)}
+    if injected is not None:
+        meta["dcptool.injected"] = json.dumps({k: sorted(v) for k, v in sorted(injected.items())})
+    meta.update(extra_metadata or {})
+    head: dict = {"__metadata__": meta}
+    off = 0
+    for key in sorted(shapes):
+        dtype, n = np.dtype(shapes[key][0]), shapes[key][1]
+        nbytes = n * dtype.itemsize
+        head[key] = {"dtype": _DTYPE_NAMES[dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype],
+                     "shape": [n], "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    raw = json.dumps(head, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes with spaces
-    return struct.pack("<Q", len(raw)) + raw, tensors
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def _link_no_clobber(tmp: str, p: Path) -> None:

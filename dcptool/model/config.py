@@ -114,30 +114,31 @@ class SimConfig:
                 raise SimError(msg)
 
         for name in ("dcp", "interleave", "pcp", "ubatches", "page_size", "max_num_reqs", "token_budget"):
-            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        need(self.steps >= 0, f"--steps must be >= 0, got {self.steps}")
-        need(self.spec_tokens >= 0, f"--spec-tokens must be >= 0, got {self.spec_tokens}")
-        need(self.dummy_every >= 0, f"--dummy-every must be >= 0 (0: only the start-up profile run), got "
+            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+        need(self.steps >= 0, f"--steps: must be >= 0, got {self.steps}")
+        need(self.seed >= 0, f"--seed: must be >= 0, got {self.seed}")
+        need(self.spec_tokens >= 0, f"--spec-tokens: must be >= 0, got {self.spec_tokens}")
+        need(self.dummy_every >= 0, f"--dummy-every: must be >= 0 (0: only the start-up profile run), got "
                                     f"{self.dummy_every}")
-        need(self.pipeline in PIPELINES, f"--pipeline {self.pipeline!r}: choose {spoken(Pipeline)}")
-        need(self.cudagraph in CUDAGRAPH_CHOICES, f"--cudagraph {self.cudagraph!r}: choose {spoken(CudaGraph)}")
-        need(self.spec_method in SPEC_METHODS, f"--spec-method {self.spec_method!r}: choose {spoken(SpecMethod)}")
+        need(self.pipeline in PIPELINES, f"--pipeline: {self.pipeline!r}: choose {spoken(Pipeline)}")
+        need(self.cudagraph in CUDAGRAPH_CHOICES, f"--cudagraph: {self.cudagraph!r}: choose {spoken(CudaGraph)}")
+        need(self.spec_method in SPEC_METHODS, f"--spec-method: {self.spec_method!r}: choose {spoken(SpecMethod)}")
         unknown = [f for f in self.inject if f not in FAULTS]
         need(not unknown, f"--inject: unknown fault {', '.join(unknown)} (known: "
                           f"{', '.join(f'{f} [{FAULT_WHERE[f]}]' for f in FAULTS)})")
         need(not self.engine_version or parse_engine_version(self.engine_version) is not None,
-             f"--engine-version {self.engine_version!r}: expected a vLLM version such as 0.34.0")
+             f"--engine-version: {self.engine_version!r}: expected a vLLM version such as 0.34.0")
         need(not (self.inject and self.pipeline == "legacy"),
-             "--inject picks faults on top of the fixed pipeline; --pipeline legacy already injects all of them")
+             "--inject: picks faults on top of the fixed pipeline; --pipeline legacy already injects all of them")
         # vLLM: the KV block size must be a multiple of cp_kv_cache_interleave_size.
         need(self.page_size % self.interleave == 0,
-             f"--page-size {self.page_size} must be a multiple of --interleave {self.interleave} (as vLLM's block "
+             f"--page-size: {self.page_size} must be a multiple of --interleave {self.interleave} (as vLLM's block "
              "size must be)")
-        need(self.dcp * self.interleave <= self.max_model_len, "--dcp x --interleave exceeds the model length")
-        need(self.token_budget >= self.decode_query_len, "--token-budget must fit one decode with its drafts")
+        need(self.dcp * self.interleave <= self.max_model_len, "--dcp: --dcp x --interleave exceeds the model length")
+        need(self.token_budget >= self.decode_query_len, "--token-budget: must fit one decode with its drafts")
         # vLLM's PCPManager.validate_config: PCP speculates with (single-module) MTP only.
         need(not (self.pcp > 1 and self.spec_tokens > 0 and self.spec_method == "dflash"),
-             "--spec-method dflash with --pcp > 1: vLLM's PCP supports only MTP speculative decoding")
+             "--spec-method: dflash with --pcp > 1: vLLM's PCP supports only MTP speculative decoding")
 
     def command(self) -> str:
         """The `dcptool simulate` command line that reproduces this configuration."""

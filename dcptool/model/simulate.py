@@ -1,17 +1,21 @@
 """simulate: a seeded serving workload through a model of vLLM's runner (runner.py), recorded with or without
 pre-fix faults; compare runs both pipelines side by side with what replay finds in each.
 
-The configuration and the fault table are in config.py, the workload in workload.py, the recording sink in sink.py."""
+The configuration and the fault table are in config.py, the workload in workload.py, the recording sink in sink.py,
+the streaming of a long run to its files in spool.py."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from dcptool.dump import WriteError
+from dcptool.dump import OutputExistsError, atomic_write, write_target
 from dcptool.model.config import (  # noqa: F401 - SimConfig, SimError, FAULTS, FAULT_WHERE, applicability are simulate's API
     FAULT_WHERE,
     FAULTS,
@@ -22,7 +26,8 @@ from dcptool.model.config import (  # noqa: F401 - SimConfig, SimError, FAULTS, 
 )
 from dcptool.model.graphs import capture_sizes  # noqa: F401 - simulate's API
 from dcptool.model.runner import Runner
-from dcptool.model.sink import Sink
+from dcptool.model.sink import Sink, output_paths  # noqa: F401 - output_paths is simulate's API
+from dcptool.model.spool import Parts
 from dcptool.model.workload import Workload
 
 
@@ -71,64 +76,147 @@ class SimResult:
                 "faults": [f.to_json() for f in self.faults.values()], "seconds": round(self.seconds, 4)}
 
 
+NOTICE_BYTES = 2 << 30  # a run expected to write more than this says so (stderr) before it does
+
+
+def progress_units(cfg: SimConfig) -> int:
+    """The units simulate(progress=) counts: one a step, then the writing of the files (an eighth of the steps)."""
+    return cfg.steps + _write_units(cfg)
+
+
+def _write_units(cfg: SimConfig) -> int:
+    return max(1, cfg.steps // 8)
+
+
 def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: bool = False,
-             progress=None) -> SimResult:
-    """Run the workload through the runner model and write the dump(s) atomically; `progress(k)` is
-    told as k more steps are done."""
+             progress: Callable[[int], None] | None = None, notice: Callable[[str], None] | None = None) -> SimResult:
+    """Run the workload through the runner model and write the dump(s) atomically, streamed (spool.py: memory holds a
+    part of the run, not all of it). `progress(k)`: k more of progress_units(cfg) done; `notice(line)`: the expected
+    size, once, before a run writes more than NOTICE_BYTES. Refuses (OutputExistsError) an existing output without
+    `force`, before any work."""
     cfg.validate()
     t0 = time.perf_counter()
     out = Path(out)
-    sink = Sink(cfg, out, per_rank, force)
+    paths = output_paths(cfg, out, per_rank)
+    for p in paths:  # before hours of work: only regular files are replaced (no /dev/null, FIFO...)
+        write_target(p)
+    clash = [p for p in paths if os.path.lexists(p)]
+    if clash and not force:
+        raise OutputExistsError(f"{clash[0]}: exists (use --force to overwrite)")
+    parts = Parts(paths)
+    sink = None
+    written: list[Path] = []
     try:
-        return _run(cfg, sink, t0, progress)
-    except BaseException as e:
+        sink = Sink(cfg, parts.next(), per_rank)
+        return _run(cfg, sink, parts, paths, Run(force, progress, notice, written, t0))
+    except BaseException:
         # Interrupted (Ctrl-C) or failed: a dump whose note says `--steps 5000` must not hold 2,407 of them.
-        # Nothing reaches the final paths (the Recorders write nothing at exit either); files this run
-        # already completed (--per-rank) go too, so no partial set is left.
-        for rec in sink.recorders:
-            for f in rec.files:
-                Path(f).unlink(missing_ok=True)
+        # Nothing reaches the final paths but whole dumps (atomic writes), and those this run already wrote
+        # (--per-rank) go too, so no partial set is left.
+        for f in written:
+            f.unlink(missing_ok=True)
+        for rec in [] if sink is None else sink.recorders:
             rec.discard()
-        if isinstance(e, WriteError):  # one line: the file and the problem, not the Recorder's retry advice
-            failed = next((r for r in sink.recorders if r.last_error), None)
-            raise WriteError(failed.last_error if failed is not None else str(e)) from None
         raise
+    finally:
+        parts.close()
 
 
-def _run(cfg: SimConfig, sink: Sink, t0: float, progress) -> SimResult:
+@dataclass
+class Run:
+    """What a run reports to and writes with, passed down whole."""
+
+    force: bool
+    progress: Callable[[int], None] | None
+    notice: Callable[[str], None] | None
+    written: list[Path]  # the dumps written so far (removed again if the run fails)
+    t0: float
+    noticed: bool = False
+    last: tuple[int, int] | None = None  # (step, bytes) when the last part was written
+
+
+def _run(cfg: SimConfig, sink: Sink, parts: Parts, paths: list[Path], run: Run) -> SimResult:
     rng = np.random.default_rng(cfg.seed)
     runner = Runner(cfg, sink)
     work = Workload(cfg, rng)
     runner.startup()
     dummies = 0
+    touched: list[dict[str, list[np.ndarray]]] = [{} for _ in paths]  # per file: fault -> indices, a part at a time
     for step in range(1, cfg.steps + 1):
-        if progress:
-            progress(1)
+        if run.progress:
+            run.progress(1)
         if cfg.dummy_every and step % cfg.dummy_every == 0:
             runner.dummy_run(step, dummies, rng)
             dummies += 1
         b = work.schedule()
-        if b.num_reqs == 0:
-            continue
-        desc = runner.real_step(step, b)
-        after = work.advance(b)
-        if cfg.spec_tokens > 1:
-            runner.drafts(step, desc, after)
+        if b.num_reqs > 0:
+            desc = runner.real_step(step, b)
+            after = work.advance(b)
+            if cfg.spec_tokens > 1:
+                runner.drafts(step, desc, after)
+        if step < cfg.steps and max(len(r) for r in sink.recorders) >= parts.part_obs:  # a step boundary
+            _part(sink, parts, touched, parts.next())
+            _expect(cfg, parts, step, paths, run)
+    _part(sink, parts, touched, None)
     why = applicability(cfg)
-    files = [str(p) for p in sink.paths]
+    files = [str(p) for p in paths]
     reports = {f: FaultReport(f, FAULTS[f][0], FAULTS[f][1], why[f] is None, why[f], where=FAULT_WHERE[f])
                for f in cfg.faults}
-    for i, rec in enumerate(sink.recorders):
-        got = sink.touched[i]
+    for i, got in enumerate(touched):
         for f, rep in reports.items():
-            shape = sorted(got.get(f + ":shape", []))
-            rep.touched[files[i]] = sorted(got.get(f, []) + shape)
-            rep.shape_only[files[i]] = shape
-        rec.injected = {f: rep.touched[files[i]] for f, rep in reports.items() if rep.applicable}
-    for rec in sink.recorders:
-        rec.close()
+            shape = np.concatenate(got.get(f + ":shape", [np.zeros(0, np.int64)]))
+            rep.touched[files[i]] = np.sort(np.concatenate([*got.get(f, []), shape])).tolist()
+            rep.shape_only[files[i]] = np.sort(shape).tolist()
+    units, left = _write_units(cfg), [0]
+    total = max(1, parts.bytes)
+
+    def done(nbytes: int) -> None:  # the write's share of progress_units, as its bytes are copied
+        left[0] += nbytes * units
+        if run.progress and left[0] >= total:
+            run.progress(left[0] // total)
+            left[0] %= total
+
+    for i, (path, col) in enumerate(zip(paths, parts.columns)):
+        injected = {f: rep.touched[files[i]] for f, rep in reports.items() if rep.applicable}
+        atomic_write(path, col.chunks(injected, path, done), force=run.force)
+        run.written.append(path)
     by_site = {s: sink.by_site[s] for s in SITES if s in sink.by_site}
-    return SimResult(cfg, files, sum(by_site.values()), by_site, reports, time.perf_counter() - t0)
+    return SimResult(cfg, files, sum(by_site.values()), by_site, reports, time.perf_counter() - run.t0)
+
+
+def _part(sink: Sink, parts: Parts, touched: list[dict[str, list[np.ndarray]]], after: list[Path] | None) -> None:
+    """The part recorded so far handed over to be written and appended to the dumps' columns (spool.Parts); recording
+    goes on at `after`'s paths, or (None: the last part) waits until it is appended."""
+    before = parts.hand_over(sink.recorders)
+    for i, got in enumerate(sink.touched):  # part indices -> indices in the whole file
+        for f, idx in got.items():
+            touched[i].setdefault(f, []).append(np.asarray(idx, np.int64) + before[i])
+    if after is not None:
+        sink.reopen(after)
+    else:
+        parts.wait()
+
+
+def _expect(cfg: SimConfig, parts: Parts, step: int, paths: list[Path], run: Run) -> None:
+    """Say, once, what the run will write when that is more than NOTICE_BYTES (and how much room there is): what it
+    wrote, and the steps left at the bytes a step took in the last part (the first holds the start-up's captures,
+    which do not recur; the batches grow as requests arrive, so the latest rate is the closest)."""
+    last, run.last = run.last, (step, parts.bytes)
+    if run.notice is None or run.noticed or last is None:
+        return
+    expect = parts.bytes + (parts.bytes - last[1]) / (step - last[0]) * (cfg.steps - step)
+    if expect < NOTICE_BYTES:
+        return
+    run.noticed = True
+    where = paths[0].parent if str(paths[0].parent) else Path(".")
+    free = shutil.disk_usage(where).free
+    room = f"; {where} has {_size(free)} free" + (": not enough" if free < 2 * expect else "")
+    run.notice(f"{cfg.steps:,} steps will write about {_size(expect)} to {', '.join(map(str, paths))} (twice that "
+               f"while it is written){room}")
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from html import escape
 import numpy as np
 
 from dcptool import __version__
+from dcptool.dump.ref import obs_ref
+from dcptool.report.differences import side_name
 from dcptool.report.text import rank_window
 from dcptool.report.timeline import Timeline, cells, timeline
 
@@ -89,11 +91,7 @@ def render_html(res, max_findings: int | None = None) -> str:
     findings table, row views."""
     shown = res.findings[: HTML_MAX_FINDINGS if max_findings is None else max_findings]
     pos = _positions(res.findings)
-    title = "dcptool replay: " + ", ".join(res.files)
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             '<meta name="viewport" content="width=device-width, initial-scale=1">',
-             f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
-             "<h1>dcptool replay</h1>", f'<p class="files mono">{_e(", ".join(res.files))}</p>']
+    parts = _head("dcptool replay", ", ".join(res.files))
     parts += _problems(res, len(shown))
     parts += _summary(res, len(shown))
     tl = timeline(res, HTML_COLUMNS)
@@ -178,7 +176,7 @@ def _summary(res, shown: int) -> list[str]:
                        + "</tr>")
         out.append("</tbody></table>")
         f = res.findings[0]
-        out.append(f"<p>First finding: {_finding_ref(0, f'{_e(f.file)} obs {f.obs}', shown)} {_code(f.rule)}"
+        out.append(f"<p>First finding: {_finding_ref(0, _e(f.ref), shown)} {_code(f.rule)}"
                    f"{_e(f.message)}</p>")
     if res.skipped:
         out.append('<p class="note">Skipped checks: '
@@ -251,7 +249,7 @@ def _tooltip(res, tl: Timeline, r: int, c: int, rules) -> str:
         lines.append("findings: " + ", ".join(f"{rules[i]} {int(n)}" for i, n in enumerate(counts) if n)
                      + f" ({by_ub(tl.ub_find[r, c])})")
         f = res.findings[int(tl.first[r, c])]
-        lines.append(f"first: obs {f.obs} ({f.file}) {f.message}")
+        lines.append(f"first: {f.ref} {f.message}")
     else:
         lines.append("clean")
     return "\n".join(lines)
@@ -267,8 +265,7 @@ def _legend(tl: Timeline) -> str:
 
 
 def _table(res, shown) -> list[str]:
-    multi = len(res.files) > 1
-    cols = [("#", ""), ("obs", ""), *([("file", "l")] if multi else []), ("step", ""), ("site", "l"), ("rank", ""),
+    cols = [("#", ""), ("obs", "l"), ("step", ""), ("site", "l"), ("rank", ""),
             ("ub", ""), ("rule", "l"), ("row", ""), ("recorded", ""), ("expected", ""), ("wrong", ""),
             ("source", "l"), ("message", "l msg")]
     out = [f'<section id="findings"><h2>Findings ({len(res.findings):,})</h2>']
@@ -293,8 +290,8 @@ def _table(res, shown) -> list[str]:
         src = ""
         if f.source is not None:
             s = f.source
-            src = f'<a href="#obs{s.index}" title="step {s.step} {_e(s.site)}">obs {s.obs}</a> {_e(s.relation)}'
-        obs = f'<a href="#obs{f.index}">{f.obs}</a>' if f.index in res.views else str(f.obs)
+            src = f'<a href="#obs{s.index}" title="step {s.step} {_e(s.site)}">{_e(s.ref)}</a> {_e(s.relation)}'
+        obs = f'<a href="#obs{f.index}">{_e(f.ref)}</a>' if f.index in res.views else _e(f.ref)
         sev = "err" if f.severity == "error" else "warn"
 
         def num(v) -> str:
@@ -302,9 +299,8 @@ def _table(res, shown) -> list[str]:
 
         # the message without its "step .. site rank ..:" prefix, which the row's own columns already say
         out.append(f'<tr id="f{k}" data-rule="{_e(f.rule)}" data-site="{_e(f.site)}" data-rank="{f.rank}" '
-                   f'data-step="{f.step}"><td>{k}</td><td data-k="{f.index}">{obs}</td>'
-                   + (f'<td class="l">{_e(f.file)}</td>' if multi else "")
-                   + f'<td>{f.step}</td><td class="l">{_e(f.site)}</td><td>{f.rank}</td>'
+                   f'data-step="{f.step}"><td>{k}</td><td class="l" data-k="{f.index}">{obs}</td>'
+                   f'<td>{f.step}</td><td class="l">{_e(f.site)}</td><td>{f.rank}</td>'
                    f'<td data-k="{f.ubatch}">{"-" if f.ubatch < 0 else f.ubatch}</td>'
                    f'<td class="l rule {sev}">{_e(f.rule)}{"/" + _e(f.source.relation) if f.source else ""}</td>'
                    + num(f.row) + num(f.recorded) + num(f.expected) + f"<td>{f.wrong_rows}</td>"
@@ -337,7 +333,7 @@ def _views(res, pos: dict, shown: int) -> list[str]:
 
 def _view(v, pos: dict, cited: list[int], res, shown: int) -> list[str]:
     ub = f" ubatch {v.ubatch}" if v.ubatch >= 0 else ""
-    out = [f'<div class="view" id="obs{v.index}"><h3>obs {v.obs} <span class="note">{_e(v.file)}</span>: step '
+    out = [f'<div class="view" id="obs{v.index}"><h3>{_e(obs_ref(v.file, v.obs))}: step '
            f"{v.step} {_e(v.site)} rank {v.rank}{ub}, num_reqs {v.num_reqs}, num_reqs_padded {v.num_reqs_padded}</h3>"]
     if v.findings or cited:
         out.append("<ul>")
@@ -346,11 +342,11 @@ def _view(v, pos: dict, cited: list[int], res, shown: int) -> list[str]:
             src = ""
             if f.source is not None:
                 s = f.source
-                src = (f' &mdash; source: <a href="#obs{s.index}">obs {s.obs}</a> ({_e(s.relation)}, step {s.step} '
+                src = (f' &mdash; source: <a href="#obs{s.index}">{_e(s.ref)}</a> ({_e(s.relation)}, step {s.step} '
                        f"{_e(s.site)})" + ("" if s.index in res.views else " (row view not shown)"))
             out.append(f"<li>{_code(f.rule)}{ref}: {_e(f.message)}{src}</li>")
         if cited:
-            links = ", ".join(_finding_ref(k, f"obs {res.findings[k].obs} ({_e(res.findings[k].site)})", shown)
+            links = ", ".join(_finding_ref(k, f"{_e(res.findings[k].ref)} ({_e(res.findings[k].site)})", shown)
                               for k in cited[:20])
             more = f" and {len(cited) - 20} more" if len(cited) > 20 else ""
             out.append(f"<li>source of the stale finding(s) at {links}{more}</li>")
@@ -380,4 +376,69 @@ def _view(v, pos: dict, cited: list[int], res, shown: int) -> list[str]:
                    + f"<td>{v.expected[j] if j < len(v.expected) else ''}</td><td>{rec}</td>"
                    f'<td class="l">{_e(v.verdict[j])}</td></tr>')
     out.append("</tbody></table></div>")
+    return out
+
+
+def _head(command: str, files: str) -> list[str]:
+    """The page's head and heading: the command and the files it read."""
+    return ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+            '<meta name="viewport" content="width=device-width, initial-scale=1">',
+            f"<title>{_e(command + ': ' + files)}</title><style>{_CSS}</style></head><body>",
+            f"<h1>{_e(command)}</h1>", f'<p class="files mono">{_e(files)}</p>']
+
+
+# --------------------------------------------------------------------------------------------
+# diff
+
+
+def render_diff_html(res, max_findings: int | None = None) -> str:
+    """`diff --html`: one self-contained page: both runs, the summary, the first divergence, the differences table
+    (each observation as FILE:I, as `replay --obs` takes it)."""
+    shown = res.differences[: HTML_MAX_FINDINGS if max_findings is None else max_findings]
+    a, b = side_name(res.a_files), side_name(res.b_files)
+    parts = _head("dcptool diff", f"A = {', '.join(res.a_files)}; B = {', '.join(res.b_files)}")
+    kv = [("A", f"{a} ({res.a_observations:,} observations)"), ("B", f"{b} ({res.b_observations:,} observations)"),
+          ("aligned", f"{res.compared:,}"), ("only in A", f"{res.only_in_a:,}"), ("only in B", f"{res.only_in_b:,}"),
+          ("time", f"{res.seconds:.2f} s"), ("dcptool", __version__)]
+    parts.append('<section id="summary"><h2>Summary</h2><dl class="kv">')
+    parts += [f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in kv]
+    parts.append("</dl>")
+    if res.first is None:
+        parts.append(f'<p class="verdict ok">Same: A and B record the same {res.compared:,} observations.</p>')
+    else:
+        f = res.first
+        parts.append(f'<p class="verdict err">{res.total:,} differences</p><p>'
+                     + "".join(f'<span class="chip">{_e(k)} {n:,}</span>' for k, n in res.by_field.items()) + "</p>")
+        parts.append(f"<p>First divergence at {_e(f.where)}: <b>{_e(f.field)}</b>: {_e(f.text)}"
+                     + "".join(f" &mdash; {side}: <code>{_e(r)}</code>" for side, r in (("A", f.a_ref), ("B", f.b_ref))
+                               if r is not None) + "</p>")
+    if res.skipped:
+        parts.append('<p class="note">Not compared: '
+                     + "; ".join(f"{_e(k)} ({_e(v)})" for k, v in res.skipped.items()) + "</p>")
+    parts.append("</section>")
+    parts += _differences(res, shown)
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def _differences(res, shown) -> list[str]:
+    out = [f'<section id="differences"><h2>Differences ({res.total:,})</h2>']
+    if len(shown) < res.total:
+        out.append(f'<p class="note">The first {len(shown):,} of {res.total:,} differences (--max-findings, default '
+                   f"{HTML_MAX_FINDINGS:,} here); diff --json lists every one.</p>")
+    if not shown:
+        out.append('<p class="note">None.</p></section>')
+        return out
+    cols = ("#", "step", "site", "rank", "ub", "occurrence", "field", "row", "A", "B", "obs in A", "obs in B",
+            "message")
+    out.append('<table id="dtable"><thead><tr>' + "".join(f"<th>{n}</th>" for n in cols) + "</tr></thead><tbody>")
+    for k, x in enumerate(shown):
+        key = x.key
+        where = ["", "", "", "", ""] if key is None else [key.step, _e(key.site), key.rank,
+                                                          "-" if key.ubatch < 0 else key.ubatch, key.occurrence]
+        cells = [k, *where, _e(x.field), *("" if v is None else v for v in (x.row, x.a, x.b)),
+                 _e(x.a_ref or "-"), _e(x.b_ref or "-")]
+        out.append(f'<tr id="d{k}">' + "".join(f"<td>{c}</td>" for c in cells)
+                   + f'<td class="l">{_e(x.text)}</td></tr>')
+    out.append("</tbody></table></section>")
     return out

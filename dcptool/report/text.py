@@ -1,10 +1,10 @@
 """Rendering: rich text reports and JSON Lines; the only module that prints (over 450 lines: the text and JSON
-renderers of all four commands, which share its literal-text and no-hard-wrap helpers)."""
+renderers of replay, inspect, simulate and reduce, which share its literal-text and no-hard-wrap helpers with diff's,
+report.differences)."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterator
 
@@ -16,6 +16,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from dcptool.dump.ref import obs_ref
 from dcptool.report.timeline import CLEAN, TIMELINE_ROWS, Timeline, cells, timeline
 
 TEXT_MAX_FINDINGS = 100  # text default; JSON lists every finding unless --max-findings says otherwise
@@ -24,7 +25,7 @@ BY_SITE_ROWS = 50  # rows of the text summary's by-site table (docs/limits.md)
 CELL_STYLE = {"clean": "green", "warning": "black on yellow", "error": "bold white on red"}
 
 
-def _style(severity: str) -> str:
+def severity_style(severity: str) -> str:
     return "bold red" if severity == "error" else "yellow"
 
 
@@ -142,31 +143,41 @@ def say(console: Console, *parts, style: str = "") -> None:
     console.print(Text.assemble(*parts, style=style), soft_wrap=True)
 
 
-def findings_table(findings, title: str | None = None, width: int = 200) -> Table:
-    """One line per finding; below 120 columns the row values fold into the message so it stays readable."""
-    wide = width >= 120
+def findings_table(findings, title: str | None = None) -> Table:
+    """One line per finding: where (FILE:I, as --obs takes it), the rule, the row's values, the message."""
     t = Table(title=title, box=box.SIMPLE_HEAD, expand=False, title_justify="left", pad_edge=False)
-    t.add_column("obs", justify="right", no_wrap=True)
+    t.add_column("obs", no_wrap=True)
     t.add_column("step", justify="right", no_wrap=True)
     t.add_column("where", overflow="fold")
     t.add_column("rule", no_wrap=True)
-    if wide:
-        for name in ("row", "rec", "exp"):
-            t.add_column(name, justify="right", no_wrap=True)
+    for name in ("row", "rec", "exp"):
+        t.add_column(name, justify="right", no_wrap=True)
     t.add_column("message", ratio=1, min_width=20, overflow="fold")
     for f in findings:
         where = lit(f"{f.site} r{f.rank}" + ("" if f.ubatch < 0 else f" ub{f.ubatch}"))
-        rule = f.rule + (f"/{f.source.relation}" if f.source is not None and wide else "")
-        msg = f.text  # the row already says where
-        cells = [str(f.obs), str(f.step), where, Text(rule, style=_style(f.severity))]
-        if wide:
-            cells += ["" if v is None else str(v) for v in (f.row, f.recorded, f.expected)]
-        t.add_row(*cells, lit(msg))
+        rule = f.rule + (f"/{f.source.relation}" if f.source is not None else "")
+        cells = [lit(f.ref), str(f.step), where, Text(rule, style=severity_style(f.severity))]
+        cells += ["" if v is None else str(v) for v in (f.row, f.recorded, f.expected)]
+        t.add_row(*cells, lit(f.text))  # (the row already says where)
     return t
 
 
+def show_findings(console: Console, findings, total: int) -> None:
+    """The findings given (of `total`): a table where the layout is 120 columns or more (a pipe's is), else one line
+    each, `FILE:I RULE WHERE: MESSAGE`, which a terminal soft-wraps (a table's folded cells would not stay readable)."""
+    if not findings:
+        return
+    if layout_width(console) >= 120:
+        show_table(console, findings_table(findings, title=f"Findings ({total})"))
+        return
+    say(console, (f"Findings ({total})", "bold"))
+    for f in findings:
+        say(console, literal(f"{f.ref} "), (f.rule, severity_style(f.severity)), literal(f" {f.message}"))
+
+
 def render_replay(res, console: Console, max_findings: int | None = None) -> None:
-    """Findings table, split and row views when asked, summary by rule and site, the first finding last."""
+    """The whole report (a pipe, a file, --full): problems, split and row views when asked, the timeline, the findings
+    table, the summary by rule and site, the first finding last. (One screen of it: report.screen.)"""
     limit = TEXT_MAX_FINDINGS if max_findings is None else max_findings
     render_problems(getattr(res, "problems", []), console)
     if res.splits:
@@ -176,8 +187,7 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
     render_timeline(res, console)
     shown = res.findings[:limit]
     if shown:
-        show_table(console, findings_table(shown, title=f"Findings ({len(res.findings)})",
-                                           width=layout_width(console)))
+        show_findings(console, shown, len(res.findings))
         if len(res.findings) > len(shown):
             say(console, f"... {len(res.findings) - len(shown)} more findings not shown (--max-findings, --json)")
     files = literal(", ".join(res.files))
@@ -211,7 +221,7 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         # finding's message is on exactly one line: `grep -c` counts findings)
         f = res.findings[0]
         where = f.where
-        say(console, ("first finding: ", "bold"), literal(f"{f.file} obs {f.obs} "), (f.rule, _style(f.severity)),
+        say(console, ("first finding: ", "bold"), literal(f"{f.ref} "), (f.rule, severity_style(f.severity)),
             literal(f" {f.message}" if not shown else f" {where} (the first row of the findings above)"))
 
 
@@ -225,26 +235,28 @@ def _axis(tl: Timeline) -> str:
     return "".join(out)
 
 
-def render_timeline(res, console: Console) -> None:
-    """Timeline strip: rows (site, rank), columns step buckets sized to the console, worst finding per cell."""
+def render_timeline(res, console: Console, max_rows: int = TIMELINE_ROWS, by_site: bool = False) -> None:
+    """Timeline strip: rows (site, rank), or with `by_site` one per site (ranks folded in), at most `max_rows` of
+    them; columns step buckets sized to the console, worst finding per cell."""
     from dcptool.dcp.rules import RULE_CODES, RULES, SEVERITY
 
     g = res.grid
     if g is None or g.count.size == 0:
         return
     site_w = min(max(cell_len(literal(res.config.sites[int(s)])) for s in np.unique(g.site)), 24)
-    rank_w = 1 + len(str(int(g.rank.max())))
-    label_w = site_w + 1 + rank_w + 1
-    tl = timeline(res, max(layout_width(console) - label_w, 8))
+    rank_w = 0 if by_site else 1 + len(str(int(g.rank.max())))
+    label_w = site_w + 1 + rank_w + (0 if by_site else 1)
+    tl = timeline(res, max(layout_width(console) - label_w, 8), max_rows, by_site)
     per = "1 step" if tl.width == 1 else f"{tl.width} steps"
     _print_items(console, [Text.assemble(("Timeline", "bold"), f" of steps {tl.first_step}..{tl.last_step}"),
-                           Text(f"({per} per column,"), Text("micro-batches folded in)")], " ")
+                           Text(f"({per} per column,"),
+                           Text("ranks and micro-batches folded in)" if by_site else "micro-batches folded in)")], " ")
     console.print(Text("step".ljust(label_w) + _axis(tl), style="dim"), no_wrap=True, overflow="crop")
     chars, kinds = cells(tl)
     for r, (site, rank) in enumerate(zip(tl.sites, tl.ranks)):
         shown = Text(literal(site) if r == 0 or tl.sites[r - 1] != site else "")
         shown.truncate(site_w, overflow="ellipsis", pad=True)
-        line = Text.assemble(shown, " " + f"r{rank}".ljust(rank_w) + " ")
+        line = Text.assemble(shown, " " if by_site else " " + f"r{rank}".ljust(rank_w) + " ")
         c = 0
         while c < tl.columns:  # runs of one kind share a style span
             e = c
@@ -254,8 +266,8 @@ def render_timeline(res, console: Console) -> None:
             c = e
         console.print(line, no_wrap=True, overflow="crop")
     if tl.hidden_rows:
-        console.print(f"... {tl.hidden_rows} more (site, rank) rows not drawn (at most {TIMELINE_ROWS}, rows with "
-                      "findings first)", style="dim")
+        console.print(f"... {tl.hidden_rows} more {'site' if by_site else '(site, rank)'} rows not drawn (at most "
+                      f"{max_rows}, rows with findings first)", style="dim", no_wrap=True, overflow="ellipsis")
     items = [Text.assemble((CLEAN, CELL_STYLE["clean"]), " clean"),
              Text.assemble(("(blank)", "dim"), " no observations")]
     for i in np.unique(tl.worst()):
@@ -284,11 +296,11 @@ def render_splits(splits, console: Console) -> None:
         t.add_column(name, overflow="fold")
     for s in splits:
         sl = s.ub.slice
-        t.add_row(str(s.parent_obs), str(s.ubatch), f"[{sl.req_start}, {sl.req_stop})",
+        t.add_row(lit(obs_ref(s.file, s.parent_obs)), str(s.ubatch), f"[{sl.req_start}, {sl.req_stop})",
                   f"[{sl.tok_start}, {sl.tok_stop})", f"{s.ub.num_reqs}/{s.ub.num_reqs_padded}",
                   _short(s.ub.query_start_loc.tolist()), _short(s.ub.seq_lens.tolist()),
                   _short(s.dcp_local_seq_lens.tolist()))
-    show_table(console, t)
+    show_table(console, t, fold=False)  # (the parent, FILE:I, would fold into a column of letters)
 
 
 def _short(v: list, n: int = 12) -> str:
@@ -305,9 +317,10 @@ def rank_window(rank: int, n_ranks: int, width: int = VIEW_RANKS) -> tuple[int, 
     return lo, min(n_ranks, lo + width)
 
 
-def render_rows_view(v, console: Console) -> None:
+def render_rows_view(v, console: Console, findings: bool = True) -> None:
+    """`--obs`: the observation row by row, then (`findings`) its findings."""
     ub = f" ubatch {v.ubatch}" if v.ubatch >= 0 else ""
-    say(console, literal(f"{v.file} obs {v.obs}: step {v.step} {v.site} rank {v.rank}{ub}, num_reqs {v.num_reqs}, "
+    say(console, literal(f"{obs_ref(v.file, v.obs)}: step {v.step} {v.site} rank {v.rank}{ub}, num_reqs {v.num_reqs}, "
                          f"num_reqs_padded {v.num_reqs_padded}"))  # a line of its own: never wrapped to the table
     t = Table()
     n_ranks = len(v.expected_all_ranks[0]) if v.expected_all_ranks else 0
@@ -333,8 +346,8 @@ def render_rows_view(v, console: Console) -> None:
             say(console, f"(ranks {r_lo}..{r_hi - 1} of {n_ranks} shown; --json has every rank)", style="dim")
     else:
         say(console, "(no rows)")
-    for f in v.findings:
-        say(console, (f.rule, _style(f.severity)), literal(f" {f.message}"))
+    for f in v.findings if findings else ():
+        say(console, (f.rule, severity_style(f.severity)), literal(f" {f.message}"))
 
 
 def replay_json_lines(res, max_findings: int | None = None) -> Iterator[str]:
@@ -445,12 +458,16 @@ def simulate_json_lines(cmp) -> Iterator[str]:
     yield json.dumps(cmp.summary_json())
 
 
-def render_simulated(res, console: Console) -> None:
-    """What `simulate -o` wrote."""
+def simulated_line(res) -> str:
+    """The status line of `simulate -o` (stderr): what it wrote."""
     c = res.config
-    say(console, ("wrote", "bold"), literal(f" {', '.join(res.files)}") + f": {res.observations} observations "
-        f"({c.pipeline if not c.inject else 'inject ' + ','.join(c.faults)}, dcp {c.dcp}, pcp {c.pcp}, "
-        f"{c.steps} steps, seed {c.seed}) in {res.seconds:.2f} s")
+    return (f"wrote {', '.join(res.files)}: {res.observations} observations "
+            f"({c.pipeline if not c.inject else 'inject ' + ','.join(c.faults)}, dcp {c.dcp}, pcp {c.pcp}, "
+            f"{c.steps} steps, seed {c.seed}) in {res.seconds:.2f} s")
+
+
+def render_simulated(res, console: Console) -> None:
+    """What `simulate -o` wrote: its observations by site, and each fault (the status line is simulated_line)."""
     say(console, "by site: " + ", ".join(f"{s} {n}" for s, n in res.by_site.items()))
     for f in res.faults.values():
         if f.applicable:
@@ -458,90 +475,6 @@ def render_simulated(res, console: Console) -> None:
         else:
             say(console, f"  {f.name} [{f.where}]: not applicable ({f.why})", style="dim")
     say(console, literal(f"replay it: dcptool replay {' '.join(res.files)}"), style="dim")
-
-
-# --------------------------------------------------------------------------------------------
-# diff
-
-
-def _v(x) -> str:
-    return "" if x is None else str(x)
-
-
-def differences_table(diffs, title: str | None = None, width: int = 200) -> Table:
-    """One line per difference; below 120 columns where and the values fold into two columns and the message
-    (which names the values) so the message keeps room to read."""
-    wide = width >= 120
-    t = Table(title=title, show_lines=False, expand=False, title_justify="left",
-              box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD, pad_edge=wide)
-    if wide:
-        cols = (("step", {"justify": "right"}), ("site", {"overflow": "fold"}), ("rank", {"justify": "right"}),
-                ("ub", {"justify": "right"}), ("#", {"justify": "right"}), ("field", {"no_wrap": True}),
-                ("row", {"justify": "right"}), ("A", {"justify": "right"}), ("B", {"justify": "right"}),
-                ("obs A/B", {"justify": "right", "no_wrap": True}))
-    else:
-        cols = (("step", {"justify": "right", "no_wrap": True}), ("where", {"overflow": "fold"}),
-                ("field", {"no_wrap": True}))
-    for name, kw in cols:
-        t.add_column(name, **kw)
-    t.add_column("message", overflow="fold", ratio=1, min_width=20)
-    for x in diffs:
-        k = x.key
-        msg = lit(x.text)  # the row already says where and which field
-        field = lit(x.field, style="bold red")
-        if not wide:
-            where = "" if k is None else (f"{k.site} r{k.rank}" + ("" if k.ubatch < 0 else f" ub{k.ubatch}") +
-                                          (f" #{k.occurrence}" if k.occurrence else ""))
-            t.add_row("" if k is None else str(k.step), lit(where), field, msg)
-            continue
-        where = ["", "", "", "", ""] if k is None else [str(k.step), lit(k.site), str(k.rank),
-                                                        "-" if k.ubatch < 0 else str(k.ubatch), str(k.occurrence)]
-        obs = f"{'-' if x.a_obs is None else x.a_obs}/{'-' if x.b_obs is None else x.b_obs}"
-        t.add_row(*where, field, _v(x.row), _v(x.a), _v(x.b), "" if k is None else obs, msg)
-    return t
-
-
-def _side_name(files: list[str]) -> str:
-    """One file's name, or the directory several files share (`fixed/`), as a person typed it."""
-    if len(files) == 1:
-        return files[0]
-    common = os.path.commonpath(files) if len({os.path.isabs(f) for f in files}) == 1 else ""
-    return f"{common or '.'}/" if common not in files else f"{files[0]}+{len(files) - 1}"
-
-
-def _side_desc(files: list[str], n: int) -> str:
-    many = f"{len(files)} files, " if len(files) > 1 else ""
-    return f"{_side_name(files)} ({many}{n} observations)"
-
-
-def render_diff(res, console: Console) -> None:
-    """Differences in run order, the summary, then the first divergence last (cmp-style)."""
-    a, b = literal(_side_name(res.a_files)), literal(_side_name(res.b_files))
-    if res.differences:
-        show_table(console, differences_table(res.differences, title=f"Differences ({res.total})",
-                                              width=layout_width(console)))
-        if res.total > len(res.differences):
-            say(console, f"... {res.total - len(res.differences)} more differences not shown (--max-findings, --json)")
-    say(console, ("dcptool diff", "bold"), literal(f" A = {_side_desc(res.a_files, res.a_observations)}, "
-                                                   f"B = {_side_desc(res.b_files, res.b_observations)}")
-        + f": {res.compared} aligned, {res.only_in_a} only in A, {res.only_in_b} only in B")
-    if res.total:
-        say(console, literal(f"differences: {res.total}: " + ", ".join(f"{f} {n}" for f, n in res.by_field.items())))
-    for col, why in res.skipped.items():
-        say(console, literal(f"skipped {col}: {why}"), style="dim")
-    say(console, f"{res.seconds:.2f} s", style="dim")
-    if res.first is None:
-        say(console, ("same", "green"), f": {a} and {b} record the same {res.compared} observations")
-    else:
-        f = res.first
-        say(console, f"{a} {b} differ: ", ("first divergence", "bold"), literal(f" at {f.where}: "),
-            (literal(f.field), "bold red"), literal(f": {f.text}"))
-
-
-def diff_json_lines(res) -> Iterator[str]:
-    for x in res.differences:
-        yield json.dumps(x.to_json())
-    yield json.dumps(res.summary_json())
 
 
 # --------------------------------------------------------------------------------------------
@@ -572,5 +505,5 @@ def render_reduction(red, output: str, console: Console) -> None:
         f"{b['rows']} -> {a['rows']} rows ({red.candidates} replays, {red.seconds:.2f} s"
         + (", stopped at --max-seconds" if red.stopped else "") + ")"))
     for f in red.findings:
-        say(console, (f.rule, _style(f.severity)), literal(f" obs {f.obs} {f.message}"))
-    say(console, literal(f"wrote {output}; replay it: dcptool replay {output}"), style="dim")
+        say(console, (f.rule, severity_style(f.severity)), literal(f" {f.ref} {f.message}"))
+    say(console, literal(f"replay it: dcptool replay {output}"), style="dim")

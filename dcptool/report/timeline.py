@@ -69,8 +69,10 @@ TIMELINE_ROWS = 256  # (site, rank) rows drawn at most: rows with findings first
 TIMELINE_UBATCHES = 16  # distinct micro-batch indices kept apart in cell details; higher ones share the last
 
 
-def timeline(res, max_columns: int) -> Timeline | None:
-    """Bin the replay's observations and findings into at most `max_columns` step buckets (numpy, no loop per row).
+def timeline(res, max_columns: int, max_rows: int = TIMELINE_ROWS, by_site: bool = False) -> Timeline | None:
+    """Bin the replay's observations and findings into at most `max_columns` step buckets (numpy, no loop per row),
+    in at most `max_rows` rows: one per (site, rank), or with `by_site` one per site (every rank folded in; its
+    rank is -1).
 
     Rows, micro-batch indices and steps are recorded numbers, so none of them may size an array: the
     rows drawn are capped (TIMELINE_ROWS), micro-batch indices are indexed by the values present and
@@ -85,6 +87,8 @@ def timeline(res, max_columns: int) -> Timeline | None:
     # rows: distinct (site, rank), compared as columns (no packing into one integer)
     site = np.concatenate([g.site.astype(np.int64), fa[:, 0]])
     rank = np.concatenate([g.rank.astype(np.int64), fa[:, 1]])
+    if by_site:
+        rank = np.full(rank.size, -1, np.int64)
     order = np.lexsort((rank, site))
     new = np.ones(order.size, bool)
     new[1:] = (site[order][1:] != site[order][:-1]) | (rank[order][1:] != rank[order][:-1])
@@ -93,10 +97,10 @@ def timeline(res, max_columns: int) -> Timeline | None:
     key_site, key_rank = site[order][new], rank[order][new]
     n_rows = key_site.size
     keep = np.arange(n_rows)
-    if n_rows > TIMELINE_ROWS:  # rows with findings first, then the rest, each in (site, rank) order
+    if n_rows > max_rows:  # rows with findings first, then the rest, each in (site, rank) order
         flagged = np.zeros(n_rows, bool)
         flagged[row_all[g.site.size:]] = True
-        keep = np.sort(np.lexsort((np.arange(n_rows), ~flagged))[:TIMELINE_ROWS])
+        keep = np.sort(np.lexsort((np.arange(n_rows), ~flagged))[:max_rows])
     remap = np.full(n_rows, -1, np.int64)
     remap[keep] = np.arange(keep.size)
     row_g, row_f = remap[row_all[: g.site.size]], remap[row_all[g.site.size :]]

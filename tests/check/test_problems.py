@@ -186,7 +186,7 @@ def test_replay_report_leads_with_problems_and_json_references_findings():
     for o in probs:
         own = [found[k] for k in o["findings"] if found[k]["rule"] == o["rule"]]
         assert len(own) == o["count"] and {f["site"] for f in own} == set(o["sites"])
-        assert o["first"] == {k: own[0][k] for k in ("obs", "file", "step", "site", "rank", "ubatch")} | {
+        assert o["first"] == {k: own[0][k] for k in ("obs", "file", "ref", "step", "site", "rank", "ubatch")} | {
             "finding": o["findings"][0]} or o["side"]
 
 

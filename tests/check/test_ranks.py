@@ -153,24 +153,24 @@ def test_rank_agree_says_when_the_ranks_split_evenly():
     """Hardening 8c: with the ranks split evenly no values are the majority's; the lowest rank's are the reference
     only as the lowest, and the message says so (it said "and the majority have")."""
     assert _agree_text(2, {0: [9, 4]}) == [(1, SHARE + "rank 1 seq_lens [9, 5]; the ranks split evenly, so the "
-                                           "lowest rank's values are the reference: rank 0 (obs 0) has seq_lens "
+                                           "lowest rank's values are the reference: rank 0 (obs t:0) has seq_lens "
                                            "[9, 4] (ranks 1 differ)")]
     assert _agree_text(4, {2: [9, 4], 3: [9, 4]}) == [(2, SHARE + "rank 2 seq_lens [9, 4]; rank 3 seq_lens [9, 4]; "
                                                         "the ranks split evenly, so the lowest rank's values are the "
-                                                        "reference: rank 0 (obs 0) has seq_lens [9, 5] (ranks 2, 3 "
+                                                        "reference: rank 0 (obs t:0) has seq_lens [9, 5] (ranks 2, 3 "
                                                         "differ)")]
     (f,) = _agree_text(3, {1: [9, 4], 2: [9, 3]})  # three ways, one rank each
     assert "the ranks split evenly" in f[1] and "majority" not in f[1]
 
 
 def test_rank_agree_names_a_real_majority_and_a_largest_group_short_of_one():
-    assert _agree_text(3, {0: [9, 4]}) == [(0, SHARE + "rank 0 seq_lens [9, 4]; rank 1 (obs 1) and the majority have "
+    assert _agree_text(3, {0: [9, 4]}) == [(0, SHARE + "rank 0 seq_lens [9, 4]; rank 1 (obs t:1) and the majority have "
                                            "seq_lens [9, 5] (ranks 0 differ)")]
-    assert _agree_text(4, {3: [9, 4]}) == [(3, SHARE + "rank 3 seq_lens [9, 4]; rank 0 (obs 0) and the majority have "
+    assert _agree_text(4, {3: [9, 4]}) == [(3, SHARE + "rank 3 seq_lens [9, 4]; rank 0 (obs t:0) and the majority have "
                                            "seq_lens [9, 5] (ranks 3 differ)")]
     # 2 of 4 alike, the other two differing each its own way: the largest group, not a majority
     assert _agree_text(4, {2: [9, 4], 3: [9, 3]}) == [(2, SHARE + "rank 2 seq_lens [9, 4]; rank 3 seq_lens [9, 3]; "
-                                                       "rank 0 (obs 0) and the largest group (2 of 4 ranks) have "
+                                                       "rank 0 (obs t:0) and the largest group (2 of 4 ranks) have "
                                                        "seq_lens [9, 5] (ranks 2, 3 differ)")]
 
 

@@ -389,7 +389,7 @@ def test_cli_engine_version_option(tmp_path):
         (0, 2, 0, 6), (2, 5, 6, 15)]
     assert CliRunner().invoke(app, ["replay", p, "--split", "2"]).exit_code == 1
     bad = CliRunner().invoke(app, ["replay", p, "--engine-version", "latest"])
-    assert bad.exit_code == 2 and "--engine-version 'latest'" in bad.output
+    assert bad.exit_code == 2 and "--engine-version: 'latest'" in bad.output
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -461,3 +461,38 @@ def test_split_point_check_agrees_with_vllm_on_every_fixture_case(tmp_path, vers
     flagged = {int(f.detail["parent_obs"]) for f in _replay(str(path), engine_version=other).findings
                if f.rule == "ubatch-slice"}
     assert flagged == (parents_that_differ if version == "0.34.0" else set())
+
+
+def test_the_releases_modelled_are_the_plugin_s():
+    """One list of the vLLM releases dcptool knows: the split rules here, the plugin's hook tables there."""
+    from dcptool.dcp.slicing import RELEASES
+    from dcptool.engine.vllm_tables import TABLES
+
+    lines = sorted({tuple(int(x) for x in r.rstrip(".").split(".")) for t in TABLES for r in t.releases})
+    assert lines == list(RELEASES)
+
+
+@pytest.mark.parametrize("version,known", [("0.29.0", True), ("0.34.1.dev3+g1a2b", True), ("vLLM 0.31.2", True),
+                                           ("9.9", False), ("0.35.0", False), ("0.28.1", False), ("banana", True)])
+def test_unmodelled_names_the_releases_and_the_rule_used(version, known):
+    from dcptool.dcp.slicing import unmodelled
+
+    why = unmodelled(version)
+    assert (why is None) == known  # (text naming no version: the dump's free text, nothing to warn about)
+    if not known:
+        assert "0.29, 0.30, 0.31, 0.32, 0.33, 0.34" in why
+        assert ("0.34 does" if version in ("9.9", "0.35.0") else "0.33 does") in why
+
+
+@pytest.mark.parametrize("command", [["replay", "SAMPLE", "--json"], ["simulate", "--steps", "1", "--json"]])
+def test_an_engine_version_without_a_model_is_warned_about(command):
+    from conftest import cli
+
+    args = [str(ROOT / "samples" / "legacy.safetensors") if a == "SAMPLE" else a for a in command]
+    r = cli(*args, "--engine-version", "9.9")
+    assert r.returncode in (0, 1) and json.loads(r.stdout.splitlines()[-1])  # it runs, JSON untouched
+    assert r.stderr == (f"dcptool {command[0]}: warning: --engine-version 9.9: no model of this release; dcptool "
+                        "knows vLLM 0.29, 0.30, 0.31, 0.32, 0.33, 0.34, and splits micro-batches as 0.34 does (a "
+                        "uniform decode batch on a request boundary)\n")
+    quiet = cli(*args, "--engine-version", "0.34.0")
+    assert quiet.returncode == r.returncode and quiet.stderr == ""

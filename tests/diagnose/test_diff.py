@@ -123,8 +123,8 @@ def test_buffers_compared_by_sharing_not_address(tmp_path):
     res = diff_of(tmp_path, a, b)
     (d,) = res.differences  # only there: later users of both buffers still name the same first user
     assert (d.field, d.key.step, d.key.ubatch, d.a, d.b) == ("buffer", 1, 1, 2, 1)
-    assert "obs 2 (step 0 ubatch rank 0 ubatch 1) in A" in d.message
-    assert "obs 1 (step 0 ubatch rank 0 ubatch 0) in B" in d.message
+    assert f"obs {res.a_files[0]}:2 (step 0 ubatch rank 0 ubatch 1) in A" in d.message  # FILE:I, as --obs takes it
+    assert f"obs {res.b_files[0]}:1 (step 0 ubatch rank 0 ubatch 0) in B" in d.message
     b[8].buffer = 0  # unknown on one side is a difference as well
     res = diff_of(tmp_path, a, b)
     assert "is unknown in B" in res.differences[0].message

@@ -125,8 +125,23 @@ def test_reduce_stops_at_the_budget_with_what_it_has(parent_rows):
 
 
 def test_parse_finding():
-    assert parse_finding("stale/parent-rows@12") == ("stale", "parent-rows", 12)
+    assert parse_finding("stale/parent-rows@12") == ("stale", "parent-rows", (None, 12))
+    assert parse_finding("stale@run/x.rank3.safetensors:12") == ("stale", None, ("run/x.rank3.safetensors", 12))
     assert parse_finding("missing") == ("missing", None, None)
+
+
+def test_reduce_takes_a_finding_at_the_reference_the_reports_print(tmp_path):
+    """RULE@FILE:I names the observation as every report does; on several files the file must be named."""
+    from dcptool.model.simulate import SimConfig, simulate
+
+    res = simulate(SimConfig(dcp=2, steps=6, pipeline="legacy", seed=3), tmp_path / "run.safetensors", per_rank=True)
+    d = open_dumps(res.files)
+    findings = replay(d, "torch").findings
+    f = next(f for f in findings if f.rule == "missing" and f.file == res.files[1])  # rank 1's file
+    target = find_target("run", findings, f"missing@{f.ref}", d)
+    assert (target.finding.file, target.finding.obs) == (f.file, f.obs)
+    with pytest.raises(Exception, match="name the observation as FILE:I"):
+        find_target("run", findings, f"missing@{f.obs}", d)
 
 
 def test_cli_reduce_writes_a_dump_that_replays_with_the_problem(tmp_path, parent_rows):
@@ -145,7 +160,7 @@ def test_cli_reduce_writes_a_dump_that_replays_with_the_problem(tmp_path, parent
 
 
 @pytest.mark.parametrize("finding,needle", [("bogus", "unknown rule 'bogus'"), ("padding", "no padding finding"),
-                                            ("stale@x", "expected RULE@OBS"), ("stale@9999", "at observation 9999")])
+                                            ("stale@x", "expected RULE@FILE:I"), ("stale@9999", ":9999")])
 def test_cli_reduce_bad_finding_exits_2_one_line(tmp_path, parent_rows, finding, needle):
     r = cli("reduce", parent_rows, "--finding", finding, "-o", tmp_path / "o.safetensors")
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -143,8 +143,8 @@ def test_a_gpu_that_fails_to_start_is_one_line(tmp_path, monkeypatch, backend):
         assert r.stderr == ("dcptool: CUDA cuMemAllocHost failed: CUDA_ERROR_OUT_OF_MEMORY: out of memory; use "
                             "--backend torch to replay on the CPU\n")
         return
-    assert r.stderr == ("dcptool: --backend auto: CUDA cuMemAllocHost failed: CUDA_ERROR_OUT_OF_MEMORY: out of "
-                        "memory; replaying on the CPU instead\n")
+    assert r.stderr == ("dcptool replay: warning: --backend auto: CUDA cuMemAllocHost failed: "
+                        "CUDA_ERROR_OUT_OF_MEMORY: out of memory; replaying on the CPU instead\n")
     cpu = cli("replay", tmp_path / "d.safetensors", "--backend", "torch", "--json")
     assert r.returncode == cpu.returncode == 1 and cpu.stderr == ""
     got, want = ([json.loads(x) for x in out.stdout.splitlines()] for out in (r, cpu))
@@ -504,7 +504,7 @@ def test_a_real_allocation_failure_at_start_up(tmp_path, monkeypatch, backend):
     if backend == "triton":
         assert r.returncode == 2 and r.stderr.endswith("; use --backend torch to replay on the CPU\n")
     else:
-        assert r.stderr.startswith("dcptool: --backend auto: CUDA cuMemAllocAsync failed: ")
+        assert r.stderr.startswith("dcptool replay: warning: --backend auto: CUDA cuMemAllocAsync failed: ")
         assert r.stderr.endswith("; replaying on the CPU instead\n")
         cpu = cli("replay", tmp_path / "d.safetensors", "--backend", "torch", "--json")
         assert r.returncode == cpu.returncode == 1

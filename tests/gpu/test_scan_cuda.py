@@ -528,7 +528,7 @@ def test_a_fresh_replay_whose_kernels_the_driver_refuses(tmp_path, backend):
         assert p.returncode == 2 and p.stdout == ""
         assert p.stderr.endswith("; use --backend torch to replay on the CPU\n")
         return
-    assert p.stderr.startswith("dcptool: --backend auto: CUDA cuLibraryLoadData failed: ")
+    assert p.stderr.startswith("dcptool replay: warning: --backend auto: CUDA cuLibraryLoadData failed: ")
     assert p.stderr.endswith("; replaying on the CPU instead\n")
     assert p.returncode == cpu.returncode == 1 and cpu.stderr == ""
     lines, want = ([json.loads(x) for x in q.stdout.splitlines()] for q in (p, cpu))

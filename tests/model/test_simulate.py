@@ -73,7 +73,8 @@ def test_cli_output_refuses_overwrite_and_json(tmp_path):
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--force" in p.stderr and "Traceback" not in p.stderr
     assert x.read_bytes() == before
     p = cli(*args, "--seed", "5", "--force")
-    assert p.returncode == 0 and x.read_bytes() != before and "wrote" in p.stdout
+    assert p.returncode == 0 and x.read_bytes() != before and "wrote" not in p.stdout  # status: stderr
+    assert p.stderr.startswith(f"dcptool: wrote {x}: ") and p.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -142,7 +143,7 @@ def test_fault_labels_in_table_json_and_errors():
     r = run.invoke(app, [*args, "--inject", "bogus"])
     assert r.exit_code == 2 and "ubatch-parent-rows [main only]" in r.output
     r = run.invoke(app, [*args, "--engine-version", "newest"])
-    assert r.exit_code == 2 and "--engine-version 'newest'" in r.output
+    assert r.exit_code == 2 and "--engine-version: 'newest'" in r.output
     assert "[0.27–0.29]" in run.invoke(app, ["simulate", "--help"], env={"COLUMNS": "400"}).output
 
 

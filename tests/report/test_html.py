@@ -106,14 +106,14 @@ def test_html_structure(run12):
     stale = [x for x in t.titles if x.startswith("step 6 · ubatch rank 1")]
     f = next(f for f in res.findings if f.step == 6 and f.rule == "stale")
     assert stale == ["step 6 · ubatch rank 1\n2 observations (ub0 1, ub1 1)\nfindings: stale 1, rank-sum 1 (ub0 2)\n"
-                     f"first: obs {f.obs} ({f.file}) {f.message}"]
+                     f"first: {f.file}:{f.obs} {f.message}"]
     # a row view for every observation with findings, and for each stale finding's source (the parent batch)
     with_findings = {f.index for f in res.findings}
     sources = {f.source.index for f in res.findings if f.source is not None}
     assert set(res.views) == with_findings | sources and {f"obs{i}" for i in res.views} <= set(t.ids)
     for f in res.findings:
         if f.source is not None:
-            assert f'source: <a href="#obs{f.source.index}">obs {f.source.obs}</a>' in html
+            assert f'source: <a href="#obs{f.source.index}">{f.source.file}:{f.source.obs}</a>' in html
     assert "Configuration and summary" in html and "16 findings (16 errors, 0 warnings)" in html
     assert html.count('<select id="f-') == 3 and '<option value="stale">' in html and '<option value="dummy">' in html
 
@@ -156,7 +156,9 @@ def test_html_per_rank_files_clean_runs_and_obs(tmp_path):
     res = replay(open_dumps(files), "torch", obs=0, views=VIEW_FINDINGS)
     html = render_html(res)
     t = Tree(html)
-    assert len(t.rows) == len(res.findings) == 4 and '<th class="l">file</th>' in html  # padding, missing x2, shape
+    assert len(t.rows) == len(res.findings) == 4  # padding, missing x2, shape
+    for f in res.findings:  # each observation as FILE:I, as --obs takes it (the file of each rank's own)
+        assert f">{f.ref}<" in html and f.ref == f"{files[f.rank]}:{f.obs}"
     assert all(h[1:] in t.ids for h in t.hrefs) and all(n == 1 for n in t.ids.values())
     assert "obs0" in t.ids and res.rows_view.index == 0 and 0 not in res.views  # --obs adds its own row view
     clean = replay(open_dumps([write(tmp_path / "clean.safetensors", [obs(step=s) for s in range(5)])]), "torch")
@@ -239,13 +241,13 @@ def test_cli_html_writes_refuses_and_forces(tmp_path):
     assert not [x for x in tmp_path.iterdir() if x.name.startswith(".report.html")]  # no temporary left behind
     r = cli("replay", dump, "--html", out)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr == f"dcptool: --html {out}: exists (use --force to overwrite)\n"
+    assert r.stderr == f"dcptool replay: --html: {out}: exists (use --force to overwrite)\n"
     assert out.read_bytes() == first
     r = cli("replay", dump, "--html", out, "--force", "--max-findings", "3")
     assert r.returncode == 1 and "Timeline of steps 0..11" in r.stdout and len(Tree(out.read_text()).rows) == 3
 
 
-@pytest.mark.parametrize("target,needle", [("DUMP", "is one of the dumps being replayed"),
+@pytest.mark.parametrize("target,needle", [("DUMP", "is one of the dumps read"),
                                            ("nodir/r.html", "does not exist"), (".", "is a directory")])
 def test_cli_html_bad_targets(tmp_path, target, needle):
     dump = write(tmp_path / "run.safetensors", [obs()])
@@ -378,3 +380,39 @@ def test_html_leads_with_the_problems_like_the_text_report(tmp_path):
     assert capped.count("first finding</a>") == sum(int(p.findings[0]) < 1 for p in res.problems)
     clean = replay(open_dumps([write(tmp_path / "c.safetensors", [obs(step=s) for s in range(3)])]), "torch")
     assert not clean.problems and 'id="problems"' not in render_html(clean)
+
+
+# --------------------------------------------------------------------------------------------
+# diff --html
+
+
+def test_diff_html_page(tmp_path):
+    """diff --html: one self-contained page with the summary, the first divergence and every difference as a row,
+    each observation as FILE:I; the text and JSON reports are the same as without it."""
+    from dcptool.diagnose.diff import diff
+
+    legacy, fixed = str(ROOT / "samples" / "legacy.safetensors"), str(ROOT / "samples" / "fixed.safetensors")
+    out = tmp_path / "d.html"
+    r = cli("diff", legacy, fixed, "--json", "--html", out)
+    assert r.returncode == 1 and r.stderr == f"dcptool: wrote {out}\n"
+
+    def timeless(text: str) -> str:
+        return re.sub(r'"seconds": [0-9.e-]+', "", text)
+
+    assert timeless(r.stdout) == timeless(cli("diff", legacy, fixed, "--json").stdout)
+    html = out.read_text()
+    t = Tree(html)
+    no_network(html, t)
+    res = diff(open_dumps([legacy]), open_dumps([fixed]))
+    rows = re.findall(r'<tr id="d(\d+)">', html)
+    assert len(rows) == res.total == 1448 and rows == [str(k) for k in range(res.total)]
+    first = res.first
+    assert f"First divergence at {first.where}: <b>{first.field}</b>" in html and f"<code>{first.a_ref}</code>" in html
+    for x in res.differences[:50]:
+        assert f"<td>{x.a_ref}</td><td>{x.b_ref}</td>" in html
+    capped = cli("diff", legacy, fixed, "--html", tmp_path / "c.html", "--max-findings", "7")
+    assert capped.returncode == 1 and len(re.findall(r'<tr id="d', (tmp_path / "c.html").read_text())) == 7
+    assert "The first 7 of 1,448 differences" in (tmp_path / "c.html").read_text()
+    same = cli("diff", fixed, fixed, "--html", tmp_path / "s.html")
+    assert same.returncode == 0 and "Same: A and B record the same" in (tmp_path / "s.html").read_text()
+    assert cli("diff", legacy, fixed, "--html", out).returncode == 2 and out.read_text() == html  # no --force

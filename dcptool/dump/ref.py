@@ -1,0 +1,35 @@
+"""Observation references: `FILE:I`, observation I of FILE (its index in that file, docs/format.md "Order and several
+files"), FILE as the reader was given it. The one form every report prints and `replay --obs` reads back."""
+
+from __future__ import annotations
+
+import os
+
+
+def obs_ref(file: str, obs: int) -> str:
+    """The reference of observation `obs` (its index in `file`)."""
+    return f"{file}:{obs}"
+
+
+def parse_ref(spec: str) -> tuple[str | None, int]:
+    """`FILE:I` -> (FILE, I); `I` alone -> (None, I). ValueError when I is not a non-negative integer. FILE may hold
+    colons itself: the index is what follows the last one."""
+    file, _, num = spec.rpartition(":")
+    num = num.strip()
+    if not num.isascii() or not num.isdigit():
+        raise ValueError(spec)
+    return (file or None), int(num)
+
+
+def match_file(files: list[str], file: str) -> int | None:
+    """The position in `files` of the file `file` names: the same name, else the same file under another name
+    (`./run.safetensors` for `run.safetensors`, a link to it); None when it names none of them."""
+    if file in files:
+        return files.index(file)
+    for k, f in enumerate(files):
+        try:
+            if os.path.samefile(f, file):
+                return k
+        except OSError:
+            continue
+    return None
