@@ -484,10 +484,11 @@ def test_a_real_allocation_failure_at_start_up(tmp_path, monkeypatch, backend):
     random_dump(tmp_path / "d.safetensors", np.random.default_rng(4), 300, 4, 16)
     monkeypatch.setattr(scan_mod, "GPU_MIN_OBS", 1)
     monkeypatch.setenv("DCPTOOL_CACHE_DIR", str(tmp_path / "k"))
-    made, real_alloc, real_pinned = [], cuda.Gpu.alloc, cuda.Gpu.pinned
+    made, allocs, real_alloc, real_pinned = [], [], cuda.Gpu.alloc, cuda.Gpu.pinned
 
-    def alloc(self, nbytes, stream):
-        made.append(real_alloc(self, 1 << 50 if len(made) == 5 else nbytes, stream))
+    def alloc(self, nbytes, stream):  # (the sixth device allocation fails)
+        allocs.append(nbytes)
+        made.append(real_alloc(self, 1 << 50 if len(allocs) == 6 else nbytes, stream))
         return made[-1]
 
     def pinned(self, n, dtype):
@@ -500,7 +501,7 @@ def test_a_real_allocation_failure_at_start_up(tmp_path, monkeypatch, backend):
     r = cli("replay", tmp_path / "d.safetensors", "--backend", backend, "--json")
     assert r.stderr.count("\n") == 1 and "CUDA cuMemAllocAsync failed: " in r.stderr, r.stderr
     assert "OUT_OF_MEMORY" in r.stderr and "Traceback" not in r.stderr
-    assert made and all(b.is_closed for b in made)
+    assert len(allocs) == 6 and len(made) > 5 and all(b.is_closed for b in made)
     if backend == "triton":
         assert r.returncode == 2 and r.stderr.endswith("; use --backend torch to replay on the CPU\n")
     else:
