@@ -4,7 +4,7 @@
 # the newest pre-fix one first), each in its own venv ~/.cache/dcptool-vllm-<version> (built once, ~90 s and 3 GB each).
 # make test-oldest: the non-fuzz, non-kernel tests on the oldest numpy pyproject.toml claims (CPU torch 2.13), numpy
 # warnings as errors, less tests/engine (the engine's host path still runs there through simulate's recordings),
-# tests/vllm, tests/report, test_cli, test_limits, test_architecture and test_cubin (Triton compiles, no numpy;
+# tests/vllm, tests/report, test_cli, test_docs, test_limits, test_architecture and test_cubin (Triton compiles, no numpy;
 # all run under make test; left out here so that CI keeps under 10 minutes); its own venv .venv-oldest (built once, ~40 s), then about 70 seconds.
 PY ?= python3
 VENV := .venv
@@ -55,7 +55,7 @@ test-oldest: $(OLDEST)/.installed-stamp
 	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider -W error::DeprecationWarning -W error::RuntimeWarning \
 		--ignore=tests/test_fuzz.py --ignore=tests/test_reliability.py --ignore=tests/engine --ignore=tests/vllm \
 		--ignore=tests/test_limits.py --ignore=tests/test_architecture.py --ignore=tests/report \
-		--ignore=tests/test_cli.py --ignore=tests/gpu/test_cubin.py -m "not kernel"
+		--ignore=tests/test_cli.py --ignore=tests/test_docs.py --ignore=tests/gpu/test_cubin.py -m "not kernel"
 
 test-vllm:
 	@failed=""; for v in $(VLLM_VERSIONS); do \

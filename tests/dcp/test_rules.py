@@ -1,11 +1,10 @@
 """rules.py: the rule table itself (DESIGN §3's order, codes, each check found where it names it and taking the
-inputs its row names, faults, README's table, the skipped lines' order)."""
+inputs its row names, faults, docs/replay.md's table (tests/test_docs.py), the skipped lines' order)."""
 
 import inspect
 import re
 
 import pytest
-from conftest import ROOT
 
 from dcptool.dcp import rules as R
 from dcptool.dcp.rules import RULE_CODES, RULES, TABLE
@@ -51,15 +50,6 @@ def test_the_table_imports_nothing_of_dcptool():
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not {m for m in imported if m and m.startswith("dcptool")}
     assert all(re.fullmatch(r"[a-z_]+\.check_[a-z_]+", r.check) for r in TABLE)
-
-
-def test_readme_rule_table_is_the_tables_what():
-    """README's rule table lists every rule in table order with the row's `what` (one text, two readers)."""
-    text = (ROOT / "README.md").read_text()
-    rows = re.findall(r"^\| `([a-z-]+)` \| (.+) \|$", text.split("Replay checks every observation", 1)[1], re.M)
-    rows = rows[: len(TABLE)]
-    assert [name for name, _ in rows] == list(RULES)
-    assert [what for _, what in rows] == [r.what for r in TABLE]
 
 
 @pytest.mark.parametrize("N", [1, 2, 8])
