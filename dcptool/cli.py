@@ -234,6 +234,8 @@ def replay(
             bar.plan(report=html_units(res, max_findings))
             bar.phase("report")
             _write_html(html, render_html(res, max_findings), force, res.files)
+    if res.gpu_failed is not None:  # (auto's GPU failed before its scan reported anything: the CPU replayed)
+        say(f"warning: --backend auto: {res.gpu_failed}; replaying on the CPU instead", "replay")
     from dcptool.report import text as report
 
     code = 1 if res.errors or (strict and res.warnings) else 0

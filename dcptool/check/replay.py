@@ -18,6 +18,7 @@ from dcptool.dcp.reference import local_np
 from dcptool.dcp.rules import DIFFER, PAIRS, PROVENANCE, RULE, RULES, SCAN, SEVERITY, VERSION, WRONG
 from dcptool.dcp.slicing import Ubatch, engine_split
 from dcptool.dump import Dump, DumpError, obs_ref
+from dcptool.gpu.cuda import CudaError, CudaStartError
 
 __all__ = ["RULES", "SEVERITY", "Finding", "LimitError", "ReplayResult", "Source", "expected_of", "local_np", "replay",
            "resolve_backend", "rows_view", "splits"]
@@ -99,6 +100,7 @@ class ReplayResult:
     views: dict[int, RowsView] = field(default_factory=dict)  # merged index -> row view (for --html)
     problems: list = field(default_factory=list)  # problems.Problem: the findings grouped by root cause
     capped: int | None = None  # the size cap (bytes) the recording stopped at (dcptool.capped); None: it did not
+    gpu_failed: str | None = None  # what failed on the GPU that `auto` replayed on the CPU instead; None: nothing
 
     @property
     def errors(self) -> int:
@@ -120,7 +122,8 @@ class ReplayResult:
                 "by_rule": self.by_rule(), "by_site": self.by_site(),
                 "first": self.findings[0].to_json() if self.findings else None, "skipped": self.skipped,
                 "backend": self.backend, "device": self.device, "seconds": round(self.seconds, 4),
-                **({} if self.capped is None else {"capped": self.capped})}
+                **({} if self.capped is None else {"capped": self.capped}),
+                **({} if self.gpu_failed is None else {"gpu_failed": self.gpu_failed})}
 
 
 def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int | None = None,
@@ -132,21 +135,22 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     HTML report's row views). The row checks are one chunked scan (scan.py); everything else is per finding, or
     vectorised over observations. `bounded` drops each chunk's pages after use (huge dumps); `progress(k)` is
     called as k more observations are scanned. Micro-batches are split by the rule of `engine_version`
-    (default: the one the dump names; slicing.engine_split).
+    (default: the one the dump names; slicing.engine_split). With `auto`, a GPU that fails before its scan
+    reported anything (gpu.cuda.CudaStartError) leaves the scan to the CPU: `gpu_failed` says what failed.
     """
     t0 = time.perf_counter()
     c = d.config
     version = engine_version if engine_version is not None else c.engine_version
     if split is not None:
         check_split(d, split)  # before the scan: an absurd K is bad usage, not an hour of work
-    backend, device = resolve_backend(backend, d.n)
+    where = _where(backend, d.n)
     p = plan(d)
     bar = Phases(progress)
     w_checks = W_CHECKS + W_SLICES * p.runs("ubatch-slice") + W_ALIAS * p.runs("alias")
     bar.plan(scan=d.n, checks=round(w_checks * d.n), provenance=0, findings=0)
     later = runner(bounded or d.bounded or d.n == 0)
     try:
-        parts, grid = _checks(d, p, backend, version, bounded, progress, bar, later)
+        parts, grid = _checks(d, p, where, version, bounded, progress, bar, later)
     except Exception:
         if isinstance(later, Threads):  # no check may still read the dump's memory while the error ends the process
             later.settle()
@@ -154,8 +158,8 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
         raise
     d.finish()  # (a streamed dump: the file validated whole before anything is reported)
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=FindingTable.concat(d, parts),
-                       backend=backend, device=device, seconds=0.0, skipped=p.skipped, grid=grid,
-                       capped=next((x for x in d.capped if x is not None), None))
+                       backend=where.backend, device=where.device, seconds=0.0, skipped=p.skipped, grid=grid,
+                       capped=next((x for x in d.capped if x is not None), None), gpu_failed=where.gpu_failed)
     if split is not None:
         res.splits = splits(d, split, version)
         res.findings = merge_split_findings(d, res.findings, res.splits)
@@ -171,6 +175,32 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     return res
 
 
+@dataclass
+class Where:
+    """Where the scan runs: resolve_backend's backend and device, and why `--backend auto` replays on the CPU
+    after all (`gpu_failed`: what failed on the GPU; None: nothing did)."""
+
+    backend: str
+    device: str
+    auto: bool
+    gpu_failed: str | None = None
+
+    def instead(self, e: CudaError) -> None:
+        """The GPU failed before the scan reported anything: `auto` takes the CPU, a GPU asked for by name fails."""
+        if not self.auto:
+            raise e
+        self.backend, self.device, self.gpu_failed = "torch", "cpu", e.what
+
+
+def _where(name: str, observations: int) -> Where:
+    try:
+        return Where(*resolve_backend(name, observations), auto=name == "auto")
+    except CudaError as e:  # (a GPU there that cannot be used: a broken install, a driver that fails to start)
+        where = Where("torch", "cpu", auto=name == "auto")
+        where.instead(e)
+        return where
+
+
 class _Prev:
     """The scan's view of rank_pairs' future: its `prev` column."""
 
@@ -181,7 +211,7 @@ class _Prev:
         return self.f.result().prev
 
 
-def _checks(d: Dump, p: Plan, backend: str, version, bounded: bool, progress, bar, later) -> tuple[list, ObsGrid]:
+def _checks(d: Dump, p: Plan, where: Where, version, bounded: bool, progress, bar, later) -> tuple[list, ObsGrid]:
     """The findings of every check of plan `p` (in table order) and the timeline grid. The checks that need only
     the dump start first and run beside the scan (later(f, *args): f on another thread, or when asked for); those
     that need its answer start when it ends; the values check (with provenance) runs on this thread meanwhile."""
@@ -198,10 +228,15 @@ def _checks(d: Dump, p: Plan, backend: str, version, bounded: bool, progress, ba
     prov = Provenance(d)
     by_value = RULE["mismatch"].check if p.runs("mismatch") else None  # the values check, explained by provenance
     lead = None
-    if by_value and backend == "triton" and later is not Later:  # the host waits while the device scans: provenance's
-        lead = later(prov.lead)  # per-observation keys now (not on one thread: a clean dump would pay for them)
+    if by_value and where.backend == "triton" and later is not Later:  # the host waits while the device scans:
+        lead = later(prov.lead)  # provenance's per-observation keys now (not on one thread: a clean dump would pay)
     bar.phase("scan")
-    st = scan(d, backend, bounded=bounded, progress=progress, pairs=None if pairs is None else _Prev(pairs))
+    scan_pairs = None if pairs is None else _Prev(pairs)
+    try:
+        st = scan(d, where.backend, bounded=bounded, progress=progress, pairs=scan_pairs)
+    except CudaStartError as e:
+        where.instead(e)
+        st = scan(d, where.backend, bounded=bounded, progress=progress, pairs=scan_pairs)
     wrong = st.obs[st.n_wrong > 0]
     bar.plan(provenance=round(W_PROVENANCE * d.n + W_WRONG * wrong.size) if wrong.size else 0,
              findings=round(W_FINDING * st.obs.size))

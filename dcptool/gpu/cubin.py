@@ -104,19 +104,23 @@ def _write(path: Path, k: Kernel) -> None:
 def _compile(module: str, name: str, signature: dict[str, str], constants: dict[str, object], warps: int,
              cc: int) -> Kernel:
     if interpreted():
-        raise CudaError("TRITON_INTERPRET=1 is set: the kernels cannot be compiled for the GPU; unset it")
+        raise CudaError("TRITON_INTERPRET=1 is set: the kernels cannot be compiled for the GPU", "unset it")
     try:
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
     except ImportError as e:  # pragma: no cover - triton is a Linux dependency
-        raise CudaError(f"triton is not installed ({e}); use --backend torch") from None
+        raise CudaError(f"triton is not installed ({e})") from None
     fn = getattr(importlib.import_module(module), name)
     sig = {**signature, **{c: "constexpr" for c in constants}}
-    with warnings.catch_warnings():  # (3.9 warns of its floating-point fusion default: these kernels are integer)
-        warnings.simplefilter("ignore")
-        ck = triton.compile(ASTSource(fn, sig, constants), target=GPUTarget("cuda", cc, 32),
-                            options={"num_warps": warps})
+    try:
+        with warnings.catch_warnings():  # (3.9 warns of its floating-point fusion default: these kernels are integer)
+            warnings.simplefilter("ignore")
+            ck = triton.compile(ASTSource(fn, sig, constants), target=GPUTarget("cuda", cc, 32),
+                                options={"num_warps": warps})
+    except Exception as e:  # (a GPU this Triton cannot compile for, its ptxas failing): the GPU scan cannot start
+        words = " ".join(str(e).split())[:300] or type(e).__name__
+        raise CudaError(f"compiling kernel {name} for sm_{cc} failed: {type(e).__name__}: {words}") from None
     md = ck.metadata
     scratch = int(getattr(md, "global_scratch_size", 0) or 0) + int(getattr(md, "profile_scratch_size", 0) or 0)
     return Kernel(md.name, bytes(ck.asm["cubin"]), 32 * md.num_warps * getattr(md, "num_ctas", 1), int(md.shared),

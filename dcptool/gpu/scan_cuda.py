@@ -6,6 +6,7 @@ launched through torch (dcp.fused)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import numpy as np
@@ -61,6 +62,10 @@ class Fn:
         self.scratch = (0,) * (len(sizes) - len(want))
 
     def launch(self, stream, grid: int, *args) -> None:
+        """`grid` programs; one argument per signature entry (cuda-core packs a Python int as a pointer: an
+        integer parameter is passed as the numpy scalar of its width)."""
+        if len(args) != len(self.types):
+            raise cuda.CudaError(f"kernel {self.k.name}: {len(args)} arguments for {len(self.types)} parameters")
         if grid:
             typed = tuple(a if t.startswith("*") else _SCALARS[t](a) for t, a in zip(self.types, args))
             self.g.launch(self.kernel, stream, grid, self.k.threads, self.k.shared, typed + self.scratch)
@@ -81,9 +86,25 @@ class CudaScan:
         self.flag = Fn(g, "flag_rows_kernel", const, FUSED_WARPS)
         self.exact = Fn(g, "check_rows_kernel", const, CHECK_WARPS)
         self.differ = Fn(g, "differ_rows_kernel", {"BLOCK": FUSED_BLOCK}, FUSED_WARPS) if chunks.pairs else None
-        self.copy, self.comp = g.stream(), g.stream()
-        self.copied, self.used = [g.event(), g.event()], [g.event(), g.event()]
-        self.buffers: list = []  # every device and pinned buffer, freed by close()
+        # what close() gives back: every device and pinned buffer, the streams (the copy stream first: buffers are
+        # freed on it), the events
+        self.buffers: list = []
+        self.streams: list = []
+        self.events: list = []
+        try:
+            self._setup()
+        except BaseException:  # what was had is given back (a CPU replay may follow in this process), the first
+            with contextlib.suppress(cuda.CudaError):  # failure reported
+                self._free()
+            raise
+        self.recorded = [False, False]
+        self.n: list[dict[str, int]] = [{}, {}]
+
+    def _setup(self) -> None:
+        g, chunks = self.g, self.c
+        self.copy, self.comp = self._own(self.streams, g.stream), self._own(self.streams, g.stream)
+        self.copied = [self._own(self.events, g.event) for _ in range(2)]
+        self.used = [self._own(self.events, g.event) for _ in range(2)]
         self.host = [{k: self._pinned(n, t) for k, (n, t) in chunks.sizes.items()} for _ in range(2)]
         self.dev = [{k: self._alloc(n * t.itemsize) for k, (n, t) in chunks.sizes.items()} for _ in range(2)]
         m = chunks.most_obs
@@ -92,8 +113,11 @@ class CudaScan:
         self.ids_h, self.ids_d = self._pinned(m, np.int64), self._alloc(8 * m)
         self.sub_h, self.sub_d = self._pinned(6 * m, np.int32), self._alloc(24 * m)
         g.sync(self.copy)  # (the allocations, ordered on the copy stream, are done before any stream uses them)
-        self.recorded = [False, False]
-        self.n: list[dict[str, int]] = [{}, {}]
+
+    @staticmethod
+    def _own(into: list, make):
+        into.append(make())
+        return into[-1]
 
     def _pinned(self, n: int, dtype) -> np.ndarray:
         a, buf = self.g.pinned(n, dtype)
@@ -101,8 +125,7 @@ class CudaScan:
         return a
 
     def _alloc(self, nbytes: int):
-        self.buffers.append(self.g.alloc(nbytes, self.copy))
-        return self.buffers[-1]
+        return self._own(self.buffers, lambda: self.g.alloc(nbytes, self.copy))
 
     def load(self, k: int) -> None:
         """Stage chunk k into slot k % 2 and queue its copy to the device."""
@@ -149,9 +172,15 @@ class CudaScan:
         return stats, differ
 
     def close(self) -> None:
+        try:
+            self._free()
+        finally:
+            self.c.close()
+
+    def _free(self) -> None:
         self.g.bind()
-        self.g.free(self.buffers, [self.copy, self.comp], self.copied + self.used)
-        self.c.close()
+        self.g.free(self.buffers, self.streams, self.events)
+        self.buffers, self.streams, self.events = [], [], []
 
 
 class InterpretedScan:
@@ -187,17 +216,21 @@ def gpu_scan(d: Dump, views: bool, progress: Callable[[int], None] | None = None
     """Every observation's view (where `views`: dcp_size > 1) and page counts checked by the fused kernels, on the
     GPU where there is one (CudaScan) and under the interpreter otherwise (InterpretedScan): the observations with
     something wrong. `pairs` (the scan's pairs: cut(lo, hi) each chunk's shifts, `found` takes the differing
-    observations) asks for rank-agree's row comparison too."""
+    observations) asks for rank-agree's row comparison too.
+
+    The GPU failing before the first chunk's result is kept (its start-up, the first chunk's copies and kernels)
+    is a CudaStartError: nothing was reported yet, so a CPU scan can take the whole scan's place."""
     c = d.config
     chunks = obs_chunks(np.diff(d["obs.rows"]), GPU_CHUNK_ROWS)
     staged = Chunks(d, chunks, pairs)
-    run_on = CudaScan if cuda.available() and not interpreted() else InterpretedScan
+    parts: list[RowStats] = []
     try:
-        run = run_on(staged, c.dcp_size, c.cp_interleave, c.page_size or 1)
-    except BaseException:
+        on_gpu = cuda.available() and not interpreted()
+        run = (CudaScan if on_gpu else InterpretedScan)(staged, c.dcp_size, c.cp_interleave, c.page_size or 1)
+    except BaseException as e:
         staged.close()
+        _raise_as_start(e)
         raise
-    parts = []
     try:
         if chunks:
             run.load(0)
@@ -214,6 +247,17 @@ def gpu_scan(d: Dump, views: bool, progress: Callable[[int], None] | None = None
             parts.append(RowStats(*stats).sparse(lo))
             if progress:
                 progress(hi - lo)
-    finally:
-        run.close()
+    except BaseException as e:
+        with contextlib.suppress(cuda.CudaError):  # (the first failure is the one to report)
+            run.close()
+        if not parts:  # (nor progress, nor a pair found)
+            _raise_as_start(e)
+        raise
+    run.close()
     return RowStats.concat(parts)
+
+
+def _raise_as_start(e: BaseException) -> None:
+    """A CudaError of a scan that has reported nothing raised again as a CudaStartError (anything else: nothing)."""
+    if isinstance(e, cuda.CudaError) and not isinstance(e, cuda.CudaStartError):
+        raise cuda.CudaStartError(e.what, e.advice) from e

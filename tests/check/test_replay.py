@@ -1,5 +1,5 @@
 """replay.py, the pipeline: a clean dump, skipped checks named, --split, --obs row views, bounded replay, provenance
-cost on clean dumps."""
+cost on clean dumps, `auto` replaying on the CPU when the GPU fails before its scan reported anything."""
 
 import numpy as np
 import pytest
@@ -7,6 +7,7 @@ from conftest import ROOT, obs, run, worked_example, write
 
 from dcptool.check.replay import replay
 from dcptool.dump import open_dumps
+from dcptool.gpu.cuda import CudaError, CudaStartError
 
 BACKENDS = ["torch", "triton"]
 
@@ -145,3 +146,100 @@ def test_replay_says_when_the_recording_stopped_at_its_size_cap(tmp_path, capped
     summary = json.loads(list(replay_json_lines(res))[-1])
     assert res.capped == (2500 if capped else None) and summary.get("capped") == res.capped
     assert ("stopped at its size cap of 2,500 bytes" in out.getvalue()) == capped
+
+
+# --------------------------------------------------------------------------------------------
+# --backend auto on a GPU that fails: the CPU replays instead, once nothing was reported yet
+
+_OOM = "CUDA cuMemAllocHost failed: CUDA_ERROR_OUT_OF_MEMORY: out of memory"
+
+
+class _FailingScan:
+    """gpu.scan_cuda.CudaScan's stand-in whose chunk `at` fails on the device (a kernel that cannot launch)."""
+
+    def __init__(self, chunks, *const, at):
+        self.c, self.at = chunks, at
+
+    def load(self, k):
+        pass
+
+    def check(self, k):
+        if k == self.at:
+            raise CudaError("CUDA cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE: invalid argument")
+        n = self.c.chunks[k][1] - self.c.chunks[k][0]
+        return np.array([[0] * n, [-1] * n] * 3, np.int64), np.zeros(0, np.int64)
+
+    def close(self):
+        self.c.close()
+
+
+def _gpu_fails(monkeypatch, where):
+    """A GPU said to be there (auto takes it for any dump), failing `where`: in the driver's first answer
+    (resolve), in its start-up (start), in the first chunk or in the second (chunk 0, 1)."""
+    from dcptool.check import scan as scan_mod
+    from dcptool.gpu import cuda, scan_cuda
+
+    def oom():
+        raise CudaError(_OOM)
+
+    monkeypatch.setattr(scan_mod, "GPU_MIN_OBS", 1)
+    monkeypatch.setattr(scan_cuda, "GPU_CHUNK_ROWS", 64)
+    monkeypatch.setattr(scan_cuda, "interpreted", lambda: False)
+    monkeypatch.setattr(cuda, "available", oom if where == "resolve" else lambda: True)
+    monkeypatch.setattr(cuda, "gpu", oom)
+    if isinstance(where, int):
+        monkeypatch.setattr(scan_cuda, "CudaScan", lambda c, *k: _FailingScan(c, *k, at=where))
+
+
+@pytest.mark.parametrize("where", ["resolve", "start", 0])
+def test_auto_replays_on_the_cpu_when_the_gpu_fails_before_reporting_anything(tmp_path, monkeypatch, where):
+    """A GPU that fails before the scan reported anything (a broken install or driver, an allocation at start-up,
+    the first chunk's kernels): `auto` replays on the CPU, with the CPU's findings, and says what failed (the CLI
+    warns with it); `triton` (the GPU asked for by name) fails with that failure."""
+    import json
+
+    from conftest import random_dump
+
+    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(9), 120, 4, 2)
+    want = replay(d, "torch")
+    _gpu_fails(monkeypatch, where)
+    got = replay(open_dumps([str(tmp_path / "d.safetensors")]), "auto")
+    assert [f.to_json() for f in got.findings] == [f.to_json() for f in want.findings] and want.findings
+    assert (got.backend, got.device) == ("torch", "cpu") and want.gpu_failed is None
+    what = _OOM if where != 0 else "CUDA cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE: invalid argument"
+    assert got.gpu_failed == what and got.summary_json()["gpu_failed"] == what
+    assert "gpu_failed" not in want.summary_json()
+    with pytest.raises(CudaError) as e:
+        replay(open_dumps([str(tmp_path / "d.safetensors")]), "triton")
+    assert str(e.value) == f"{what}; use --backend torch to replay on the CPU"
+    assert json.dumps(got.summary_json())  # (the summary stays JSON)
+
+
+def test_a_gpu_failing_after_its_first_result_fails_auto_too(tmp_path, monkeypatch):
+    """A failure after the scan reported a chunk (its progress shown, its rows perhaps released) is not replaced:
+    `auto` fails as `triton` does, in one line."""
+    from conftest import random_dump
+
+    random_dump(tmp_path / "d.safetensors", np.random.default_rng(9), 120, 4, 2)
+    _gpu_fails(monkeypatch, 1)
+    for backend in ("auto", "triton"):
+        with pytest.raises(CudaError, match="cuLaunchKernel failed") as e:
+            replay(open_dumps([str(tmp_path / "d.safetensors")]), backend)
+        assert not isinstance(e.value, CudaStartError)
+
+
+def test_auto_below_the_crossover_never_meets_the_gpu(tmp_path, monkeypatch):
+    """A dump under scan.GPU_MIN_OBS replays on the CPU without asking the driver: no failure to report."""
+    from conftest import random_dump
+
+    from dcptool.check import scan as scan_mod
+    from dcptool.gpu import cuda
+
+    def asked():
+        raise AssertionError("the driver was asked")
+
+    monkeypatch.setattr(cuda, "available", asked)
+    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(9), 30, 4, 2)
+    assert d.n < scan_mod.GPU_MIN_OBS
+    res = replay(d, "auto")
+    assert (res.backend, res.device, res.gpu_failed) == ("torch", "cpu", None)

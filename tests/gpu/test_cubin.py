@@ -1,9 +1,12 @@
 """gpu/cubin.py: Triton kernels compiled for the GPU (here: for Hopper, sm_90, on a machine without one) and
 kept in dcptool's own cache (written by the dump's one atomic write), read back by a fresh process without
-importing triton. Compiles run in fresh processes: this one's triton may be the interpreter's."""
+importing triton; each cubin declares the parameters the launch packs; a compile that fails is one line. Compiles
+run in fresh processes: this one's triton may be the interpreter's."""
 
+import base64
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -13,7 +16,7 @@ from conftest import ROOT
 from dcptool.dcp.fused import TL
 from dcptool.gpu import cubin
 from dcptool.gpu.cuda import CudaError
-from dcptool.gpu.scan_cuda import SIGNATURES
+from dcptool.gpu.scan_cuda import SIGNATURES, size_of
 
 CONST = {"DCP_SIZE": 4, "INTERLEAVE": 1, "PAGE": 16, "HAS_PAGES": True, "BLOCK": 256}
 
@@ -49,6 +52,75 @@ def test_a_kernel_compiles_for_hopper_then_comes_from_the_cache_without_triton(t
     again = _compile(tmp_path, name, warps=warps)
     assert not again.pop("triton")  # read back: triton not even imported
     assert again == {k: v for k, v in first.items() if k != "triton"}
+
+
+def _declared_parameters(elf: bytes, name: str) -> list[int]:
+    """The byte size of each parameter of kernel `name`, by ordinal, as its cubin declares them to the driver (the
+    table cuKernelGetParamInfo reads): the EIATTR_KPARAM_INFO attributes of ELF section `.nv.info.<name>`. An
+    attribute is a format byte, an attribute byte and a 16-bit field; a sized one (format 4) has that many bytes
+    after it, for KPARAM_INFO (0x17): index u32, ordinal u16, offset u16, flags u32 (the size in bits 18-31)."""
+    (shoff,) = struct.unpack_from("<Q", elf, 0x28)
+    entsize, count, names = struct.unpack_from("<HHH", elf, 0x3A)
+    sections = [struct.unpack_from("<I4xQQQQ", elf, shoff + i * entsize) for i in range(count)]
+    table = sections[names][3]
+    title = f".nv.info.{name}\0".encode()
+    ((at, size),) = [(off, n) for name_at, _, _, off, n in sections if elf[table + name_at:].startswith(title)]
+    sizes, end = {}, at + size
+    while at < end:
+        fmt, attr, n = struct.unpack_from("<BBH", elf, at)
+        if fmt == 4 and attr == 0x17:
+            _, ordinal, _, flags = struct.unpack_from("<IHHI", elf, at + 4)
+            sizes[ordinal] = flags >> 18
+        at += 4 + (n if fmt == 4 else 0)
+    assert sorted(sizes) == list(range(len(sizes)))
+    return [sizes[i] for i in range(len(sizes))]
+
+
+@pytest.mark.parametrize("name,const", [("flag_rows_kernel", CONST), ("check_rows_kernel", CONST),
+                                        ("differ_rows_kernel", {"BLOCK": 256})])
+def test_each_cubin_declares_the_parameters_its_launch_packs(tmp_path, name, const):
+    """The cubin dcptool caches declares, in order, the sizes the launch packs (8 for a pointer or an i64, 4 for
+    an i32), then Triton's 8-byte scratch pointers: what the driver reads back on a GPU (Fn refuses any other
+    layout), here from the ELF itself."""
+    _compile(tmp_path, name, const)
+    (entry,) = (tmp_path / "cache" / "kernels").glob("*.json")
+    declared = _declared_parameters(base64.b64decode(json.loads(entry.read_text())["cubin"]), name)
+    sig = [size_of(t) for t in SIGNATURES[name].values()]
+    assert declared[: len(sig)] == sig and declared[len(sig):] == [8] * (len(declared) - len(sig))
+    assert 4 in sig or name != "check_rows_kernel"  # (n_ids: the one 4-byte parameter, packed as int32)
+
+
+BROKEN = """
+import json, sys
+import triton
+from dcptool.dcp.fused import TL
+from dcptool.gpu import cubin
+from dcptool.gpu.cuda import CudaError
+from dcptool.gpu.scan_cuda import SIGNATURES
+
+def broken(*a, **k):
+    raise RuntimeError("PTXAS error: Internal Triton PTX codegen error\\n`ptxas` stderr:\\nptxas fatal: sm_999")
+
+triton.compile = broken
+try:
+    cubin.kernel(TL, "differ_rows_kernel", SIGNATURES["differ_rows_kernel"], {"BLOCK": 256}, 2, 999)
+except CudaError as e:
+    print(json.dumps([e.what, str(e)]))
+"""
+
+
+def test_a_compile_that_fails_is_one_line(tmp_path):
+    """A GPU this Triton cannot compile for (or its ptxas failing): one CudaError line, so `auto` can replay on the
+    CPU and `triton` exits 2, never a traceback. (A fresh process: this one's triton may be the interpreter's.)"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", DCPTOOL_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", BROKEN], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    what, line = json.loads(r.stdout.splitlines()[-1])
+    assert what == ("compiling kernel differ_rows_kernel for sm_999 failed: RuntimeError: PTXAS error: Internal Triton "
+                    "PTX codegen error `ptxas` stderr: ptxas fatal: sm_999")
+    assert line == f"{what}; use --backend torch to replay on the CPU"
+    assert not list((tmp_path / "cache").rglob("*.json"))  # (nothing cached)
 
 
 def test_a_damaged_cache_entry_is_compiled_again(tmp_path):
@@ -115,5 +187,5 @@ def test_an_entry_is_written_by_the_dumps_atomic_write(tmp_path, monkeypatch):
 
 def test_compiling_under_the_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(CudaError, match="TRITON_INTERPRET=1"):
+    with pytest.raises(CudaError, match="^TRITON_INTERPRET=1 is set: .*; unset it$"):
         cubin._compile(TL, "differ_rows_kernel", SIGNATURES["differ_rows_kernel"], {"BLOCK": 256}, 2, 90)

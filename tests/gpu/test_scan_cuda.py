@@ -1,10 +1,14 @@
-"""gpu/scan_cuda.py: the GPU scan. Here: its kernels' signatures against their source, the typed launch and the
-parameter-size check (on a stand-in device), the staging of chunks and the whole scan under Triton's interpreter
-(kernel tests). On a GPU (marked `cuda`): the scan at any chunking and the pairs' comparison against the reference
-and the CPU path, a streamed read, and a fresh `dcptool replay` that never imports torch and finds what the CPU
+"""gpu/scan_cuda.py: the GPU scan. Here: its kernels' signatures against their source, the typed launch (packed by
+cuda-core's own parameter packing, read back at the kernel's parameter sizes) and the parameter-size check (on a
+stand-in device), a start-up that fails giving back what it had, a failure before the first chunk's result as a
+CudaStartError (a CPU scan may take its place) and after it not, the staging of chunks and the whole scan under
+Triton's interpreter (kernel tests). On a GPU (marked `cuda`): the scan at any chunking and the pairs' comparison
+against the reference and the CPU path, on a worker thread too, a streamed read, the driver's parameter sizes, a
+real allocation failure at start-up, and a fresh `dcptool replay` that never imports torch and finds what the CPU
 path finds."""
 
 import ast
+import ctypes
 import json
 import os
 import subprocess
@@ -59,7 +63,7 @@ class _Device:
 
 
 def _cached(monkeypatch, scratch=0, shared=0):
-    monkeypatch.setattr(cubin, "kernel", lambda *a: cubin.Kernel("check_rows_kernel", b"\x7fELF", 128, shared, scratch))
+    monkeypatch.setattr(cubin, "kernel", lambda module, name, *a: cubin.Kernel(name, b"\x7fELF", 128, shared, scratch))
 
 
 def test_a_launch_types_each_argument_by_the_signature_and_nulls_the_scratch_pointers(monkeypatch):
@@ -76,6 +80,49 @@ def test_a_launch_types_each_argument_by_the_signature_and_nulls_the_scratch_poi
     assert type(args[2]) is np.int32 and args[2] == 5  # n_ids: i32, not a Python int (which passes as a pointer)
 
 
+def _packed(args, sizes):
+    """What cuda-core's launch hands the driver for `args` (its own packing, cuda.core's ParamHolder), each
+    parameter read back at the size the kernel reads it: a 4-byte integer as int32, 8 bytes as int64."""
+    from cuda.core._kernel_arg_handler import ParamHolder
+
+    held = ParamHolder(args)
+    at = (ctypes.c_void_p * len(args)).from_address(held.ptr)
+    return [(ctypes.c_int32 if n == 4 else ctypes.c_int64).from_address(a).value for a, n in zip(at, sizes)]
+
+
+@pytest.mark.parametrize("n_ids", [0, 1, 127, 128, 129, 1000, 2**31 - 1])
+def test_cuda_core_packs_each_argument_as_the_kernel_reads_it(monkeypatch, n_ids):
+    """The launch's arguments, packed by cuda-core itself: each pointer as the buffer's 8-byte address, n_ids as the
+    4-byte int32 the kernel reads (cuda-core would pack a Python int as an 8-byte pointer: in a 4-byte slot the
+    kernel would read its low half and every later parameter would be misplaced), the scratch pointers null."""
+    import cuda.core as cc
+
+    _cached(monkeypatch)
+    sig = list(scan_cuda.SIGNATURES["check_rows_kernel"].values())
+    sizes = tuple(scan_cuda.size_of(t) for t in sig) + (8, 8)
+    g = _Device(sizes)
+    fn = scan_cuda.Fn(g, "check_rows_kernel", {}, 4)
+    addresses = [0x7F00_0000_0000 + 0x1000 * i for i in range(len(sig))]
+    bufs = [cc.Buffer.from_handle(a, 64) for a in addresses]  # (views of no memory: only their addresses travel)
+    fn.launch("stream", 3, *bufs[:2], n_ids, *bufs[3:])
+    args = g.launched[0][-1]
+    assert len(args) == len(sizes) and type(args[2]) is np.int32
+    assert _packed(args, sizes) == [*addresses[:2], n_ids, *addresses[3:], 0, 0]
+    assert _packed((n_ids,), (8,)) == [n_ids]  # (the premise: a Python int takes 8 bytes)
+
+
+@pytest.mark.parametrize("cut", [-1, 1])
+def test_a_launch_with_an_argument_too_many_or_too_few_is_refused(monkeypatch, cut):
+    _cached(monkeypatch)
+    sig = list(scan_cuda.SIGNATURES["check_rows_kernel"].values())
+    g = _Device(tuple(scan_cuda.size_of(t) for t in sig) + (8, 8))
+    fn = scan_cuda.Fn(g, "check_rows_kernel", {}, 4)
+    args = [object()] * (len(sig) + cut)
+    with pytest.raises(cuda.CudaError, match=f"check_rows_kernel: {len(args)} arguments for {len(sig)} parameters"):
+        fn.launch("stream", 5, *args)
+    assert g.launched == []
+
+
 @pytest.mark.parametrize("sizes", [(8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8), (8, 8, 4), (8, 8, 4, 8, 8, 8, 8, 8, 8, 8, 8, 4)])
 def test_a_kernel_whose_parameters_differ_from_its_signature_is_refused(monkeypatch, sizes):
     """A Triton that lays the parameters out otherwise (an i32 passed in 8 bytes, one missing, a 4-byte extra) is
@@ -90,6 +137,153 @@ def test_a_kernel_needing_what_the_launch_does_not_give_is_refused(monkeypatch, 
     _cached(monkeypatch, scratch, shared)
     with pytest.raises(cuda.CudaError, match=what):
         scan_cuda.Fn(_Device((8,) * 11), "check_rows_kernel", {}, 4)
+
+
+class _Gpu(_Device):
+    """A stand-in device for CudaScan's set-up: streams, events, pinned and device buffers as names, the call that
+    fails (the k-th of `fail`'s kind) and what free() is handed."""
+
+    def __init__(self, fail=None, at=0):
+        super().__init__(None)
+        self.fail, self.at, self.made, self.freed = fail, at, [], None
+
+    def parameter_sizes(self, kernel):
+        return tuple(scan_cuda.size_of(t) for t in scan_cuda.SIGNATURES[kernel[1]].values()) + (8, 8)
+
+    def _make(self, kind):
+        if kind == self.fail and sum(m.startswith(kind) for m in self.made) == self.at:
+            raise cuda.CudaError(f"CUDA {kind} failed: CUDA_ERROR_OUT_OF_MEMORY: out of memory")
+        self.made.append(f"{kind}{len(self.made)}")
+        return self.made[-1]
+
+    def bind(self):
+        pass
+
+    def stream(self):
+        return self._make("stream")
+
+    def event(self):
+        return self._make("event")
+
+    def pinned(self, n, dtype):
+        return np.zeros(n, dtype), self._make("pinned")
+
+    def alloc(self, nbytes, stream):
+        assert stream == self.made[0]  # (ordered on the copy stream)
+        return self._make("alloc")
+
+    def sync(self, stream):
+        self._make("sync")
+
+    def free(self, buffers, streams, events):
+        self.freed = (list(buffers), list(streams), list(events))
+
+
+def _set_up(monkeypatch, tmp_path, g):
+    _cached(monkeypatch)
+    monkeypatch.setattr(cuda, "gpu", lambda: g)
+    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(3), 30, 4, 2)
+    return staging.Chunks(d, _chunks(d, 100))
+
+
+@pytest.mark.parametrize("fail,at", [("stream", 0), ("stream", 1), ("event", 3), ("pinned", 0), ("pinned", 9),
+                                     ("alloc", 0), ("alloc", 11), ("sync", 0)])
+def test_a_start_up_that_fails_gives_back_what_it_had(tmp_path, monkeypatch, fail, at):
+    """An allocation that fails midway through CudaScan's set-up (pinned memory the host cannot lock, device memory
+    the GPU has not got) frees every stream, event and buffer made before it, then raises that failure: a CPU
+    replay after it in the same process has the memory back."""
+    g = _Gpu(fail, at)
+    with pytest.raises(cuda.CudaError, match=f"CUDA {fail} failed"):
+        scan_cuda.CudaScan(_set_up(monkeypatch, tmp_path, g), 4, 2, 16)
+    buffers, streams, events = g.freed
+    made = [m for m in g.made if not m.startswith("sync")]
+    assert buffers + streams + events == sorted(made, key=lambda m: (not m.startswith(("pinned", "alloc")),
+                                                                     not m.startswith("stream"), g.made.index(m)))
+    assert streams == [m for m in made if m.startswith("stream")] and (not streams or streams[0] == g.made[0])
+
+
+def test_a_start_up_that_succeeds_frees_it_all_on_close(tmp_path, monkeypatch):
+    g = _Gpu()
+    c = _set_up(monkeypatch, tmp_path, g)
+    run = scan_cuda.CudaScan(c, 4, 2, 16)
+    assert g.freed is None and g.made[-1].startswith("sync")  # (the allocations done before any use)
+    run.close()
+    buffers, streams, events = g.freed
+    assert len(streams) == 2 and len(events) == 4 and len(buffers) == 2 * 2 * len(c.sizes) + 8
+    assert sorted(buffers + streams + events) == sorted(m for m in g.made if not m.startswith("sync"))
+
+
+class _Failing:
+    """CudaScan's stand-in: chunk `at`'s check fails with a CUDA error (None: none does); its close fails too when
+    `close_fails`; what happened is logged."""
+
+    log: list = []
+
+    def __init__(self, chunks, *const, at=None, close_fails=False):
+        self.c, self.at, self.close_fails = chunks, at, close_fails
+
+    def load(self, k):
+        _Failing.log.append(("load", k))
+
+    def check(self, k):
+        _Failing.log.append(("check", k))
+        if k == self.at:
+            raise cuda.CudaError("CUDA cuLaunchKernel failed: CUDA_ERROR_INVALID_VALUE: invalid argument")
+        n = self.c.chunks[k][1] - self.c.chunks[k][0]
+        return np.array([[0] * n, [-1] * n] * 3, np.int64), np.zeros(0, np.int64)
+
+    def close(self):
+        _Failing.log.append(("close",))
+        self.c.close()
+        if self.close_fails:
+            raise cuda.CudaError("CUDA cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS")
+
+
+@pytest.mark.parametrize("at", [None, 0, 1])
+@pytest.mark.parametrize("close_fails", [False, True])
+def test_only_a_failure_before_the_first_result_may_be_replaced_by_the_cpu(tmp_path, monkeypatch, at, close_fails):
+    """gpu_scan raises a CudaStartError for a failure before the first chunk's result was kept (nothing reported,
+    no progress: a CPU scan can take the whole scan's place), the CudaError itself after (chunk 0's result is
+    out); the first failure is the one raised (a close failing after it does not hide it) and the staging's
+    threads end either way."""
+    _Failing.log = []
+    monkeypatch.setattr(scan_cuda, "GPU_CHUNK_ROWS", 100)
+    monkeypatch.setattr(cuda, "available", lambda: True)
+    monkeypatch.setattr(scan_cuda, "interpreted", lambda: False)
+    monkeypatch.setattr(scan_cuda, "CudaScan", lambda c, *k: _Failing(c, *k, at=at, close_fails=close_fails))
+    closed = []
+    real_close = staging.Chunks.close
+    monkeypatch.setattr(staging.Chunks, "close", lambda self: closed.append(1) or real_close(self))
+    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(3), 60, 4, 2)
+    assert len(_chunks(d, 100)) > 3
+    done = []
+    if at is None and not close_fails:
+        scan_cuda.gpu_scan(d, True, done.append)
+    else:
+        with pytest.raises(cuda.CudaError) as e:
+            scan_cuda.gpu_scan(d, True, done.append)
+        first = "cuLaunchKernel" if at is not None else "cuStreamSynchronize"
+        assert e.value.what.startswith(f"CUDA {first} failed")
+        assert isinstance(e.value, cuda.CudaStartError) == (at == 0)
+        assert bool(done) == (at != 0)  # (a result was reported: progress moved)
+    assert _Failing.log[-1] == ("close",) and closed == [1]
+    assert ("check", at) in _Failing.log if at is not None else True
+
+
+def test_a_start_up_failure_is_a_start_error(tmp_path, monkeypatch):
+    """A GPU that fails to start (the context, a kernel, the staging) has reported nothing: a CudaStartError
+    carrying the failure's words, and the staging's threads end."""
+    monkeypatch.setattr(cuda, "available", lambda: True)
+    monkeypatch.setattr(scan_cuda, "interpreted", lambda: False)
+    monkeypatch.setattr(cuda, "gpu", lambda: (_ for _ in ()).throw(cuda.CudaError("CUDA device start-up failed: "
+                                                                                   "CUDA_ERROR_UNKNOWN")))
+    closed = []
+    monkeypatch.setattr(staging.Chunks, "close", lambda self: closed.append(1))
+    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(3), 20, 4, 2)
+    with pytest.raises(cuda.CudaStartError) as e:
+        scan_cuda.gpu_scan(d, True)
+    assert str(e.value) == "CUDA device start-up failed: CUDA_ERROR_UNKNOWN; use --backend torch to replay on the CPU"
+    assert closed == [1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,6 +410,39 @@ def test_cuda_scan_in_chunks_equals_reference(tmp_path, monkeypatch, target):
 
 @pytest.mark.cuda
 @gpu
+def test_cuda_scan_on_a_worker_thread_equals_reference(tmp_path, monkeypatch):
+    """The GPU started on this thread, the scan run on another (a library caller's pool): that thread binds the
+    context before cuda-core is asked for anything, and the scan equals the reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(scan_cuda, "GPU_CHUNK_ROWS", 1000)
+    cuda.gpu()
+    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(12), 300, 4, 16)
+    want_obs, want = reference_stats(d)
+    with ThreadPoolExecutor(1) as ex:
+        got_obs, got = as_array(ex.submit(scan_mod.scan, d, "triton").result())
+    assert np.array_equal(got_obs, want_obs) and np.array_equal(got, want) and want_obs.size
+
+
+@pytest.mark.cuda
+@gpu
+@pytest.mark.parametrize("name", list(scan_cuda.SIGNATURES))
+def test_the_driver_reads_each_kernels_parameters_as_its_signature_says(tmp_path, monkeypatch, name):
+    """cuKernelGetParamInfo (cuda-core's Kernel.arguments_info) on the loaded cubin: the signature's sizes (8 for
+    a pointer or an i64, 4 for an i32) in order, then Triton's 8-byte scratch pointers, nulled by each launch."""
+    monkeypatch.setenv("DCPTOOL_CACHE_DIR", str(tmp_path / "k"))
+    const = ({"BLOCK": fused.FUSED_BLOCK} if name == "differ_rows_kernel" else
+             dict(DCP_SIZE=4, INTERLEAVE=2, PAGE=16, HAS_PAGES=True, BLOCK=fused.FUSED_BLOCK))
+    g = cuda.gpu()
+    fn = scan_cuda.Fn(g, name, const, fused.FUSED_WARPS)
+    sizes = g.parameter_sizes(fn.kernel)
+    sig = [scan_cuda.size_of(t) for t in scan_cuda.SIGNATURES[name].values()]
+    assert list(sizes[: len(sig)]) == sig and list(sizes[len(sig):]) == [8] * len(fn.scratch)
+    assert fn.scratch == (0,) * len(fn.scratch)
+
+
+@pytest.mark.cuda
+@gpu
 def test_cuda_scan_uses_the_device_path(tmp_path, monkeypatch):
     """On a GPU the triton backend's scan is CudaScan (cuda-core), never the interpreter's."""
     used = []
@@ -265,3 +492,45 @@ def test_a_fresh_gpu_replay_never_imports_torch(tmp_path, backend):
             assert lines[-1]["backend"] == "triton" and lines[-1]["device"] == "cuda"
     assert got[backend] == got["torch"] and got["torch"]
     assert list((tmp_path / "k" / "kernels").glob("*.json"))  # the kernels came through dcptool's cubin cache
+
+
+@pytest.mark.cuda
+@gpu
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_a_fresh_replay_whose_kernels_the_driver_refuses(tmp_path, backend):
+    """A fresh `dcptool replay` whose cached cubins the driver cannot load (entries that read back whole but hold
+    no kernel image: the driver's own error, in a real process): `triton` exits 2 with one line naming
+    cuLibraryLoadData; `auto` warns once in one line and replays on the CPU, with the CPU's findings and exit
+    code."""
+    import base64
+
+    from dcptool.dcp.fused import CHECK_WARPS, FUSED_BLOCK, FUSED_WARPS, TL
+
+    random_dump(tmp_path / "d.safetensors", np.random.default_rng(8), 300, 4, 16)
+    cc = cuda.gpu().cc
+    const = dict(DCP_SIZE=4, INTERLEAVE=16, PAGE=16, HAS_PAGES=True, BLOCK=FUSED_BLOCK)
+    (tmp_path / "k" / "kernels").mkdir(parents=True)
+    for name, c, warps in (("flag_rows_kernel", const, FUSED_WARPS), ("check_rows_kernel", const, CHECK_WARPS),
+                           ("differ_rows_kernel", {"BLOCK": FUSED_BLOCK}, FUSED_WARPS)):
+        key = cubin.key(TL, name, scan_cuda.SIGNATURES[name], c, warps, cc)
+        entry = {"name": name, "cubin": base64.b64encode(b"no kernel image here").decode(), "threads": 32 * warps,
+                 "shared": 0, "scratch": 0}
+        (tmp_path / "k" / "kernels" / f"{key}.json").write_text(json.dumps(entry))
+    code = ("import sys, runpy\nimport dcptool.check.scan as s; s.GPU_MIN_OBS = 1\n"
+            "sys.argv = ['dcptool', 'replay', sys.argv[1], '--json', '--backend', sys.argv[2]]\n"
+            "runpy.run_module('dcptool', run_name='__main__')")
+    env = {**os.environ, "DCPTOOL_CACHE_DIR": str(tmp_path / "k")}
+    got = {b: subprocess.run([sys.executable, "-c", code, str(tmp_path / "d.safetensors"), b], capture_output=True,
+                             text=True, env=env) for b in (backend, "torch")}
+    p, cpu = got[backend], got["torch"]
+    assert p.stderr.count("\n") == 1 and "CUDA cuLibraryLoadData failed: " in p.stderr, p.stderr[-2000:]
+    if backend == "triton":
+        assert p.returncode == 2 and p.stdout == ""
+        assert p.stderr.endswith("; use --backend torch to replay on the CPU\n")
+        return
+    assert p.stderr.startswith("dcptool replay: warning: --backend auto: CUDA cuLibraryLoadData failed: ")
+    assert p.stderr.endswith("; replaying on the CPU instead\n")
+    assert p.returncode == cpu.returncode == 1 and cpu.stderr == ""
+    lines, want = ([json.loads(x) for x in q.stdout.splitlines()] for q in (p, cpu))
+    assert lines[:-1] == want[:-1] and (lines[-1]["backend"], lines[-1]["device"]) == ("torch", "cpu")
+    assert lines[-1]["gpu_failed"].startswith("CUDA cuLibraryLoadData failed: ")
