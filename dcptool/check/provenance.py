@@ -51,7 +51,7 @@ def _strip(v: np.ndarray) -> np.ndarray:
 class Source:
     """Where a stale value came from: an observation whose expected rows the view holds."""
 
-    index: int  # position in the merged dump
+    index: int  # position in the dump
     obs: int  # index in its file
     file: str
     relation: str  # parent-rows | earlier-in-step | earlier-step
@@ -86,8 +86,9 @@ def _i64(hs: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def latest_before(c_run: np.ndarray, c_idx: np.ndarray, c_val: np.ndarray, q_run: np.ndarray, q_idx: np.ndarray,
-                  q_thr: np.ndarray) -> np.ndarray:
-    """For each query: the largest candidate index < q_idx in the same run with value < q_thr (-1 if none).
+                  q_thr: np.ndarray, c_id: np.ndarray | None = None) -> np.ndarray:
+    """For each query: the largest candidate index < q_idx in the same run with value < q_thr (-1 if none); with
+    `c_id`, that candidate's id instead of its index (the index an order key, the id an observation).
 
     All queries at once, O((c + q) log(c + q)): candidates and queries are sorted together by (run,
     index); a sparse table of range minima over the values lets every query step back over the
@@ -124,7 +125,8 @@ def latest_before(c_run: np.ndarray, c_idx: np.ndarray, c_val: np.ndarray, q_run
         cur = np.where(step, back, cur)
     ans = cur - 1
     hit = (ans >= lo) & (val[np.maximum(ans, 0)] < thr)
-    return np.where(hit, idx[order][np.maximum(ans, 0)], -1)
+    ids = idx if c_id is None else np.concatenate([np.asarray(c_id, np.int64), np.zeros(nq, np.int64)])
+    return np.where(hit, ids[order][np.maximum(ans, 0)], -1)
 
 
 # Exact comparisons of rows: every hash hit is confirmed with these
@@ -289,7 +291,7 @@ class _Search:
         return out
 
     def _strip_lengths(self, obs: np.ndarray) -> np.ndarray:
-        """Per observation (of `obs`, all with num_reqs >= 1; indexed by merged index, 0 elsewhere): its expected
+        """Per observation (of `obs`, all with num_reqs >= 1; indexed by observation, 0 elsewhere): its expected
         real rows' length without trailing zeros. One gather each, plus the rows of the few whose last row is 0."""
         d, c = self.d, self.d.config
         nr = d["obs.num_reqs"].astype(np.int64)
@@ -407,8 +409,9 @@ class _Search:
         return kind.astype(np.int8), aux.astype(np.int64)
 
     def _search_earlier_steps(self, q, qh, cands) -> np.ndarray:
-        """Rule 6: the latest s < i of the same rank in an earlier step whose expected rows equal the
-        recorded ones up to trailing zeros. `cands`: _narrow on (rank, expected rows 0 and 1)."""
+        """Rule 6: the latest s before i (in the run's order: Dump.order_of) of the same rank in an earlier step
+        whose expected rows equal the recorded ones up to trailing zeros. `cands`: _narrow on (rank, expected rows
+        0 and 1)."""
         cand, ci, qi = cands
         if q.size == 0 or cand.size == 0:
             return np.full(q.size, -1, np.int64)
@@ -419,7 +422,8 @@ class _Search:
             full = [c[first + d["obs.num_reqs"][cand].astype(np.int64)] - c[first] for c in cs]
         ci, qi = join([ci, *_i64(full)], [qi, *_i64(qh)])
         keep = np.isin(ci, qi)
-        best = latest_before(ci[keep], cand[keep], step[cand][keep], qi, q, step[q])
+        best = latest_before(ci[keep], d.order_of(cand[keep]), step[cand][keep], qi, d.order_of(q), step[q],
+                             c_id=cand[keep])
         self._earlier.update(zip(q.tolist(), best.tolist()))
         return best
 
@@ -476,7 +480,7 @@ class Provenance(_Search):
         k = np.flatnonzero(todo)
         s = earlier[pos[k]] if k.size else np.zeros(0, np.int64)
         step = d["obs.step"]
-        cand = (s >= 0) & (s < obs[k]) & (step[np.maximum(s, 0)] < step[obs[k]])
+        cand = (s >= 0) & (d.order_of(np.maximum(s, 0)) < d.order_of(obs[k])) & (step[np.maximum(s, 0)] < step[obs[k]])
         stale = s >= 0
         ok = _zero_ext_equal(self.d, obs[k[cand]], m[k[cand]], s[cand], np.maximum(nr[s[cand]], m[k[cand]]))
         good = np.zeros(k.size, bool)
@@ -525,7 +529,9 @@ class Provenance(_Search):
     def _scan_earlier_steps(self, i: int, want: np.ndarray) -> int:
         d = self.d
         same = np.flatnonzero((d["obs.rank"] == d["obs.rank"][i]) & (d["obs.step"] < d["obs.step"][i]))
-        for s in same[same < i][::-1]:
+        at = d.order_of(same)
+        keep = at < d.order_of(i)
+        for s in same[keep][np.argsort(at[keep], kind="stable")][::-1]:  # the latest first, in the run's order
             if self._strip_equal(int(s), want):
                 return int(s)
         return -1
@@ -578,7 +584,8 @@ class Provenance(_Search):
         want = _strip(rec)
         if want.size:
             s = self._earlier.get(i, -1)
-            if s >= 0 and not (s < i and d["obs.step"][s] < d["obs.step"][i] and self._strip_equal(s, want)):
+            if s >= 0 and not (d.order_of(s) < d.order_of(i) and d["obs.step"][s] < d["obs.step"][i]
+                               and self._strip_equal(s, want)):
                 s = self._scan_earlier_steps(i, want)
             if s >= 0:
                 return "stale", self._source(s, "earlier-step"), {}

@@ -28,7 +28,7 @@ __all__ = ["RULES", "SEVERITY", "Finding", "LimitError", "ReplayResult", "Source
 class Split:
     """`--split K`: what one micro-batch of a recorded full batch must carry."""
 
-    parent: int  # merged index
+    parent: int  # its index in the dump
     parent_obs: int
     file: str
     ubatch: int
@@ -97,7 +97,7 @@ class ReplayResult:
     splits: list[Split] = field(default_factory=list)
     rows_view: RowsView | None = None
     grid: ObsGrid | None = None
-    views: dict[int, RowsView] = field(default_factory=dict)  # merged index -> row view (for --html)
+    views: dict[int, RowsView] = field(default_factory=dict)  # index -> row view, in the run's order (for --html)
     problems: list = field(default_factory=list)  # problems.Problem: the findings grouped by root cause
     capped: int | None = None  # the size cap (bytes) the recording stopped at (dcptool.capped); None: it did not
     gpu_failed: str | None = None  # what failed on the GPU that `auto` replayed on the CPU instead; None: nothing
@@ -128,7 +128,7 @@ class ReplayResult:
 
 def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int | None = None,
            views: int = 0, bounded: bool = False, progress=None, engine_version: str | None = None) -> ReplayResult:
-    """Check every observation of a dump; findings in observation order, then DESIGN §3 table order.
+    """Check every observation of a dump; findings in the run's order (Dump.order_of), then DESIGN §3 table order.
 
     The checks are those of the rule table (dcp.rules) that apply to the dump (check.plan). `views` > 0 adds
     row views of the first `views` observations with findings and of the sources of their stale findings (the
@@ -357,7 +357,8 @@ def splits(d: Dump, k: int, engine_version: str | None = None) -> list[Split]:
     version = engine_version if engine_version is not None else c.engine_version
     out = []
     ntp = d["obs.num_tokens_padded"] if d.has("obs.num_tokens_padded") else None
-    for i in _splittable(d):
+    idx = _splittable(d)
+    for i in idx[np.argsort(d.order_of(idx), kind="stable")]:  # (in the run's order)
         nr, nrp = int(d["obs.num_reqs"][i]), int(d["obs.num_reqs_padded"][i])
         for u, ub in enumerate(engine_split(d.qsl_of(i), d.seq_lens_of(i), nr, nrp,
                                             None if ntp is None else int(ntp[i]), k, version)):
@@ -443,4 +444,5 @@ def finding_views(d: Dump, findings: FindingTable, limit: int) -> dict[int, Rows
             budget -= cells
             ks = mine.get(i, np.flatnonzero(index == i).tolist())
             out[i] = rows_view(d, i, [findings[k] for k in ks])
-    return dict(sorted(out.items()))
+    keys = np.array(list(out), np.int64)
+    return {int(i): out[int(i)] for i in keys[np.argsort(d.order_of(keys), kind="stable")]}

@@ -74,7 +74,7 @@ def test_cpu_scan_of_rollover_files_read_lazily(tmp_path, monkeypatch, threads):
     from dcptool.dump import lazy
 
     monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 900)
-    monkeypatch.setattr(lazy, "_max_open_files", lambda: 2)
+    monkeypatch.setattr(lazy, "max_open_files", lambda: 2)
     paths = _rollover(tmp_path, np.random.default_rng(6), n=150, files=5, sorted_steps=False)
     want_obs, want = reference_stats(open_dumps(paths, bounded=False))
     got_obs, got = as_array(scan_mod.scan(open_dumps(paths, bounded=True), "torch", bounded=True, threads=threads))

@@ -1,5 +1,6 @@
-"""dump/merge.py: several files as one run (ordered by step, then file; parents remapped; one layout), each file
-read once whatever it is named, and the choice of a lazy merge when the files exceed half the memory."""
+"""dump/merge.py: several files as one run (end to end, the run ordered by step, then file; parents remapped; one
+layout), each file read once whatever it is named, and the choice of a lazy read when the files exceed half the
+memory."""
 
 import json
 import os
@@ -11,16 +12,29 @@ from conftest import obs, rollover_files, write
 from dcptool.dump import DumpError, files, open_dumps
 
 
-def test_several_files_ordered_by_step_then_file(tmp_path):
+def test_several_files_end_to_end_in_the_run_order_by_step_then_file(tmp_path):
+    """The files end to end (each row column too: no gather), and order_of the run's order: by step, then file."""
     a = write(tmp_path / "r0.safetensors", [obs(step=s, rank=0, site="x") for s in (0, 1, 2)])
     b = write(tmp_path / "r1.safetensors",
               [obs(step=s, rank=1, site=site) for s, site in ((0, "y"), (1, "x"), (1, "x"), (3, "y"))])
+    for stream in (False, True):
+        d = open_dumps([a, b], stream=stream)
+        d.finish()
+        assert d["obs.step"].tolist() == [0, 1, 2, 0, 1, 1, 3]
+        assert d.file_index.tolist() == [0, 0, 0, 1, 1, 1, 1]
+        assert d.file_obs.tolist() == [0, 1, 2, 0, 1, 2, 3]
+        assert not d.in_order and np.argsort(d.order_of(np.arange(7))).tolist() == [0, 3, 1, 4, 5, 2, 6]
+        assert [d.site_name(i) for i in range(7)] == ["x", "x", "x", "y", "x", "x", "y"]
+        assert d.dcp_of(3).tolist() == [8, 12, 0, 0]  # rank 1's rows followed their observation
+        assert d["rows.seq_lens"].size == 7 * 4 and d["obs.rows"].tolist() == list(range(0, 29, 4))
+
+
+def test_rolled_files_in_step_order_are_in_the_run_order(tmp_path):
+    a = write(tmp_path / "run.00000.safetensors", [obs(step=s) for s in (0, 1, 1)])
+    b = write(tmp_path / "run.00001.safetensors", [obs(step=s) for s in (1, 2)])
     d = open_dumps([a, b])
-    assert d["obs.step"].tolist() == [0, 0, 1, 1, 1, 2, 3]
-    assert d.file_index.tolist() == [0, 1, 0, 1, 1, 0, 1]
-    assert d.file_obs.tolist() == [0, 0, 1, 1, 2, 2, 3]
-    assert [d.site_name(i) for i in range(7)] == ["x", "y", "x", "x", "x", "x", "y"]
-    assert d.dcp_of(1).tolist() == [8, 12, 0, 0]  # rank 1's rows followed their observation
+    assert d.in_order and d.order_of(np.arange(5)).tolist() == list(range(5))
+    assert not open_dumps([b, a]).in_order
 
 
 def test_several_files_parent_links_are_remapped(tmp_path):
@@ -71,5 +85,5 @@ def test_lazy_merge_is_chosen_when_the_files_exceed_half_the_memory(tmp_path, mo
     assert not open_dumps(paths).bounded
     monkeypatch.setattr(files, "available_memory", lambda: 2 * total - 2)  # together over half: lazy
     d = open_dumps(paths)
-    assert d.bounded and type(d["rows.seq_lens"]).__name__ == "MergedRows"
+    assert d.bounded and type(d["rows.seq_lens"]).__name__ == "ConcatRows"
     assert not open_dumps(paths[:1]).bounded  # one file alone is under the bound: read as before
