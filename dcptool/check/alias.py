@@ -28,11 +28,12 @@ def _segments(keys: list[np.ndarray], ties: np.ndarray | None = None) -> tuple[n
 
 def check_alias(d: Dump) -> FindingTable:
     """Micro-batches of one step sharing a DCP buffer; full-graph replays reading another buffer
-    than their capture (same file, rank, num_reqs_padded and micro-batch). A dense recording has one on a
+    than their capture (same recording: a file or the files it rolled over into; rank, num_reqs_padded and
+    micro-batch). A dense recording has one on a
     quarter of its observations: built as columns, messages rendered when read (findings.ALIAS_*)."""
     out: list[FindingTable] = []
     buf, ub, has = d["obs.buffer"], d["obs.ubatch"].astype(np.int64), d["obs.has_dcp"]
-    fidx, rank, step = d.file_index.astype(np.int64), d["obs.rank"].astype(np.int64), d["obs.step"]
+    fidx, rank, step = d.recording_index(), d["obs.rank"].astype(np.int64), d["obs.step"]  # (a process's recording)
     sel = np.flatnonzero((ub >= 0) & (has == 1) & (buf != 0))
     if sel.size:
         order, run = _segments([buf[sel], rank[sel], step[sel], fidx[sel]])

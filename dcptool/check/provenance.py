@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcptool.dcp.reference import local_np, ranks_giving
-from dcptool.dcp.segments import join, member, mix, ragged, seg_sums
+from dcptool.dcp.segments import BULK_ROWS, join, member, mix, obs_chunks, ragged, seg_sums
 from dcptool.dump import Dump, obs_ref
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
@@ -69,13 +69,10 @@ class Source:
                 "ubatch": self.ubatch, "file": self.file, "ref": self.ref}
 
 
-# Row hashing for provenance joins. A view's hash is the sum over its rows j of mix(value, j), with
-# mix(0, j) = 0: zeros add nothing, so a view and its zero-extension hash alike (DESIGN §3 compares
-# views with zeros past num_reqs), and a prefix hash is a cumulative sum. Two independent 64-bit
-# sums make an accidental (or crafted) collision practically impossible; every hit is confirmed
-# exactly anyway, and a failed confirmation falls back to the exact scan of that one finding.
-# The provenance searches use one 64-bit row hash: every hit is confirmed exactly and a hit that fails
-# falls back to the exact search, so a collision costs time, never a wrong answer (rank-sum, which groups by
+# Row hashing for provenance joins. A view's hash is the sum over its rows j of mix(value, j), with mix(0, j) = 0:
+# zeros add nothing, so a view and its zero-extension hash alike (DESIGN §3 compares views with zeros past
+# num_reqs), and a prefix hash is a cumulative sum. One 64-bit hash: every hit is confirmed exactly and a hit that
+# fails falls back to the exact search, so a collision costs time, never a wrong answer (rank-sum, which groups by
 # hash without a fallback, keeps two).
 SALTS = (0,)
 LEAD_BLOCK = 1 << 16  # observations per block of lead() on a dump still being read
@@ -229,7 +226,8 @@ class _Search:
         return np.cumsum(nr) - nr, cs
 
     def prepare(self, wrong: np.ndarray) -> None:
-        """Rules 2-6 for all wrong observations at once (each call costs O(n log n): pass them all together)."""
+        """Rules 2-6 for all wrong observations at once (each call costs O(n log n): pass them all together), in
+        blocks of BULK_ROWS recorded rows."""
         d = self.d
         wrong = np.array([w for w in np.unique(np.asarray(wrong, np.int64)).tolist() if w not in self._prepared],
                          np.int64)
@@ -240,8 +238,13 @@ class _Search:
         wrong = wrong[d["obs.has_dcp"][wrong] == 1]
         m = np.minimum(np.diff(view)[wrong], nr[wrong])  # recorded real rows
         wrong, m = wrong[m > 0], m[m > 0]
-        if wrong.size == 0:
-            return
+        for a, b in obs_chunks(m, BULK_ROWS):  # (the search holds about 130 bytes a row of the views it explains)
+            self._prepare(wrong[a:b], m[a:b])
+
+    def _prepare(self, wrong: np.ndarray, m: np.ndarray) -> None:
+        """prepare() for wrong views `wrong` (m recorded real rows each, > 0)."""
+        d = self.d
+        nr, view = d["obs.num_reqs"].astype(np.int64), d["obs.dcp_rows"]
         rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
         seg, j, at = ragged(view[wrong], m)
         rec = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)

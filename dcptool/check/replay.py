@@ -17,7 +17,7 @@ from dcptool.choices import Backend, values
 from dcptool.dcp.reference import local_np
 from dcptool.dcp.rules import DIFFER, PAIRS, PROVENANCE, RULE, RULES, SCAN, SEVERITY, VERSION, WRONG
 from dcptool.dcp.slicing import Ubatch, engine_split
-from dcptool.dump import Dump, DumpError, obs_ref
+from dcptool.dump import Dump, DumpError, MemoryPlan, obs_ref
 from dcptool.gpu.cuda import CudaError, CudaStartError
 
 __all__ = ["RULES", "SEVERITY", "Finding", "LimitError", "ReplayResult", "Source", "expected_of", "local_np", "replay",
@@ -101,6 +101,7 @@ class ReplayResult:
     problems: list = field(default_factory=list)  # problems.Problem: the findings grouped by root cause
     capped: int | None = None  # the size cap (bytes) the recording stopped at (dcptool.capped); None: it did not
     gpu_failed: str | None = None  # what failed on the GPU that `auto` replayed on the CPU instead; None: nothing
+    bounded: MemoryPlan | None = None  # the dump read in bounded memory, and why (dump.open_dumps); None: in memory
 
     @property
     def errors(self) -> int:
@@ -123,7 +124,10 @@ class ReplayResult:
                 "first": self.findings[0].to_json() if self.findings else None, "skipped": self.skipped,
                 "backend": self.backend, "device": self.device, "seconds": round(self.seconds, 4),
                 **({} if self.capped is None else {"capped": self.capped}),
-                **({} if self.gpu_failed is None else {"gpu_failed": self.gpu_failed})}
+                **({} if self.gpu_failed is None else {"gpu_failed": self.gpu_failed}),
+                **({} if self.bounded is None else {"memory": {
+                    "read": "bounded", "dump_bytes": self.bounded.dump_bytes, "available_bytes": self.bounded.available,
+                    "forced": self.bounded.forced}})}
 
 
 def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int | None = None,
@@ -159,7 +163,8 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     d.finish()  # (a streamed dump: the file validated whole before anything is reported)
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=FindingTable.concat(d, parts),
                        backend=where.backend, device=where.device, seconds=0.0, skipped=p.skipped, grid=grid,
-                       capped=next((x for x in d.capped if x is not None), None), gpu_failed=where.gpu_failed)
+                       capped=next((x for x in d.capped if x is not None), None), gpu_failed=where.gpu_failed,
+                       bounded=(d.memory or MemoryPlan(True, sum(d.sizes), None)) if d.bounded else None)
     if split is not None:
         res.splits = splits(d, split, version)
         res.findings = merge_split_findings(d, res.findings, res.splits)

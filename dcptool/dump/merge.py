@@ -4,6 +4,7 @@ columns left in the files, as files.memory_plan decides."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 
@@ -66,6 +67,22 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None, stre
     return d
 
 
+# NAME.00000.safetensors, NAME.00001.safetensors ...: the files a Recorder rolls one recording into (engine writer)
+ROLLED = re.compile(r"^(?P<name>.+)\.\d{5,}(?P<suffix>\.[^./]*)?$")
+
+
+def recording_ids(paths: list[str]) -> list[int]:
+    """Per file, the recording it belongs to: the numbered files a Recorder rolled one recording into (the same
+    NAME and suffix in one directory) share one; any other file is a recording of its own."""
+    ids: dict[tuple, int] = {}
+    out = []
+    for p in paths:
+        m = ROLLED.match(os.path.abspath(p))
+        key = ("rolled", m["name"], m["suffix"]) if m else ("file", os.path.abspath(p))
+        out.append(ids.setdefault(key, len(ids)))
+    return out
+
+
 def _one_run(paths: list[str], configs: list[DumpConfig]) -> tuple[DumpConfig, list[np.ndarray]]:
     """The set's config (the first file's, with every file's sites by name) and each file's site remap; DumpError
     when the files do not share what one run shares."""
@@ -113,7 +130,8 @@ def _dump(parts: list[Dump], cfg: DumpConfig, cols: dict, **kw) -> Dump:
                 file_obs=np.arange(fidx.size, dtype=np.int64) - np.repeat(np.cumsum([0] + n[:-1]), n),
                 injected=[p.injected[0] for p in parts], sizes=[p.sizes[0] for p in parts],
                 capped=[p.capped[0] for p in parts], idents=[p.idents[0] for p in parts],
-                in_order=bool(step.size < 2 or (step[1:] >= step[:-1]).all()), **kw)
+                in_order=bool(step.size < 2 or (step[1:] >= step[:-1]).all()),
+                recordings=recording_ids([p.files[0] for p in parts]), **kw)
 
 
 def _read(paths: list[str], stream: bool) -> Dump:

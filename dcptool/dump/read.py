@@ -49,8 +49,15 @@ class Dump:
     row_parts: dict[str, tuple[int, int]] = field(default_factory=dict)  # see _obs_only
     reader: Reader | None = None  # read_dump(stream=True): the thread still reading the row columns
     in_order: bool = True  # the observations are in the run's order already (one file; rolled files in step order)
+    recordings: list[int] = field(default_factory=list)  # per file: its recording (merge.recording_ids); []: its own
     memory: files.MemoryPlan | None = None  # open_dumps: read into memory or bounded, and why
     _seq: np.ndarray | None = field(default=None, init=False, repr=False)  # (order_of's positions, made on first use)
+
+    def recording_index(self) -> np.ndarray:
+        """[n] int64: the recording of each observation (a file, or the files a Recorder rolled one recording into:
+        what one process recorded, as the checks that follow a buffer across steps need it)."""
+        f = self.file_index.astype(np.int64)
+        return np.asarray(self.recordings, np.int64)[f] if self.recordings else f
 
     def order_of(self, idx: np.ndarray) -> np.ndarray:
         """Keys that sort observations idx in the run's order: idx itself where the observations are in it, else
