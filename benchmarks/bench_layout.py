@@ -7,8 +7,8 @@ observations: fresh `dcptool replay` processes against the read floor, with a ba
 
 Layouts (layout_data.py, made once into --data): `one` (one file), `rankR` (rank<r>.NNNNN.safetensors, each rank's
 observations rolled into R files; --roll lists the R). For each layout and format (text: the whole report to a pipe;
-json: --json) every run is a new process (`python -m dcptool replay FILES --backend B`), peak memory its ru_maxrss
-(os.wait4). `--base DIR` times DIR's dcptool too (PYTHONPATH=DIR: e.g. `git worktree add /tmp/base-main main`), in
+json: --json) every run is a new process (`dcptool replay FILES --backend B`), peak memory its VmHWM (read as it
+exits). `--base DIR` times DIR's dcptool too (PYTHONPATH=DIR: e.g. `git worktree add /tmp/base-main main`), in
 the same rounds. `--bounded` adds this checkout with DCPTOOL_BOUNDED=1 (the bounded path forced). The floor is `cat`
 of the layout's files (after a warm read: the page cache holds them), the start-up a replay of a tiny dump (100
 observations, the same shape) in a fresh process; goal: replay <= 1.5 x (floor + start-up). Each round takes the
@@ -32,22 +32,32 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import layout_data  # noqa: E402
 
+# a dcptool command line that says its peak resident memory (VmHWM) on stderr as it exits: ru_maxrss of a child
+# would count this process's pages too (a fork's child starts with them; the layouts were made in this process)
+PEAK = ("import atexit, runpy, sys; atexit.register(lambda: sys.stderr.write(next(x for x in open('/proc/self/status') "
+        "if x.startswith('VmHWM')))); sys.argv = ['dcptool', *sys.argv[1:]]; runpy.run_module('dcptool', "
+        "run_name='__main__')")
+
 
 def child(cmd: list[str], env: dict, out) -> tuple[float, float, int]:
-    """(seconds, peak MB, exit code) of one process; stdout to `out` (a file, or DEVNULL)."""
+    """(seconds, peak MB, exit code) of one process (`dcptool ARGS` when cmd starts with "dcptool", else cmd);
+    stdout to `out` (a file, or DEVNULL)."""
     import tempfile
 
+    dcptool = cmd[0] == "dcptool"
+    if dcptool:
+        cmd = [sys.executable, "-c", PEAK, *cmd[1:]]
     with tempfile.TemporaryFile() as err:
         t = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
-        _pid, status, usage = os.wait4(p.pid, 0)
+        # (run from the checkout timed: the working directory comes first on a child's sys.path, before PYTHONPATH)
+        code = subprocess.run(cmd, stdout=out, stderr=err, env=env, cwd=env.get("PYTHONPATH")).returncode
         sec = time.perf_counter() - t
-        code = os.waitstatus_to_exitcode(status)
-        p.returncode = code  # (reaped here: Popen must not wait for it again)
-        if code not in (0, 1):
-            err.seek(0)
-            raise SystemExit(f"{' '.join(cmd[:6])} ... exited {code}: {err.read().decode(errors='replace')[-800:]}")
-    return sec, usage.ru_maxrss / 1024, code
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+    if code not in (0, 1):
+        raise SystemExit(f"{' '.join(cmd[:6])} ... exited {code}: {text[-800:]}")
+    peak = next((int(x.split()[1]) / 1024 for x in text.splitlines() if x.startswith("VmHWM")), float("nan"))
+    return sec, peak, code
 
 
 def keys(path: str) -> list[tuple]:
@@ -72,14 +82,16 @@ def env_for(code: str, bounded: bool = False) -> dict:
 
 def layout_files(data: Path, n: int, ranks: int, wrong: float, name: str) -> list[str]:
     if name == "one":
-        return layout_data.one_file(data, n, ranks, wrong)
-    return layout_data.per_rank(data, n, ranks, int(name.removeprefix("rank")), wrong)
+        got = layout_data.one_file(data, n, ranks, wrong)
+    else:
+        got = layout_data.per_rank(data, n, ranks, int(name.removeprefix("rank")), wrong)
+    return [os.path.abspath(p) for p in got]
 
 
 def measure(args, n: int, wrong: float, codes: dict[str, tuple[str, bool]]) -> list[dict]:
     """Every layout of (n, wrong): floor, start-up, and each code and format, --runs rounds."""
     data = Path(args.data)
-    tiny = layout_data.one_file(data, 100, args.ranks, wrong)
+    tiny = layout_files(data, 100, args.ranks, wrong, "one")
     rows, same = [], None
     for name in args.layouts.split(","):
         paths = layout_files(data, n, args.ranks, wrong, name)
@@ -91,14 +103,14 @@ def measure(args, n: int, wrong: float, codes: dict[str, tuple[str, bool]]) -> l
             for job in jobs[r % len(jobs):] + jobs[: r % len(jobs)]:
                 what, fmt = job
                 if what == "floor":
-                    got.setdefault("floor", []).append(child(["cat", *paths], os.environ, subprocess.DEVNULL))
+                    got.setdefault("floor", []).append(child(["cat", *paths], dict(os.environ), subprocess.DEVNULL))
                     continue
                 if what == "start":
-                    cmd = [sys.executable, "-m", "dcptool", "replay", *tiny, "--json", "--backend", args.backend]
+                    cmd = ["dcptool", "replay", *tiny, "--json", "--backend", args.backend]
                     got.setdefault("start", []).append(child(cmd, env_for(str(ROOT)), subprocess.DEVNULL))
                     continue
                 code, bounded = codes[what]
-                cmd = [sys.executable, "-m", "dcptool", "replay", *paths, "--backend", args.backend]
+                cmd = ["dcptool", "replay", *paths, "--backend", args.backend]
                 cmd += ["--json"] if fmt == "json" else []
                 out = Path(args.data) / f"out-{what}-{fmt}.txt"
                 with open(out, "w") as fh:

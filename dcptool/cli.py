@@ -121,7 +121,7 @@ def _open(files: list[str], merge: bool, stream: bool = False):
 
 
 def _obs_index(d, spec: str) -> int:
-    """`--obs FILE:I` (as every report names an observation; `I` alone for one file): its merged position."""
+    """`--obs FILE:I` (as every report names an observation; `I` alone for one file): its position in the dump."""
     from dcptool.dump import match_file, obs_ref, parse_ref
 
     try:

@@ -14,7 +14,7 @@ def ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return seg, j, np.asarray(starts, np.int64)[seg] + j
 
 
-BULK_ROWS = 1 << 21  # rows a vectorised check takes at a time: its temporaries (up to ~130 bytes a row) stay in ~250 MB
+BULK_ROWS = 1 << 20  # rows a vectorised check takes at a time: its temporaries (up to ~130 bytes a row) stay in ~130 MB
 
 
 def obs_chunks(lens: np.ndarray, step: int) -> list[tuple[int, int]]:

@@ -32,7 +32,7 @@ def max_open_files() -> int:
 
 
 class MappedFiles:
-    """The files of a merged bounded dump, each mapped read-only on demand (a few at once, least recently
+    """The files of a bounded dump of several files, each mapped read-only on demand (a few at once, least recently
     used closed first) and checked to be the file that was read and validated: same device, inode, size
     and modification time, else DumpError ("changed while being read")."""
 

@@ -46,7 +46,6 @@ class Dump:
     maps: dict[str, tuple] = field(default_factory=dict)  # bounded: key -> (mmap, byte offset, itemsize)
     bounded: bool = False  # scan with bounded memory (pages dropped after each chunk): a dump too big for RAM
     idents: list[tuple] = field(default_factory=list)  # (st_dev, st_ino, size, mtime_ns) of each file as read
-    row_parts: dict[str, tuple[int, int]] = field(default_factory=dict)  # see _obs_only
     reader: Reader | None = None  # read_dump(stream=True): the thread still reading the row columns
     in_order: bool = True  # the observations are in the run's order already (one file; rolled files in step order)
     recordings: list[int] = field(default_factory=list)  # per file: its recording (merge.recording_ids); []: its own
@@ -279,8 +278,7 @@ def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
     h = file_head(p, f)
     data_start, size, entries, cfg, injected = h.data_start, h.size, h.entries, h.config, h.injected
     if bounded is None:
-        avail = files.available_memory()
-        bounded = avail is not None and size > avail // 2
+        bounded = files.memory_plan([p]).bounded
     stream = stream and not bounded and size > data_start
     try:
         if bounded and size > data_start:

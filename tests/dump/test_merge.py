@@ -283,7 +283,7 @@ def test_the_read_in_bounded_memory_is_chosen_from_the_memory_available_and_said
 
 def _rank_files(tmp_path, n: int, ranks: int = 4, rows: int = 256) -> list[str]:
     """n observations of `rows` rows, each step one batch on `ranks` DCP ranks, a file per rank; views right but for
-    a wrong value in every 101st observation."""
+    a wrong value in every 1009th observation of a rank."""
     from dcptool.dcp.reference import local_np
     from dcptool.dump import DumpConfig, write_dump
 
@@ -293,7 +293,7 @@ def _rank_files(tmp_path, n: int, ranks: int = 4, rows: int = 256) -> list[str]:
     seq = rng.integers(1, 1 << 16, m * rows).astype(np.int32)  # one batch, the same on every rank
     for r in range(ranks):
         view = local_np(seq, ranks, r, 16).astype(np.int32)
-        view[np.arange(r, m, 101) * rows + 3] += 1
+        view[np.arange(r, m, 1009) * rows + 3] += 1
         offs = np.arange(m + 1, dtype=np.int64) * rows
         cols = {"obs.step": np.arange(m, dtype=np.int64), "obs.site": np.zeros(m, np.int32),
                 "obs.rank": np.full(m, r, np.int32), "obs.ubatch": np.full(m, -1, np.int32),
@@ -313,19 +313,20 @@ PEAK = ("import atexit, runpy, sys; atexit.register(lambda: sys.stderr.write(nex
 
 
 def test_a_fresh_replay_of_rank_files_peaks_under_one_and_a_half_times_the_dump(tmp_path):
-    """A memory check, not a timing: `dcptool replay` of four rank files (about 330 MB together, 160,000
-    observations) in a fresh process peaks under 1.5x the files; each row column is read once, into its place, and
-    nothing gathers the rows again."""
+    """A memory check, not a timing: `dcptool replay` of four rank files (about 650 MB together, 320,000
+    observations, a few wrong) in a fresh process peaks under 1.5x the files, the interpreter's memory included:
+    each row column is read once, into its place, and nothing gathers the rows again (the merge into step order
+    peaked at 4.5x). (What the checks hold for wrong views is bounded apart: BULK_ROWS.)"""
     import subprocess
     import sys
 
     from conftest import ROOT
 
-    paths = _rank_files(tmp_path, 160_000)
+    paths = _rank_files(tmp_path, 320_000)
     total = sum(os.path.getsize(p) for p in paths)
     r = subprocess.run([sys.executable, "-c", PEAK, "replay", *paths, "--json", "--backend", "torch"],
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 1 and r.stderr.startswith("VmHWM:"), r.stderr[-2000:]
     peak = int(r.stderr.split()[1]) * 1024
-    assert total > 300e6 and peak < 1.5 * total, (peak / 1e6, total / 1e6)
+    assert total > 600e6 and peak < 1.5 * total, (peak / 1e6, total / 1e6)
