@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -92,27 +93,63 @@ class Run:
 
 def one_file(data: Path, n: int, ranks: int = 4, wrong: float = 0.01, seed: int = 0) -> list[str]:
     """The run as one file (every rank's observations in step order), made once under `data`."""
-    path = data / f"layout-{n}-r{ranks}-w{wrong:g}-s{seed}" / "one.safetensors"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        Run.make(n, ranks, wrong, seed).write(path, np.arange(n, dtype=np.int64))
-    return [str(path)]
+    make(data, [(n, ranks, wrong, "one")], jobs=1, seed=seed)
+    return [t[0] for t in _tasks(data, n, ranks, wrong, "one", seed)]
 
 
 def per_rank(data: Path, n: int, ranks: int = 4, roll: int = 1, wrong: float = 0.01, seed: int = 0) -> list[str]:
     """The run as the plugin writes it: rank<r>.NNNNN.safetensors, each rank's observations rolled into `roll` files
     (in a directory of their own, made once under `data`); the files in the order a directory lists them."""
-    out = data / f"layout-{n}-r{ranks}-w{wrong:g}-s{seed}" / f"per-rank-{roll}"
-    names = [out / f"rank{r}.{k:05d}.safetensors" for r in range(ranks) for k in range(roll)]
-    if not all(p.exists() for p in names):
-        out.mkdir(parents=True, exist_ok=True)
-        run = Run.make(n, ranks, wrong, seed)
-        for r in range(ranks):
-            mine = np.arange(r, n, ranks, dtype=np.int64)
-            cuts = np.linspace(0, mine.size, roll + 1).astype(np.int64)
-            for k in range(roll):
-                run.write(out / f"rank{r}.{k:05d}.safetensors", mine[cuts[k] : cuts[k + 1]])
-    return sorted(str(p) for p in names)
+    make(data, [(n, ranks, wrong, f"rank{roll}")], jobs=1, seed=seed)
+    return sorted(t[0] for t in _tasks(data, n, ranks, wrong, f"rank{roll}", seed))
+
+
+def _layout_dir(data: Path, n: int, ranks: int, wrong: float, seed: int) -> Path:
+    return data / f"layout-{n}-r{ranks}-w{wrong:g}-s{seed}"
+
+
+@lru_cache(maxsize=2)
+def _run(n: int, ranks: int, wrong: float, seed: int) -> Run:
+    return Run.make(n, ranks, wrong, seed)
+
+
+def _write_one(task: tuple) -> None:
+    """One file of a layout (a worker's task): (path, n, ranks, wrong, seed, observations as (rank, roll, k))."""
+    path, n, ranks, wrong, seed, part = task
+    run = _run(n, ranks, wrong, seed)
+    if part is None:
+        idx = np.arange(n, dtype=np.int64)
+    else:
+        r, roll, k = part
+        mine = np.arange(r, n, ranks, dtype=np.int64)
+        cuts = np.linspace(0, mine.size, roll + 1).astype(np.int64)
+        idx = mine[cuts[k] : cuts[k + 1]]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    run.write(Path(path), idx)
+
+
+def _tasks(data: Path, n: int, ranks: int, wrong: float, name: str, seed: int) -> list[tuple]:
+    out = _layout_dir(data, n, ranks, wrong, seed)
+    if name == "one":
+        return [(str(out / "one.safetensors"), n, ranks, wrong, seed, None)]
+    roll = int(name.removeprefix("rank"))
+    return [(str(out / f"per-rank-{roll}" / f"rank{r}.{k:05d}.safetensors"), n, ranks, wrong, seed, (r, roll, k))
+            for r in range(ranks) for k in range(roll)]
+
+
+def make(data: Path, layouts: list[tuple[int, int, float, str]], jobs: int, seed: int = 0) -> None:
+    """Every file of the layouts (n, ranks, wrong, name: `one` or `rankR`) not made yet, `jobs` files at a time
+    (a process each: a 10^7-observation set is a few minutes of one core); what one_file and per_rank read."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    todo = [t for spec in layouts for t in _tasks(data, *spec, seed) if not os.path.exists(t[0])]
+    todo.sort(key=lambda t: -(t[1] if t[5] is None else t[1] // (t[2] * t[5][1])))  # the largest files first
+    if jobs <= 1 or len(todo) <= 1:
+        for t in todo:
+            _write_one(t)
+        return
+    with ProcessPoolExecutor(min(jobs, len(todo))) as pool:
+        list(pool.map(_write_one, todo))
 
 
 def size_of(paths: list[str]) -> int:
