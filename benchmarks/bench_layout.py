@@ -39,25 +39,28 @@ PEAK = ("import atexit, runpy, sys; atexit.register(lambda: sys.stderr.write(nex
         "run_name='__main__')")
 
 
-def child(cmd: list[str], env: dict, out) -> tuple[float, float, int]:
-    """(seconds, peak MB, exit code) of one process (`dcptool ARGS` when cmd starts with "dcptool", else cmd);
-    stdout to `out` (a file, or DEVNULL)."""
+def child(cmd: list[str], env: dict, out) -> tuple[float, float, int, float]:
+    """(seconds, peak MB, exit code, CPU seconds) of one process (`dcptool ARGS` when cmd starts with "dcptool",
+    else cmd); stdout to `out` (a file, or DEVNULL). The CPU seconds (user + system, every thread) move less than
+    the wall time on a machine shared with other work."""
+    import resource
     import tempfile
 
     dcptool = cmd[0] == "dcptool"
     if dcptool:
         cmd = [sys.executable, "-c", PEAK, *cmd[1:]]
     with tempfile.TemporaryFile() as err:
-        t = time.perf_counter()
+        t, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
         # (run from the checkout timed: the working directory comes first on a child's sys.path, before PYTHONPATH)
         code = subprocess.run(cmd, stdout=out, stderr=err, env=env, cwd=env.get("PYTHONPATH")).returncode
-        sec = time.perf_counter() - t
+        sec, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
         err.seek(0)
         text = err.read().decode(errors="replace")
     if code not in (0, 1):
         raise SystemExit(f"{' '.join(cmd[:6])} ... exited {code}: {text[-800:]}")
     peak = next((int(x.split()[1]) / 1024 for x in text.splitlines() if x.startswith("VmHWM")), float("nan"))
-    return sec, peak, code
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return sec, peak, code, cpu
 
 
 def keys(path: str) -> list[tuple]:
@@ -135,17 +138,19 @@ def table(rows: list[dict], codes: list[str], formats: list[str]) -> None:
     print("\n| obs | wrong | layout | files | dump MB | findings | floor s | start-up s | "
           + " | ".join(f"{c} {f} s (range)" for c in codes for f in formats)
           + " | " + " | ".join(f"{c} {f} / (floor + start-up)" for c in codes for f in formats)
+          + " | " + " | ".join(f"{c} {f} CPU s" for c in codes for f in formats)
           + " | " + " | ".join(f"{c} peak MB / dump" for c in codes) + " |")
-    print("|" + "---|" * (8 + 2 * len(codes) * len(formats) + len(codes)))
+    print("|" + "---|" * (8 + 3 * len(codes) * len(formats) + len(codes)))
     for r in rows:
         g = r["runs"]
         floor, start = med(g["floor"], 0), med(g["start"], 0)
         cells = [f"{med(g[f'{c}/{f}'], 0):.2f} ({rng(g[f'{c}/{f}'])})" for c in codes for f in formats]
         ratios = [f"{med(g[f'{c}/{f}'], 0) / (floor + start):.2f}" for c in codes for f in formats]
+        cpus = [f"{med(g[f'{c}/{f}'], 3):.2f}" for c in codes for f in formats]
         peaks = [f"{max(med(g[f'{c}/{f}'], 1) for f in formats):,.0f} / {r['mb']:,.0f} = "
                  f"{max(med(g[f'{c}/{f}'], 1) for f in formats) / r['mb']:.2f}" for c in codes]
         print(f"| {r['obs']:,} | {r['wrong']:g} | {r['layout']} | {r['files']} | {r['mb']:,.0f} | {r['findings']:,} | "
-              f"{floor:.2f} | {start:.2f} | " + " | ".join(cells + ratios + peaks) + " |")
+              f"{floor:.2f} | {start:.2f} | " + " | ".join(cells + ratios + cpus + peaks) + " |")
 
 
 def main() -> None:
