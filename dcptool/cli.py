@@ -185,7 +185,19 @@ FULL_HELP = ("The whole report on a terminal too: every finding (up to --max-fin
              "problem last; a pipe or a file always gets the whole report.")
 
 
-@app.command()
+class _RuleHelp(TyperCommand):
+    """replay: its help ends with the rule table (dcptool.dcp.rules: name, severity, what it catches), read when
+    the help is shown."""
+
+    def format_epilog(self, ctx, formatter) -> None:
+        from dcptool.dcp import rules
+
+        with formatter.section("Rules (docs/replay.md#the-rules)"):
+            formatter.write_dl([(r.name, f"{r.severity}: {r.what}") for r in rules.TABLE])
+        super().format_epilog(ctx, formatter)
+
+
+@app.command(cls=_RuleHelp)
 def replay(
     dumps: Annotated[list[str], typer.Argument(metavar="DUMP", help=DUMPS_HELP)],
     full: Annotated[bool, typer.Option("--full", help=FULL_HELP)] = False,
