@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -433,6 +434,28 @@ def simulate(
 # Diagnosis: a minimal reproducer, and a regression test made from it
 
 
+def _replayed_into(dump: list[str], output: Path, force: bool, merge: bool):
+    """reduce's and export-test's start: -o checked before any work, the dumps read and replayed (torch): (the
+    files, the dump, the replay)."""
+    from dcptool.check.replay import replay as run_replay
+
+    files = _inputs(dump)
+    output_target("-o", output, files, force)
+    d = _open(files, merge)
+    return files, d, run_replay(d, "torch")
+
+
+@contextmanager
+def _output_error():
+    """What writing -o met (it appeared since, the disk is full): `dcptool COMMAND: -o: what`."""
+    from dcptool.dump import DumpError
+
+    try:
+        yield
+    except DumpError as e:
+        raise UsageError("-o", str(e)) from None
+
+
 @app.command()
 def reduce(
     dump: Annotated[list[str], typer.Argument(metavar="DUMP", help=DUMPS_HELP)],
@@ -449,27 +472,21 @@ def reduce(
     merge: Annotated[bool, typer.Option("--merge", help=MERGE_HELP)] = False,
 ) -> None:
     """Shrink a recording to the fewest steps, observations and rows that still show one problem."""
-    from dcptool.check.replay import replay as run_replay
     from dcptool.diagnose.reduce import find_target, reduce_dump, reduced_config
-    from dcptool.dump import DumpError, write_dump
+    from dcptool.dump import write_dump
     from dcptool.report import text as report
     from dcptool.report.progress import Progress
 
-    files = _inputs(dump)
-    output_target("-o", output, files, force)
-    d = _open(files, merge)
-    res = run_replay(d, "torch")
+    files, d, res = _replayed_into(dump, output, force, merge)
     target = find_target(str(files[0]), res.findings, finding, d)
     with Progress(max(1, int(max_seconds)), "reduce", not json_out and sys.stderr.isatty(), unit="s") as bar:
         red = reduce_dump(d, target, {f.rule for f in res.findings}, max_seconds=max_seconds, progress=bar,
                           name=str(output))
     cols = red.dump.columns
     injected = red.dump.injected[0] if red.dump.injected else None
-    try:
+    with _output_error():
         write_dump(output, reduced_config(d, ", ".join(d.files), target), cols, injected, force=force,
                    inputs=d.files)
-    except DumpError as e:
-        raise UsageError("-o", str(e)) from None
     say(f"wrote {output}")
     if json_out:
         sys.stdout.write(json.dumps({**red.to_json(), "output": str(output)}) + "\n")
@@ -488,23 +505,17 @@ def export_test(
     merge: Annotated[bool, typer.Option("--merge", help=MERGE_HELP)] = False,
 ) -> None:
     """Write a pytest regression test embedding the recording's wrong observations as literal arrays."""
-    from dcptool.check.replay import replay as run_replay
     from dcptool.diagnose.export import ExportError
     from dcptool.diagnose.export import export_test as build
-    from dcptool.dump import DumpError, atomic_write
+    from dcptool.dump import atomic_write
 
-    files = _inputs(dump)
-    output_target("-o", output, files, force)
-    d = _open(files, merge)
-    res = run_replay(d, "torch")
+    files, d, res = _replayed_into(dump, output, force, merge)
     try:
         text, cases = build(d, res.findings, max_cases=max_cases)
     except ExportError as e:
         raise InputError(f"{files[0]}: {e}") from None
-    try:
+    with _output_error():
         atomic_write(output, [text.encode("utf-8")], force=force, inputs=d.files)
-    except DumpError as e:
-        raise UsageError("-o", str(e)) from None
     say(f"wrote {output}: {cases} case{'s' if cases != 1 else ''} (run it with pytest)")
 
 

@@ -190,32 +190,7 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         show_findings(console, shown, len(res.findings))
         if len(res.findings) > len(shown):
             say(console, f"... {len(res.findings) - len(shown)} more findings not shown (--max-findings, --json)")
-    files = literal(", ".join(res.files))
-    cfg = res.config
-    say(console, ("dcptool replay", "bold"), f" {files}: {res.observations} observations, dcp_size {cfg.dcp_size}, "
-        f"interleave {cfg.cp_interleave}" + (f", pcp_size {cfg.pcp_size}" if cfg.pcp_size > 1 else ""))
-    if res.findings:
-        by_rule = ", ".join(f"{r} {n}" for r, n in res.by_rule().items())
-        say(console, f"findings: {len(res.findings)} ({res.errors} errors, {res.warnings} warnings): {by_rule}")
-        st = Table(title="By site", title_justify="left")
-        st.add_column("site", overflow="fold")
-        rules = list(res.by_rule())
-        for r in rules:
-            st.add_column(r, justify="right")
-        by_site = res.by_site()
-        for site, counts in list(by_site.items())[:BY_SITE_ROWS]:  # a dump may name 10**5 sites: cap the table
-            st.add_row(lit(site), *[str(counts.get(r, "")) for r in rules])
-        show_table(console, st, fold=False)
-        if len(by_site) > BY_SITE_ROWS:
-            say(console, f"... {len(by_site) - BY_SITE_ROWS} more sites with findings not shown (--json)")
-    else:
-        say(console, ("clean", "green"), ": every observation's DCP metadata is what it must be")
-    for check, why in res.skipped.items():
-        say(console, literal(f"skipped {check}: {why}"), style="dim")
-    if getattr(res, "capped", None) is not None:
-        say(console, ("size cap", "yellow"), f": the recording stopped at its size cap of {res.capped:,} bytes; "
-            "later observations were not recorded (DCPTOOL_RECORD_MAX_GB, Recorder(max_bytes=))")
-    say(console, f"backend {res.backend} on {res.device}, {res.seconds:.2f} s", style="dim")
+    replay_summary(res, console, literal(", ".join(res.files)), by_site=True)
     if res.findings:
         # cmp-style, the first finding last; its message only when the table above does not show it (each
         # finding's message is on exactly one line: `grep -c` counts findings)
@@ -223,6 +198,42 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         where = f.where
         say(console, ("first finding: ", "bold"), literal(f"{f.ref} "), (f.rule, severity_style(f.severity)),
             literal(f" {f.message}" if not shown else f" {where} (the first row of the findings above)"))
+
+
+def replay_summary(res, console: Console, files: str, line=say, dim=say, by_site: bool = False) -> None:
+    """replay's summary, one text for both reports: the whole one's (`say`: lines never wrapped; by_site: the
+    table by site under the counts) and one screen's (report.screen: `line` wraps, `dim` cuts to the width)."""
+    cfg = res.config
+    line(console, ("dcptool replay", "bold"), f" {files}: {res.observations} observations, dcp_size "
+         f"{cfg.dcp_size}, interleave {cfg.cp_interleave}" + (f", pcp_size {cfg.pcp_size}" if cfg.pcp_size > 1 else ""))
+    if res.findings:
+        by_rule = ", ".join(f"{r} {n}" for r, n in res.by_rule().items())
+        line(console, f"findings: {len(res.findings)} ({res.errors} errors, {res.warnings} warnings): {by_rule}")
+        if by_site:
+            _by_site(res, console)
+    else:
+        line(console, ("clean", "green"), ": every observation's DCP metadata is what it must be")
+    for check, why in res.skipped.items():
+        dim(console, literal(f"skipped {check}: {why}"), style="dim")
+    if getattr(res, "capped", None) is not None:
+        line(console, ("size cap", "yellow"), f": the recording stopped at its size cap of {res.capped:,} bytes; "
+             "later observations were not recorded (DCPTOOL_RECORD_MAX_GB, Recorder(max_bytes=))")
+    dim(console, f"backend {res.backend} on {res.device}, {res.seconds:.2f} s", style="dim")
+
+
+def _by_site(res, console: Console) -> None:
+    """The findings by site and rule (the first BY_SITE_ROWS sites)."""
+    st = Table(title="By site", title_justify="left")
+    st.add_column("site", overflow="fold")
+    rules = list(res.by_rule())
+    for r in rules:
+        st.add_column(r, justify="right")
+    by_site = res.by_site()
+    for site, counts in list(by_site.items())[:BY_SITE_ROWS]:  # a dump may name 10**5 sites: cap the table
+        st.add_row(lit(site), *[str(counts.get(r, "")) for r in rules])
+    show_table(console, st, fold=False)
+    if len(by_site) > BY_SITE_ROWS:
+        say(console, f"... {len(by_site) - BY_SITE_ROWS} more sites with findings not shown (--json)")
 
 
 def _axis(tl: Timeline) -> str:
