@@ -491,7 +491,10 @@ def reduce(
     if json_out:
         sys.stdout.write(json.dumps({**red.to_json(), "output": str(output)}) + "\n")
     else:
-        report.render_reduction(red, str(output), _console())
+        from dcptool.report import screen
+
+        console = _console()
+        (screen.render_reduction if console.is_terminal else report.render_reduction)(red, str(output), console)
 
 
 @app.command("export-test")

@@ -18,6 +18,10 @@ from dcptool.report.text import (
     replay_summary,
     say,
     severity_style,
+    wrap,
+)
+from dcptool.report.text import (
+    render_reduction as whole_reduction,
 )
 
 SCREEN_TIMELINE_ROWS = 12  # one row per site (ranks folded in), rows with findings first
@@ -31,11 +35,6 @@ def cut(console: Console, *parts, style: str = "") -> None:
     t = Text.assemble(*parts, style=style)
     t.truncate(max(layout_width(console), 8), overflow="ellipsis")
     console.print(t, no_wrap=True, overflow="ellipsis", crop=True)
-
-
-def wrap(console: Console, *parts, style: str = "") -> None:
-    """A paragraph, wrapped between words at the console's width."""
-    console.print(Text.assemble(*parts, style=style), overflow="fold")
 
 
 def _files(files: list[str]) -> str:
@@ -100,3 +99,9 @@ def render_diff(res, console: Console, max_findings: int | None = None) -> None:
         if res.total > len(shown):
             cut(console, f"... {res.total - len(shown)} more (--full, --json, --html PATH)", style="dim")
     diff_summary(res, console, line=wrap, dim=cut, cmp=False)
+
+
+def render_reduction(red, output: str, console: Console) -> None:
+    """reduce on a terminal: its summary and first finding wrapped, each other finding one line cut to the width (as
+    replay's problems and diff's differences)."""
+    whole_reduction(red, output, console, line=wrap, more=cut)
