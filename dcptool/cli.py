@@ -198,7 +198,7 @@ class _RuleHelp(TyperCommand):
         super().format_epilog(ctx, formatter)
 
 
-@app.command(cls=_RuleHelp)
+@app.command(cls=_RuleHelp, short_help="Check every observation's DCP metadata; report what is wrong.")
 def replay(
     dumps: Annotated[list[str], typer.Argument(metavar="DUMP", help=DUMPS_HELP)],
     full: Annotated[bool, typer.Option("--full", help=FULL_HELP)] = False,
@@ -263,7 +263,7 @@ def replay(
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(short_help="Compare two runs, observation by observation.")
 def diff(
     a: Annotated[str, typer.Argument(metavar="A", help="The first run: dump files, a directory, a quoted glob, or a "
                                                         "comma-separated list of these.")],
@@ -312,7 +312,7 @@ def diff(
     raise typer.Exit(0 if res.same else 1)
 
 
-@app.command()
+@app.command(short_help="Summarise a dump: config, steps, sites, ranks, sizes.")
 def inspect(
     dump: Annotated[list[str], typer.Argument(metavar="DUMP", help=DUMPS_HELP)],
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
@@ -350,7 +350,7 @@ def _int(flag: str, lo: int, help: str):
     return typer.Option(flag, parser=integer(lo), metavar="N", help=help)
 
 
-@app.command(cls=_FaultHelp)
+@app.command(cls=_FaultHelp, short_help="Model vLLM's runner: what each fault looks like, or test dumps.")
 def simulate(
     dcp: Annotated[int, _int("--dcp", 1, "DCP world size N (ranks recorded).")] = 2,
     interleave: Annotated[int, _int("--interleave", 1, "cp_kv_cache_interleave_size I.")] = 1,
@@ -456,7 +456,7 @@ def _output_error():
         raise UsageError("-o", str(e)) from None
 
 
-@app.command()
+@app.command(short_help="Shrink a recording to the few observations of one problem.")
 def reduce(
     dump: Annotated[list[str], typer.Argument(metavar="DUMP", help=DUMPS_HELP)],
     finding: Annotated[str, typer.Option("--finding", help="The problem to keep: RULE, RULE/RELATION (stale) or "
@@ -497,7 +497,7 @@ def reduce(
         (screen.render_reduction if console.is_terminal else report.render_reduction)(red, str(output), console)
 
 
-@app.command("export-test")
+@app.command("export-test", short_help="Write a pytest file from a recording's wrong observations.")
 def export_test(
     dump: Annotated[list[str], typer.Argument(metavar="DUMP", help="A (reduced) recording with findings: " +
                                               DUMPS_HELP[0].lower() + DUMPS_HELP[1:])],

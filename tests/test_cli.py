@@ -751,6 +751,14 @@ def test_a_usage_error_in_a_real_process_is_one_line():
         assert r.stderr.startswith(f"dcptool {cmd}: {line}"), r.stderr
 
 
+def test_the_command_list_is_not_cut_on_80_columns():
+    """`dcptool` alone lists every command with its whole one-line summary on an 80-column terminal."""
+    page = cli("--help", env={"COLUMNS": "80"}).stdout
+    listed = page[page.index("Commands:"):].splitlines()[1:]
+    assert [x.split()[0] for x in listed if x.strip()] == list(COMMANDS)
+    assert all(len(x) <= 80 and not x.endswith("...") for x in listed), listed
+
+
 @pytest.mark.parametrize("cmd", ("",) + COMMANDS)
 def test_h_is_help_everywhere(cmd):
     short, long = (cli(*[c for c in (cmd, flag) if c]) for flag in ("-h", "--help"))
