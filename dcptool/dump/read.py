@@ -32,7 +32,7 @@ from dcptool.dump.stream import Reader, Source, Streamed
 class Dump:
     """Observations of one or more files; columns are numpy. Several files lie end to end in the order given (file
     f's observations, and each row column's rows, after file f - 1's), each in its own order: what the checks read.
-    The run's order (DESIGN §2: by step, then file order, then order in the file; one file: its order) is what
+    The run's order (docs/format.md: by step, then file order, then order in the file; one file: its order) is what
     reports show: order_of() gives it."""
 
     files: list[str]
@@ -189,7 +189,7 @@ class Dump:
 
 
 def read_dump(path: str | os.PathLike, bounded: bool | None = None, stream: bool = False) -> Dump:
-    """Open one dump after validating all of DESIGN §2; the file's descriptor is closed on return.
+    """Open one dump after validating all of docs/format.md; the file's descriptor is closed on return.
 
     The data is copied into memory (one read), so a file truncated or rewritten while dcptool runs
     cannot change what it reports or end it with SIGBUS; a change during the read itself (size,
@@ -246,7 +246,7 @@ class Head:
 
 
 def file_head(p: str, f) -> Head:
-    """The header of the open dump file f, checked: every rule of DESIGN §2 that the header alone decides."""
+    """The header of the open dump file f, checked: every rule of docs/format.md that the header alone decides."""
     before = os.fstat(f.fileno())
     header, data_start, size = files.header_of(p, f)
     meta = header.get("__metadata__", {})

@@ -85,7 +85,7 @@ def plan(sources: list[Source]) -> list[Piece]:
 class Reader:
     """The row columns of `sources` read on a thread of their own (`plan`), each file checked unchanged and its
     values validated once its rows are in. wait(key, n) blocks until the first n values of key are read; an error
-    (a short or changed file, a rule of DESIGN §2) wakes every waiter and is raised by wait() and finish()."""
+    (a short or changed file, a rule of docs/format.md) wakes every waiter and is raised by wait() and finish()."""
 
     def __init__(self, sources: list[Source]) -> None:
         self.sources = sources
