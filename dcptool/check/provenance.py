@@ -71,10 +71,9 @@ class Source:
 
 
 # Row hashing for provenance joins. A view's hash is the sum over its rows j of mix(value, j), with mix(0, j) = 0:
-# zeros add nothing, so a view and its zero-extension hash alike (replay compares views with zeros past
-# num_reqs), and a prefix hash is a cumulative sum. One 64-bit hash: every hit is confirmed exactly and a hit that
-# fails falls back to the exact search, so a collision costs time, never a wrong answer (rank-sum, which groups by
-# hash without a fallback, keeps two).
+# zeros add nothing, so a view and its zero-extension hash alike (replay compares views with zeros past num_reqs),
+# and a prefix hash is a cumulative sum. One 64-bit hash: every hit is confirmed exactly and a hit that fails falls
+# back to the exact search, so a collision costs time, never a wrong answer (rank-sum, without a fallback, keeps two).
 SALTS = (0,)
 LEAD_BLOCK = 1 << 16  # observations per block of lead() on a dump still being read
 

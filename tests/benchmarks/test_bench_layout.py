@@ -38,4 +38,5 @@ def test_a_small_run_measures_every_layout_and_finds_the_same(tmp_path):
     # 1%: at least the 4 planted observations; every observation planted: most of them found (a -1 planted in the
     # padding of an observation without padding rows changes nothing)
     assert found[0] == found[1] >= 4 and found[2] == found[3] >= 1800, found
-    assert all(float(x.split()[0]) > 0 for r in rows for x in r[6:10]), rows
+    # the replays (this checkout, the bounded path): wall and CPU seconds measured (the floor of a few kB may be 0.00)
+    assert all(float(r[k].split()[0]) > 0 for r in rows for k in (7, 8, 9, 12, 13)), rows
