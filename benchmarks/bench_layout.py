@@ -56,7 +56,7 @@ def child(cmd: list[str], env: dict, out) -> tuple[float, float, int, float]:
         sec, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
         err.seek(0)
         text = err.read().decode(errors="replace")
-    if code not in (0, 1):
+    if code not in (0, 1) or "Traceback (most recent call last)" in text:  # (1 is also Python's exit on a traceback)
         raise SystemExit(f"{' '.join(cmd[:6])} ... exited {code}: {text[-800:]}")
     peak = next((int(x.split()[1]) / 1024 for x in text.splitlines() if x.startswith("VmHWM")), float("nan"))
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
@@ -65,13 +65,17 @@ def child(cmd: list[str], env: dict, out) -> tuple[float, float, int, float]:
 
 def keys(path: str) -> list[tuple]:
     """What must be the same between layouts: each finding's rule and observation, by (step, rank, ubatch)."""
-    out = []
+    out, summary = [], None
     with open(path) as f:
         for line in f:
             x = json.loads(line)
             if x["type"] == "finding":
                 src = x["source"] or {}
                 out.append((x["step"], x["rank"], x["ubatch"], x["rule"], x["row"], x["recorded"], src.get("step")))
+            elif x["type"] == "summary":
+                summary = x
+    if summary is None or summary["findings"] != len(out):
+        raise SystemExit(f"{path}: not a whole `replay --json` report ({len(out)} findings, summary {summary})")
     return out
 
 
