@@ -233,6 +233,10 @@ _WHY = {
     ("slots", None): "a KV slot is written by another rank than the position's owner, or a replicated group is "
                      "not written by every rank",
     ("slot-partition", None): "across the ranks a DCP-sharded position is written by several ranks or by none",
+    ("ctx-chunks", None): "the chunked prefill context is planned off the DCP virtual block or not from the "
+                          "requests' computed context, so ranks gather misplaced or wrong context rows",
+    ("ctx-agree", None): "the ranks of one DCP group plan different chunked prefill context, so they call different "
+                         "DCP KV gathers (a rank waits in a collective its peers never join)",
 }
 
 

@@ -55,6 +55,9 @@ class Rule(NamedTuple):
     device: bool = False  # the Guard's check kernel decides it on the device, per observation (errors only)
     faults: tuple[str, ...] = ()  # simulate's faults (DESIGN §4) that must produce it
     parts: tuple[Part, ...] = ()
+    # its columns belong to a feature most engines do not have (MLA's chunked prefill context): a dump without them
+    # does not have the feature, so replay does not list the check as skipped there
+    quiet: bool = False
 
 
 _UBATCH = ("obs.parent", "obs.req_start", "obs.tok_start", "obs.tok_stop", "obs.qsl")
@@ -118,6 +121,18 @@ TABLE = (
          "micro-batch, group): a position of a DCP-sharded group written by several ranks (reported at the ranks "
          "that do not own it) or by none (at its owner), naming the positions", needs=_SLOTS, scope=RANKS,
          faults=("slot-all-ranks",)),
+    # MLA's chunked prefill context (dcp.chunks): each request's context in chunks, each chunk one DCP KV gather
+    Rule("ctx-chunks", "error", "H", "context.check_ctx_chunks", "a chunked-context schedule (MLA prefill) that is "
+         "malformed, whose `max_context_chunk` or split starts are not multiples of dcp_size x interleave (a rank's "
+         "local chunk then starts off its interleave block), or whose chunks do not cover a request's computed "
+         "context (seq_len - query_len, not its KV length)", needs=("obs.ctx",),
+         unrecorded="needs obs.ctx (not recorded in this dump)", faults=("ctx-chunk-unaligned", "ctx-draft-lens"),
+         quiet=True),
+    Rule("ctx-agree", "error", "J", "ranks.check_ctx_agree", "DCP ranks of one batch (as rank-agree forms them) "
+         "whose chunked-context schedules differ, so they call different DCP KV gathers (one may call none: a "
+         "collective timeout); once per batch, at the first differing rank, naming every differing rank and the "
+         "gathers it calls", needs=("obs.ctx",), unrecorded="needs obs.ctx (not recorded in this dump)",
+         inputs=(PAIRS,), dcp=SHARDED, scope=RANKS, faults=("ctx-rank-local",), quiet=True),
 )
 RULE = {r.name: r for r in TABLE}
 RULES = tuple(RULE)
@@ -128,7 +143,7 @@ RULE_ORDER = {r: i for i, r in enumerate(RULES)}
 # The order replay lists skipped checks in (the text and HTML reports' lines, the JSON summary's keys): rank-sum,
 # which dcp_size rules out, first; then the micro-batch columns' checks; then the rest in table order.
 SKIPPED_ORDER = ("rank-sum", "ubatch-slice", "stale/parent-rows", "alias", "alias/graph", "pages", "empty-mask",
-                 "tot-lens", "rank-agree", "slots")
+                 "tot-lens", "rank-agree", "slots", "ctx-agree")
 
 
 def applies(rule: Rule, dcp_size: int) -> bool:

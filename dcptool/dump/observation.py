@@ -99,6 +99,8 @@ FIELDS_TABLE: tuple[Field, ...] = (
           section="pos"),
     Field("slot_mapping", GROUPS, "I32", "rows.slot_mapping", device=True, offsets="obs.slots", section="slot"),
     Field("slot_group", GROUPS, "I32", "rows.slot_group", offsets="obs.slots", section="sgrp", argument=False),
+    # MLA's chunked prefill context (dcp.chunks): max_context_chunk, then (chunk, row, start, length) per entry
+    Field("ctx_chunks", ANY, "I32", "rows.ctx_chunks", device=True, offsets="obs.ctx", nonneg=True, section="ctx"),
 )
 
 ARGUMENTS: tuple[Field, ...] = tuple(f for f in FIELDS_TABLE if f.argument)  # observe()'s keywords

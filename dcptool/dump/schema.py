@@ -488,7 +488,8 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
 
 def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=None) -> None:
     """DESIGN §2's rules on the values of row columns (after validate_columns(row_values=False) on the same
-    columns): no negative seq_len or global length, slot positions and KV-cache groups in range."""
+    columns): no negative seq_len, global length or chunked-context value, slot positions and KV-cache groups in
+    range."""
     sl = c["rows.seq_lens"]
     step = 1 << 22
     for lo in range(0, sl.size, step):  # in chunks, so a bounded read never holds all rows at once
@@ -503,6 +504,11 @@ def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=
         if t.size and t.min() < 0:
             i = int(np.argmax(t < 0))
             raise fail(p, "rows.dcp_tot_seq_lens", f"negative length {t[i]} at row {i}")
+    if "rows.ctx_chunks" in c:  # a chunk size, indices, offsets and lengths: none is negative
+        t = c["rows.ctx_chunks"]
+        if t.size and t.min() < 0:
+            i = int(np.argmax(t < 0))
+            raise fail(p, "rows.ctx_chunks", f"negative value {t[i]} at row {i}")
     if "obs.slots" in c:
         _check_slots(p, cfg, c)
 

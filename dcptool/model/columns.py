@@ -1,10 +1,13 @@
 """What DCP attention consumes beside the local lengths, on every rank at once: the decode path's
-dcp_query_start_loc and global companion, and the KV slot mappings, with the faults injected on them."""
+dcp_query_start_loc and global companion, the KV slot mappings and MLA's chunked-context schedule, with the faults
+injected on them."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from dcptool.dcp import chunks
+from dcptool.dcp.reference import local_np
 from dcptool.dump.schema import INT32_MAX
 from dcptool.model.config import KV_GROUPS, SimConfig
 from dcptool.model.rows import Rows
@@ -18,6 +21,7 @@ class Columns:
         self.cfg, self.F = cfg, faults
         self.N, self.P, self.I, self.G = cfg.dcp, cfg.pcp, cfg.interleave, cfg.page_size
         self.ranks = np.arange(self.N).reshape(-1, 1)
+        self.workspace = chunks.workspace_size(cfg.max_model_len, cfg.max_num_reqs, self.G, self.N, self.I)
 
     def decode_path(self, b: Rows, view: np.ndarray, odd_seq: np.ndarray | None, marks: list):
         """What vLLM's FlashInfer decode path (0.30+) receives beside the local lengths, per rank ([N, ...]):
@@ -108,3 +112,37 @@ class Columns:
             out[:, 0, :real] = (base + local // B) * B + local % B  # no is_local mask: every rank writes
             marks.append(("slot-all-ranks", (owner != ranks).any(axis=1)))
         return pos, out
+
+    def chunked_context(self, b: Rows, odd_seq: np.ndarray | None, marks: list) -> np.ndarray | list | None:
+        """The chunked-context schedule MLA's builder plans on each rank (dcp.chunks: vLLM 0.29-0.34's plan): one
+        row every rank shares, or a list of each rank's where they differ; for the prefill rows (after the decodes,
+        split_decodes_and_prefills at the spec-decode threshold 1 + K) of real requests, their computed context
+        seq_len - query_len. Applies the chunked-context faults (appending (fault, [N] ranks) to `marks` where the
+        ctx rules can see them)."""
+        N, F, nr = self.N, self.F, b.nr
+        q = np.diff(b.qsl[: nr + 1])
+        nd = int(np.argmax(q > self.cfg.decode_query_len)) if (q > self.cfg.decode_query_len).any() else nr
+        rows = np.arange(nd, nr)
+        seqs = [b.seq] * N if odd_seq is None else [b.seq] * (N - 1) + [odd_seq]
+        ctx = [(s[nd:nr] - (0 if "ctx-draft-lens" in F else q[nd:])).tolist() for s in seqs]
+        if "ctx-rank-local" in F and N > 1:
+            ctx[-1] = local_np(np.asarray(ctx[-1], np.int64), N, N - 1, self.I).tolist()
+        sched = [self._schedule(c, rows) for c in ctx]
+        V = N * self.I
+        if "ctx-draft-lens" in F:
+            marks.append(("ctx-draft-lens", np.array([s.size > 1 for s in sched])))
+        if "ctx-chunk-unaligned" in F:
+            marks.append(("ctx-chunk-unaligned", np.array([V > 1 and s.size > 1 and bool(
+                s[0] % V or (s[1:].reshape(-1, chunks.ENTRY)[:, 2] % V).any()) for s in sched])))
+        if "ctx-rank-local" in F and N > 1:
+            marks.append(("ctx-rank-local", np.arange(N) == N - 1 if not np.array_equal(sched[-1], sched[0])
+                          else np.zeros(N, bool)))
+        same = all(np.array_equal(s, sched[0]) for s in sched[1:])
+        return sched[0] if same else sched
+
+    def _schedule(self, ctx: list[int], rows: np.ndarray) -> np.ndarray:
+        if "ctx-chunk-unaligned" in self.F:
+            mx, plans = chunks.legacy_plan(ctx, self.workspace)
+            return chunks.legacy_encode(mx, plans, ctx, rows)
+        mx, plans = chunks.plan_chunks(ctx, self.workspace, self.G, self.N, self.I)
+        return chunks.encode(mx, plans, rows)

@@ -38,7 +38,23 @@ _FAULT_WHAT.update({
     "slot-wrong-group": "the slot mapping localises a replicated KV-cache group (Mamba/GDN state) as DCP-sharded",
     "slot-all-ranks": "every rank writes every token of a DCP-sharded group (the non-owner mask dropped)",
 })
+# MLA's chunked prefill context (--features chunked-context): the schedule each rank plans (dcp.chunks)
+_FAULT_WHAT.update({
+    "ctx-rank-local": "the last DCP rank plans its chunked context from the context it holds itself (its share of "
+                      "each prefill's context), not the batch's: it calls other DCP KV gathers than its peers, or none",
+    "ctx-chunk-unaligned": "max_context_chunk is the workspace over the prefills with context, not rounded to the "
+                           "DCP virtual block (dcp_size x interleave): chunks split contexts inside an interleave "
+                           "block (vLLM asserted max_context_chunk % dcp_world_size == 0)",
+    "ctx-draft-lens": "the chunked context's lengths are the requests' KV lengths (seq_len, as speculative metadata "
+                      "carries them), not their computed context (seq_len - query_len)",
+})
+OPT_IN |= {"ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens"}
 FAULTS: dict[str, tuple[str, str]] = {f: (RULE_OF_FAULT[f], what) for f, what in _FAULT_WHAT.items()}
+# What simulate models beyond its default engine (--features), and the faults that need each (injecting one models
+# its feature): MLA's chunked prefill context.
+FEATURES = ("chunked-context",)
+FEATURE_OF: dict[str, str] = {"ctx-rank-local": "chunked-context", "ctx-chunk-unaligned": "chunked-context",
+                              "ctx-draft-lens": "chunked-context"}
 # Where each fault really occurred, read from vLLM's released code (0.27.0-0.34.0; docs/faults.md has
 # the code paths): a release range, "main only" (on vLLM main between releases, never released), or
 # "no release" (a failure class dcptool models that no release 0.27-0.34 has).
@@ -59,6 +75,9 @@ FAULT_WHERE: dict[str, str] = {
     # 0.29-0.30's kernel localises every group (no dcp_sharded flag); vLLM #57260 reports it on a later main
     "slot-wrong-group": "0.29–0.30",
     "slot-all-ranks": "no release",
+    "ctx-rank-local": "0.27–0.29 (PCP + DCP MLA)",
+    "ctx-chunk-unaligned": "0.22–0.27",
+    "ctx-draft-lens": "no release (vllm-ascend)",
 }
 # The KV-cache groups simulate's engine has (rows.slot_group indexes it): the attention KV cache, DCP-sharded, and
 # a replicated one (Mamba/GDN state as vLLM 0.31+ keeps it under DCP); both in page_size blocks.
@@ -97,12 +116,18 @@ class SimConfig:
     # The vLLM release modelled: sets the micro-batch split rule (0.34 splits a uniform decode batch on a
     # request boundary) and is recorded as the dump's engine_version; "" keeps the default (0.33's rule).
     engine_version: str = ""
+    features: tuple[str, ...] = ()  # FEATURES simulate models beyond its default engine
 
     @property
     def faults(self) -> tuple[str, ...]:
         """The faults this run injects, in the fault table's order."""
         chosen = set(FAULTS) - OPT_IN if self.pipeline == "legacy" else set(self.inject)
         return tuple(f for f in FAULTS if f in chosen)
+
+    @property
+    def modelled(self) -> frozenset[str]:
+        """The features this run models: those asked for and those its faults need."""
+        return frozenset(self.features) | {FEATURE_OF[f] for f in self.faults if f in FEATURE_OF}
 
     @property
     def decode_query_len(self) -> int:
@@ -126,6 +151,8 @@ class SimConfig:
         unknown = [f for f in self.inject if f not in FAULTS]
         need(not unknown, f"--inject: unknown fault {', '.join(unknown)} (known: "
                           f"{', '.join(f'{f} [{FAULT_WHERE[f]}]' for f in FAULTS)})")
+        odd = [f for f in self.features if f not in FEATURES]
+        need(not odd, f"--features: unknown feature {', '.join(odd)} (known: {', '.join(FEATURES)})")
         need(not self.engine_version or parse_engine_version(self.engine_version) is not None,
              f"--engine-version: {self.engine_version!r}: expected a vLLM version such as 0.34.0")
         need(not (self.inject and self.pipeline == "legacy"),
@@ -145,9 +172,9 @@ class SimConfig:
         out = ["dcptool", "simulate"]
         for f in fields(self):
             v, d = getattr(self, f.name), f.default
-            if f.name == "inject":
+            if f.name in ("inject", "features"):
                 if v:
-                    out += ["--inject", ",".join(v)]
+                    out += [f"--{f.name}", ",".join(v)]
             elif v != d:
                 out += [f"--{f.name.replace('_', '-')}", str(v)]
         return shlex.join(out)
@@ -176,6 +203,9 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "rank-disagree": None,
         "slot-wrong-group": None,  # (PCP too: each PCP rank records its local tokens' slots)
         "slot-all-ranks": None,
+        "ctx-rank-local": None,
+        "ctx-chunk-unaligned": None,
+        "ctx-draft-lens": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (speculative metadata)",
     }
     if cfg.dcp == 1:  # vLLM passes None everywhere: nothing DCP-specific can go wrong
         why = {f: "needs --dcp > 1" for f in why}

@@ -25,13 +25,14 @@ def _of_rank(r: Record, i: int, slots: tuple | None, odd_seq: np.ndarray | None)
     def row(x):
         return None if x is None else x[i]
 
-    kv, last = r.kv_pages, i == len(r.rank) - 1
+    kv, last, ctx = r.kv_pages, i == len(r.rank) - 1, r.ctx_chunks
     return r._replace(rank=r.rank[i], seq_lens=odd_seq if odd_seq is not None and last else r.seq_lens,
                       dcp_local_seq_lens=row(r.dcp_local_seq_lens), parent=row(r.parent), buffer=r.buffer[i],
                       kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[i],
                       dcp_query_start_loc=row(r.dcp_query_start_loc), dcp_tot_seq_lens=row(r.dcp_tot_seq_lens),
                       positions=None if slots is None else slots[0],
-                      slot_mapping=None if slots is None else slots[1][i])
+                      slot_mapping=None if slots is None else slots[1][i],
+                      ctx_chunks=ctx[i] if isinstance(ctx, list) else ctx)
 
 
 class Sink:
@@ -62,9 +63,11 @@ class Sink:
         """Record one batch on every DCP rank of PCP rank p; returns the indices per rank. `r` holds per rank its
         rank (range(N)), parent and buffer (lists or None) and its rows ([N, ...]; kv_pages may be one row every
         rank shares); `slots`: (positions, slot mappings [N, groups, tokens]) or None; `odd_seq`: the last rank's
-        seq_lens where it differs from the others' (one call per rank then)."""
+        seq_lens where it differs from the others' (one call per rank then, as where ctx_chunks is a list: each rank's
+        chunked-context schedule where they differ)."""
         N = len(r.rank)
-        if odd_seq is None and self.shared:  # every rank in one file: one call records the batch on all N ranks
+        if odd_seq is None and self.shared and not isinstance(r.ctx_chunks, list):
+            # every rank in one file: one call records the batch on all N ranks
             if slots is not None:
                 r = r._replace(positions=slots[0], slot_mapping={g: slots[1][:, g] for g in range(slots[1].shape[1])})
             return self.recorders[0].record_many(r)

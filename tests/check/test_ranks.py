@@ -1,5 +1,5 @@
-"""ranks.py: the rules across the ranks of one batch: rank-sum (local lengths add up) and rank-agree (what every
-rank must share), on hand-built dumps and against the rules as loops."""
+"""ranks.py: the rules across the ranks of one batch: rank-sum (local lengths add up), rank-agree (what every rank
+must share) and ctx-agree (the same chunked-context schedule), on hand-built dumps and against the rules as loops."""
 
 import json
 
@@ -8,8 +8,9 @@ import pytest
 from conftest import obs, rules, run, write
 from test_decode import _batch, _dump
 
-from dcptool.check.ranks import check_rank_agree
+from dcptool.check.ranks import check_ctx_agree, check_rank_agree
 from dcptool.check.replay import replay
+from dcptool.dcp import chunks as C
 from dcptool.dcp.reference import local_np
 from dcptool.dump import Dump, open_dumps
 
@@ -238,3 +239,65 @@ def test_rank_agree_row_compare_and_hashes_do_not_depend_on_the_chunking(rng):
     d = _dump([obs(seq=[3, 0], num_reqs=1, num_reqs_padded=2), obs(seq=[3, 1], num_reqs=1, num_reqs_padded=2)], 2)
     h = _row_hashes(d, "obs.rows", "rows.seq_lens", np.arange(2))
     assert h[0] != h[1]
+
+
+# --------------------------------------------------------------------------------------------
+# ctx-agree
+
+
+def _ctx_batches(N: int, steps: int, seed: int):
+    """steps batches of N ranks, each with one prefill row of random context after a decode row; every rank's
+    schedule vLLM's plan of the batch's context (workspace 256: long contexts take several chunks)."""
+    rng = np.random.default_rng(seed)
+    out, plans = [], []
+    for step in range(steps):
+        ctx = int(rng.choice([0, 1, 3, 127, 128, 129, 1000]))
+        o = _batch(N, 1, [9, ctx + 5], 2, [0, 1, 6], 6, 0, step=step)
+        s = C.encode(*C.plan_chunks([ctx], 256, 16, N, 1), [1])
+        for x in o:
+            x.ctx_chunks = s
+        out += o
+        plans.append(ctx)
+    return out, plans
+
+
+@pytest.mark.parametrize("N", [2, 3, 4])
+def test_ctx_agree_names_the_rank_that_plans_other_gathers(N):
+    """The schedules of one batch's ranks must be equal: a clean run is silent; a rank that planned from its own
+    share of the context (vLLM #53573's rank-local metadata) is named once per batch, with the gathers each calls;
+    a rank that called none (chunked_context None) is said to."""
+    o, ctx = _ctx_batches(N, 30, N)
+    assert check_ctx_agree(_dump(o, N)) == []
+    planted = []
+    for step, c in enumerate(ctx):
+        x = o[step * N + N - 1]
+        mine = int(local_np(np.array([c]), N, N - 1, 1)[0])
+        x.ctx_chunks = C.encode(*C.plan_chunks([mine], 256, 16, N, 1), [1])
+        if not np.array_equal(x.ctx_chunks, o[step * N].ctx_chunks):
+            planted.append((step * N + N - 1, mine))
+    got = check_ctx_agree(_dump(o, N))
+    assert [(f.index, f.detail["ranks"]) for f in got] == [(i, [N - 1]) for i, _ in planted] and planted
+    for f, (_, mine) in zip(got, planted):
+        assert ("calls no DCP KV gather" in f.text) == (mine == 0)
+        assert f.detail["gathers"] == {str(N - 1): C.gathers(o[f.index].ctx_chunks, N, 1)}
+
+
+def test_ctx_agree_compares_only_the_ranks_that_recorded_a_schedule():
+    o, _ = _ctx_batches(3, 2, 0)
+    o[1].ctx_chunks = None  # rank 1 of step 0 recorded none: unknown, not a disagreement
+    o[5].ctx_chunks = np.array([0])  # rank 2 of step 1 has no chunked context: it calls no gather
+    got = check_ctx_agree(_dump(o, 3))
+    want = [] if np.array_equal(o[3].ctx_chunks, [0]) else [(5, [2])]
+    assert [(f.index, f.detail["ranks"]) for f in got] == want
+
+
+def test_ctx_agree_in_replay(tmp_path):
+    o = _batch(2, 1, [9, 505], 2, [0, 1, 6], 6, 0, Q=[0, 1])  # a decode, then a prefill of 5 tokens on 500 of context
+    o[0].ctx_chunks = C.encode(*C.plan_chunks([500], 256, 16, 2, 1), [1])
+    o[1].ctx_chunks = np.array([0])
+    p = write(tmp_path / "c.safetensors", o)
+    res = replay(open_dumps([p]), "torch")
+    assert [(f.rule, f.obs) for f in res.findings] == [("ctx-agree", 1)]
+    assert "rank 1 calls no DCP KV gather (no chunked context); the ranks split evenly" in res.findings[0].message
+    assert "rank 0 (obs " in res.findings[0].message and "has a schedule that calls 2 DCP KV gathers of [128, 122] " \
+        "local rows" in res.findings[0].message

@@ -445,14 +445,15 @@ def _edited(cols: dict, key: str, cfg) -> dict:
 
 
 def test_diff_compares_every_column_the_format_has(tmp_path):
-    """simulate's recording has every column of dump.schema.COLUMNS; an edit in any one of them (issue 15's
-    dcp_query_start_loc and dcp_tot_seq_lens and the slot columns included) is a difference. Derived from the
+    """simulate's recording (with its features) has every column of dump.schema.COLUMNS; an edit in any one of them
+    (issue 15's dcp_query_start_loc and dcp_tot_seq_lens, the slot columns and the chunked context included) is a
+    difference. Derived from the
     format's table: a column added to the format without diff comparing it fails here."""
     from dcptool.dump import COLUMNS, write_dump
     from dcptool.model.simulate import SimConfig, simulate
 
     a = tmp_path / "a.safetensors"
-    simulate(SimConfig(steps=8, max_num_reqs=64), a)
+    simulate(SimConfig(steps=8, max_num_reqs=64, features=("chunked-context",)), a)
     d = read_dump(a)
     assert set(d.columns) == set(COLUMNS)  # the recording covers the whole format
     cols = {k: np.array(v) for k, v in d.columns.items()}

@@ -91,4 +91,7 @@ EXERCISE = {
     "rank-disagree": (2, 1, 1, 3, 2, "full", "mtp"),
     "slot-wrong-group": (4, 2, 1, 2, 2, "full", "mtp"),
     "slot-all-ranks": (3, 16, 1, 2, 2, "piecewise", "mtp"),
+    "ctx-rank-local": (4, 1, 2, 2, 2, "full", "mtp"),
+    "ctx-chunk-unaligned": (3, 1, 1, 2, 2, "full", "mtp"),  # (N * I = 3 divides no power-of-two workspace share)
+    "ctx-draft-lens": (4, 1, 1, 3, 1, "full", "dflash"),
 }

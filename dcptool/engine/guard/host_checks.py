@@ -8,6 +8,10 @@ import numpy as np
 
 from dcptool.dcp.reference import local_np
 
+# The fields only rules across ranks or builds read (replay's, on a whole recording): a Guard, one rank's last builds,
+# cannot decide them, so it neither keeps them in its slots nor writes them into its dumps (Guard.record drops them).
+NOT_KEPT = ("ctx_chunks",)
+
 
 class Spec(NamedTuple):
     """What the checks need of the run: DCP size, interleave, page size, per KV-cache group whether DCP shards it."""

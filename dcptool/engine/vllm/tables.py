@@ -7,7 +7,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from dcptool.engine.vllm.builders import wrap_flashinfer, wrap_mla, wrap_plan
+from dcptool.engine.vllm.builders import wrap_ctx_plan, wrap_flashinfer, wrap_mla, wrap_plan
 from dcptool.engine.vllm.hooks import (
     PREPARE,
     Sig,
@@ -42,7 +42,8 @@ class Table:
     slots: str = "slot mappings per KV-cache group, each group's sharding from its spec (dcp_sharded)"
     # what the attention-metadata builders hand attention (builders)
     builders: str = ("dcp_query_start_loc (FlashInfer's trtllm-gen/XQA decode), kv_pages (FlashInfer's native plans; "
-                     "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode)")
+                     "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode), ctx_chunks (MLA's chunked prefill "
+                     "context)")
 
 
 def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: tuple[str, tuple[str, ...]],
@@ -68,7 +69,9 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
             ("FlashInferMetadataBuilder.build", wrap_flashinfer, _BUILD),
             ("FlashInferMetadataBuilder._compute_flashinfer_kv_metadata", wrap_plan,
              ("num_blocks_np", "num_reqs", "page_size"))],
-        "vllm.model_executor.layers.attention.mla_attention": [("MLACommonMetadataBuilder.build", wrap_mla, _BUILD)],
+        "vllm.model_executor.layers.attention.mla_attention": [
+            ("MLACommonMetadataBuilder.build", wrap_mla, _BUILD),
+            ("plan_mla_context_chunks", wrap_ctx_plan, ("context_lens", "max_context_chunk"))],
     }
     if ubatch_prepare is not None:
         h[f"{W}.ubatch_utils"] = [("UBatchRunner.prepare", wrap_ubatch_prepare,
@@ -89,8 +92,9 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
 _DRAFT = ("_build_attn_metadata", ("num_reqs", "batch_desc"))
 _NO_UBATCH = "ubatch: this release has no model-runner-V2 micro-batching (vllm/v1/worker/gpu/ubatch_utils.py)"
 _BUILDERS_029 = ("kv_pages (FlashInfer's native plans, counted before DCP localises the lengths: replay's pages; "
-                 "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode); no dcp_query_start_loc: this release's "
-                 "FlashInfer decode metadata has none")
+                 "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode), ctx_chunks (MLA's chunked prefill context, "
+                 "planned from the batch it is handed: under PCP the rank's own); no dcp_query_start_loc: this "
+                 "release's FlashInfer decode metadata has none")
 _ALL_SHARDED = ("slot mappings per KV-cache group, each group's sharding from its spec's kind; this release's "
                 "slot-mapping kernel has no dcp_sharded flag and localises every group (replay: slots on a "
                 "replicated group)")
