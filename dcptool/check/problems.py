@@ -237,6 +237,9 @@ _WHY = {
                           "requests' computed context, so ranks gather misplaced or wrong context rows",
     ("ctx-agree", None): "the ranks of one DCP group plan different chunked prefill context, so they call different "
                          "DCP KV gathers (a rank waits in a collective its peers never join)",
+    ("group-lens", None): "a KV-cache group's attention reads lengths of another sharding than its own (a replicated "
+                          "sliding-window group with DCP-local lengths), or a verify token's rank-local causal bound "
+                          "is taken after the shard mapping",
 }
 
 

@@ -133,6 +133,11 @@ TABLE = (
          "collective timeout); once per batch, at the first differing rank, naming every differing rank and the "
          "gathers it calls", needs=("obs.ctx",), unrecorded="needs obs.ctx (not recorded in this dump)",
          inputs=(PAIRS,), dcp=SHARDED, scope=RANKS, faults=("ctx-rank-local",), quiet=True),
+    # per KV-cache group and per query token (run where the dump records them: its check reads what is there)
+    Rule("group-lens", "error", "V", "groups.check_group_lens", "a KV-cache group's lengths that do not match its "
+         "sharding (a replicated group, a sliding-window one under per-group DCP, handed this rank's DCP-local "
+         "lengths), or a query token's rank-local causal bound that is not local(position + 1) (speculative "
+         "verification: local(seq_len - k), not local(seq_len) - k)", faults=("swa-sharded", "spec-causal-offset")),
 )
 RULE = {r.name: r for r in TABLE}
 RULES = tuple(RULE)

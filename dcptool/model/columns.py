@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from dcptool.dcp import chunks
-from dcptool.dcp.reference import local_np
+from dcptool.dcp.reference import group_lens_np, local_np, verify_lens_np
 from dcptool.dump.schema import INT32_MAX
-from dcptool.model.config import KV_GROUPS, SimConfig
+from dcptool.model.config import SimConfig, kv_groups_of
 from dcptool.model.rows import Rows
 
 
@@ -22,6 +22,7 @@ class Columns:
         self.N, self.P, self.I, self.G = cfg.dcp, cfg.pcp, cfg.interleave, cfg.page_size
         self.ranks = np.arange(self.N).reshape(-1, 1)
         self.workspace = chunks.workspace_size(cfg.max_model_len, cfg.max_num_reqs, self.G, self.N, self.I)
+        self.groups = [(g["name"], g["dcp"]) for g in kv_groups_of(cfg)]  # (name, DCP-sharded) per KV-cache group
 
     def decode_path(self, b: Rows, view: np.ndarray, odd_seq: np.ndarray | None, marks: list):
         """What vLLM's FlashInfer decode path (0.30+) receives beside the local lengths, per rank ([N, ...]):
@@ -94,12 +95,12 @@ class Columns:
         base = (req + req0 if b.req is None else b.req[req]) * per_req
         sharded = np.where(owner == ranks, (base + local // B) * B + local % B, -1)  # [N, real]
         replicated = np.broadcast_to((base + p // B) * B + p % B, (N, real))
-        out = np.full((N, len(KV_GROUPS), ntp), -1, np.int64)
+        out = np.full((N, len(self.groups), ntp), -1, np.int64)
         if kind in ("dummy", "capture") or role in ("dummy", "dflash"):
             return pos, out
         F = self.F
-        out[:, 0, :real] = sharded
-        out[:, 1, :real] = replicated
+        for g, (_, dcp) in enumerate(self.groups):
+            out[:, g, :real] = sharded if dcp else replicated
         if "slot-wrong-group" in F:
             out[:, 1, :real] = sharded
             # what the `slots` rule can see on a rank: a token it does not own left unwritten while it writes
@@ -146,3 +147,35 @@ class Columns:
             return chunks.legacy_encode(mx, plans, ctx, rows)
         mx, plans = chunks.plan_chunks(ctx, self.workspace, self.G, self.N, self.I)
         return chunks.encode(mx, plans, rows)
+
+    def group_lens(self, b: Rows, odd_seq: np.ndarray | None, marks: list) -> tuple:
+        """(group_seq_lens [N, groups * rows], verify_row_lens [N, tokens] or None) on every rank
+        (dcp.reference.group_lens_np and verify_lens_np): per KV-cache group the lengths its attention metadata
+        reads (the sliding-window group, replicated, the global ones), and per query token of the decode rows (before
+        the first row longer than the spec-decode threshold 1 + K) the rank-local KV length it attends to. Applies
+        swa-sharded and spec-causal-offset (appending (fault, [N] ranks) to `marks` where group-lens sees them)."""
+        N, F, nr, I_ = self.N, self.F, b.nr, self.I
+        seqs = np.broadcast_to(b.seq, (N, b.nrp)).astype(np.int64)
+        if odd_seq is not None:
+            seqs = seqs.copy()
+            seqs[N - 1] = odd_seq
+        sharded = [dcp for _, dcp in self.groups]
+        gl = group_lens_np(seqs, nr, self.ranks, N, I_, sharded)
+        if "swa-sharded" in F:
+            g = next(k for k, (name, _) in enumerate(self.groups) if name == "swa")
+            wrong = group_lens_np(seqs, nr, self.ranks, N, I_, [True] * len(sharded))
+            gl[:, g * b.nrp:(g + 1) * b.nrp] = wrong[:, g * b.nrp:(g + 1) * b.nrp]
+            marks.append(("swa-sharded", (wrong != group_lens_np(seqs, nr, self.ranks, N, I_, sharded)).any(axis=1)))
+        q = np.diff(b.qsl[: nr + 1])
+        long = q > self.cfg.decode_query_len
+        T = int(b.qsl[int(np.argmax(long)) if long.any() else nr] - b.qsl[0])
+        if T == 0:
+            return gl, None
+        verify = verify_lens_np(seqs, b.qsl, T, self.ranks, N, I_)
+        if "spec-causal-offset" in F:
+            row = np.searchsorted(b.qsl[1:] - b.qsl[0], np.arange(T), "right")
+            k = b.qsl[row + 1] - b.qsl[0] - 1 - np.arange(T)  # tokens after each one in its row
+            shifted = local_np(seqs[:, row], N, self.ranks, I_) - k
+            marks.append(("spec-causal-offset", (shifted != verify).any(axis=1)))
+            verify = shifted
+        return gl, verify

@@ -48,13 +48,21 @@ _FAULT_WHAT.update({
     "ctx-draft-lens": "the chunked context's lengths are the requests' KV lengths (seq_len, as speculative metadata "
                       "carries them), not their computed context (seq_len - query_len)",
 })
-OPT_IN |= {"ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens"}
+# a hybrid model's sliding-window KV-cache group beside the full-attention one (--features swa)
+_FAULT_WHAT.update({
+    "swa-sharded": "the sliding-window KV-cache group's attention gets this rank's DCP-local lengths, as if DCP "
+                   "sharded it: it must stay replicated (per-group DCP)",
+    "spec-causal-offset": "a speculative verify token k from its row's end attends to local(seq_len) - k of the "
+                          "rank's KV positions, not local(seq_len - k)",
+})
+OPT_IN |= {"ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset"}
 FAULTS: dict[str, tuple[str, str]] = {f: (RULE_OF_FAULT[f], what) for f, what in _FAULT_WHAT.items()}
 # What simulate models beyond its default engine (--features), and the faults that need each (injecting one models
-# its feature): MLA's chunked prefill context.
-FEATURES = ("chunked-context",)
+# its feature): MLA's chunked prefill context; a sliding-window KV-cache group (and the per-token causal bounds of
+# speculative verification).
+FEATURES = ("chunked-context", "swa")
 FEATURE_OF: dict[str, str] = {"ctx-rank-local": "chunked-context", "ctx-chunk-unaligned": "chunked-context",
-                              "ctx-draft-lens": "chunked-context"}
+                              "ctx-draft-lens": "chunked-context", "swa-sharded": "swa", "spec-causal-offset": "swa"}
 # Where each fault really occurred, read from vLLM's released code (0.27.0-0.34.0; docs/faults.md has
 # the code paths): a release range, "main only" (on vLLM main between releases, never released), or
 # "no release" (a failure class dcptool models that no release 0.27-0.34 has).
@@ -78,10 +86,24 @@ FAULT_WHERE: dict[str, str] = {
     "ctx-rank-local": "0.27–0.29 (PCP + DCP MLA)",
     "ctx-chunk-unaligned": "0.22–0.27",
     "ctx-draft-lens": "no release (vllm-ascend)",
+    # 0.29-0.34 assert that DCP does not support sliding window (SlidingWindowSpec, SlidingWindowManager)
+    "swa-sharded": "no release (PR #47541)",
+    "spec-causal-offset": "no release (PR #46076 review)",
 }
 # The KV-cache groups simulate's engine has (rows.slot_group indexes it): the attention KV cache, DCP-sharded, and
 # a replicated one (Mamba/GDN state as vLLM 0.31+ keeps it under DCP); both in page_size blocks.
 KV_GROUPS = (("attn", True), ("mamba", False))
+SWA_WINDOW = 4096  # --features swa: a sliding-window group of this window, replicated on every DCP rank
+
+
+def kv_groups_of(cfg: SimConfig) -> list[dict]:
+    """The KV-cache groups a run's engine has (dcptool.config's kv_groups): KV_GROUPS, and with --features swa a
+    sliding-window group, replicated (cp_size 1), as vLLM PR #47541's per-group DCP keeps it."""
+    out = [{"name": n, "dcp": dcp, "block_size": cfg.page_size} for n, dcp in KV_GROUPS]
+    if "swa" in cfg.modelled:
+        out.append({"name": "swa", "dcp": False, "block_size": cfg.page_size, "sliding_window": SWA_WINDOW,
+                    "cp_size": 1})
+    return out
 SITES = ("prepare_inputs", "pcp_partition", "attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft")
 PIPELINES = values(Pipeline)
 CUDAGRAPH_CHOICES = values(CudaGraph)
@@ -206,6 +228,8 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "ctx-rank-local": None,
         "ctx-chunk-unaligned": None,
         "ctx-draft-lens": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (speculative metadata)",
+        "swa-sharded": None,
+        "spec-causal-offset": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (verify tokens)",
     }
     if cfg.dcp == 1:  # vLLM passes None everywhere: nothing DCP-specific can go wrong
         why = {f: "needs --dcp > 1" for f in why}

@@ -9,7 +9,7 @@ import numpy as np
 
 from dcptool.dump import Record
 from dcptool.engine.recorder.record import Recorder
-from dcptool.model.config import KV_GROUPS, SITES, SimConfig
+from dcptool.model.config import SITES, SimConfig, kv_groups_of
 
 
 def output_paths(cfg: SimConfig, out: Path, per_rank: bool) -> list[Path]:
@@ -26,13 +26,15 @@ def _of_rank(r: Record, i: int, slots: tuple | None, odd_seq: np.ndarray | None)
         return None if x is None else x[i]
 
     kv, last, ctx = r.kv_pages, i == len(r.rank) - 1, r.ctx_chunks
+    gl, vl = r.group_seq_lens, r.verify_row_lens
     return r._replace(rank=r.rank[i], seq_lens=odd_seq if odd_seq is not None and last else r.seq_lens,
                       dcp_local_seq_lens=row(r.dcp_local_seq_lens), parent=row(r.parent), buffer=r.buffer[i],
                       kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[i],
                       dcp_query_start_loc=row(r.dcp_query_start_loc), dcp_tot_seq_lens=row(r.dcp_tot_seq_lens),
                       positions=None if slots is None else slots[0],
                       slot_mapping=None if slots is None else slots[1][i],
-                      ctx_chunks=ctx[i] if isinstance(ctx, list) else ctx)
+                      ctx_chunks=ctx[i] if isinstance(ctx, list) else ctx, group_seq_lens=row(gl),
+                      verify_row_lens=row(vl))
 
 
 class Sink:
@@ -45,7 +47,7 @@ class Sink:
         version = cfg.engine_version or f"vLLM model runner V2 model ({cfg.pipeline} pipeline)"
         self._kw = dict(dcp_size=N, cp_interleave=cfg.interleave, sites=SITES, pcp_size=P, page_size=cfg.page_size,
                         engine="dcptool simulate", engine_version=version, note=cfg.command(),
-                        kv_groups=[{"name": n, "dcp": dcp, "block_size": cfg.page_size} for n, dcp in KV_GROUPS])
+                        kv_groups=kv_groups_of(cfg))
         self.file_of = list(range(P * N)) if per_rank else [0] * (P * N)
         self.shared = not per_rank
         self.recorders: list[Recorder] = []

@@ -17,7 +17,7 @@ def test_table_is_design_s3():
 
     assert RULES == ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
                      "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree",
-                     "slots", "slot-partition", "ctx-chunks", "ctx-agree")
+                     "slots", "slot-partition", "ctx-chunks", "ctx-agree", "group-lens")
     assert len({c.lower() for c in RULE_CODES.values()}) == len(RULES)
     assert {f: rule for f, (rule, _) in FAULTS.items()} == {f: r.name for r in TABLE for f in r.faults}
     assert [r.name for r in TABLE if r.severity == "warning"] == ["stray"]
@@ -58,7 +58,7 @@ def test_applies_by_dcp_size(N):
     on = {r.name for r in TABLE if R.applies(r, N)}
     view = {"missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape"}
     sharded = {"rank-sum", "empty-mask", "tot-lens", "rank-agree", "ctx-agree"}
-    anywhere = {"ubatch-slice", "alias", "pages", "slots", "slot-partition", "ctx-chunks"}
+    anywhere = {"ubatch-slice", "alias", "pages", "slots", "slot-partition", "ctx-chunks", "group-lens"}
     assert on == (anywhere | {"stray"} if N == 1 else anywhere | view | sharded)
 
 

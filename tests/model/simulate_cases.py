@@ -94,4 +94,6 @@ EXERCISE = {
     "ctx-rank-local": (4, 1, 2, 2, 2, "full", "mtp"),
     "ctx-chunk-unaligned": (3, 1, 1, 2, 2, "full", "mtp"),  # (N * I = 3 divides no power-of-two workspace share)
     "ctx-draft-lens": (4, 1, 1, 3, 1, "full", "dflash"),
+    "swa-sharded": (4, 1, 2, 2, 2, "full", "mtp"),
+    "spec-causal-offset": (4, 16, 1, 3, 2, "full", "mtp"),
 }

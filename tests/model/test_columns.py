@@ -31,7 +31,7 @@ def test_tot_local_with_a_sentinel_records_every_observation(tmp_path):
 
 def test_issue15_faults_are_opt_in_not_legacy_and_fixed_records_the_decode_path(tmp_path):
     assert OPT_IN == {"dcp-qsl-local", "tot-local", "rank-disagree", "slot-wrong-group", "slot-all-ranks",
-                      "ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens"}
+                      "ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset"}
     assert OPT_IN <= set(FAULTS)
     assert not OPT_IN & set(config_of(MATRIX[2], 1, pipeline="legacy").faults)
     res, d, rr = run(config_of(MATRIX[5], 1), tmp_path)
@@ -125,21 +125,24 @@ def test_slot_faults_under_pcp_found_exactly_and_fixed_pcp_replays_clean(tmp_pat
 
 
 # --------------------------------------------------------------------------------------------
-# MLA's chunked prefill context (--features chunked-context)
+# The features (--features chunked-context, swa) and their faults
 
-CTX_FAULTS = ("ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens")
+CTX_FAULTS = ("ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset")
 # --dcp 4 with full CUDA graphs: alone, with PCP 2 and micro-batches, with DFlash, with MTP and interleave 16
 CTX_ROWS = [(4, 1, 1, 2, 2, "full", "mtp"), (4, 1, 2, 2, 2, "full", "mtp"), (4, 1, 1, 3, 1, "full", "dflash"),
             (4, 16, 1, 2, 1, "full", "mtp")]
 
 
 @pytest.mark.parametrize("row", MATRIX, ids=lambda r: "N{}-I{}-P{}-K{}-U{}-{}-{}".format(*r))
-def test_chunked_context_recorded_on_every_attention_build_and_replays_clean(row, tmp_path):
-    """With the feature every attention build records the schedule every rank shares: vLLM's plan of its prefill
-    rows' computed context (each such row covered, back to back), [0] where there is none; it replays clean."""
+def test_the_features_are_recorded_on_every_attention_build_and_replay_clean(row, tmp_path):
+    """With the features every attention build records the chunked-context schedule every rank shares (vLLM's plan
+    of its prefill rows' computed context, each such row covered, back to back; [0] where there is none), each
+    KV-cache group's lengths (the sliding-window group's the global ones) and its decode tokens' verify bounds; it
+    replays clean."""
     from dcptool.dcp import chunks as C
+    from dcptool.dcp.reference import group_lens_np, verify_lens_np
 
-    res, d, rr = run(config_of(row, 17, features=("chunked-context",)), tmp_path)
+    res, d, rr = run(config_of(row, 17, features=("chunked-context", "swa")), tmp_path)
     assert rr.findings == [] and res.faults == {}
     n = np.diff(d["obs.ctx"])
     sites = {d.site_name(i) for i in np.flatnonzero(n > 0)}
@@ -153,11 +156,21 @@ def test_chunked_context_recorded_on_every_attention_build_and_replays_clean(row
         assert C.first_problem(s, seq, d.qsl_of(i), int(d["obs.num_reqs"][i]), row[0], row[1]) is None
         rows = set(s[1:].reshape(-1, 4)[:, 1].tolist())
         assert all(seq[r] - q[r] > 0 for r in rows)
+    assert [g.name for g in d.config.kv_groups] == ["attn", "mamba", "swa"] and d.config.group_cp(3).tolist() == [
+        row[0], 1, 1]
+    gl, vl = np.diff(d["obs.gsl"]), np.diff(d["obs.vrl"])
+    assert np.array_equal(gl > 0, n > 0) and (vl > 0).sum() > 0
+    for i in np.flatnonzero(vl > 0)[:40]:
+        seq, nr, r = d.seq_lens_of(i), int(d["obs.num_reqs"][i]), int(d["obs.rank"][i])
+        assert np.array_equal(d["rows.group_seq_lens"][d["obs.gsl"][i]:d["obs.gsl"][i + 1]],
+                              group_lens_np(seq, nr, r, row[0], row[1], [True, False, False]))
+        assert np.array_equal(d["rows.verify_row_lens"][d["obs.vrl"][i]:d["obs.vrl"][i + 1]],
+                              verify_lens_np(seq, d.qsl_of(i), int(vl[i]), r, row[0], row[1]))
 
 
 @pytest.mark.parametrize("fault", CTX_FAULTS)
 @pytest.mark.parametrize("row", CTX_ROWS, ids=["N4-full-U2", "N4-P2-U2", "N4-dflash", "N4-I16"])
-def test_chunked_context_faults_found_exactly_where_they_touched(fault, row, tmp_path):
+def test_feature_faults_found_exactly_where_they_touched(fault, row, tmp_path):
     """Each fault, with --dcp 4 and full CUDA graphs (with or without PCP 2, micro-batches, MTP or DFlash), is
     found as its rule exactly at the observations it touched; one file or one per rank."""
     for per_rank in (False, True):
@@ -172,16 +185,18 @@ def test_chunked_context_faults_found_exactly_where_they_touched(fault, row, tmp
         assert rep.applicable and rep.count > 0, (fault, row)
         verify(res, d, rr)
         assert FAULTS[fault][0] in rr.by_rule()
-        assert set(rr.by_rule()) <= {"ctx-agree", "ctx-chunks"}  # (rank-local plans do not cover the context)
+        assert set(rr.by_rule()) <= {"ctx-agree", "ctx-chunks", "group-lens"}  # (side: rank-local plans do not
+        #                                                                           cover the context)
 
 
 def test_a_fault_models_the_feature_it_needs_and_features_are_checked():
     from dcptool.model.config import FEATURES, SimError
 
-    assert FEATURES == ("chunked-context",)
+    assert FEATURES == ("chunked-context", "swa")
     cfg = SimConfig(inject=("ctx-rank-local",))
     assert cfg.modelled == {"chunked-context"} and SimConfig().modelled == frozenset()
     c = SimConfig(features=("chunked-context",))
     assert c.modelled == {"chunked-context"} and "--features chunked-context" in c.command()
-    with pytest.raises(SimError, match="--features: unknown feature swa"):
-        SimConfig(features=("swa",)).validate()
+    assert SimConfig(inject=("spec-causal-offset",)).modelled == {"swa"}
+    with pytest.raises(SimError, match="--features: unknown feature bogus"):
+        SimConfig(features=("bogus",)).validate()

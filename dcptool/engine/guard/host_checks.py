@@ -8,9 +8,10 @@ import numpy as np
 
 from dcptool.dcp.reference import local_np
 
-# The fields only rules across ranks or builds read (replay's, on a whole recording): a Guard, one rank's last builds,
-# cannot decide them, so it neither keeps them in its slots nor writes them into its dumps (Guard.record drops them).
-NOT_KEPT = ("ctx_chunks",)
+# The fields replay's rules read and the Guard's kernel does not check (the chunked context across ranks, the KV-cache
+# groups' lengths and the verify bounds): the Guard neither keeps them in its slots nor writes them into its dumps
+# (Guard.record drops them), so an engine that passes them pays nothing for them under the Guard.
+NOT_KEPT = ("ctx_chunks", "group_seq_lens", "verify_row_lens")
 
 
 class Spec(NamedTuple):

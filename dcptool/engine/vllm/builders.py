@@ -120,6 +120,22 @@ def ctx_schedule(cc, num_decodes: int, max_context_chunk: int) -> list[int]:
     return out
 
 
+def wrap_verify(orig, sig):
+    """AITER MLA's AiterMLAHelper.dcp_local_verify_row_lens (a static method): the rank-local KV length of every
+    verify token of the decodes (speculative verification under DCP), kept for the build that asked for it
+    (verify_row_lens: one value per token of the decode rows, which come first)."""
+
+    @functools.wraps(orig)
+    def dcp_local_verify_row_lens(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        got = getattr(STATE.local, "built", None)
+        if got is not None and STATE.active:
+            got.setdefault("verify_row_lens", out)
+        return out
+
+    return staticmethod(dcp_local_verify_row_lens)
+
+
 def wrap_ctx_plan(orig, sig):
     """plan_mla_context_chunks: the max_context_chunk the chunked context is planned with (the metadata keeps only
     the chunks), kept for the MLA build that called it."""
@@ -158,7 +174,7 @@ def wrap_mla(orig, sig):
 
 def builder_kwargs(got: dict, rows: int, kw: dict) -> None:
     """The builders' columns of this build as observe() arguments; kv_pages one value per seq_lens row (-1: none)."""
-    for k in ("dcp_query_start_loc", "dcp_tot_seq_lens"):
+    for k in ("dcp_query_start_loc", "dcp_tot_seq_lens", "verify_row_lens"):
         if k in got:
             kw[k] = got[k]
     if "ctx_chunks" in got:

@@ -7,7 +7,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from dcptool.engine.vllm.builders import wrap_ctx_plan, wrap_flashinfer, wrap_mla, wrap_plan
+from dcptool.engine.vllm.builders import wrap_ctx_plan, wrap_flashinfer, wrap_mla, wrap_plan, wrap_verify
 from dcptool.engine.vllm.hooks import (
     PREPARE,
     Sig,
@@ -43,7 +43,7 @@ class Table:
     # what the attention-metadata builders hand attention (builders)
     builders: str = ("dcp_query_start_loc (FlashInfer's trtllm-gen/XQA decode), kv_pages (FlashInfer's native plans; "
                      "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode), ctx_chunks (MLA's chunked prefill "
-                     "context)")
+                     "context), verify_row_lens (AITER MLA's verify rows)")
 
 
 def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: tuple[str, tuple[str, ...]],
@@ -72,6 +72,9 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
         "vllm.model_executor.layers.attention.mla_attention": [
             ("MLACommonMetadataBuilder.build", wrap_mla, _BUILD),
             ("plan_mla_context_chunks", wrap_ctx_plan, ("context_lens", "max_context_chunk"))],
+        # (a ROCm module: hooked where vLLM imports it)
+        "vllm.v1.attention.backends.mla.rocm_aiter_mla": [
+            ("AiterMLAHelper.dcp_local_verify_row_lens", wrap_verify, ("tot_seq_lens", "qlen"))],
     }
     if ubatch_prepare is not None:
         h[f"{W}.ubatch_utils"] = [("UBatchRunner.prepare", wrap_ubatch_prepare,
