@@ -373,7 +373,8 @@ def simulate(
     inject: Annotated[str | None, typer.Option("--inject", help=INJECT_HELP)] = None,  # + the table (_FaultHelp)
     features: Annotated[str | None, typer.Option("--features", metavar="FEATURE,...", help="What to model beyond "
                                                  "the default engine, comma-separated: chunked-context (MLA's "
-                                                 "chunked prefill context). A fault that needs one models it.")]
+                                                 "chunked prefill context), swa (a sliding-window KV-cache group), "
+                                                 "sparse (sparse MLA's top-k). A fault that needs one models it.")]
     = None,
     seed: Annotated[int, _int("--seed", 0, "Workload seed (same seed, same dump, byte for byte).")] = 0,
     engine_version: Annotated[str, typer.Option("--engine-version", help="vLLM release to model (e.g. 0.34.0): "

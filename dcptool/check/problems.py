@@ -240,6 +240,10 @@ _WHY = {
     ("group-lens", None): "a KV-cache group's attention reads lengths of another sharding than its own (a replicated "
                           "sliding-window group with DCP-local lengths), or a verify token's rank-local causal bound "
                           "is taken after the shard mapping",
+    ("topk-agree", None): "the ranks of one DCP group select different sparse top-k sets for a query token (a tie at "
+                          "the k-th score broken another way), so their shares do not partition one set",
+    ("topk-empty", None): "a rank that owns none of a query token's top-k entries gives a partial result other than "
+                          "output 0 and LSE -inf (a NaN the merge's 0 weight does not cancel: 0 x NaN)",
 }
 
 

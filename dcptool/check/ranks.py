@@ -1,5 +1,5 @@
 """Rules across the DCP ranks of one batch: their local lengths add up (rank-sum), they agree (rank-agree), they plan
-the same chunked context (ctx-agree)."""
+the same chunked context (ctx-agree), sparse attention selects the same top-k sets (topk-agree)."""
 
 from __future__ import annotations
 
@@ -358,3 +358,52 @@ def _gather_text(g: list[int]) -> str:
         return "calls no DCP KV gather (no chunked context)"
     rows = ", ".join(map(str, g[:6])) + (", ..." if len(g) > 6 else "")
     return f"calls {len(g)} DCP KV gather{'s' if len(g) > 1 else ''} of [{rows}] local rows"
+
+
+def _fp_hashes(d: Dump, idx: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each observation's top-k fingerprints (every third value of rows.sparse_topk: the owned
+    counts and states after them differ between ranks by design)."""
+    off = d["obs.topk"]
+    cnt = np.diff(off)[idx] // 3
+    _, j, at = ragged(off[idx], cnt)
+    v = d.take("rows.sparse_topk", at + 2 * j).astype(np.int64) + 1
+    if d.bounded:
+        d.release(0, d.n)
+    return seg_sums(mix(v, j, 0), cnt).view(np.int64)
+
+
+def check_topk_agree(d: Dump, pairs: RankSets | None = None) -> FindingTable:
+    """The ranks of one batch (rank-agree's sets) must select the same top-k set for every query token of a sparse
+    MLA layer: each attends to the entries of that set it owns, so the partition between ranks is exact only when
+    the sets are equal (a tie at the k-th score broken another way on one rank gives it another set: some entries
+    attended twice, others never). Compared: the recorded tokens' set fingerprints (rows.sparse_topk); one finding
+    per set, at its first member that differs from the reference, naming every differing rank and its first
+    differing token."""
+    found = Written(d)
+    if d.config.dcp_size == 1 or d.n == 0:
+        return found.table()
+    sets = (pairs if pairs is not None else rank_pairs(d)).sets
+    off = d["obs.topk"]
+    lens = np.diff(off)
+    idx = np.flatnonzero(lens >= 3)
+    rank = d["obs.rank"]
+    for sp in _split_sets(d, sets, idx, [lens[idx], _fp_hashes(d, idx)]):
+        ref = d["rows.sparse_topk"][off[sp.ref]:off[sp.ref + 1]][::3]
+        parts, first = [], {}
+        for i in sp.odd:
+            fp = d["rows.sparse_topk"][off[i]:off[i + 1]][::3]
+            n = min(fp.size, ref.size)
+            diff = np.flatnonzero(fp[:n] != ref[:n])
+            t = int(diff[0]) if diff.size else n
+            first[i] = t
+            parts.append(f"rank {int(rank[i])} from query token {t} ({int(diff.size) + abs(fp.size - ref.size)} of "
+                         f"{max(fp.size, ref.size)} tokens differ)")
+        i0 = sp.odd[0]
+        msg = (f"ranks disagree on sparse attention's top-k sets, so their shares of each set do not partition it "
+               f"(entries attended on two ranks or on none: a tie at the k-th score broken differently per rank): "
+               f"{'; '.join(parts)}; {sp.ref_text} the other sets (ranks "
+               f"{', '.join(str(int(rank[i])) for i in sp.odd)} differ)")
+        found.add(i0, "topk-agree", msg, detail={
+            "ranks": [int(rank[i]) for i in sp.odd], "tokens": {str(int(rank[i])): first[i] for i in sp.odd},
+            "obs": [int(d.file_obs[x]) for x in sp.members], "reference_obs": int(d.file_obs[sp.ref])})
+    return found.table()

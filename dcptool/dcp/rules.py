@@ -139,6 +139,18 @@ TABLE = (
          "sharding (a replicated group, a sliding-window one under per-group DCP, handed this rank's DCP-local "
          "lengths), or a query token's rank-local causal bound that is not local(position + 1) (speculative "
          "verification: local(seq_len - k), not local(seq_len) - k)", faults=("swa-sharded", "spec-causal-offset")),
+    # sparse MLA's top-k (dcp.topk): per query token, the set every rank selects and each rank's partial result
+    Rule("topk-agree", "error", "Q", "ranks.check_topk_agree", "DCP ranks of one batch (as rank-agree forms them) "
+         "whose sparse-attention top-k sets differ on a query token (a tie at the k-th score broken differently per "
+         "rank: the ranks' shares no longer partition the set); once per batch, at the first differing rank, naming "
+         "every differing rank and its first differing token", needs=("obs.topk",),
+         unrecorded="needs obs.topk (not recorded in this dump)", inputs=(PAIRS,), dcp=SHARDED, scope=RANKS,
+         faults=("topk-tie-split",), quiet=True),
+    Rule("topk-empty", "error", "Z", "sparse.check_topk_empty", "a sparse-attention row of which this rank owns no "
+         "top-k entry (all -1 after the DCP filter) whose partial result is not output 0 and LSE -inf (0 x NaN "
+         "poisons the merge on every rank), or a row with entries whose LSE is -inf or not finite",
+         needs=("obs.topk",), unrecorded="needs obs.topk (not recorded in this dump)", faults=("topk-empty-nan",),
+         quiet=True),
 )
 RULE = {r.name: r for r in TABLE}
 RULES = tuple(RULE)
@@ -149,7 +161,7 @@ RULE_ORDER = {r: i for i, r in enumerate(RULES)}
 # The order replay lists skipped checks in (the text and HTML reports' lines, the JSON summary's keys): rank-sum,
 # which dcp_size rules out, first; then the micro-batch columns' checks; then the rest in table order.
 SKIPPED_ORDER = ("rank-sum", "ubatch-slice", "stale/parent-rows", "alias", "alias/graph", "pages", "empty-mask",
-                 "tot-lens", "rank-agree", "slots", "ctx-agree")
+                 "tot-lens", "rank-agree", "slots", "ctx-agree", "topk-agree")
 
 
 class DeviceCheck(NamedTuple):

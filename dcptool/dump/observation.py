@@ -106,6 +106,10 @@ FIELDS_TABLE: tuple[Field, ...] = (
           section="gsl"),
     # per query token of the batch (a prefix: its decode tokens), the rank-local KV length it attends to
     Field("verify_row_lens", ANY, "I32", "rows.verify_row_lens", device=True, offsets="obs.vrl", section="vrl"),
+    # sparse MLA (dcp.topk): per query token of the batch (a prefix of its tokens), three values: the fingerprint of
+    # its global top-k set, how many of the set's entries this rank owns, the state of the rank's partial result
+    Field("sparse_topk", ANY, "I32", "rows.sparse_topk", device=True, offsets="obs.topk", nonneg=True,
+          section="topk"),
 )
 
 ARGUMENTS: tuple[Field, ...] = tuple(f for f in FIELDS_TABLE if f.argument)  # observe()'s keywords

@@ -503,8 +503,8 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
 
 def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=None) -> None:
     """docs/format.md's rules on the values of row columns (after validate_columns(row_values=False) on the same
-    columns): no negative seq_len, global length, chunked-context value or group length, slot positions and KV-cache
-    groups in range."""
+    columns): no negative seq_len, global length, chunked-context value, group length or sparse top-k value, slot
+    positions and KV-cache groups in range."""
     sl = c["rows.seq_lens"]
     step = 1 << 22
     for lo in range(0, sl.size, step):  # in chunks, so a bounded read never holds all rows at once
@@ -519,7 +519,8 @@ def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=
         if t.size and t.min() < 0:
             i = int(np.argmax(t < 0))
             raise fail(p, "rows.dcp_tot_seq_lens", f"negative length {t[i]} at row {i}")
-    for key in ("rows.ctx_chunks", "rows.group_seq_lens"):  # chunk sizes, offsets, lengths: none is negative
+    for key in ("rows.ctx_chunks", "rows.group_seq_lens", "rows.sparse_topk"):
+        # chunk sizes, offsets, lengths, fingerprints, counts, state bits: none is negative
         t = c.get(key)
         if t is not None and t.size and t.min() < 0:
             i = int(np.argmax(t < 0))

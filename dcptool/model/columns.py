@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcptool.dcp import chunks
+from dcptool.dcp import chunks, topk
 from dcptool.dcp.reference import group_lens_np, local_np, verify_lens_np
 from dcptool.dump.schema import INT32_MAX
 from dcptool.model.config import SimConfig, kv_groups_of
@@ -23,6 +23,7 @@ class Columns:
         self.ranks = np.arange(self.N).reshape(-1, 1)
         self.workspace = chunks.workspace_size(cfg.max_model_len, cfg.max_num_reqs, self.G, self.N, self.I)
         self.groups = [(g["name"], g["dcp"]) for g in kv_groups_of(cfg)]  # (name, DCP-sharded) per KV-cache group
+        self._prefix: topk.Prefix | None = None  # --features sparse: the fingerprints' prefix sums, made once
 
     def decode_path(self, b: Rows, view: np.ndarray, odd_seq: np.ndarray | None, marks: list):
         """What vLLM's FlashInfer decode path (0.30+) receives beside the local lengths, per rank ([N, ...]):
@@ -179,3 +180,33 @@ class Columns:
             marks.append(("spec-causal-offset", (shifted != verify).any(axis=1)))
             verify = shifted
         return gl, verify
+
+    def sparse_topk(self, b: Rows, marks: list) -> np.ndarray | None:
+        """rows.sparse_topk on every rank ([N, 3 * tokens]; None for a batch without real query tokens): per query
+        token of the batch, in order, the fingerprint of its top-k set (dcp.topk's model indexer over its position + 1
+        KV positions), how many of the set's entries the rank owns, and the rank's partial result (output 0 and LSE
+        -inf where it owns none, else finite). Every rank selects the same set. Applies topk-tie-split and
+        topk-empty-nan on the last DCP rank (appending (fault, [N] ranks) to `marks` where they changed a value)."""
+        N, F, I_ = self.N, self.F, self.I
+        q = b.qsl[: b.nr + 1].astype(np.int64) - int(b.qsl[0])
+        T = int(q[-1]) if q.size else 0
+        if T <= 0:
+            return None
+        t = np.arange(T, dtype=np.int64)
+        row = np.searchsorted(q[1:], t, "right")
+        L = np.maximum(b.seq[row].astype(np.int64) - (q[row + 1] - t) + 1, 0)  # the KV positions token t attends to
+        if self._prefix is None:
+            self._prefix = topk.Prefix(self.cfg.max_model_len + 1)
+        bounds = topk.model_bounds(np.minimum(L, self.cfg.max_model_len))
+        fp = np.broadcast_to(self._prefix.fingerprint(bounds), (N, T)).copy()
+        own = topk.model_owned(bounds, self.ranks, N, I_)
+        if "topk-tie-split" in F:
+            odd = topk.model_bounds(np.minimum(L, self.cfg.max_model_len), lowest=False)
+            fp[N - 1] = self._prefix.fingerprint(odd)
+            own[N - 1] = topk.model_owned(odd, N - 1, N, I_)
+            marks.append(("topk-tie-split", (np.arange(N) == N - 1) & (fp[N - 1] != fp[0]).any()))
+        state = np.where(own == 0, topk.EMPTY_STATE, 0)
+        if "topk-empty-nan" in F:
+            state[N - 1] = np.where(own[N - 1] == 0, topk.LSE_NEG_INF | topk.NON_FINITE, 0)
+            marks.append(("topk-empty-nan", (np.arange(N) == N - 1) & (own[N - 1] == 0).any()))
+        return np.stack([fp, own, state], axis=-1).reshape(N, 3 * T)

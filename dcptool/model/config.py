@@ -56,14 +56,23 @@ _FAULT_WHAT.update({
     "spec-causal-offset": "a speculative verify token k from its row's end attends to local(seq_len) - k of the "
                           "rank's KV positions, not local(seq_len - k)",
 })
-OPT_IN |= {"ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset"}
+# sparse MLA's top-k under DCP (--features sparse): each query token's top-k set and each rank's partial result
+_FAULT_WHAT.update({
+    "topk-tie-split": "the last DCP rank breaks the tie at the k-th top-k score another way (highest ids first), so "
+                      "it selects another set than its peers for every token whose context is longer than k",
+    "topk-empty-nan": "on the last DCP rank a sparse row of which it owns no top-k entry gives a NaN output (LSE "
+                      "-inf), not output 0",
+})
+OPT_IN |= {"ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset",
+           "topk-tie-split", "topk-empty-nan"}
 FAULTS: dict[str, tuple[str, str]] = {f: (RULE_OF_FAULT[f], what) for f, what in _FAULT_WHAT.items()}
 # What simulate models beyond its default engine (--features), and the faults that need each (injecting one models
 # its feature): MLA's chunked prefill context; a sliding-window KV-cache group (and the per-token causal bounds of
-# speculative verification).
-FEATURES = ("chunked-context", "swa")
+# speculative verification); sparse MLA's top-k selection (dcp.topk).
+FEATURES = ("chunked-context", "swa", "sparse")
 FEATURE_OF: dict[str, str] = {"ctx-rank-local": "chunked-context", "ctx-chunk-unaligned": "chunked-context",
-                              "ctx-draft-lens": "chunked-context", "swa-sharded": "swa", "spec-causal-offset": "swa"}
+                              "ctx-draft-lens": "chunked-context", "swa-sharded": "swa", "spec-causal-offset": "swa",
+                              "topk-tie-split": "sparse", "topk-empty-nan": "sparse"}
 # Where each fault really occurred, read from vLLM's released code (0.27.0-0.34.0; docs/faults.md has
 # the code paths): a release range, "main only" (on vLLM main between releases, never released), or
 # "no release" (a failure class dcptool models that no release 0.27-0.34 has).
@@ -90,6 +99,10 @@ FAULT_WHERE: dict[str, str] = {
     # 0.29-0.34 assert that DCP does not support sliding window (SlidingWindowSpec, SlidingWindowManager)
     "swa-sharded": "no release (PR #47541)",
     "spec-causal-offset": "no release (PR #46076 review)",
+    # vLLM 0.29-0.34 merge the ranks' candidates with a stable selector (score, then lowest id) and zero a row the
+    # merge weighs 0; ROCm/ATOM's DCP sparse path had neither before its PR #1832
+    "topk-tie-split": "no release (ROCm/ATOM before PR #1832)",
+    "topk-empty-nan": "no release (ROCm/ATOM before PR #1832)",
 }
 # The KV-cache groups simulate's engine has (rows.slot_group indexes it): the attention KV cache, DCP-sharded, and
 # a replicated one (Mamba/GDN state as vLLM 0.31+ keeps it under DCP); both in page_size blocks.
@@ -231,6 +244,8 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "ctx-draft-lens": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (speculative metadata)",
         "swa-sharded": None,
         "spec-causal-offset": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (verify tokens)",
+        "topk-tie-split": None,
+        "topk-empty-nan": None,
     }
     if cfg.dcp == 1:  # vLLM passes None everywhere: nothing DCP-specific can go wrong
         why = {f: "needs --dcp > 1" for f in why}

@@ -34,7 +34,7 @@ def _of_rank(r: Record, i: int, slots: tuple | None, odd_seq: np.ndarray | None)
                       positions=None if slots is None else slots[0],
                       slot_mapping=None if slots is None else slots[1][i],
                       ctx_chunks=ctx[i] if isinstance(ctx, list) else ctx, group_seq_lens=row(gl),
-                      verify_row_lens=row(vl))
+                      verify_row_lens=row(vl), sparse_topk=row(r.sparse_topk))
 
 
 class Sink:

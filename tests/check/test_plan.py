@@ -24,7 +24,8 @@ def test_a_sample_with_every_column_runs_every_check_at_its_dcp_size():
     replay does not say it skipped the feature's (quiet) checks."""
     p = plan(open_dumps([str(ROOT / "samples" / "legacy.safetensors")]))
     quiet = {r.check for r in TABLE if r.quiet}
-    assert quiet == {"context.check_ctx_chunks", "ranks.check_ctx_agree"}
+    assert quiet == {"context.check_ctx_chunks", "ranks.check_ctx_agree", "ranks.check_topk_agree",
+                     "sparse.check_topk_empty"}
     assert p.skipped == {} and set(p.run) == set(checks()) - {"values.check_stray"} - quiet
     assert p.runs("stale") and p.first("values.check_values").name == "stale" and not p.runs("stray")
 

@@ -120,6 +120,9 @@ def test_known_bugs_not_named_post_fix_or_without_version(legacy_029):
     ("ctx-agree", None, ("attn_metadata",), "0.30.0", "fixed"),
     ("ctx-chunks", None, ("ubatch",), "0.27.0", "match"),
     ("ctx-chunks", None, ("ubatch",), "0.28.0", "fixed"),
+    ("topk-agree", None, ("attn_metadata",), "0.34.0", "not-affected"),  # (ROCm/ATOM #1832: no vLLM release)
+    ("topk-agree", None, ("attn_metadata",), "0.35.0.dev2", "dev"),
+    ("topk-empty", None, ("capture",), "0.29.0", "not-affected"),
 ])
 def test_match_known_verdicts(rule, relation, sites, version, verdict):
     m = match_known(rule, relation, sites, version)
@@ -133,6 +136,13 @@ def test_match_known_verdicts(rule, relation, sites, version, verdict):
 ])
 def test_no_signature_for_other_rules(rule, relation, sites):
     assert match_known(rule, relation, sites, "0.29.0") is None
+
+
+def test_the_sparse_top_k_bugs_cite_rocm_atom_1832():
+    by_rule = {b.rule: b for b in known_bugs()}
+    for rule in ("topk-agree", "topk-empty"):
+        b = by_rule[rule]
+        assert "ROCm/ATOM PR #1832" in b.title and b.pr is None and b.main and "no vLLM release" in b.main
 
 
 def test_known_bug_file_is_well_formed():

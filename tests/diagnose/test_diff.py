@@ -453,7 +453,7 @@ def test_diff_compares_every_column_the_format_has(tmp_path):
     from dcptool.model.simulate import SimConfig, simulate
 
     a = tmp_path / "a.safetensors"
-    simulate(SimConfig(steps=8, max_num_reqs=64, features=("chunked-context", "swa")), a)
+    simulate(SimConfig(steps=8, max_num_reqs=64, features=("chunked-context", "swa", "sparse")), a)
     d = read_dump(a)
     assert set(d.columns) == set(COLUMNS)  # the recording covers the whole format
     cols = {k: np.array(v) for k, v in d.columns.items()}

@@ -286,8 +286,11 @@ def test_slot_columns_read_back(tmp_path):
      "kv_groups[0]: cp_size 4 of a DCP-sharded group is not dcp_size 2"),
     ({"rows.group_seq_lens": np.array([3, -1], "<i4"), "obs.gsl": np.array([0, 2, 2], "<i8")}, None,
      "rows.group_seq_lens: negative value -1 at row 1"),
+    ({"rows.sparse_topk": np.array([3, 0, 3, 7, -2, 0], "<i4"), "obs.topk": np.array([0, 6, 6], "<i8")}, None,
+     "rows.sparse_topk: negative value -2 at row 4"),
 ], ids=["group-range", "group-negative", "position", "offsets", "short", "dtype", "dcp-int", "not-object",
-        "not-list", "block-size", "unknown-key", "window", "cp-replicated", "cp-sharded", "negative-group-lens"])
+        "not-list", "block-size", "unknown-key", "window", "cp-replicated", "cp-sharded", "negative-group-lens",
+        "negative-topk"])
 def test_bad_slot_columns_exit_2_with_one_line(tmp_path, over, config, message):
     from conftest import cli
 

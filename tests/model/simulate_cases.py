@@ -96,4 +96,6 @@ EXERCISE = {
     "ctx-draft-lens": (4, 1, 1, 3, 1, "full", "dflash"),
     "swa-sharded": (4, 1, 2, 2, 2, "full", "mtp"),
     "spec-causal-offset": (4, 16, 1, 3, 2, "full", "mtp"),
+    "topk-tie-split": (4, 1, 1, 2, 2, "full", "mtp"),
+    "topk-empty-nan": (4, 16, 2, 2, 2, "full", "mtp"),
 }

@@ -31,7 +31,8 @@ def test_tot_local_with_a_sentinel_records_every_observation(tmp_path):
 
 def test_issue15_faults_are_opt_in_not_legacy_and_fixed_records_the_decode_path(tmp_path):
     assert OPT_IN == {"dcp-qsl-local", "tot-local", "rank-disagree", "slot-wrong-group", "slot-all-ranks",
-                      "ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset"}
+                      "ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset",
+                      "topk-tie-split", "topk-empty-nan"}
     assert OPT_IN <= set(FAULTS)
     assert not OPT_IN & set(config_of(MATRIX[2], 1, pipeline="legacy").faults)
     res, d, rr = run(config_of(MATRIX[5], 1), tmp_path)
@@ -125,9 +126,10 @@ def test_slot_faults_under_pcp_found_exactly_and_fixed_pcp_replays_clean(tmp_pat
 
 
 # --------------------------------------------------------------------------------------------
-# The features (--features chunked-context, swa) and their faults
+# The features (--features chunked-context, swa, sparse) and their faults
 
-CTX_FAULTS = ("ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset")
+CTX_FAULTS = ("ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset",
+              "topk-tie-split", "topk-empty-nan")
 # --dcp 4 with full CUDA graphs: alone, with PCP 2 and micro-batches, with DFlash, with MTP and interleave 16
 CTX_ROWS = [(4, 1, 1, 2, 2, "full", "mtp"), (4, 1, 2, 2, 2, "full", "mtp"), (4, 1, 1, 3, 1, "full", "dflash"),
             (4, 16, 1, 2, 1, "full", "mtp")]
@@ -142,7 +144,7 @@ def test_the_features_are_recorded_on_every_attention_build_and_replay_clean(row
     from dcptool.dcp import chunks as C
     from dcptool.dcp.reference import group_lens_np, verify_lens_np
 
-    res, d, rr = run(config_of(row, 17, features=("chunked-context", "swa")), tmp_path)
+    res, d, rr = run(config_of(row, 17, features=("chunked-context", "swa", "sparse")), tmp_path)
     assert rr.findings == [] and res.faults == {}
     n = np.diff(d["obs.ctx"])
     sites = {d.site_name(i) for i in np.flatnonzero(n > 0)}
@@ -166,6 +168,29 @@ def test_the_features_are_recorded_on_every_attention_build_and_replay_clean(row
                               group_lens_np(seq, nr, r, row[0], row[1], [True, False, False]))
         assert np.array_equal(d["rows.verify_row_lens"][d["obs.vrl"][i]:d["obs.vrl"][i + 1]],
                               verify_lens_np(seq, d.qsl_of(i), int(vl[i]), r, row[0], row[1]))
+    _sparse_topk_is_the_model(d, row, n)
+
+
+def _sparse_topk_is_the_model(d, row, ctx_lens) -> None:
+    """Every attention build records its real query tokens' top-k rows: the fingerprint of the model indexer's set
+    (computed from its explicit ids), the rank's share of it and the state that share asks for."""
+    from dcptool.dcp import topk
+
+    tk = np.diff(d["obs.topk"])
+    assert np.array_equal(tk > 0, ctx_lens > 0) and (tk % 3 == 0).all()
+    empty = 0
+    for i in np.flatnonzero(tk > 0)[::7][:30]:
+        v = d["rows.sparse_topk"][d["obs.topk"][i]:d["obs.topk"][i + 1]].reshape(-1, 3).astype(np.int64)
+        seq, q, r = d.seq_lens_of(i).astype(np.int64), d.qsl_of(i).astype(np.int64), int(d["obs.rank"][i])
+        q = q - q[0]
+        t = np.arange(v.shape[0])
+        at = np.searchsorted(q[1:], t, "right")
+        ids = topk.model_ids(topk.model_bounds(seq[at] - (q[at + 1] - t) + 1))
+        assert np.array_equal(v[:, 0], topk.fingerprint(ids))
+        assert np.array_equal(v[:, 1], topk.owned(ids, r, row[0], row[1]))
+        assert np.array_equal(v[:, 2], np.where(v[:, 1] == 0, topk.EMPTY_STATE, 0))
+        empty += int((v[:, 1] == 0).sum())
+    assert row[0] == 1 or empty > 0
 
 
 @pytest.mark.parametrize("fault", CTX_FAULTS)
@@ -185,18 +210,19 @@ def test_feature_faults_found_exactly_where_they_touched(fault, row, tmp_path):
         assert rep.applicable and rep.count > 0, (fault, row)
         verify(res, d, rr)
         assert FAULTS[fault][0] in rr.by_rule()
-        assert set(rr.by_rule()) <= {"ctx-agree", "ctx-chunks", "group-lens"}  # (side: rank-local plans do not
-        #                                                                           cover the context)
+        # (side: rank-local plans do not cover the context)
+        assert set(rr.by_rule()) <= {"ctx-agree", "ctx-chunks", "group-lens", "topk-agree", "topk-empty"}
 
 
 def test_a_fault_models_the_feature_it_needs_and_features_are_checked():
     from dcptool.model.config import FEATURES, SimError
 
-    assert FEATURES == ("chunked-context", "swa")
+    assert FEATURES == ("chunked-context", "swa", "sparse")
     cfg = SimConfig(inject=("ctx-rank-local",))
     assert cfg.modelled == {"chunked-context"} and SimConfig().modelled == frozenset()
     c = SimConfig(features=("chunked-context",))
     assert c.modelled == {"chunked-context"} and "--features chunked-context" in c.command()
     assert SimConfig(inject=("spec-causal-offset",)).modelled == {"swa"}
+    assert SimConfig(inject=("topk-empty-nan",)).modelled == {"sparse"}
     with pytest.raises(SimError, match="--features: unknown feature bogus"):
         SimConfig(features=("bogus",)).validate()

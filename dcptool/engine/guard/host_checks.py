@@ -10,9 +10,9 @@ from dcptool.dcp.reference import local_np
 from dcptool.dcp.rules import DEVICE_CHECKS
 
 # The fields replay's rules read and the Guard's kernel does not check (the chunked context across ranks, the KV-cache
-# groups' lengths and the verify bounds): the Guard neither keeps them in its slots nor writes them into its dumps
-# (Guard.record drops them), so an engine that passes them pays nothing for them under the Guard.
-NOT_KEPT = ("ctx_chunks", "group_seq_lens", "verify_row_lens")
+# groups' lengths, the verify bounds, sparse MLA's top-k): the Guard neither keeps them in its slots nor writes them
+# into its dumps (Guard.record drops them), so an engine that passes them pays nothing for them under the Guard.
+NOT_KEPT = ("ctx_chunks", "group_seq_lens", "verify_row_lens", "sparse_topk")
 
 
 class Spec(NamedTuple):

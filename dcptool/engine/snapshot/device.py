@@ -33,7 +33,7 @@ _NEW = tuple.__new__
 _FAST_FIELDS = ("step", "site", "rank", "num_reqs", "num_reqs_padded", "seq_lens", "dcp_local_seq_lens", "ubatch",
                 "parent", "req_start", "tok_start", "tok_stop", "query_start_loc", "num_tokens_padded", "buffer",
                 "graph", "kv_pages", "dcp_query_start_loc", "dcp_tot_seq_lens", "positions", "slot_mapping",
-                "ctx_chunks", "group_seq_lens", "verify_row_lens")
+                "ctx_chunks", "group_seq_lens", "verify_row_lens", "sparse_topk")
 if NAMES != _FAST_FIELDS:
     raise ImportError("snapshot.device: observe_fast unpacks the Record as _FAST_FIELDS; the table's fields changed")
 _TENSOR: type = NoTensor  # torch.Tensor once torch is imported (the Recorder's find_torch says when)
@@ -273,7 +273,7 @@ class DevicePath:
         """observe() for what an engine passes each step, once the ring runs (the class says which); None: the general
         path takes it (and raises what it cannot store); -1, dropped and counted (it never raises into the engine)."""
         (step, site, rank, nr, nrp, seq, dcp, ub, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos, sm,
-         cx, gl, vl) = r
+         cx, gl, vl, tk) = r
         try:
             ring = self.ring
             did = ring.did
@@ -321,7 +321,8 @@ class DevicePath:
                     parent = None
             if not (0 <= nr <= nrp <= INT32_MAX and nr <= rows and I64_MIN <= step <= I64_MAX
                     and -1 <= ub <= INT32_MAX and site in self._site_ok
-                    and cx is None and gl is None and vl is None  # (the fields past the slot mapping: general)
+                    and cx is None and gl is None and vl is None and tk is None
+                    # (the fields past the slot mapping: the general path's)
                     and (graph is None or (type(graph) is int and 0 <= graph <= 3))
                     and (buf is None or (type(buf) is int and I64_MIN <= buf <= I64_MAX))):
                 return None

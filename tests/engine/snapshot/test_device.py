@@ -273,10 +273,11 @@ def test_issue15_rows_through_the_ring_match_the_host_path(tmp_path):
         if k % 4 == 1:
             extra["ctx_chunks"] = torch.arange(1 + 4 * (k % 3))
         if k % 5 == 2:
-            extra.update(group_seq_lens=torch.arange(k % 7), verify_row_lens=torch.arange(k % 3) - 1)
+            extra.update(group_seq_lens=torch.arange(k % 7), verify_row_lens=torch.arange(k % 3) - 1,
+                         sparse_topk=torch.arange(3 * (k % 4)).reshape(-1, 3))
         assert a.observe(**kw, **extra) == b.observe(**kw, **extra)
     ca, cb = _columns(a.close()), _columns(b.close())
-    assert {"obs.dqsl", "obs.tot", "obs.ctx", "obs.gsl", "obs.vrl"} <= set(ca) and sorted(ca) == sorted(cb)
+    assert {"obs.dqsl", "obs.tot", "obs.ctx", "obs.gsl", "obs.vrl", "obs.topk"} <= set(ca) and sorted(ca) == sorted(cb)
     for key in ca:
         assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
 
@@ -425,7 +426,7 @@ def test_what_the_fast_path_does_not_take_goes_the_general_way(tmp_path, monkeyp
            dict(positions=pos, slot_mapping={0: pos * 3}), dict(positions=pos[None], slot_mapping=pos[None]),
            dict(step=np.int64(3)), dict(graph="replay"), dict(ubatch=np.int32(0)),
            dict(query_start_loc=torch.arange(9)), dict(ctx_chunks=torch.arange(5, dtype=torch.int32)),
-           dict(group_seq_lens=seq), dict(verify_row_lens=seq - 3)]
+           dict(group_seq_lens=seq), dict(verify_row_lens=seq - 3), dict(sparse_topk=seq[:6].reshape(2, 3))]
     # (a query_start_loc that does not cover the rows stays on the fast path: not recorded, as on the host)
     for i, extra in enumerate([{}, *odd, {}, dict(query_start_loc=seq)]):
         assert a.observe(**{**kw, **extra}) == b.observe(**{**kw, **extra}) == i
