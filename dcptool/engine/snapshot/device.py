@@ -321,8 +321,7 @@ class DevicePath:
                     parent = None
             if not (0 <= nr <= nrp <= INT32_MAX and nr <= rows and I64_MIN <= step <= I64_MAX
                     and -1 <= ub <= INT32_MAX and site in self._site_ok
-                    and cx is None and gl is None and vl is None and tk is None
-                    # (the fields past the slot mapping: the general path's)
+                    and cx is None and gl is None and vl is None and tk is None  # (past the slots: general path)
                     and (graph is None or (type(graph) is int and 0 <= graph <= 3))
                     and (buf is None or (type(buf) is int and I64_MIN <= buf <= I64_MAX))):
                 return None
