@@ -118,6 +118,14 @@ TABLE = (
          "micro-batch, group): a position of a DCP-sharded group written by several ranks (reported at the ranks "
          "that do not own it) or by none (at its owner), naming the positions", needs=_SLOTS, scope=RANKS,
          faults=("slot-all-ranks",)),
+    # a KV transfer plan (prefill/decode disaggregation): only recorded where a connector moves KV, so a dump without
+    # transfers does not list it as skipped (no `unrecorded`)
+    Rule("transfer", "error", "D", "transfers.check_transfer", "a KV transfer plan (prefill/decode disaggregation, "
+         "a keyed store) that does not move every position a destination rank must hold exactly once from a source "
+         "worker that holds it, named by its first kind: `partial-store` (a shard stored as the whole request), "
+         "`wrong-source`, `past-sequence` (reads past the sequence), `not-owner`, `block-ids` (ids scaled or grouped "
+         "wrongly), `twice`, `never`",
+         needs=("obs.xfer",)),
 )
 RULE = {r.name: r for r in TABLE}
 RULES = tuple(RULE)
