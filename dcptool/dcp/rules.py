@@ -125,7 +125,8 @@ TABLE = (
          "worker that holds it, named by its first kind: `partial-store` (a shard stored as the whole request), "
          "`wrong-source`, `past-sequence` (reads past the sequence), `not-owner`, `block-ids` (ids scaled or grouped "
          "wrongly), `twice`, `never`",
-         needs=("obs.xfer",)),
+         needs=("obs.xfer",), faults=("nixl-pcp-stride", "nixl-single-source", "mooncake-group-scale",
+                                      "mooncake-unsharded-prefill", "lmcache-partial-store")),
 )
 RULE = {r.name: r for r in TABLE}
 RULES = tuple(RULE)
