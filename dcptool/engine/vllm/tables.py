@@ -20,7 +20,8 @@ from dcptool.engine.vllm.hooks import (
     wrap_slice,
     wrap_ubatch_prepare,
 )
-from dcptool.engine.vllm.state import SITES, STATE, broken
+from dcptool.engine.vllm.state import SITES, STATE, broken, log
+from dcptool.engine.vllm.transfers import NIXL, wrap_nixl_read
 
 W = "vllm.v1.worker.gpu"
 _BUILD = ("common_prefix_len", "common_attn_metadata")  # AttentionMetadataBuilder.build
@@ -69,6 +70,8 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
             ("FlashInferMetadataBuilder._compute_flashinfer_kv_metadata", wrap_plan,
              ("num_blocks_np", "num_reqs", "page_size"))],
         "vllm.model_executor.layers.attention.mla_attention": [("MLACommonMetadataBuilder.build", wrap_mla, _BUILD)],
+        # NIXL's pull plans (KV transfers; engine.vllm.transfers): 0.29-0.34 plan DCP-aware reads here
+        NIXL: [("NixlPullConnectorWorker._read_blocks_for_req", wrap_nixl_read, ("req_id", "meta"))],
     }
     if ubatch_prepare is not None:
         h[f"{W}.ubatch_utils"] = [("UBatchRunner.prepare", wrap_ubatch_prepare,
@@ -111,6 +114,7 @@ TABLES: tuple[Table, ...] = (
                  draft=_DRAFT, partition=("batch_desc",)), SITES),
 )
 TESTED = tuple(v for t in TABLES for v in t.tested)
+OPTIONAL = frozenset({NIXL})  # modules whose hooks may not fit without stopping the recording
 
 
 def _release(version: str) -> tuple[int, int] | None:
@@ -179,6 +183,9 @@ def patch(modname: str, module) -> None:
                         setattr(m, attr, wrapper)
         return
     if first is not None:
+        if modname in OPTIONAL:  # (a connector's hook that does not fit: its transfers go unrecorded, builds not)
+            log.warning("dcptool: %s: not recording its KV transfers (%s)", modname, first)
+            return
         broken(first)
 
 
