@@ -43,6 +43,11 @@ fi_ok() { (cd / && "$PY" -c "import sys, importlib.metadata as m
 sys.exit(m.version('flashinfer-python') != '0.7.2.post1' or m.version('nvidia-ml-py') != '13.615.71')") 2>/dev/null; }
 fi_ok || pip_ flashinfer-python==0.7.2.post1 nvidia-ml-py==13.615.71
 "$PY" -c "import pytest" 2>/dev/null || pip_ pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
+# LMCache's multi-process connector planning, before and after its DCP fix (tests/vllm/test_vllm_lmcache.py reads
+# its source: its modules import LMCache's CUDA ops, so the wheels are only unpacked, each in a directory of its own)
+for v in 0.5.4 0.5.6; do
+  test -d "$VENV/lmcache-$v/lmcache" || "$PY" -m pip install -q --no-deps --target "$VENV/lmcache-$v" "lmcache==$v"
+done
 # dcptool itself, editable from this checkout, so vLLM's plugin loader finds its `vllm.general_plugins` entry point
 # (checked from / so that a checkout in the current directory does not answer for the installed one)
 if ! (cd / && "$PY" -c "

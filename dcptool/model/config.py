@@ -80,7 +80,7 @@ FAULT_WHERE: dict[str, str] = {
     "nixl-single-source": "0.30 (NIXL)",
     "mooncake-group-scale": "vllm-ascend before #13965",
     "mooncake-unsharded-prefill": "vllm-ascend before #16492",
-    "lmcache-partial-store": "0.29–0.34 (in-tree LMCacheMPConnector); LMCache ≤ 0.5.4",
+    "lmcache-partial-store": "LMCache ≤ 0.5.4; vLLM 0.29–0.34's builtin fallback",
 }
 # The KV-cache groups simulate's engine has (rows.slot_group indexes it): the attention KV cache, DCP-sharded, and
 # a replicated one (Mamba/GDN state as vLLM 0.31+ keeps it under DCP); both in page_size blocks.

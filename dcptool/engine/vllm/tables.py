@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from dcptool.engine.vllm.builders import wrap_flashinfer, wrap_mla, wrap_plan
+from dcptool.engine.vllm.connectors import NIXL, wrap_nixl_read
 from dcptool.engine.vllm.hooks import (
     PREPARE,
     Sig,
@@ -21,7 +22,6 @@ from dcptool.engine.vllm.hooks import (
     wrap_ubatch_prepare,
 )
 from dcptool.engine.vllm.state import SITES, STATE, broken, log
-from dcptool.engine.vllm.transfers import NIXL, wrap_nixl_read
 
 W = "vllm.v1.worker.gpu"
 _BUILD = ("common_prefix_len", "common_attn_metadata")  # AttentionMetadataBuilder.build
@@ -70,7 +70,7 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
             ("FlashInferMetadataBuilder._compute_flashinfer_kv_metadata", wrap_plan,
              ("num_blocks_np", "num_reqs", "page_size"))],
         "vllm.model_executor.layers.attention.mla_attention": [("MLACommonMetadataBuilder.build", wrap_mla, _BUILD)],
-        # NIXL's pull plans (KV transfers; engine.vllm.transfers): 0.29-0.34 plan DCP-aware reads here
+        # NIXL's pull plans (KV transfers; engine.vllm.connectors): 0.29-0.34 plan DCP-aware reads here
         NIXL: [("NixlPullConnectorWorker._read_blocks_for_req", wrap_nixl_read, ("req_id", "meta"))],
     }
     if ubatch_prepare is not None:

@@ -142,3 +142,25 @@ def _copies(worker, engine, reads, r_kernel: int, l_kernel: int, rdcp: int) -> l
                          r_kernel)
                 out.setdefault(c, None)
     return list(out)
+
+
+def lmcache_store(*, step: int, rank: int, request, engine, block_ids, block_size: int, tokens: tuple[int, int],
+                  piece: tuple[int, int]):
+    """One LMCache multi-process store as a transfer (store=True): worker `rank` of an engine of layout `engine`
+    (dump.transfer.Side) stores the request's blocks `block_ids` (its logical block ids for tokens [start, end),
+    `block_size` tokens per block on each rank) whole, in order, under a key for tokens `tokens` whose object is
+    piece `piece[0]` of `piece[1]` (LMCache's kv_worker_id and kv_world_size: the pieces split the tokens as the
+    engine's DCP shards do; one piece claims them all)."""
+    import numpy as np
+
+    from dcptool.dump.transfer import GroupPlan, Side, TransferRecord
+
+    start, end = tokens
+    first = start // (block_size * engine.dcp)
+    ids = np.asarray(block_ids, np.int64).reshape(-1)
+    claim = Side(tp=1, dcp=piece[1], interleave=engine.interleave)
+    group = GroupPlan("mla", ids, ids, block_size, block_size, src_first=first, dst_first=first)
+    copies = np.stack([np.zeros(ids.size, np.int64), np.full(ids.size, rank), ids, np.zeros(ids.size, np.int64),
+                       ids, np.zeros(ids.size, np.int64), np.full(ids.size, block_size)], axis=1)
+    return TransferRecord(step=step, rank=rank, request=request, source="vllm", src=engine, dst=claim, groups=[group],
+                          seq_len=end, dst_rank=piece[0], copies=copies, store=True)
