@@ -8,6 +8,7 @@ from dcptool.dcp.backend import load
 from dcptool.dump import Record
 from dcptool.dump.observation import NAMES
 from dcptool.engine.arguments import host_copy
+from dcptool.engine.guard.host_checks import CHECKS
 
 # Ring slot layout (int32 words): HEAD header words, then six sections of `cap` rows each (seq_lens, the DCP
 # view, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens) and `tcap` words of slot entries
@@ -40,18 +41,21 @@ KERNEL_ARGS = ("ring", "state", "flag", "keep", "words", "cap", "tcap", "N", "I"
 GUARD_BLOCK = 1024  # rows a block: one pass of loads for up to 1,024 requests
 GUARD_BLOCK_INTERPRETED = 256  # under Triton's interpreter (device_checks_tl.py says why)
 GUARD_WARPS = 8  # (4 rows a thread)
-BIT_VALUES, BIT_PADDING, BIT_SHAPE, BIT_MISSING, BIT_PAGES, BIT_EMPTY, BIT_TOT, BIT_SLOTS = (1 << k for k in range(8))
-# a bit -> the rule replay names (the values bit: stale, global, wrong-rank ... mismatch, replay says which)
-RULE_OF_BIT = ((BIT_MISSING, "missing"), (BIT_VALUES, "values"), (BIT_PADDING, "padding"), (BIT_SHAPE, "shape"),
-               (BIT_PAGES, "pages"), (BIT_EMPTY, "empty-mask"), (BIT_TOT, "tot-lens"), (BIT_SLOTS, "slots"))
+# One bit per check of the Guard (host_checks.CHECKS: the rule table's names and order); the kernel sets each by its
+# name (device_checks_tl), the first set in table order is the one reported
+BIT = {name: 1 << k for k, name in enumerate(CHECKS)}
+KERNEL_CHECKS = ("missing", "values", "padding", "shape", "pages", "empty-mask", "tot-lens", "slots")
+if set(KERNEL_CHECKS) != set(CHECKS):
+    raise ImportError(f"guard.device_checks: the rule table's device checks are {list(CHECKS)}; the check kernel "
+                      f"decides {list(KERNEL_CHECKS)}")
 _TL = "dcptool.engine.guard.device_checks_tl"
 _NONE = -1  # a scalar not given
 _HOST_IN_CAPTURE = -2  # _sec's count of a host array met inside capture (not read)
 
 
 def rule_of(bits: int) -> str:
-    """The first rule (table order) of a slot's rule bits."""
-    return next(r for b, r in RULE_OF_BIT if bits & b)
+    """The first check (table order) of a slot's rule bits."""
+    return next(name for name in CHECKS if bits & BIT[name])
 
 
 _CHECKED: dict = {}  # CUDA device index -> (go, how): the launch that proved itself there (_launcher)
@@ -118,7 +122,7 @@ def _probe_check(p: _Probe, go):
     have = np.concatenate([p.ring.cpu().numpy().ravel(), p.state.cpu().numpy(), p.flag.numpy()])
     if p.want is None:
         w = p.ring[0].cpu().numpy()
-        if (w[:3].tolist() != [1, BIT_VALUES | BIT_SLOTS, 12345] or p.state[:3].tolist() != [1, 1, 1]
+        if (w[:3].tolist() != [1, BIT["values"] | BIT["slots"], 12345] or p.state[:3].tolist() != [1, 1, 1]
                 or p.flag[0].item() != 1 or w[HEAD:HEAD + 4].tolist() != [10, 15, 20, 25]):
             raise RuntimeError(f"guard kernel self-check (dispatch) wrote {w[:HEAD + 4].tolist()}")
         p.want = have
