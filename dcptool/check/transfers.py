@@ -123,15 +123,19 @@ def _copies(d: Dump, p: Plans, lo: int, hi: int, v: Verdicts) -> None:
     t = lo + np.repeat(np.arange(hi - lo), p.ncopies[lo:hi])
     grp = c["group"]
     known = grp < p.ngroups[t]
+    if p.g["kind"].size == 0:  # (no transfer has a group: every copy names one it lacks)
+        v.add(BLOCK_IDS, t, c["count"], (np.full(t.size, -1),) * 3 + (c["src_rank"],))
+        v.note[np.unique(t)] = (1, -1)
+        return
     row = np.where(known, p.gstart[t] + grp, 0)
-    sf, si, ss, so = _lookup(p, "src", row, t, c["src_block_id"])
-    df, di, ds, do = _lookup(p, "dst", row, t, c["dst_block_id"])
+    s_found, s_idx, s_sub, s_other = _lookup(p, "src", row, t, c["src_block_id"])
+    d_found, d_idx, d_sub, d_other = _lookup(p, "dst", row, t, c["dst_block_id"])
     sk, dk = p.g["src_kernel"][row], p.g["dst_kernel"][row]
     over = (c["src_offset"] + c["count"] > sk) | (c["dst_offset"] + c["count"] > dk)
     x = p.x
     workers = x["src_pcp"][t] * x["src_dcp"][t]
     no_worker = c["src_rank"] >= workers
-    cause = np.select([~known, ~sf, ~df, over], [1, np.where(ss, 2, 3), np.where(ds, 4, 5), 6], 0)
+    cause = np.select([~known, ~s_found, ~d_found, over], [1, np.where(s_other, 2, 3), np.where(d_other, 4, 5), 6], 0)
     bad = cause > 0
     at = np.flatnonzero(bad)
     v.add(BLOCK_IDS, t[at], c["count"][at], (row[at], np.full(at.size, -1), np.full(at.size, -1), c["src_rank"][at]))
@@ -146,9 +150,9 @@ def _copies(d: Dump, p: Plans, lo: int, hi: int, v: Verdicts) -> None:
     ok = ~bad & ~no_worker
     rows = np.arange(p.gstart[lo], p.gstart[hi - 1] + p.ngroups[hi - 1])  # the chunk's group rows
     m = ok & (p.g["kind"][row] == MAMBA)
-    _mamba(p, v, rows, t[m], row[m], (si[m], ss[m]), (di[m], ds[m]), c["src_rank"][m])
+    _mamba(p, v, rows, t[m], row[m], (s_idx[m], s_sub[m]), (d_idx[m], d_sub[m]), c["src_rank"][m])
     slots = ok & ~m
-    _slots(p, v, rows, t[slots], row[slots], c, slots, (si, ss, so), (di, ds, do))
+    _slots(p, v, rows, t[slots], row[slots], c, slots, (s_idx, s_sub), (d_idx, d_sub))
 
 
 def _col_slice(d: Dump, key: str, a: int, b: int) -> np.ndarray:

@@ -178,3 +178,14 @@ def test_copies_naming_a_group_the_transfer_lacks_or_running_past_a_block(tmp_pa
         res, det = one(tmp_path, request=1, src=src, dst=dst, groups=[MLA], seq_len=40, copies=x)
         assert "block-ids" in det[0]["kinds"] and why in res.findings[0].text
     assert world(Side(pcp=2, dcp=3, cp_shards=True)) == 6
+    res, det = one(tmp_path, request=1, src=src, dst=dst, groups=[], seq_len=40, copies=c)  # (no group at all)
+    assert det[0]["kinds"] == {"block-ids": int(c[:, 6].sum())} and "does not have" in res.findings[0].text
+
+
+def test_a_block_of_another_group_is_named_as_such(tmp_path):
+    src = dst = Side(tp=2, dcp=2)
+    groups = [MLA, GroupPlan("mla", [15, 16], [17, 18], 16, 16)]
+    c = plan_transfer(40, 1, src, dst, groups)
+    c[0, 2] = 15  # group 0's copy reads group 1's block
+    res, det = one(tmp_path, request=1, src=src, dst=dst, groups=groups, seq_len=40, copies=c)
+    assert "reads source block 15, which is in another group's table" in res.findings[0].text
