@@ -16,9 +16,12 @@ from dcptool.check.replay import replay
 from dcptool.dump import open_dumps
 from dcptool.dump.transfer import GroupPlan, Side
 
-# (decode TP = DCP, prefill TP, prefill PCP, prefill DCP, block): the prefill's CP world a multiple of the decode's
-LAYOUTS = [(2, 2, 1, 2, 16), (4, 8, 1, 8, 16), (2, 4, 2, 4, 16), (4, 4, 2, 2, 128), (1, 2, 2, 2, 16),
-           (2, 8, 1, 2, 16), (4, 4, 1, 4, 1), (8, 8, 2, 8, 16)]
+# (decode TP = DCP, prefill TP, prefill PCP, prefill DCP, prefill block, decode block): the prefill's CP world a
+# multiple of the decode's; a decode block of r prefill blocks (kernel blocks of the prefill's size) where the
+# prefill's CP world is a multiple of r times the decode's
+LAYOUTS = [(2, 2, 1, 2, 16, 16), (4, 8, 1, 8, 16, 16), (2, 4, 2, 4, 16, 16), (4, 4, 2, 2, 128, 128),
+           (1, 2, 2, 2, 16, 16), (2, 8, 1, 2, 16, 16), (4, 4, 1, 4, 1, 1), (8, 8, 2, 8, 16, 16),
+           (2, 8, 1, 8, 16, 32), (1, 4, 1, 4, 16, 64)]
 
 
 def random_requests(rng, d_cp: int, block: int, n: int = 10):
@@ -34,32 +37,33 @@ def random_requests(rng, d_cp: int, block: int, n: int = 10):
 
 def plans(tmp_path, layout, requests, groups=None):
     """Every decode worker plans every request with the release's code; the plans recorded, one file."""
-    d, p_tp, p_pcp, p_dcp, B = layout
+    d, p_tp, p_pcp, p_dcp, Bp, Bd = layout
     groups = groups or {0: group("mla", [0, 1, 2], 0)}
     n_kv = 1 + max(spec["kv_cache_group_id"] for spec, _ in groups.values())
     path = tmp_path / "mooncake.safetensors"
-    src, dst = Side(tp=p_tp, pcp=p_pcp, dcp=p_dcp, interleave=B, cp_shards=True), Side(tp=d, dcp=d, interleave=B)
+    src = Side(tp=p_tp, pcp=p_pcp, dcp=p_dcp, interleave=Bp, cp_shards=True)
+    dst = Side(tp=d, dcp=d, interleave=Bd)
     with Recorder(path, dcp_size=d, force=True) as rec:
         for rank in range(d):
-            w, meta_cls = worker(d, 1, d, rank, B, groups, prefill_tp=p_tp)
+            w, meta_cls = worker(d, 1, d, rank, Bd, groups, prefill_tp=p_tp, scales=[[Bd // Bp]] * 8)
             for k, (L, hit) in enumerate(requests):
-                remote = [list(range(1000 * (k + 50 * g), 1000 * (k + 50 * g) + -(-L // (B * p_pcp * p_dcp))))
+                remote = [list(range(1000 * (k + 50 * g), 1000 * (k + 50 * g) + -(-L // (Bp * p_pcp * p_dcp))))
                           for g in range(n_kv)]
-                ext = -(-(L - hit) // B)
+                ext = -(-(L - hit) // Bd)
                 local = [list(range(500_000 + 1000 * (k + 50 * g), 500_000 + 1000 * (k + 50 * g) + -(-ext // d)))
                          for g in range(n_kv)]
-                meta = request(meta_cls, prompt=L, computed=hit, remote=remote, local=local, block=B, pcp=p_pcp,
+                meta = request(meta_cls, prompt=L, computed=hit, remote=remote, local=local, block=Bp, pcp=p_pcp,
                                dcp=p_dcp, tp=p_tp)
                 plan = w._get_kv_split_metadata(f"req-{k}", meta)
-                grp = [GroupPlan("mla", remote[0], local[0], B, B, dst_first=hit // (B * d))]
+                grp = [GroupPlan("mla", remote[0], local[0], Bp, Bd, Bp, Bp, dst_first=hit // (Bd * d))]
                 rec.transfer(step=k, rank=rank, request=f"req-{k}", source="prefill", src=src, dst=dst, seq_len=L,
                              groups=grp, reads=reads(plan, p_tp, p_dcp))
     return path
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "D{}-P{}x{}x{}-B{}".format(*x))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: "D{}-P{}x{}x{}-B{}-{}".format(*x))
 def test_mooncake_cp_plans_replay_clean(layout, tmp_path):
-    path = plans(tmp_path, layout, random_requests(np.random.default_rng(sum(layout)), layout[0], layout[4]))
+    path = plans(tmp_path, layout, random_requests(np.random.default_rng(sum(layout)), layout[0], layout[5]))
     d = open_dumps([path])
     assert [f.message for f in replay(d, "torch").findings] == []
     assert int(np.diff(d["obs.xfer"]).sum()) == layout[0] * 10  # every worker, every request
