@@ -75,16 +75,3 @@ def request(meta_cls, *, prompt: int, computed: int, remote: list[list[int]], lo
                     remote_request_id="r", remote_pcp_size=pcp, remote_dcp_size=dcp, remote_ptp_size=tp,
                     remote_multi_nodes_meta_mapping={}, num_prompt_blocks=-(-prompt // block), remote_block_size=block)
 
-
-def reads(plan, prefill_tp: int, prefill_dcp: int) -> list[tuple[int, list, list]]:
-    """The plan's pulls as Recorder.transfer reads: per shard and port, the source worker (pcp_rank * dcp +
-    dcp_rank of the prefill worker the port names: port offset = TP rank + TP * PCP rank) and its remote and local
-    kernel block ids per group."""
-    ports, local, remote = plan
-    out = []
-    for shard_ports, lids, rids in zip(ports, local, remote):
-        for port in shard_ports:
-            off = port - REMOTE_PORT
-            worker = off // prefill_tp * prefill_dcp + off % prefill_tp % prefill_dcp
-            out.append((worker, [list(g) for g in rids], [list(g) for g in lids]))
-    return out

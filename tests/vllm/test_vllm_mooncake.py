@@ -9,12 +9,13 @@ part: the release asserts)."""
 
 import numpy as np
 import pytest
-from mooncake_planning import group, reads, request, worker
+from mooncake_planning import group, request, worker
 
 from dcptool import Recorder
 from dcptool.check.replay import replay
 from dcptool.dump import open_dumps
-from dcptool.dump.transfer import GroupPlan, Side
+from dcptool.dump.transfer import Side
+from dcptool.engine.vllm.connectors import mooncake_pull
 
 # (decode TP = DCP, prefill TP, prefill PCP, prefill DCP, prefill block, decode block): the prefill's CP world a
 # multiple of the decode's; a decode block of r prefill blocks (kernel blocks of the prefill's size) where the
@@ -36,7 +37,8 @@ def random_requests(rng, d_cp: int, block: int, n: int = 10):
 
 
 def plans(tmp_path, layout, requests, groups=None):
-    """Every decode worker plans every request with the release's code; the plans recorded, one file."""
+    """Every decode worker plans every request with the release's code; each plan recorded as the docs say
+    (engine.vllm.connectors.mooncake_pull), one file."""
     d, p_tp, p_pcp, p_dcp, Bp, Bd = layout
     groups = groups or {0: group("mla", [0, 1, 2], 0)}
     n_kv = 1 + max(spec["kv_cache_group_id"] for spec, _ in groups.values())
@@ -55,9 +57,8 @@ def plans(tmp_path, layout, requests, groups=None):
                 meta = request(meta_cls, prompt=L, computed=hit, remote=remote, local=local, block=Bp, pcp=p_pcp,
                                dcp=p_dcp, tp=p_tp)
                 plan = w._get_kv_split_metadata(f"req-{k}", meta)
-                grp = [GroupPlan("mla", remote[0], local[0], Bp, Bd, Bp, Bp, dst_first=hit // (Bd * d))]
-                rec.transfer(step=k, rank=rank, request=f"req-{k}", source="prefill", src=src, dst=dst, seq_len=L,
-                             groups=grp, reads=reads(plan, p_tp, p_dcp))
+                rec.record_transfer(mooncake_pull(step=k, rank=rank, request=f"req-{k}", meta=meta, plan=plan,
+                                                  prefill=src, decode=dst, block_size=Bd, kernel_block_size=Bp))
     return path
 
 
@@ -77,17 +78,15 @@ def test_a_wrong_plan_written_the_same_way_is_caught(tmp_path):
     d_, B = 2, 16
     w, meta_cls = worker(d_, 1, d_, 0, B, {0: group("mla", [0], 0)}, prefill_tp=4)
     remote, local = [list(range(100, 102))], [list(range(200, 204))]
-    plan = w._get_kv_split_metadata("r", request(meta_cls, prompt=100, computed=0, remote=remote, local=local,
-                                                 block=B, pcp=1, dcp=4, tp=4))
-    good = reads(plan, 4, 4)
-    assert len(good) == 2 and {r[0] for r in good} == {0, 2}  # decode rank 0 holds blocks 0, 2, 4 ...: workers 0, 2
-    bad = [(good[1][0], good[0][1], good[0][2]), (good[0][0], good[1][1], good[1][2])]
+    meta = request(meta_cls, prompt=100, computed=0, remote=remote, local=local, block=B, pcp=1, dcp=4, tp=4)
+    good = mooncake_pull(step=0, rank=0, request="r", meta=meta, plan=w._get_kv_split_metadata("r", meta),
+                         prefill=Side(tp=4, dcp=4, interleave=B), decode=Side(tp=2, dcp=2, interleave=B), block_size=B)
+    r = good.reads
+    assert len(r) == 2 and {x[0] for x in r} == {0, 2}  # decode rank 0 holds blocks 0, 2, 4 ...: workers 0, 2
     path = tmp_path / "bad.safetensors"
-    grp = [GroupPlan("mla", remote[0], local[0], B, B)]
     with Recorder(path, dcp_size=d_, force=True) as rec:
-        for step, r in enumerate((good, bad)):
-            rec.transfer(step=step, rank=0, request="r", source="p", src=Side(tp=4, dcp=4, interleave=B),
-                         dst=Side(tp=2, dcp=2, interleave=B), seq_len=100, groups=grp, reads=r)
+        rec.record_transfer(good)
+        rec.record_transfer(good._replace(step=1, reads=[(r[1][0], r[0][1], r[0][2]), (r[0][0], r[1][1], r[1][2])]))
     found = replay(open_dumps([path]), "torch").findings
     assert len(found) == 1 and found[0].detail["kind"] == "wrong-source" and found[0].step == 1
 
@@ -112,8 +111,8 @@ def test_a_kv_cache_group_split_into_transfer_groups_fails_or_reads_scaled_block
     assert plan[2][0][0] == [b * 8 + k for b in src for k in range(8)]  # the MLA group's list, scaled
     path = tmp_path / "scaled.safetensors"
     with Recorder(path, dcp_size=1, force=True) as rec:  # the MLA group as the recv thread reads it
-        rec.transfer(step=0, rank=0, request="r", source="p", src=Side(), dst=Side(), seq_len=1000,
-                     groups=[GroupPlan("mla", src, dst, 128, 128)], reads=reads(plan, 1, 1))
+        rec.record_transfer(mooncake_pull(step=0, rank=0, request="r", meta=meta, plan=plan, prefill=Side(),
+                                          decode=Side(), block_size=128))
     found = replay(open_dumps([path]), "torch").findings
     assert len(found) == 1 and found[0].detail["kind"] == "block-ids", [f.message for f in found]
     assert "no table of the request holds" in found[0].message

@@ -164,3 +164,37 @@ def lmcache_store(*, step: int, rank: int, request, engine, block_ids, block_siz
                        ids, np.zeros(ids.size, np.int64), np.full(ids.size, block_size)], axis=1)
     return TransferRecord(step=step, rank=rank, request=request, source="vllm", src=engine, dst=claim, groups=[group],
                           seq_len=end, dst_rank=piece[0], copies=copies, store=True)
+
+
+def mooncake_pull(*, step: int, rank: int, request, meta, plan, prefill, decode, block_size: int,
+                  kernel_block_size: int | None = None, kinds: tuple[str, ...] | None = None):
+    """One pull vllm-ascend's Mooncake connector planned on decode worker `rank` (its DCP rank) as a transfer: `meta`
+    the request's ReqMeta (the prefill's and this side's block tables per KV-cache group, `remote_port`,
+    `remote_block_size`, `num_computed_tokens`, `num_external_tokens`), `plan` what `_get_kv_split_metadata` returned
+    for it (per shard: handshake ports, local and remote kernel block ids per group), `prefill` and `decode` both
+    sides' layouts (dump.transfer.Side; Mooncake's CP ranks hold blocks round-robin: cp_shards, interleave = the
+    block size), `block_size` and `kernel_block_size` this side's (the prefill's kernel blocks are
+    `kernel_block_size` too: Mooncake expands both sides to one kernel size), `kinds` each group's kind (mla).
+
+    A port's offset from `remote_port` is `tp_rank + tp * pcp_rank` on the prefill, so it names worker
+    `pcp_rank * dcp + tp_rank % dcp`. This side's table starts at the decode prefix (`num_computed_tokens` over
+    `block_size` times the decode's CP world)."""
+    from dcptool.dump.transfer import GroupPlan, Side, TransferRecord
+
+    prefill, decode = Side.of(prefill), Side.of(decode)
+    kernel = kernel_block_size or block_size
+    r_block = int(meta.remote_block_size or block_size)
+    world = decode.pcp * decode.dcp if decode.cp_shards else decode.dcp
+    first = int(meta.num_computed_tokens) // (block_size * world)
+    kinds = kinds or ("mla",) * len(meta.remote_block_ids)
+    groups = [GroupPlan(kind, list(src), list(dst), r_block, block_size, kernel, kernel, dst_first=first)
+              for kind, src, dst in zip(kinds, meta.remote_block_ids, meta.local_block_ids)]
+    reads = []
+    for ports, local, remote in zip(*plan):
+        for port in ports:
+            off = int(port) - int(meta.remote_port)
+            worker = off // prefill.tp * prefill.dcp + off % prefill.tp % prefill.dcp
+            reads.append((worker, [list(g) for g in remote], [list(g) for g in local]))
+    return TransferRecord(step=step, rank=rank, request=request, source=str(meta.remote_engine_id), src=prefill,
+                          dst=decode, groups=groups, dst_rank=rank, reads=reads,
+                          seq_len=int(meta.num_computed_tokens) + int(meta.num_external_tokens))

@@ -1,7 +1,8 @@
 """connectors.py: a connector's plan as a transfer record, without vLLM: NIXL's ReadSpecs per group (whole kernel
 blocks; local blocks split in the remote's finer units; a region's reads as its group's; the prefill's table of the
-group a region holds there), LMCache's store ops; and a NIXL module the plugin cannot hook costs its transfers only.
-tests/vllm/test_vllm_nixl.py and test_vllm_lmcache.py drive the real code."""
+group a region holds there), LMCache's store ops, Mooncake's split metadata (ports naming PCP x TP workers); and a
+NIXL module the plugin cannot hook costs its transfers only. tests/vllm/test_vllm_nixl.py, test_vllm_lmcache.py and
+test_vllm_mooncake.py drive the real code."""
 
 import types
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from dcptool.check.transfers import judge
 from dcptool.dump import open_dumps
 from dcptool.dump.transfer import Side, levels_of
 from dcptool.engine.vllm import state, tables
-from dcptool.engine.vllm.connectors import NIXL, lmcache_store, nixl_transfer
+from dcptool.engine.vllm.connectors import NIXL, lmcache_store, mooncake_pull, nixl_transfer
 
 
 class MLAAttentionSpec:  # (named as vLLM's: the kind is read from the class names of its MRO)
@@ -105,6 +106,21 @@ def test_an_lmcache_store_claims_its_piece(tmp_path, pieces, clean):
                           tokens=(0, 100), piece=(r, pieces)) for r in range(4 if clean else 1)]
     got = judged(tmp_path, recs, dcp=4)
     assert got == [{}] * 4 if clean else got[0].keys() >= {"partial-store"}
+
+
+@pytest.mark.parametrize("ports, clean", [([[30001], [30003]], True), ([[30003], [30001]], False)])
+def test_a_mooncake_pull_reads_the_workers_its_ports_name(tmp_path, ports, clean):
+    """Decode rank 1 of DCP 2 pulls a 100-token prompt (blocks 0-6 of 16 tokens) from a prefill of TP 2, PCP 2,
+    DCP 2 whose four CP ranks hold the blocks round-robin: blocks 1 and 5 from CP rank 1 (port offset 1: PCP rank 0,
+    TP rank 1), block 3 from CP rank 3 (offset 3: PCP rank 1, TP rank 1), into its local blocks 0, 2 and 1."""
+    meta = SimpleNamespace(remote_block_ids=[[10, 11]], local_block_ids=[[20, 21, 22, 23]], remote_port=30000,
+                           remote_block_size=16, num_computed_tokens=0, num_external_tokens=100, remote_engine_id="p")
+    plan = (ports, [([20, 22],), ([21],)], [([10, 11],), ([10],)])
+    t = mooncake_pull(step=0, rank=1, request="r", meta=meta, plan=plan, prefill=Side(tp=2, pcp=2, dcp=2,
+                      interleave=16, cp_shards=True), decode=Side(tp=2, dcp=2, interleave=16), block_size=16)
+    assert [r[0] for r in t.reads] == ([1, 3] if clean else [3, 1]) and t.seq_len == 100
+    got = judged(tmp_path, [t])
+    assert got == [{}] if clean else got[0].keys() >= {"wrong-source"}
 
 
 def test_a_nixl_module_the_plugin_cannot_hook_loses_its_transfers_not_the_recording(caplog):
