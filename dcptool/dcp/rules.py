@@ -56,8 +56,8 @@ class Rule(NamedTuple):
     device: bool = False  # the Guard's check kernel decides it on the device, per observation (errors only)
     faults: tuple[str, ...] = ()  # simulate's faults (docs/faults.md) that must produce it
     parts: tuple[Part, ...] = ()
-    # its columns belong to a feature most engines do not have (MLA's chunked prefill context): a dump without them
-    # does not have the feature, so replay does not list the check as skipped there
+    # its columns belong to a feature most engines do not have (MLA's chunked prefill context, KV transfers): a dump
+    # without them does not have the feature, so replay does not list the check as skipped there
     quiet: bool = False
 
 
@@ -151,6 +151,14 @@ TABLE = (
          "poisons the merge on every rank), or a row with entries whose LSE is -inf or not finite",
          needs=("obs.topk",), unrecorded="needs obs.topk (not recorded in this dump)", faults=("topk-empty-nan",),
          quiet=True),
+    # a KV transfer plan (prefill/decode disaggregation): only recorded where a connector moves KV (quiet)
+    Rule("transfer", "error", "D", "transfers.check_transfer", "a KV transfer plan (prefill/decode disaggregation, "
+         "a keyed store) that does not move every position a destination rank must hold exactly once from a source "
+         "worker that holds it, named by its first kind: `partial-store` (a shard stored as the whole request), "
+         "`wrong-source`, `past-sequence` (reads past the sequence), `not-owner`, `block-ids` (ids scaled or grouped "
+         "wrongly), `twice`, `never`",
+         needs=("obs.xfer",), faults=("nixl-pcp-stride", "nixl-single-source", "mooncake-group-scale",
+                                      "mooncake-unsharded-prefill", "lmcache-partial-store"), quiet=True),
 )
 RULE = {r.name: r for r in TABLE}
 RULES = tuple(RULE)

@@ -20,13 +20,14 @@ def test_every_check_once_with_its_rules_in_table_order():
 
 
 def test_a_sample_with_every_column_runs_every_check_at_its_dcp_size():
-    """The sample records every column but a feature's (MLA's chunked context): it runs every other check, and
-    replay does not say it skipped the feature's (quiet) checks."""
+    """The sample records every column but a feature's (MLA's chunked context, KV transfers): it runs every other
+    check, and replay does not say it skipped the feature's (quiet) checks."""
     p = plan(open_dumps([str(ROOT / "samples" / "legacy.safetensors")]))
     quiet = {r.check for r in TABLE if r.quiet}
     assert quiet == {"context.check_ctx_chunks", "ranks.check_ctx_agree", "ranks.check_topk_agree",
-                     "sparse.check_topk_empty"}
+                     "sparse.check_topk_empty", "transfers.check_transfer"}  # (the sample records no KV transfer)
     assert p.skipped == {} and set(p.run) == set(checks()) - {"values.check_stray"} - quiet
+    assert not p.runs("transfer")
     assert p.runs("stale") and p.first("values.check_values").name == "stale" and not p.runs("stray")
 
 

@@ -18,7 +18,7 @@ def test_table_is_docs_rules():
     assert RULES == ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
                      "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree",
                      "slots", "slot-partition", "ctx-chunks", "ctx-agree", "group-lens", "topk-agree",
-                     "topk-empty")
+                     "topk-empty", "transfer")
     assert len({c.lower() for c in RULE_CODES.values()}) == len(RULES)
     assert {f: rule for f, (rule, _) in FAULTS.items()} == {f: r.name for r in TABLE for f in r.faults}
     assert [r.name for r in TABLE if r.severity == "warning"] == ["stray"]
@@ -59,7 +59,8 @@ def test_applies_by_dcp_size(N):
     on = {r.name for r in TABLE if R.applies(r, N)}
     view = {"missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape"}
     sharded = {"rank-sum", "empty-mask", "tot-lens", "rank-agree", "ctx-agree", "topk-agree"}
-    anywhere = {"ubatch-slice", "alias", "pages", "slots", "slot-partition", "ctx-chunks", "group-lens", "topk-empty"}
+    anywhere = {"ubatch-slice", "alias", "pages", "slots", "slot-partition", "ctx-chunks", "group-lens", "topk-empty",
+                "transfer"}
     assert on == (anywhere | {"stray"} if N == 1 else anywhere | view | sharded)
 
 
