@@ -430,8 +430,11 @@ def _edited(cols: dict, key: str, cfg) -> dict:
     else:
         v = cols[key]
         for k in (list(range(0, v.size, max(1, v.size // 20))) + [v.size - 1])[:40]:
-            # (doubled or halved: a block size stays a multiple of its kernel block size)
-            for new in (v[k] + 1, v[k] - 1, 1 - v[k] if v.dtype.kind in "iu" else v[k], v[k] * 2, v[k] // 2):
+            # (doubled or halved: a block size stays a multiple of its kernel block size; a hash may wrap: still an
+            # edit)
+            with np.errstate(over="ignore"):
+                edits = (v[k] + 1, v[k] - 1, 1 - v[k] if v.dtype.kind in "iu" else v[k], v[k] * 2, v[k] // 2)
+            for new in edits:
                 if new != v[k]:
                     tries.append({key: np.where(np.arange(v.size) == k, new, v).astype(v.dtype)})
     for change in tries:
