@@ -99,6 +99,17 @@ FIELDS_TABLE: tuple[Field, ...] = (
           section="pos"),
     Field("slot_mapping", GROUPS, "I32", "rows.slot_mapping", device=True, offsets="obs.slots", section="slot"),
     Field("slot_group", GROUPS, "I32", "rows.slot_group", offsets="obs.slots", section="sgrp", argument=False),
+    # MLA's chunked prefill context (dcp.chunks): max_context_chunk, then (chunk, row, start, length) per entry
+    Field("ctx_chunks", ANY, "I32", "rows.ctx_chunks", device=True, offsets="obs.ctx", nonneg=True, section="ctx"),
+    # per KV-cache group (kv_groups order), the lengths its attention metadata reads: one value per seq_lens row each
+    Field("group_seq_lens", ANY, "I32", "rows.group_seq_lens", device=True, offsets="obs.gsl", nonneg=True,
+          section="gsl"),
+    # per query token of the batch (a prefix: its decode tokens), the rank-local KV length it attends to
+    Field("verify_row_lens", ANY, "I32", "rows.verify_row_lens", device=True, offsets="obs.vrl", section="vrl"),
+    # sparse MLA (dcp.topk): per query token of the batch (a prefix of its tokens), three values: the fingerprint of
+    # its global top-k set, how many of the set's entries this rank owns, the state of the rank's partial result
+    Field("sparse_topk", ANY, "I32", "rows.sparse_topk", device=True, offsets="obs.topk", nonneg=True,
+          section="topk"),
 )
 
 ARGUMENTS: tuple[Field, ...] = tuple(f for f in FIELDS_TABLE if f.argument)  # observe()'s keywords

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, fields
 
-from dcptool.choices import CudaGraph, Pipeline, SpecMethod, spoken, values
+from dcptool.choices import CudaGraph, KVConnector, KVShards, Pipeline, SpecMethod, spoken, values
 from dcptool.dcp.rules import RULE_OF_FAULT
 from dcptool.dcp.slicing import parse_engine_version
 from dcptool.errors import DcptoolError
@@ -39,7 +39,56 @@ _FAULT_WHAT.update({
     "slot-wrong-group": "the slot mapping localises a replicated KV-cache group (Mamba/GDN state) as DCP-sharded",
     "slot-all-ranks": "every rank writes every token of a DCP-sharded group (the non-owner mask dropped)",
 })
+# MLA's chunked prefill context (--features chunked-context): the schedule each rank plans (dcp.chunks)
+_FAULT_WHAT.update({
+    "ctx-rank-local": "the last DCP rank plans its chunked context from the context it holds itself (its share of "
+                      "each prefill's context), not the batch's: it calls other DCP KV gathers than its peers, or none",
+    "ctx-chunk-unaligned": "max_context_chunk is the workspace over the prefills with context, not rounded to the "
+                           "DCP virtual block (dcp_size x interleave): chunks split contexts inside an interleave "
+                           "block (vLLM asserted max_context_chunk % dcp_world_size == 0)",
+    "ctx-draft-lens": "the chunked context's lengths are the requests' KV lengths (seq_len, as speculative metadata "
+                      "carries them), not their computed context (seq_len - query_len)",
+})
+# a hybrid model's sliding-window KV-cache group beside the full-attention one (--features swa)
+_FAULT_WHAT.update({
+    "swa-sharded": "the sliding-window KV-cache group's attention gets this rank's DCP-local lengths, as if DCP "
+                   "sharded it: it must stay replicated (per-group DCP)",
+    "spec-causal-offset": "a speculative verify token k from its row's end attends to local(seq_len) - k of the "
+                          "rank's KV positions, not local(seq_len - k)",
+})
+# sparse MLA's top-k under DCP (--features sparse): each query token's top-k set and each rank's partial result
+_FAULT_WHAT.update({
+    "topk-tie-split": "the last DCP rank breaks the tie at the k-th top-k score another way (highest ids first), so "
+                      "it selects another set than its peers for every token whose context is longer than k",
+    "topk-empty-nan": "on the last DCP rank a sparse row of which it owns no top-k entry gives a NaN output (LSE "
+                      "-inf), not output 0",
+})
+OPT_IN |= {"ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset",
+           "topk-tie-split", "topk-empty-nan"}
+# what a KV connector moves between a prefill and a decode instance (--kv-connector): the pair model, model.pair
+_FAULT_WHAT.update({
+    "nixl-pcp-stride": "NIXL matches the prefill side's KV shards by DCP rank alone (stride dcp_size) while its PCP "
+                       "ranks hold distinct shards (CP world pcp_size x dcp_size)",
+    "nixl-single-source": "NIXL's region-mapped pull reads every block from one source rank, its list end-trimmed "
+                          "(allocation padding included), where a DCP prefill supplies several",
+    "mooncake-group-scale": "Mooncake with MTP indexes KV-cache groups by transfer group: the sparse indexer's "
+                            "kernel scale (8) expands the MLA group's block ids",
+    "mooncake-unsharded-prefill": "Mooncake reads an unsharded prefill's blocks at each decode DCP rank's own local "
+                                  "block index, as if the prefill were sharded like the decode side",
+    "lmcache-partial-store": "LMCache's multi-process connector stores rank 0's DCP shard alone under the whole "
+                             "request's key, as if rank 0 held the full MLA KV",
+})
+TRANSFER_FAULTS = ("nixl-pcp-stride", "nixl-single-source", "mooncake-group-scale", "mooncake-unsharded-prefill",
+                   "lmcache-partial-store")
+OPT_IN = OPT_IN | set(TRANSFER_FAULTS)
 FAULTS: dict[str, tuple[str, str]] = {f: (RULE_OF_FAULT[f], what) for f, what in _FAULT_WHAT.items()}
+# What simulate models beyond its default engine (--features), and the faults that need each (injecting one models
+# its feature): MLA's chunked prefill context; a sliding-window KV-cache group (and the per-token causal bounds of
+# speculative verification); sparse MLA's top-k selection (dcp.topk).
+FEATURES = ("chunked-context", "swa", "sparse")
+FEATURE_OF: dict[str, str] = {"ctx-rank-local": "chunked-context", "ctx-chunk-unaligned": "chunked-context",
+                              "ctx-draft-lens": "chunked-context", "swa-sharded": "swa", "spec-causal-offset": "swa",
+                              "topk-tie-split": "sparse", "topk-empty-nan": "sparse"}
 # Where each fault really occurred, read from vLLM's released code (0.27.0-0.34.0; docs/faults.md has
 # the code paths): a release range, "main only" (on vLLM main between releases, never released), or
 # "no release" (a failure class dcptool models that no release 0.27-0.34 has).
@@ -60,11 +109,39 @@ FAULT_WHERE: dict[str, str] = {
     # 0.29-0.30's kernel localises every group (no dcp_sharded flag); vLLM #57260 reports it on a later main
     "slot-wrong-group": "0.29–0.30",
     "slot-all-ranks": "no release",
+    "ctx-rank-local": "0.27–0.29 (PCP + DCP MLA)",
+    "ctx-chunk-unaligned": "0.22–0.27",
+    "ctx-draft-lens": "no release (vllm-ascend)",
+    # 0.29-0.34 assert that DCP does not support sliding window (SlidingWindowSpec, SlidingWindowManager)
+    "swa-sharded": "no release (PR #47541)",
+    "spec-causal-offset": "no release (PR #46076 review)",
+    # vLLM 0.29-0.34 merge the ranks' candidates with a stable selector (score, then lowest id) and zero a row the
+    # merge weighs 0; ROCm/ATOM's DCP sparse path had neither before its PR #1832
+    "topk-tie-split": "no release (ROCm/ATOM before PR #1832)",
+    "topk-empty-nan": "no release (ROCm/ATOM before PR #1832)",
+    # the connectors' releases (docs/faults.md, "KV transfers")
+    "nixl-pcp-stride": "no release (vLLM PR #38433 in review)",
+    "nixl-single-source": "0.30 (NIXL)",
+    "mooncake-group-scale": "vllm-ascend before #13965",
+    "mooncake-unsharded-prefill": "vllm-ascend before #16492",
+    "lmcache-partial-store": "LMCache ≤ 0.5.4; vLLM 0.29–0.34's builtin fallback",
 }
 # The KV-cache groups simulate's engine has (rows.slot_group indexes it): the attention KV cache, DCP-sharded, and
 # a replicated one (Mamba/GDN state as vLLM 0.31+ keeps it under DCP); both in page_size blocks.
 KV_GROUPS = (("attn", True), ("mamba", False))
+SWA_WINDOW = 4096  # --features swa: a sliding-window group of this window, replicated on every DCP rank
+
+
+def kv_groups_of(cfg: SimConfig) -> list[dict]:
+    """The KV-cache groups a run's engine has (dcptool.config's kv_groups): KV_GROUPS, and with --features swa a
+    sliding-window group, replicated (cp_size 1), as vLLM PR #47541's per-group DCP keeps it."""
+    out = [{"name": n, "dcp": dcp, "block_size": cfg.page_size} for n, dcp in KV_GROUPS]
+    if "swa" in cfg.modelled:
+        out.append({"name": "swa", "dcp": False, "block_size": cfg.page_size, "sliding_window": SWA_WINDOW,
+                    "cp_size": 1})
+    return out
 SITES = ("prepare_inputs", "pcp_partition", "attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft")
+PAIR_SITES = (*SITES, "transfer")  # with a KV connector (--kv-connector)
 PIPELINES = values(Pipeline)
 CUDAGRAPH_CHOICES = values(CudaGraph)
 SPEC_METHODS = values(SpecMethod)
@@ -98,12 +175,27 @@ class SimConfig:
     # The vLLM release modelled: sets the micro-batch split rule (0.34 splits a uniform decode batch on a
     # request boundary) and is recorded as the dump's engine_version; "" keeps the default (0.33's rule).
     engine_version: str = ""
+    features: tuple[str, ...] = ()  # FEATURES simulate models beyond its default engine
+    # The disaggregated pair (model.pair): the KV connector that moves KV into this (decode) instance, and the
+    # prefill instance's layout; 0: as the decode side's (--dcp, --interleave, --page-size; TP: its DCP size).
+    kv_connector: str = "none"
+    prefill_dcp: int = 0
+    prefill_pcp: int = 1
+    prefill_tp: int = 0
+    prefill_interleave: int = 0
+    prefill_block_size: int = 0
+    prefill_kv_shards: str = "dcp"
 
     @property
     def faults(self) -> tuple[str, ...]:
         """The faults this run injects, in the fault table's order."""
         chosen = set(FAULTS) - OPT_IN if self.pipeline == "legacy" else set(self.inject)
         return tuple(f for f in FAULTS if f in chosen)
+
+    @property
+    def modelled(self) -> frozenset[str]:
+        """The features this run models: those asked for and those its faults need."""
+        return frozenset(self.features) | {FEATURE_OF[f] for f in self.faults if f in FEATURE_OF}
 
     @property
     def decode_query_len(self) -> int:
@@ -127,6 +219,8 @@ class SimConfig:
         unknown = [f for f in self.inject if f not in FAULTS]
         need(not unknown, f"--inject: unknown fault {', '.join(unknown)} (known: "
                           f"{', '.join(f'{f} [{FAULT_WHERE[f]}]' for f in FAULTS)})")
+        odd = [f for f in self.features if f not in FEATURES]
+        need(not odd, f"--features: unknown feature {', '.join(odd)} (known: {', '.join(FEATURES)})")
         need(not self.engine_version or parse_engine_version(self.engine_version) is not None,
              f"--engine-version: {self.engine_version!r}: expected a vLLM version such as 0.34.0")
         need(not (self.inject and self.pipeline == "legacy"),
@@ -140,15 +234,34 @@ class SimConfig:
         # vLLM's PCPManager.validate_config: PCP speculates with (single-module) MTP only.
         need(not (self.pcp > 1 and self.spec_tokens > 0 and self.spec_method == "dflash"),
              "--spec-method: dflash with --pcp > 1: vLLM's PCP supports only MTP speculative decoding")
+        self._validate_pair(need)
+
+    def _validate_pair(self, need) -> None:
+        need(self.kv_connector in values(KVConnector),
+             f"--kv-connector: {self.kv_connector!r}: choose {spoken(KVConnector)}")
+        need(self.prefill_kv_shards in values(KVShards),
+             f"--prefill-kv-shards: {self.prefill_kv_shards!r}: choose {spoken(KVShards)}")
+        for name in ("prefill_dcp", "prefill_tp", "prefill_interleave", "prefill_block_size"):
+            need(getattr(self, name) >= 0, f"--{name.replace('_', '-')}: must be >= 0 (0: as the decode side's), "
+                                           f"got {getattr(self, name)}")
+        need(self.prefill_pcp >= 1, f"--prefill-pcp: must be >= 1, got {self.prefill_pcp}")
+        pulls = self.kv_connector in ("nixl", "mooncake")
+        for name, default in (("prefill_dcp", 0), ("prefill_pcp", 1), ("prefill_tp", 0), ("prefill_interleave", 0),
+                              ("prefill_block_size", 0), ("prefill_kv_shards", "dcp")):
+            need(pulls or getattr(self, name) == default, f"--{name.replace('_', '-')}: a prefill instance needs "
+                                                          "--kv-connector nixl or mooncake")
+        block, il = self.prefill_block_size or self.page_size, self.prefill_interleave or self.interleave
+        need(block % il == 0, f"--prefill-block-size: {block} must be a multiple of the prefill interleave {il} (as "
+                              "vLLM's block size must be)")
 
     def command(self) -> str:
         """The `dcptool simulate` command line that reproduces this configuration."""
         out = ["dcptool", "simulate"]
         for f in fields(self):
             v, d = getattr(self, f.name), f.default
-            if f.name == "inject":
+            if f.name in ("inject", "features"):
                 if v:
-                    out += ["--inject", ",".join(v)]
+                    out += [f"--{f.name}", ",".join(v)]
             elif v != d:
                 out += [f"--{f.name.replace('_', '-')}", str(v)]
         return shlex.join(out)
@@ -177,7 +290,33 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "rank-disagree": None,
         "slot-wrong-group": None,  # (PCP too: each PCP rank records its local tokens' slots)
         "slot-all-ranks": None,
+        "ctx-rank-local": None,
+        "ctx-chunk-unaligned": None,
+        "ctx-draft-lens": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (speculative metadata)",
+        "swa-sharded": None,
+        "spec-causal-offset": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (verify tokens)",
+        "topk-tie-split": None,
+        "topk-empty-nan": None,
     }
+    why.update(pair_applicability(cfg))
     if cfg.dcp == 1:  # vLLM passes None everywhere: nothing DCP-specific can go wrong
         why = {f: "needs --dcp > 1" for f in why}
     return why
+
+
+def pair_applicability(cfg: SimConfig) -> dict[str, str | None]:
+    """The transfer faults: fault -> None when the pair (connector and prefill layout) exercises it, else why not."""
+    pd = cfg.prefill_dcp or cfg.dcp
+    world = pd * (cfg.prefill_pcp if cfg.prefill_kv_shards == "cp" else 1)
+    nixl, mooncake = cfg.kv_connector == "nixl", cfg.kv_connector == "mooncake"
+    return {
+        "nixl-pcp-stride": None if nixl and cfg.prefill_pcp > 1 and cfg.prefill_kv_shards == "cp" else
+        "needs --kv-connector nixl, --prefill-pcp > 1 and --prefill-kv-shards cp",
+        "nixl-single-source": None if nixl and world > cfg.dcp else "needs --kv-connector nixl and a prefill side "
+        "sharded over more ranks than --dcp (--prefill-dcp, or PCP ranks with --prefill-kv-shards cp)",
+        "mooncake-group-scale": None if mooncake and cfg.spec_method == "mtp" and cfg.spec_tokens > 0 else
+        "needs --kv-connector mooncake and MTP (--spec-method mtp, --spec-tokens > 0)",
+        "mooncake-unsharded-prefill": None if mooncake and world == 1 else
+        "needs --kv-connector mooncake and an unsharded prefill side (--prefill-dcp 1)",
+        "lmcache-partial-store": None if cfg.kv_connector == "lmcache" else "needs --kv-connector lmcache",
+    }

@@ -91,4 +91,23 @@ EXERCISE = {
     "rank-disagree": (2, 1, 1, 3, 2, "full", "mtp"),
     "slot-wrong-group": (4, 2, 1, 2, 2, "full", "mtp"),
     "slot-all-ranks": (3, 16, 1, 2, 2, "piecewise", "mtp"),
+    "ctx-rank-local": (4, 1, 2, 2, 2, "full", "mtp"),
+    "ctx-chunk-unaligned": (3, 1, 1, 2, 2, "full", "mtp"),  # (N * I = 3 divides no power-of-two workspace share)
+    "ctx-draft-lens": (4, 1, 1, 3, 1, "full", "dflash"),
+    "swa-sharded": (4, 1, 2, 2, 2, "full", "mtp"),
+    "spec-causal-offset": (4, 16, 1, 3, 2, "full", "mtp"),
+    "topk-tie-split": (4, 1, 1, 2, 2, "full", "mtp"),
+    "topk-empty-nan": (4, 16, 2, 2, 2, "full", "mtp"),
 }
+
+# The transfer faults: where each touches transfers (a decode side with DCP 4 and full graphs, and the prefill
+# layout or connector the fault needs): fault -> SimConfig keywords beyond config_of's row.
+PAIR = {
+    "nixl-pcp-stride": dict(kv_connector="nixl", prefill_dcp=2, prefill_pcp=2, prefill_kv_shards="cp"),
+    "nixl-single-source": dict(kv_connector="nixl", prefill_dcp=8),
+    "mooncake-group-scale": dict(kv_connector="mooncake"),
+    "mooncake-unsharded-prefill": dict(kv_connector="mooncake", prefill_dcp=1),
+    "lmcache-partial-store": dict(kv_connector="lmcache"),
+}
+for _f in PAIR:
+    EXERCISE[_f] = (4, 16, 1, 2, 2, "full", "mtp")

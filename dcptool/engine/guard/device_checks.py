@@ -8,7 +8,7 @@ from dcptool.dcp.backend import load
 from dcptool.dump import Record
 from dcptool.dump.observation import NAMES
 from dcptool.engine.arguments import host_copy
-from dcptool.engine.guard.host_checks import CHECKS
+from dcptool.engine.guard.host_checks import CHECKS, NOT_KEPT
 
 # Ring slot layout (int32 words): HEAD header words, then six sections of `cap` rows each (seq_lens, the DCP
 # view, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens) and `tcap` words of slot entries
@@ -29,9 +29,11 @@ HEAD_WORDS = {"step": 2, "site": 3, "rank": 4, "ubatch": 5, "num_reqs": 6, "num_
 ROW_SECTIONS = ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "kv_pages", "dcp_query_start_loc",
                 "dcp_tot_seq_lens")
 TOKEN_AREA = ("positions", "slot_mapping")
-if sorted((*HEAD_WORDS, *ROW_SECTIONS, *TOKEN_AREA)) != sorted(NAMES) or len(ROW_SECTIONS) != SECTIONS:
+if (sorted((*HEAD_WORDS, *ROW_SECTIONS, *TOKEN_AREA, *NOT_KEPT)) != sorted(NAMES)
+        or len(ROW_SECTIONS) != SECTIONS):
     raise ImportError("guard.device_checks: the Guard's slot keeps every field of dump.observation.FIELDS_TABLE; "
-                      f"it keeps {sorted((*HEAD_WORDS, *ROW_SECTIONS, *TOKEN_AREA))}, the table has {sorted(NAMES)}")
+                      f"it keeps {sorted((*HEAD_WORDS, *ROW_SECTIONS, *TOKEN_AREA))} and leaves out {NOT_KEPT}, "
+                      f"the table has {sorted(NAMES)}")
 # The check kernel's arguments: the ring's and the spec's (fixed while they are), then the observation's: each scalar
 # under the kernel's short name, each row section's address and count, the slot entries.
 KERNEL_ARGS = ("ring", "state", "flag", "keep", "words", "cap", "tcap", "N", "I", "page", "step", "site", "rank",
@@ -302,7 +304,7 @@ class GuardDevice:
         """One check-and-keep launch on the current stream; nothing read back. False: skipped (_fit). No torch
         op on the engine's tensors where they are int32 contiguous on the device (slot entries: int64 too).
         vals: the record's Scalars (checked)."""
-        (_, site, _, _, _, seq_lens, dcp, _, _, _, _, _, qsl, _, _, _, kv, dqsl, tot, positions, slot_mapping) = r
+        (_, site, _, _, _, seq_lens, dcp, _, _, _, _, _, qsl, _, _, _, kv, dqsl, tot, positions, slot_mapping, *_) = r
         sid = self.sites.get(site)
         if sid is None:
             sid = self.sites[site] = len(self.site_names)

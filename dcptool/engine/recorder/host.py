@@ -39,7 +39,9 @@ class HostPath:
             slots = self.slots(r.positions, r.slot_mapping)
         seq, qsl = batch_rows(r.seq_lens, vals[2], vals[3], r.query_start_loc)
         row = (seq, host_fast(r.dcp_local_seq_lens), qsl, host_fast(r.kv_pages), host_fast(r.dcp_query_start_loc),
-               nonneg(host_fast(r.dcp_tot_seq_lens), "dcp_tot_seq_lens"), *slots)
+               nonneg(host_fast(r.dcp_tot_seq_lens), "dcp_tot_seq_lens"), *slots,
+               nonneg(host_fast(r.ctx_chunks), "ctx_chunks"), nonneg(host_fast(r.group_seq_lens), "group_seq_lens"),
+               host_fast(r.verify_row_lens), nonneg(host_fast(r.sparse_topk), "sparse_topk"))
         check_shared(vals, r.site, self._site_ok, None if row[3] is None else row[3].size, seq.size,
                       self._w.config.page_size)
         return row
@@ -58,7 +60,10 @@ class HostPath:
         seq, qsl = batch_rows(r.seq_lens, common[2], common[3], r.query_start_loc)
         dcp = None if r.dcp_local_seq_lens is None else host_copy(r.dcp_local_seq_lens).reshape(k, -1)
         rows = [seq, dcp, qsl, per_rank(r.kv_pages, k), per_rank(r.dcp_query_start_loc, k),
-                nonneg(per_rank(r.dcp_tot_seq_lens, k), "dcp_tot_seq_lens"), *zip(*extras)]
+                nonneg(per_rank(r.dcp_tot_seq_lens, k), "dcp_tot_seq_lens"), *zip(*extras),
+                nonneg(per_rank(r.ctx_chunks, k), "ctx_chunks"),
+                nonneg(per_rank(r.group_seq_lens, k), "group_seq_lens"), per_rank(r.verify_row_lens, k),
+                nonneg(per_rank(r.sparse_topk, k), "sparse_topk")]
         kv = rows[3]
         check_shared(common, r.site, self._site_ok, None if kv is None else kv.shape[1], seq.size,
                       self._w.config.page_size)

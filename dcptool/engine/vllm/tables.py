@@ -7,7 +7,8 @@ import re
 import sys
 from dataclasses import dataclass
 
-from dcptool.engine.vllm.builders import wrap_flashinfer, wrap_mla, wrap_plan
+from dcptool.engine.vllm.builders import wrap_ctx_plan, wrap_flashinfer, wrap_mla, wrap_plan, wrap_verify
+from dcptool.engine.vllm.connectors import NIXL, wrap_nixl_read
 from dcptool.engine.vllm.hooks import (
     PREPARE,
     Sig,
@@ -20,7 +21,7 @@ from dcptool.engine.vllm.hooks import (
     wrap_slice,
     wrap_ubatch_prepare,
 )
-from dcptool.engine.vllm.state import SITES, STATE, broken
+from dcptool.engine.vllm.state import SITES, STATE, broken, log
 
 W = "vllm.v1.worker.gpu"
 _BUILD = ("common_prefix_len", "common_attn_metadata")  # AttentionMetadataBuilder.build
@@ -42,7 +43,8 @@ class Table:
     slots: str = "slot mappings per KV-cache group, each group's sharding from its spec (dcp_sharded)"
     # what the attention-metadata builders hand attention (builders)
     builders: str = ("dcp_query_start_loc (FlashInfer's trtllm-gen/XQA decode), kv_pages (FlashInfer's native plans; "
-                     "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode)")
+                     "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode), ctx_chunks (MLA's chunked prefill "
+                     "context), verify_row_lens (AITER MLA's verify rows)")
 
 
 def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: tuple[str, tuple[str, ...]],
@@ -68,7 +70,14 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
             ("FlashInferMetadataBuilder.build", wrap_flashinfer, _BUILD),
             ("FlashInferMetadataBuilder._compute_flashinfer_kv_metadata", wrap_plan,
              ("num_blocks_np", "num_reqs", "page_size"))],
-        "vllm.model_executor.layers.attention.mla_attention": [("MLACommonMetadataBuilder.build", wrap_mla, _BUILD)],
+        "vllm.model_executor.layers.attention.mla_attention": [
+            ("MLACommonMetadataBuilder.build", wrap_mla, _BUILD),
+            ("plan_mla_context_chunks", wrap_ctx_plan, ("context_lens", "max_context_chunk"))],
+        # (a ROCm module: hooked where vLLM imports it)
+        "vllm.v1.attention.backends.mla.rocm_aiter_mla": [
+            ("AiterMLAHelper.dcp_local_verify_row_lens", wrap_verify, ("tot_seq_lens", "qlen"))],
+        # NIXL's pull plans (KV transfers; engine.vllm.connectors): 0.29-0.34 plan DCP-aware reads here
+        NIXL: [("NixlPullConnectorWorker._read_blocks_for_req", wrap_nixl_read, ("req_id", "meta"))],
     }
     if ubatch_prepare is not None:
         h[f"{W}.ubatch_utils"] = [("UBatchRunner.prepare", wrap_ubatch_prepare,
@@ -89,8 +98,9 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
 _DRAFT = ("_build_attn_metadata", ("num_reqs", "batch_desc"))
 _NO_UBATCH = "ubatch: this release has no model-runner-V2 micro-batching (vllm/v1/worker/gpu/ubatch_utils.py)"
 _BUILDERS_029 = ("kv_pages (FlashInfer's native plans, counted before DCP localises the lengths: replay's pages; "
-                 "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode); no dcp_query_start_loc: this release's "
-                 "FlashInfer decode metadata has none")
+                 "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode), ctx_chunks (MLA's chunked prefill context, "
+                 "planned from the batch it is handed: under PCP the rank's own); no dcp_query_start_loc: this "
+                 "release's FlashInfer decode metadata has none")
 _ALL_SHARDED = ("slot mappings per KV-cache group, each group's sharding from its spec's kind; this release's "
                 "slot-mapping kernel has no dcp_sharded flag and localises every group (replay: slots on a "
                 "replicated group)")
@@ -111,6 +121,7 @@ TABLES: tuple[Table, ...] = (
                  draft=_DRAFT, partition=("batch_desc",)), SITES),
 )
 TESTED = tuple(v for t in TABLES for v in t.tested)
+OPTIONAL = frozenset({NIXL})  # modules whose hooks may not fit without stopping the recording
 
 
 def _release(version: str) -> tuple[int, int] | None:
@@ -179,6 +190,9 @@ def patch(modname: str, module) -> None:
                         setattr(m, attr, wrapper)
         return
     if first is not None:
+        if modname in OPTIONAL:  # (a connector's hook that does not fit: its transfers go unrecorded, builds not)
+            log.warning("dcptool: %s: not recording its KV transfers (%s)", modname, first)
+            return
         broken(first)
 
 
