@@ -189,6 +189,11 @@ class _Search:
         self._rows01: tuple[np.ndarray, np.ndarray] | None = None
         self._value: dict[int, tuple[str, dict] | None] = {}  # rules 3-5 per prepared observation (None: none)
         self._bulk: list[tuple[np.ndarray, ...]] = []  # per prepare call: (obs, in_step, value kind, aux, earlier)
+        self._hashed = self._no_hashes()  # _prefix_sums' observations (sorted), first rows, sums
+
+    @staticmethod
+    def _no_hashes() -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), [np.zeros(1, np.uint64) for _ in SALTS]
 
     # ----- bulk search
 
@@ -217,13 +222,25 @@ class _Search:
 
     def _prefix_sums(self, obs: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
         """Hashes of the expected real rows of observations `obs`, as prefix sums: (first row of each
-        observation, [cs]) where cs[first + k] - cs[first] hashes its first k rows."""
-        d, c = self.d, self.d.config
-        nr = d["obs.num_reqs"][obs].astype(np.int64)
-        seg, j, at = ragged(d["obs.rows"][obs], nr)
-        e = local_np(d.take("rows.seq_lens", at), c.dcp_size, d["obs.rank"][obs][seg], c.cp_interleave)
-        cs = [np.concatenate([np.zeros(1, np.uint64), np.cumsum(mix(e, j, salt), dtype=np.uint64)]) for salt in SALTS]
-        return np.cumsum(nr) - nr, cs
+        observation, [cs]) where cs[first + k] - cs[first] hashes its first k rows. The observations hashed
+        since the last _prepare block began are kept: both searches of a block mostly narrow to the same ones."""
+        obs = np.asarray(obs, np.int64)
+        ids, first, cs = self._hashed
+        new = np.setdiff1d(obs, ids)
+        if new.size:
+            d, c = self.d, self.d.config
+            nr = d["obs.num_reqs"][new].astype(np.int64)
+            seg, j, at = ragged(d["obs.rows"][new], nr)
+            e = local_np(d.take("rows.seq_lens", at), c.dcp_size, d["obs.rank"][new][seg], c.cp_interleave)
+            base = cs[0].size - 1  # the new rows continue the sums (only differences within one observation count)
+            with np.errstate(over="ignore"):
+                cs = [np.concatenate([old, old[-1] + np.cumsum(mix(e, j, salt), dtype=np.uint64)])
+                      for old, salt in zip(cs, SALTS)]
+            ids, first = np.concatenate([ids, new]), np.concatenate([first, base + np.cumsum(nr) - nr])
+            order = np.argsort(ids, kind="stable")
+            ids, first = ids[order], first[order]
+            self._hashed = ids, first, cs
+        return first[np.searchsorted(ids, obs)], cs
 
     def prepare(self, wrong: np.ndarray) -> None:
         """Rules 2-6 for all wrong observations at once (each call costs O(n log n): pass them all together), in
@@ -240,10 +257,12 @@ class _Search:
         wrong, m = wrong[m > 0], m[m > 0]
         for a, b in obs_chunks(m, BULK_ROWS):  # (the search holds about 130 bytes a row of the views it explains)
             self._prepare(wrong[a:b], m[a:b])
+        self._hashed = self._no_hashes()
 
     def _prepare(self, wrong: np.ndarray, m: np.ndarray) -> None:
         """prepare() for wrong views `wrong` (m recorded real rows each, > 0)."""
         d = self.d
+        self._hashed = self._no_hashes()
         nr, view = d["obs.num_reqs"].astype(np.int64), d["obs.dcp_rows"]
         rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
         seg, j, at = ragged(view[wrong], m)
@@ -391,11 +410,17 @@ class _Search:
 
         alive = np.ones(q.size, bool)
         glob = every_row(lambda at: rec[at] == L[at], alive)
-        lo, hi, ok = ranks_giving(L, rec, N, il)
-        a = np.maximum(np.maximum.reduceat(lo, starts), 0)
-        b = np.minimum(np.minimum.reduceat(hi, starts), N)
-        other = np.where((a < b) & (a != rank), a, np.where((a + 1 < b) & (a + 1 != rank), a + 1, -1))
-        other = np.where(every_row(lambda at: ok[at], other >= 0), other, -1)
+        # another rank: only views whose every row some rank gives (most fail at a first row) intersect intervals
+        fits = np.flatnonzero(every_row(lambda at: ranks_giving(L[at], rec[at], N, il)[2], alive))
+        _, _, at = ragged(starts[fits], m[fits])
+        lo, hi, _ = ranks_giving(L[at], rec[at], N, il)
+        other = np.full(q.size, -1, np.int64)
+        if fits.size:
+            fs = np.cumsum(m[fits]) - m[fits]
+            a = np.maximum(np.maximum.reduceat(lo, fs), 0)
+            b = np.minimum(np.minimum.reduceat(hi, fs), N)
+            r = rank[fits]
+            other[fits] = np.where((a < b) & (a != r), a, np.where((a + 1 < b) & (a + 1 != r), a + 1, -1))
         extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
         ils = [x for x in INTERLEAVES + extra if x != il]
         inter = np.full(q.size, -1, np.int64)
