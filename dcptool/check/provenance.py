@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dcptool.check.view_rows import parent_rows, zero_ext_equal
 from dcptool.dcp.reference import local_np, ranks_giving
 from dcptool.dcp.segments import BULK_ROWS, join, member, mix, obs_chunks, ragged, seg_sums
 from dcptool.dump import Dump, obs_ref
@@ -126,54 +127,6 @@ def latest_before(c_run: np.ndarray, c_idx: np.ndarray, c_val: np.ndarray, q_run
     return np.where(hit, ids[order][np.maximum(ans, 0)], -1)
 
 
-# Exact comparisons of rows: every hash hit is confirmed with these
-
-
-def _recorded(d: Dump, q: np.ndarray, m: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows [0, L) of the recorded views of q, zero past m: (segment, row, values)."""
-    seg, j, _ = ragged(np.zeros(q.size, np.int64), L)
-    real = j < m[seg]
-    v = np.zeros(j.size, np.int64)
-    v[real] = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][q][seg[real]] + j[real])
-    return seg, j, v
-
-
-def _expected_rows(d: Dump, s: np.ndarray, seg: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """Expected row `pos` of observation s[seg] (0 past its num_reqs), per element."""
-    c = d.config
-    ss = s[seg]
-    real = pos < d["obs.num_reqs"][ss]
-    out = np.zeros(pos.size, np.int64)
-    out[real] = local_np(d.take("rows.seq_lens", d["obs.rows"][ss[real]] + pos[real]), c.dcp_size,
-                         d["obs.rank"][ss[real]], c.cp_interleave)
-    return out
-
-
-def _zero_ext_equal(d: Dump, q: np.ndarray, m: np.ndarray, s: np.ndarray, L: np.ndarray) -> np.ndarray:
-    """Per pair: rows [0, L) of q's recorded view (zero past m) equal s's expected rows (zero past num_reqs)."""
-    if q.size == 0:
-        return np.zeros(0, bool)
-    seg, j, rec = _recorded(d, q, m, L)
-    bad = rec != _expected_rows(d, s, seg, j)
-    return np.bincount(seg, weights=bad, minlength=q.size) == 0
-
-
-def _parent_rows(d: Dump, q: np.ndarray, m: np.ndarray, p: np.ndarray, rs: np.ndarray) -> np.ndarray:
-    """Rule 1 per pair: q's recorded rows equal the parent's expected rows [rs, rs + m) (zero-extended), or
-    the parent's recorded rows there (a copy of a parent that was itself wrong is still a copy)."""
-    if q.size == 0:
-        return np.zeros(0, bool)
-    seg, j, rec = _recorded(d, q, m, m)
-    ok = np.bincount(seg, weights=rec != _expected_rows(d, p, seg, rs[seg] + j), minlength=q.size) == 0
-    plen = np.diff(d["obs.dcp_rows"])[p]
-    full = (d["obs.has_dcp"][p] == 1) & (plen - rs >= m)  # pv[rs:rs + m] has all m rows
-    inb = full[seg]
-    pv = np.zeros(j.size, np.int64)
-    pv[inb] = d.take("rows.dcp_local_seq_lens", d["obs.dcp_rows"][p[seg[inb]]] + rs[seg[inb]] + j[inb])
-    copy = full & (np.bincount(seg, weights=pv != rec, minlength=q.size) == 0)
-    return ok | copy
-
-
 class _Search:
     """The bulk search behind Provenance: docs/replay.md's explanations 1-6 for every wrong view at once (`prepare`).
     The two searches over other observations (earlier in the step, earlier steps) narrow candidates by a join on
@@ -278,6 +231,8 @@ class _Search:
         real = nr >= 1  # the candidates (not gathered: member on the whole columns costs three gathers less)
 
         def sub(keep: np.ndarray):
+            if keep.all():  # (no copies of the rows)
+                return wrong, m, seg, j, rec, qh, r0, r1
             rows = keep[seg]
             return (wrong[keep], m[keep], (np.cumsum(keep) - 1)[seg[rows]], j[rows], rec[rows], [h[keep] for h in qh],
                     r0[keep], r1[keep])
@@ -289,7 +244,7 @@ class _Search:
         c = np.flatnonzero(member([rank, step, e0], [rank[q], step[q], r0q]) & real)  # (no sort of all candidates)
         in_step[todo] = self._search_in_step(q, mq, hq, self._narrow(c, [rank, step, e0], [rank[q], step[q], r0q]))
         hit = np.flatnonzero(in_step >= 0)
-        todo[hit[_zero_ext_equal(self.d, wrong[hit], m[hit], in_step[hit], m[hit])]] = False
+        todo[hit[zero_ext_equal(self.d, wrong[hit], m[hit], in_step[hit], m[hit])]] = False
         q, mq, sq, jq, rq, _, _, _ = sub(todo)  # 3-5. the values
         vkind[todo], vaux[todo] = self._by_values(q, mq, sq, rq)
         todo &= (vkind == 0) & (np.bincount(seg, weights=rec != 0, minlength=n) > 0)  # 6. needs strip(rec) non-empty
@@ -309,7 +264,7 @@ class _Search:
         if d.has("obs.parent", "obs.req_start"):
             p, rs = d["obs.parent"][q].astype(np.int64), d["obs.req_start"][q].astype(np.int64)
             k = np.flatnonzero((p >= 0) & (rs >= 0))
-            out[k] = _parent_rows(self.d, q[k], m[k], p[k], rs[k])
+            out[k] = parent_rows(self.d, q[k], m[k], p[k], rs[k])
         return out
 
     def _strip_lengths(self, obs: np.ndarray) -> np.ndarray:
@@ -392,41 +347,45 @@ class _Search:
         starts = np.cumsum(m) - m
 
         def every_row(test, views: np.ndarray) -> np.ndarray:
-            """Views (a mask) whose every row passes test(rows), tried on growing prefixes (1 row, then the
-            next 4, 16, ...), each on the views still passing: a wrong view fails at one of its first rows,
-            and the rest of its rows are not looked at (a first-row test alone let a third of them through)."""
+            """Views (a mask) that pass test(rows, views k, each view's first element in rows) on every prefix of
+            their rows, tried on growing prefixes (1 row, then the next 4, 16, ...), each on the views still
+            passing: a wrong view fails at one of its first rows, and the rest of its rows are not looked at (a
+            first-row test alone let a third of them through). The test must fail a view for good once it fails."""
             views = views.copy()
             k = np.flatnonzero(views & (m > 0))
             lo, width = 0, 1
             while k.size:
                 hi = np.minimum(m[k], lo + width)
-                sk, _, at = ragged(starts[k] + lo, hi - lo)
-                bad = np.zeros(k.size, bool)
-                bad[sk[~test(at)]] = True
-                views[k[bad]] = False
-                k = k[~bad & (hi < m[k])]
+                n = hi - lo
+                _, _, at = ragged(starts[k] + lo, n)
+                ok = test(at, k, np.cumsum(n) - n)
+                views[k[~ok]] = False
+                k = k[ok & (hi < m[k])]
                 lo, width = lo + width, width * 4
             return views
 
+        def rows(f):  # every row of the block passes f
+            return lambda at, k, first: np.logical_and.reduceat(f(at), first)
+
+        a, b = np.zeros(q.size, np.int64), np.full(q.size, N, np.int64)
+
+        def other_rank(at, k, first):
+            """The ranks giving every row so far are [a, b) (reference.ranks_giving's intervals, intersected);
+            the view passes while that holds a rank other than its own (the interval only shrinks)."""
+            lo, hi, ok = ranks_giving(L[at], rec[at], N, il)
+            a[k] = np.maximum(a[k], np.maximum.reduceat(lo, first))
+            b[k] = np.minimum(b[k], np.minimum.reduceat(hi, first))
+            return np.logical_and.reduceat(ok, first) & (a[k] < b[k]) & ((a[k] != rank[k]) | (a[k] + 1 < b[k]))
+
         alive = np.ones(q.size, bool)
-        glob = every_row(lambda at: rec[at] == L[at], alive)
-        # another rank: only views whose every row some rank gives (most fail at a first row) intersect intervals
-        fits = np.flatnonzero(every_row(lambda at: ranks_giving(L[at], rec[at], N, il)[2], alive))
-        _, _, at = ragged(starts[fits], m[fits])
-        lo, hi, _ = ranks_giving(L[at], rec[at], N, il)
-        other = np.full(q.size, -1, np.int64)
-        if fits.size:
-            fs = np.cumsum(m[fits]) - m[fits]
-            a = np.maximum(np.maximum.reduceat(lo, fs), 0)
-            b = np.minimum(np.minimum.reduceat(hi, fs), N)
-            r = rank[fits]
-            other[fits] = np.where((a < b) & (a != r), a, np.where((a + 1 < b) & (a + 1 != r), a + 1, -1))
+        glob = every_row(rows(lambda at: rec[at] == L[at]), alive)
+        other = np.where(every_row(other_rank, alive), np.where(a != rank, a, a + 1), -1)
         extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
         ils = [x for x in INTERLEAVES + extra if x != il]
         inter = np.full(q.size, -1, np.int64)
         todo = ~glob & (other < 0)  # (global and wrong-rank come first)
         for x in ils:  # the first interleave that fits wins
-            hit = every_row(lambda at, x=x: local_np(L[at], N, rank[seg[at]], x) == rec[at], todo)
+            hit = every_row(rows(lambda at, x=x: local_np(L[at], N, rank[seg[at]], x) == rec[at]), todo)
             inter[hit] = x
             todo &= ~hit
         kind = np.where(glob, GLOBAL, np.where(other >= 0, WRONG_RANK, np.where(inter >= 0, WRONG_INTERLEAVE, 0)))
@@ -494,7 +453,7 @@ class Provenance(_Search):
         k = np.flatnonzero(todo)
         s = in_step[pos[k]] if k.size else np.zeros(0, np.int64)
         cand = s >= 0
-        ok = _zero_ext_equal(self.d, obs[k[cand]], m[k[cand]], s[cand], m[k[cand]])
+        ok = zero_ext_equal(self.d, obs[k[cand]], m[k[cand]], s[cand], m[k[cand]])
         alone = np.concatenate([alone, k[cand][~ok]])
         todo[k[cand][~ok]] = False
         k = k[cand][ok]
@@ -510,7 +469,7 @@ class Provenance(_Search):
         step = d["obs.step"]
         cand = (s >= 0) & (d.order_of(np.maximum(s, 0)) < d.order_of(obs[k])) & (step[np.maximum(s, 0)] < step[obs[k]])
         stale = s >= 0
-        ok = _zero_ext_equal(self.d, obs[k[cand]], m[k[cand]], s[cand], np.maximum(nr[s[cand]], m[k[cand]]))
+        ok = zero_ext_equal(self.d, obs[k[cand]], m[k[cand]], s[cand], np.maximum(nr[s[cand]], m[k[cand]]))
         good = np.zeros(k.size, bool)
         good[np.flatnonzero(cand)[ok]] = True
         alone = np.concatenate([alone, k[stale & ~good]])  # a hit that did not confirm: the exact scan

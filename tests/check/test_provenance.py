@@ -152,9 +152,10 @@ def _recorded(d: Dump, i: int) -> np.ndarray:
     return np.asarray(v[: min(v.size, int(d["obs.num_reqs"][i]))], np.int64)
 
 
-def _coincidental_dump(path, seed: int) -> Dump:
+def _coincidental_dump(path, seed: int, max_rows: int = 4) -> Dump:
     """Small values, few steps and ranks: views that copy other observations' rows (prefixes, zero
-    extensions, other ranks), global lengths and random rows, so every relation is exercised."""
+    extensions, other ranks), global lengths and random rows, so every relation is exercised. Views of
+    up to `max_rows` real rows."""
     rng = np.random.default_rng(seed)
     N, il = int(rng.choice([2, 3, 4])), int(rng.choice([1, 2]))
     n = int(rng.integers(5, 50))
@@ -162,7 +163,7 @@ def _coincidental_dump(path, seed: int) -> Dump:
     if rng.random() < 0.7:
         steps.sort()  # mostly in step order; sometimes not (one file need not be)
     rank = rng.integers(0, N, n).astype(np.int32)
-    nr = rng.integers(0, 5, n).astype(np.int32)
+    nr = rng.integers(0, max_rows + 1, n).astype(np.int32)
     nrp = nr + rng.integers(0, 3, n).astype(np.int32)
     seq = [np.where(np.arange(p) < r, rng.integers(0, 12, p), 0).astype(np.int32) for r, p in zip(nr, nrp)]
     parent = np.full(n, -1, np.int64)
@@ -203,9 +204,12 @@ def _expected_rows(seq, nr, nrp, N, rank, il) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_bulk_search_agrees_with_the_naive_precedence(tmp_path, seed):
-    d = _coincidental_dump(tmp_path / "d.safetensors", seed)
+@pytest.mark.parametrize(("seed", "max_rows"), [(s, 4) for s in range(40)] + [(s, r) for s in range(8)
+                                                                             for r in (21, 90)])
+def test_bulk_search_agrees_with_the_naive_precedence(tmp_path, seed, max_rows):
+    """Views of up to 90 rows: the value rules test growing prefixes of rows (1, 4, 16, 64), the wrong-rank
+    interval narrowing across them."""
+    d = _coincidental_dump(tmp_path / "d.safetensors", seed, max_rows)
     res = replay(d, "torch")
     value = [f for f in res.findings if f.rule in ("stale", "global", "wrong-rank", "wrong-interleave", "mismatch")]
     for f in value:
