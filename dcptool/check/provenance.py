@@ -242,7 +242,8 @@ class _Search:
         todo = ~self._parent_hits(wrong, m)  # 1. (exact, no search)
         q, mq, sq, jq, rq, hq, r0q, _ = sub(todo)  # 2. earlier in the step
         c = np.flatnonzero(member([rank, step, e0], [rank[q], step[q], r0q]) & real)  # (no sort of all candidates)
-        in_step[todo] = self._search_in_step(q, mq, hq, self._narrow(c, [rank, step, e0], [rank[q], step[q], r0q]))
+        in_step[todo] = self._search_in_step(q, mq, hq, self._narrow(c, [rank, step, e0], [rank[q], step[q], r0q],
+                                                                            [(c, q)]))
         hit = np.flatnonzero(in_step >= 0)
         todo[hit[zero_ext_equal(self.d, wrong[hit], m[hit], in_step[hit], m[hit])]] = False
         q, mq, sq, jq, rq, _, _, _ = sub(todo)  # 3-5. the values
@@ -252,7 +253,8 @@ class _Search:
             q, mq, sq, jq, rq, hq, r0q, r1q = sub(todo)
             ls = np.maximum.reduceat(np.where(rq != 0, jq + 1, 0), np.cumsum(mq) - mq)  # len(strip(rec))
             c = np.flatnonzero(member([rank, e0, e1], [rank[q], r0q, r1q]) & real)
-            key = self._narrow(c, [rank, e0, e1, self._strip_lengths(c)], [rank[q], r0q, r1q, ls])
+            key = self._narrow(c, [rank, e0, e1, self._strip_lengths(c)], [rank[q], r0q, r1q, ls],
+                               [(d.order_of(c), d.order_of(q)), (step[c], step[q])])
             earlier[todo] = self._search_earlier_steps(q, hq, key)
         # the answers as arrays too, for explain_many (wrong is sorted)
         self._bulk.append((wrong, in_step, vkind, vaux, earlier))
@@ -286,11 +288,18 @@ class _Search:
         return out
 
     @staticmethod
-    def _narrow(cand: np.ndarray, c_key: list[np.ndarray], q_key: list[np.ndarray]):
+    def _narrow(cand: np.ndarray, c_key: list[np.ndarray], q_key: list[np.ndarray],
+                before: list[tuple[np.ndarray, np.ndarray]]):
         """The candidates whose key (columns of c_key at cand) some query has, and the query ids of that key:
-        (candidates, their key ids, the queries' key ids)."""
+        (candidates, their key ids, the queries' key ids). `before`: pairs (the candidates' values, at cand; the
+        queries'): a candidate stays only where its value is below the largest query value of its key in each (the
+        searches cite only earlier observations: the others could never be cited, and are not hashed)."""
         ci, qi = join([k[cand] for k in c_key], q_key)
         keep = np.isin(ci, qi)
+        for col, qv in before:
+            last = np.full(int(max(ci.max(initial=-1), qi.max(initial=-1))) + 1, np.iinfo(np.int64).min)
+            np.maximum.at(last, qi, np.asarray(qv, np.int64))
+            keep &= np.asarray(col, np.int64) < last[ci]
         return cand[keep], ci[keep], qi
 
     def _search_in_step(self, q, m, qh, cands) -> np.ndarray:
