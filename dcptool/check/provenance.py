@@ -220,7 +220,6 @@ class _Search:
         rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
         seg, j, at = ragged(view[wrong], m)
         rec = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
-        qh = [seg_sums(mix(rec, j, s), m) for s in SALTS]
         starts = np.cumsum(m) - m
         r0 = rec[starts]
         r1 = np.where(m > 1, rec[np.minimum(starts + 1, rec.size - 1)], 0)
@@ -232,30 +231,32 @@ class _Search:
 
         def sub(keep: np.ndarray):
             if keep.all():  # (no copies of the rows)
-                return wrong, m, seg, j, rec, qh, r0, r1
+                return wrong, m, seg, j, rec, r0, r1
             rows = keep[seg]
-            return (wrong[keep], m[keep], (np.cumsum(keep) - 1)[seg[rows]], j[rows], rec[rows], [h[keep] for h in qh],
-                    r0[keep], r1[keep])
+            return wrong[keep], m[keep], (np.cumsum(keep) - 1)[seg[rows]], j[rows], rec[rows], r0[keep], r1[keep]
+
+        def hashes(cands, jq, rq, mq):  # the views' row hashes, only where a search has candidates to match
+            return [seg_sums(mix(rq, jq, s), mq) for s in SALTS] if cands[0].size else None
 
         # docs/replay.md's precedence, each search only for the views no earlier rule explains: most wrong views of
         # a pre-fix recording are stale copies of their parent or of an earlier batch of the step
         todo = ~self._parent_hits(wrong, m)  # 1. (exact, no search)
-        q, mq, sq, jq, rq, hq, r0q, _ = sub(todo)  # 2. earlier in the step
+        q, mq, sq, jq, rq, r0q, _ = sub(todo)  # 2. earlier in the step
         c = np.flatnonzero(member([rank, step, e0], [rank[q], step[q], r0q]) & real)  # (no sort of all candidates)
-        in_step[todo] = self._search_in_step(q, mq, hq, self._narrow(c, [rank, step, e0], [rank[q], step[q], r0q],
-                                                                            [(c, q)]))
+        cands = self._narrow(c, [rank, step, e0], [rank[q], step[q], r0q], [(c, q)])
+        in_step[todo] = self._search_in_step(q, mq, hashes(cands, jq, rq, mq), cands)
         hit = np.flatnonzero(in_step >= 0)
         todo[hit[zero_ext_equal(self.d, wrong[hit], m[hit], in_step[hit], m[hit])]] = False
-        q, mq, sq, jq, rq, _, _, _ = sub(todo)  # 3-5. the values
+        q, mq, sq, jq, rq, _, _ = sub(todo)  # 3-5. the values
         vkind[todo], vaux[todo] = self._by_values(q, mq, sq, rq)
         todo &= (vkind == 0) & (np.bincount(seg, weights=rec != 0, minlength=n) > 0)  # 6. needs strip(rec) non-empty
         if todo.any():
-            q, mq, sq, jq, rq, hq, r0q, r1q = sub(todo)
+            q, mq, sq, jq, rq, r0q, r1q = sub(todo)
             ls = np.maximum.reduceat(np.where(rq != 0, jq + 1, 0), np.cumsum(mq) - mq)  # len(strip(rec))
             c = np.flatnonzero(member([rank, e0, e1], [rank[q], r0q, r1q]) & real)
             key = self._narrow(c, [rank, e0, e1, self._strip_lengths(c)], [rank[q], r0q, r1q, ls],
                                [(d.order_of(c), d.order_of(q)), (step[c], step[q])])
-            earlier[todo] = self._search_earlier_steps(q, hq, key)
+            earlier[todo] = self._search_earlier_steps(q, hashes(key, jq, rq, mq), key)
         # the answers as arrays too, for explain_many (wrong is sorted)
         self._bulk.append((wrong, in_step, vkind, vaux, earlier))
 
@@ -350,10 +351,12 @@ class _Search:
         global lengths; another rank (the interval argument of _other_rank); another interleave."""
         d, c = self.d, self.d.config
         N, il = c.dcp_size, c.cp_interleave
-        _, _, srow = ragged(d["obs.rows"][q], m)  # the seq_lens rows under the recorded ones
-        L = d.take("rows.seq_lens", srow).astype(np.int64)
         rank = d["obs.rank"][q].astype(np.int64)
         starts = np.cumsum(m) - m
+        shift = d["obs.rows"][q].astype(np.int64) - starts  # view row `at` lies over seq_lens row at + shift[seg[at]]
+
+        def L(at):  # the global lengths under rows `at` (read for the rows tested only)
+            return d.take("rows.seq_lens", at + shift[seg[at]]).astype(np.int64)
 
         def every_row(test, views: np.ndarray) -> np.ndarray:
             """Views (a mask) that pass test(rows, views k, each view's first element in rows) on every prefix of
@@ -381,20 +384,20 @@ class _Search:
         def other_rank(at, k, first):
             """The ranks giving every row so far are [a, b) (reference.ranks_giving's intervals, intersected);
             the view passes while that holds a rank other than its own (the interval only shrinks)."""
-            lo, hi, ok = ranks_giving(L[at], rec[at], N, il)
+            lo, hi, ok = ranks_giving(L(at), rec[at], N, il)
             a[k] = np.maximum(a[k], np.maximum.reduceat(lo, first))
             b[k] = np.minimum(b[k], np.minimum.reduceat(hi, first))
             return np.logical_and.reduceat(ok, first) & (a[k] < b[k]) & ((a[k] != rank[k]) | (a[k] + 1 < b[k]))
 
         alive = np.ones(q.size, bool)
-        glob = every_row(rows(lambda at: rec[at] == L[at]), alive)
+        glob = every_row(rows(lambda at: rec[at] == L(at)), alive)
         other = np.where(every_row(other_rank, alive), np.where(a != rank, a, a + 1), -1)
         extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
         ils = [x for x in INTERLEAVES + extra if x != il]
         inter = np.full(q.size, -1, np.int64)
         todo = ~glob & (other < 0)  # (global and wrong-rank come first)
         for x in ils:  # the first interleave that fits wins
-            hit = every_row(rows(lambda at, x=x: local_np(L[at], N, rank[seg[at]], x) == rec[at]), todo)
+            hit = every_row(rows(lambda at, x=x: local_np(L(at), N, rank[seg[at]], x) == rec[at]), todo)
             inter[hit] = x
             todo &= ~hit
         kind = np.where(glob, GLOBAL, np.where(other >= 0, WRONG_RANK, np.where(inter >= 0, WRONG_INTERLEAVE, 0)))
