@@ -35,7 +35,8 @@ class Plan:
     `run` maps each check to run to its rules (table order); `skipped` maps what is not checked to why: a check,
     named by its first rule, whose rules do not apply at this dcp_size (said for SHARDED rules only: the view rules
     and `stray` stand for each other) or whose columns are not recorded, and a rule's part (`rule/part`) whose own
-    columns are not recorded while the rule's are. In SKIPPED_ORDER."""
+    columns are not recorded while the rule's are (not for the rules the table says are not said). In
+    SKIPPED_ORDER."""
 
     run: dict[str, tuple[Rule, ...]]
     skipped: dict[str, str]
@@ -63,7 +64,8 @@ def plan(d: Dump) -> Plan:
             if first.dcp == SHARDED:
                 skipped[first.name] = "dcp_size is 1"
         elif not recorded:
-            skipped[first.name] = first.unrecorded
+            if first.said:
+                skipped[first.name] = first.unrecorded
         else:
             run[check] = live
     return Plan(run, dict(sorted(skipped.items(), key=lambda kv: SKIPPED_ORDER.index(kv[0]))))

@@ -233,6 +233,9 @@ _WHY = {
     ("slots", None): "a KV slot is written by another rank than the position's owner, or a replicated group is "
                      "not written by every rank",
     ("slot-partition", None): "across the ranks a DCP-sharded position is written by several ranks or by none",
+    ("graph-addr", None): "a full CUDA graph replays the addresses its capture baked in, but the build hands "
+                          "attention a metadata tensor allocated anew (another address): the graph reads a stale "
+                          "buffer",
 }
 
 

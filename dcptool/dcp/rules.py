@@ -52,9 +52,14 @@ class Rule(NamedTuple):
     inputs: tuple[str, ...] = ()  # what its check takes after the dump (VERSION ... DIFFER)
     dcp: str = ANY  # ANY, SHARDED, VIEW or UNSHARDED
     scope: str = OBSERVATION  # OBSERVATION, RUN or RANKS
-    device: bool = False  # the Guard's check kernel decides it on the device, per observation (errors only)
+    device: bool = False  # the Guard decides it per observation as it is made (errors only): its check kernel on
+    #                       the device, or (the rules of host values: addresses, block sizes, capacities) its host
     faults: tuple[str, ...] = ()  # simulate's faults (DESIGN §4) that must produce it
     parts: tuple[Part, ...] = ()
+    # replay names it among the skipped checks when its columns are not recorded; False for the rules of what only
+    # some engines or paths record (the metadata tensors' addresses ...): a dump without them lacks nothing, and its
+    # report is what it was before those rules existed
+    said: bool = True
 
 
 _UBATCH = ("obs.parent", "obs.req_start", "obs.tok_start", "obs.tok_stop", "obs.qsl")
@@ -118,6 +123,12 @@ TABLE = (
          "micro-batch, group): a position of a DCP-sharded group written by several ranks (reported at the ranks "
          "that do not own it) or by none (at its owner), naming the positions", needs=_SLOTS, scope=RANKS,
          faults=("slot-all-ranks",)),
+    # what else a build hands attention: the metadata tensors' addresses (a full graph reads the captured ones)
+    Rule("graph-addr", "error", "H", "buffers.check_graph_addr", "a full-graph replay whose build handed attention a "
+         "metadata tensor at another address than the graph captured (the graph reads the captured buffer, which "
+         "the build did not write: stale values)", needs=("obs.addrs", "obs.gaddrs"), device=True,
+         unrecorded="needs obs.addrs and obs.gaddrs (the metadata tensors' addresses at the build and at capture)",
+         faults=("graph-addr-moved",), said=False),
 )
 RULE = {r.name: r for r in TABLE}
 RULES = tuple(RULE)

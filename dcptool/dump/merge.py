@@ -68,7 +68,7 @@ def open_dumps(paths: list[str | os.PathLike], bounded: bool | None = None, stre
     base = dumps[0].config
     for d in dumps[1:]:
         c = d.config
-        for k in ("dcp_size", "cp_interleave", "pcp_size", "page_size", "kv_groups"):
+        for k in ("dcp_size", "cp_interleave", "pcp_size", "page_size", "kv_groups", "attn_tensors"):
             if getattr(c, k) != getattr(base, k):
                 raise DumpError(f"{d.files[0]}: dcptool.config: {k} = {getattr(c, k)} but {dumps[0].files[0]} "
                                 f"has {getattr(base, k)}; these files are not one run")

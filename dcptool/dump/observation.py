@@ -99,6 +99,11 @@ FIELDS_TABLE: tuple[Field, ...] = (
           section="pos"),
     Field("slot_mapping", GROUPS, "I32", "rows.slot_mapping", device=True, offsets="obs.slots", section="slot"),
     Field("slot_group", GROUPS, "I32", "rows.slot_group", offsets="obs.slots", section="sgrp", argument=False),
+    # The per-request metadata tensors the build hands attention (dcptool.config's attn_tensors names them, in this
+    # order): each one's address (data_ptr) as two int32 words, low then high (addr_words); at a full-graph replay,
+    # the addresses the graph captured for them (it reads those, whatever the build wrote)
+    Field("attn_addrs", ANY, "I32", "rows.attn_addrs", offsets="obs.addrs", section="addr"),
+    Field("graph_addrs", ANY, "I32", "rows.graph_addrs", offsets="obs.gaddrs", section="gaddr"),
 )
 
 ARGUMENTS: tuple[Field, ...] = tuple(f for f in FIELDS_TABLE if f.argument)  # observe()'s keywords

@@ -22,6 +22,7 @@ from dcptool.dump.schema import GraphMode
 from dcptool.model.columns import Columns
 from dcptool.model.config import SimConfig, applicability
 from dcptool.model.graphs import DBO_PREFILL_TOKENS, Desc, Graphs
+from dcptool.model.handed import Handed
 from dcptool.model.rows import Rows, dummy_rows, make_rows
 from dcptool.model.sink import Sink
 from dcptool.model.workload import Batch
@@ -71,6 +72,7 @@ class Runner:
         self.F = frozenset(cfg.faults) - {f for f, why in applicability(cfg).items() if why is not None}
         self.graphs = Graphs(cfg)
         self.columns = Columns(cfg, self.F)  # the decode path's companions, the slot mappings
+        self.handed = Handed(cfg, self.F)  # the metadata tensors' addresses
         self.ranks = np.arange(self.N).reshape(-1, 1)
         self._fresh = 0
         self._captured: dict[tuple, set[int]] = {}
@@ -129,11 +131,12 @@ class Runner:
         dq, tot = (None, None) if not build.pages or view is None else self.columns.decode_path(b, view, odd_seq, marks)
         sl = lineage.sl
         slots = self.columns.slots(b, build.role, build.kind, 0 if sl is None else sl.req_start, marks)
+        addrs, gaddrs = self.handed.addrs(procs, build.role, build.slot, build.graph, (b.ntp, nrp, build.ubatch), marks)
         r = Record(step=build.step, site=build.site, rank=range(N), num_reqs=nr, num_reqs_padded=nrp, seq_lens=b.seq,
                    dcp_local_seq_lens=view, ubatch=build.ubatch, parent=lineage.parents, query_start_loc=b.qsl,
                    num_tokens_padded=b.ntp, buffer=bufs, graph=int(build.graph), kv_pages=kv, dcp_query_start_loc=dq,
-                   dcp_tot_seq_lens=tot, **({} if sl is None else dict(req_start=sl.req_start,
-                                                                        tok_start=sl.tok_start, tok_stop=sl.tok_stop)))
+                   dcp_tot_seq_lens=tot, attn_addrs=addrs, graph_addrs=gaddrs,
+                   **({} if sl is None else dict(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)))
         idxs = sink.record(p, r, slots, odd_seq)
         self._mark(procs, idxs, bufs, build, nrp, fresh, marks)
         return idxs, view

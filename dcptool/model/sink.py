@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from dcptool.dump import Record
+from dcptool.dump.observation import ROW_TABLE
 from dcptool.engine.recorder.record import Recorder
 from dcptool.model.config import KV_GROUPS, SITES, SimConfig
+from dcptool.model.handed import TENSORS, tensor_faults
 
 
 def output_paths(cfg: SimConfig, out: Path, per_rank: bool) -> list[Path]:
@@ -20,18 +22,23 @@ def output_paths(cfg: SimConfig, out: Path, per_rank: bool) -> list[Path]:
     return [out.with_name(f"{out.stem}{n}{out.suffix or '.safetensors'}") for n in names]
 
 
+# the row fields after the slot entries: one row every rank shares, or [ranks, values]
+_LATE = tuple(f.name for f in ROW_TABLE[[f.section for f in ROW_TABLE].index("sgrp") + 1:])
+
+
 def _of_rank(r: Record, i: int, slots: tuple | None, odd_seq: np.ndarray | None) -> Record:
     """Rank i's observation of a batch record that holds every rank's (Sink.record)."""
     def row(x):
         return None if x is None else x[i]
 
     kv, last = r.kv_pages, i == len(r.rank) - 1
+    late = {f: x if x.ndim == 1 else x[i] for f in _LATE if (x := getattr(r, f)) is not None}
     return r._replace(rank=r.rank[i], seq_lens=odd_seq if odd_seq is not None and last else r.seq_lens,
                       dcp_local_seq_lens=row(r.dcp_local_seq_lens), parent=row(r.parent), buffer=r.buffer[i],
                       kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[i],
                       dcp_query_start_loc=row(r.dcp_query_start_loc), dcp_tot_seq_lens=row(r.dcp_tot_seq_lens),
                       positions=None if slots is None else slots[0],
-                      slot_mapping=None if slots is None else slots[1][i])
+                      slot_mapping=None if slots is None else slots[1][i], **late)
 
 
 class Sink:
@@ -44,7 +51,8 @@ class Sink:
         version = cfg.engine_version or f"vLLM model runner V2 model ({cfg.pipeline} pipeline)"
         self._kw = dict(dcp_size=N, cp_interleave=cfg.interleave, sites=SITES, pcp_size=P, page_size=cfg.page_size,
                         engine="dcptool simulate", engine_version=version, note=cfg.command(),
-                        kv_groups=[{"name": n, "dcp": dcp, "block_size": cfg.page_size} for n, dcp in KV_GROUPS])
+                        kv_groups=[{"name": n, "dcp": dcp, "block_size": cfg.page_size} for n, dcp in KV_GROUPS],
+                        **({"attn_tensors": TENSORS} if tensor_faults(cfg.faults) else {}))
         self.file_of = list(range(P * N)) if per_rank else [0] * (P * N)
         self.shared = not per_rank
         self.recorders: list[Recorder] = []

@@ -17,7 +17,7 @@ def test_table_is_design_s3():
 
     assert RULES == ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
                      "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree",
-                     "slots", "slot-partition")
+                     "slots", "slot-partition", "graph-addr")
     assert len({c.lower() for c in RULE_CODES.values()}) == len(RULES)
     assert {f: rule for f, (rule, _) in FAULTS.items()} == {f: r.name for r in TABLE for f in r.faults}
     assert [r.name for r in TABLE if r.severity == "warning"] == ["stray"]
@@ -58,15 +58,16 @@ def test_applies_by_dcp_size(N):
     on = {r.name for r in TABLE if R.applies(r, N)}
     view = {"missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape"}
     sharded = {"rank-sum", "empty-mask", "tot-lens", "rank-agree"}
-    anywhere = {"ubatch-slice", "alias", "pages", "slots", "slot-partition"}
+    anywhere = {"ubatch-slice", "alias", "pages", "slots", "slot-partition", "graph-addr"}
     assert on == (anywhere | {"stray"} if N == 1 else anywhere | view | sharded)
 
 
 def test_what_the_guard_decides_on_the_device():
-    """The Guard's kernel checks one observation's errors: the view rules, pages, the decode inputs, slots."""
+    """The Guard checks one observation's errors: the view rules, pages, the decode inputs, slots (its kernel), the
+    metadata tensors' addresses (its host)."""
     dev = [r.name for r in TABLE if r.device]
     assert dev == ["missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
-                   "pages", "empty-mask", "tot-lens", "slots"]
+                   "pages", "empty-mask", "tot-lens", "slots", "graph-addr"]
     assert all(R.RULE[r].scope == R.OBSERVATION and R.RULE[r].severity == "error" for r in dev)
     assert {r.name for r in TABLE if r.scope == R.RANKS} == {"rank-sum", "rank-agree", "slot-partition"}
 
@@ -76,6 +77,7 @@ def test_skipped_order_names_every_skip_replay_can_say():
     each part has its place in SKIPPED_ORDER, once."""
     from dcptool.check.plan import checks
 
-    can = {rules[0].name for rules in checks().values() if rules[0].dcp == R.SHARDED or rules[0].needs}
+    can = {rules[0].name for rules in checks().values() if rules[0].dcp == R.SHARDED or rules[0].needs and
+           rules[0].said}
     can |= {f"{r.name}/{p.name}" for r in TABLE for p in r.parts}
     assert set(R.SKIPPED_ORDER) == can and len(R.SKIPPED_ORDER) == len(can)

@@ -91,4 +91,5 @@ EXERCISE = {
     "rank-disagree": (2, 1, 1, 3, 2, "full", "mtp"),
     "slot-wrong-group": (4, 2, 1, 2, 2, "full", "mtp"),
     "slot-all-ranks": (3, 16, 1, 2, 2, "piecewise", "mtp"),
+    "graph-addr-moved": (4, 1, 2, 2, 2, "full", "mtp"),
 }

@@ -7,6 +7,8 @@ from typing import NamedTuple
 import numpy as np
 
 from dcptool.dcp.reference import local_np
+from dcptool.dump import Record
+from dcptool.dump.schema import GraphMode
 
 
 class Spec(NamedTuple):
@@ -18,19 +20,40 @@ class Spec(NamedTuple):
     sharded: tuple[bool, ...] | None  # None: every group sharded (a dump's kv_groups unnamed)
 
 
-def first_wrong(s: Spec, rank: int, num_reqs: int, num_reqs_padded: int, seq: np.ndarray, dcp: np.ndarray | None,
-                qsl: np.ndarray | None, kv_pages: np.ndarray | None, dqsl: np.ndarray | None,
-                tot: np.ndarray | None, slots: tuple) -> str | None:
-    """The first replay rule (table order) one observation breaks, or None; host arrays, real rows first.
+def first_wrong(s: Spec, r: Record, slots: tuple) -> str | None:
+    """The first replay rule (table order) one observation breaks, or None; `r` holds host arrays (the Guard's
+    copies), `slots` its slot entries (dump.slot_entries' three arrays, or three None); real rows first.
 
     The rules: missing (no view with dcp_size > 1), the values (the view's real rows vs the formula on the
     observation's own seq_lens, where the view has one row per seq_lens row), padding (rows num_reqs ..
     num_reqs_padded are 0), shape (num_reqs_padded rows), pages (cdiv(local, page_size) per real row),
     empty-mask (Q = query_start_loc[:len(Q)]), tot-lens (the global companion equals seq_lens on its real
     rows), slots (a sharded group's position p is written by rank (p // I) % N only, a replicated group's by
-    every rank; padded tokens write nothing)."""
+    every rank; padded tokens write nothing), then the rules of the host values (late_wrong)."""
+    return _early_wrong(s, r, slots) or late_wrong(s, r)
+
+
+def late_wrong(s: Spec, r: Record) -> str | None:
+    """The first rule the observation's host values break (the fields after the slot entries: host integers the
+    Guard checks as observe() is called, on either path), or None: graph-addr (a full-graph replay whose build
+    handed attention a metadata tensor at another address than the graph captured)."""
+    graph = GraphMode.parse(r.graph) if isinstance(r.graph, str) else r.graph
+    if graph == GraphMode.FULL_REPLAY and r.attn_addrs is not None and r.graph_addrs is not None:
+        if not np.array_equal(np.asarray(r.attn_addrs), np.asarray(r.graph_addrs)):
+            return "graph-addr"
+    return None
+
+
+def late_bits(s: Spec, r: Record, bits: dict) -> int:
+    """late_wrong's verdict as the Guard kernel's rule bit (`bits`: rule -> bit), 0 when right."""
+    rule = late_wrong(s, r)
+    return 0 if rule is None else bits[rule]
+
+
+def _early_wrong(s: Spec, r: Record, slots: tuple) -> str | None:
+    rank, nr, num_reqs_padded, seq, dcp = r.rank, r.num_reqs, r.num_reqs_padded, r.seq_lens, r.dcp_local_seq_lens
+    qsl, kv_pages, dqsl, tot = r.query_start_loc, r.kv_pages, r.dcp_query_start_loc, r.dcp_tot_seq_lens
     N, I_ = s.dcp_size, s.cp_interleave
-    nr = num_reqs
     local = local_np(seq[:nr].astype(np.int64), N, rank, I_)
     if dcp is None:
         if N > 1:

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 
 from dcptool.dump import INT32_MAX, Record, Scalars
-from dcptool.dump.observation import NAMES
+from dcptool.dump.observation import NAMES, R
 from dcptool.engine.arguments import (
     I64_MAX,
     I64_MIN,
@@ -16,6 +16,7 @@ from dcptool.engine.arguments import (
     NoTensor,
     check_own,
     check_vals,
+    copied_row,
     host_fast,
     int32_copy,
     narrowed,
@@ -24,7 +25,7 @@ from dcptool.engine.arguments import (
 from dcptool.engine.snapshot.arm import arm
 from dcptool.engine.snapshot.harvest import Harvest
 from dcptool.engine.snapshot.kernels import SNAP_ARGS_BLOCK
-from dcptool.engine.snapshot.layout import ABSENT, SECTIONS, SGRP, host_rules, layout
+from dcptool.engine.snapshot.layout import ABSENT, ARGS_SECTIONS, HOST_ROWS, SECTIONS, SGRP, host_rules, layout
 from dcptool.engine.snapshot.ring import FENCE_EVERY, Slot, SnapshotRing
 
 _NEW = tuple.__new__
@@ -32,8 +33,12 @@ _NEW = tuple.__new__
 # fast path's kernel cannot take it)
 _FAST_FIELDS = ("step", "site", "rank", "num_reqs", "num_reqs_padded", "seq_lens", "dcp_local_seq_lens", "ubatch",
                 "parent", "req_start", "tok_start", "tok_stop", "query_start_loc", "num_tokens_padded", "buffer",
-                "graph", "kv_pages", "dcp_query_start_loc", "dcp_tot_seq_lens", "positions", "slot_mapping")
-if NAMES != _FAST_FIELDS:
+                "graph", "kv_pages", "dcp_query_start_loc", "dcp_tot_seq_lens", "positions", "slot_mapping",
+                "attn_addrs", "graph_addrs")
+# The fields after slot_mapping (host values: the metadata tensors' addresses, ...): an observation that gives any
+# goes the general path, which holds them beside its slot (one that gives none pays an identity test each)
+LATE_ROWS = tuple(R[f.name] for f in HOST_ROWS)  # their Record positions, in the table's order
+if NAMES != _FAST_FIELDS or SECTIONS[ARGS_SECTIONS].section != "sgrp":
     raise ImportError("snapshot.device: observe_fast unpacks the Record as _FAST_FIELDS; the table's fields changed")
 _TENSOR: type = NoTensor  # torch.Tensor once torch is imported (the Recorder's find_torch says when)
 
@@ -88,6 +93,13 @@ def _later_sections(ring: SnapshotRing, config, rows: int, kv, dq, tot, pos, sm)
     return out, n_all, wide, groups
 
 
+def _held(host: list | None, late: tuple, rows: int, config) -> list | None:
+    """The host-held sections (None: none) with the HOST_ROWS' host copies after them, where any is given."""
+    if all(x is None for x in late):
+        return host
+    return [*(host or (None,) * len(SECTIONS)), *(copied_row(f, x, rows, config) for f, x in zip(HOST_ROWS, late))]
+
+
 _GROUPS: dict[tuple[int, int], tuple] = {}  # (sections, groups) -> the host-held sections with only the groups
 
 
@@ -116,11 +128,9 @@ class DevicePath:
     [groups, tokens]) contiguous int32 or int64 tensors on the ring's device, or None. One launch of
     snapshot_args_kernel with the header as arguments (its program 0 writes it into the slot): no header packed on
     the CPU, no section loop, no host copy, the same checks as the general path. A tensor's get_device() equal to
-    the ring's also says it is a device tensor (-1: the CPU tests' host ring).
-
-    It appends to the Recorder's writer under the Recorder's lock, checks sites against the Recorder's checked
-    names (site_ok, shared with its host path) and reports what it cannot store to drop(error).
-    """
+    the ring's also says it is a device tensor (-1: the CPU tests' host ring). It appends to the Recorder's writer
+    under the Recorder's lock, checks sites against the Recorder's checked names (site_ok, shared with its host
+    path) and reports what it cannot store to drop(error)."""
 
     def __init__(self, writer, harvest: Harvest, lock, site_ok: set, drop, cuda_mode: str, ring_bytes: int):
         self.cuda_mode = cuda_mode  # "sync" once a ring cannot run here
@@ -153,11 +163,10 @@ class DevicePath:
             self.skipped_capture += 1
 
     def observe_device(self, vals: Scalars, site: str, srcs: tuple) -> int | None:
-        """Snapshot the observation's device tensors in one launch; None: take the host path instead.
-
-        The header's section entries are collected here (_entries), checked by the sections' rules
+        """Snapshot the observation's device tensors in one launch (None: take the host path); `srcs`: the sections'
+        values, then the HOST_ROWS' (held beside the slot). The header's entries are collected (_entries), checked
         (_length_rules), and written with the rest of the header into the slot just before the launch."""
-        got = self._entries(srcs)
+        got = self._entries(srcs[:self._nsec])
         if got is None:
             return None
         ent, host, words, device, keep = got
@@ -166,6 +175,7 @@ class DevicePath:
         if rows < nr or not 0 <= nr <= nrp:
             raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {rows} seq_lens rows")
         words = self._length_rules(ent, host, rows, words)
+        host = _held(host, srcs[self._nsec:], rows, self._w.config)
         check_vals(vals, site, self._site_ok)
         words &= ~7
         w = self._w
@@ -272,7 +282,10 @@ class DevicePath:
     def observe_fast(self, r: Record) -> int | None:
         """observe() for what an engine passes each step, once the ring runs (the class says which); None: the general
         path takes it (and raises what it cannot store); -1, dropped and counted (it never raises into the engine)."""
-        step, site, rank, nr, nrp, seq, dcp, ubatch, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos, sm = r
+        (step, site, rank, nr, nrp, seq, dcp, ubatch, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos, sm,
+         addrs, gaddrs) = r
+        if addrs is not None or gaddrs is not None:
+            return None
         try:
             ring = self.ring
             did = ring.did

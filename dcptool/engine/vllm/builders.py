@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import functools
 
-from dcptool.engine.vllm.state import STATE, broken, set_page_size
+from dcptool.engine.vllm.state import STATE, broken, set_attn_tensors, set_page_size
 
 PAGE_MISMATCH = "page counts of another page size than the recording's"
+TENSOR_MISMATCH = "metadata tensors of another backend than the recording's first"
 
 
 class Build:
@@ -89,6 +90,18 @@ def wrap_plan(orig, sig):
     return _compute_flashinfer_kv_metadata
 
 
+FLASH_ATTN_TENSORS = ("dcp_context_kv_lens", "seq_lens")  # what FlashAttention's DCP path hands its kernels per request
+
+
+def _take_flash_attn(builder, res, got: dict, sig, args: tuple, kwargs: dict) -> None:
+    """FlashAttentionMetadataBuilder.build under DCP: the addresses of the per-request tensors its kernels read
+    (dcp_context_kv_lens, the local context lengths, and seq_lens): a full graph replays the ones it captured."""
+    ctx = getattr(res, "dcp_context_kv_lens", None)
+    if ctx is None or "attn_addrs" in got:
+        return
+    got["attn_addrs"] = (FLASH_ATTN_TENSORS, (int(ctx.data_ptr()), int(res.seq_lens.data_ptr())))
+
+
 def _take_mla(builder, res, got: dict, sig, args: tuple, kwargs: dict) -> None:
     """MLACommonMetadataBuilder.build: the global companion its decode metadata carries (dcp_tot_seq_lens)."""
     tot = getattr(getattr(res, "decode", None), "dcp_tot_seq_lens", None)
@@ -97,7 +110,33 @@ def _take_mla(builder, res, got: dict, sig, args: tuple, kwargs: dict) -> None:
 
 
 wrap_flashinfer = _wrap_builder(_take_flashinfer)
+wrap_flash_attn = _wrap_builder(_take_flash_attn)
 wrap_mla = _wrap_builder(_take_mla)
+
+
+def _graph_key(kw: dict) -> tuple:
+    """The CUDA graph a build's metadata is captured in or replayed by: vLLM keys its FULL graphs by the batch
+    descriptor (padded tokens and requests, micro-batching), a drafter's apart from the model's."""
+    return (kw["site"] in ("draft", "dflash_capture"), kw["num_reqs_padded"], kw.get("num_tokens_padded"),
+            kw.get("ubatch", -1))
+
+
+def _addresses(named: tuple, kw: dict) -> None:
+    """The metadata tensors' addresses as observe() arguments (int32 words), named in the recording's config; at
+    a full-graph capture they are remembered for the graph (a capture build itself may go unrecorded: the
+    Recorder skips builds made during stream capture), at a replay the graph's captured ones go beside them."""
+    names, ptrs = named
+    from dcptool.dump.schema import GraphMode, addr_words  # (the Recorder imported it)
+
+    if not set_attn_tensors(names):
+        STATE.skipped[TENSOR_MISMATCH] += 1
+        return
+    words = addr_words(ptrs)
+    kw["attn_addrs"] = words
+    if kw["graph"] == GraphMode.FULL_CAPTURE:
+        STATE.captured[_graph_key(kw)] = words
+    elif kw["graph"] == GraphMode.FULL_REPLAY:
+        kw["graph_addrs"] = STATE.captured.get(_graph_key(kw))
 
 
 def builder_kwargs(got: dict, rows: int, kw: dict) -> None:
@@ -105,6 +144,8 @@ def builder_kwargs(got: dict, rows: int, kw: dict) -> None:
     for k in ("dcp_query_start_loc", "dcp_tot_seq_lens"):
         if k in got:
             kw[k] = got[k]
+    if "attn_addrs" in got:
+        _addresses(got["attn_addrs"], kw)
     pages = got.get("kv_pages")
     if pages is None:
         return

@@ -7,7 +7,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from dcptool.engine.vllm.builders import wrap_flashinfer, wrap_mla, wrap_plan
+from dcptool.engine.vllm.builders import wrap_flash_attn, wrap_flashinfer, wrap_mla, wrap_plan
 from dcptool.engine.vllm.hooks import (
     PREPARE,
     Sig,
@@ -42,7 +42,8 @@ class Table:
     slots: str = "slot mappings per KV-cache group, each group's sharding from its spec (dcp_sharded)"
     # what the attention-metadata builders hand attention (builders)
     builders: str = ("dcp_query_start_loc (FlashInfer's trtllm-gen/XQA decode), kv_pages (FlashInfer's native plans; "
-                     "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode)")
+                     "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode), attn_addrs (FlashAttention's "
+                     "dcp_context_kv_lens and seq_lens, at capture and replay)")
 
 
 def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: tuple[str, tuple[str, ...]],
@@ -69,6 +70,7 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
             ("FlashInferMetadataBuilder._compute_flashinfer_kv_metadata", wrap_plan,
              ("num_blocks_np", "num_reqs", "page_size"))],
         "vllm.model_executor.layers.attention.mla_attention": [("MLACommonMetadataBuilder.build", wrap_mla, _BUILD)],
+        "vllm.v1.attention.backends.flash_attn": [("FlashAttentionMetadataBuilder.build", wrap_flash_attn, _BUILD)],
     }
     if ubatch_prepare is not None:
         h[f"{W}.ubatch_utils"] = [("UBatchRunner.prepare", wrap_ubatch_prepare,
@@ -89,7 +91,8 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
 _DRAFT = ("_build_attn_metadata", ("num_reqs", "batch_desc"))
 _NO_UBATCH = "ubatch: this release has no model-runner-V2 micro-batching (vllm/v1/worker/gpu/ubatch_utils.py)"
 _BUILDERS_029 = ("kv_pages (FlashInfer's native plans, counted before DCP localises the lengths: replay's pages; "
-                 "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode); no dcp_query_start_loc: this release's "
+                 "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode), attn_addrs (FlashAttention's "
+                 "dcp_context_kv_lens and seq_lens, at capture and replay); no dcp_query_start_loc: this release's "
                  "FlashInfer decode metadata has none")
 _ALL_SHARDED = ("slot mappings per KV-cache group, each group's sharding from its spec's kind; this release's "
                 "slot-mapping kernel has no dcp_sharded flag and localises every group (replay: slots on a "

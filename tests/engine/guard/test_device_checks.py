@@ -3,6 +3,7 @@ GPU): slots sized from the first observation and grown for a larger one, the fla
 a larger observation once a graph holds the ring, a captured observation before the ring exists."""
 
 import contextlib
+import warnings
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import torch
 from conftest import hostring
 
 from dcptool.dcp.reference import local_np
-from dcptool.dump import read_dump
+from dcptool.dump import addr_words, read_dump
 from dcptool.engine.guard.guard import Guard
 
 pytestmark = pytest.mark.kernel
@@ -140,6 +141,78 @@ def test_every_replay_of_a_captured_launch_gets_its_own_index_and_slot(tmp_path)
         path = g.close()
     d = read_dump(path)
     assert d.n == 7 and d["obs.step"].tolist() == [0] + [1] * 6 and g.count == 8 and g.wrong == 2
+
+
+def _words(*ptrs) -> np.ndarray:
+    return addr_words(list(ptrs))
+
+
+@pytest.mark.parametrize("moved_at", [None, 0, 3])
+def test_an_address_that_moved_is_caught_at_the_replay_that_reads_it(tmp_path, moved_at):
+    """A graph captures a build's metadata tensors at their addresses (the capture's launch is kept, with its host
+    values); each later step builds eagerly, then replays the graph: the step whose build hands attention another
+    address than the graph captured is flagged (graph-addr) at its own observation, as replay flags it, and
+    nothing before it; a run whose addresses never move stays silent. (The capture stands in on the CPU.)"""
+    g = Guard(tmp_path / "g", 2, 1, keep=8, kernel=True, attn_tensors=["dcp_context_kv_lens", "seq_lens"])
+    o = _obs(0, 6)
+    g.observe(**o)  # eager: the ring
+    cap = g._dev.kernel = _Capture(g._dev.kernel)
+    g._dev.go = g._dev.dispatch
+    g._dev.capturing, cap.on = (lambda: True), True
+    captured = _words(0x7F0000001000, 0x7F0000002000)
+    assert g.observe(**dict(o, step=1, graph=2, attn_addrs=captured)) == 1  # the graph's capture
+    g._dev.capturing, cap.on = (lambda: False), False
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(2, 8):
+            built = (captured if moved_at is None or step - 2 < moved_at else
+                     _words(0x7F0000009000 + step, 0x7F0000002000))
+            g.observe(**dict(o, step=step, graph=3, attn_addrs=built, graph_addrs=captured))  # the step's build
+            cap.replay()  # the graph reads what it captured
+            _settle()
+            assert g._dev.wrong_seen() == (moved_at is not None and step - 2 >= moved_at)
+        path = g.close()
+    if moved_at is None:
+        assert path is None and g.wrong == 0 and not said
+        return
+    assert len(said) == 1 and f"(graph-addr) at step {2 + moved_at}" in str(said[0].message)
+    d = read_dump(path)
+    last = d.n - 1
+    assert d["obs.step"][last] == 2 + moved_at and d["obs.graph"][last] == 3
+    from dcptool.check.replay import replay
+
+    got = [f for f in replay(d, "torch").findings if f.rule == "graph-addr"]
+    assert [f.obs for f in got] == [last] and "dcp_context_kv_lens" in got[0].message
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to verify on the H200)")
+def test_a_moved_address_in_a_real_cuda_graph_is_caught_at_its_replay(tmp_path):
+    """vLLM's FULL graphs: a builder that allocates its per-request tensor anew at each build (the pre-fix
+    FlashAttention) hands the step's build another address than the graph captured; the Guard flags the first such
+    step, eagerly, before its replay, and the captured launch's replays stay checked in their own slots."""
+    g = Guard(tmp_path / "g", 2, 1, keep=16, attn_tensors=["dcp_context_kv_lens"])
+    o = _obs(0, 6)
+    g.observe(**o)
+    torch.cuda.synchronize()
+    held = [torch.zeros(6, dtype=torch.int32, device="cuda")]
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        g.observe(**dict(o, step=1, graph=2, attn_addrs=_words(held[0].data_ptr())))
+    captured = _words(held[0].data_ptr())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(2, 6):
+            if step == 4:
+                held.append(torch.zeros(6, dtype=torch.int32, device="cuda"))  # (the old one alive: a new address)
+            g.observe(**dict(o, step=step, graph=3, attn_addrs=_words(held[-1].data_ptr()), graph_addrs=captured))
+            cg.replay()
+            torch.cuda.synchronize()
+            assert g._dev.wrong_seen() == (step >= 4)
+        path = g.close()
+    assert len(said) == 1 and "(graph-addr) at step 4" in str(said[0].message)
+    d = read_dump(path)
+    assert d["obs.step"][d.n - 1] == 4
 
 
 @pytest.mark.cuda

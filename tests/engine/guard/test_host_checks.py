@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from dcptool.dcp.reference import local_np
+from dcptool.dump import Record
 from dcptool.engine.guard.host_checks import Spec, first_wrong
 
 SPEC = Spec(dcp_size=2, cp_interleave=1, page_size=4, sharded=(True, False))
@@ -18,7 +19,9 @@ def _case(rank=1, nr=3, nrp=4):
 
 
 def _check(seq, dcp, qsl=None, kv=None, dqsl=None, tot=None, slots=NONE, nr=3, nrp=4, spec=SPEC, rank=1):
-    return first_wrong(spec, rank, nr, nrp, seq, dcp, qsl, kv, dqsl, tot, slots)
+    r = Record(step=0, site="s", rank=rank, num_reqs=nr, num_reqs_padded=nrp, seq_lens=seq, dcp_local_seq_lens=dcp,
+               query_start_loc=qsl, kv_pages=kv, dcp_query_start_loc=dqsl, dcp_tot_seq_lens=tot)
+    return first_wrong(spec, r, slots)
 
 
 def test_a_right_observation_passes():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcptool.dump import Record, read_dump
+from dcptool.dump import ROW_FIELDS, Record, read_dump
 from dcptool.engine.arguments import scalars
 from dcptool.engine.recorder.host import of_rank
 from dcptool.engine.recorder.record import Recorder
@@ -24,7 +24,7 @@ def test_rows_are_private_int32_copies_in_row_field_order(tmp_path, n):
     src = _record(rng, n, kv_pages=torch.arange(n), dcp_query_start_loc=np.arange(n + 1),
                   dcp_tot_seq_lens=list(range(n)) or np.zeros(0, int))
     row = rec._host.row(src, scalars(src), None)
-    assert [a.dtype for a in row[:6]] == [np.int32] * 6 and row[6:] == (None, None, None)
+    assert [a.dtype for a in row[:6]] == [np.int32] * 6 and row[6:] == (None,) * (len(ROW_FIELDS) - 6)
     for got, want in zip(row, (src.seq_lens, src.dcp_local_seq_lens, src.query_start_loc, np.arange(n),
                                np.arange(n + 1), np.arange(n))):
         assert np.array_equal(got, want)

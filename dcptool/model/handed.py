@@ -1,0 +1,71 @@
+"""What else simulate's builds hand attention, recorded where a fault on it is injected: the per-request metadata
+tensors (their addresses at the build and at the capture of the graph a replay runs), with the faults on them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dcptool.dump.schema import GraphMode, addr_words
+from dcptool.model.config import SimConfig
+
+# The per-request metadata tensors simulate's attention builds hand attention (FlashAttention's DCP path): the
+# builder's local context lengths and the batch's seq_lens (dcptool.config's attn_tensors)
+TENSORS = ("dcp_context_kv_lens", "seq_lens")
+_TENSOR_FAULTS = frozenset({"graph-addr-moved"})
+_DRAFT_MODELS = ("draft", "dflash")  # the roles whose builds run a drafter's builder (its own persistent buffer)
+
+
+def tensor_faults(faults) -> bool:
+    """The faults on the metadata tensors are among `faults`: simulate records them (and names them in the config)."""
+    return bool(_TENSOR_FAULTS & set(faults))
+
+
+class Handed:
+    """The metadata tensors of every build of one configuration (`faults`: those that apply), per process."""
+
+    def __init__(self, cfg: SimConfig, faults: frozenset[str]):
+        self.cfg, self.F = cfg, faults
+        self.on = tensor_faults(faults)  # (otherwise nothing is recorded: dumps as before)
+        self._fresh = 0
+        self._captured: dict[tuple, np.ndarray] = {}  # (process, model, tokens, requests, micro-batch) -> words
+
+    def _builder_buf(self, proc: int, model: int) -> int:
+        """The builder's persistent dcp_context_kv_lens buffer (one per model a process runs)."""
+        return (0x7D << 40) | (proc << 24) | (model << 12)
+
+    def _batch_buf(self, proc: int, slot: int) -> int:
+        """The seq_lens buffer of the batch a build reads (the input buffers its view lives beside)."""
+        return (0x7C << 40) | (proc << 24) | (slot << 12)
+
+    def addrs(self, procs: range, role: str, slot: int, graph: GraphMode, key: tuple,
+              marks: list) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(attn_addrs [ranks, words], graph_addrs [ranks, words] or None) of one build on processes `procs`, or
+        (None, None) where none are recorded. `key`: the graph the build captures or replays (tokens, requests,
+        micro-batch). graph-addr-moved: the builder returns a tensor allocated at this build, so a full-graph
+        replay's build hands attention another address than the graph captured (marks the ranks it touched)."""
+        if not self.on or role == "global":
+            return None, None
+        model = 1 + _DRAFT_MODELS.index(role) if role in _DRAFT_MODELS else 0
+        addrs = np.empty((len(procs), 2), np.int64)
+        for r, proc in enumerate(procs):
+            if "graph-addr-moved" in self.F:
+                self._fresh += 1
+                ctx = (0x7B << 40) | (proc << 28) | (self._fresh << 4)
+            else:
+                ctx = self._builder_buf(proc, model)
+            addrs[r] = (ctx, self._batch_buf(proc, slot))
+        words = addr_words(addrs).reshape(len(procs), -1)
+        if not graph.full:
+            return words, None
+        keys = [(proc, model, *key) for proc in procs]
+        if graph == GraphMode.FULL_CAPTURE:
+            for k, w in zip(keys, words):
+                self._captured[k] = w
+            return words, None
+        captured = [self._captured.get(k) for k in keys]
+        if any(c is None for c in captured):
+            return words, None  # (a replay of no capture recorded here: alias's domain, not checked)
+        gw = np.stack(captured)
+        if "graph-addr-moved" in self.F:
+            marks.append(("graph-addr-moved", (gw != words).any(axis=1)))
+        return words, gw

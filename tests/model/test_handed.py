@@ -1,0 +1,71 @@
+"""handed.py: what else simulate's builds hand attention (the metadata tensors' addresses), the faults on it found
+exactly where they touched across the issue's matrix (PCP 2, micro-batches, MTP, DFlash, per-rank files), and
+nothing recorded where no such fault is injected."""
+
+import numpy as np
+import pytest
+from simulate_cases import MATRIX, config_of, run, verify
+
+from dcptool.dump import word_addrs
+from dcptool.dump.schema import GraphMode
+from dcptool.model.config import SimConfig
+from dcptool.model.handed import TENSORS, Handed
+
+FULL_ROWS = [r for r in MATRIX if r[5] == "full" and r[0] > 1]
+
+
+def test_without_a_fault_on_them_nothing_is_recorded(tmp_path):
+    res, d, rr = run(config_of(MATRIX[2], 3), tmp_path)
+    assert not d.has("obs.addrs") and not d.has("obs.gaddrs") and d.config.attn_tensors is None
+
+
+def test_the_buffers_stay_put_without_the_fault():
+    """Persistent buffers: a replay's build hands the addresses its graph's capture did (per process, per model)."""
+    h = Handed(SimConfig(dcp=2), frozenset({"graph-addr-moved"}) - {"graph-addr-moved"})
+    h.on = True
+    marks: list = []
+    cap, _ = h.addrs(range(2), "capture", 1, GraphMode.FULL_CAPTURE, (8, 8, -1), marks)
+    rep, g = h.addrs(range(2), "final", 1, GraphMode.FULL_REPLAY, (8, 8, -1), marks)
+    assert np.array_equal(cap, rep) and np.array_equal(g, cap) and marks == []
+    eager, g = h.addrs(range(2), "final", 1, GraphMode.EAGER, (5, 5, -1), marks)
+    assert g is None and np.array_equal(eager, cap)
+    draft, _ = h.addrs(range(2), "draft", 3, GraphMode.EAGER, (5, 5, -1), marks)
+    assert not np.array_equal(word_addrs(draft[0])[0], word_addrs(cap[0])[0])  # (the drafter's own builder)
+
+
+def test_the_fault_moves_the_tensor_at_every_build_and_touches_the_replays():
+    h = Handed(SimConfig(dcp=4), frozenset({"graph-addr-moved"}))
+    marks: list = []
+    cap, _ = h.addrs(range(4), "capture", 1, GraphMode.FULL_CAPTURE, (8, 8, -1), marks)
+    rep, g = h.addrs(range(4), "final", 1, GraphMode.FULL_REPLAY, (8, 8, -1), marks)
+    assert np.array_equal(g, cap) and marks[0][0] == "graph-addr-moved" and marks[0][1].all()
+    a, b = word_addrs(rep[0]), word_addrs(cap[0])
+    assert a[0] != b[0] and a[1] == b[1]  # dcp_context_kv_lens moved; seq_lens is the runner's buffer
+    assert len(TENSORS) == a.size
+
+
+@pytest.mark.parametrize("row", FULL_ROWS, ids=[f"N{r[0]}-I{r[1]}-P{r[2]}-K{r[3]}-U{r[4]}-{r[6]}" for r in FULL_ROWS])
+def test_graph_addr_moved_is_found_exactly_where_it_touched(row, tmp_path):
+    cfg = config_of(row, 7, inject=("graph-addr-moved",), steps=10)
+    res, d, rr = run(cfg, tmp_path)
+    rep = res.faults["graph-addr-moved"]
+    assert rep.applicable and rep.count > 0
+    verify(res, d, rr)
+    assert set(rr.by_rule()) == {"graph-addr"} and d.config.attn_tensors == TENSORS
+    replays = np.flatnonzero((d["obs.graph"] == 3) & (np.diff(d["obs.gaddrs"]) > 0))
+    assert sorted(rep.touched[res.files[0]]) == replays.tolist()
+
+
+def test_per_rank_files_like_one_file(tmp_path):
+    row = (4, 1, 2, 2, 2, "full", "mtp")
+    one = run(config_of(row, 3, inject=("graph-addr-moved",)), tmp_path, "one.safetensors")
+    from dcptool.check.replay import replay
+    from dcptool.dump import open_dumps
+    from dcptool.model.simulate import simulate
+
+    res = simulate(config_of(row, 3, inject=("graph-addr-moved",)), tmp_path / "pr.safetensors", per_rank=True)
+    d = open_dumps(res.files)
+    rr = replay(d, "torch")
+    verify(res, d, rr)
+    assert rr.by_rule() == one[2].by_rule() and res.faults["graph-addr-moved"].count == one[0].faults[
+        "graph-addr-moved"].count
