@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -185,7 +186,19 @@ FULL_HELP = ("The whole report on a terminal too: every finding (up to --max-fin
              "problem last; a pipe or a file always gets the whole report.")
 
 
-@app.command()
+class _RuleHelp(TyperCommand):
+    """replay: its help ends with the rule table (dcptool.dcp.rules: name, severity, what it catches), read when
+    the help is shown."""
+
+    def format_epilog(self, ctx, formatter) -> None:
+        from dcptool.dcp import rules
+
+        with formatter.section("Rules (docs/replay.md#the-rules)"):
+            formatter.write_dl([(r.name, f"{r.severity}: {r.what}") for r in rules.TABLE])
+        super().format_epilog(ctx, formatter)
+
+
+@app.command(cls=_RuleHelp, short_help="Check every observation's DCP metadata; report what is wrong.")
 def replay(
     dumps: Annotated[list[str], typer.Argument(metavar="DUMP", help=DUMPS_HELP)],
     full: Annotated[bool, typer.Option("--full", help=FULL_HELP)] = False,
@@ -250,7 +263,7 @@ def replay(
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(short_help="Compare two runs, observation by observation.")
 def diff(
     a: Annotated[str, typer.Argument(metavar="A", help="The first run: dump files, a directory, a quoted glob, or a "
                                                         "comma-separated list of these.")],
@@ -299,7 +312,7 @@ def diff(
     raise typer.Exit(0 if res.same else 1)
 
 
-@app.command()
+@app.command(short_help="Summarise a dump: config, steps, sites, ranks, sizes.")
 def inspect(
     dump: Annotated[list[str], typer.Argument(metavar="DUMP", help=DUMPS_HELP)],
     json_out: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
@@ -337,7 +350,7 @@ def _int(flag: str, lo: int, help: str):
     return typer.Option(flag, parser=integer(lo), metavar="N", help=help)
 
 
-@app.command(cls=_FaultHelp)
+@app.command(cls=_FaultHelp, short_help="Model vLLM's runner: what each fault looks like, or test dumps.")
 def simulate(
     dcp: Annotated[int, _int("--dcp", 1, "DCP world size N (ranks recorded).")] = 2,
     interleave: Annotated[int, _int("--interleave", 1, "cp_kv_cache_interleave_size I.")] = 1,
@@ -421,7 +434,29 @@ def simulate(
 # Diagnosis: a minimal reproducer, and a regression test made from it
 
 
-@app.command()
+def _replayed_into(dump: list[str], output: Path, force: bool, merge: bool):
+    """reduce's and export-test's start: -o checked before any work, the dumps read and replayed (torch): (the
+    files, the dump, the replay)."""
+    from dcptool.check.replay import replay as run_replay
+
+    files = _inputs(dump)
+    output_target("-o", output, files, force)
+    d = _open(files, merge)
+    return files, d, run_replay(d, "torch")
+
+
+@contextmanager
+def _output_error():
+    """What writing -o met (it appeared since, the disk is full): `dcptool COMMAND: -o: what`."""
+    from dcptool.dump import DumpError
+
+    try:
+        yield
+    except DumpError as e:
+        raise UsageError("-o", str(e)) from None
+
+
+@app.command(short_help="Shrink a recording to the few observations of one problem.")
 def reduce(
     dump: Annotated[list[str], typer.Argument(metavar="DUMP", help=DUMPS_HELP)],
     finding: Annotated[str, typer.Option("--finding", help="The problem to keep: RULE, RULE/RELATION (stale) or "
@@ -437,35 +472,32 @@ def reduce(
     merge: Annotated[bool, typer.Option("--merge", help=MERGE_HELP)] = False,
 ) -> None:
     """Shrink a recording to the fewest steps, observations and rows that still show one problem."""
-    from dcptool.check.replay import replay as run_replay
     from dcptool.diagnose.reduce import find_target, reduce_dump, reduced_config
-    from dcptool.dump import DumpError, write_dump
+    from dcptool.dump import write_dump
     from dcptool.report import text as report
     from dcptool.report.progress import Progress
 
-    files = _inputs(dump)
-    output_target("-o", output, files, force)
-    d = _open(files, merge)
-    res = run_replay(d, "torch")
+    files, d, res = _replayed_into(dump, output, force, merge)
     target = find_target(str(files[0]), res.findings, finding, d)
     with Progress(max(1, int(max_seconds)), "reduce", not json_out and sys.stderr.isatty(), unit="s") as bar:
         red = reduce_dump(d, target, {f.rule for f in res.findings}, max_seconds=max_seconds, progress=bar,
                           name=str(output))
     cols = red.dump.columns
     injected = red.dump.injected[0] if red.dump.injected else None
-    try:
+    with _output_error():
         write_dump(output, reduced_config(d, ", ".join(d.files), target), cols, injected, force=force,
                    inputs=d.files)
-    except DumpError as e:
-        raise UsageError("-o", str(e)) from None
     say(f"wrote {output}")
     if json_out:
         sys.stdout.write(json.dumps({**red.to_json(), "output": str(output)}) + "\n")
     else:
-        report.render_reduction(red, str(output), _console())
+        from dcptool.report import screen
+
+        console = _console()
+        (screen.render_reduction if console.is_terminal else report.render_reduction)(red, str(output), console)
 
 
-@app.command("export-test")
+@app.command("export-test", short_help="Write a pytest file from a recording's wrong observations.")
 def export_test(
     dump: Annotated[list[str], typer.Argument(metavar="DUMP", help="A (reduced) recording with findings: " +
                                               DUMPS_HELP[0].lower() + DUMPS_HELP[1:])],
@@ -476,23 +508,17 @@ def export_test(
     merge: Annotated[bool, typer.Option("--merge", help=MERGE_HELP)] = False,
 ) -> None:
     """Write a pytest regression test embedding the recording's wrong observations as literal arrays."""
-    from dcptool.check.replay import replay as run_replay
     from dcptool.diagnose.export import ExportError
     from dcptool.diagnose.export import export_test as build
-    from dcptool.dump import DumpError, atomic_write
+    from dcptool.dump import atomic_write
 
-    files = _inputs(dump)
-    output_target("-o", output, files, force)
-    d = _open(files, merge)
-    res = run_replay(d, "torch")
+    files, d, res = _replayed_into(dump, output, force, merge)
     try:
         text, cases = build(d, res.findings, max_cases=max_cases)
     except ExportError as e:
         raise InputError(f"{files[0]}: {e}") from None
-    try:
+    with _output_error():
         atomic_write(output, [text.encode("utf-8")], force=force, inputs=d.files)
-    except DumpError as e:
-        raise UsageError("-o", str(e)) from None
     say(f"wrote {output}: {cases} case{'s' if cases != 1 else ''} (run it with pytest)")
 
 

@@ -65,7 +65,7 @@ def output_target(option: str, path: Path, inputs: Sequence[str | os.PathLike], 
     """Refuse (UsageError, before any work) to write `path` where that would clobber a file without --force,
     overwrite one of the `inputs` (never, even with --force), replace anything but a regular file (a device, a
     FIFO, /proc/self/fd/N, a directory: dump.write_target) or write into a directory that does not exist."""
-    from dcptool.dump import WriteError, write_target
+    from dcptool.dump import WriteError, exists_error, write_target
 
     try:
         write_target(path)
@@ -80,7 +80,7 @@ def output_target(option: str, path: Path, inputs: Sequence[str | os.PathLike], 
             if same:
                 raise UsageError(option, f"{path}: is one of the dumps read; dcptool never modifies its input")
         if not force:
-            raise UsageError(option, f"{path}: exists (use --force to overwrite)")
+            raise UsageError(option, str(exists_error(path)))
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(option, f"{path}: directory {parent} does not exist")

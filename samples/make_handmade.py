@@ -1,4 +1,4 @@
-"""Writes samples/handmade.safetensors through dcptool's dump API: the worked example of DESIGN §1.
+"""Writes samples/handmade.safetensors through dcptool's dump API: the worked example of docs/dcp.md.
 
     python samples/make_handmade.py
 
@@ -55,7 +55,7 @@ def main() -> None:
                                            query_start_loc=ub.query_start_loc))
     out = Path(__file__).with_name("handmade.safetensors")
     write_observations(out, obs, DumpConfig(dcp_size=N, cp_interleave=I, engine="handmade",
-                                            note="DESIGN §1 worked example"))
+                                            note="docs/dcp.md worked example"))
     print(f"wrote {out} ({len(obs)} observations)")
 
 

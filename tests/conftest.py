@@ -56,7 +56,7 @@ def rules(res):
 
 
 def worked_example(copy_parent_rows: bool, rank: int = 0):
-    """DESIGN §1: query lens [1,1,10,1,1], seq_lens [64,96,512,32,48], K=2, N=2, I=1."""
+    """docs/dcp.md#micro-batches-dbo: query lens [1,1,10,1,1], seq_lens [64,96,512,32,48], K=2, N=2, I=1."""
     from dcptool.dcp.slicing import split_batch
 
     q = np.array([0, 1, 2, 12, 13, 14], np.int32)
@@ -76,7 +76,7 @@ def worked_example(copy_parent_rows: bool, rank: int = 0):
 def random_columns(rng, n, N, I, page=16, one_rank=False, kv=True) -> dict[str, np.ndarray]:
     """The one random-dump builder of the tests: n observations of awkward sizes (0, 1, 127, 128, 129, 300,
     1031 rows), mostly-right views with short/long/missing ones and a few wrong values (real and padded
-    rows), page counts with a few wrong or unknown; the columns of DESIGN §2."""
+    rows), page counts with a few wrong or unknown; the columns of docs/format.md."""
     lens = rng.choice([0, 1, 127, 128, 129, 300, 1031], size=n).astype(np.int64)
     nreq = np.array([rng.integers(0, x + 1) for x in lens])
     rank = np.zeros(n, np.int32) if one_rank else rng.integers(0, N, n).astype(np.int32)

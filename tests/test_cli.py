@@ -751,6 +751,14 @@ def test_a_usage_error_in_a_real_process_is_one_line():
         assert r.stderr.startswith(f"dcptool {cmd}: {line}"), r.stderr
 
 
+def test_the_command_list_is_not_cut_on_80_columns():
+    """`dcptool` alone lists every command with its whole one-line summary on an 80-column terminal."""
+    page = cli("--help", env={"COLUMNS": "80"}).stdout
+    listed = page[page.index("Commands:"):].splitlines()[1:]
+    assert [x.split()[0] for x in listed if x.strip()] == list(COMMANDS)
+    assert all(len(x) <= 80 and not x.endswith("...") for x in listed), listed
+
+
 @pytest.mark.parametrize("cmd", ("",) + COMMANDS)
 def test_h_is_help_everywhere(cmd):
     short, long = (cli(*[c for c in (cmd, flag) if c]) for flag in ("-h", "--help"))
@@ -777,6 +785,33 @@ def test_simulate_help_lists_exactly_the_fault_table():
 
     listed = re.findall(r"([a-z][a-z-]+) \[([^\]]+)\]", _inject_help())
     assert [f for f, _ in listed] == list(FAULTS) and dict(listed) == FAULT_WHERE
+
+
+def _rules_help() -> list[tuple[str, str]]:
+    """replay --help's rule section as (name, its text with the wrapping undone)."""
+    page = cli("replay", "--help", env={"COLUMNS": "100"}).stdout
+    section = page[page.index("Rules (docs/replay.md#the-rules):"):].splitlines()[1:]
+    rows: list[list[str]] = []
+    for line in section:
+        m = re.match(r"  (\S+)\s+(.*)", line)
+        if m and not line.startswith("    "):
+            rows.append([m[1], m[2]])
+        else:
+            rows[-1][1] += ("" if rows[-1][1].endswith("-") else " ") + line.strip()
+    return [(name, text) for name, text in rows]
+
+
+def test_replay_help_lists_the_rule_table(monkeypatch):
+    """Every rule of the table, in its order, with its severity and what it catches; a rule added to the table is
+    listed, one removed is not."""
+    from dcptool.dcp import rules
+
+    assert _rules_help() == [(r.name, f"{r.severity}: {r.what}") for r in rules.TABLE]
+    new = rules.Rule("made-up", "warning", "Q", "values.check_made_up", "a rule only this test has")
+    monkeypatch.setattr(rules, "TABLE", rules.TABLE[1:] + (new,))
+    listed = _rules_help()
+    assert [n for n, _ in listed] == [r.name for r in rules.TABLE] and listed[-1] == ("made-up", "warning: a rule "
+                                                                                      "only this test has")
 
 
 def test_docs_faults_lists_exactly_the_fault_table():

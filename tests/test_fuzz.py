@@ -510,7 +510,7 @@ def read(path: Path) -> Verdict:
 
 
 def expected_findings(d) -> dict[tuple[int, str], dict]:
-    """An independent account of DESIGN §3's per-observation rules, in plain Python from the columns:
+    """An independent account of docs/replay.md's per-observation rules, in plain Python from the columns:
     missing / one value rule (first wrong real row) / padding / shape / stray."""
     c = d.config
     want: dict[tuple[int, str], dict] = {}

@@ -95,7 +95,7 @@ _MASK = ("has_row", "has_recorded", "has_expected")
 
 
 class FindingTable(Sequence):
-    """Findings in observation order (then DESIGN §3's table order), as columns.
+    """Findings in observation order (then the rule table's order), as columns.
 
     A Sequence of Finding: `t[k]`, iteration and slices (`t[:100]`, a table again) work as on a list, and a
     table equals a list of the same findings; a Finding and its message are made only when one is read (and
@@ -141,7 +141,7 @@ class FindingTable(Sequence):
 
     @classmethod
     def concat(cls, d: Dump | None, parts: list[FindingTable]) -> FindingTable:
-        """One table of several, sorted by (observation, DESIGN §3 table order), stably (ties keep part order)."""
+        """One table of several, sorted by (observation, the rule table's order), stably (ties keep part order)."""
         if not parts:
             return cls.empty(d)
         parts = [p._compact() for p in parts]

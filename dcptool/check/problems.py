@@ -105,7 +105,7 @@ class KnownBug:
 
 
 def known_bugs() -> tuple[KnownBug, ...]:
-    """The package's known-bug signatures (dcptool/known_bugs.json)."""
+    """The package's known-bug signatures (dcptool/check/known_bugs.json)."""
     raw = json.loads(resources.files("dcptool.check").joinpath("known_bugs.json").read_text("utf-8"))
     out = []
     for b in raw["bugs"]:

@@ -1,4 +1,5 @@
-"""Provenance: which observation (or rank, or interleave) a wrong DCP view really belongs to (DESIGN §3)."""
+"""Provenance: which observation (or rank, or interleave) a wrong DCP view really belongs to (docs/replay.md#the-rules:
+"Where a wrong value came from")."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class Source:
 
 
 # Row hashing for provenance joins. A view's hash is the sum over its rows j of mix(value, j), with
-# mix(0, j) = 0: zeros add nothing, so a view and its zero-extension hash alike (DESIGN §3 compares
+# mix(0, j) = 0: zeros add nothing, so a view and its zero-extension hash alike (replay compares
 # views with zeros past num_reqs), and a prefix hash is a cumulative sum. Two independent 64-bit
 # sums make an accidental (or crafted) collision practically impossible; every hit is confirmed
 # exactly anyway, and a failed confirmation falls back to the exact scan of that one finding.
@@ -176,11 +177,11 @@ def _parent_rows(d: Dump, q: np.ndarray, m: np.ndarray, p: np.ndarray, rs: np.nd
 
 
 class _Search:
-    """The bulk search behind Provenance: DESIGN §3's rules 1-6 for every wrong view at once (`prepare`). The
-    two searches over other observations (earlier in the step, earlier steps) narrow candidates by a join on
-    their leading expected rows, then match them by a join on row hashes (see segments.mix) and `latest_before`
-    picks the most recent; a hit is confirmed exactly. Nothing is quadratic in observations per step or rank.
-    The answers wait in `_bulk` (and per observation in the dicts) for Provenance's explain paths."""
+    """The bulk search behind Provenance: docs/replay.md's explanations 1-6 for every wrong view at once (`prepare`).
+    The two searches over other observations (earlier in the step, earlier steps) narrow candidates by a join on
+    their leading expected rows, then match them by a join on row hashes (see segments.mix) and `latest_before` picks
+    the most recent; a hit is confirmed exactly. Nothing is quadratic in observations per step or rank. The answers
+    wait in `_bulk` (and per observation in the dicts) for Provenance's explain paths."""
 
     def __init__(self, d: Dump):
         self.d = d
@@ -258,7 +259,7 @@ class _Search:
             return (wrong[keep], m[keep], (np.cumsum(keep) - 1)[seg[rows]], j[rows], rec[rows], [h[keep] for h in qh],
                     r0[keep], r1[keep])
 
-        # DESIGN §3's precedence, each search only for the views no earlier rule explains: most wrong views of
+        # docs/replay.md's precedence, each search only for the views no earlier rule explains: most wrong views of
         # a pre-fix recording are stale copies of their parent or of an earlier batch of the step
         todo = ~self._parent_hits(wrong, m)  # 1. (exact, no search)
         q, mq, sq, jq, rq, hq, r0q, _ = sub(todo)  # 2. earlier in the step
@@ -425,7 +426,7 @@ class _Search:
 
 
 class Provenance(_Search):
-    """Finds where a wrong view came from, in DESIGN §3's precedence; built lazily, so clean dumps pay nothing.
+    """Finds where a wrong view came from, in docs/replay.md's precedence; built lazily, so clean dumps pay nothing.
     `prepare` (the bulk search) with every wrong observation first; `explain_many` then reads its answers for
     many views at once, `explain` for one (searching for that one alone if it was not prepared)."""
 

@@ -128,7 +128,7 @@ class ReplayResult:
 
 def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int | None = None,
            views: int = 0, bounded: bool = False, progress=None, engine_version: str | None = None) -> ReplayResult:
-    """Check every observation of a dump; findings in observation order, then DESIGN §3 table order.
+    """Check every observation of a dump; findings in observation order, then the rule table's order.
 
     The checks are those of the rule table (dcp.rules) that apply to the dump (check.plan). `views` > 0 adds
     row views of the first `views` observations with findings and of the sources of their stale findings (the

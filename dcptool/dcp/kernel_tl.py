@@ -1,4 +1,4 @@
-"""Triton: `local_of`, the formula (DESIGN §1) every kernel uses, and vLLM's per-batch kernel. Imported only through
+"""Triton: `local_of`, the formula (docs/dcp.md) every kernel uses, and vLLM's per-batch kernel. Imported only through
 dcp.backend.load (TRITON_INTERPRET must be set before triton is imported)."""
 
 import triton
@@ -7,7 +7,7 @@ import triton.language as tl
 
 @triton.jit
 def local_of(seq, rank, span, cp_interleave):
-    # reference.local_of in Triton (the one body of DESIGN §1; tests hold the two equal)
+    # reference.local_of in Triton (the one body of the formula; tests hold the two equal)
     rounds = seq // span
     rem = seq - rounds * span
     rem = tl.minimum(tl.maximum(rem - rank * cp_interleave, 0), cp_interleave)

@@ -1,4 +1,4 @@
-"""The executable spec of DESIGN §1: DCP-local sequence lengths, the one body of the formula.
+"""The executable spec of docs/dcp.md: DCP-local sequence lengths, the one body of the formula.
 
 local(L, r) = rounds*I + min(max(rem - r*I, 0), I), rounds = L // (N*I), rem = L % (N*I).
 `local_of` is that body, written once against operators numpy arrays and torch tensors share; the

@@ -1,4 +1,5 @@
-"""DESIGN §3's rule table: every rule replay, the Guard, the GPU scan, the reports and `--help` know of, one row each.
+"""The rule table (docs/replay.md#the-rules): every rule replay, the Guard, the GPU scan, the reports and `--help`
+know of, one row each.
 
 A row names the rule's severity, its timeline code, the function that finds it ("module.function" of
 dcptool.check: replay imports it by that name, so this table imports nothing of the checks and the engine side may
@@ -47,14 +48,14 @@ class Rule(NamedTuple):
     #            missing/mismatch, padding/pages); the legend under the timeline spells them out
     check: str  # the function that finds it: "module.function", the module of dcptool.check
     what: str  # what it catches (README's rule table, --help)
-    needs: tuple[str, ...] = ()  # columns it needs beyond the required ones (DESIGN §2)
+    needs: tuple[str, ...] = ()  # columns it needs beyond the required ones (docs/format.md)
     unrecorded: str = ""  # why replay skips it when one of `needs` is not recorded
     inputs: tuple[str, ...] = ()  # what its check takes after the dump (VERSION ... DIFFER)
     dcp: str = ANY  # ANY, SHARDED, VIEW or UNSHARDED
     scope: str = OBSERVATION  # OBSERVATION, RUN or RANKS
     device: bool = False  # the Guard decides it per observation as it is made (errors only): its check kernel on
     #                       the device, or (the rules of host values: addresses, block sizes, capacities) its host
-    faults: tuple[str, ...] = ()  # simulate's faults (DESIGN §4) that must produce it
+    faults: tuple[str, ...] = ()  # simulate's faults (docs/faults.md) that must produce it
     parts: tuple[Part, ...] = ()
     # replay names it among the skipped checks when its columns are not recorded; False for the rules of what only
     # some engines or paths record (the metadata tensors' addresses ...): a dump without them lacks nothing, and its
@@ -66,8 +67,8 @@ _UBATCH = ("obs.parent", "obs.req_start", "obs.tok_start", "obs.tok_stop", "obs.
 _SLOTS = ("obs.slots", "rows.positions", "rows.slot_mapping", "rows.slot_group")
 _VALUES = dict(check="values.check_values", inputs=(PROVENANCE, SCAN), dcp=VIEW, device=True)
 
-# DESIGN §3, in table order: findings of one observation are reported in this order. A wrong S is reported first
-# as what it holds (stale ... padding), empty-mask then says what the LSE merge does with it; tot-lens is a
+# The table's order is the order findings of one observation are reported in. A wrong S is reported first as what
+# it holds (stale ... padding), empty-mask then says what the LSE merge does with it; tot-lens is a
 # per-observation companion check beside pages; rank-agree, a group rule like rank-sum, comes after them; the
 # slot rules (which rank writes each KV slot) last.
 TABLE = (
@@ -85,7 +86,7 @@ TABLE = (
          device=True, faults=("sentinel",)),
     Rule("shape", "error", "L", "values.check_shape", "a view whose length is not num_reqs_padded", dcp=VIEW,
          device=True, faults=("pcp-unpadded",)),
-    Rule("stray", "warning", "Y", "values.check_stray", "a view present with dcp_size 1 (warning)", dcp=UNSHARDED),
+    Rule("stray", "warning", "Y", "values.check_stray", "a view present with dcp_size 1", dcp=UNSHARDED),
     Rule("ubatch-slice", "error", "U", "ubatch.check_ubatch_slice", "a micro-batch that disagrees with slicing its "
          "parent", needs=_UBATCH, inputs=(VERSION,), scope=RUN,
          unrecorded="needs obs.parent, obs.req_start, obs.tok_start, obs.tok_stop and query_start_loc"),
@@ -140,6 +141,31 @@ RULE_ORDER = {r: i for i, r in enumerate(RULES)}
 # which dcp_size rules out, first; then the micro-batch columns' checks; then the rest in table order.
 SKIPPED_ORDER = ("rank-sum", "ubatch-slice", "stale/parent-rows", "alias", "alias/graph", "pages", "empty-mask",
                  "tot-lens", "rank-agree", "slots")
+
+
+class DeviceCheck(NamedTuple):
+    """One check the Guard makes as each observation is made (its kernel on the device, its numpy form on the host)."""
+
+    name: str  # what the Guard reports: the rule's name, or the shared check's for rules that share one ("values")
+    severity: str
+    rules: tuple[str, ...]  # the rules of the table it decides
+
+
+def device_checks_of(table: tuple[Rule, ...]) -> tuple[DeviceCheck, ...]:
+    """The rules marked `device`, one check per check function, in table order. Rules sharing a check are one check
+    named after its function: the five value rules (stale ... mismatch) are `values`, since telling them apart
+    takes the provenance search over the whole recording, which only replay has."""
+    by_check: dict[str, list[Rule]] = {}
+    for r in table:
+        if r.device:
+            by_check.setdefault(r.check, []).append(r)
+    return tuple(DeviceCheck(rs[0].name if len(rs) == 1 else check.rpartition(".check_")[2], rs[0].severity,
+                             tuple(r.name for r in rs)) for check, rs in by_check.items())
+
+
+# The Guard's checks: the names it reports (Guard.first_rule), their order (the first one an observation breaks is
+# the one named) and the set its kernel and its host path decide (each raises ImportError when it differs)
+DEVICE_CHECKS = device_checks_of(TABLE)
 
 
 def applies(rule: Rule, dcp_size: int) -> bool:

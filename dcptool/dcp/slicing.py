@@ -1,4 +1,4 @@
-"""Micro-batch (DBO) slicing and the PCP partition, by DESIGN §1 and vLLM model runner V2."""
+"""Micro-batch (DBO) slicing and the PCP partition, by docs/dcp.md and vLLM model runner V2."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from dcptool.dump import Dump, obs_ref
 
-# Per-pair fields in report order (DESIGN §4 names); config differences come first, with no key.
+# Per-pair fields in report order (docs/cli.md#diff names them); config differences come first, with no key.
 CONFIG_FIELDS = ("dcp_size", "cp_interleave", "pcp_size", "page_size")
 FIELDS = ("only-in-a", "only-in-b", "has_dcp", "num_reqs", "num_reqs_padded", "seq_lens", "dcp_local_seq_lens",
           "query_start_loc", "kv_pages", "dcp_query_start_loc", "dcp_tot_seq_lens", "positions", "slot_mapping",

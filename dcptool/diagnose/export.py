@@ -158,7 +158,7 @@ def export_test(d: Dump, findings: FindingTable, max_cases: int = 8) -> tuple[st
                  "that the local-length function computes the expected values (real rows: the DCP-local length "
                  "of seq_len on this rank; padded rows: 0) and that what was recorded differs from them: the bug "
                  "this recording caught. The function under test is vLLM's get_dcp_local_seq_lens when vLLM is "
-                 "importable, else dcptool's reference, else the formula below (DESIGN section 1).", width=112))
+                 "importable, else dcptool's reference, else the formula below (dcptool's docs/dcp.md).", width=112))
     head = _HEAD.format(about=about, N=c.dcp_size, I=c.cp_interleave, page=c.page_size or 0)
     body = "CASES = " + pprint.pformat(cases, width=116, sort_dicts=False) + "\n"
     pages = any("expected_pages" in case for case in cases)

@@ -1,4 +1,4 @@
-"""The dump format v1 (DESIGN §2, docs/format.md): schema, reading, merging, writing.
+"""The dump format v1 (docs/format.md): schema, reading, merging, writing.
 
 The one package both sides import: the engine writes with it, the offline checks read with it. Its public
 API is re-exported here; inside the package, modules import each other directly."""

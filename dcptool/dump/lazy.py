@@ -76,7 +76,7 @@ class MappedFiles:
 
 
 class MergedRows:
-    """One row column of several files merged in the order of DESIGN §2, never held whole: reads (a slice,
+    """One row column of several files merged in the order of docs/format.md, never held whole: reads (a slice,
     an index array, a scalar) gather the rows from the files' mappings and drop the pages they touched, so a
     set of files larger than memory is scanned like one bounded file. np.asarray() builds the whole column
     (correct, not bounded: for the rare caller that needs it all).

@@ -30,7 +30,7 @@ from dcptool.dump.stream import Reader, Streamed
 
 @dataclass
 class Dump:
-    """Observations of one or more files, merged in the order DESIGN §2 gives; columns are numpy."""
+    """Observations of one or more files, merged in the order docs/format.md gives; columns are numpy."""
 
     files: list[str]
     config: DumpConfig
@@ -164,7 +164,7 @@ class Dump:
 
 
 def read_dump(path: str | os.PathLike, bounded: bool | None = None, stream: bool = False) -> Dump:
-    """Open one dump after validating all of DESIGN §2; the file's descriptor is closed on return.
+    """Open one dump after validating all of docs/format.md; the file's descriptor is closed on return.
 
     The data is copied into memory (one read), so a file truncated or rewritten while dcptool runs
     cannot change what it reports or end it with SIGBUS; a change during the read itself (size,

@@ -1,4 +1,4 @@
-"""DESIGN §2 as code: the format's columns and limits, DumpConfig, the DumpError family, obs.graph's one
+"""docs/format.md as code: the format's columns and limits, DumpConfig, the DumpError family, obs.graph's one
 encoding (GraphMode), and every check of a hostile file (header, entries, config, columns). dump.py reads,
 merges and writes through these."""
 
@@ -145,7 +145,7 @@ class KVGroup(NamedTuple):
 
 
 class GraphMode(IntEnum):
-    """obs.graph: how the observed forward ran (DESIGN §2)."""
+    """obs.graph: how the observed forward ran (docs/format.md)."""
 
     EAGER = 0
     PIECEWISE = 1
@@ -435,7 +435,7 @@ def _first_bad(p: str, key: str, bad: np.ndarray, values: np.ndarray, what: str)
 
 def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected: dict | None = None,
                      release=None, row_values: bool = True) -> None:
-    """Every structural and value rule of DESIGN §2 on in-memory columns (used on read and on write).
+    """Every structural and value rule of docs/format.md on in-memory columns (used on read and on write).
     `release(key, lo, hi)`, when given, is told after each chunk of a row column has been checked.
     row_values=False: all but the rules on the values of row columns (check_row_values), which a streamed read
     applies once the rows are in (read_dump(stream=True))."""
@@ -512,7 +512,7 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
 
 
 def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=None) -> None:
-    """DESIGN §2's rules on the values of row columns (after validate_columns(row_values=False) on the same
+    """docs/format.md's rules on the values of row columns (after validate_columns(row_values=False) on the same
     columns): no negative seq_len or global length, slot positions and KV-cache groups in range."""
     sl = c["rows.seq_lens"]
     step = 1 << 22

@@ -22,7 +22,7 @@ SCAN_ROWS = ("rows.seq_lens", "rows.dcp_local_seq_lens", "rows.kv_pages")
 class Reader:
     """read_dump(stream=True)'s thread: the row columns in pieces (the scan's in step with each other, piece k of
     each before piece k + 1 of any), then the file unchanged and the whole validated. wait(key, n) blocks until
-    the first n values of key are read; an error (a short or changed file, a rule of DESIGN §2) wakes every
+    the first n values of key are read; an error (a short or changed file, a rule of docs/format.md) wakes every
     waiter and is raised by wait() and finish()."""
 
     def __init__(self, p: str, f, buf: np.ndarray, base: int, entries: dict, before: os.stat_result,

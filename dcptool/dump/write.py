@@ -40,7 +40,7 @@ from dcptool.dump.schema import (
 
 
 def columns(config: DumpConfig, sites: list[str], vals: dict, rows: dict) -> tuple[DumpConfig, dict[str, np.ndarray]]:
-    """Row-form observations -> dump columns (DESIGN §2): the one place both writers (pack, Recorder) go through.
+    """Row-form observations -> dump columns (docs/format.md): the one place both writers (pack, Recorder) go through.
 
     sites: one site name per observation (added to the config's list in order of first use);
     vals: FIELDS -> one value per observation (None where unknown); rows: ROW_FIELDS -> one 1-D

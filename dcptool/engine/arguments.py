@@ -144,7 +144,7 @@ def buffer_id(t) -> int:
         return 0
 
 
-# ---- the checks: what the dump format cannot hold (DESIGN §2) raises here, so a write never fails on it ----------
+# ---- the checks: what the dump format cannot hold (docs/format.md) raises here, so a write never fails on it ------
 
 
 def scalars(r: Record) -> Scalars:

@@ -1,4 +1,4 @@
-"""simulate's configuration: SimConfig, the fault table it injects from (DESIGN §4), and which faults a
+"""simulate's configuration: SimConfig, the fault table it injects from (docs/faults.md), and which faults a
 configuration exercises."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from dcptool.dcp.rules import RULE_OF_FAULT
 from dcptool.dcp.slicing import parse_engine_version
 from dcptool.errors import DcptoolError
 
-# DESIGN §4's fault table: fault -> (the rule replay must report (rules.TABLE says which), what the engine did).
+# The fault table (docs/faults.md): fault -> (the rule replay must report (rules.TABLE says which), what the
+# engine did).
 _FAULT_WHAT = {
     "dummy-none": "dummy/profile runs build attention metadata with None",
     "dflash-capture-none": "DFlash CUDA-graph capture gets None",

@@ -85,7 +85,7 @@ class Runner:
                          for kind in ("step", "dummy", "capture")}
 
     def _local(self, seq: np.ndarray) -> np.ndarray:
-        """DESIGN §1's local length on every rank at once, [N, rows]."""
+        """The local length (docs/dcp.md) on every rank at once, [N, rows]."""
         return local_of(seq.reshape(1, -1), self.ranks, self.N, self.I)
 
     # ---- buffers
@@ -183,7 +183,7 @@ class Runner:
                 if graph == GraphMode.FULL_CAPTURE:
                     self._captured.setdefault(key, set()).add(buf)
                 elif key in self._captured and buf not in self._captured[key]:
-                    # the replay reads another buffer than its capture: DESIGN's alias, reported at the replay
+                    # the replay reads another buffer than its capture: the rule `alias`, reported at the replay
                     if fresh:
                         sink.mark(proc, idx, "graph-stale")
                     if "capture-wrong-buffer" in self.F and self.P > 1 and ubatch < 0:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dcptool.dump import OutputExistsError, atomic_write, write_target
+from dcptool.dump import atomic_write, exists_error, write_target
 from dcptool.model.config import (  # noqa: F401 - SimConfig, SimError, FAULTS, FAULT_WHERE, applicability are simulate's API
     FAULT_WHERE,
     FAULTS,
@@ -102,7 +102,7 @@ def simulate(cfg: SimConfig, out: str | Path, *, per_rank: bool = False, force: 
         write_target(p)
     clash = [p for p in paths if os.path.lexists(p)]
     if clash and not force:
-        raise OutputExistsError(f"{clash[0]}: exists (use --force to overwrite)")
+        raise exists_error(clash[0])
     parts = Parts(paths)
     sink = None
     written: list[Path] = []

@@ -71,21 +71,28 @@ def render_diff(res, console: Console, max_findings: int | None = None) -> None:
         show_table(console, differences_table(shown, title=f"Differences ({res.total})", width=layout_width(console)))
     if res.total > len(shown):
         say(console, f"... {res.total - len(shown)} more differences not shown (--max-findings, --json)")
+    diff_summary(res, console)
+
+
+def diff_summary(res, console: Console, line=say, dim=say, cmp: bool = True) -> None:
+    """diff's summary, one text for both reports, the first divergence last: the whole one's (`say`: lines never
+    wrapped; cmp: its last line starts `A B differ:`, as cmp's does) and one screen's (report.screen: `line` wraps,
+    `dim` cuts to the width)."""
     a, b = literal(side_name(res.a_files)), literal(side_name(res.b_files))
-    say(console, ("dcptool diff", "bold"), literal(f" A = {_side_desc(res.a_files, res.a_observations)}, "
-                                                   f"B = {_side_desc(res.b_files, res.b_observations)}")
-        + f": {res.compared} aligned, {res.only_in_a} only in A, {res.only_in_b} only in B")
+    line(console, ("dcptool diff", "bold"), literal(f" A = {_side_desc(res.a_files, res.a_observations)}, "
+                                                    f"B = {_side_desc(res.b_files, res.b_observations)}")
+         + f": {res.compared} aligned, {res.only_in_a} only in A, {res.only_in_b} only in B")
     if res.total:
-        say(console, literal(f"differences: {res.total}: " + ", ".join(f"{f} {n}" for f, n in res.by_field.items())))
+        line(console, literal(f"differences: {res.total}: " + ", ".join(f"{f} {n}" for f, n in res.by_field.items())))
     for col, why in res.skipped.items():
-        say(console, literal(f"skipped {col}: {why}"), style="dim")
-    say(console, f"{res.seconds:.2f} s", style="dim")
+        dim(console, literal(f"skipped {col}: {why}"), style="dim")
+    dim(console, f"{res.seconds:.2f} s", style="dim")
     if res.first is None:
-        say(console, ("same", "green"), f": {a} and {b} record the same {res.compared} observations")
+        line(console, ("same", "green"), f": {a} and {b} record the same {res.compared} observations")
     else:
         f = res.first
-        say(console, f"{a} {b} differ: ", ("first divergence", "bold"), literal(f" at {f.where}: "),
-            (literal(f.field), "bold red"), literal(f": {f.text}{diff_refs(f)}"))
+        line(console, f"{a} {b} differ: " if cmp else "", ("first divergence", "bold"), literal(f" at {f.where}: "),
+             (literal(f.field), "bold red"), literal(f": {f.text}{diff_refs(f)}"))
 
 
 def diff_refs(x) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
-from dcptool.report.differences import diff_refs, side_name
+from dcptool.report.differences import diff_summary, side_name
 from dcptool.report.text import (
     TEXT_MAX_FINDINGS,
     layout_width,
@@ -15,8 +15,13 @@ from dcptool.report.text import (
     render_rows_view,
     render_splits,
     render_timeline,
+    replay_summary,
     say,
     severity_style,
+    wrap,
+)
+from dcptool.report.text import (
+    render_reduction as whole_reduction,
 )
 
 SCREEN_TIMELINE_ROWS = 12  # one row per site (ranks folded in), rows with findings first
@@ -30,11 +35,6 @@ def cut(console: Console, *parts, style: str = "") -> None:
     t = Text.assemble(*parts, style=style)
     t.truncate(max(layout_width(console), 8), overflow="ellipsis")
     console.print(t, no_wrap=True, overflow="ellipsis", crop=True)
-
-
-def wrap(console: Console, *parts, style: str = "") -> None:
-    """A paragraph, wrapped between words at the console's width."""
-    console.print(Text.assemble(*parts, style=style), overflow="fold")
 
 
 def _files(files: list[str]) -> str:
@@ -83,20 +83,7 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
 
 
 def _summary(res, console: Console) -> None:
-    cfg = res.config
-    wrap(console, ("dcptool replay", "bold"), f" {_files(res.files)}: {res.observations} observations, dcp_size "
-         f"{cfg.dcp_size}, interleave {cfg.cp_interleave}" + (f", pcp_size {cfg.pcp_size}" if cfg.pcp_size > 1 else ""))
-    if res.findings:
-        by_rule = ", ".join(f"{r} {n}" for r, n in res.by_rule().items())
-        wrap(console, f"findings: {len(res.findings)} ({res.errors} errors, {res.warnings} warnings): {by_rule}")
-    else:
-        wrap(console, ("clean", "green"), ": every observation's DCP metadata is what it must be")
-    for check, why in res.skipped.items():
-        cut(console, literal(f"skipped {check}: {why}"), style="dim")
-    if getattr(res, "capped", None) is not None:
-        wrap(console, ("size cap", "yellow"), f": the recording stopped at its size cap of {res.capped:,} bytes; "
-             "later observations were not recorded")
-    cut(console, f"backend {res.backend} on {res.device}, {res.seconds:.2f} s", style="dim")
+    replay_summary(res, console, _files(res.files), line=wrap, dim=cut)
     if res.findings:
         cut(console, MORE, style="dim")
 
@@ -111,18 +98,10 @@ def render_diff(res, console: Console, max_findings: int | None = None) -> None:
             cut(console, literal(f"{x.where}: "), (literal(x.field), "bold red"), literal(f": {x.text}"))
         if res.total > len(shown):
             cut(console, f"... {res.total - len(shown)} more (--full, --json, --html PATH)", style="dim")
-    a, b = literal(side_name(res.a_files)), literal(side_name(res.b_files))
-    wrap(console, ("dcptool diff", "bold"), f" A = {a} ({res.a_observations} observations), B = {b} "
-         f"({res.b_observations} observations): {res.compared} aligned, {res.only_in_a} only in A, {res.only_in_b} "
-         "only in B")
-    if res.total:
-        wrap(console, literal(f"differences: {res.total}: " + ", ".join(f"{f} {n}" for f, n in res.by_field.items())))
-    for col, why in res.skipped.items():
-        cut(console, literal(f"skipped {col}: {why}"), style="dim")
-    cut(console, f"{res.seconds:.2f} s", style="dim")
-    if res.first is None:
-        wrap(console, ("same", "green"), f": {a} and {b} record the same {res.compared} observations")
-    else:
-        f = res.first
-        wrap(console, ("first divergence", "bold"), literal(f" at {f.where}: "), (literal(f.field), "bold red"),
-             literal(f": {f.text}{diff_refs(f)}"))
+    diff_summary(res, console, line=wrap, dim=cut, cmp=False)
+
+
+def render_reduction(red, output: str, console: Console) -> None:
+    """reduce on a terminal: its summary and first finding wrapped, each other finding one line cut to the width (as
+    replay's problems and diff's differences)."""
+    whole_reduction(red, output, console, line=wrap, more=cut)

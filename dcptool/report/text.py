@@ -13,6 +13,7 @@ from rich import box
 from rich.cells import cell_len
 from rich.console import Console
 from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -143,6 +144,14 @@ def say(console: Console, *parts, style: str = "") -> None:
     console.print(Text.assemble(*parts, style=style), soft_wrap=True)
 
 
+def wrap(console: Console, *parts, style: str = "") -> None:
+    """A paragraph, wrapped between words at a terminal's width; in a pipe or a file one line, as `say` writes it."""
+    if console.is_terminal:
+        console.print(Text.assemble(*parts, style=style), overflow="fold")
+    else:
+        say(console, *parts, style=style)
+
+
 def findings_table(findings, title: str | None = None) -> Table:
     """One line per finding: where (FILE:I, as --obs takes it), the rule, the row's values, the message."""
     t = Table(title=title, box=box.SIMPLE_HEAD, expand=False, title_justify="left", pad_edge=False)
@@ -190,32 +199,7 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         show_findings(console, shown, len(res.findings))
         if len(res.findings) > len(shown):
             say(console, f"... {len(res.findings) - len(shown)} more findings not shown (--max-findings, --json)")
-    files = literal(", ".join(res.files))
-    cfg = res.config
-    say(console, ("dcptool replay", "bold"), f" {files}: {res.observations} observations, dcp_size {cfg.dcp_size}, "
-        f"interleave {cfg.cp_interleave}" + (f", pcp_size {cfg.pcp_size}" if cfg.pcp_size > 1 else ""))
-    if res.findings:
-        by_rule = ", ".join(f"{r} {n}" for r, n in res.by_rule().items())
-        say(console, f"findings: {len(res.findings)} ({res.errors} errors, {res.warnings} warnings): {by_rule}")
-        st = Table(title="By site", title_justify="left")
-        st.add_column("site", overflow="fold")
-        rules = list(res.by_rule())
-        for r in rules:
-            st.add_column(r, justify="right")
-        by_site = res.by_site()
-        for site, counts in list(by_site.items())[:BY_SITE_ROWS]:  # a dump may name 10**5 sites: cap the table
-            st.add_row(lit(site), *[str(counts.get(r, "")) for r in rules])
-        show_table(console, st, fold=False)
-        if len(by_site) > BY_SITE_ROWS:
-            say(console, f"... {len(by_site) - BY_SITE_ROWS} more sites with findings not shown (--json)")
-    else:
-        say(console, ("clean", "green"), ": every observation's DCP metadata is what it must be")
-    for check, why in res.skipped.items():
-        say(console, literal(f"skipped {check}: {why}"), style="dim")
-    if getattr(res, "capped", None) is not None:
-        say(console, ("size cap", "yellow"), f": the recording stopped at its size cap of {res.capped:,} bytes; "
-            "later observations were not recorded (DCPTOOL_RECORD_MAX_GB, Recorder(max_bytes=))")
-    say(console, f"backend {res.backend} on {res.device}, {res.seconds:.2f} s", style="dim")
+    replay_summary(res, console, literal(", ".join(res.files)), by_site=True)
     if res.findings:
         # cmp-style, the first finding last; its message only when the table above does not show it (each
         # finding's message is on exactly one line: `grep -c` counts findings)
@@ -223,6 +207,42 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         where = f.where
         say(console, ("first finding: ", "bold"), literal(f"{f.ref} "), (f.rule, severity_style(f.severity)),
             literal(f" {f.message}" if not shown else f" {where} (the first row of the findings above)"))
+
+
+def replay_summary(res, console: Console, files: str, line=say, dim=say, by_site: bool = False) -> None:
+    """replay's summary, one text for both reports: the whole one's (`say`: lines never wrapped; by_site: the
+    table by site under the counts) and one screen's (report.screen: `line` wraps, `dim` cuts to the width)."""
+    cfg = res.config
+    line(console, ("dcptool replay", "bold"), f" {files}: {res.observations} observations, dcp_size "
+         f"{cfg.dcp_size}, interleave {cfg.cp_interleave}" + (f", pcp_size {cfg.pcp_size}" if cfg.pcp_size > 1 else ""))
+    if res.findings:
+        by_rule = ", ".join(f"{r} {n}" for r, n in res.by_rule().items())
+        line(console, f"findings: {len(res.findings)} ({res.errors} errors, {res.warnings} warnings): {by_rule}")
+        if by_site:
+            _by_site(res, console)
+    else:
+        line(console, ("clean", "green"), ": every observation's DCP metadata is what it must be")
+    for check, why in res.skipped.items():
+        dim(console, literal(f"skipped {check}: {why}"), style="dim")
+    if getattr(res, "capped", None) is not None:
+        line(console, ("size cap", "yellow"), f": the recording stopped at its size cap of {res.capped:,} bytes; "
+             "later observations were not recorded (DCPTOOL_RECORD_MAX_GB, Recorder(max_bytes=))")
+    dim(console, f"backend {res.backend} on {res.device}, {res.seconds:.2f} s", style="dim")
+
+
+def _by_site(res, console: Console) -> None:
+    """The findings by site and rule (the first BY_SITE_ROWS sites)."""
+    st = Table(title="By site", title_justify="left")
+    st.add_column("site", overflow="fold")
+    rules = list(res.by_rule())
+    for r in rules:
+        st.add_column(r, justify="right")
+    by_site = res.by_site()
+    for site, counts in list(by_site.items())[:BY_SITE_ROWS]:  # a dump may name 10**5 sites: cap the table
+        st.add_row(lit(site), *[str(counts.get(r, "")) for r in rules])
+    show_table(console, st, fold=False)
+    if len(by_site) > BY_SITE_ROWS:
+        say(console, f"... {len(by_site) - BY_SITE_ROWS} more sites with findings not shown (--json)")
 
 
 def _axis(tl: Timeline) -> str:
@@ -418,35 +438,41 @@ def render_simulate(cmp, console: Console) -> None:
     for s in cmp.sites:
         t.add_row(lit(s.site), str(s.observations), _rules(s.fixed), _rules(s.other))
     show_table(console, t)
-    ft = Table(title=f"Faults ({cmp.label}): observations each touched, and what replay reported there",
-               title_justify="left")
-    for name, kw in (("fault", {"no_wrap": True}), ("in vLLM", {"no_wrap": True}), ("rule", {}),
-                     ("touched", {"justify": "right"}),
-                     ("found", {"justify": "right"}), ("at sites", {"overflow": "fold"}),
-                     ("side findings there", {"overflow": "fold"})):
-        ft.add_column(name, **kw)
-    for f in cmp.faults:
-        if not f.applicable:
-            ft.add_row(f.name, f.where, f.rule, "-", "-", Text(f"not applicable: {f.why}", style="dim"), "")
-            continue
-        ok = f.found == f.touched
-        found = str(f.found) + (f" ({f.shape_only} as shape)" if f.shape_only else "")
-        ft.add_row(f.name, f.where, f.rule, str(f.touched), Text(found, style="green" if ok else "bold red"),
-                   ", ".join(f"{s} {n}" for s, n in f.sites.items()) or "-",
-                   _rules(f.side) if f.side else "-")
-    show_table(console, ft, fold=False)  # seven columns, two unbreakable: folding squeezes the rest to letters
+    _faults(cmp, console)
     fx, ot = cmp.fixed, cmp.other
-    say(console, f"fixed: {len(fx.findings)} findings in {fx.observations} observations; {cmp.label}: "
+    wrap(console, f"fixed: {len(fx.findings)} findings in {fx.observations} observations; {cmp.label}: "
         f"{len(ot.findings)} findings" + (f" ({', '.join(f'{r} {n}' for r, n in ot.by_rule().items())})"
                                           if ot.findings else ""))
     if ot.by_rule().get("rank-sum"):
-        say(console, "(rank-sum is about a group of ranks: it is reported at the rank that completes a group whose "
+        wrap(console, "(rank-sum is about a group of ranks: it is reported at the rank that completes a group whose "
             "views do not add up, which may be a rank the fault left alone)", style="dim")
     if any(f.shape_only for f in cmp.faults):
-        say(console, "(as shape: a stale view whose surviving rows happen to be right but whose length is wrong; "
+        wrap(console, "(as shape: a stale view whose surviving rows happen to be right but whose length is wrong; "
             "replay can only see the length)", style="dim")
-    say(console, f"replay backend {ot.backend} on {ot.device}, {cmp.seconds:.2f} s in all; write a dump with -o "
+    wrap(console, f"replay backend {ot.backend} on {ot.device}, {cmp.seconds:.2f} s in all; write a dump with -o "
         "and replay it with `dcptool replay`", style="dim")
+
+
+def _faults(cmp, console: Console) -> None:
+    """simulate's faults: a table of those this configuration has (what each touched, how many of those replay
+    found it at, where, and what else replay said there), then one line for each it does not have, and why."""
+    ft = Table(title=f"Faults ({cmp.label}): observations each touched, and what replay reported there",
+               title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    ft.add_column("fault", no_wrap=True)
+    ft.add_column("in vLLM")
+    ft.add_column("rule", no_wrap=True)
+    ft.add_column("found", no_wrap=True)
+    ft.add_column("at sites")
+    for f in cmp.faults:
+        if f.applicable:
+            found = f"{f.found} of {f.touched}" + (f" ({f.shape_only} as shape)" if f.shape_only else "")
+            where = ", ".join(f"{s} {n}" for s, n in f.sites.items()) or "-"
+            ft.add_row(f.name, f.where, f.rule, Text(found, style="green" if f.found == f.touched else "bold red"),
+                       Text.assemble(lit(where), *(("; side findings ", _rules(f.side)) if f.side else ())))
+    show_table(console, ft)
+    for f in cmp.faults:
+        if not f.applicable:
+            wrap(console, f"{f.name} [{f.where}]: not applicable here, {f.why}", style="dim")
 
 
 def simulate_json_lines(cmp) -> Iterator[str]:
@@ -467,14 +493,17 @@ def simulated_line(res) -> str:
 
 
 def render_simulated(res, console: Console) -> None:
-    """What `simulate -o` wrote: its observations by site, and each fault (the status line is simulated_line)."""
-    say(console, "by site: " + ", ".join(f"{s} {n}" for s, n in res.by_site.items()))
+    """What `simulate -o` wrote: its observations by site, and each fault (the status line is simulated_line); each
+    line wrapped at a terminal's width."""
+    wrap(console, "by site: " + ", ".join(f"{s} {n}" for s, n in res.by_site.items()))
     for f in res.faults.values():
-        if f.applicable:
-            say(console, f"  {f.name} [{f.where}]: touched {f.count} observation(s), replay must report {f.rule}")
+        line = (Text(f"{f.name} [{f.where}]: touched {f.count} observation(s), replay must report {f.rule}")
+                if f.applicable else Text(f"{f.name} [{f.where}]: not applicable ({f.why})", style="dim"))
+        if console.is_terminal:  # (indented, wrapped alike)
+            console.print(Padding(line, (0, 0, 0, 2), expand=False), overflow="fold")
         else:
-            say(console, f"  {f.name} [{f.where}]: not applicable ({f.why})", style="dim")
-    say(console, literal(f"replay it: dcptool replay {' '.join(res.files)}"), style="dim")
+            say(console, "  ", line)
+    wrap(console, literal(f"replay it: dcptool replay {' '.join(res.files)}"), style="dim")
 
 
 # --------------------------------------------------------------------------------------------
@@ -497,13 +526,17 @@ def problem_json_lines(problems) -> Iterator[str]:
         yield json.dumps(p.to_json())
 
 
-def render_reduction(red, output: str, console: Console) -> None:
-    """What `dcptool reduce` kept: sizes before and after, the problem, the reduced recording's findings."""
+def render_reduction(red, output: str, console: Console, line=say, more=say) -> None:
+    """What `dcptool reduce` kept: sizes before and after, the problem, the reduced recording's findings (the first
+    of the kept problem's rule and site as a `line`, the others as `more`); the whole lines (a pipe, a file), or on
+    a terminal (report.screen) `line` wraps and `more` cuts to the width."""
     b, a = red.before, red.after
-    say(console, ("dcptool reduce", "bold"), literal(f" kept {red.target.label} at {red.target.site}: "
-        f"{b['observations']} -> {a['observations']} observations, {b['steps']} -> {a['steps']} steps, "
-        f"{b['rows']} -> {a['rows']} rows ({red.candidates} replays, {red.seconds:.2f} s"
-        + (", stopped at --max-seconds" if red.stopped else "") + ")"))
-    for f in red.findings:
-        say(console, (f.rule, severity_style(f.severity)), literal(f" {f.ref} {f.message}"))
-    say(console, literal(f"replay it: dcptool replay {output}"), style="dim")
+    line(console, ("dcptool reduce", "bold"), literal(f" kept {red.target.label} at {red.target.site}: "
+         f"{b['observations']} -> {a['observations']} observations, {b['steps']} -> {a['steps']} steps, "
+         f"{b['rows']} -> {a['rows']} rows ({red.candidates} replays, {red.seconds:.2f} s"
+         + (", stopped at --max-seconds" if red.stopped else "") + ")"))
+    t = red.target
+    kept = next((k for k, f in enumerate(red.findings) if (f.rule, f.site) == (t.rule, t.site)), 0)
+    for k, f in enumerate(red.findings):
+        (line if k == kept else more)(console, (f.rule, severity_style(f.severity)), literal(f" {f.ref} {f.message}"))
+    line(console, literal(f"replay it: dcptool replay {output}"), style="dim")

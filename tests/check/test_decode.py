@@ -99,7 +99,7 @@ def test_empty_mask_row_masked_on_every_rank_is_named(tmp_path):
     got = check_empty_mask(_dump(o, 2, 16))
     assert [(i.index, i.detail["field"]) for i in got] == [(0, "mask")]
     assert got[0].detail["all_ranks_masked"] == [0] and "every rank" in got[0].text
-    # through replay: the view's own rule first (DESIGN table order), then empty-mask
+    # through replay: the view's own rule first (the rule table's order), then empty-mask
     res = run(tmp_path, o, dcp=2, il=16)
     assert rules(res) == [(0, "mismatch"), (0, "empty-mask"), (1, "rank-sum")]
 

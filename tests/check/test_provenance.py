@@ -1,4 +1,4 @@
-"""Provenance (DESIGN §3): the precedence on hand-built dumps; the bulk search agrees with a naive reading of the
+"""Provenance (docs/replay.md): the precedence on hand-built dumps; the bulk search agrees with a naive reading of the
 precedence; keys cannot collide (issue 12 item 12); no quadratic path (issue 12 item 9, issue 16 item 1).
 
 The naive reference below is the rule text as loops, on purpose: it is the spec the vectorised
@@ -14,7 +14,7 @@ from dcptool.check.replay import replay
 from dcptool.dump import Dump, DumpConfig, open_dumps, write_dump
 
 # --------------------------------------------------------------------------------------------
-# DESIGN §3's precedence on hand-built dumps
+# docs/replay.md's precedence on hand-built dumps
 
 
 def pcp_dump(stale: bool):

@@ -38,7 +38,7 @@ def test_rank_sum_needs_all_ranks(tmp_path):
 
 
 def naive_rank_sum(d: Dump, wrong: set[int]) -> list[tuple[int, int, int, tuple[int, ...]]]:
-    """(observation, first bad row, wrong rows, member obs) per DESIGN §3 `rank-sum`, as loops."""
+    """(observation, first bad row, wrong rows, member obs) per docs/replay.md's `rank-sum`, as loops."""
     N, out, done = d.config.dcp_size, [], set()
     key = [(int(d["obs.step"][i]), int(d["obs.site"][i]), int(d["obs.ubatch"][i]), int(d["obs.num_reqs"][i]))
            for i in range(d.n)]

@@ -1,33 +1,34 @@
 #!/usr/bin/env python3
 """Regenerate tests/data/ubatch_oracle.json: vLLM's own micro-batch splits of seeded random batches.
 
-Development aid, not a test dependency: run it once per vLLM release, each in a venv holding that
-release (../shared/tools/setup_vllm_oracle.sh, with the version changed, builds one), e.g.
+Development aid, not a test dependency: run it once per vLLM release (0.33+, the releases with model runner V2's
+micro-batching), with the python of the venv tools/setup_vllm_env.sh builds for that release, e.g.
 
-    VLLM_ORACLE_VENV=/tmp/oracle33 python3 tests/data/make_ubatch_oracle.py   # adds "0.33.0"
-    VLLM_ORACLE_VENV=/tmp/oracle34 python3 tests/data/make_ubatch_oracle.py   # adds "0.34.0"
+    VLLM_VERSION=0.33.0 tools/setup_vllm_env.sh
+    ~/.cache/dcptool-vllm-0.33.0/bin/python tests/data/make_ubatch_oracle.py   # adds "0.33.0"
+    VLLM_VERSION=0.34.0 tools/setup_vllm_env.sh
+    ~/.cache/dcptool-vllm-0.34.0/bin/python tests/data/make_ubatch_oracle.py   # adds "0.34.0"
 
-Each run re-execs itself in the venv, builds the cases (same seed, same cases every time), asks vLLM's
-create_ubatch_slices + _slice_input_batch (model runner V2; the full batch is built by
-vllm_oracle.make_input_batch as prepare_inputs does) and stores the answers under vllm.__version__.
-`uniform_token_count` is what the 0.34 runner would pass for the batch with its DP ranks agreeing:
-the common query length when every request has the same one, else None; 0.33 takes no such argument.
-VLLM_ORACLE names vllm_oracle.py (default /work/shared/tools/vllm_oracle.py).
+It builds the cases (same seed, same cases every time), builds each full batch as the runner's prepare_inputs
+does (tests/vllm/engine.py: vLLM's InputBuffers, InputBatch and position/seq_len kernel), computes its DCP view
+with vLLM's helper, asks vLLM's create_ubatch_slices + _slice_input_batch (model runner V2) and stores the answers
+under vllm.__version__. `uniform_token_count` is what the 0.34 runner would pass for the batch with its DP ranks
+agreeing: the common query length when every request has the same one, else None; 0.33 takes no such argument.
+An argument names another file to write (default: ubatch_oracle.json beside this script).
 """
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import os
 import sys
 from pathlib import Path
 
-OUT = Path(__file__).with_name("ubatch_oracle.json")
-ORACLE = os.environ.get("VLLM_ORACLE", "/work/shared/tools/vllm_oracle.py")
-VENV_PY = os.path.join(os.environ.get("VLLM_ORACLE_VENV", ""), "bin", "python")
-if os.environ.get("VLLM_ORACLE_VENV") and sys.prefix != os.environ["VLLM_ORACLE_VENV"] and os.path.exists(VENV_PY):
-    os.execv(VENV_PY, [VENV_PY, *sys.argv])
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name("ubatch_oracle.json")
+# vLLM on CPU, as tests/vllm/conftest.py loads it: Triton kernels in its interpreter, no GPU, the CPU platform
+os.environ.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", VLLM_TARGET_DEVICE="cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "vllm"), str(Path(__file__).resolve().parents[2])]
 
 
 def cases() -> list[dict]:
@@ -37,7 +38,7 @@ def cases() -> list[dict]:
     import numpy as np
 
     rng = np.random.default_rng(1334)
-    # the issue's example (5 requests x 3 tokens, K=2) and DESIGN §1's worked example first
+    # the issue's example (5 requests x 3 tokens, K=2) and docs/dcp.md's worked example first
     out = [{"query_lens": [3] * 5, "seq_lens": [40, 50, 60, 70, 80], "num_ubatches": 2, "num_tokens_padded": 15,
             "num_reqs_padded": 5, "dcp_size": 2, "dcp_rank": 0, "interleave": 1},
            {"query_lens": [1, 1, 10, 1, 1], "seq_lens": [64, 96, 512, 32, 48], "num_ubatches": 2,
@@ -74,35 +75,29 @@ def cases() -> list[dict]:
 
 
 def ask(case: dict) -> list[dict]:
+    import engine  # tests/vllm/engine.py: model runner V2's pieces on CPU, from vLLM's own classes
     import torch
-
-    spec = importlib.util.spec_from_file_location("vllm_oracle", ORACLE)
-    orc = sys.modules.get("vllm_oracle")
-    if orc is None:
-        orc = importlib.util.module_from_spec(spec)
-        sys.modules["vllm_oracle"] = orc
-        spec.loader.exec_module(orc)
-    from vllm.v1.worker.gpu import cp_utils
     from vllm.v1.worker.gpu.ubatch_utils import _slice_input_batch, create_ubatch_slices
 
-    batch, ib = orc.make_input_batch(case["query_lens"], case["seq_lens"], case["num_tokens_padded"],
-                                     case["num_reqs_padded"])
     n, N, r, il = len(case["query_lens"]), case["dcp_size"], case["dcp_rank"], case["interleave"]
-    batch.dcp_local_seq_lens = cp_utils.prepare_dcp_local_seq_lens(
-        ib.dcp_local_seq_lens, batch.seq_lens, n, N, r, il, num_reqs_padded=batch.num_reqs_after_padding)
+    nrp = max(n, case["num_reqs_padded"])
+    bufs = engine.buffers(nrp, max(sum(case["query_lens"]), case["num_tokens_padded"]))
+    batch = engine.prepare_inputs(case["query_lens"], case["seq_lens"], bufs,
+                                  num_tokens_padded=case["num_tokens_padded"], num_reqs_padded=nrp)
+    engine.dcp_step(batch, bufs, N, r, il)
     k = case["num_ubatches"]
     if "uniform_token_count" in inspect.signature(create_ubatch_slices).parameters:
         slices = create_ubatch_slices(batch, k, case["uniform_token_count"])
     else:
         slices = create_ubatch_slices(batch, k)
-    mnr = ib.max_num_reqs
+    mnr = bufs.max_num_reqs
     res = []
     for sl in slices:
         ent = {"request_slice": [sl.request_slice.start, sl.request_slice.stop],
                "token_slice": [sl.token_slice.start, sl.token_slice.stop]}
         try:
-            bufs = [torch.full((m,), -1, dtype=torch.int32) for m in (mnr + 1, mnr, mnr)]  # as UBatchRunner's
-            ub = _slice_input_batch(batch, sl, *bufs, dcp_size=N, dcp_rank=r, cp_interleave=il)
+            ub_bufs = [torch.full((m,), -1, dtype=torch.int32) for m in (mnr + 1, mnr, mnr)]  # as UBatchRunner's
+            ub = _slice_input_batch(batch, sl, *ub_bufs, dcp_size=N, dcp_rank=r, cp_interleave=il)
             ent.update(num_reqs=ub.num_reqs, num_reqs_padded=ub.num_reqs_after_padding,
                        query_start_loc=ub.query_start_loc.tolist(), seq_lens=ub.seq_lens.tolist(),
                        dcp_local_seq_lens=ub.dcp_local_seq_lens.tolist())

@@ -1,4 +1,4 @@
-"""The torch formula against DESIGN §1's examples, its properties, and a brute-force owner count."""
+"""The torch formula against docs/dcp.md's examples, its properties, and a brute-force owner count."""
 
 import numpy as np
 import pytest

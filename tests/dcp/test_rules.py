@@ -1,4 +1,4 @@
-"""rules.py: the rule table itself (DESIGN §3's order, codes, each check found where it names it and taking the
+"""rules.py: the rule table itself (docs/replay.md's order, codes, each check found where it names it and taking the
 inputs its row names, faults, docs/replay.md's table (tests/test_docs.py), the skipped lines' order)."""
 
 import inspect
@@ -10,8 +10,8 @@ from dcptool.dcp import rules as R
 from dcptool.dcp.rules import RULE_CODES, RULES, TABLE
 
 
-def test_table_is_design_s3():
-    """One row per rule in DESIGN §3's order; codes distinct ignoring case; every fault of simulate maps to the rule
+def test_table_is_docs_rules():
+    """One row per rule in the docs' order; codes distinct ignoring case; every fault of simulate maps to the rule
     of the row that lists it; stray is the one warning."""
     from dcptool.model.config import FAULTS
 

@@ -1,8 +1,9 @@
-"""Micro-batch slicing and the PCP partition against DESIGN §1 and vLLM 0.33.0's own answers.
+"""Micro-batch slicing and the PCP partition against docs/dcp.md and vLLM 0.33.0's own answers.
 
-The expectations marked "vLLM" were produced by /work/shared/tools/vllm_oracle.py (`ubatch_split`:
-create_ubatch_slices + _slice_input_batch; `pcp_partition`: PCPManager.partition_batch with the
-runner's prepare_dcp_local_seq_lens) and are recorded here as literals: these tests never need vLLM.
+The expectations marked "vLLM" are vLLM 0.33.0's own answers (create_ubatch_slices + _slice_input_batch;
+PCPManager.partition_batch with the runner's prepare_dcp_local_seq_lens), recorded here as literals: these tests
+never need vLLM. tests/vllm/engine.py drives the same functions of every release (`make test-vllm`), and
+tests/data/make_ubatch_oracle.py regenerates the micro-batch answers of tests/data/ubatch_oracle.json with them.
 """
 
 import json
@@ -45,7 +46,7 @@ def _seq(seq_lens, nrp=None):
 # (query_lens, seq_lens, K, num_tokens_padded, num_reqs_padded, N, rank, I) ->
 #   per micro-batch: ([req_start, req_stop], [tok_start, tok_stop], num_reqs, num_reqs_padded, qsl, seq_lens, dcp)
 UBATCH_CASES = [
-    # DESIGN §1 worked example (vLLM's tests), both ranks: a copied parent row (256) would be stale
+    # docs/dcp.md's worked example (vLLM's tests), both ranks: a copied parent row (256) would be stale
     (([1, 1, 10, 1, 1], [64, 96, 512, 32, 48], 2, None, None, 2, 0, 1),
      [([0, 3], [0, 7], 3, 3, [0, 1, 2, 7], [64, 96, 507], [32, 48, 254]),
       ([2, 5], [7, 14], 3, 3, [0, 5, 6, 7], [512, 32, 48], [256, 16, 24])]),
@@ -211,7 +212,7 @@ def test_ubatch_slices_reject_bad_input():
 # (query_lens, seq_lens, prefill_lens, P, rank, N, I) -> vLLM: (local->global rows, local query lens,
 #   local seq_lens, DCP rank 0 local lengths or None)
 PCP_CASES = [
-    # DESIGN §1: decodes with 16 and 24 computed tokens -> [17, 25] on every PCP rank; N=2 rank 0 -> [9, 13]
+    # docs/dcp.md (PCP): decodes with 16 and 24 computed tokens -> [17, 25] on every PCP rank; N=2 rank 0 -> [9, 13]
     (([1, 1], [17, 25], None, 2, 0, 2, 1), ([0, 1], [1, 1], [17, 25], [9, 13])),
     # P=4, N=2, I=16: short prefills (15 tokens: 7 * 2 < 15) are cut, 3- and 9-token ones replicated
     (([15, 1, 3, 17, 15, 9, 1000, 3], [15, 487, 3, 634, 3774, 9, 1000, 3304],
@@ -256,7 +257,7 @@ def test_pcp_partition_matches_vllm(case, want):
 
 
 def test_pcp_design_example_padded():
-    """DESIGN §1: local [17, 25], N=2, I=1, rank 0 -> [9, 13], padded to 4 rows [9, 13, 0, 0]."""
+    """docs/dcp.md (PCP): local [17, 25], N=2, I=1, rank 0 -> [9, 13], padded to 4 rows [9, 13, 0, 0]."""
     loc = pcp_partition([1, 1], [16, 24], [False, False], 2, 1, 2)
     view = np.zeros(4, np.int64)
     view[: loc.num_reqs] = local_np(loc.seq_lens, 2, 0, 1)

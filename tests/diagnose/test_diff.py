@@ -1,4 +1,4 @@
-"""diff: alignment by (step, site, rank, ubatch, occurrence), every column, run order, CLI and JSON (DESIGN §4)."""
+"""diff: alignment by (step, site, rank, ubatch, occurrence), every column, run order, CLI and JSON (docs/cli.md)."""
 
 import json
 import os

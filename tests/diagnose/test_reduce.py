@@ -71,7 +71,7 @@ def test_drop_rows_keeps_an_observation_consistent(tmp_path):
 
 
 def test_dropping_a_parent_request_follows_into_its_micro_batches(tmp_path):
-    # DESIGN section 1's worked example: query lens [1,1,10,1,1], seq_lens [64,96,512,32,48], K=2, N=2, I=1
+    # docs/dcp.md's worked example: query lens [1,1,10,1,1], seq_lens [64,96,512,32,48], K=2, N=2, I=1
     qsl = np.array([0, 1, 2, 12, 13, 14], np.int32)
     parent = obs(seq=(64, 96, 512, 32, 48), num_reqs=5, num_reqs_padded=5, query_start_loc=qsl, num_tokens_padded=14)
     ub0 = obs(seq=(64, 96, 507), num_reqs=3, num_reqs_padded=3, ubatch=0, parent=0, req_start=0, tok_start=0,

@@ -57,7 +57,7 @@ def test_lazy_merge_equals_the_in_memory_merge(tmp_path, monkeypatch, seed):
 
 
 def test_lazy_merge_keeps_the_order_rule_and_parents(tmp_path):
-    """DESIGN §2: by step, then file order, then order within the file; parents stay within their file."""
+    """docs/format.md: by step, then file order, then order within the file; parents stay within their file."""
     a = write(tmp_path / "r0.safetensors", [obs(step=0, site="x"), obs(step=1, site="x"),
                                             obs(step=2, site="x", ubatch=0, parent=1)])
     b = write(tmp_path / "r1.safetensors",

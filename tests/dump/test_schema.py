@@ -1,4 +1,4 @@
-"""dump/schema.py: the encoding of obs.graph (DESIGN §2), and every check of a hostile file: config, entries,
+"""dump/schema.py: the encoding of obs.graph (docs/format.md), and every check of a hostile file: config, entries,
 columns, offsets, row values, the issue-15 and slot columns (one line naming file, key and problem)."""
 
 import json
@@ -33,7 +33,7 @@ def test_vllm_runtime_modes_and_dispatch_as_recorded():
 
 
 # --------------------------------------------------------------------------------------------
-# A hostile file: every validation error of DESIGN §2
+# A hostile file: every validation error of docs/format.md
 
 
 def _meta(**kv):

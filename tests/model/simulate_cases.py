@@ -43,7 +43,7 @@ def run(cfg: SimConfig, tmp_path: Path, name: str = "run.safetensors", **kw):
 
 
 def verify(res, d, rr) -> None:
-    """DESIGN §4: each fault's rule at exactly the observations it touched; nothing anywhere else.
+    """docs/faults.md: each fault's rule at exactly the observations it touched; nothing anywhere else.
 
     Keys are (file, index in file). `rank-sum` is a finding about a group of ranks, reported at the
     observation that completes it; it counts as a side finding when any member of the group was touched.

@@ -18,7 +18,7 @@ def test_validation_errors():
 
 def test_fault_labels_cover_every_fault():
     assert list(FAULT_WHERE) == list(FAULTS)
-    # DESIGN §1 "Checked against vLLM's releases": the two faults no release shipped
+    # docs/faults.md: the two faults no release shipped (main only)
     assert FAULT_WHERE["ubatch-parent-rows"] == FAULT_WHERE["pcp-stale"] == "main only"
     assert FAULT_WHERE["dummy-none"] == "0.27–0.29" and FAULT_WHERE["dflash-capture-none"] == "0.27–0.28"
 

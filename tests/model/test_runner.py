@@ -1,5 +1,5 @@
 """runner.py: on the issue's matrix the fixed pipeline replays clean and every fault is found as its rule exactly
-where it touched (DESIGN §4); vLLM 0.34's micro-batch split rule."""
+where it touched (docs/faults.md); vLLM 0.34's micro-batch split rule."""
 
 import numpy as np
 import pytest

@@ -151,7 +151,7 @@ def test_0_29_dflash_capture_buffer_is_not_a_fault(tmp_path):
     """vLLM 0.29's DFlash capture fills the whole persistent buffer (max_num_reqs rows) and passes all of
     it; build_attn_metadata slices [:num_reqs] before use. What attention consumes is right, so simulate
     has no fault for it: recording the consumed view replays clean, while recording the argument would
-    be a `shape` finding for rows attention never reads (DESIGN §1, "record what attention consumes")."""
+    be a `shape` finding for rows attention never reads (docs/dcp.md: what attention consumes)."""
     import torch
 
     from dcptool.dcp.reference import prepare_dcp_local_seq_lens

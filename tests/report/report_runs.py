@@ -1,4 +1,4 @@
-"""The run the report tests draw: two DCP ranks, three sites, micro-batches and planted faults (DESIGN §1's worked
+"""The run the report tests draw: two DCP ranks, three sites, micro-batches and planted faults (docs/dcp.md's worked
 example), replayed once per test module."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dcptool.dcp.slicing import split_batch
 from dcptool.dump import open_dumps
 from dcptool.report.html import VIEW_FINDINGS
 
-SEQ = np.array([64, 96, 512, 32, 48, 0], np.int32)  # DESIGN §1's worked example, one padded row
+SEQ = np.array([64, 96, 512, 32, 48, 0], np.int32)  # docs/dcp.md's worked example, one padded row
 QSL = np.array([0, 1, 2, 12, 13, 14, 14], np.int32)
 
 

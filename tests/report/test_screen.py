@@ -5,6 +5,7 @@ pipe and --json keep the whole report."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import ROOT, cli, cli_pty, screen_lines
@@ -85,3 +86,40 @@ def test_diff_fits_a_screen():
     assert f"A: {SAMPLES / 'legacy.safetensors'}:0" in " ".join(lines[-4:]).replace("\n", "")
     code, out = cli_pty("diff", SAMPLES / "legacy.safetensors", SAMPLES / "fixed.safetensors", "--full")
     assert len(screen_lines(out)) > 100
+
+
+def test_simulate_fits_80_columns_and_a_pipe_gets_it_whole():
+    """simulate's side-by-side and faults tables and its lines fit an 80-column terminal (the sites fold, the faults
+    this configuration lacks are lines after the table, paragraphs wrap); a pipe gets each line whole."""
+    code, out = cli_pty("simulate")
+    lines = screen_lines(out)
+    assert code == 0 and not [x for x in lines if cell_len(x) > 80], [x for x in lines if cell_len(x) > 80]
+    piped = cli("simulate").stdout.splitlines()
+    faults = [x.split()[0] for x in piped[piped.index(next(x for x in piped if x.startswith("Faults"))) + 3:]
+              if x and x[0].isalpha() and not x.startswith(("fixed:", "replay backend"))]
+    assert len(faults) == 10 and all(any(x.startswith(f + " ") for x in lines) for f in faults)
+    assert "pcp-stale [main only]: not applicable here, needs --pcp > 1" in piped
+    sites = next(x for x in piped if x.startswith("flashinfer-global-pages "))
+    assert sites.endswith("dummy 6, ubatch 132, capture 21, attn_metadata 64, draft 64") and "287 of 287" in sites
+    assert any(x.startswith("fixed: 0 findings in 538 observations; legacy: 444 findings (") for x in piped)
+    assert lines[-1].endswith("`dcptool replay`") and piped[-1].startswith("replay backend torch")
+
+
+def test_reduce_on_a_screen_cuts_its_other_findings(tmp_path):
+    """reduce as replay and diff on a terminal: the summary and the kept problem's finding wrapped, any other finding
+    one line cut to the width; a pipe gets every line whole."""
+    assert cli("simulate", "--dcp", "4", "--steps", "8", "--pipeline", "legacy", "-o", "l.safetensors",
+               cwd=tmp_path).returncode == 0
+    args = ("reduce", "l.safetensors", "--finding", "rank-sum", "--max-seconds", "2")
+    code, out = cli_pty(*args, "-o", "a.safetensors", cwd=tmp_path)
+    lines = screen_lines(out)
+    assert code == 0 and lines[-1] == "replay it: dcptool replay a.safetensors"
+    assert not [x for x in lines if cell_len(x) > 80], lines
+    cut = [x for x in lines if x.endswith("…")]
+    start = lines.index(next(x for x in lines if x.startswith("rank-sum ")))
+    kept = " ".join(lines[start:-1])
+    assert cut and all(not x.startswith("rank-sum ") for x in cut) and "add up to" in kept
+    piped = cli(*args, "-o", "b.safetensors", cwd=tmp_path).stdout.splitlines()  # (stopped by time: its own size)
+    assert piped[0].startswith("dcptool reduce kept rank-sum at ubatch: ") and piped[-1].startswith("replay it: ")
+    assert all(x.endswith(("wrong row)", "wrong rows)")) for x in piped[1:-1] if x.startswith("stale "))
+    assert re.search(r"add up to \d+, not its seq_len \d+$", next(x for x in piped if x.startswith("rank-sum ")))

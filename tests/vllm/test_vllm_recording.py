@@ -192,7 +192,7 @@ def test_ubatch_worked_example_is_recorded_and_replays_clean(tmp_path, monkeypat
         assert (d.site_name(parent), d["obs.ubatch"][parent]) == ("attn_metadata", -1)
         assert [d.site_name(i) for i in (ub0, ub1)] == ["ubatch", "ubatch"]
         assert d["obs.parent"][ub0] == d["obs.parent"][ub1] == parent
-        # DESIGN §1's worked example, as vLLM computed it
+        # docs/dcp.md's worked example, as vLLM computed it
         assert d.seq_lens_of(ub0).tolist() == [64, 96, 507] and d.qsl_of(ub0).tolist() == [0, 1, 2, 7]
         assert d.seq_lens_of(ub1).tolist() == [512, 32, 48] and d.qsl_of(ub1).tolist() == [0, 5, 6, 7]
         assert d.dcp_of(ub0).tolist() == [[32, 48, 254], [32, 48, 253]][rank]

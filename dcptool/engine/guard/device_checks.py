@@ -8,7 +8,7 @@ from dcptool.dcp.backend import load
 from dcptool.dump import Record
 from dcptool.dump.observation import NAMES, ROW_TABLE
 from dcptool.engine.arguments import host_copy
-from dcptool.engine.guard.host_checks import late_bits
+from dcptool.engine.guard.host_checks import CHECKS, HOST_CHECKS, late_bits
 
 # Ring slot layout (int32 words): HEAD header words, then six sections of `cap` rows each (seq_lens, the DCP
 # view, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens) and `tcap` words of slot entries
@@ -48,17 +48,15 @@ KERNEL_ARGS = ("ring", "state", "flag", "keep", "words", "cap", "tcap", "N", "I"
 GUARD_BLOCK = 1024  # rows a block: one pass of loads for up to 1,024 requests
 GUARD_BLOCK_INTERPRETED = 256  # under Triton's interpreter (device_checks_tl.py says why)
 GUARD_WARPS = 8  # (4 rows a thread)
-BIT_VALUES, BIT_PADDING, BIT_SHAPE, BIT_MISSING, BIT_PAGES, BIT_EMPTY, BIT_TOT, BIT_SLOTS = (1 << k for k in range(8))
-BIT_GRAPH_ADDR = 1 << 8  # (the bits of the host values' rules come from the host: hbits)
-RULE_BITS = 16  # the rule bits a slot's header word holds (the kernel ORs each of them over the rows)
-# a bit -> the rule replay names (the values bit: stale, global, wrong-rank ... mismatch, replay says which)
-RULE_OF_BIT = ((BIT_MISSING, "missing"), (BIT_VALUES, "values"), (BIT_PADDING, "padding"), (BIT_SHAPE, "shape"),
-               (BIT_PAGES, "pages"), (BIT_EMPTY, "empty-mask"), (BIT_TOT, "tot-lens"), (BIT_SLOTS, "slots"),
-               (BIT_GRAPH_ADDR, "graph-addr"))
-BIT_OF_RULE = {r: b for b, r in RULE_OF_BIT}
+# One bit per check of the Guard (host_checks.CHECKS: the rule table's names and order); the kernel sets each of its
+# own by its name (device_checks_tl), the host those of the host values (HOST_CHECKS: launched as `hbits`), the first
+# set in table order is the one reported
+BIT = {name: 1 << k for k, name in enumerate(CHECKS)}
+KERNEL_CHECKS = ("missing", "values", "padding", "shape", "pages", "empty-mask", "tot-lens", "slots")
+if set(KERNEL_CHECKS) | set(HOST_CHECKS) != set(CHECKS) or len(CHECKS) > 31:
+    raise ImportError(f"guard.device_checks: the rule table's device checks are {list(CHECKS)}; the check kernel "
+                      f"decides {list(KERNEL_CHECKS)} and the host {list(HOST_CHECKS)} (at most 31: one word)")
 EXTRAS_KEPT = 4  # host values kept: the last EXTRAS_KEPT * keep launches' and those of captured launches'
-if max(b for b, _ in RULE_OF_BIT) >= 1 << RULE_BITS:
-    raise ImportError("guard.device_checks: more rule bits than the kernel ORs")
 _HOST_AT = NAMES.index(HOST_ROWS[0]) if HOST_ROWS else len(NAMES)  # the host values' place in a Record (the last)
 if NAMES[_HOST_AT:] != HOST_ROWS:
     raise ImportError("guard.device_checks: the host values are the Record's last fields")
@@ -68,8 +66,8 @@ _HOST_IN_CAPTURE = -2  # _sec's count of a host array met inside capture (not re
 
 
 def rule_of(bits: int) -> str:
-    """The first rule (table order) of a slot's rule bits."""
-    return next(r for b, r in RULE_OF_BIT if bits & b)
+    """The first check (table order) of a slot's rule bits."""
+    return next(name for name in CHECKS if bits & BIT[name])
 
 
 _CHECKED: dict = {}  # CUDA device index -> (go, how): the launch that proved itself there (_launcher)
@@ -136,7 +134,7 @@ def _probe_check(p: _Probe, go):
     have = np.concatenate([p.ring.cpu().numpy().ravel(), p.state.cpu().numpy(), p.flag.numpy()])
     if p.want is None:
         w = p.ring[0].cpu().numpy()
-        if (w[:3].tolist() != [1, BIT_VALUES | BIT_SLOTS, 12345] or p.state[:3].tolist() != [1, 1, 1]
+        if (w[:3].tolist() != [1, BIT["values"] | BIT["slots"], 12345] or p.state[:3].tolist() != [1, 1, 1]
                 or p.flag[0].item() != 1 or w[HEAD:HEAD + 4].tolist() != [10, 15, 20, 25]):
             raise RuntimeError(f"guard kernel self-check (dispatch) wrote {w[:HEAD + 4].tolist()}")
         p.want = have
@@ -369,7 +367,7 @@ class GuardDevice:
         self.hidx = (hidx + 1) & 0x7FFFFFFF  # (a header word)
         hbits = 0
         if any(x is not None for x in r[_HOST_AT:]):
-            hbits = late_bits(self._spec, r, BIT_OF_RULE)
+            hbits = late_bits(self._spec, r, BIT)
             self._keep_host(r, hidx)
         step, rank, nr, nrp, ubatch, parent, rs, ts, te, ntp, buf, graph = vals  # (Scalars order)
         buf = _NONE if buf is None else buf

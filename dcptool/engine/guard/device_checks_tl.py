@@ -6,19 +6,11 @@ import triton.language as tl
 from dcptool.dcp.backend import interpreted
 from dcptool.dcp.kernel_tl import local_of
 from dcptool.engine.guard.device_checks import (
-    BIT_EMPTY,
-    BIT_MISSING,
-    BIT_PADDING,
-    BIT_PAGES,
-    BIT_SHAPE,
-    BIT_SLOTS,
-    BIT_TOT,
-    BIT_VALUES,
+    BIT,
     GUARD_BLOCK,
     GUARD_BLOCK_INTERPRETED,
     HEAD,
     KERNEL_ARGS,
-    RULE_BITS,
     SECTIONS,
     W_COUNTS,
     W_HOST,
@@ -30,14 +22,15 @@ _ARGS = list(KERNEL_ARGS)
 # (the GPU's time grows with the loops' trips, one round trip to memory each: 1,024 rows in one; the interpreter's
 # with the block's size too, past a few hundred lanes: the CPU tests' blocks are smaller)
 _BLOCK = tl.constexpr(GUARD_BLOCK_INTERPRETED if interpreted() else GUARD_BLOCK)
-_VALUES, _PADDING, _SHAPE, _MISSING = (tl.constexpr(b) for b in (BIT_VALUES, BIT_PADDING, BIT_SHAPE, BIT_MISSING))
-_PAGES, _EMPTY, _TOT, _SLOTS = (tl.constexpr(b) for b in (BIT_PAGES, BIT_EMPTY, BIT_TOT, BIT_SLOTS))
+# each check's bit, by the name the rule table gives it (device_checks.KERNEL_CHECKS)
+_MISSING, _VALUES, _PADDING, _SHAPE = (tl.constexpr(BIT[n]) for n in ("missing", "values", "padding", "shape"))
+_PAGES, _EMPTY, _TOT, _SLOTS = (tl.constexpr(BIT[n]) for n in ("pages", "empty-mask", "tot-lens", "slots"))
+_NBITS = tl.constexpr(triton.next_power_of_2(len(BIT)))
 _HEAD = tl.constexpr(HEAD)
 _SECTIONS = tl.constexpr(SECTIONS)
 _W_COUNTS = tl.constexpr(W_COUNTS)
 _W_KEPT = tl.constexpr(W_KEPT)
 _W_HOST = tl.constexpr(W_HOST)
-_RULE_BITS = tl.constexpr(RULE_BITS)
 
 
 @triton.jit(do_not_specialize=_ARGS)
@@ -151,10 +144,9 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
                 tl.store(out + t, p, mask=t < tl.where(g == 0, kept_t, 0))
                 tl.store(out + n_pos * (g + 1) + t, s, mask=t < kept_t)
     # the rows' rule bits ORed (a max would keep only the highest of bits set in different rows): which of the
-    # RULE_BITS bits any row set (one max over [rows, bits]), then summed back (two reductions the interpreter does
-    # in numpy)
-    kb = tl.arange(0, _RULE_BITS)
-    bits = bits | tl.sum(tl.max((acc[:, None] >> kb[None, :]) & 1, axis=0) << kb, axis=0)
+    # bits any row set (one max over [rows, bits]), then summed back (two reductions the interpreter does in numpy)
+    k8 = tl.arange(0, _NBITS)
+    bits = bits | tl.sum(tl.max((acc[:, None] >> k8[None, :]) & 1, axis=0) << k8, axis=0)
     # the header, one vector (each word a select: no nested jit call, which the interpreter pays dearly for)
     hl = tl.arange(0, _HEAD)
     hv = tl.where(hl == 0, idx + 1, tl.where(hl == 1, bits, tl.where(hl == 2, step, tl.where(hl == 3, site, 0))))

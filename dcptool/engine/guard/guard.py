@@ -76,7 +76,7 @@ class Guard:
         self.wrong = 0  # wrong observations seen
         self.dropped = 0  # observations that could not be checked (a value a dump cannot hold)
         self.skipped_capture = 0  # captured before the ring existed (device_checks.GuardDevice)
-        self.first_rule: str | None = None  # what the first wrong observation broke (a replay rule name)
+        self.first_rule: str | None = None  # what the first wrong observation broke: a check of host_checks.CHECKS
         self.first_index = -1  # its index in the Guard's stream
         self.dumped: Path | None = None  # the dump written, once
         self.dump_dropped = 0

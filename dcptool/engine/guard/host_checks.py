@@ -7,6 +7,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dcptool.dcp.reference import local_np
+from dcptool.dcp.rules import DEVICE_CHECKS
 from dcptool.dump import Record
 from dcptool.dump.schema import GraphMode
 
@@ -20,66 +21,107 @@ class Spec(NamedTuple):
     sharded: tuple[bool, ...] | None  # None: every group sharded (a dump's kv_groups unnamed)
 
 
+# The Guard's checks, named, ordered and chosen by the rule table: the errors among its device checks (a warning
+# never makes an observation wrong). The kernel (device_checks) decides the same ones.
+CHECKS = tuple(c.name for c in DEVICE_CHECKS if c.severity == "error")
+# ... of which the checks of the host values (the row fields after the slot entries: host integers such as the
+# metadata tensors' addresses), decided on the host on either path (late_bits gives the kernel their verdict)
+HOST_CHECKS = ("graph-addr",)
+
+
+class _Obs(NamedTuple):
+    """One observation's host arrays as the checks read them; `local` is the formula on its real rows."""
+
+    s: Spec
+    rank: int
+    nr: int
+    nrp: int
+    seq: np.ndarray
+    dcp: np.ndarray | None
+    qsl: np.ndarray | None
+    kv: np.ndarray | None
+    dqsl: np.ndarray | None
+    tot: np.ndarray | None
+    slots: tuple
+    local: np.ndarray
+    r: Record  # the observation (its host values)
+
+
+def _aligned(o: _Obs) -> bool:
+    """Replay compares the values of a view aligned with seq_lens only."""
+    return o.dcp is not None and o.dcp.size == o.seq.size
+
+
+def _pages(o: _Obs) -> bool:
+    if o.kv is None or not o.s.page_size:
+        return False
+    kv = o.kv[:o.nr]
+    return bool(np.any((kv != -(-o.local // o.s.page_size)) & (kv >= 0)))  # (-1: a count not recorded)
+
+
+def _empty_mask(o: _Obs) -> bool:
+    if o.s.dcp_size == 1 or o.dqsl is None or not o.dqsl.size or o.qsl is None or not o.qsl.size:
+        return False
+    return o.dqsl.size > o.qsl.size or not np.array_equal(o.dqsl, o.qsl[:o.dqsl.size])
+
+
+def _tot_lens(o: _Obs) -> bool:
+    if o.s.dcp_size == 1 or o.tot is None or not o.tot.size:
+        return False
+    k = min(o.tot.size, o.nr)
+    return not np.array_equal(o.tot[:k], o.seq[:k])
+
+
+# Each check by the name the table gives it: missing (no view with dcp_size > 1), values (the view's real rows vs the
+# formula on the observation's own seq_lens, where the view has one row per seq_lens row: replay says which of stale
+# ... mismatch), padding (rows num_reqs .. num_reqs_padded are 0), shape (num_reqs_padded rows), pages
+# (cdiv(local, page_size) per real row), empty-mask (Q = query_start_loc[:len(Q)]), tot-lens (the global companion
+# equals seq_lens on its real rows), slots (a sharded group's position p is written by rank (p // I) % N only, a
+# replicated group's by every rank; padded tokens write nothing).
+_CHECK = {
+    "missing": lambda o: o.dcp is None and o.s.dcp_size > 1,
+    "values": lambda o: _aligned(o) and not np.array_equal(o.dcp[:o.nr], o.local),
+    "padding": lambda o: _aligned(o) and bool(np.any(o.dcp[o.nr:o.nrp] != 0)),
+    "shape": lambda o: o.dcp is not None and o.dcp.size != o.nrp,
+    "pages": _pages,
+    "empty-mask": _empty_mask,
+    "tot-lens": _tot_lens,
+    "slots": lambda o: o.slots[0] is not None and o.slots[0].size > 0 and _slots_wrong(o.s, o.rank, o.nr, o.qsl,
+                                                                                       *o.slots),
+}
+# The checks of the host values (HOST_CHECKS): graph-addr (a full-graph replay whose build handed attention a metadata
+# tensor at another address than the graph captured).
+_HOST = {
+    "graph-addr": lambda s, r: _graph(r.graph) == GraphMode.FULL_REPLAY and r.attn_addrs is not None
+    and r.graph_addrs is not None and not np.array_equal(np.asarray(r.attn_addrs), np.asarray(r.graph_addrs)),
+}
+_CHECK.update((name, lambda o, f=f: f(o.s, o.r)) for name, f in _HOST.items())
+if set(_HOST) != set(HOST_CHECKS):
+    raise ImportError("guard.host_checks: HOST_CHECKS names the checks of the host values")
+if set(_CHECK) != set(CHECKS):
+    raise ImportError(f"guard.host_checks: the rule table's device checks are {list(CHECKS)}; the host path decides "
+                      f"{list(_CHECK)}")
+
+
+def _graph(g) -> int | None:
+    return GraphMode.parse(g) if isinstance(g, str) else g
+
+
 def first_wrong(s: Spec, r: Record, slots: tuple) -> str | None:
-    """The first replay rule (table order) one observation breaks, or None; `r` holds host arrays (the Guard's
-    copies), `slots` its slot entries (dump.slot_entries' three arrays, or three None); real rows first.
-
-    The rules: missing (no view with dcp_size > 1), the values (the view's real rows vs the formula on the
-    observation's own seq_lens, where the view has one row per seq_lens row), padding (rows num_reqs ..
-    num_reqs_padded are 0), shape (num_reqs_padded rows), pages (cdiv(local, page_size) per real row),
-    empty-mask (Q = query_start_loc[:len(Q)]), tot-lens (the global companion equals seq_lens on its real
-    rows), slots (a sharded group's position p is written by rank (p // I) % N only, a replicated group's by
-    every rank; padded tokens write nothing), then the rules of the host values (late_wrong)."""
-    return _early_wrong(s, r, slots) or late_wrong(s, r)
-
-
-def late_wrong(s: Spec, r: Record) -> str | None:
-    """The first rule the observation's host values break (the fields after the slot entries: host integers the
-    Guard checks as observe() is called, on either path), or None: graph-addr (a full-graph replay whose build
-    handed attention a metadata tensor at another address than the graph captured)."""
-    graph = GraphMode.parse(r.graph) if isinstance(r.graph, str) else r.graph
-    if graph == GraphMode.FULL_REPLAY and r.attn_addrs is not None and r.graph_addrs is not None:
-        if not np.array_equal(np.asarray(r.attn_addrs), np.asarray(r.graph_addrs)):
-            return "graph-addr"
-    return None
+    """The first of the Guard's checks (CHECKS, the rule table's order) one observation breaks, or None; `r` holds
+    host arrays (the Guard's copies) and ints, `slots` its slot entries (dump.slot_entries' three arrays, or three
+    None); real rows first."""
+    seq, nr = r.seq_lens, r.num_reqs
+    local = local_np(seq[:nr].astype(np.int64), s.dcp_size, r.rank, s.cp_interleave)
+    o = _Obs(s, r.rank, nr, r.num_reqs_padded, seq, r.dcp_local_seq_lens, r.query_start_loc, r.kv_pages,
+             r.dcp_query_start_loc, r.dcp_tot_seq_lens, slots, local, r)
+    return next((name for name in CHECKS if _CHECK[name](o)), None)
 
 
 def late_bits(s: Spec, r: Record, bits: dict) -> int:
-    """late_wrong's verdict as the Guard kernel's rule bit (`bits`: rule -> bit), 0 when right."""
-    rule = late_wrong(s, r)
-    return 0 if rule is None else bits[rule]
-
-
-def _early_wrong(s: Spec, r: Record, slots: tuple) -> str | None:
-    rank, nr, num_reqs_padded, seq, dcp = r.rank, r.num_reqs, r.num_reqs_padded, r.seq_lens, r.dcp_local_seq_lens
-    qsl, kv_pages, dqsl, tot = r.query_start_loc, r.kv_pages, r.dcp_query_start_loc, r.dcp_tot_seq_lens
-    N, I_ = s.dcp_size, s.cp_interleave
-    local = local_np(seq[:nr].astype(np.int64), N, rank, I_)
-    if dcp is None:
-        if N > 1:
-            return "missing"
-    else:
-        if dcp.size == seq.size:  # (replay compares the values of a view aligned with seq_lens only)
-            if not np.array_equal(dcp[:nr], local):
-                return "values"  # stale, global, wrong-rank ... mismatch: replay says which
-            if np.any(dcp[nr:num_reqs_padded] != 0):
-                return "padding"
-        if dcp.size != num_reqs_padded:
-            return "shape"
-    if kv_pages is not None and s.page_size:
-        kv = kv_pages[:nr]
-        if np.any((kv != -(-local // s.page_size)) & (kv >= 0)):  # (-1: a count not recorded)
-            return "pages"
-    if N > 1 and dqsl is not None and dqsl.size and qsl is not None and qsl.size:
-        if dqsl.size > qsl.size or not np.array_equal(dqsl, qsl[:dqsl.size]):
-            return "empty-mask"
-    if N > 1 and tot is not None and tot.size:
-        k = min(tot.size, nr)
-        if not np.array_equal(tot[:k], seq[:k]):
-            return "tot-lens"
-    if slots[0] is not None and slots[0].size and _slots_wrong(s, rank, nr, qsl, *slots):
-        return "slots"
-    return None
+    """The kernel's rule bits (`bits`: check -> bit) of the host values' checks an observation breaks: the Guard's
+    device path decides them on the host, as observe() is called (the values are host integers)."""
+    return sum(bits[name] for name, f in _HOST.items() if f(s, r))
 
 
 def _slots_wrong(s: Spec, rank: int, nr: int, qsl, pos: np.ndarray, slot: np.ndarray, grp: np.ndarray) -> bool:

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 from test_guard import PER_OBS_FAULTS, guard_of, observations, run_sim
+from test_host_checks import broken
 
 from dcptool.dump import read_dump
 from dcptool.engine.guard.guard import Guard
+from dcptool.engine.guard.host_checks import CHECKS
 
 pytestmark = pytest.mark.kernel
 
@@ -130,3 +132,27 @@ def test_rules_broken_in_different_rows_all_count(tmp_path, case):
     assert rules[0] == rules[1] == case.split("+")[0]
     kept, _, _ = g._dev.kept()
     assert bin(kept[-1][1]).count("1") == 2  # both rules' bits
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_each_device_rule_is_reported_under_the_tables_name(tmp_path, name):
+    """Each check the rule table marks `device`, broken alone in one build: the kernel and the host path both report
+    it under the table's name (test_host_checks holds the names to the table: none other)."""
+    c = broken(name)
+    t = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
+    kw = dict(step=0, site="s", rank=1, seq_lens=t(c["seq"]), num_reqs=3, num_reqs_padded=4,
+              dcp_local_seq_lens=t(c["dcp"]), query_start_loc=t(c["qsl"]), kv_pages=t(c["kv"]),
+              dcp_query_start_loc=t(c.get("dqsl")), dcp_tot_seq_lens=t(c.get("tot")))
+    # the host values (graph, addresses ...) go to observe() as they are
+    kw.update((k, v) for k, v in c.items() if k not in ("seq", "dcp", "qsl", "kv", "dqsl", "tot", "slots"))
+    pos, slot, grp = c.get("slots", (None,) * 3)
+    if pos is not None:
+        kw.update(positions=t(pos[grp == 0]), slot_mapping={g: t(slot[grp == g]) for g in (0, 1)})
+    groups = [{"name": "attn", "dcp": True}, {"name": "mamba", "dcp": False}]
+    seen = []
+    for kernel in (False, True):
+        g = Guard(tmp_path / str(kernel), 2, 1, page_size=4, kv_groups=groups, on_wrong="count", kernel=kernel)
+        g.observe(**(_on(_dev(), kw) if kernel else kw))
+        g.close()
+        seen.append((g.first_rule, g.wrong))
+    assert seen == [(name, 1), (name, 1)]

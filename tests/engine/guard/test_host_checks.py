@@ -1,11 +1,15 @@
-"""host_checks.py: the Guard's per-observation checks on hand-built host arrays, one rule at a time, in table order."""
+"""host_checks.py: the Guard's per-observation checks on hand-built host arrays, one check at a time, named and ordered
+by the rule table."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dcptool.dcp.reference import local_np
-from dcptool.dump import Record
-from dcptool.engine.guard.host_checks import Spec, first_wrong
+from dcptool.dcp.rules import DEVICE_CHECKS, RULE, TABLE
+from dcptool.dump import Record, addr_words
+from dcptool.engine.guard.host_checks import CHECKS, Spec, first_wrong
 
 SPEC = Spec(dcp_size=2, cp_interleave=1, page_size=4, sharded=(True, False))
 NONE = (None, None, None)
@@ -18,9 +22,9 @@ def _case(rank=1, nr=3, nrp=4):
     return seq, dcp, kv
 
 
-def _check(seq, dcp, qsl=None, kv=None, dqsl=None, tot=None, slots=NONE, nr=3, nrp=4, spec=SPEC, rank=1):
+def _check(seq, dcp, qsl=None, kv=None, dqsl=None, tot=None, slots=NONE, nr=3, nrp=4, spec=SPEC, rank=1, **host):
     r = Record(step=0, site="s", rank=rank, num_reqs=nr, num_reqs_padded=nrp, seq_lens=seq, dcp_local_seq_lens=dcp,
-               query_start_loc=qsl, kv_pages=kv, dcp_query_start_loc=dqsl, dcp_tot_seq_lens=tot)
+               query_start_loc=qsl, kv_pages=kv, dcp_query_start_loc=dqsl, dcp_tot_seq_lens=tot, **host)
     return first_wrong(spec, r, slots)
 
 
@@ -30,20 +34,70 @@ def test_a_right_observation_passes():
     assert _check(seq, dcp, qsl, kv, qsl[:3], seq[:2]) is None
 
 
-@pytest.mark.parametrize("edit, rule", [
-    (lambda c: c.update(dcp=None), "missing"),
-    (lambda c: c["dcp"].__setitem__(0, 9), "values"),
-    (lambda c: c["dcp"].__setitem__(3, -1), "padding"),
-    (lambda c: c.update(dcp=c["dcp"][:3]), "shape"),
-    (lambda c: c["kv"].__setitem__(1, 3), "pages"),
-    (lambda c: c.update(dqsl=np.array([0, 1, 1], np.int32)), "empty-mask"),
-    (lambda c: c.update(tot=np.array([2, 4], np.int32)), "tot-lens"),
-])
-def test_each_rule(edit, rule):
+# One edit per check of the Guard, each breaking that check alone (the rule table names them: DEVICE_CHECKS)
+BREAK = {
+    "missing": lambda c: c.update(dcp=None),
+    "values": lambda c: c["dcp"].__setitem__(0, 9),
+    "padding": lambda c: c["dcp"].__setitem__(3, -1),
+    "shape": lambda c: c.update(dcp=c["dcp"][:3]),
+    "pages": lambda c: c["kv"].__setitem__(1, 3),
+    "empty-mask": lambda c: c.update(dqsl=np.array([0, 1, 1], np.int32)),
+    "tot-lens": lambda c: c.update(tot=np.array([2, 4], np.int32)),
+    "slots": lambda c: c.update(slots=_slots(1, [[5, 0, -1, 1], [0, 1, 2, 3]])),
+    # a full-graph replay whose build hands attention a tensor the graph did not capture (the host values)
+    "graph-addr": lambda c: c.update(graph=3, attn_addrs=addr_words([0x7F10, 0x7F20]),
+                                     graph_addrs=addr_words([0x7F00, 0x7F20])),
+}
+
+
+def broken(name: str) -> dict:
+    """A right observation (rank 1 of 2, page size 4, slots of a sharded and a replicated group) with `name` broken."""
     seq, dcp, kv = _case()
     c = dict(seq=seq, dcp=dcp, qsl=np.array([0, 1, 2, 3, 3], np.int32), kv=kv)
-    edit(c)
-    assert _check(**c) == rule
+    BREAK[name](c)
+    return c
+
+
+def test_the_guards_checks_are_the_rule_tables_device_rules():
+    """The Guard reports the table's device rules under their names (the five value rules, one check, as `values`),
+    in table order, and nothing else; a rule the table does not mark `device` is not the Guard's."""
+    assert CHECKS == tuple(c.name for c in DEVICE_CHECKS) == tuple(BREAK)
+    named = {r for c in DEVICE_CHECKS for r in c.rules}
+    assert named == {r.name for r in TABLE if r.device}
+    for c in DEVICE_CHECKS:
+        assert c.name in c.rules or c.rules == ("stale", "global", "wrong-rank", "wrong-interleave", "mismatch")
+        assert {RULE[r].severity for r in c.rules} == {c.severity} == {"error"}
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_each_check_is_reported_under_its_tables_name(name):
+    assert _check(**broken(name)) == name
+
+
+@pytest.mark.parametrize("drop", [None, "pages"])
+def test_the_host_path_refuses_a_table_it_does_not_decide(monkeypatch, drop):
+    """A table whose device rules differ from the checks the host path makes (a rule marked `device` it has no
+    check for, or one unmarked that it checks) stops the import: the Guard never reports a name the table lacks."""
+    import importlib.util
+
+    from dcptool.dcp import rules
+
+    table = tuple(r._replace(device=r.name != drop and r.device) for r in rules.TABLE)
+    if drop is None:  # a rule the table gains
+        table += (rules.Rule("new-rule", "error", "Z", "values.check_new", "a new device rule", device=True),)
+    monkeypatch.setattr(rules, "DEVICE_CHECKS", rules.device_checks_of(table))
+    spec = importlib.util.spec_from_file_location("host_checks_again", Path(first_wrong.__code__.co_filename))
+    with pytest.raises(ImportError, match="the rule table's device checks are"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+@pytest.mark.parametrize("graph, moved", [(3, False), (2, True), (0, True), ("replay", True), ("replay", False)])
+def test_graph_addr_only_at_a_replay_whose_tensor_moved(graph, moved):
+    seq, dcp, _ = _case()
+    cap = addr_words([0x7F00, 0x7F20])
+    got = _check(seq, dcp, graph=graph, attn_addrs=addr_words([0x7F10 if moved else 0x7F00, 0x7F20]), graph_addrs=cap)
+    assert got == ("graph-addr" if moved and graph in (3, "replay") else None)
+    assert _check(seq, dcp, graph=3, attn_addrs=cap) is None  # (a replay of no recorded capture: not checked)
 
 
 def test_values_only_where_the_view_is_aligned_and_missing_only_under_dcp():

@@ -1,4 +1,4 @@
-"""The Recorder (record.py, DESIGN §5): private copies at once, never raising into the engine, thread-safe;
+"""The Recorder (record.py, docs/recording.md): private copies at once, never raising into the engine, thread-safe;
 issue 15's rows and slot keywords through observe() and observe_many()."""
 
 import warnings
