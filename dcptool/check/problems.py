@@ -236,6 +236,9 @@ _WHY = {
     ("graph-addr", None): "a full CUDA graph replays the addresses its capture baked in, but the build hands "
                           "attention a metadata tensor allocated anew (another address): the graph reads a stale "
                           "buffer",
+    ("kernel-block", None): "the slot mapping deals positions to the DCP ranks by the attention kernel's block where "
+                            "the KV-cache manager's differs and the interleave does not divide it: KV written on "
+                            "ranks that do not own it, past the kernel block",
 }
 
 

@@ -130,6 +130,12 @@ TABLE = (
          "the build did not write: stale values)", needs=("obs.addrs", "obs.gaddrs"), device=True,
          unrecorded="needs obs.addrs and obs.gaddrs (the metadata tensors' addresses at the build and at capture)",
          faults=("graph-addr-moved",), said=False),
+    # the block sizes the slot mapping worked with (per KV-cache group: the manager's, the kernel's, the dealing one)
+    Rule("kernel-block", "error", "J", "blocks.check_kernel_block", "a DCP-sharded KV-cache group whose slot mapping "
+         "deals positions to the ranks by another block than the KV-cache manager's (the attention kernel's, which "
+         "the interleave need not divide) where that sends a position to another rank or local position",
+         needs=("obs.kvbs",), device=True, faults=("slot-kernel-block",), said=False,
+         unrecorded="needs obs.kvbs (the block sizes the slot mapping worked with)"),
 )
 RULE = {r.name: r for r in TABLE}
 RULES = tuple(RULE)

@@ -46,6 +46,7 @@ class Field(NamedTuple):
     needs: str | None = None  # the DumpConfig setting the field needs (else the observation is dropped)
     section: str | None = None  # a row field's short name: the writer's rows, the ring's sections (ROW_FIELDS)
     argument: bool = True  # False: derived from other fields (a column, not an observe() keyword)
+    width: int = 1  # an ANY row's values come in tuples of this many (another count drops the observation)
 
     @property
     def optional(self) -> bool:
@@ -104,6 +105,11 @@ FIELDS_TABLE: tuple[Field, ...] = (
     # the addresses the graph captured for them (it reads those, whatever the build wrote)
     Field("attn_addrs", ANY, "I32", "rows.attn_addrs", offsets="obs.addrs", section="addr"),
     Field("graph_addrs", ANY, "I32", "rows.graph_addrs", offsets="obs.gaddrs", section="gaddr"),
+    # Per KV-cache group (rows.slot_group's index, in order), the block sizes the build's slot mapping worked with:
+    # three words each, the KV-cache manager's block (its spec's block_size), the attention kernel's block
+    # (kernel_block_sizes) and the block whose virtual block (it times dcp_size) deals positions to the DCP ranks
+    Field("kv_block_sizes", ANY, "I32", "rows.kv_block_sizes", offsets="obs.kvbs", nonneg=True, section="kvbs",
+          width=3),
 )
 
 ARGUMENTS: tuple[Field, ...] = tuple(f for f in FIELDS_TABLE if f.argument)  # observe()'s keywords

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcptool.dump.observation import dump_columns
+from dcptool.dump.observation import ROW_TABLE, dump_columns
 from dcptool.errors import DcptoolError
 
 FORMAT_VERSION = "1"
@@ -36,6 +36,7 @@ DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "F16": 16, "BF1
 # observation's fields (dump.observation.FIELDS_TABLE): a new field's columns come along.
 REQUIRED, OPTIONAL = dump_columns()
 COLUMNS = {**REQUIRED, **OPTIONAL}
+WIDE = tuple(f for f in ROW_TABLE if f.width > 1)  # the row fields of tuples (per KV-cache group ...)
 # offsets column -> the row columns it sizes, in table order (derived: a new ragged column comes along)
 RAGGED: dict[str, tuple[str, ...]] = {}
 for _key, (_, _kind) in COLUMNS.items():
@@ -528,6 +529,13 @@ def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=
         if t.size and t.min() < 0:
             i = int(np.argmax(t < 0))
             raise fail(p, "rows.dcp_tot_seq_lens", f"negative length {t[i]} at row {i}")
+    for f in WIDE:  # (rows of tuples: whole tuples per observation)
+        if f.offsets in c and (bad := np.flatnonzero(np.diff(c[f.offsets]) % f.width)).size:
+            raise fail(p, f.offsets, f"observation {bad[0]} holds {np.diff(c[f.offsets])[bad[0]]} values of "
+                       f"{f.column}, not whole tuples of {f.width}")
+        if f.nonneg and f.column in c and c[f.column].size and c[f.column].min() < 0:
+            i = int(np.argmax(c[f.column] < 0))
+            raise fail(p, f.column, f"negative value {c[f.column][i]} at row {i}")
     if "obs.slots" in c:
         _check_slots(p, cfg, c)
 

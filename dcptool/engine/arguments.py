@@ -278,8 +278,9 @@ def device_slots(positions, slot_mapping, kv_groups, tensor: type, on: str, seen
 
 def copied_row(f: Field, x, rows: int, config, ranks: int = 0):
     """A row field's private host copy, checked by the field's rules (its shape against the observation's `rows`
-    seq_lens rows, the config setting it needs, no negative value where none may be); None: not given, or (rows
-    + 1 fields) of no use to replay. Raises what cannot be stored. `ranks` > 0: x is [ranks, values] (per_rank)."""
+    seq_lens rows, the config setting it needs, whole tuples of `width`, no negative value where none may be);
+    None: not given, or (rows + 1 fields) of no use to replay. Raises what cannot be stored. `ranks` > 0: x is
+    [ranks, values] (per_rank)."""
     a = host_fast(x) if not ranks else x
     if a is None:
         return None
@@ -289,4 +290,6 @@ def copied_row(f: Field, x, rows: int, config, ranks: int = 0):
     if f.needs and getattr(config, f.needs) is None or f.shape == ROWS and n != rows:
         raise ValueError(f"{f.name} needs {f.needs} in the config and one value per seq_lens row ({rows})"
                          if f.needs else f"{f.name} needs one value per seq_lens row ({rows}), got {n}")
+    if n % f.width:
+        raise ValueError(f"{f.name} holds {f.width} values per entry, got {n}")
     return nonneg(a, f.name) if f.nonneg else a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dcptool.dcp.reference import slot_deal
 from dcptool.dump.schema import INT32_MAX
 from dcptool.model.config import KV_GROUPS, SimConfig
 from dcptool.model.rows import Rows
@@ -69,7 +70,7 @@ class Columns:
         PCP-gathered form (PCPManager._convert_to_gathered_slot_mappings: every PCP rank's local tokens, a
         replicated request written once, from PCP rank 0's copy, at the same slot). Simulate records each PCP
         rank's own tokens of it, those replicated tokens with the slot their copy writes."""
-        if role in ("draft", "global"):
+        if not _kernel_ran(role):
             return None
         N, I_, B = self.N, self.I, self.G
         nr, ntp = b.nr, b.ntp
@@ -84,14 +85,12 @@ class Columns:
         pos[:real] = b.seq[req] - q[req] + (np.arange(real) - b.qsl[req])
         p = pos[:real]
         ranks = self.ranks  # [N, 1]
-        vo = p % (B * N)
-        local = p // (B * N) * B + vo // (I_ * N) * I_ + vo % I_
-        owner = (p // I_) % N
+        owner, local = slot_deal(p, B, N, I_)
         base = (req + req0 if b.req is None else b.req[req]) * per_req
         sharded = np.where(owner == ranks, (base + local // B) * B + local % B, -1)  # [N, real]
         replicated = np.broadcast_to((base + p // B) * B + p % B, (N, real))
         out = np.full((N, len(KV_GROUPS), ntp), -1, np.int64)
-        if kind in ("dummy", "capture") or role in ("dummy", "dflash"):
+        if not _computed(role, kind):
             return pos, out
         F = self.F
         out[:, 0, :real] = sharded
@@ -107,4 +106,31 @@ class Columns:
         if "slot-all-ranks" in F:
             out[:, 0, :real] = (base + local // B) * B + local % B  # no is_local mask: every rank writes
             marks.append(("slot-all-ranks", (owner != ranks).any(axis=1)))
+        if "slot-kernel-block" in F:
+            # vLLM 0.22-0.28: dealt by the kernel's block K, addressed in the kernel blocks the block table lists
+            # (manager block m is kernel blocks 2m, 2m + 1: slot = (2 base + p // KN) K + the dealt offset)
+            K = B // 2
+            kown, klocal = slot_deal(p, K, N, I_)
+            out[:, 0, :real] = np.where(kown == ranks, base * B + klocal, -1)
+            marks.append(("slot-kernel-block", np.ones(N, bool)))  # (the block sizes every rank records)
         return pos, out
+
+    def block_sizes(self, role: str, kind: str) -> np.ndarray | None:
+        """The block sizes a build's slot mapping worked with (rows.kv_block_sizes: per KV-cache group the
+        manager's, the attention kernel's and the one it deals positions by), where the slot mapping kernel ran and
+        a fault on them is injected (otherwise nothing is recorded: dumps as before). The attention group's kernel
+        block is half the manager's under slot-kernel-block (the backend split it), which the slot mapping deals by."""
+        if "slot-kernel-block" not in self.F or not _computed(role, kind):
+            return None
+        B = self.G
+        return np.array([B, B // 2, B // 2, B, B, B], np.int32)
+
+
+def _kernel_ran(role: str) -> bool:
+    """simulate records the slot mappings of the build (not a draft's, nor the global batch of a PCP step)."""
+    return role not in ("draft", "global")
+
+
+def _computed(role: str, kind: str) -> bool:
+    """The slot-mapping kernel computed the build's mappings (dummy runs and capture write PAD_SLOT_ID only)."""
+    return _kernel_ran(role) and kind not in ("dummy", "capture") and role not in ("dummy", "dflash")

@@ -7,6 +7,7 @@ import shlex
 from dataclasses import dataclass, fields
 
 from dcptool.choices import CudaGraph, Pipeline, SpecMethod, spoken, values
+from dcptool.dcp.reference import misdealt
 from dcptool.dcp.rules import RULE_OF_FAULT
 from dcptool.dcp.slicing import parse_engine_version
 from dcptool.errors import DcptoolError
@@ -44,6 +45,9 @@ _FAULT_WHAT.update({
 _HANDED = {
     "graph-addr-moved": "a per-request metadata tensor (FlashAttention's dcp_context_kv_lens) allocated anew at each "
                         "build: a full-graph replay's build hands attention another address than the graph captured",
+    "slot-kernel-block": "the slot mapping deals a DCP-sharded group's positions to the ranks by the attention "
+                         "kernel's block (half the KV-cache manager's, as FlashInfer MLA splits 128 into 64) instead "
+                         "of the manager's",
 }
 _FAULT_WHAT.update(_HANDED)
 OPT_IN = OPT_IN | set(_HANDED)
@@ -71,6 +75,8 @@ FAULT_WHERE: dict[str, str] = {
     "slot-all-ranks": "no release",
     # FlashAttention's build returned a fresh dcp_context_kv_lens up to 0.19 (vLLM #36070); 0.20 keeps a buffer
     "graph-addr-moved": "before 0.20",
+    # model runner V2's slot mapping dealt by kernel_block_sizes up to 0.28 (vLLM #51031); 0.29 by the manager's
+    "slot-kernel-block": "before 0.29",
 }
 # The KV-cache groups simulate's engine has (rows.slot_group indexes it): the attention KV cache, DCP-sharded, and
 # a replicated one (Mamba/GDN state as vLLM 0.31+ keeps it under DCP); both in page_size blocks.
@@ -189,6 +195,10 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "slot-wrong-group": None,  # (PCP too: each PCP rank records its local tokens' slots)
         "slot-all-ranks": None,
         "graph-addr-moved": None if graphs else "needs --cudagraph full (a full graph replays captured addresses)",
+        "slot-kernel-block": None if cfg.page_size % 2 == 0 and misdealt(cfg.page_size // 2, cfg.page_size, cfg.dcp,
+                                                                          cfg.interleave) >= 0 else
+        "needs an even --page-size whose half (the attention kernel's block) --interleave does not divide (e.g. "
+        "--interleave equal to --page-size)",
     }
     if cfg.dcp == 1:  # vLLM passes None everywhere: nothing DCP-specific can go wrong
         why = {f: "needs --dcp > 1" for f in why}

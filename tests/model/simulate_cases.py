@@ -92,4 +92,5 @@ EXERCISE = {
     "slot-wrong-group": (4, 2, 1, 2, 2, "full", "mtp"),
     "slot-all-ranks": (3, 16, 1, 2, 2, "piecewise", "mtp"),
     "graph-addr-moved": (4, 1, 2, 2, 2, "full", "mtp"),
+    "slot-kernel-block": (4, 16, 2, 2, 2, "full", "mtp"),
 }

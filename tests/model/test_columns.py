@@ -121,3 +121,45 @@ def test_slot_faults_under_pcp_found_exactly_and_fixed_pcp_replays_clean(tmp_pat
             assert r.faults[fault].count > 0
             verify(r, dd, found)
             assert FAULTS[fault][0] in found.by_rule()
+
+
+# vLLM #51031 on --dcp 4 with full graphs: with and without PCP 2, micro-batches, MTP and DFlash; and the matrix's
+# rows whose interleave (16, the page size) the kernel's half block does not take
+KERNEL_BLOCK_ROWS = [(4, 16, 1, 2, 1, "full", "mtp"), (4, 16, 2, 2, 2, "full", "mtp"),
+                     (4, 16, 1, 3, 2, "full", "dflash"), (4, 16, 2, 0, 2, "full", "mtp")] + [
+    r for r in MATRIX if r[0] > 1 and r[1] == 16]
+
+
+@pytest.mark.parametrize("row", KERNEL_BLOCK_ROWS, ids=[f"N{r[0]}-I{r[1]}-P{r[2]}-K{r[3]}-U{r[4]}-{r[5]}-{r[6]}"
+                                                        for r in KERNEL_BLOCK_ROWS])
+def test_slot_kernel_block_is_found_exactly_where_it_touched(row, tmp_path):
+    """slot-kernel-block (vLLM 0.22-0.28's slot kernel, dealing by the kernel's half block): every build whose slot
+    mapping the kernel computed records the block sizes and is found by kernel-block, at every rank; the slots its
+    deal moves are `slots` findings at those builds only; nothing else anywhere."""
+    cfg = config_of(row, 11, inject=("slot-kernel-block",), steps=8)
+    res, d, rr = run(cfg, tmp_path)
+    rep = res.faults["slot-kernel-block"]
+    assert rep.applicable and rep.count > 0
+    verify(res, d, rr)
+    assert "kernel-block" in rr.by_rule() and set(rr.by_rule()) <= {"kernel-block", "slots", "slot-partition"}
+    recorded = np.flatnonzero(np.diff(d["obs.kvbs"]) > 0)
+    assert sorted(rep.touched[res.files[0]]) == recorded.tolist()
+    assert {d.site_name(i) for i in recorded} <= {"attn_metadata", "pcp_partition", "ubatch"}
+    kvbs = d["rows.kv_block_sizes"].reshape(-1, 6)
+    assert (kvbs == [16, 8, 8, 16, 16, 16]).all()
+
+
+def test_slot_kernel_block_needs_an_interleave_the_half_block_does_not_take(tmp_path):
+    """Dealing by the kernel's block moves positions only where the interleave does not divide it: interleave 1 or
+    8 under 16-token pages is not the bug (not applicable, nothing recorded), 16 is; per-rank files as one."""
+    why = applicability(config_of((4, 8, 1, 0, 1, "full", "mtp"), 1))["slot-kernel-block"]
+    assert why is not None and "--interleave" in why
+    res, d, rr = run(config_of((4, 1, 1, 0, 1, "full", "mtp"), 1, inject=("slot-kernel-block",)), tmp_path)
+    assert not res.faults["slot-kernel-block"].applicable and rr.findings == [] and not d.has("obs.kvbs")
+    row = EXERCISE["slot-kernel-block"]
+    one = run(config_of(row, 3, inject=("slot-kernel-block",)), tmp_path, "one.safetensors")
+    res = simulate(config_of(row, 3, inject=("slot-kernel-block",)), tmp_path / "pr.safetensors", per_rank=True)
+    d = open_dumps(res.files)
+    rr = replay(d, "torch")
+    verify(res, d, rr)
+    assert rr.by_rule() == one[2].by_rule()

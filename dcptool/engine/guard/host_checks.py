@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
 
-from dcptool.dcp.reference import local_np
+from dcptool.dcp.reference import local_np, misdealt
 from dcptool.dcp.rules import DEVICE_CHECKS
 from dcptool.dump import Record
 from dcptool.dump.schema import GraphMode
@@ -26,7 +27,7 @@ class Spec(NamedTuple):
 CHECKS = tuple(c.name for c in DEVICE_CHECKS if c.severity == "error")
 # ... of which the checks of the host values (the row fields after the slot entries: host integers such as the
 # metadata tensors' addresses), decided on the host on either path (late_bits gives the kernel their verdict)
-HOST_CHECKS = ("graph-addr",)
+HOST_CHECKS = ("graph-addr", "kernel-block")
 
 
 class _Obs(NamedTuple):
@@ -90,10 +91,12 @@ _CHECK = {
                                                                                        *o.slots),
 }
 # The checks of the host values (HOST_CHECKS): graph-addr (a full-graph replay whose build handed attention a metadata
-# tensor at another address than the graph captured).
+# tensor at another address than the graph captured), kernel-block (a DCP-sharded group's slot mapping dealing
+# positions to the ranks by another block than the KV-cache manager's where that moves a position).
 _HOST = {
     "graph-addr": lambda s, r: _graph(r.graph) == GraphMode.FULL_REPLAY and r.attn_addrs is not None
     and r.graph_addrs is not None and not np.array_equal(np.asarray(r.attn_addrs), np.asarray(r.graph_addrs)),
+    "kernel-block": lambda s, r: r.kv_block_sizes is not None and _misdealt(s, np.asarray(r.kv_block_sizes)),
 }
 _CHECK.update((name, lambda o, f=f: f(o.s, o.r)) for name, f in _HOST.items())
 if set(_HOST) != set(HOST_CHECKS):
@@ -101,6 +104,24 @@ if set(_HOST) != set(HOST_CHECKS):
 if set(_CHECK) != set(CHECKS):
     raise ImportError(f"guard.host_checks: the rule table's device checks are {list(CHECKS)}; the host path decides "
                       f"{list(_CHECK)}")
+
+
+def _misdealt(s: Spec, sizes: np.ndarray) -> bool:
+    """kernel-block on one observation's rows.kv_block_sizes (three per group: manager, kernel, dealt by)."""
+    if s.dcp_size == 1 or sizes.size < 3:
+        return False
+    v = sizes.astype(np.int64).reshape(-1, 3)
+    for g, (mgr, _, dealt) in enumerate(v.tolist()):
+        sharded = s.sharded is None or g >= len(s.sharded) or s.sharded[g]
+        if sharded and dealt != mgr and mgr > 0 and dealt > 0 and _deal_moves(dealt, mgr, s.dcp_size,
+                                                                               s.cp_interleave):
+            return True
+    return False
+
+
+@functools.cache
+def _deal_moves(dealt: int, manager: int, dcp_size: int, cp_interleave: int) -> bool:
+    return misdealt(dealt, manager, dcp_size, cp_interleave) >= 0
 
 
 def _graph(g) -> int | None:

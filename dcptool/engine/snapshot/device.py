@@ -34,10 +34,21 @@ _NEW = tuple.__new__
 _FAST_FIELDS = ("step", "site", "rank", "num_reqs", "num_reqs_padded", "seq_lens", "dcp_local_seq_lens", "ubatch",
                 "parent", "req_start", "tok_start", "tok_stop", "query_start_loc", "num_tokens_padded", "buffer",
                 "graph", "kv_pages", "dcp_query_start_loc", "dcp_tot_seq_lens", "positions", "slot_mapping",
-                "attn_addrs", "graph_addrs")
+                "attn_addrs", "graph_addrs", "kv_block_sizes")
 # The fields after slot_mapping (host values: the metadata tensors' addresses, ...): an observation that gives any
 # goes the general path, which holds them beside its slot (one that gives none pays an identity test each)
 LATE_ROWS = tuple(R[f.name] for f in HOST_ROWS)  # their Record positions, in the table's order
+_LATE_AT = LATE_ROWS[0] if LATE_ROWS else len(NAMES)
+
+
+def _late_given(r: Record) -> bool:
+    """Any of the host values given (identity tests: an array's == would compare its elements)."""
+    for x in r[_LATE_AT:]:
+        if x is not None:
+            return True
+    return False
+
+
 if NAMES != _FAST_FIELDS or SECTIONS[ARGS_SECTIONS].section != "sgrp":
     raise ImportError("snapshot.device: observe_fast unpacks the Record as _FAST_FIELDS; the table's fields changed")
 _TENSOR: type = NoTensor  # torch.Tensor once torch is imported (the Recorder's find_torch says when)
@@ -282,10 +293,10 @@ class DevicePath:
     def observe_fast(self, r: Record) -> int | None:
         """observe() for what an engine passes each step, once the ring runs (the class says which); None: the general
         path takes it (and raises what it cannot store); -1, dropped and counted (it never raises into the engine)."""
-        (step, site, rank, nr, nrp, seq, dcp, ubatch, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos, sm,
-         addrs, gaddrs) = r
-        if addrs is not None or gaddrs is not None:
+        if _late_given(r):  # (a host value sends the observation the general path)
             return None
+        (step, site, rank, nr, nrp, seq, dcp, ubatch, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos,
+         sm) = r[:_LATE_AT]
         try:
             ring = self.ring
             did = ring.did

@@ -33,6 +33,8 @@ class _State:
     rank = None
     interleave: int | None = None
     block_tables = None  # the runner's BlockTables, once seen (the slot mappings' KV-cache groups)
+    kernel_block_sizes: list | None = None  # the runner's attention kernel block per group (0.32+: not the tables')
+    block_sizes: tuple = (None, None)  # (the BlockTables, rows.kv_block_sizes of its slot mappings): read once
     kv_groups: list | None = None  # the groups the recorder's config names (set with the first slot mapping)
     page_size: int | None = None  # the FlashInfer plans' page size, once a builder planned pages (the config's)
     attn_tensors: tuple | None = None  # the metadata tensors whose addresses the recording holds (the config's)
@@ -301,6 +303,8 @@ def close() -> list[Path]:
         STATE.step = -1
         STATE.interleave = None
         STATE.block_tables = None
+        STATE.kernel_block_sizes = None
+        STATE.block_sizes = (None, None)
         STATE.kv_groups = None
         STATE.page_size = None
         STATE.attn_tensors = None

@@ -21,9 +21,9 @@ def _dev() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _obs(step, rows, wrong=False, rank=1):
+def _obs(step, rows, wrong=False, rank=1, il=1):
     seq = torch.arange(1, rows + 1, dtype=torch.int32) * 7
-    dcp = torch.from_numpy(local_np(seq.numpy().astype(np.int64), 2, rank, 1).astype(np.int32))
+    dcp = torch.from_numpy(local_np(seq.numpy().astype(np.int64), 2, rank, il).astype(np.int32))
     if wrong:
         dcp[-1] += 1
     return dict(step=step, site="attn", rank=rank, seq_lens=seq.to(_dev()), num_reqs=rows, num_reqs_padded=rows,
@@ -213,6 +213,42 @@ def test_a_moved_address_in_a_real_cuda_graph_is_caught_at_its_replay(tmp_path):
     assert len(said) == 1 and "(graph-addr) at step 4" in str(said[0].message)
     d = read_dump(path)
     assert d["obs.step"][d.n - 1] == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to verify on the H200)")
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_a_slot_mapping_dealt_by_the_kernels_block_is_caught_eager_and_in_a_real_cuda_graph(tmp_path, in_graph):
+    """vLLM #51031's block sizes (manager 16, kernel 8, interleave 16): a build whose slot mapping deals by the
+    kernel's block is flagged (kernel-block) eagerly, and, captured in a FULL graph, at the replay that reads it;
+    the same builds dealt by the manager's block stay silent."""
+    groups = [{"name": "attn", "dcp": True}]
+    for dealt, wrong in ((16, False), (8, True)):
+        g = Guard(tmp_path / f"g{dealt}{in_graph}", 2, 16, keep=16, kv_groups=groups)
+        o = _obs(0, 6, il=16)
+        g.observe(**o)
+        torch.cuda.synchronize()
+        sizes = np.array([16, 8, dealt], np.int32)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            if in_graph:
+                cg = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(cg):
+                    g.observe(**dict(o, step=1, graph=2, kv_block_sizes=sizes))
+                assert not g._dev.wrong_seen()  # (capture records the launch; it runs at the replays)
+                cg.replay()
+            else:
+                g.observe(**dict(o, step=1, kv_block_sizes=sizes))
+            torch.cuda.synchronize()
+            assert g._dev.wrong_seen() == wrong
+            path = g.close()
+        assert (path is not None) == wrong and (len(said) == 1) == wrong
+        if wrong:
+            assert "(kernel-block)" in str(said[0].message)
+            from dcptool.check.replay import replay
+
+            got = [f for f in replay(read_dump(path), "torch").findings if f.rule == "kernel-block"]
+            assert len(got) >= 1
 
 
 @pytest.mark.cuda

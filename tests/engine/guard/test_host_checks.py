@@ -15,11 +15,12 @@ SPEC = Spec(dcp_size=2, cp_interleave=1, page_size=4, sharded=(True, False))
 NONE = (None, None, None)
 
 
-def _case(rank=1, nr=3, nrp=4):
+def _case(rank=1, nr=3, nrp=4, il=None):
+    """(seq, dcp, kv) right at SPEC; with `il`, a dict of them right at that interleave."""
     seq = np.array([5, 9, 2, 0], np.int32)
-    dcp = np.append(local_np(seq[:nr].astype(np.int64), 2, rank, 1), [0] * (nrp - nr)).astype(np.int32)
+    dcp = np.append(local_np(seq[:nr].astype(np.int64), 2, rank, il or 1), [0] * (nrp - nr)).astype(np.int32)
     kv = np.append(-(-dcp[:nr] // 4), [0]).astype(np.int32)
-    return seq, dcp, kv
+    return (seq, dcp, kv) if il is None else dict(seq=seq, dcp=dcp, kv=kv)
 
 
 def _check(seq, dcp, qsl=None, kv=None, dqsl=None, tot=None, slots=NONE, nr=3, nrp=4, spec=SPEC, rank=1, **host):
@@ -47,6 +48,10 @@ BREAK = {
     # a full-graph replay whose build hands attention a tensor the graph did not capture (the host values)
     "graph-addr": lambda c: c.update(graph=3, attn_addrs=addr_words([0x7F10, 0x7F20]),
                                      graph_addrs=addr_words([0x7F00, 0x7F20])),
+    # the sharded group's slot mapping deals by a block (2, the kernel's) the interleave (4) does not divide: the
+    # host values, under an interleave of 4 (the view and the pages follow it)
+    "kernel-block": lambda c: c.update(_case(il=4), spec=SPEC._replace(cp_interleave=4),
+                                       kv_block_sizes=np.array([4, 2, 2, 4, 4, 4], np.int32)),
 }
 
 
