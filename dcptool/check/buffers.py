@@ -1,5 +1,5 @@
 """The metadata tensors a build hands attention: where they are (graph-addr: a full-graph replay reads the addresses
-its capture baked in) and what they hold."""
+its capture baked in) and how many request rows their buffers hold (capacity)."""
 
 from __future__ import annotations
 
@@ -61,4 +61,34 @@ def check_graph_addr(d: Dump) -> FindingTable:
                   f"{built.size} tensors moved)", recorded=int(built[t]), expected=int(captured[t]),
                   wrong_rows=int(moved.size),
                   detail={"tensor": name, "moved": [cfg.tensor_name(int(m)) for m in moved[:_SHOWN]]})
+    return found.table()
+
+
+def check_capacity(d: Dump) -> FindingTable:
+    """A build that needs more request rows (num_reqs_padded) than the buffer behind a metadata tensor holds
+    (rows.attn_caps): the build's [:num_reqs_padded] view of it is cut short, or a kernel writes past its end into
+    whatever lies after it. One finding per such build, naming the first short tensor and how many are."""
+    found = Written(d)
+    if not d.has("obs.caps"):
+        return found.table()
+    off = d["obs.caps"]
+    n = np.diff(off)
+    has = np.flatnonzero(n > 0)
+    seg, j, caps = _rows(d, "obs.caps", "rows.attn_caps", has)
+    need = d["obs.num_reqs_padded"].astype(np.int64)[has][seg]
+    short = caps < need
+    if not short.any():
+        return found.table()
+    obs = has[seg[short]]
+    first = np.unique(obs, return_index=True)[1]
+    count = np.bincount(obs, minlength=d.n)
+    cfg = d.config
+    for k in first.tolist():
+        i, t = int(obs[k]), int(j[short][k])
+        cap, nrp = int(caps[short][k]), int(d["obs.num_reqs_padded"][i])
+        name = cfg.tensor_name(t)
+        found.add(i, "capacity", f"the build needs {nrp} request rows (num_reqs_padded), but the buffer behind {name} "
+                  f"holds {cap}: its view is cut short or a kernel writes {nrp - cap} rows past its end ("
+                  f"{int(count[i])} of {int(n[i])} tensors short; a buffer sized below the largest padded batch)",
+                  recorded=cap, expected=nrp, wrong_rows=nrp - cap, detail={"tensor": name, "short": int(count[i])})
     return found.table()

@@ -98,10 +98,12 @@ class KnownBug:
     since: str | None  # first affected release
     before: str | None  # first release without it
     main: str | None  # lived only on vLLM main (no release)
+    project: str = "vLLM"  # whose bug (vllm-ascend's: matched only where the recorded engine names it)
 
     @property
     def name(self) -> str:
-        return f"vLLM PR #{self.pr}" if self.pr is not None else f"the known vLLM bug '{self.title}'"
+        return (f"{self.project} PR #{self.pr}" if self.pr is not None
+                else f"the known {self.project} bug '{self.title}'")
 
 
 def known_bugs() -> tuple[KnownBug, ...]:
@@ -112,7 +114,8 @@ def known_bugs() -> tuple[KnownBug, ...]:
         a = b.get("affected", {})
         out.append(KnownBug(id=b["id"], title=b["title"], rule=b["rule"], relation=b.get("relation"),
                             sites=tuple(b.get("sites") or ()), pr=b.get("pr"), fixed_in=b.get("fixed_in"),
-                            since=a.get("from"), before=a.get("before"), main=a.get("main")))
+                            since=a.get("from"), before=a.get("before"), main=a.get("main"),
+                            project=b.get("project", "vLLM")))
     return tuple(out)
 
 
@@ -174,6 +177,8 @@ def match_known(rule: str, relation: str | None, sites: tuple[str, ...], engine_
             continue
         if b.sites and not set(sites) & set(b.sites):
             continue
+        if b.project != "vLLM" and b.project.lower() not in (engine_version or "").lower():
+            continue  # (another project's bug: its releases are not vLLM's)
         v = parse_version(engine_version)
         if v is None:
             return BugMatch(b, "no-version", None)
@@ -236,6 +241,8 @@ _WHY = {
     ("graph-addr", None): "a full CUDA graph replays the addresses its capture baked in, but the build hands "
                           "attention a metadata tensor allocated anew (another address): the graph reads a stale "
                           "buffer",
+    ("capacity", None): "a per-request metadata buffer sized below the largest padded batch (max_num_seqs under a "
+                        "larger CUDA-graph capture size): views cut short, writes past its end",
     ("kernel-block", None): "the slot mapping deals positions to the DCP ranks by the attention kernel's block where "
                             "the KV-cache manager's differs and the interleave does not divide it: KV written on "
                             "ranks that do not own it, past the kernel block",

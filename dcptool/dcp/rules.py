@@ -130,6 +130,10 @@ TABLE = (
          "the build did not write: stale values)", needs=("obs.addrs", "obs.gaddrs"), device=True,
          unrecorded="needs obs.addrs and obs.gaddrs (the metadata tensors' addresses at the build and at capture)",
          faults=("graph-addr-moved",), said=False),
+    Rule("capacity", "error", "C", "buffers.check_capacity", "a build that needs more request rows "
+         "(num_reqs_padded) than the buffer behind a metadata tensor it hands attention holds (a view cut short, "
+         "writes past the buffer's end)", needs=("obs.caps",), device=True, faults=("buffer-undersized",),
+         said=False, unrecorded="needs obs.caps (the metadata tensors' buffer capacities)"),
     # the block sizes the slot mapping worked with (per KV-cache group: the manager's, the kernel's, the dealing one)
     Rule("kernel-block", "error", "J", "blocks.check_kernel_block", "a DCP-sharded KV-cache group whose slot mapping "
          "deals positions to the ranks by another block than the KV-cache manager's (the attention kernel's, which "

@@ -105,6 +105,9 @@ FIELDS_TABLE: tuple[Field, ...] = (
     # the addresses the graph captured for them (it reads those, whatever the build wrote)
     Field("attn_addrs", ANY, "I32", "rows.attn_addrs", offsets="obs.addrs", section="addr"),
     Field("graph_addrs", ANY, "I32", "rows.graph_addrs", offsets="obs.gaddrs", section="gaddr"),
+    # ... and the request rows the buffer behind each one holds from the tensor's start (its capacity: a build
+    # needs num_reqs_padded of them; a buffer sized below the largest padded batch truncates views, writes past it)
+    Field("attn_caps", ANY, "I32", "rows.attn_caps", offsets="obs.caps", nonneg=True, section="caps"),
     # Per KV-cache group (rows.slot_group's index, in order), the block sizes the build's slot mapping worked with:
     # three words each, the KV-cache manager's block (its spec's block_size), the attention kernel's block
     # (kernel_block_sizes) and the block whose virtual block (it times dcp_size) deals positions to the DCP ranks

@@ -45,6 +45,8 @@ _FAULT_WHAT.update({
 _HANDED = {
     "graph-addr-moved": "a per-request metadata tensor (FlashAttention's dcp_context_kv_lens) allocated anew at each "
                         "build: a full-graph replay's build hands attention another address than the graph captured",
+    "buffer-undersized": "the attention builder's per-request buffer (dcp_context_kv_lens) holds one request row "
+                         "fewer than the largest padded batch (sized by max_num_seqs below the graph-mode maximum)",
     "slot-kernel-block": "the slot mapping deals a DCP-sharded group's positions to the ranks by the attention "
                          "kernel's block (half the KV-cache manager's, as FlashInfer MLA splits 128 into 64) instead "
                          "of the manager's",
@@ -75,6 +77,8 @@ FAULT_WHERE: dict[str, str] = {
     "slot-all-ranks": "no release",
     # FlashAttention's build returned a fresh dcp_context_kv_lens up to 0.19 (vLLM #36070); 0.20 keeps a buffer
     "graph-addr-moved": "before 0.20",
+    # vllm-ascend's per-request metadata buffers (vllm-ascend #16168), not vLLM's: no vLLM release
+    "buffer-undersized": "vllm-ascend only",
     # model runner V2's slot mapping dealt by kernel_block_sizes up to 0.28 (vLLM #51031); 0.29 by the manager's
     "slot-kernel-block": "before 0.29",
 }
@@ -195,6 +199,7 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "slot-wrong-group": None,  # (PCP too: each PCP rank records its local tokens' slots)
         "slot-all-ranks": None,
         "graph-addr-moved": None if graphs else "needs --cudagraph full (a full graph replays captured addresses)",
+        "buffer-undersized": None,
         "slot-kernel-block": None if cfg.page_size % 2 == 0 and misdealt(cfg.page_size // 2, cfg.page_size, cfg.dcp,
                                                                           cfg.interleave) >= 0 else
         "needs an even --page-size whose half (the attention kernel's block) --interleave does not divide (e.g. "

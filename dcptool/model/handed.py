@@ -1,5 +1,6 @@
 """What else simulate's builds hand attention, recorded where a fault on it is injected: the per-request metadata
-tensors (their addresses at the build and at the capture of the graph a replay runs), with the faults on them."""
+tensors (their addresses at the build and at the capture of the graph a replay runs, their buffers' capacities),
+with the faults on them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dcptool.model.config import SimConfig
 # The per-request metadata tensors simulate's attention builds hand attention (FlashAttention's DCP path): the
 # builder's local context lengths and the batch's seq_lens (dcptool.config's attn_tensors)
 TENSORS = ("dcp_context_kv_lens", "seq_lens")
-_TENSOR_FAULTS = frozenset({"graph-addr-moved"})
+_TENSOR_FAULTS = frozenset({"graph-addr-moved", "buffer-undersized"})
 _DRAFT_MODELS = ("draft", "dflash")  # the roles whose builds run a drafter's builder (its own persistent buffer)
 
 
@@ -69,3 +70,18 @@ class Handed:
         if "graph-addr-moved" in self.F:
             marks.append(("graph-addr-moved", (gw != words).any(axis=1)))
         return words, gw
+
+    def caps(self, procs: range, role: str, nrp: int, marks: list) -> np.ndarray | None:
+        """attn_caps [ranks, tensors] of one build (None where none are recorded): the request rows each tensor's
+        buffer holds, max_num_reqs (the builder's and the runner's persistent buffers). buffer-undersized: the
+        builder's dcp_context_kv_lens buffer is one row short of the largest padded batch the engine builds (as
+        vllm-ascend sized it by max_num_seqs, one below the graph-mode maximum with its dummy request), so the
+        builds that pad to max_num_reqs requests need a row it lacks (marks the ranks it touched)."""
+        if not self.on or role == "global":
+            return None
+        R = self.cfg.max_num_reqs
+        caps = np.full((len(procs), len(TENSORS)), R, np.int32)
+        if "buffer-undersized" in self.F:
+            caps[:, 0] = R - 1
+            marks.append(("buffer-undersized", np.full(len(procs), nrp > R - 1)))
+        return caps

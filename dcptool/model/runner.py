@@ -136,6 +136,7 @@ class Runner:
                    dcp_local_seq_lens=view, ubatch=build.ubatch, parent=lineage.parents, query_start_loc=b.qsl,
                    num_tokens_padded=b.ntp, buffer=bufs, graph=int(build.graph), kv_pages=kv, dcp_query_start_loc=dq,
                    dcp_tot_seq_lens=tot, attn_addrs=addrs, graph_addrs=gaddrs,
+                   attn_caps=self.handed.caps(procs, build.role, nrp, marks),
                    kv_block_sizes=self.columns.block_sizes(build.role, build.kind),
                    **({} if sl is None else dict(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)))
         idxs = sink.record(p, r, slots, odd_seq)

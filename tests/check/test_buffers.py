@@ -81,3 +81,49 @@ def test_a_replay_reading_a_moved_tensor_is_found_and_a_steady_one_is_not():
 def test_without_the_graph_column_nothing_is_checked():
     d = _dump([_obs(0, None, [1], [2])])
     assert list(check_graph_addr(d)) == []
+
+
+def _capped(step, nrp, caps):
+    return Observation(step=step, site="attn_metadata", rank=0, num_reqs=min(nrp, 3), num_reqs_padded=nrp,
+                       seq_lens=np.array([9] * nrp), dcp_local_seq_lens=np.array([5] * min(nrp, 3) + [0] * (nrp - 3)),
+                       attn_caps=None if caps is None else np.array(caps, np.int32))
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 1000])
+def test_capacity_on_random_recordings_matches_the_reference(n):
+    """capacity against the rule read plainly (torch): a build whose num_reqs_padded exceeds any buffer's rows, at
+    its first short tensor, recorded = that capacity, expected = num_reqs_padded."""
+    import torch
+
+    rng = np.random.default_rng(100 + n)
+    observations = []
+    for i in range(n):
+        nrp = int(rng.integers(3, 40))
+        caps = None if rng.random() < 0.1 else rng.integers(nrp - 2, nrp + 30, 2)
+        observations.append(_capped(i, nrp, caps))
+    if not n:
+        return
+    want = {}
+    for i, o in enumerate(observations):
+        if o.attn_caps is None:
+            continue
+        short = torch.from_numpy(o.attn_caps.astype(np.int64)) < o.num_reqs_padded
+        if bool(short.any()):
+            want[i] = int(o.attn_caps[int(torch.nonzero(short)[0])])
+    from dcptool.check.buffers import check_capacity
+
+    found = {f.obs: f for f in check_capacity(_dump(observations))}
+    assert want or n < 100
+    assert {i: f.recorded for i, f in found.items()} == want
+    assert all(f.expected == observations[i].num_reqs_padded and f.rule == "capacity" for i, f in found.items())
+
+
+def test_a_buffer_one_row_short_of_the_padded_batch_is_found_and_a_full_one_is_not():
+    from dcptool.check.buffers import check_capacity
+
+    d = _dump([_capped(0, 16, [16, 16]), _capped(1, 16, [15, 16]), _capped(2, 8, [15, 16]), _capped(3, 16, None),
+               _capped(4, 16, [0, 0])])
+    found = list(check_capacity(d))
+    assert [f.obs for f in found] == [1, 4]
+    assert "buffer behind dcp_context_kv_lens holds 15" in found[0].message and found[0].wrong_rows == 1
+    assert found[1].detail == {"tensor": "dcp_context_kv_lens", "short": 2}

@@ -222,3 +222,15 @@ def test_every_rule_has_a_mechanism_sentence():
     for rule in RULES:
         relation = "parent-rows" if rule == "stale" else None  # (a stale finding always names its source)
         assert explain(rule, relation, VIEW, ("attn_metadata",)) != f"{rule} findings", rule
+
+
+@pytest.mark.parametrize("version, named", [("0.29.0", None), ("vllm-ascend 0.30.0rc1", "dev"),
+                                            ("vllm-ascend 0.30.0", "not-affected"), (None, None)])
+def test_another_projects_bug_is_matched_only_where_the_engine_names_it(version, named):
+    """vllm-ascend #16168's signature (capacity) names vllm-ascend's PR, and only for an engine that says it is
+    vllm-ascend (its releases are not vLLM's); a vLLM or unnamed engine gets no known bug for it."""
+    m = match_known("capacity", None, ("capture",), version)
+    if named is None:
+        assert m is None
+        return
+    assert m.verdict == named and m.bug.name == "vllm-ascend PR #16168" and m.bug.project == "vllm-ascend"

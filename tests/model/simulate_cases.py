@@ -93,4 +93,5 @@ EXERCISE = {
     "slot-all-ranks": (3, 16, 1, 2, 2, "piecewise", "mtp"),
     "graph-addr-moved": (4, 1, 2, 2, 2, "full", "mtp"),
     "slot-kernel-block": (4, 16, 2, 2, 2, "full", "mtp"),
+    "buffer-undersized": (4, 1, 2, 2, 2, "full", "mtp"),
 }

@@ -56,16 +56,40 @@ def test_graph_addr_moved_is_found_exactly_where_it_touched(row, tmp_path):
     assert sorted(rep.touched[res.files[0]]) == replays.tolist()
 
 
-def test_per_rank_files_like_one_file(tmp_path):
+@pytest.mark.parametrize("fault", ["graph-addr-moved", "buffer-undersized"])
+def test_per_rank_files_like_one_file(tmp_path, fault):
     row = (4, 1, 2, 2, 2, "full", "mtp")
-    one = run(config_of(row, 3, inject=("graph-addr-moved",)), tmp_path, "one.safetensors")
+    one = run(config_of(row, 3, inject=(fault,)), tmp_path, "one.safetensors")
     from dcptool.check.replay import replay
     from dcptool.dump import open_dumps
     from dcptool.model.simulate import simulate
 
-    res = simulate(config_of(row, 3, inject=("graph-addr-moved",)), tmp_path / "pr.safetensors", per_rank=True)
+    res = simulate(config_of(row, 3, inject=(fault,)), tmp_path / "pr.safetensors", per_rank=True)
     d = open_dumps(res.files)
     rr = replay(d, "torch")
     verify(res, d, rr)
-    assert rr.by_rule() == one[2].by_rule() and res.faults["graph-addr-moved"].count == one[0].faults[
-        "graph-addr-moved"].count
+    assert rr.by_rule() == one[2].by_rule() and res.faults[fault].count == one[0].faults[fault].count > 0
+
+
+# vllm-ascend #16168 on --dcp 4 with full graphs: with and without PCP 2, micro-batches, MTP and DFlash, and eager
+BUFFER_ROWS = [(4, 1, 1, 2, 1, "full", "mtp"), (4, 1, 2, 2, 2, "full", "mtp"), (4, 16, 1, 3, 2, "full", "dflash"),
+               (4, 1, 2, 0, 2, "full", "mtp"), (2, 1, 1, 0, 1, "none", "mtp")]
+
+
+@pytest.mark.parametrize("row", BUFFER_ROWS, ids=[f"N{r[0]}-I{r[1]}-P{r[2]}-K{r[3]}-U{r[4]}-{r[5]}-{r[6]}"
+                                                  for r in BUFFER_ROWS])
+def test_buffer_undersized_is_found_exactly_at_the_builds_that_need_the_missing_row(row, tmp_path):
+    """The builder's buffer one row short of max_num_reqs: capacity at exactly the builds padded to max_num_reqs
+    requests (the largest full graph's capture and replays, a full eager batch), every rank; the addresses are
+    recorded with it (persistent buffers: graph-addr silent); nothing else anywhere."""
+    cfg = config_of(row, 13, inject=("buffer-undersized",), steps=10)
+    res, d, rr = run(cfg, tmp_path)
+    rep = res.faults["buffer-undersized"]
+    assert rep.applicable and rep.count > 0
+    verify(res, d, rr)
+    assert set(rr.by_rule()) == {"capacity"} and d.config.attn_tensors == TENSORS
+    caps = np.flatnonzero(np.diff(d["obs.caps"]) > 0)
+    need = caps[d["obs.num_reqs_padded"][caps] > cfg.max_num_reqs - 1]
+    assert sorted(rep.touched[res.files[0]]) == need.tolist()
+    assert (d["rows.attn_caps"].reshape(-1, 2) == [cfg.max_num_reqs - 1, cfg.max_num_reqs]).all()
+

@@ -5,6 +5,7 @@ import backends as B
 import engine as E
 import numpy as np
 import pytest
+import torch
 from vllm.v1.attention.backends import flash_attn as fa
 from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
 
@@ -83,3 +84,44 @@ def test_a_tensor_allocated_anew_at_each_build_is_found_at_every_replay(tmp_path
     found = {(f.rank, f.step) for f in res.findings if f.rule == "graph-addr"}
     assert found == replays and len(found) == 6, messages(res)
     assert all("dcp_context_kv_lens" in f.message for f in res.findings if f.rule == "graph-addr")
+
+
+def test_flash_attn_buffer_capacities_hold_every_padded_batch(tmp_path, monkeypatch):
+    """vllm-ascend #16168's class on vLLM's own FlashAttention builder: the capacity of the buffers behind
+    dcp_context_kv_lens (the builder's, max_num_seqs rows) and seq_lens (the runner's) is recorded at every build,
+    and every padded batch of the run fits them: capacity stays silent."""
+    kept = []
+
+    def drive(rank):
+        kept.append(_captures_then_steps(rank, 2, 3))
+
+    d, res = run(2, drive, tmp_path, monkeypatch)
+    caps = d["rows.attn_caps"].reshape(-1, 2)
+    assert caps.shape[0] == d.n and (caps[:, 0] == kept[0]._dcp_context_kv_lens.numel()).all()
+    assert (caps[:, 1] >= 16).all()
+    assert [f for f in res.findings if f.rule == "capacity"] == [], messages(res)
+
+
+def test_a_buffer_one_row_short_of_the_largest_capture_is_found_there(tmp_path, monkeypatch):
+    """The release's build handing on a view of a builder buffer sized one row below the largest capture (8
+    requests), as vllm-ascend's max_num_seqs sizing did: the [:num_reqs] view is cut to 7 rows; capacity finds the
+    8-request capture build at each rank, and nothing else."""
+    build = fa.FlashAttentionMetadataBuilder.build.__wrapped__
+    small = {}
+
+    def short(self, *a, **k):
+        md = build(self, *a, **k)
+        if md.dcp_context_kv_lens is not None:
+            buf = small.setdefault(id(self), torch.zeros(7, dtype=torch.int32))
+            n = min(md.dcp_context_kv_lens.numel(), 7)
+            buf[:n] = md.dcp_context_kv_lens[:n]
+            md.dcp_context_kv_lens = buf[: md.dcp_context_kv_lens.numel()]  # (cut short, as the slice is)
+        return md
+
+    short.__wrapped_by_dcptool__ = True
+    monkeypatch.setattr(fa.FlashAttentionMetadataBuilder, "build", wrap_flash_attn(short, None))
+    d, res = run(2, lambda rank: _captures_then_steps(rank, 2, 3), tmp_path, monkeypatch)
+    eight = {(int(d["obs.rank"][i]), int(d["obs.step"][i])) for i in np.flatnonzero(d["obs.num_reqs_padded"] > 7)}
+    found = {(f.rank, f.step) for f in res.findings if f.rule == "capacity"}
+    assert found == eight and len(found) == 2, messages(res)
+    assert {f.rule for f in res.findings} == {"capacity"}

@@ -27,7 +27,7 @@ class Spec(NamedTuple):
 CHECKS = tuple(c.name for c in DEVICE_CHECKS if c.severity == "error")
 # ... of which the checks of the host values (the row fields after the slot entries: host integers such as the
 # metadata tensors' addresses), decided on the host on either path (late_bits gives the kernel their verdict)
-HOST_CHECKS = ("graph-addr", "kernel-block")
+HOST_CHECKS = ("graph-addr", "capacity", "kernel-block")
 
 
 class _Obs(NamedTuple):
@@ -91,11 +91,13 @@ _CHECK = {
                                                                                        *o.slots),
 }
 # The checks of the host values (HOST_CHECKS): graph-addr (a full-graph replay whose build handed attention a metadata
-# tensor at another address than the graph captured), kernel-block (a DCP-sharded group's slot mapping dealing
+# tensor at another address than the graph captured), capacity (a build needing more request rows than the buffer
+# behind one holds), kernel-block (a DCP-sharded group's slot mapping dealing
 # positions to the ranks by another block than the KV-cache manager's where that moves a position).
 _HOST = {
     "graph-addr": lambda s, r: _graph(r.graph) == GraphMode.FULL_REPLAY and r.attn_addrs is not None
     and r.graph_addrs is not None and not np.array_equal(np.asarray(r.attn_addrs), np.asarray(r.graph_addrs)),
+    "capacity": lambda s, r: r.attn_caps is not None and bool(np.any(np.asarray(r.attn_caps) < r.num_reqs_padded)),
     "kernel-block": lambda s, r: r.kv_block_sizes is not None and _misdealt(s, np.asarray(r.kv_block_sizes)),
 }
 _CHECK.update((name, lambda o, f=f: f(o.s, o.r)) for name, f in _HOST.items())

@@ -100,6 +100,18 @@ def _take_flash_attn(builder, res, got: dict, sig, args: tuple, kwargs: dict) ->
     if ctx is None or "attn_addrs" in got:
         return
     got["attn_addrs"] = (FLASH_ATTN_TENSORS, (int(ctx.data_ptr()), int(res.seq_lens.data_ptr())))
+    got["attn_caps"] = (_capacity(ctx), _capacity(res.seq_lens))
+
+
+def _capacity(t) -> int:
+    """The request rows the buffer behind a 1-D tensor holds from the tensor's start (a view of a persistent
+    buffer: the rest of the buffer is there for a larger batch); -1 where unknown."""
+    try:
+        if t.dim() != 1 or t.stride(0) != 1:
+            return -1
+        return min(t.untyped_storage().nbytes() // t.element_size() - t.storage_offset(), 2**31 - 1)
+    except (AttributeError, RuntimeError):
+        return -1
 
 
 def _take_mla(builder, res, got: dict, sig, args: tuple, kwargs: dict) -> None:
@@ -146,6 +158,11 @@ def builder_kwargs(got: dict, rows: int, kw: dict) -> None:
             kw[k] = got[k]
     if "attn_addrs" in got:
         _addresses(got["attn_addrs"], kw)
+        caps = got.get("attn_caps")
+        if "attn_addrs" in kw and caps is not None and min(caps) >= 0:
+            import numpy as np  # (the Recorder has imported it by now)
+
+            kw["attn_caps"] = np.array(caps, np.int32)
     pages = got.get("kv_pages")
     if pages is None:
         return

@@ -215,40 +215,52 @@ def test_a_moved_address_in_a_real_cuda_graph_is_caught_at_its_replay(tmp_path):
     assert d["obs.step"][d.n - 1] == 4
 
 
+# The host-value rules, each as (Guard arguments, the view's interleave, host values that pass, ones that break):
+# vLLM #51031's block sizes (manager 16, kernel 8, interleave 16: dealt by the manager's block / by the kernel's),
+# vllm-ascend #16168's capacity (a buffer holding the 6 padded requests / one row short)
+HOST_RULES = {
+    "kernel-block": (dict(cp_interleave=16, kv_groups=[{"name": "attn", "dcp": True}]), 16,
+                     dict(kv_block_sizes=np.array([16, 8, 16], np.int32)),
+                     dict(kv_block_sizes=np.array([16, 8, 8], np.int32))),
+    "capacity": (dict(attn_tensors=["dcp_context_kv_lens"]), 1,
+                 dict(attn_addrs=addr_words([0x7F0000001000]), attn_caps=np.array([6], np.int32)),
+                 dict(attn_addrs=addr_words([0x7F0000001000]), attn_caps=np.array([5], np.int32))),
+}
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to verify on the H200)")
 @pytest.mark.parametrize("in_graph", [False, True])
-def test_a_slot_mapping_dealt_by_the_kernels_block_is_caught_eager_and_in_a_real_cuda_graph(tmp_path, in_graph):
-    """vLLM #51031's block sizes (manager 16, kernel 8, interleave 16): a build whose slot mapping deals by the
-    kernel's block is flagged (kernel-block) eagerly, and, captured in a FULL graph, at the replay that reads it;
-    the same builds dealt by the manager's block stay silent."""
-    groups = [{"name": "attn", "dcp": True}]
-    for dealt, wrong in ((16, False), (8, True)):
-        g = Guard(tmp_path / f"g{dealt}{in_graph}", 2, 16, keep=16, kv_groups=groups)
-        o = _obs(0, 6, il=16)
+@pytest.mark.parametrize("rule", sorted(HOST_RULES))
+def test_a_host_value_rule_is_caught_eager_and_in_a_real_cuda_graph(tmp_path, rule, in_graph):
+    """Each rule of host values, broken in one build, is flagged under its name eagerly and, captured in a FULL
+    graph, at the replay that runs it (the verdict rides in the captured launch); the same build right stays
+    silent; the Guard's dump replays to the rule."""
+    kw, il, right, broken = HOST_RULES[rule]
+    for host, wrong in ((right, False), (broken, True)):
+        g = Guard(tmp_path / f"g{wrong}{in_graph}", 2, kw.get("cp_interleave", 1), keep=16,
+                  **{k: v for k, v in kw.items() if k != "cp_interleave"})
+        o = _obs(0, 6, il=il)
         g.observe(**o)
         torch.cuda.synchronize()
-        sizes = np.array([16, 8, dealt], np.int32)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             if in_graph:
                 cg = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(cg):
-                    g.observe(**dict(o, step=1, graph=2, kv_block_sizes=sizes))
-                assert not g._dev.wrong_seen()  # (capture records the launch; it runs at the replays)
+                    g.observe(**dict(o, step=1, graph=2, **host))
                 cg.replay()
             else:
-                g.observe(**dict(o, step=1, kv_block_sizes=sizes))
+                g.observe(**dict(o, step=1, **host))
             torch.cuda.synchronize()
             assert g._dev.wrong_seen() == wrong
             path = g.close()
         assert (path is not None) == wrong and (len(said) == 1) == wrong
         if wrong:
-            assert "(kernel-block)" in str(said[0].message)
+            assert f"({rule})" in str(said[0].message)
             from dcptool.check.replay import replay
 
-            got = [f for f in replay(read_dump(path), "torch").findings if f.rule == "kernel-block"]
-            assert len(got) >= 1
+            assert rule in {f.rule for f in replay(read_dump(path), "torch").findings}
 
 
 @pytest.mark.cuda

@@ -48,6 +48,8 @@ BREAK = {
     # a full-graph replay whose build hands attention a tensor the graph did not capture (the host values)
     "graph-addr": lambda c: c.update(graph=3, attn_addrs=addr_words([0x7F10, 0x7F20]),
                                      graph_addrs=addr_words([0x7F00, 0x7F20])),
+    # a metadata tensor's buffer one request row short of num_reqs_padded (4) (the host values)
+    "capacity": lambda c: c.update(attn_caps=np.array([4, 3], np.int32)),
     # the sharded group's slot mapping deals by a block (2, the kernel's) the interleave (4) does not divide: the
     # host values, under an interleave of 4 (the view and the pages follow it)
     "kernel-block": lambda c: c.update(_case(il=4), spec=SPEC._replace(cp_interleave=4),
