@@ -134,6 +134,11 @@ TABLE = (
          "(num_reqs_padded) than the buffer behind a metadata tensor it hands attention holds (a view cut short, "
          "writes past the buffer's end)", needs=("obs.caps",), device=True, faults=("buffer-undersized",),
          said=False, unrecorded="needs obs.caps (the metadata tensors' buffer capacities)"),
+    Rule("host-copy", "error", "V", "copies.check_host_copy", "a build whose metadata builder read a host copy of "
+         "seq_lens (seq_lens_cpu) that differs from the device's on a real row (left behind by async scheduling, or "
+         "written in place by an earlier build), or that wrote the shared host copy in place",
+         needs=("obs.hseq",), device=True, faults=("host-seq-stale", "host-seq-written"), said=False,
+         unrecorded="needs obs.hseq (the host copy of seq_lens the build read)"),
     # the block sizes the slot mapping worked with (per KV-cache group: the manager's, the kernel's, the dealing one)
     Rule("kernel-block", "error", "J", "blocks.check_kernel_block", "a DCP-sharded KV-cache group whose slot mapping "
          "deals positions to the ranks by another block than the KV-cache manager's (the attention kernel's, which "

@@ -108,6 +108,11 @@ FIELDS_TABLE: tuple[Field, ...] = (
     # ... and the request rows the buffer behind each one holds from the tensor's start (its capacity: a build
     # needs num_reqs_padded of them; a buffer sized below the largest padded batch truncates views, writes past it)
     Field("attn_caps", ANY, "I32", "rows.attn_caps", offsets="obs.caps", nonneg=True, section="caps"),
+    # The host copy of seq_lens the build's metadata builder read (seq_lens_cpu), as it read it and as the build left
+    # it: a copy the device's lengths have moved past (async scheduling), or one a builder wrote in place (shared
+    # with the builds after it)
+    Field("host_seq_lens", ANY, "I32", "rows.host_seq_lens", offsets="obs.hseq", section="hseq"),
+    Field("host_seq_lens_after", ANY, "I32", "rows.host_seq_lens_after", offsets="obs.hseq_after", section="hseqa"),
     # Per KV-cache group (rows.slot_group's index, in order), the block sizes the build's slot mapping worked with:
     # three words each, the KV-cache manager's block (its spec's block_size), the attention kernel's block
     # (kernel_block_sizes) and the block whose virtual block (it times dcp_size) deals positions to the DCP ranks

@@ -47,6 +47,10 @@ _HANDED = {
                         "build: a full-graph replay's build hands attention another address than the graph captured",
     "buffer-undersized": "the attention builder's per-request buffer (dcp_context_kv_lens) holds one request row "
                          "fewer than the largest padded batch (sized by max_num_seqs below the graph-mode maximum)",
+    "host-seq-stale": "under async scheduling with drafts, the metadata builder reads a host copy of seq_lens that "
+                      "counts every draft of the last verify as accepted (the device's lengths do not)",
+    "host-seq-written": "the metadata builder subtracts its prefill rows' query lengths from the shared host copy of "
+                        "seq_lens in place",
     "slot-kernel-block": "the slot mapping deals a DCP-sharded group's positions to the ranks by the attention "
                          "kernel's block (half the KV-cache manager's, as FlashInfer MLA splits 128 into 64) instead "
                          "of the manager's",
@@ -79,6 +83,10 @@ FAULT_WHERE: dict[str, str] = {
     "graph-addr-moved": "before 0.20",
     # vllm-ascend's per-request metadata buffers (vllm-ascend #16168), not vLLM's: no vLLM release
     "buffer-undersized": "vllm-ascend only",
+    # FlashAttention's DCP path read seq_lens_cpu up to 0.11 (vLLM #29449, 0.11.2 the oldest read); 0.12 the device's
+    "host-seq-stale": "before 0.12",
+    # FlashInfer's DCP path wrote common_attn_metadata.seq_lens_cpu in place, 0.11.2 (oldest read)-0.29 (vLLM #48003)
+    "host-seq-written": "0.11–0.29",
     # model runner V2's slot mapping dealt by kernel_block_sizes up to 0.28 (vLLM #51031); 0.29 by the manager's
     "slot-kernel-block": "before 0.29",
 }
@@ -200,6 +208,8 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "slot-all-ranks": None,
         "graph-addr-moved": None if graphs else "needs --cudagraph full (a full graph replays captured addresses)",
         "buffer-undersized": None,
+        "host-seq-stale": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (verify rows with drafts)",
+        "host-seq-written": None,
         "slot-kernel-block": None if cfg.page_size % 2 == 0 and misdealt(cfg.page_size // 2, cfg.page_size, cfg.dcp,
                                                                           cfg.interleave) >= 0 else
         "needs an even --page-size whose half (the attention kernel's block) --interleave does not divide (e.g. "

@@ -1,6 +1,6 @@
 """What else simulate's builds hand attention, recorded where a fault on it is injected: the per-request metadata
 tensors (their addresses at the build and at the capture of the graph a replay runs, their buffers' capacities),
-with the faults on them."""
+the host copy of seq_lens the builder reads, with the faults on them."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import numpy as np
 
 from dcptool.dump.schema import GraphMode, addr_words
 from dcptool.model.config import SimConfig
+from dcptool.model.rows import Rows
 
 # The per-request metadata tensors simulate's attention builds hand attention (FlashAttention's DCP path): the
 # builder's local context lengths and the batch's seq_lens (dcptool.config's attn_tensors)
 TENSORS = ("dcp_context_kv_lens", "seq_lens")
 _TENSOR_FAULTS = frozenset({"graph-addr-moved", "buffer-undersized"})
+_COPY_FAULTS = frozenset({"host-seq-stale", "host-seq-written"})
 _DRAFT_MODELS = ("draft", "dflash")  # the roles whose builds run a drafter's builder (its own persistent buffer)
 
 
@@ -27,6 +29,7 @@ class Handed:
     def __init__(self, cfg: SimConfig, faults: frozenset[str]):
         self.cfg, self.F = cfg, faults
         self.on = tensor_faults(faults)  # (otherwise nothing is recorded: dumps as before)
+        self.copies_on = bool(_COPY_FAULTS & faults)
         self._fresh = 0
         self._captured: dict[tuple, np.ndarray] = {}  # (process, model, tokens, requests, micro-batch) -> words
 
@@ -85,3 +88,29 @@ class Handed:
             caps[:, 0] = R - 1
             marks.append(("buffer-undersized", np.full(len(procs), nrp > R - 1)))
         return caps
+
+    def host_copies(self, b: Rows, role: str, kind: str, pages: bool, marks: list):
+        """(host_seq_lens, host_seq_lens_after) of one attention build, shared by every rank (None, None where none
+        are recorded): the host copy of seq_lens the metadata builder reads, as read and as left. host-seq-stale
+        (vLLM #29449): under async scheduling with drafts the copy of a real step's build counts every draft of
+        its verify rows (query length 1 + K) as accepted, while the device's lengths count what the rejection
+        sampler kept (simulate's engine: none of them). host-seq-written (vLLM #48003): the builder subtracts its
+        prefill rows' query lengths (the rows past its decodes, threshold 1) from the shared copy in place."""
+        if not self.copies_on or not pages or role in ("global", "dummy") or kind != "step":
+            return None, None
+        nr = b.nr
+        host = np.asarray(b.seq, np.int64).copy()
+        q = np.diff(b.qsl[: nr + 1])
+        N = self.cfg.dcp
+        if "host-seq-stale" in self.F:
+            k = self.cfg.spec_tokens
+            verify = np.flatnonzero(q == 1 + k) if k > 0 else np.zeros(0, np.int64)
+            host[verify] += k
+            marks.append(("host-seq-stale", np.full(N, verify.size > 0)))
+        after = host
+        if "host-seq-written" in self.F:
+            nd = int(np.argmax(q > 1)) if (q > 1).any() else nr
+            after = host.copy()
+            after[nd:nr] -= q[nd:]
+            marks.append(("host-seq-written", np.full(N, nd < nr)))
+        return host.astype(np.int32), after.astype(np.int32)

@@ -137,6 +137,8 @@ class Runner:
                    num_tokens_padded=b.ntp, buffer=bufs, graph=int(build.graph), kv_pages=kv, dcp_query_start_loc=dq,
                    dcp_tot_seq_lens=tot, attn_addrs=addrs, graph_addrs=gaddrs,
                    attn_caps=self.handed.caps(procs, build.role, nrp, marks),
+                   **dict(zip(("host_seq_lens", "host_seq_lens_after"),
+                              self.handed.host_copies(b, build.role, build.kind, build.pages, marks))),
                    kv_block_sizes=self.columns.block_sizes(build.role, build.kind),
                    **({} if sl is None else dict(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)))
         idxs = sink.record(p, r, slots, odd_seq)

@@ -94,4 +94,6 @@ EXERCISE = {
     "graph-addr-moved": (4, 1, 2, 2, 2, "full", "mtp"),
     "slot-kernel-block": (4, 16, 2, 2, 2, "full", "mtp"),
     "buffer-undersized": (4, 1, 2, 2, 2, "full", "mtp"),
+    "host-seq-stale": (4, 1, 2, 2, 2, "full", "mtp"),
+    "host-seq-written": (4, 1, 2, 2, 2, "full", "mtp"),
 }

@@ -56,7 +56,7 @@ def test_graph_addr_moved_is_found_exactly_where_it_touched(row, tmp_path):
     assert sorted(rep.touched[res.files[0]]) == replays.tolist()
 
 
-@pytest.mark.parametrize("fault", ["graph-addr-moved", "buffer-undersized"])
+@pytest.mark.parametrize("fault", ["graph-addr-moved", "buffer-undersized", "host-seq-stale", "host-seq-written"])
 def test_per_rank_files_like_one_file(tmp_path, fault):
     row = (4, 1, 2, 2, 2, "full", "mtp")
     one = run(config_of(row, 3, inject=(fault,)), tmp_path, "one.safetensors")
@@ -93,3 +93,30 @@ def test_buffer_undersized_is_found_exactly_at_the_builds_that_need_the_missing_
     assert sorted(rep.touched[res.files[0]]) == need.tolist()
     assert (d["rows.attn_caps"].reshape(-1, 2) == [cfg.max_num_reqs - 1, cfg.max_num_reqs]).all()
 
+
+
+# vLLM #29449 and #48003's second half on --dcp 4 with full graphs: with and without PCP 2, micro-batches, MTP, DFlash
+COPY_ROWS = [(4, 1, 1, 2, 1, "full", "mtp"), (4, 1, 2, 2, 2, "full", "mtp"), (4, 16, 1, 3, 2, "full", "dflash"),
+             (4, 1, 2, 0, 2, "full", "mtp"), (2, 1, 1, 2, 1, "piecewise", "mtp")]
+
+
+@pytest.mark.parametrize("fault", ["host-seq-stale", "host-seq-written"])
+@pytest.mark.parametrize("row", COPY_ROWS, ids=[f"N{r[0]}-I{r[1]}-P{r[2]}-K{r[3]}-U{r[4]}-{r[5]}-{r[6]}"
+                                                for r in COPY_ROWS])
+def test_host_copy_faults_are_found_exactly_where_they_touched(row, fault, tmp_path):
+    """The host copy of seq_lens recorded at every real step's attention build, drafts' too (not dummy runs or
+    capture): the
+    stale copy at the builds with verify rows (drafts), the in-place write at the builds with prefill rows; host-copy
+    exactly there, every rank; nothing else anywhere; the copy equals the device's elsewhere."""
+    cfg = config_of(row, 17, inject=(fault,), steps=10)
+    res, d, rr = run(cfg, tmp_path)
+    rep = res.faults[fault]
+    if fault == "host-seq-stale" and row[3] == 0:
+        assert not rep.applicable and rr.findings == [] and not d.has("obs.hseq")
+        return
+    assert rep.applicable and rep.count > 0
+    verify(res, d, rr)
+    assert set(rr.by_rule()) == {"host-copy"}
+    assert {f.detail["kind"] for f in rr.findings} == {"stale" if fault == "host-seq-stale" else "written-in-place"}
+    recorded = np.flatnonzero(np.diff(d["obs.hseq"]) > 0)
+    assert {d.site_name(i) for i in recorded} <= {"attn_metadata", "pcp_partition", "ubatch", "draft"}

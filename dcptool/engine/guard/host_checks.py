@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -27,7 +28,7 @@ class Spec(NamedTuple):
 CHECKS = tuple(c.name for c in DEVICE_CHECKS if c.severity == "error")
 # ... of which the checks of the host values (the row fields after the slot entries: host integers such as the
 # metadata tensors' addresses), decided on the host on either path (late_bits gives the kernel their verdict)
-HOST_CHECKS = ("graph-addr", "capacity", "kernel-block")
+HOST_CHECKS = ("graph-addr", "capacity", "host-copy", "kernel-block")
 
 
 class _Obs(NamedTuple):
@@ -92,12 +93,15 @@ _CHECK = {
 }
 # The checks of the host values (HOST_CHECKS): graph-addr (a full-graph replay whose build handed attention a metadata
 # tensor at another address than the graph captured), capacity (a build needing more request rows than the buffer
-# behind one holds), kernel-block (a DCP-sharded group's slot mapping dealing
+# behind one holds), host-copy (the host copy of seq_lens a build read is not the device's, or the build wrote it in
+# place; inside CUDA-graph capture the first half is not decided: comparing with a device seq_lens waits for it),
+# kernel-block (a DCP-sharded group's slot mapping dealing
 # positions to the ranks by another block than the KV-cache manager's where that moves a position).
 _HOST = {
     "graph-addr": lambda s, r: _graph(r.graph) == GraphMode.FULL_REPLAY and r.attn_addrs is not None
     and r.graph_addrs is not None and not np.array_equal(np.asarray(r.attn_addrs), np.asarray(r.graph_addrs)),
     "capacity": lambda s, r: r.attn_caps is not None and bool(np.any(np.asarray(r.attn_caps) < r.num_reqs_padded)),
+    "host-copy": lambda s, r: r.host_seq_lens is not None and _host_copy_wrong(r),
     "kernel-block": lambda s, r: r.kv_block_sizes is not None and _misdealt(s, np.asarray(r.kv_block_sizes)),
 }
 _CHECK.update((name, lambda o, f=f: f(o.s, o.r)) for name, f in _HOST.items())
@@ -106,6 +110,33 @@ if set(_HOST) != set(HOST_CHECKS):
 if set(_CHECK) != set(CHECKS):
     raise ImportError(f"guard.host_checks: the rule table's device checks are {list(CHECKS)}; the host path decides "
                       f"{list(_CHECK)}")
+
+
+def _host_copy_wrong(r: Record) -> bool:
+    """host-copy on one observation: its real rows of rows.host_seq_lens against seq_lens (a host array only) and
+    against rows.host_seq_lens_after."""
+    host, nr = np.asarray(r.host_seq_lens), int(r.num_reqs)
+    after = r.host_seq_lens_after
+    if after is not None:
+        k = min(nr, host.size, len(after))
+        if not np.array_equal(host[:k], np.asarray(after)[:k]):
+            return True
+    seq = _host_of(r.seq_lens)
+    if seq is None:
+        return False
+    k = min(nr, host.size, seq.size)
+    return not np.array_equal(host[:k], seq[:k])
+
+
+def _host_of(t) -> np.ndarray | None:
+    """seq_lens on the host: a host array as it is, a device tensor copied (the stream waited for) except while a
+    CUDA graph is being captured, where nothing may wait (None: the stale half is not decided there)."""
+    if isinstance(t, np.ndarray):
+        return t
+    if not getattr(t, "is_cuda", False):
+        return np.asarray(t)
+    torch = sys.modules["torch"]
+    return None if torch.cuda.is_current_stream_capturing() else t.cpu().numpy()
 
 
 def _misdealt(s: Spec, sizes: np.ndarray) -> bool:

@@ -33,13 +33,20 @@ class Build:
         return False
 
 
-def _wrap_builder(take):
-    """A builder method's wrapper: the engine's call, then `take(builder, result, got, sig, args, kwargs)` reads
-    what it handed attention into the current build's dict (none outside build_attn_metadata: not recorded)."""
+def _wrap_builder(take, before=None):
+    """A builder method's wrapper: `before(builder, got, sig, args, kwargs)` reads what the call is handed, the
+    engine's call, then `take(builder, result, got, sig, args, kwargs)` reads what it handed attention into the
+    current build's dict (none outside build_attn_metadata: not recorded)."""
 
     def make(orig, sig):
         @functools.wraps(orig)
         def build(*args, **kwargs):
+            got = getattr(STATE.local, "built", None)
+            if before is not None and got is not None and STATE.active:
+                try:
+                    before(args[0], got, sig, args, kwargs)
+                except Exception as e:
+                    broken(e)
             res = orig(*args, **kwargs)
             got = getattr(STATE.local, "built", None)
             if got is not None and STATE.active:
@@ -54,12 +61,28 @@ def _wrap_builder(take):
     return make
 
 
+def _host_before(builder, got: dict, sig, args: tuple, kwargs: dict) -> None:
+    """FlashInferMetadataBuilder.build under DCP: the host copy of seq_lens it reads, copied as it is handed in
+    (common_attn_metadata.seq_lens_cpu; 0.33+: the exact upper bound it reads where it has no drafts to count)."""
+    cm = sig.get(args, kwargs, "common_attn_metadata")
+    if int(getattr(builder, "dcp_world_size", 1)) <= 1 or cm is None or "host_seq_lens" in got:
+        return
+    host = getattr(cm, "seq_lens_cpu", None)
+    if host is None and getattr(builder, "_num_speculative_tokens", 1) == 0:
+        host = getattr(cm, "seq_lens_cpu_upper_bound", None)
+    if host is not None and getattr(host, "is_cuda", True) is False:
+        got[("host", id(builder))] = (host, host.numpy().copy())
+
+
 def _take_flashinfer(builder, res, got: dict, sig, args: tuple, kwargs: dict) -> None:
     """FlashInferMetadataBuilder.build: the decode path's dcp_query_start_loc (what mask_dcp_empty_shards_ gets), and
     this build's page counts (from the plan hook) as one value per request row."""
     dqsl = getattr(getattr(res, "decode", None), "dcp_query_start_loc", None)
     if dqsl is not None:
         got.setdefault("dcp_query_start_loc", dqsl)
+    host = got.pop(("host", id(builder)), None)
+    if host is not None:  # (as read, and as the build left the shared copy)
+        got["host_seq_lens"] = (host[1], host[0].numpy().copy())
     pages = got.pop(("plan", id(builder)), None)
     if pages is None or "kv_pages" in got or sig.get(args, kwargs, "common_prefix_len"):
         return  # (a cascade plan claims the pages past the common prefix only: not comparable)
@@ -121,7 +144,7 @@ def _take_mla(builder, res, got: dict, sig, args: tuple, kwargs: dict) -> None:
         got.setdefault("dcp_tot_seq_lens", tot)
 
 
-wrap_flashinfer = _wrap_builder(_take_flashinfer)
+wrap_flashinfer = _wrap_builder(_take_flashinfer, _host_before)
 wrap_flash_attn = _wrap_builder(_take_flash_attn)
 wrap_mla = _wrap_builder(_take_mla)
 
@@ -156,6 +179,8 @@ def builder_kwargs(got: dict, rows: int, kw: dict) -> None:
     for k in ("dcp_query_start_loc", "dcp_tot_seq_lens"):
         if k in got:
             kw[k] = got[k]
+    if "host_seq_lens" in got:
+        kw["host_seq_lens"], kw["host_seq_lens_after"] = got["host_seq_lens"]
     if "attn_addrs" in got:
         _addresses(got["attn_addrs"], kw)
         caps = got.get("attn_caps")

@@ -50,6 +50,8 @@ BREAK = {
                                      graph_addrs=addr_words([0x7F00, 0x7F20])),
     # a metadata tensor's buffer one request row short of num_reqs_padded (4) (the host values)
     "capacity": lambda c: c.update(attn_caps=np.array([4, 3], np.int32)),
+    # the host copy of seq_lens the build read: a real row one ahead of the device's (the host values)
+    "host-copy": lambda c: c.update(host_seq_lens=np.array([5, 10, 2, 0], np.int32)),
     # the sharded group's slot mapping deals by a block (2, the kernel's) the interleave (4) does not divide: the
     # host values, under an interleave of 4 (the view and the pages follow it)
     "kernel-block": lambda c: c.update(_case(il=4), spec=SPEC._replace(cp_interleave=4),
@@ -141,3 +143,11 @@ def test_padded_tokens_write_nothing():
     qsl = np.array([0, 1, 2, 3, 3], np.int32)  # 3 real tokens of 4
     assert _check(seq, dcp, qsl, slots=_slots(1, [[-1, 0, -1, -1], [0, 1, 2, -1]])) is None
     assert _check(seq, dcp, qsl, slots=_slots(1, [[-1, 0, -1, 1], [0, 1, 2, -1]])) == "slots"
+
+
+def test_host_copy_stale_or_written_in_place_and_a_faithful_copy_passes():
+    seq, dcp, _ = _case()
+    assert _check(seq, dcp, host_seq_lens=seq.copy(), host_seq_lens_after=seq.copy()) is None
+    assert _check(seq, dcp, host_seq_lens=np.array([5, 9, 2, 7], np.int32)) is None  # (a padded row)
+    assert _check(seq, dcp, host_seq_lens=seq.copy(), host_seq_lens_after=np.array([5, 9, 1, 0], np.int32)) == \
+        "host-copy"
