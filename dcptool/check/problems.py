@@ -246,6 +246,8 @@ _WHY = {
                         "larger CUDA-graph capture size): views cut short, writes past its end",
     ("host-copy", None): "the metadata builder reads a host copy of seq_lens (seq_lens_cpu) that is not the "
                          "device's (async scheduling left it behind), or a build writes the shared copy in place",
+    ("plan-pages", None): "FlashInfer's native plans count a prefill row's pages or a row's last page from the "
+                          "global length, not the rank's local context",
     ("kernel-block", None): "the slot mapping deals positions to the DCP ranks by the attention kernel's block where "
                             "the KV-cache manager's differs and the interleave does not divide it: KV written on "
                             "ranks that do not own it, past the kernel block",

@@ -83,6 +83,13 @@ def misdealt(dealt: int, manager: int, dcp_size: int, cp_interleave: int) -> int
     return int(bad[0]) if bad.size else -1
 
 
+def last_page(length, page: int):
+    """FlashInfer's last-page length of a plan covering `length` tokens (_compute_flashinfer_kv_metadata): the
+    length modulo the page, a full page where the page divides a non-zero length."""
+    r = length % page
+    return np.where((r == 0) & (length != 0), page, r)
+
+
 def local_np(seq: np.ndarray, dcp_size: int, rank, cp_interleave) -> np.ndarray:
     """The formula in numpy (int64), for the rows provenance, row views and the simulator look at."""
     il = np.asarray(cp_interleave, np.int64)  # an int, or an array broadcasting against seq

@@ -139,6 +139,11 @@ TABLE = (
          "written in place by an earlier build), or that wrote the shared host copy in place",
          needs=("obs.hseq",), device=True, faults=("host-seq-stale", "host-seq-written"), said=False,
          unrecorded="needs obs.hseq (the host copy of seq_lens the build read)"),
+    Rule("plan-pages", "error", "Q", "plans.check_plan_pages", "a FlashInfer native plan claiming other pages than "
+         "the rank's local length: a prefill row's page count not `cdiv(local(seq_len - query_len), page_size)` (its "
+         "local context), or a row's last-page length not that of the local length its plan covers",
+         needs=("rows.kv_prefill_pages",), device=True, faults=("flashinfer-prefill-pages",), said=False,
+         unrecorded="needs rows.kv_prefill_pages or rows.kv_last_page, query_start_loc and page_size"),
     # the block sizes the slot mapping worked with (per KV-cache group: the manager's, the kernel's, the dealing one)
     Rule("kernel-block", "error", "J", "blocks.check_kernel_block", "a DCP-sharded KV-cache group whose slot mapping "
          "deals positions to the ranks by another block than the KV-cache manager's (the attention kernel's, which "

@@ -113,6 +113,12 @@ FIELDS_TABLE: tuple[Field, ...] = (
     # with the builds after it)
     Field("host_seq_lens", ANY, "I32", "rows.host_seq_lens", offsets="obs.hseq", section="hseq"),
     Field("host_seq_lens_after", ANY, "I32", "rows.host_seq_lens_after", offsets="obs.hseq_after", section="hseqa"),
+    # FlashInfer's native plans beside kv_pages (its decode rows): the page counts of its prefill rows (a DCP prefill
+    # row's plan covers its local context, seq_len - query_len; -1 on decode rows and where no kernel reads them) and
+    # every planned row's last-page length (-1 where none is read)
+    Field("kv_prefill_pages", ROWS, "I32", "rows.kv_prefill_pages", offsets="obs.rows", needs="page_size",
+          section="kvpre"),
+    Field("kv_last_page", ROWS, "I32", "rows.kv_last_page", offsets="obs.rows", needs="page_size", section="klast"),
     # Per KV-cache group (rows.slot_group's index, in order), the block sizes the build's slot mapping worked with:
     # three words each, the KV-cache manager's block (its spec's block_size), the attention kernel's block
     # (kernel_block_sizes) and the block whose virtual block (it times dcp_size) deals positions to the DCP ranks

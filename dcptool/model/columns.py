@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcptool.dcp.reference import slot_deal
+from dcptool.dcp.reference import last_page, local_of, slot_deal
 from dcptool.dump.schema import INT32_MAX
 from dcptool.model.config import KV_GROUPS, SimConfig
 from dcptool.model.rows import Rows
@@ -114,6 +114,29 @@ class Columns:
             out[:, 0, :real] = np.where(kown == ranks, base * B + klocal, -1)
             marks.append(("slot-kernel-block", np.ones(N, bool)))  # (the block sizes every rank records)
         return pos, out
+
+    def plans(self, b: Rows, pages: bool, marks: list) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(kv_prefill_pages, kv_last_page) [N, nrp] of a build whose plan is recorded, where
+        flashinfer-prefill-pages is injected (otherwise nothing: dumps as before). vLLM 0.29's FlashInfer builder:
+        the prefill rows (past the decodes, threshold 1) claim cdiv(global seq_len, page) pages and every row's last
+        page is taken from the global length its plan covers (seq_len; a prefill row's context seq_len -
+        query_len), where the rank holds the local ones; marks the ranks where a value differs."""
+        if "flashinfer-prefill-pages" not in self.F or not pages:
+            return None, None
+        N, G, nr, nrp = self.N, self.G, b.nr, b.nrp
+        q = np.diff(b.qsl[: nr + 1]).astype(np.int64)
+        nd = int(np.argmax(q > 1)) if (q > 1).any() else nr
+        seq = np.asarray(b.seq[:nr], np.int64)
+        covered = seq.copy()
+        covered[nd:] -= q[nd:]
+        local = local_of(np.broadcast_to(covered, (N, nr)).copy(), self.ranks, N, self.I)
+        pre = np.full((N, nrp), -1, np.int64)
+        pre[:, nd:nr] = -(-seq[nd:] // G)
+        last = np.full((N, nrp), -1, np.int64)
+        last[:, :nr] = last_page(covered, G)
+        marks.append(("flashinfer-prefill-pages", (pre[:, nd:nr] != -(-local[:, nd:] // G)).any(axis=1)
+                      | (last[:, :nr] != last_page(local, G)).any(axis=1)))
+        return pre, last
 
     def block_sizes(self, role: str, kind: str) -> np.ndarray | None:
         """The block sizes a build's slot mapping worked with (rows.kv_block_sizes: per KV-cache group the

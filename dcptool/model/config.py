@@ -51,6 +51,8 @@ _HANDED = {
                       "counts every draft of the last verify as accepted (the device's lengths do not)",
     "host-seq-written": "the metadata builder subtracts its prefill rows' query lengths from the shared host copy of "
                         "seq_lens in place",
+    "flashinfer-prefill-pages": "FlashInfer's native prefill plans count pages from the global seq_lens and every "
+                                "plan's last page from the global length it covers, for a local (shorter) context",
     "slot-kernel-block": "the slot mapping deals a DCP-sharded group's positions to the ranks by the attention "
                          "kernel's block (half the KV-cache manager's, as FlashInfer MLA splits 128 into 64) instead "
                          "of the manager's",
@@ -87,6 +89,8 @@ FAULT_WHERE: dict[str, str] = {
     "host-seq-stale": "before 0.12",
     # FlashInfer's DCP path wrote common_attn_metadata.seq_lens_cpu in place, 0.11.2 (oldest read)-0.29 (vLLM #48003)
     "host-seq-written": "0.11–0.29",
+    # the prefill half of vLLM #48003: 0.29's plans (0.27-0.29, as flashinfer-global-pages)
+    "flashinfer-prefill-pages": "0.27–0.29",
     # model runner V2's slot mapping dealt by kernel_block_sizes up to 0.28 (vLLM #51031); 0.29 by the manager's
     "slot-kernel-block": "before 0.29",
 }
@@ -210,6 +214,7 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "buffer-undersized": None,
         "host-seq-stale": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (verify rows with drafts)",
         "host-seq-written": None,
+        "flashinfer-prefill-pages": None,
         "slot-kernel-block": None if cfg.page_size % 2 == 0 and misdealt(cfg.page_size // 2, cfg.page_size, cfg.dcp,
                                                                           cfg.interleave) >= 0 else
         "needs an even --page-size whose half (the attention kernel's block) --interleave does not divide (e.g. "

@@ -140,6 +140,7 @@ class Runner:
                    **dict(zip(("host_seq_lens", "host_seq_lens_after"),
                               self.handed.host_copies(b, build.role, build.kind, build.pages, marks))),
                    kv_block_sizes=self.columns.block_sizes(build.role, build.kind),
+                   **dict(zip(("kv_prefill_pages", "kv_last_page"), self.columns.plans(b, build.pages, marks))),
                    **({} if sl is None else dict(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)))
         idxs = sink.record(p, r, slots, odd_seq)
         self._mark(procs, idxs, bufs, build, nrp, fresh, marks)

@@ -17,7 +17,8 @@ def test_table_is_docs_rules():
 
     assert RULES == ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
                      "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree",
-                     "slots", "slot-partition", "graph-addr", "capacity", "host-copy", "kernel-block")
+                     "slots", "slot-partition", "graph-addr", "capacity", "host-copy", "plan-pages",
+                     "kernel-block")
     assert len({c.lower() for c in RULE_CODES.values()}) == len(RULES)
     assert {f: rule for f, (rule, _) in FAULTS.items()} == {f: r.name for r in TABLE for f in r.faults}
     assert [r.name for r in TABLE if r.severity == "warning"] == ["stray"]
@@ -59,7 +60,7 @@ def test_applies_by_dcp_size(N):
     view = {"missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape"}
     sharded = {"rank-sum", "empty-mask", "tot-lens", "rank-agree"}
     anywhere = {"ubatch-slice", "alias", "pages", "slots", "slot-partition", "graph-addr", "capacity", "host-copy",
-                "kernel-block"}
+                "plan-pages", "kernel-block"}
     assert on == (anywhere | {"stray"} if N == 1 else anywhere | view | sharded)
 
 
@@ -70,7 +71,7 @@ def test_what_the_guard_decides_on_the_device():
     dev = [r.name for r in TABLE if r.device]
     assert dev == ["missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
                    "pages", "empty-mask", "tot-lens", "slots", "graph-addr", "capacity", "host-copy",
-                   "kernel-block"]
+                   "plan-pages", "kernel-block"]
     assert all(R.RULE[r].scope == R.OBSERVATION and R.RULE[r].severity == "error" for r in dev)
     assert {r.name for r in TABLE if r.scope == R.RANKS} == {"rank-sum", "rank-agree", "slot-partition"}
 

@@ -37,7 +37,8 @@ FORMAT_OPTIONAL = {
     "obs.addrs": ("I64", "n+1"), "rows.attn_addrs": ("I32", "obs.addrs"), "obs.gaddrs": ("I64", "n+1"),
     "rows.graph_addrs": ("I32", "obs.gaddrs"), "obs.caps": ("I64", "n+1"), "rows.attn_caps": ("I32", "obs.caps"),
     "obs.hseq": ("I64", "n+1"), "rows.host_seq_lens": ("I32", "obs.hseq"), "obs.hseq_after": ("I64", "n+1"),
-    "rows.host_seq_lens_after": ("I32", "obs.hseq_after"), "obs.kvbs": ("I64", "n+1"),
+    "rows.host_seq_lens_after": ("I32", "obs.hseq_after"), "rows.kv_prefill_pages": ("I32", "obs.rows"),
+    "rows.kv_last_page": ("I32", "obs.rows"), "obs.kvbs": ("I64", "n+1"),
     "rows.kv_block_sizes": ("I32", "obs.kvbs")}
 
 
@@ -60,7 +61,7 @@ def test_the_record_types_follow_the_table():
     assert FIELDS == Scalars._fields == ("step", "rank", "num_reqs", "num_reqs_padded", "ubatch", "parent",
                                          "req_start", "tok_start", "tok_stop", "num_tokens_padded", "buffer", "graph")
     assert ROW_FIELDS == ("seq", "dcp", "qsl", "kv", "dqsl", "tot", "pos", "slot", "sgrp", "addr", "gaddr", "caps",
-                          "hseq", "hseqa", "kvbs")
+                          "hseq", "hseqa", "kvpre", "klast", "kvbs")
     assert OPTIONAL_FIELDS["buffer"] == ("obs.buffer", "<i8", 0) and OPTIONAL_FIELDS["graph"] == ("obs.graph", "i1", 0)
     assert "ubatch" not in OPTIONAL_FIELDS and "step" not in OPTIONAL_FIELDS
 

@@ -96,4 +96,5 @@ EXERCISE = {
     "buffer-undersized": (4, 1, 2, 2, 2, "full", "mtp"),
     "host-seq-stale": (4, 1, 2, 2, 2, "full", "mtp"),
     "host-seq-written": (4, 1, 2, 2, 2, "full", "mtp"),
+    "flashinfer-prefill-pages": (4, 1, 2, 2, 2, "full", "mtp"),
 }

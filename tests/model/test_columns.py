@@ -163,3 +163,23 @@ def test_slot_kernel_block_needs_an_interleave_the_half_block_does_not_take(tmp_
     rr = replay(d, "torch")
     verify(res, d, rr)
     assert rr.by_rule() == one[2].by_rule()
+
+
+PLAN_ROWS = [(4, 1, 1, 2, 1, "full", "mtp"), (4, 1, 2, 2, 2, "full", "mtp"), (4, 16, 1, 3, 2, "full", "dflash"),
+             (4, 1, 2, 0, 2, "full", "mtp"), (8, 16, 2, 0, 1, "none", "mtp")]
+
+
+@pytest.mark.parametrize("row", PLAN_ROWS, ids=[f"N{r[0]}-I{r[1]}-P{r[2]}-K{r[3]}-U{r[4]}-{r[5]}-{r[6]}"
+                                                for r in PLAN_ROWS])
+def test_flashinfer_prefill_pages_is_found_exactly_where_it_touched(row, tmp_path):
+    """The prefill half of vLLM #48003: the plans' prefill counts and last pages of the global lengths, recorded at
+    every build whose plan is recorded; plan-pages exactly at the ranks where a value differs from the local
+    context's, nothing else anywhere; the columns hold -1 on the rows they do not claim."""
+    cfg = config_of(row, 19, inject=("flashinfer-prefill-pages",), steps=8)
+    res, d, rr = run(cfg, tmp_path)
+    rep = res.faults["flashinfer-prefill-pages"]
+    assert rep.applicable and rep.count > 0
+    verify(res, d, rr)
+    assert set(rr.by_rule()) == {"plan-pages"}
+    pre, last = d["rows.kv_prefill_pages"], d["rows.kv_last_page"]
+    assert (pre >= -1).all() and (last >= -1).all() and (pre >= 0).any() and (last >= 0).any()

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcptool.dcp.reference import local_np, misdealt
+from dcptool.dcp.reference import last_page, local_np, misdealt
 from dcptool.dcp.rules import DEVICE_CHECKS
 from dcptool.dump import Record
 from dcptool.dump.schema import GraphMode
@@ -28,7 +28,7 @@ class Spec(NamedTuple):
 CHECKS = tuple(c.name for c in DEVICE_CHECKS if c.severity == "error")
 # ... of which the checks of the host values (the row fields after the slot entries: host integers such as the
 # metadata tensors' addresses), decided on the host on either path (late_bits gives the kernel their verdict)
-HOST_CHECKS = ("graph-addr", "capacity", "host-copy", "kernel-block")
+HOST_CHECKS = ("graph-addr", "capacity", "host-copy", "plan-pages", "kernel-block")
 
 
 class _Obs(NamedTuple):
@@ -95,13 +95,15 @@ _CHECK = {
 # tensor at another address than the graph captured), capacity (a build needing more request rows than the buffer
 # behind one holds), host-copy (the host copy of seq_lens a build read is not the device's, or the build wrote it in
 # place; inside CUDA-graph capture the first half is not decided: comparing with a device seq_lens waits for it),
-# kernel-block (a DCP-sharded group's slot mapping dealing
+# plan-pages (a native plan's prefill page count or last-page length not the local length's; the same wait for a
+# device seq_lens or query_start_loc), kernel-block (a DCP-sharded group's slot mapping dealing
 # positions to the ranks by another block than the KV-cache manager's where that moves a position).
 _HOST = {
     "graph-addr": lambda s, r: _graph(r.graph) == GraphMode.FULL_REPLAY and r.attn_addrs is not None
     and r.graph_addrs is not None and not np.array_equal(np.asarray(r.attn_addrs), np.asarray(r.graph_addrs)),
     "capacity": lambda s, r: r.attn_caps is not None and bool(np.any(np.asarray(r.attn_caps) < r.num_reqs_padded)),
     "host-copy": lambda s, r: r.host_seq_lens is not None and _host_copy_wrong(r),
+    "plan-pages": lambda s, r: (r.kv_prefill_pages is not None or r.kv_last_page is not None) and _plan_wrong(s, r),
     "kernel-block": lambda s, r: r.kv_block_sizes is not None and _misdealt(s, np.asarray(r.kv_block_sizes)),
 }
 _CHECK.update((name, lambda o, f=f: f(o.s, o.r)) for name, f in _HOST.items())
@@ -137,6 +139,21 @@ def _host_of(t) -> np.ndarray | None:
         return np.asarray(t)
     torch = sys.modules["torch"]
     return None if torch.cuda.is_current_stream_capturing() else t.cpu().numpy()
+
+
+def _plan_wrong(s: Spec, r: Record) -> bool:
+    """plan-pages on one observation (its real rows; -1: not recorded)."""
+    seq, qsl, nr = _host_of(r.seq_lens), _host_of(r.query_start_loc), int(r.num_reqs)
+    if seq is None or qsl is None or qsl.size < nr + 1 or not s.page_size or nr == 0:
+        return False
+    none = np.full(nr, -1)
+    pre = none if r.kv_prefill_pages is None else np.asarray(r.kv_prefill_pages, np.int64)[:nr]
+    last = none if r.kv_last_page is None else np.asarray(r.kv_last_page, np.int64)[:nr]
+    covered = np.where(pre >= 0, seq[:nr] - np.diff(qsl[:nr + 1]), seq[:nr]).astype(np.int64)
+    local = local_np(np.maximum(covered, 0), s.dcp_size, r.rank, s.cp_interleave)
+    page = s.page_size
+    return bool(np.any((pre >= 0) & (pre != -(-local // page))) or np.any((last >= 0) & (last != last_page(local,
+                                                                                                          page))))
 
 
 def _misdealt(s: Spec, sizes: np.ndarray) -> bool:

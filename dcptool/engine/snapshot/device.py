@@ -35,7 +35,7 @@ _FAST_FIELDS = ("step", "site", "rank", "num_reqs", "num_reqs_padded", "seq_lens
                 "parent", "req_start", "tok_start", "tok_stop", "query_start_loc", "num_tokens_padded", "buffer",
                 "graph", "kv_pages", "dcp_query_start_loc", "dcp_tot_seq_lens", "positions", "slot_mapping",
                 "attn_addrs", "graph_addrs", "attn_caps", "host_seq_lens", "host_seq_lens_after",
-                "kv_block_sizes")
+                "kv_prefill_pages", "kv_last_page", "kv_block_sizes")
 # The fields after slot_mapping (host values: the metadata tensors' addresses, ...): an observation that gives any
 # goes the general path, which holds them beside its slot (one that gives none pays an identity test each)
 LATE_ROWS = tuple(R[f.name] for f in HOST_ROWS)  # their Record positions, in the table's order

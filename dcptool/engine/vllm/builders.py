@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from dcptool.engine.vllm.state import STATE, broken, set_attn_tensors, set_page_size
 
 PAGE_MISMATCH = "page counts of another page size than the recording's"
@@ -86,12 +88,22 @@ def _take_flashinfer(builder, res, got: dict, sig, args: tuple, kwargs: dict) ->
     pages = got.pop(("plan", id(builder)), None)
     if pages is None or "kv_pages" in got or sig.get(args, kwargs, "common_prefix_len"):
         return  # (a cascade plan claims the pages past the common prefix only: not comparable)
-    counts, page = pages
+    counts, last, page = pages
+    nd = int(res.num_decodes)
+    # a decode row's counts where a decode kernel reads the native plan (FIDecode: not trtllm-gen's), a prefill row's
+    # where its prefill kernel does (FIPrefill); under DCP a prefill row's plan covers its local context only (the
+    # new tokens attend separately): its own field, which plan-pages checks against cdiv(local context, page)
+    native_decode = type(getattr(res, "decode", None)).__name__ == "FIDecode"
+    native_prefill = type(getattr(res, "prefill", None)).__name__ == "FIPrefill"
+    read = np.zeros(counts.size, bool)
+    read[:nd], read[nd:] = native_decode, native_prefill
+    decode = np.where(read & (np.arange(counts.size) < nd), counts, -1).astype(np.int32)
     if int(getattr(builder, "dcp_world_size", 1)) > 1:
-        # under DCP a prefill row's plan covers its local context only (the new tokens attend separately):
-        # unknown (-1) to the page-count rule, which checks cdiv(local length, page) on decode rows
-        counts[int(res.num_decodes):] = -1
-    got["kv_pages"] = (counts, page)
+        got["kv_plans"] = (np.where(read & (np.arange(counts.size) >= nd), counts, -1).astype(np.int32),
+                           np.where(read, last, -1).astype(np.int32))
+    else:
+        decode = np.where(read, counts, -1).astype(np.int32)
+    got["kv_pages"] = (decode, page)
 
 
 def wrap_plan(orig, sig):
@@ -101,14 +113,21 @@ def wrap_plan(orig, sig):
     @functools.wraps(orig)
     def _compute_flashinfer_kv_metadata(*args, **kwargs):
         got = getattr(STATE.local, "built", None)
+        counts = None
         if got is not None and STATE.active:
             try:
                 n = int(sig.get(args, kwargs, "num_reqs"))
-                got[("plan", id(args[0]))] = (sig.get(args, kwargs, "num_blocks_np")[:n].astype("int32"),
-                                              int(sig.get(args, kwargs, "page_size")))
+                counts = sig.get(args, kwargs, "num_blocks_np")[:n].astype("int32")
             except Exception as e:
                 broken(e)
-        return orig(*args, **kwargs)
+        out = orig(*args, **kwargs)
+        if counts is not None:
+            try:  # (the last-page lengths the call wrote into the builder's buffer)
+                last = args[0].paged_kv_last_page_len.np[:n].astype("int32")
+                got[("plan", id(args[0]))] = (counts, last, int(sig.get(args, kwargs, "page_size")))
+            except Exception as e:
+                broken(e)
+        return out
 
     return _compute_flashinfer_kv_metadata
 
@@ -185,8 +204,6 @@ def builder_kwargs(got: dict, rows: int, kw: dict) -> None:
         _addresses(got["attn_addrs"], kw)
         caps = got.get("attn_caps")
         if "attn_addrs" in kw and caps is not None and min(caps) >= 0:
-            import numpy as np  # (the Recorder has imported it by now)
-
             kw["attn_caps"] = np.array(caps, np.int32)
     pages = got.get("kv_pages")
     if pages is None:
@@ -195,11 +212,16 @@ def builder_kwargs(got: dict, rows: int, kw: dict) -> None:
     if not set_page_size(page):
         STATE.skipped[PAGE_MISMATCH] += 1
         return
-    if counts.shape[0] != rows:  # (a consumer that reads the whole seq_lens argument: rows past the build's)
-        import numpy as np  # (the Recorder has imported it by now)
+    if "kv_plans" in got:
+        kw["kv_prefill_pages"], kw["kv_last_page"] = (_per_row(x, rows) for x in got["kv_plans"])
+    kw["kv_pages"] = _per_row(counts, rows)
 
-        full = np.full(rows, -1, np.int32)
-        k = min(rows, counts.shape[0])
-        full[:k] = counts[:k]
-        counts = full
-    kw["kv_pages"] = counts
+
+def _per_row(counts, rows: int):
+    """One value per seq_lens row: a consumer that reads the whole seq_lens argument has rows past the build's (-1)."""
+    if counts.shape[0] == rows:
+        return counts
+    full = np.full(rows, -1, np.int32)
+    k = min(rows, counts.shape[0])
+    full[:k] = counts[:k]
+    return full

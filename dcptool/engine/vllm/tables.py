@@ -41,8 +41,9 @@ class Table:
     # the slot columns (build_attn_metadata's slot_mappings, every release) and how groups are sharded
     slots: str = "slot mappings per KV-cache group, each group's sharding from its spec (dcp_sharded)"
     # what the attention-metadata builders hand attention (builders)
-    builders: str = ("dcp_query_start_loc (FlashInfer's trtllm-gen/XQA decode), kv_pages (FlashInfer's native plans; "
-                     "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode), attn_addrs (FlashAttention's "
+    builders: str = ("dcp_query_start_loc (FlashInfer's trtllm-gen/XQA decode), kv_pages, kv_prefill_pages and "
+                     "kv_last_page (FlashInfer's native plans: decode rows, DCP prefill rows, last pages, where a "
+                     "kernel reads them), dcp_tot_seq_lens (MLA's decode), attn_addrs (FlashAttention's "
                      "dcp_context_kv_lens and seq_lens, at capture and replay)")
 
 
@@ -90,10 +91,10 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
 #  0.34  UBatchRunner.prepare(..., batch_desc, dp_sync_state, for_capture).
 _DRAFT = ("_build_attn_metadata", ("num_reqs", "batch_desc"))
 _NO_UBATCH = "ubatch: this release has no model-runner-V2 micro-batching (vllm/v1/worker/gpu/ubatch_utils.py)"
-_BUILDERS_029 = ("kv_pages (FlashInfer's native plans, counted before DCP localises the lengths: replay's pages; "
-                 "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode), attn_addrs (FlashAttention's "
-                 "dcp_context_kv_lens and seq_lens, at capture and replay); no dcp_query_start_loc: this release's "
-                 "FlashInfer decode metadata has none")
+_BUILDERS_029 = ("kv_pages, kv_prefill_pages and kv_last_page (FlashInfer's native plans, counted before DCP "
+                 "localises the lengths: replay's pages and plan-pages), dcp_tot_seq_lens (MLA's decode), "
+                 "attn_addrs (FlashAttention's dcp_context_kv_lens and seq_lens, at capture and replay); no "
+                 "dcp_query_start_loc: this release's FlashInfer decode metadata has none")
 _ALL_SHARDED = ("slot mappings per KV-cache group, each group's sharding from its spec's kind; this release's "
                 "slot-mapping kernel has no dcp_sharded flag and localises every group (replay: slots on a "
                 "replicated group)")

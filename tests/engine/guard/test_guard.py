@@ -55,7 +55,7 @@ def observations(d, tensors: bool):
             kw["positions"] = arr(pos[g0])
             kw["slot_mapping"] = {int(g): arr(sl[grp == g]) for g in np.unique(grp)}
         for f in LATE_ROWS:  # (the host values: numpy arrays, as an engine passes them)
-            if f.offsets in c and c[f.offsets][i + 1] > c[f.offsets][i]:
+            if f.column in c and c[f.offsets][i + 1] > c[f.offsets][i]:
                 kw[f.name] = np.array(c[f.column][c[f.offsets][i]:c[f.offsets][i + 1]])
         yield kw
 

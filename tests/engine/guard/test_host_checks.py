@@ -52,6 +52,9 @@ BREAK = {
     "capacity": lambda c: c.update(attn_caps=np.array([4, 3], np.int32)),
     # the host copy of seq_lens the build read: a real row one ahead of the device's (the host values)
     "host-copy": lambda c: c.update(host_seq_lens=np.array([5, 10, 2, 0], np.int32)),
+    # a prefill row's plan (row 1: query 2, context 7, local 3 at rank 1 of 2: one page of 4) claiming the global 3
+    "plan-pages": lambda c: c.update(kv_prefill_pages=np.array([-1, 3, -1, -1], np.int32),
+                                     qsl=np.array([0, 1, 3, 4, 4], np.int32)),
     # the sharded group's slot mapping deals by a block (2, the kernel's) the interleave (4) does not divide: the
     # host values, under an interleave of 4 (the view and the pages follow it)
     "kernel-block": lambda c: c.update(_case(il=4), spec=SPEC._replace(cp_interleave=4),
