@@ -13,6 +13,8 @@ STAMP := $(VENV)/.installed-stamp
 SAMPLE ?= samples/legacy.safetensors
 VLLM_VERSIONS ?= 0.29.0 0.30.0 0.33.0 0.34.0
 FUZZ_EXAMPLES ?= 10000
+# pytest workers (pytest-xdist): one per core
+JOBS ?= auto
 
 NUMPY_OLDEST ?= 1.24.4
 OLDEST := .venv-oldest
@@ -40,9 +42,9 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -m "not kernel"
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "not kernel"
 	@echo "--- the kernel tests, under the Triton interpreter (TRITON_INTERPRET=1 from the start; a GPU machine runs them compiled)"
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m kernel
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(JOBS) -m kernel
 
 $(OLDEST)/.installed-stamp: pyproject.toml
 	test -x $(OLDEST)/bin/python || $(PY) -m venv $(OLDEST)
@@ -52,7 +54,7 @@ $(OLDEST)/.installed-stamp: pyproject.toml
 
 test-oldest: $(OLDEST)/.installed-stamp
 	$(OLDEST)/bin/python -c "import numpy; assert numpy.__version__ == '$(NUMPY_OLDEST)', numpy.__version__"
-	$(OLDEST)/bin/python -m pytest -q -p no:cacheprovider -W error::DeprecationWarning -W error::RuntimeWarning \
+	$(OLDEST)/bin/python -m pytest -q -n $(JOBS) -p no:cacheprovider -W error::DeprecationWarning -W error::RuntimeWarning \
 		--ignore=tests/test_fuzz.py --ignore=tests/test_reliability.py --ignore=tests/engine --ignore=tests/vllm \
 		--ignore=tests/test_limits.py --ignore=tests/test_architecture.py --ignore=tests/report \
 		--ignore=tests/test_cli.py --ignore=tests/test_docs.py --ignore=tests/gpu/test_cubin.py -m "not kernel"

@@ -28,6 +28,18 @@ class SpecMethod(str, Enum):
     DFLASH = "dflash"
 
 
+class KVConnector(str, Enum):
+    NONE = "none"  # one instance: no transfers
+    NIXL = "nixl"  # pulls from a prefill instance
+    MOONCAKE = "mooncake"
+    LMCACHE = "lmcache"  # stores into a keyed store
+
+
+class KVShards(str, Enum):
+    DCP = "dcp"  # KV sharded over the DCP ranks, every PCP rank a replica (model runner V2)
+    CP = "cp"  # over the CP world pcp x dcp (V1's BlockTable, vllm-ascend)
+
+
 def values(e: type[Enum]) -> tuple[str, ...]:
     return tuple(m.value for m in e)
 

@@ -16,7 +16,7 @@ from rich.console import Console
 from typer.core import TyperCommand
 
 from dcptool import exits
-from dcptool.choices import Backend, CudaGraph, Pipeline, SpecMethod, metavar, spoken, values
+from dcptool.choices import Backend, CudaGraph, KVConnector, KVShards, Pipeline, SpecMethod, metavar, spoken, values
 from dcptool.errors import DcptoolError, UsageError  # stdlib only: --help stays light
 from dcptool.exits import Guarded, say
 from dcptool.inputs import InputError, dump_paths, integer, number, output_target
@@ -376,6 +376,20 @@ def simulate(
                                                 "its micro-batch split rule, recorded as engine_version.")] = "",
     max_num_reqs: Annotated[int, _int("--max-num-reqs", 1, "max_num_seqs: requests per step.")] = 64,
     token_budget: Annotated[int, _int("--token-budget", 1, "max_num_batched_tokens: tokens per step.")] = 2048,
+    kv_connector: Annotated[str, typer.Option("--kv-connector", metavar=metavar(KVConnector),
+                                              help="Record KV transfers: nixl or mooncake pull each arriving "
+                                                   "request from a prefill instance, lmcache stores each finished "
+                                                   "one (docs/simulate.md).")] = "none",
+    prefill_dcp: Annotated[int, _int("--prefill-dcp", 0, "The prefill instance's DCP size (0: --dcp).")] = 0,
+    prefill_pcp: Annotated[int, _int("--prefill-pcp", 1, "The prefill instance's PCP size.")] = 1,
+    prefill_tp: Annotated[int, _int("--prefill-tp", 0, "The prefill instance's TP size (0: its DCP size).")] = 0,
+    prefill_interleave: Annotated[int, _int("--prefill-interleave", 0, "The prefill instance's interleave (0: "
+                                                                      "--interleave).")] = 0,
+    prefill_block_size: Annotated[int, _int("--prefill-block-size", 0, "The prefill instance's block size (0: "
+                                                                      "--page-size).")] = 0,
+    prefill_kv_shards: Annotated[str, typer.Option("--prefill-kv-shards", metavar=metavar(KVShards),
+                                                   help="dcp: its PCP ranks keep replicas of its DCP shards; cp: "
+                                                        "they hold distinct shards (CP world pcp x dcp).")] = "dcp",
     output: Annotated[Path | None, typer.Option("-o", "--output", metavar="PATH", help="Write the dump here "
                                                 "instead of printing the side-by-side table.")] = None,
     per_rank: Annotated[bool, typer.Option("--per-rank", help="With -o: one file per rank (OUT.rankR / "
@@ -394,7 +408,10 @@ def simulate(
     cfg = SimConfig(dcp=dcp, interleave=interleave, pcp=pcp, steps=steps, spec_tokens=spec_tokens,
                     spec_method=spec_method, ubatches=ubatches, cudagraph=cudagraph, dummy_every=dummy_every,
                     page_size=page_size, pipeline=pipeline, inject=faults, seed=seed, max_num_reqs=max_num_reqs,
-                    token_budget=token_budget, engine_version=engine_version)
+                    token_budget=token_budget, engine_version=engine_version, kv_connector=kv_connector,
+                    prefill_dcp=prefill_dcp, prefill_pcp=prefill_pcp, prefill_tp=prefill_tp,
+                    prefill_interleave=prefill_interleave, prefill_block_size=prefill_block_size,
+                    prefill_kv_shards=prefill_kv_shards)
     cfg.validate()
     _engine_version("simulate", engine_version)
     if per_rank and output is None:

@@ -9,7 +9,7 @@ python3 -c 'import sys, numpy, torch, triton; print("python", sys.version.split(
 "torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())' | tee "$log"
 # the entry points (dcptool, the vLLM plugin) without the network: the image has setuptools
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$log" 2>&1 || echo "(editable install failed; PYTHONPATH only)"
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 workers=$(( $(nproc) > 12 ? 12 : $(nproc) ))
 python3 -m pytest -q -p no:cacheprovider -n "$workers" "$@" 2>&1 | tee -a "$log" | tail -25
 rc=${PIPESTATUS[0]}

@@ -43,6 +43,26 @@ fi_ok() { (cd / && "$PY" -c "import sys, importlib.metadata as m
 sys.exit(m.version('flashinfer-python') != '0.7.2.post1' or m.version('nvidia-ml-py') != '13.615.71')") 2>/dev/null; }
 fi_ok || pip_ flashinfer-python==0.7.2.post1 nvidia-ml-py==13.615.71
 "$PY" -c "import pytest" 2>/dev/null || pip_ pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
+# LMCache's multi-process connector planning, before and after its DCP fix (tests/vllm/test_vllm_lmcache.py reads
+# its source: its modules import LMCache's CUDA ops, so the wheels are only unpacked, each in a directory of its own)
+for v in 0.5.4 0.5.6; do
+  test -d "$VENV/lmcache-$v/lmcache" || "$PY" -m pip install -q --no-deps --target "$VENV/lmcache-$v" "lmcache==$v"
+done
+# vllm-ascend's Mooncake connector planning (tests/vllm/test_vllm_mooncake.py reads its source: the module imports
+# torch_npu and Mooncake's transfer engine). PyPI has vllm-ascend as a source archive only: pip downloads it after
+# preparing its metadata (setuptools-scm; SOC_VERSION names an Ascend chip, COMPILE_CUSTOM_KERNELS=0 builds nothing),
+# and only the connector's file is unpacked.
+VA=0.23.0.post1
+MC=vllm_ascend/distributed/kv_transfer/kv_p2p/mooncake_connector.py
+if ! test -f "$VENV/vllm-ascend-$VA/$MC"; then
+  pip_ setuptools-scm==10.3.4 vcs-versioning==2.6.0
+  tmp=$(mktemp -d)
+  SOC_VERSION=ascend910b1 COMPILE_CUSTOM_KERNELS=0 "$PY" -m pip download -q --no-deps --no-build-isolation \
+    -d "$tmp" "vllm-ascend==$VA"
+  mkdir -p "$VENV/vllm-ascend-$VA"
+  tar -xzf "$tmp/vllm_ascend-$VA.tar.gz" -C "$VENV/vllm-ascend-$VA" --strip-components=1 "vllm_ascend-$VA/$MC"
+  rm -rf "$tmp"
+fi
 # dcptool itself, editable from this checkout, so vLLM's plugin loader finds its `vllm.general_plugins` entry point
 # (checked from / so that a checkout in the current directory does not answer for the installed one)
 if ! (cd / && "$PY" -c "

@@ -21,13 +21,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dcptool.check.provenance import Source
+from dcptool.dcp.kv_transfer import KINDS as TRANSFER_KINDS
 from dcptool.dcp.rules import RULES, SEVERITY
 from dcptool.dump.ref import obs_ref
 
 if TYPE_CHECKING:
     from dcptool.dump import Dump
 
-RELATIONS = ("parent-rows", "earlier-in-step", "earlier-step")  # Source.relation, by code
+# Source.relation (stale), then the kinds of a transfer finding (dcp.kv_transfer.KINDS), by code
+RELATIONS = ("parent-rows", "earlier-in-step", "earlier-step", *TRANSFER_KINDS)
 
 
 
@@ -359,11 +361,15 @@ class Written:
         self.rule: list[int] = []
         self.ints: dict[str, list[int]] = {k: [] for k in ("row", "recorded", "expected", "wrong_rows")}
         self.texts: list[tuple[str, dict]] = []
+        self.relation: list[int] = []
 
     def add(self, index: int, rule: str, text: str, *, row: int | None = None, recorded: int | None = None,
-            expected: int | None = None, wrong_rows: int = 0, detail: dict | None = None) -> None:
+            expected: int | None = None, wrong_rows: int = 0, detail: dict | None = None,
+            relation: str | None = None) -> None:
+        """One finding; `relation` (one of RELATIONS) says which mechanism it is where a rule has several."""
         self.index.append(int(index))
         self.rule.append(RULES.index(rule))
+        self.relation.append(-1 if relation is None else RELATIONS.index(relation))
         for k, v in (("row", row), ("recorded", recorded), ("expected", expected), ("wrong_rows", wrong_rows)):
             self.ints[k].append(v)
         self.texts.append((text, detail or {}))
@@ -373,7 +379,8 @@ class Written:
         masks = {m: np.array([x is not None for x in self.ints[f]], bool) for f, m in zip(("row", "recorded",
                                                                                            "expected"), _MASK)}
         return FindingTable.build(self.d, np.array(self.index, np.int64), np.array(self.rule, np.int8), STORED,
-                                  dict(enumerate(self.texts)), **cols, **masks)
+                                  dict(enumerate(self.texts)), **cols, **masks,
+                                  relation=np.array(self.relation, np.int64))
 
 
 def render_texts(t: FindingTable, rows: np.ndarray) -> tuple[list[str], list[str]]:

@@ -64,7 +64,7 @@ def plan(d: Dump) -> Plan:
             if first.dcp == SHARDED:
                 skipped[first.name] = "dcp_size is 1"
         elif not recorded:
-            if first.said:
+            if first.said and first.unrecorded:  # (a rule without a reason, or not said, is not listed)
                 skipped[first.name] = first.unrecorded
         else:
             run[check] = live

@@ -18,15 +18,16 @@ from importlib import resources
 import numpy as np
 
 from dcptool.check.findings import PAGES, SHAPE, Finding, FindingTable
+from dcptool.check.findings import RELATIONS as FINDING_RELATIONS
 from dcptool.dcp.rules import RULES
 from dcptool.dump import Dump
 
-RELATIONS = ("", "parent-rows", "earlier-in-step", "earlier-step")
+RELATIONS = ("", *FINDING_RELATIONS)
 
 # Row patterns: what part of a view the finding concerns (problems split on them: different mechanisms).
-VIEW, REAL_ROWS, STRADDLE, PADDED, CUT, LENGTH = range(6)
+VIEW, REAL_ROWS, STRADDLE, PADDED, CUT, LENGTH, PLAN = range(7)
 PATTERNS = ("the whole view", "real rows", "the row straddling the micro-batch split", "padded rows",
-            "view cut to num_reqs", "view length")
+            "view cut to num_reqs", "view length", "a KV transfer plan")
 
 # Rules whose mechanism is a code path, so the site is part of the problem (None at a dummy run and None in a
 # micro-batch are two bugs). The others come from one place whatever path built the batch: page counts from
@@ -81,6 +82,7 @@ def row_patterns(d: Dump, fa: _Keys) -> np.ndarray:
     # the split belong to the next micro-batch, so its length here is shorter than the parent's)
     out[rows & (fa.ubatch >= 0) & (fa.wrong_rows == 1) & (fa.row == nr - 1) & np.isin(rule, sorted(MAIN))] = STRADDLE
     out[rule == "padding"] = PADDED
+    out[rule == "transfer"] = PLAN
     shape = rule == "shape"
     out[shape] = np.where((fa.length[shape] == nr[shape]) & (nr[shape] < nrp[shape]), CUT, LENGTH)
     return out
@@ -251,14 +253,28 @@ _WHY = {
     ("kernel-block", None): "the slot mapping deals positions to the DCP ranks by the attention kernel's block where "
                             "the KV-cache manager's differs and the interleave does not divide it: KV written on "
                             "ranks that do not own it, past the kernel block",
+    ("transfer/partial-store", None): "a connector stores one rank's shard of the KV under a key that claims the "
+                                      "whole request (e.g. only rank 0 writes, as if it held the full MLA KV)",
+    ("transfer/wrong-source", None): "the connector reads positions from a source worker whose shard does not hold "
+                                     "them (it matched the shards by the wrong stride, or assumed one source rank)",
+    ("transfer/past-sequence", None): "the connector fills destination positions from source slots past the "
+                                      "sequence length (allocation padding read as KV)",
+    ("transfer/not-owner", None): "the connector sends positions to a destination rank that does not own them "
+                                  "(the two sides' sharding was not mapped onto each other)",
+    ("transfer/block-ids", None): "the connector's block ids do not name the request's blocks of that group "
+                                  "(scaled by another group's block ratio, taken from another group, or paired "
+                                  "wrongly)",
+    ("transfer/twice", None): "the connector moves some positions more than once",
+    ("transfer/never", None): "positions the destination rank must hold are never transferred",
+    ("transfer", None): "a KV transfer plan does not move what the destination rank must hold",
 }
 
 
 def explain(rule: str, relation: str | None, pattern: int, sites: tuple[str, ...], all_global: bool = False) -> str:
     """The one-sentence mechanism of a problem."""
     key = rule
-    if rule == "stale" and relation:
-        key = f"stale/{relation}"
+    if rule in ("stale", "transfer") and relation:
+        key = f"{rule}/{relation}"
     elif rule == "shape" and pattern == CUT:
         key = "shape/cut"
     elif rule == "pages" and all_global:

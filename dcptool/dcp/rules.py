@@ -150,6 +150,15 @@ TABLE = (
          "the interleave need not divide) where that sends a position to another rank or local position",
          needs=("obs.kvbs",), device=True, faults=("slot-kernel-block",), said=False,
          unrecorded="needs obs.kvbs (the block sizes the slot mapping worked with)"),
+    # a KV transfer plan (prefill/decode disaggregation): only recorded where a connector moves KV, so a dump without
+    # transfers does not list it as skipped (no `unrecorded`)
+    Rule("transfer", "error", "D", "transfers.check_transfer", "a KV transfer plan (prefill/decode disaggregation, "
+         "a keyed store) that does not move every position a destination rank must hold exactly once from a source "
+         "worker that holds it, named by its first kind: `partial-store` (a shard stored as the whole request), "
+         "`wrong-source`, `past-sequence` (reads past the sequence), `not-owner`, `block-ids` (ids scaled or grouped "
+         "wrongly), `twice`, `never`",
+         needs=("obs.xfer",), faults=("nixl-pcp-stride", "nixl-single-source", "mooncake-group-scale",
+                                      "mooncake-unsharded-prefill", "lmcache-partial-store")),
 )
 RULE = {r.name: r for r in TABLE}
 RULES = tuple(RULE)

@@ -37,6 +37,7 @@ class DumpInfo:
     optional: list[str]
     injected: dict[str, list[int]]
     capped: int | None = None  # the size cap (bytes) its recording stopped at (dcptool.capped); None: it did not
+    transfers: int = 0  # KV transfer plans (dump.transfer)
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
@@ -70,4 +71,5 @@ def describe(d: Dump) -> DumpInfo:
                     max_num_reqs=int(d["obs.num_reqs"].max()) if d.n else 0,
                     max_num_reqs_padded=int(d["obs.num_reqs_padded"].max()) if d.n else 0,
                     optional=[k for k in OPTIONAL if k in d.columns], injected=injected,
-                    capped=next((c for c in d.capped if c is not None), None))
+                    capped=next((c for c in d.capped if c is not None), None),
+                    transfers=int(d["obs.xfer"][-1]) if "obs.xfer" in d.columns else 0)

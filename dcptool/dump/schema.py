@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dcptool.dump import transfer
 from dcptool.dump.observation import ROW_TABLE, dump_columns
 from dcptool.errors import DcptoolError
 
@@ -35,6 +36,7 @@ DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "F16": 16, "BF1
 # key -> (dtype, length kind): "n" per observation, "n+1" offsets, or the offsets key that sizes it; derived from the
 # observation's fields (dump.observation.FIELDS_TABLE): a new field's columns come along.
 REQUIRED, OPTIONAL = dump_columns()
+OPTIONAL.update(transfer.dump_columns())  # a KV transfer plan's columns (dump.transfer.TABLE)
 COLUMNS = {**REQUIRED, **OPTIONAL}
 WIDE = tuple(f for f in ROW_TABLE if f.width > 1)  # the row fields of tuples (per KV-cache group ...)
 # offsets column -> the row columns it sizes, in table order (derived: a new ragged column comes along)
@@ -45,6 +47,7 @@ for _key, (_, _kind) in COLUMNS.items():
 # Optional columns come in groups: an offsets column of their own and the row columns it sizes go together.
 COLUMN_GROUPS: list[tuple[str, ...]] = [(offs, *keys) for offs, keys in RAGGED.items() if offs in OPTIONAL]
 SLOT_COLUMNS = next(g for g in COLUMN_GROUPS if g[0] == "obs.slots")
+COLUMN_GROUPS.append(tuple(transfer.dump_columns()))  # a transfer's five levels go together
 
 
 class DumpError(DcptoolError, ValueError):
@@ -538,6 +541,10 @@ def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=
             raise fail(p, f.column, f"negative value {c[f.column][i]} at row {i}")
     if "obs.slots" in c:
         _check_slots(p, cfg, c)
+    if transfer.OFFSETS[transfer.XFER] in c:
+        bad = transfer.first_bad(c, c)
+        if bad is not None:
+            raise fail(p, *bad)
 
 
 def _check_slots(p: str, cfg: DumpConfig, c: dict[str, np.ndarray]) -> None:

@@ -11,6 +11,7 @@ failure is one CudaError naming the call.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
 import os
@@ -162,7 +163,7 @@ class Gpu:
         dtype = np.dtype(dtype)
         self.current()  # (the buffer records the current context's default stream to free it on)
         buf = self.host.allocate(max(n, 1) * dtype.itemsize)  # (whole values, one at least: a view needs both)
-        return np.from_dlpack(buf).view(dtype)[:n], buf
+        return _writable(np.from_dlpack(buf)).view(dtype)[:n], buf
 
     @driver_call("cuStreamCreate")
     def stream(self) -> Stream:
@@ -261,3 +262,10 @@ class Gpu:
         if first:
             raise first[0]
 
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    """`a` as a writable array of the same memory: numpy before 1.25 marks what it imports through DLPack read-only,
+    while pinned staging memory is dcptool's own to write (the caller keeps the buffer that owns it alive)."""
+    if a.flags.writeable:
+        return a
+    return np.ctypeslib.as_array((ctypes.c_int8 * a.nbytes).from_address(a.ctypes.data))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, fields
 
-from dcptool.choices import CudaGraph, Pipeline, SpecMethod, spoken, values
+from dcptool.choices import CudaGraph, KVConnector, KVShards, Pipeline, SpecMethod, spoken, values
 from dcptool.dcp.reference import misdealt
 from dcptool.dcp.rules import RULE_OF_FAULT
 from dcptool.dcp.slicing import parse_engine_version
@@ -60,6 +60,22 @@ _HANDED = {
 _FAULT_WHAT.update(_HANDED)
 OPT_IN = OPT_IN | set(_HANDED)
 HANDED = frozenset(_HANDED)  # (simulate records the columns they need only where one of them is injected)
+# what a KV connector moves between a prefill and a decode instance (--kv-connector): the pair model, model.pair
+_FAULT_WHAT.update({
+    "nixl-pcp-stride": "NIXL matches the prefill side's KV shards by DCP rank alone (stride dcp_size) while its PCP "
+                       "ranks hold distinct shards (CP world pcp_size x dcp_size)",
+    "nixl-single-source": "NIXL's region-mapped pull reads every block from one source rank, its list end-trimmed "
+                          "(allocation padding included), where a DCP prefill supplies several",
+    "mooncake-group-scale": "Mooncake with MTP indexes KV-cache groups by transfer group: the sparse indexer's "
+                            "kernel scale (8) expands the MLA group's block ids",
+    "mooncake-unsharded-prefill": "Mooncake reads an unsharded prefill's blocks at each decode DCP rank's own local "
+                                  "block index, as if the prefill were sharded like the decode side",
+    "lmcache-partial-store": "LMCache's multi-process connector stores rank 0's DCP shard alone under the whole "
+                             "request's key, as if rank 0 held the full MLA KV",
+})
+TRANSFER_FAULTS = ("nixl-pcp-stride", "nixl-single-source", "mooncake-group-scale", "mooncake-unsharded-prefill",
+                   "lmcache-partial-store")
+OPT_IN = OPT_IN | set(TRANSFER_FAULTS)
 FAULTS: dict[str, tuple[str, str]] = {f: (RULE_OF_FAULT[f], what) for f, what in _FAULT_WHAT.items()}
 # Where each fault really occurred, read from vLLM's released code (0.27.0-0.34.0; docs/faults.md has
 # the code paths): a release range, "main only" (on vLLM main between releases, never released), or
@@ -93,11 +109,18 @@ FAULT_WHERE: dict[str, str] = {
     "flashinfer-prefill-pages": "0.27–0.29",
     # model runner V2's slot mapping dealt by kernel_block_sizes up to 0.28 (vLLM #51031); 0.29 by the manager's
     "slot-kernel-block": "before 0.29",
+    # the connectors' releases (docs/faults.md, "KV transfers")
+    "nixl-pcp-stride": "no release (vLLM PR #38433 in review)",
+    "nixl-single-source": "0.30 (NIXL)",
+    "mooncake-group-scale": "vllm-ascend before #13965",
+    "mooncake-unsharded-prefill": "vllm-ascend before #16492",
+    "lmcache-partial-store": "LMCache ≤ 0.5.4; vLLM 0.29–0.34's builtin fallback",
 }
 # The KV-cache groups simulate's engine has (rows.slot_group indexes it): the attention KV cache, DCP-sharded, and
 # a replicated one (Mamba/GDN state as vLLM 0.31+ keeps it under DCP); both in page_size blocks.
 KV_GROUPS = (("attn", True), ("mamba", False))
 SITES = ("prepare_inputs", "pcp_partition", "attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft")
+PAIR_SITES = (*SITES, "transfer")  # with a KV connector (--kv-connector)
 PIPELINES = values(Pipeline)
 CUDAGRAPH_CHOICES = values(CudaGraph)
 SPEC_METHODS = values(SpecMethod)
@@ -131,6 +154,15 @@ class SimConfig:
     # The vLLM release modelled: sets the micro-batch split rule (0.34 splits a uniform decode batch on a
     # request boundary) and is recorded as the dump's engine_version; "" keeps the default (0.33's rule).
     engine_version: str = ""
+    # The disaggregated pair (model.pair): the KV connector that moves KV into this (decode) instance, and the
+    # prefill instance's layout; 0: as the decode side's (--dcp, --interleave, --page-size; TP: its DCP size).
+    kv_connector: str = "none"
+    prefill_dcp: int = 0
+    prefill_pcp: int = 1
+    prefill_tp: int = 0
+    prefill_interleave: int = 0
+    prefill_block_size: int = 0
+    prefill_kv_shards: str = "dcp"
 
     @property
     def faults(self) -> tuple[str, ...]:
@@ -173,6 +205,25 @@ class SimConfig:
         # vLLM's PCPManager.validate_config: PCP speculates with (single-module) MTP only.
         need(not (self.pcp > 1 and self.spec_tokens > 0 and self.spec_method == "dflash"),
              "--spec-method: dflash with --pcp > 1: vLLM's PCP supports only MTP speculative decoding")
+        self._validate_pair(need)
+
+    def _validate_pair(self, need) -> None:
+        need(self.kv_connector in values(KVConnector),
+             f"--kv-connector: {self.kv_connector!r}: choose {spoken(KVConnector)}")
+        need(self.prefill_kv_shards in values(KVShards),
+             f"--prefill-kv-shards: {self.prefill_kv_shards!r}: choose {spoken(KVShards)}")
+        for name in ("prefill_dcp", "prefill_tp", "prefill_interleave", "prefill_block_size"):
+            need(getattr(self, name) >= 0, f"--{name.replace('_', '-')}: must be >= 0 (0: as the decode side's), "
+                                           f"got {getattr(self, name)}")
+        need(self.prefill_pcp >= 1, f"--prefill-pcp: must be >= 1, got {self.prefill_pcp}")
+        pulls = self.kv_connector in ("nixl", "mooncake")
+        for name, default in (("prefill_dcp", 0), ("prefill_pcp", 1), ("prefill_tp", 0), ("prefill_interleave", 0),
+                              ("prefill_block_size", 0), ("prefill_kv_shards", "dcp")):
+            need(pulls or getattr(self, name) == default, f"--{name.replace('_', '-')}: a prefill instance needs "
+                                                          "--kv-connector nixl or mooncake")
+        block, il = self.prefill_block_size or self.page_size, self.prefill_interleave or self.interleave
+        need(block % il == 0, f"--prefill-block-size: {block} must be a multiple of the prefill interleave {il} (as "
+                              "vLLM's block size must be)")
 
     def command(self) -> str:
         """The `dcptool simulate` command line that reproduces this configuration."""
@@ -220,6 +271,25 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "needs an even --page-size whose half (the attention kernel's block) --interleave does not divide (e.g. "
         "--interleave equal to --page-size)",
     }
+    why.update(pair_applicability(cfg))
     if cfg.dcp == 1:  # vLLM passes None everywhere: nothing DCP-specific can go wrong
         why = {f: "needs --dcp > 1" for f in why}
     return why
+
+
+def pair_applicability(cfg: SimConfig) -> dict[str, str | None]:
+    """The transfer faults: fault -> None when the pair (connector and prefill layout) exercises it, else why not."""
+    pd = cfg.prefill_dcp or cfg.dcp
+    world = pd * (cfg.prefill_pcp if cfg.prefill_kv_shards == "cp" else 1)
+    nixl, mooncake = cfg.kv_connector == "nixl", cfg.kv_connector == "mooncake"
+    return {
+        "nixl-pcp-stride": None if nixl and cfg.prefill_pcp > 1 and cfg.prefill_kv_shards == "cp" else
+        "needs --kv-connector nixl, --prefill-pcp > 1 and --prefill-kv-shards cp",
+        "nixl-single-source": None if nixl and world > cfg.dcp else "needs --kv-connector nixl and a prefill side "
+        "sharded over more ranks than --dcp (--prefill-dcp, or PCP ranks with --prefill-kv-shards cp)",
+        "mooncake-group-scale": None if mooncake and cfg.spec_method == "mtp" and cfg.spec_tokens > 0 else
+        "needs --kv-connector mooncake and MTP (--spec-method mtp, --spec-tokens > 0)",
+        "mooncake-unsharded-prefill": None if mooncake and world == 1 else
+        "needs --kv-connector mooncake and an unsharded prefill side (--prefill-dcp 1)",
+        "lmcache-partial-store": None if cfg.kv_connector == "lmcache" else "needs --kv-connector lmcache",
+    }

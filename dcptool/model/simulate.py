@@ -19,12 +19,14 @@ from dcptool.dump import atomic_write, exists_error, write_target
 from dcptool.model.config import (  # noqa: F401 - SimConfig, SimError, FAULTS, FAULT_WHERE, applicability are simulate's API
     FAULT_WHERE,
     FAULTS,
-    SITES,
+    PAIR_SITES,
+    TRANSFER_FAULTS,
     SimConfig,
     SimError,
     applicability,
 )
 from dcptool.model.graphs import capture_sizes  # noqa: F401 - simulate's API
+from dcptool.model.pair import Pair
 from dcptool.model.runner import Runner
 from dcptool.model.sink import Sink, output_paths  # noqa: F401 - output_paths is simulate's API
 from dcptool.model.spool import Parts
@@ -139,6 +141,7 @@ def _run(cfg: SimConfig, sink: Sink, parts: Parts, paths: list[Path], run: Run) 
     rng = np.random.default_rng(cfg.seed)
     runner = Runner(cfg, sink)
     work = Workload(cfg, rng)
+    pair = None if cfg.kv_connector == "none" else Pair(cfg, runner.F & frozenset(TRANSFER_FAULTS), sink)
     runner.startup()
     dummies = 0
     touched: list[dict[str, list[np.ndarray]]] = [{} for _ in paths]  # per file: fault -> indices, a part at a time
@@ -148,10 +151,16 @@ def _run(cfg: SimConfig, sink: Sink, parts: Parts, paths: list[Path], run: Run) 
         if cfg.dummy_every and step % cfg.dummy_every == 0:
             runner.dummy_run(step, dummies, rng)
             dummies += 1
+        arrived = work.count
         b = work.schedule()
+        if pair is not None:
+            pair.step(step, work, arrived, None)
         if b.num_reqs > 0:
+            active = work.active.copy() if pair is not None else None
             desc = runner.real_step(step, b)
             after = work.advance(b)
+            if pair is not None:
+                pair.step(step, work, None, active)
             if cfg.spec_tokens > 1:
                 runner.drafts(step, desc, after)
         if step < cfg.steps and max(len(r) for r in sink.recorders) >= parts.part_obs:  # a step boundary
@@ -180,7 +189,7 @@ def _run(cfg: SimConfig, sink: Sink, parts: Parts, paths: list[Path], run: Run) 
         injected = {f: rep.touched[files[i]] for f, rep in reports.items() if rep.applicable}
         atomic_write(path, col.chunks(injected, path, done), force=run.force)
         run.written.append(path)
-    by_site = {s: sink.by_site[s] for s in SITES if s in sink.by_site}
+    by_site = {s: sink.by_site[s] for s in PAIR_SITES if s in sink.by_site}
     return SimResult(cfg, files, sum(by_site.values()), by_site, reports, time.perf_counter() - run.t0)
 
 
@@ -293,7 +302,7 @@ def compare(cfg: SimConfig, backend: str = "auto", progress=None) -> Comparison:
     (fres, fd, frep), (ores, od, orep) = runs
     sites = []
     names = [fd.config.sites[i] for i in np.unique(fd["obs.site"])]
-    for s in sorted(names, key=SITES.index):
+    for s in sorted(names, key=PAIR_SITES.index):
         sites.append(SiteRow(s, fres.by_site.get(s, 0), frep.by_site().get(s, {}), orep.by_site().get(s, {})))
     at: dict[int, set[str]] = {}
     for f in orep.findings:

@@ -9,8 +9,9 @@ import numpy as np
 
 from dcptool.dump import Record
 from dcptool.dump.observation import ROW_TABLE
+from dcptool.dump.transfer import TransferRecord
 from dcptool.engine.recorder.record import Recorder
-from dcptool.model.config import KV_GROUPS, SITES, SimConfig
+from dcptool.model.config import KV_GROUPS, PAIR_SITES, SITES, SimConfig
 from dcptool.model.handed import TENSORS, tensor_faults
 
 
@@ -49,7 +50,8 @@ class Sink:
     def __init__(self, cfg: SimConfig, record_to: list[Path], per_rank: bool):
         P, N = cfg.pcp, cfg.dcp
         version = cfg.engine_version or f"vLLM model runner V2 model ({cfg.pipeline} pipeline)"
-        self._kw = dict(dcp_size=N, cp_interleave=cfg.interleave, sites=SITES, pcp_size=P, page_size=cfg.page_size,
+        sites = SITES if cfg.kv_connector == "none" else PAIR_SITES
+        self._kw = dict(dcp_size=N, cp_interleave=cfg.interleave, sites=sites, pcp_size=P, page_size=cfg.page_size,
                         engine="dcptool simulate", engine_version=version, note=cfg.command(),
                         kv_groups=[{"name": n, "dcp": dcp, "block_size": cfg.page_size} for n, dcp in KV_GROUPS],
                         **({"attn_tensors": TENSORS} if tensor_faults(cfg.faults) else {}))
@@ -78,6 +80,11 @@ class Sink:
             return self.recorders[0].record_many(r)
         return [self.recorders[self.file_of[proc]].record(_of_rank(r, i, slots, odd_seq))
                 for i, proc in enumerate(range(p * N, p * N + N))]
+
+    def record_transfer(self, proc: int, t: TransferRecord) -> int:
+        """Record one transfer plan at recording process `proc` (PCP rank * N + DCP rank); returns its index."""
+        self.by_site[t.site] = self.by_site.get(t.site, 0) + 1
+        return self.recorders[self.file_of[proc]].record_transfer(t)
 
     def mark(self, proc: int, idx: int, fault: str) -> None:
         """fault, or "fault:shape" where a stale fault left the rows that exist right but the length wrong."""

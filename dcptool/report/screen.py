@@ -75,7 +75,8 @@ def render_replay(res, console: Console, max_findings: int | None = None) -> Non
         wrap(console, (f"{head} of {len(problems)}", "bold"),
              (literal(p.line[len(head):] if p.line.startswith(head) else ": " + p.line),
               "bold red" if p.known is not None and p.known.named else ""))
-        cut(console, literal(f"open it: --obs {p.first.ref}"), style="dim")
+        # whole, never cut: it is pasted into --obs as printed (a terminal folds a long path, a pipe keeps one line)
+        console.print(Text(literal(f"open it: --obs {p.first.ref}"), style="dim"), soft_wrap=True)
     elif res.findings:
         f = res.findings[0]
         wrap(console, ("first finding: ", "bold"), literal(f"{f.ref} "), (f.rule, severity_style(f.severity)),

@@ -400,13 +400,21 @@ def render_inspect(info, console: Console) -> None:
     t.add_row("micro-batches", ", ".join(("full" if u < 0 else f"ub{u}") + f": {n}" for u, n in info.ubatches.items()))
     t.add_row("rows", f"{info.seq_rows:,} seq_lens rows, {info.dcp_rows:,} DCP rows, num_reqs max {info.max_num_reqs}, "
                       f"num_reqs_padded max {info.max_num_reqs_padded}")
-    t.add_row("optional columns", ", ".join(info.optional) or "none")
+    shown = [k for k in info.optional if not k.startswith(TRANSFER_PREFIXES)]  # (a transfer's 40 columns: one row)
+    t.add_row("optional columns", ", ".join(shown) + (", the transfer columns" if len(shown) < len(info.optional)
+                                                      else "") or "none")
+    if info.transfers:
+        t.add_row("transfers", f"{info.transfers:,} KV transfer plans (replay's `transfer` rule)")
     if info.capped is not None:
         t.add_row("size cap", lit(f"the recording stopped at its size cap of {info.capped:,} bytes: later "
                                   "observations were not recorded"))
     if info.injected:
         t.add_row("injected", lit(", ".join(f"{k} ({len(v)} obs)" for k, v in info.injected.items())))
     show_table(console, t)
+
+
+TRANSFER_PREFIXES = ("obs.xfer", "obs.xgrp", "obs.xsrc", "obs.xdst", "obs.xcopy", "xfer.", "xgrp.", "xsrc.", "xdst.",
+                     "xcopy.")
 
 
 def inspect_json(info) -> str:

@@ -222,6 +222,10 @@ def test_every_rule_has_a_mechanism_sentence():
     for rule in RULES:
         relation = "parent-rows" if rule == "stale" else None  # (a stale finding always names its source)
         assert explain(rule, relation, VIEW, ("attn_metadata",)) != f"{rule} findings", rule
+    from dcptool.dcp.kv_transfer import KINDS
+
+    for kind in KINDS:  # (a transfer finding names its kind as its relation: each its own mechanism)
+        assert explain("transfer", kind, VIEW, ("transfer",)) != explain("transfer", None, VIEW, ("transfer",))
 
 
 @pytest.mark.parametrize("version, named", [("0.29.0", None), ("vllm-ascend 0.30.0rc1", "dev"),

@@ -18,7 +18,7 @@ def test_table_is_docs_rules():
     assert RULES == ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
                      "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree",
                      "slots", "slot-partition", "graph-addr", "capacity", "host-copy", "plan-pages",
-                     "kernel-block")
+                     "kernel-block", "transfer")
     assert len({c.lower() for c in RULE_CODES.values()}) == len(RULES)
     assert {f: rule for f, (rule, _) in FAULTS.items()} == {f: r.name for r in TABLE for f in r.faults}
     assert [r.name for r in TABLE if r.severity == "warning"] == ["stray"]
@@ -60,7 +60,7 @@ def test_applies_by_dcp_size(N):
     view = {"missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape"}
     sharded = {"rank-sum", "empty-mask", "tot-lens", "rank-agree"}
     anywhere = {"ubatch-slice", "alias", "pages", "slots", "slot-partition", "graph-addr", "capacity", "host-copy",
-                "plan-pages", "kernel-block"}
+                "plan-pages", "kernel-block", "transfer"}
     assert on == (anywhere | {"stray"} if N == 1 else anywhere | view | sharded)
 
 
@@ -81,7 +81,7 @@ def test_skipped_order_names_every_skip_replay_can_say():
     each part has its place in SKIPPED_ORDER, once."""
     from dcptool.check.plan import checks
 
-    can = {rules[0].name for rules in checks().values() if rules[0].dcp == R.SHARDED or rules[0].needs and
-           rules[0].said}
+    can = {rules[0].name for rules in checks().values()
+           if rules[0].dcp == R.SHARDED or (rules[0].needs and rules[0].unrecorded and rules[0].said)}
     can |= {f"{r.name}/{p.name}" for r in TABLE for p in r.parts}
     assert set(R.SKIPPED_ORDER) == can and len(R.SKIPPED_ORDER) == len(can)

@@ -430,7 +430,8 @@ def _edited(cols: dict, key: str, cfg) -> dict:
     else:
         v = cols[key]
         for k in (list(range(0, v.size, max(1, v.size // 20))) + [v.size - 1])[:40]:
-            for new in (v[k] + 1, v[k] - 1, 1 - v[k] if v.dtype.kind in "iu" else v[k]):
+            # (doubled or halved: a block size stays a multiple of its kernel block size)
+            for new in (v[k] + 1, v[k] - 1, 1 - v[k] if v.dtype.kind in "iu" else v[k], v[k] * 2, v[k] // 2):
                 if new != v[k]:
                     tries.append({key: np.where(np.arange(v.size) == k, new, v).astype(v.dtype)})
     for change in tries:
@@ -449,15 +450,16 @@ def test_diff_compares_every_column_the_format_has(tmp_path):
     dcp_query_start_loc and dcp_tot_seq_lens and the slot columns included) is a difference. Derived from the
     format's table: a column added to the format without diff comparing it fails here."""
     from dcptool.dump import COLUMNS, write_dump
+    from dcptool.dump.transfer import OFFSETS, XFER
     from dcptool.model.simulate import SimConfig, simulate
 
     a = tmp_path / "a.safetensors"
-    simulate(SimConfig(steps=8, max_num_reqs=64), a)
+    simulate(SimConfig(steps=8, max_num_reqs=64, kv_connector="nixl", prefill_dcp=4), a)  # (transfers too)
     d = read_dump(a)
     assert set(d.columns) == set(COLUMNS)  # the recording covers the whole format
     cols = {k: np.array(v) for k, v in d.columns.items()}
     assert diff(d, read_dump(a)).same
-    for key in COLUMNS:
+    for key in set(COLUMNS) - {OFFSETS[XFER]}:  # (a transfer observation has exactly one xfer row: its site says so)
         b = tmp_path / f"{key}.safetensors"
         write_dump(b, d.config, _edited(cols, key, d.config), d.injected[0])
         res = diff(d, read_dump(b))

@@ -98,3 +98,15 @@ EXERCISE = {
     "host-seq-written": (4, 1, 2, 2, 2, "full", "mtp"),
     "flashinfer-prefill-pages": (4, 1, 2, 2, 2, "full", "mtp"),
 }
+
+# The transfer faults: where each touches transfers (a decode side with DCP 4 and full graphs, and the prefill
+# layout or connector the fault needs): fault -> SimConfig keywords beyond config_of's row.
+PAIR = {
+    "nixl-pcp-stride": dict(kv_connector="nixl", prefill_dcp=2, prefill_pcp=2, prefill_kv_shards="cp"),
+    "nixl-single-source": dict(kv_connector="nixl", prefill_dcp=8),
+    "mooncake-group-scale": dict(kv_connector="mooncake"),
+    "mooncake-unsharded-prefill": dict(kv_connector="mooncake", prefill_dcp=1),
+    "lmcache-partial-store": dict(kv_connector="lmcache"),
+}
+for _f in PAIR:
+    EXERCISE[_f] = (4, 16, 1, 2, 2, "full", "mtp")

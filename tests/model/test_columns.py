@@ -30,7 +30,10 @@ def test_tot_local_with_a_sentinel_records_every_observation(tmp_path):
 
 
 def test_issue15_faults_are_opt_in_not_legacy_and_fixed_records_the_decode_path(tmp_path):
-    assert OPT_IN == {"dcp-qsl-local", "tot-local", "rank-disagree", "slot-wrong-group", "slot-all-ranks"} | HANDED
+    from dcptool.model.config import TRANSFER_FAULTS
+
+    assert OPT_IN == {"dcp-qsl-local", "tot-local", "rank-disagree", "slot-wrong-group", "slot-all-ranks",
+                      *TRANSFER_FAULTS} | HANDED
     assert OPT_IN <= set(FAULTS)
     assert not OPT_IN & set(config_of(MATRIX[2], 1, pipeline="legacy").faults)
     res, d, rr = run(config_of(MATRIX[5], 1), tmp_path)

@@ -3,7 +3,7 @@ where it touched (docs/faults.md); vLLM 0.34's micro-batch split rule."""
 
 import numpy as np
 import pytest
-from simulate_cases import EXERCISE, MATRIX, config_of, run, verify
+from simulate_cases import EXERCISE, MATRIX, PAIR, config_of, run, verify
 
 from dcptool.check.replay import replay
 from dcptool.model.config import OPT_IN
@@ -37,7 +37,7 @@ def test_many_seeds_fixed_clean_legacy_exact(row, tmp_path):
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_every_fault_is_exercised(fault, tmp_path):
-    cfg = config_of(EXERCISE[fault], 3, inject=(fault,), steps=14)
+    cfg = config_of(EXERCISE[fault], 3, inject=(fault,), steps=14, **PAIR.get(fault, {}))
     res, d, rr = run(cfg, tmp_path)
     rep = res.faults[fault]
     assert rep.applicable and rep.count > 0

@@ -13,11 +13,15 @@ from rich.cells import cell_len
 
 SAMPLES = ROOT / "samples"
 MAX_LINES = 60
+OPEN_IT = "open it: --obs "
 
 
 def _check_screen(lines: list[str], cols: int) -> None:
-    assert len(lines) <= MAX_LINES, "\n".join(lines)
-    wide = [x for x in lines if cell_len(x) > cols]
+    """At most MAX_LINES rows of the terminal; no line wider than it but the reference to paste (the terminal folds
+    it: its rows are counted)."""
+    rows = sum(-(-max(cell_len(x), 1) // cols) for x in lines)
+    assert rows <= MAX_LINES, "\n".join(lines)
+    wide = [x for x in lines if cell_len(x) > cols and not x.startswith(OPEN_IT)]
     assert not wide, wide
 
 
@@ -36,6 +40,20 @@ def test_replay_fits_a_screen(cols, rows):
     assert lines[-1] == f"open it: --obs {SAMPLES / 'legacy.safetensors'}:0"
     assert "(step 0 dummy rank 0)" in " ".join(lines[-8:]) and "--full" in text
     assert "Findings (" not in text and "By site" not in text  # the rest: --full, --html
+
+
+def test_a_long_reference_is_printed_whole(tmp_path):
+    """The observation to open, however long its file's path, is one line to paste into --obs: never cut."""
+    deep = tmp_path / ("d" * 70) / ("e" * 70)
+    deep.mkdir(parents=True)
+    dump = deep / "legacy.safetensors"
+    dump.write_bytes((SAMPLES / "legacy.safetensors").read_bytes())
+    code, out = cli_pty("replay", dump)
+    lines = screen_lines(out)
+    assert code == 1 and lines[-1] == f"{OPEN_IT}{dump}:0" and cell_len(lines[-1]) > 80
+    _check_screen(lines, 80)
+    shown = cli("replay", dump, "--obs", lines[-1][len(OPEN_IT):], "--json")
+    assert shown.returncode == 1 and '"obs": 0' in shown.stdout
 
 
 def test_the_whole_report_behind_full_and_in_a_pipe():

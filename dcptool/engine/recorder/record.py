@@ -7,9 +7,12 @@ import threading
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 from dcptool.dump import DumpConfig, Record, Scalars, check_config
 from dcptool.dump.observation import keyword_door
 from dcptool.dump.schema import KVGroup
+from dcptool.dump.transfer import TransferRecord, levels_of, transfer_door
 from dcptool.engine.arguments import (
     NO_SLOTS,
     Groups,
@@ -30,6 +33,7 @@ from dcptool.engine.snapshot.device import find_torch as _device_torch
 from dcptool.engine.snapshot.harvest import Harvest
 
 _NEW = tuple.__new__
+_EMPTY = np.zeros(0, np.int32)  # a transfer observation's rows: none (every observation rule holds for it)
 _TENSOR: type = NoTensor  # torch.Tensor once torch is imported (the engine package does not import it)
 
 
@@ -262,6 +266,44 @@ class Recorder:
             step, _, nr, nrp, ubatch, _, rs, ts, te, ntp, _, graph = common  # Scalars, in order
             return [self._append(_NEW(Scalars, (step, ranks[i], nr, nrp, ubatch, parents[i], rs, ts, te, ntp,
                                                 buffers[i], graph)), r.site, of_rank(rows, i)) for i in range(k)]
+
+    transfer = transfer_door("record_transfer", """Record one KV transfer plan: what a connector moved for one request
+        to one destination rank (docs/recording.md, "KV transfers"); returns its index, -1 if dropped.
+
+        `step`, `rank`: the engine step and the recording worker's DCP rank (the destination's for a pull, the
+        storing rank's for a store); `request`, `source`: the request's and the source engine's ids (ints, or
+        strings stored as their 64-bit hash); `src`, `dst`: both sides' layouts (dump.transfer.Side or a dict of
+        its fields: tp, pcp, dcp, interleave, cp_shards); `groups`: one dump.transfer.GroupPlan (or dict) per
+        KV-cache group: its kind, both sides' block tables and block sizes; `seq_len`: the tokens the source
+        computed (-1: unknown); `dst_rank`: the destination worker's pcp_rank * dcp + dcp_rank (default: `rank`,
+        0 for a store); the plan as `reads` ([(source worker, source kernel block ids per group, destination
+        kernel block ids per group)], whole kernel blocks, as NIXL's ReadSpec) or `copies` ([k, 7]: group,
+        source worker, source kernel block id, offset, destination kernel block id, offset, slots); `store`: the
+        destination is a keyed store claiming tokens [0, seq_len). Host values (lists, numpy, tensors copied to
+        the host); never raises into the engine (a plan it cannot store is dropped and counted in `dropped`).""")
+
+    def record_transfer(self, t: TransferRecord) -> int:
+        """transfer() for a caller that builds the TransferRecord itself (the vLLM plugin, simulate)."""
+        try:
+            levels = levels_of(t)
+            r = Record(step=t.step, site=t.site, rank=t.rank, num_reqs=0, num_reqs_padded=0, seq_lens=_EMPTY,
+                       dcp_local_seq_lens=_EMPTY if self._ranks > 1 else None)
+            vals = scalars(r)
+            row = self._host.row(r, vals, NO_SLOTS)
+        except Exception as e:  # never break the engine
+            self._drop(e)
+            return -1
+        w = self._writer
+        with self._lock:
+            try:
+                if w.stopped:
+                    w.refuse()
+                    return -1
+                check_own(vals[1], None, None, w.count, self._ranks)
+            except Exception as e:
+                self._drop(e)
+                return -1
+            return w.append(vals, r.site, row, levels)
 
     def set_kv_groups(self, kv_groups) -> None:
         """Name the KV-cache groups (and whether DCP shards each) once they are known, e.g. by an engine

@@ -5,9 +5,10 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dcptool.dump import FIELDS, ROW_FIELDS, DumpConfig, DumpError, WriteError, columns
+from dcptool.dump import transfer as transfers
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Batch:
     injected: dict | None  # simulate's faults {fault: [index in the batch]}
     meta: dict | None
     est: int = 0  # estimated bytes (the size cap)
+    transfers: dict = field(default_factory=dict)  # index in the batch -> a transfer observation's rows
 
 
 def pack(config: DumpConfig, b: Batch) -> tuple[DumpConfig, dict, list | None]:
@@ -52,6 +54,8 @@ def pack(config: DumpConfig, b: Batch) -> tuple[DumpConfig, dict, list | None]:
     cv = dict(zip(FIELDS, zip(*out))) if n else {f: () for f in FIELDS}
     cr = dict(zip(ROW_FIELDS, zip(*rows))) if n else {k: () for k in ROW_FIELDS}
     config, cols = columns(config, sites, cv, cr)
+    moved = b.transfers if where is None else {where[i]: t for i, t in b.transfers.items() if where[i] >= 0}
+    cols.update(transfers.columns(n, moved))
     return config, cols, where
 
 

@@ -47,6 +47,7 @@ class Writer:
         # write time (zip(*)): observe() stays one append, close() a handful of concatenations. The rows are a Slot
         # while its device values are in flight, None once dropped at harvest.
         self._kept: list[tuple[Scalars, str, tuple | Slot | None]] = []
+        self._transfers: dict[int, dict] = {}  # global index -> a transfer observation's rows (dump.transfer)
         self.max_group = -1  # the highest KV-cache group index recorded (slot entries)
         self.count = 0  # observation indices handed out over all files
         self.late = 0  # of them, dropped at harvest
@@ -64,10 +65,13 @@ class Writer:
         self.closed = False
         atexit.register(self._at_exit)
 
-    def append(self, vals: Scalars, site: str, row) -> int:
-        """Under the lock: give the observation its index and keep it; roll over when a file is full."""
+    def append(self, vals: Scalars, site: str, row, transfer: dict | None = None) -> int:
+        """Under the lock: give the observation its index and keep it (with a transfer observation's rows, by level:
+        dump.transfer.levels_of); roll over when a file is full."""
         kept = self._kept
         kept.append((vals, site, row))
+        if transfer is not None:
+            self._transfers[self.count] = transfer
         self.count += 1
         if len(kept) >= self._retry_at:
             self._due()
@@ -190,7 +194,9 @@ class Writer:
         lo = self._file_start
         injected = None if self.injected is None else {
             k: [i - lo for i in v if lo <= i < lo + n] for k, v in self.injected.items()}
-        b = Batch(self._index, lo, vals, sites, rows, injected, self._meta)
+        moved = [i for i in self._transfers if i < lo + n]
+        b = Batch(self._index, lo, vals, sites, rows, injected, self._meta,
+                  transfers={i - lo: self._transfers.pop(i) for i in moved})
         del self._kept[:n]
         self._index += 1
         self._file_start += n
@@ -243,6 +249,7 @@ class Writer:
     def discard(self) -> None:
         """Recorder.discard(): write nothing more, not even at exit."""
         self._kept = []
+        self._transfers = {}
         self._rolled.queue.clear()
         self.closed = self.stopped = True
         atexit.unregister(self._at_exit)

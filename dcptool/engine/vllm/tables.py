@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from dcptool.engine.vllm.builders import wrap_flash_attn, wrap_flashinfer, wrap_mla, wrap_plan
+from dcptool.engine.vllm.connectors import NIXL, wrap_nixl_read
 from dcptool.engine.vllm.hooks import (
     PREPARE,
     Sig,
@@ -20,7 +21,7 @@ from dcptool.engine.vllm.hooks import (
     wrap_slice,
     wrap_ubatch_prepare,
 )
-from dcptool.engine.vllm.state import SITES, STATE, broken
+from dcptool.engine.vllm.state import SITES, STATE, broken, log
 
 W = "vllm.v1.worker.gpu"
 _BUILD = ("common_prefix_len", "common_attn_metadata")  # AttentionMetadataBuilder.build
@@ -72,6 +73,8 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
              ("num_blocks_np", "num_reqs", "page_size"))],
         "vllm.model_executor.layers.attention.mla_attention": [("MLACommonMetadataBuilder.build", wrap_mla, _BUILD)],
         "vllm.v1.attention.backends.flash_attn": [("FlashAttentionMetadataBuilder.build", wrap_flash_attn, _BUILD)],
+        # NIXL's pull plans (KV transfers; engine.vllm.connectors): 0.29-0.34 plan DCP-aware reads here
+        NIXL: [("NixlPullConnectorWorker._read_blocks_for_req", wrap_nixl_read, ("req_id", "meta"))],
     }
     if ubatch_prepare is not None:
         h[f"{W}.ubatch_utils"] = [("UBatchRunner.prepare", wrap_ubatch_prepare,
@@ -115,6 +118,7 @@ TABLES: tuple[Table, ...] = (
                  draft=_DRAFT, partition=("batch_desc",)), SITES),
 )
 TESTED = tuple(v for t in TABLES for v in t.tested)
+OPTIONAL = frozenset({NIXL})  # modules whose hooks may not fit without stopping the recording
 
 
 def _release(version: str) -> tuple[int, int] | None:
@@ -183,6 +187,9 @@ def patch(modname: str, module) -> None:
                         setattr(m, attr, wrapper)
         return
     if first is not None:
+        if modname in OPTIONAL:  # (a connector's hook that does not fit: its transfers go unrecorded, builds not)
+            log.warning("dcptool: %s: not recording its KV transfers (%s)", modname, first)
+            return
         broken(first)
 
 
