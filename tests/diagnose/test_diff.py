@@ -454,7 +454,10 @@ def test_diff_compares_every_column_the_format_has(tmp_path):
     from dcptool.model.simulate import SimConfig, simulate
 
     a = tmp_path / "a.safetensors"
-    simulate(SimConfig(steps=8, max_num_reqs=64, kv_connector="nixl", prefill_dcp=4), a)  # (transfers too)
+    # (transfers too, and the columns only some engines record: simulate records them where a fault on them is on)
+    simulate(SimConfig(steps=8, max_num_reqs=64, kv_connector="nixl", prefill_dcp=4, interleave=16,
+                       inject=("graph-addr-moved", "buffer-undersized", "host-seq-written", "flashinfer-prefill-pages",
+                               "slot-kernel-block")), a)
     d = read_dump(a)
     assert set(d.columns) == set(COLUMNS)  # the recording covers the whole format
     cols = {k: np.array(v) for k, v in d.columns.items()}

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
 from dcptool.engine.vllm.state import STATE, broken, set_attn_tensors, set_page_size
 
 PAGE_MISMATCH = "page counts of another page size than the recording's"
@@ -90,17 +88,20 @@ def _take_flashinfer(builder, res, got: dict, sig, args: tuple, kwargs: dict) ->
         return  # (a cascade plan claims the pages past the common prefix only: not comparable)
     counts, last, page = pages
     nd = int(res.num_decodes)
-    # a decode row's counts where a decode kernel reads the native plan (FIDecode: not trtllm-gen's), a prefill row's
-    # where its prefill kernel does (FIPrefill); under DCP a prefill row's plan covers its local context only (the
-    # new tokens attend separately): its own field, which plan-pages checks against cdiv(local context, page)
-    native_decode = type(getattr(res, "decode", None)).__name__ == "FIDecode"
-    native_prefill = type(getattr(res, "prefill", None)).__name__ == "FIPrefill"
+    # a decode row's counts where a decode kernel reads the native plan (not trtllm-gen's decode), a prefill row's
+    # where its prefill kernel does (not TRTLLMPrefill); under DCP a prefill row's plan covers its local context
+    # only (the new tokens attend separately): its own field, which plan-pages checks against cdiv(local context,
+    # page)
+    import numpy as np  # (the Recorder has imported it by now)
+
+    native_decode = type(getattr(res, "decode", None)).__name__ != "FlashInferTrtllmAPIDecode"
+    native_prefill = type(getattr(res, "prefill", None)).__name__ != "TRTLLMPrefill"
     read = np.zeros(counts.size, bool)
     read[:nd], read[nd:] = native_decode, native_prefill
     decode = np.where(read & (np.arange(counts.size) < nd), counts, -1).astype(np.int32)
     if int(getattr(builder, "dcp_world_size", 1)) > 1:
         got["kv_plans"] = (np.where(read & (np.arange(counts.size) >= nd), counts, -1).astype(np.int32),
-                           np.where(read, last, -1).astype(np.int32))
+                           None if last is None else np.where(read, last, -1).astype(np.int32))
     else:
         decode = np.where(read, counts, -1).astype(np.int32)
     got["kv_pages"] = (decode, page)
@@ -122,8 +123,9 @@ def wrap_plan(orig, sig):
                 broken(e)
         out = orig(*args, **kwargs)
         if counts is not None:
-            try:  # (the last-page lengths the call wrote into the builder's buffer)
-                last = args[0].paged_kv_last_page_len.np[:n].astype("int32")
+            try:  # (the last-page lengths the call wrote into the builder's buffer, where it has one)
+                buf = getattr(getattr(args[0], "paged_kv_last_page_len", None), "np", None)
+                last = None if buf is None else buf[:n].astype("int32")
                 got[("plan", id(args[0]))] = (counts, last, int(sig.get(args, kwargs, "page_size")))
             except Exception as e:
                 broken(e)
@@ -204,6 +206,8 @@ def builder_kwargs(got: dict, rows: int, kw: dict) -> None:
         _addresses(got["attn_addrs"], kw)
         caps = got.get("attn_caps")
         if "attn_addrs" in kw and caps is not None and min(caps) >= 0:
+            import numpy as np  # (the Recorder has imported it by now)
+
             kw["attn_caps"] = np.array(caps, np.int32)
     pages = got.get("kv_pages")
     if pages is None:
@@ -212,7 +216,7 @@ def builder_kwargs(got: dict, rows: int, kw: dict) -> None:
     if not set_page_size(page):
         STATE.skipped[PAGE_MISMATCH] += 1
         return
-    if "kv_plans" in got:
+    if "kv_plans" in got and got["kv_plans"][1] is not None:
         kw["kv_prefill_pages"], kw["kv_last_page"] = (_per_row(x, rows) for x in got["kv_plans"])
     kw["kv_pages"] = _per_row(counts, rows)
 
@@ -221,6 +225,8 @@ def _per_row(counts, rows: int):
     """One value per seq_lens row: a consumer that reads the whole seq_lens argument has rows past the build's (-1)."""
     if counts.shape[0] == rows:
         return counts
+    import numpy as np  # (the Recorder has imported it by now)
+
     full = np.full(rows, -1, np.int32)
     k = min(rows, counts.shape[0])
     full[:k] = counts[:k]

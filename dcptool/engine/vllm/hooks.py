@@ -12,8 +12,6 @@ import inspect
 import textwrap
 from typing import NamedTuple
 
-import numpy as np
-
 from dcptool.engine.vllm.builders import Build, builder_kwargs
 from dcptool.engine.vllm.state import (
     STATE,
@@ -235,6 +233,8 @@ def _block_sizes(count: int):
     dealt = [int(x) for x in dealt_t.tolist()] if dealt_t is not None else manager
     got = None
     if len(manager) == len(kernel) == len(dealt) == count:
+        import numpy as np  # (the Recorder has imported it by now)
+
         got = np.array([manager, list(kernel), dealt], np.int32).T.reshape(-1)
     STATE.block_sizes = (bt, got)
     return got
