@@ -371,6 +371,11 @@ def simulate(
                                           help="fixed (vLLM after the fix) or legacy (every pre-fix fault).")]
     = "fixed",
     inject: Annotated[str | None, typer.Option("--inject", help=INJECT_HELP)] = None,  # + the table (_FaultHelp)
+    features: Annotated[str | None, typer.Option("--features", metavar="FEATURE,...", help="What to model beyond "
+                                                 "the default engine, comma-separated: chunked-context (MLA's "
+                                                 "chunked prefill context), swa (a sliding-window KV-cache group), "
+                                                 "sparse (sparse MLA's top-k). A fault that needs one models it.")]
+    = None,
     seed: Annotated[int, _int("--seed", 0, "Workload seed (same seed, same dump, byte for byte).")] = 0,
     engine_version: Annotated[str, typer.Option("--engine-version", help="vLLM release to model (e.g. 0.34.0): "
                                                 "its micro-batch split rule, recorded as engine_version.")] = "",
@@ -405,13 +410,14 @@ def simulate(
     from dcptool.report.progress import Progress
 
     faults = tuple(f.strip() for f in inject.split(",") if f.strip()) if inject else ()
+    models = tuple(f.strip() for f in features.split(",") if f.strip()) if features else ()
     cfg = SimConfig(dcp=dcp, interleave=interleave, pcp=pcp, steps=steps, spec_tokens=spec_tokens,
                     spec_method=spec_method, ubatches=ubatches, cudagraph=cudagraph, dummy_every=dummy_every,
                     page_size=page_size, pipeline=pipeline, inject=faults, seed=seed, max_num_reqs=max_num_reqs,
-                    token_budget=token_budget, engine_version=engine_version, kv_connector=kv_connector,
-                    prefill_dcp=prefill_dcp, prefill_pcp=prefill_pcp, prefill_tp=prefill_tp,
-                    prefill_interleave=prefill_interleave, prefill_block_size=prefill_block_size,
-                    prefill_kv_shards=prefill_kv_shards)
+                    token_budget=token_budget, engine_version=engine_version, features=models,
+                    kv_connector=kv_connector, prefill_dcp=prefill_dcp, prefill_pcp=prefill_pcp,
+                    prefill_tp=prefill_tp, prefill_interleave=prefill_interleave,
+                    prefill_block_size=prefill_block_size, prefill_kv_shards=prefill_kv_shards)
     cfg.validate()
     _engine_version("simulate", engine_version)
     if per_rank and output is None:

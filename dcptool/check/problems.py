@@ -241,6 +241,17 @@ _WHY = {
     ("slots", None): "a KV slot is written by another rank than the position's owner, or a replicated group is "
                      "not written by every rank",
     ("slot-partition", None): "across the ranks a DCP-sharded position is written by several ranks or by none",
+    ("ctx-chunks", None): "the chunked prefill context is planned off the DCP virtual block or not from the "
+                          "requests' computed context, so ranks gather misplaced or wrong context rows",
+    ("ctx-agree", None): "the ranks of one DCP group plan different chunked prefill context, so they call different "
+                         "DCP KV gathers (a rank waits in a collective its peers never join)",
+    ("group-lens", None): "a KV-cache group's attention reads lengths of another sharding than its own (a replicated "
+                          "sliding-window group with DCP-local lengths), or a verify token's rank-local causal bound "
+                          "is taken after the shard mapping",
+    ("topk-agree", None): "the ranks of one DCP group select different sparse top-k sets for a query token (a tie at "
+                          "the k-th score broken another way), so their shares do not partition one set",
+    ("topk-empty", None): "a rank that owns none of a query token's top-k entries gives a partial result other than "
+                          "output 0 and LSE -inf (a NaN the merge's 0 weight does not cancel: 0 x NaN)",
     ("graph-addr", None): "a full CUDA graph replays the addresses its capture baked in, but the build hands "
                           "attention a metadata tensor allocated anew (another address): the graph reads a stale "
                           "buffer",

@@ -1,4 +1,5 @@
-"""Rules across the DCP ranks of one batch: their local lengths add up (rank-sum), they agree (rank-agree)."""
+"""Rules across the DCP ranks of one batch: their local lengths add up (rank-sum), they agree (rank-agree), they plan
+the same chunked context (ctx-agree), sparse attention selects the same top-k sets (topk-agree)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 
 from dcptool.check.findings import FindingTable, Written
 from dcptool.check.scan import rows_differ
+from dcptool.dcp.chunks import gathers
 from dcptool.dcp.segments import group_ids, join, mix, ragged, seg_sums
 from dcptool.dcp.segments import obs_chunks as _obs_chunks
 from dcptool.dump import Dump
@@ -274,3 +276,134 @@ def _agree_value(d: Dump, i: int, field: str) -> str:
         q = d.qsl_of(i)
         return str(q[:9].tolist()) + ("..." if q.size > 9 else "")
     return str(int(d[_SCALARS[field]][i]))
+
+
+class Split(NamedTuple):
+    """One set whose members recorded different values of a field (_split_sets): its members (observations, in
+    observation order), the reference among them, the ones that differ from it, and the reference text."""
+
+    members: np.ndarray
+    ref: int
+    odd: list[int]
+    ref_text: str
+
+
+def _split_sets(d: Dump, sets: np.ndarray, idx: np.ndarray, keys: list[np.ndarray]) -> list[Split]:
+    """The sets (ids `sets[idx]`) whose members `idx` disagree on `keys` (one value per member each: a length, a
+    hash). Each set's reference: the values most members share, then the lowest rank's, then the earliest member's
+    (as rank-agree's); only the members of disagreeing sets are grouped further. Python runs per split set."""
+    if idx.size < 2:
+        return []
+    s = sets[idx]
+    tup = group_ids([s, *keys])
+    first = np.full(int(s.max()) + 1, -1, np.int64)
+    first[s[::-1]] = tup[::-1]
+    bad = np.unique(s[tup != first[s]])
+    if bad.size == 0:
+        return []
+    m = np.isin(s, bad)
+    idx, s, tup = idx[m], s[m], tup[m]
+    count = np.bincount(tup)
+    rank = d["obs.rank"][idx].astype(np.int64)
+    order = np.lexsort((idx, rank, -count[tup], s))
+    lead = np.ones(idx.size, bool)
+    lead[1:] = s[order][1:] != s[order][:-1]
+    ref = np.empty(int(s.max()) + 1, np.int64)
+    ref[s[order][lead]] = order[lead]
+    out = []
+    by_set = np.argsort(s, kind="stable")
+    bounds = np.flatnonzero(np.r_[True, s[by_set][1:] != s[by_set][:-1], True])
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        pos = by_set[a:b]
+        r0 = int(ref[s[pos[0]]])
+        odd = [int(idx[k]) for k in pos if tup[k] != tup[r0]]
+        text = _reference_text(f"rank {int(rank[r0])} (obs {d.ref(int(idx[r0]))})", count[tup[pos]],
+                               int(count[tup[r0]]))
+        out.append(Split(idx[pos], int(idx[r0]), odd, text))
+    return out
+
+
+def check_ctx_agree(d: Dump, pairs: RankSets | None = None) -> FindingTable:
+    """The ranks of one batch (rank-agree's sets) must plan the same chunked prefill context: each chunk is one DCP
+    KV gather every rank of the DCP group calls, so ranks with other chunks (or none: chunked_context None) call
+    other collectives than their peers (a timeout, then a CUDA error). Compared: the whole recorded schedule (the
+    members that recorded one); one finding per set, at its first member that differs from the reference, naming
+    every differing rank and the gathers it calls."""
+    found = Written(d)
+    N = d.config.dcp_size
+    if N == 1 or d.n == 0:
+        return found.table()
+    sets = (pairs if pairs is not None else rank_pairs(d)).sets
+    off = d["obs.ctx"]
+    lens = np.diff(off)
+    idx = np.flatnonzero(lens > 0)
+    for sp in _split_sets(d, sets, idx, [lens[idx], _row_hashes(d, "obs.ctx", "rows.ctx_chunks", idx)]):
+        plan = {int(i): gathers(d["rows.ctx_chunks"][off[i]:off[i + 1]], N, d.config.cp_interleave)
+                for i in (*sp.odd, sp.ref)}
+        rank = d["obs.rank"]
+        parts = [f"rank {int(rank[i])} {_gather_text(plan[i])}" for i in sp.odd]
+        i0 = sp.odd[0]
+        msg = (f"ranks disagree on the chunked-context schedule, so they call different DCP KV gathers (each rank "
+               f"waits in a collective the others never join): {'; '.join(parts)}; {sp.ref_text} a schedule that "
+               f"{_gather_text(plan[sp.ref])} (ranks {', '.join(str(int(rank[i])) for i in sp.odd)} differ)")
+        found.add(i0, "ctx-agree", msg, detail={
+            "ranks": [int(rank[i]) for i in sp.odd], "gathers": {str(int(rank[i])): plan[i] for i in sp.odd},
+            "reference_gathers": plan[sp.ref], "obs": [int(d.file_obs[x]) for x in sp.members],
+            "reference_obs": int(d.file_obs[sp.ref])})
+    return found.table()
+
+
+def _gather_text(g: list[int]) -> str:
+    if not g:
+        return "calls no DCP KV gather (no chunked context)"
+    rows = ", ".join(map(str, g[:6])) + (", ..." if len(g) > 6 else "")
+    return f"calls {len(g)} DCP KV gather{'s' if len(g) > 1 else ''} of [{rows}] local rows"
+
+
+def _fp_hashes(d: Dump, idx: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each observation's top-k fingerprints (every third value of rows.sparse_topk: the owned
+    counts and states after them differ between ranks by design)."""
+    off = d["obs.topk"]
+    cnt = np.diff(off)[idx] // 3
+    _, j, at = ragged(off[idx], cnt)
+    v = d.take("rows.sparse_topk", at + 2 * j).astype(np.int64) + 1
+    if d.bounded:
+        d.release(0, d.n)
+    return seg_sums(mix(v, j, 0), cnt).view(np.int64)
+
+
+def check_topk_agree(d: Dump, pairs: RankSets | None = None) -> FindingTable:
+    """The ranks of one batch (rank-agree's sets) must select the same top-k set for every query token of a sparse
+    MLA layer: each attends to the entries of that set it owns, so the partition between ranks is exact only when
+    the sets are equal (a tie at the k-th score broken another way on one rank gives it another set: some entries
+    attended twice, others never). Compared: the recorded tokens' set fingerprints (rows.sparse_topk); one finding
+    per set, at its first member that differs from the reference, naming every differing rank and its first
+    differing token."""
+    found = Written(d)
+    if d.config.dcp_size == 1 or d.n == 0:
+        return found.table()
+    sets = (pairs if pairs is not None else rank_pairs(d)).sets
+    off = d["obs.topk"]
+    lens = np.diff(off)
+    idx = np.flatnonzero(lens >= 3)
+    rank = d["obs.rank"]
+    for sp in _split_sets(d, sets, idx, [lens[idx], _fp_hashes(d, idx)]):
+        ref = d["rows.sparse_topk"][off[sp.ref]:off[sp.ref + 1]][::3]
+        parts, first = [], {}
+        for i in sp.odd:
+            fp = d["rows.sparse_topk"][off[i]:off[i + 1]][::3]
+            n = min(fp.size, ref.size)
+            diff = np.flatnonzero(fp[:n] != ref[:n])
+            t = int(diff[0]) if diff.size else n
+            first[i] = t
+            parts.append(f"rank {int(rank[i])} from query token {t} ({int(diff.size) + abs(fp.size - ref.size)} of "
+                         f"{max(fp.size, ref.size)} tokens differ)")
+        i0 = sp.odd[0]
+        msg = (f"ranks disagree on sparse attention's top-k sets, so their shares of each set do not partition it "
+               f"(entries attended on two ranks or on none: a tie at the k-th score broken differently per rank): "
+               f"{'; '.join(parts)}; {sp.ref_text} the other sets (ranks "
+               f"{', '.join(str(int(rank[i])) for i in sp.odd)} differ)")
+        found.add(i0, "topk-agree", msg, detail={
+            "ranks": [int(rank[i]) for i in sp.odd], "tokens": {str(int(rank[i])): first[i] for i in sp.odd},
+            "obs": [int(d.file_obs[x]) for x in sp.members], "reference_obs": int(d.file_obs[sp.ref])})
+    return found.table()

@@ -96,6 +96,27 @@ def local_np(seq: np.ndarray, dcp_size: int, rank, cp_interleave) -> np.ndarray:
     return local_of(np.asarray(seq, dtype=np.int64), np.asarray(rank, np.int64), dcp_size, il)
 
 
+def group_lens_np(seq: np.ndarray, num_reqs: int, rank, dcp_size: int, cp_interleave: int,
+                  sharded: list[bool]) -> np.ndarray:
+    """What each KV-cache group's attention reads for one batch (rows.group_seq_lens' layout): per group in order,
+    one value per seq_lens row, a DCP-sharded group the rank's local lengths, a replicated one the global ones;
+    padded rows 0. `rank` may be an [N, 1] array: every rank's at once ([N, groups * rows])."""
+    seq = np.where(np.arange(np.shape(seq)[-1]) < num_reqs, np.asarray(seq, np.int64), 0)
+    loc = local_np(seq, dcp_size, rank, cp_interleave)
+    glob = np.broadcast_to(seq, loc.shape)
+    return np.concatenate([loc if s else glob for s in sharded], axis=-1) if sharded else loc[..., :0]
+
+
+def verify_lens_np(seq: np.ndarray, qsl: np.ndarray, tokens: int, rank, dcp_size: int, cp_interleave) -> np.ndarray:
+    """Per query token of the batch's first `tokens` (rows.verify_row_lens' layout): the rank's KV positions the
+    token attends to, local(position + 1), token t of row r at position seq_len - (query_start_loc[r + 1] - t)
+    (the causal offset in global positions, then the shard mapping). `rank` may be [N, 1] ([N, tokens])."""
+    q = np.asarray(qsl, np.int64) - int(qsl[0])
+    t = np.arange(tokens, dtype=np.int64)
+    row = np.searchsorted(q[1:], t, "right")
+    return local_np(np.asarray(seq, np.int64)[..., row] - (q[row + 1] - t) + 1, dcp_size, rank, cp_interleave)
+
+
 def ranks_giving(L: np.ndarray, v: np.ndarray, dcp_size: int, cp_interleave: int):
     """The formula inverted row by row (int64 arrays): the ranks r with local(L, r) == v are [lo, hi) where ok.
 

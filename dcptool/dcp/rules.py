@@ -57,10 +57,9 @@ class Rule(NamedTuple):
     #                       the device, or (the rules of host values: addresses, block sizes, capacities) its host
     faults: tuple[str, ...] = ()  # simulate's faults (docs/faults.md) that must produce it
     parts: tuple[Part, ...] = ()
-    # replay names it among the skipped checks when its columns are not recorded; False for the rules of what only
-    # some engines or paths record (the metadata tensors' addresses ...): a dump without them lacks nothing, and its
-    # report is what it was before those rules existed
-    said: bool = True
+    # its columns belong to a feature most engines do not have (MLA's chunked prefill context, KV transfers): a dump
+    # without them does not have the feature, so replay does not list the check as skipped there
+    quiet: bool = False
 
 
 _UBATCH = ("obs.parent", "obs.req_start", "obs.tok_start", "obs.tok_stop", "obs.qsl")
@@ -124,41 +123,69 @@ TABLE = (
          "micro-batch, group): a position of a DCP-sharded group written by several ranks (reported at the ranks "
          "that do not own it) or by none (at its owner), naming the positions", needs=_SLOTS, scope=RANKS,
          faults=("slot-all-ranks",)),
+    # MLA's chunked prefill context (dcp.chunks): each request's context in chunks, each chunk one DCP KV gather
+    Rule("ctx-chunks", "error", "H", "context.check_ctx_chunks", "a chunked-context schedule (MLA prefill) that is "
+         "malformed, whose `max_context_chunk` or split starts are not multiples of dcp_size x interleave (a rank's "
+         "local chunk then starts off its interleave block), or whose chunks do not cover a request's computed "
+         "context (seq_len - query_len, not its KV length)", needs=("obs.ctx",),
+         unrecorded="needs obs.ctx (not recorded in this dump)", faults=("ctx-chunk-unaligned", "ctx-draft-lens"),
+         quiet=True),
+    Rule("ctx-agree", "error", "J", "ranks.check_ctx_agree", "DCP ranks of one batch (as rank-agree forms them) "
+         "whose chunked-context schedules differ, so they call different DCP KV gathers (one may call none: a "
+         "collective timeout); once per batch, at the first differing rank, naming every differing rank and the "
+         "gathers it calls", needs=("obs.ctx",), unrecorded="needs obs.ctx (not recorded in this dump)",
+         inputs=(PAIRS,), dcp=SHARDED, scope=RANKS, faults=("ctx-rank-local",), quiet=True),
+    # per KV-cache group and per query token (run where the dump records them: its check reads what is there)
+    Rule("group-lens", "error", "V", "groups.check_group_lens", "a KV-cache group's lengths that do not match its "
+         "sharding (a replicated group, a sliding-window one under per-group DCP, handed this rank's DCP-local "
+         "lengths), or a query token's rank-local causal bound that is not local(position + 1) (speculative "
+         "verification: local(seq_len - k), not local(seq_len) - k)", faults=("swa-sharded", "spec-causal-offset")),
+    # sparse MLA's top-k (dcp.topk): per query token, the set every rank selects and each rank's partial result
+    Rule("topk-agree", "error", "Q", "ranks.check_topk_agree", "DCP ranks of one batch (as rank-agree forms them) "
+         "whose sparse-attention top-k sets differ on a query token (a tie at the k-th score broken differently per "
+         "rank: the ranks' shares no longer partition the set); once per batch, at the first differing rank, naming "
+         "every differing rank and its first differing token", needs=("obs.topk",),
+         unrecorded="needs obs.topk (not recorded in this dump)", inputs=(PAIRS,), dcp=SHARDED, scope=RANKS,
+         faults=("topk-tie-split",), quiet=True),
+    Rule("topk-empty", "error", "Z", "sparse.check_topk_empty", "a sparse-attention row of which this rank owns no "
+         "top-k entry (all -1 after the DCP filter) whose partial result is not output 0 and LSE -inf (0 x NaN "
+         "poisons the merge on every rank), or a row with entries whose LSE is -inf or not finite",
+         needs=("obs.topk",), unrecorded="needs obs.topk (not recorded in this dump)", faults=("topk-empty-nan",),
+         quiet=True),
     # what else a build hands attention: the metadata tensors' addresses (a full graph reads the captured ones)
-    Rule("graph-addr", "error", "H", "buffers.check_graph_addr", "a full-graph replay whose build handed attention a "
+    Rule("graph-addr", "error", "F", "buffers.check_graph_addr", "a full-graph replay whose build handed attention a "
          "metadata tensor at another address than the graph captured (the graph reads the captured buffer, which "
          "the build did not write: stale values)", needs=("obs.addrs", "obs.gaddrs"), device=True,
          unrecorded="needs obs.addrs and obs.gaddrs (the metadata tensors' addresses at the build and at capture)",
-         faults=("graph-addr-moved",), said=False),
+         faults=("graph-addr-moved",), quiet=True),
     Rule("capacity", "error", "C", "buffers.check_capacity", "a build that needs more request rows "
          "(num_reqs_padded) than the buffer behind a metadata tensor it hands attention holds (a view cut short, "
          "writes past the buffer's end)", needs=("obs.caps",), device=True, faults=("buffer-undersized",),
-         said=False, unrecorded="needs obs.caps (the metadata tensors' buffer capacities)"),
-    Rule("host-copy", "error", "V", "copies.check_host_copy", "a build whose metadata builder read a host copy of "
+         quiet=True, unrecorded="needs obs.caps (the metadata tensors' buffer capacities)"),
+    Rule("host-copy", "error", "1", "copies.check_host_copy", "a build whose metadata builder read a host copy of "
          "seq_lens (seq_lens_cpu) that differs from the device's on a real row (left behind by async scheduling, or "
          "written in place by an earlier build), or that wrote the shared host copy in place",
-         needs=("obs.hseq",), device=True, faults=("host-seq-stale", "host-seq-written"), said=False,
+         needs=("obs.hseq",), device=True, faults=("host-seq-stale", "host-seq-written"), quiet=True,
          unrecorded="needs obs.hseq (the host copy of seq_lens the build read)"),
-    Rule("plan-pages", "error", "Q", "plans.check_plan_pages", "a FlashInfer native plan claiming other pages than "
+    Rule("plan-pages", "error", "2", "plans.check_plan_pages", "a FlashInfer native plan claiming other pages than "
          "the rank's local length: a prefill row's page count not `cdiv(local(seq_len - query_len), page_size)` (its "
          "local context), or a row's last-page length not that of the local length its plan covers",
-         needs=("rows.kv_prefill_pages",), device=True, faults=("flashinfer-prefill-pages",), said=False,
+         needs=("rows.kv_prefill_pages",), device=True, faults=("flashinfer-prefill-pages",), quiet=True,
          unrecorded="needs rows.kv_prefill_pages or rows.kv_last_page, query_start_loc and page_size"),
     # the block sizes the slot mapping worked with (per KV-cache group: the manager's, the kernel's, the dealing one)
-    Rule("kernel-block", "error", "J", "blocks.check_kernel_block", "a DCP-sharded KV-cache group whose slot mapping "
+    Rule("kernel-block", "error", "3", "blocks.check_kernel_block", "a DCP-sharded KV-cache group whose slot mapping "
          "deals positions to the ranks by another block than the KV-cache manager's (the attention kernel's, which "
          "the interleave need not divide) where that sends a position to another rank or local position",
-         needs=("obs.kvbs",), device=True, faults=("slot-kernel-block",), said=False,
+         needs=("obs.kvbs",), device=True, faults=("slot-kernel-block",), quiet=True,
          unrecorded="needs obs.kvbs (the block sizes the slot mapping worked with)"),
-    # a KV transfer plan (prefill/decode disaggregation): only recorded where a connector moves KV, so a dump without
-    # transfers does not list it as skipped (no `unrecorded`)
+    # a KV transfer plan (prefill/decode disaggregation): only recorded where a connector moves KV (quiet)
     Rule("transfer", "error", "D", "transfers.check_transfer", "a KV transfer plan (prefill/decode disaggregation, "
          "a keyed store) that does not move every position a destination rank must hold exactly once from a source "
          "worker that holds it, named by its first kind: `partial-store` (a shard stored as the whole request), "
          "`wrong-source`, `past-sequence` (reads past the sequence), `not-owner`, `block-ids` (ids scaled or grouped "
          "wrongly), `twice`, `never`",
          needs=("obs.xfer",), faults=("nixl-pcp-stride", "nixl-single-source", "mooncake-group-scale",
-                                      "mooncake-unsharded-prefill", "lmcache-partial-store")),
+                                      "mooncake-unsharded-prefill", "lmcache-partial-store"), quiet=True),
 )
 RULE = {r.name: r for r in TABLE}
 RULES = tuple(RULE)
@@ -169,7 +196,7 @@ RULE_ORDER = {r: i for i, r in enumerate(RULES)}
 # The order replay lists skipped checks in (the text and HTML reports' lines, the JSON summary's keys): rank-sum,
 # which dcp_size rules out, first; then the micro-batch columns' checks; then the rest in table order.
 SKIPPED_ORDER = ("rank-sum", "ubatch-slice", "stale/parent-rows", "alias", "alias/graph", "pages", "empty-mask",
-                 "tot-lens", "rank-agree", "slots")
+                 "tot-lens", "rank-agree", "slots", "ctx-agree", "topk-agree")
 
 
 class DeviceCheck(NamedTuple):

@@ -100,6 +100,17 @@ FIELDS_TABLE: tuple[Field, ...] = (
           section="pos"),
     Field("slot_mapping", GROUPS, "I32", "rows.slot_mapping", device=True, offsets="obs.slots", section="slot"),
     Field("slot_group", GROUPS, "I32", "rows.slot_group", offsets="obs.slots", section="sgrp", argument=False),
+    # MLA's chunked prefill context (dcp.chunks): max_context_chunk, then (chunk, row, start, length) per entry
+    Field("ctx_chunks", ANY, "I32", "rows.ctx_chunks", device=True, offsets="obs.ctx", nonneg=True, section="ctx"),
+    # per KV-cache group (kv_groups order), the lengths its attention metadata reads: one value per seq_lens row each
+    Field("group_seq_lens", ANY, "I32", "rows.group_seq_lens", device=True, offsets="obs.gsl", nonneg=True,
+          section="gsl"),
+    # per query token of the batch (a prefix: its decode tokens), the rank-local KV length it attends to
+    Field("verify_row_lens", ANY, "I32", "rows.verify_row_lens", device=True, offsets="obs.vrl", section="vrl"),
+    # sparse MLA (dcp.topk): per query token of the batch (a prefix of its tokens), three values: the fingerprint of
+    # its global top-k set, how many of the set's entries this rank owns, the state of the rank's partial result
+    Field("sparse_topk", ANY, "I32", "rows.sparse_topk", device=True, offsets="obs.topk", nonneg=True,
+          section="topk"),
     # The per-request metadata tensors the build hands attention (dcptool.config's attn_tensors names them, in this
     # order): each one's address (data_ptr) as two int32 words, low then high (addr_words); at a full-graph replay,
     # the addresses the graph captured for them (it reads those, whatever the build wrote)
@@ -130,6 +141,10 @@ ARGUMENTS: tuple[Field, ...] = tuple(f for f in FIELDS_TABLE if f.argument)  # o
 NAMES: tuple[str, ...] = tuple(f.name for f in ARGUMENTS)
 SCALAR_FIELDS: tuple[Field, ...] = tuple(f for f in FIELDS_TABLE if f.shape == SCALAR)
 ROW_TABLE: tuple[Field, ...] = tuple(f for f in FIELDS_TABLE if f.rows)  # the row fields, sections in this order
+# the host values: the row fields after the last device one (the metadata tensors' addresses, capacities ...), which
+# the snapshot ring holds beside its slots and the Guard checks on the host
+HOST_ROWS: tuple[Field, ...] = ROW_TABLE[max(k for k, f in enumerate(ROW_TABLE) if f.device or f.section == "sgrp")
+                                         + 1:]
 FIELDS: tuple[str, ...] = tuple(f.name for f in SCALAR_FIELDS)  # a recording's checked integers, in Scalars order
 ROW_FIELDS: tuple[str, ...] = tuple(f.section for f in ROW_TABLE)  # the writer's rows, in this order
 # Optional per-observation columns: field -> (column, numpy dtype, value written where unknown).

@@ -104,6 +104,10 @@ class DumpConfig:
             out[:k] = [g.dcp for g in self.kv_groups[:k]]
         return out
 
+    def group_cp(self, count: int) -> np.ndarray:
+        """[count] int64: the DCP size each KV-cache group's positions are sharded over (1: replicated)."""
+        return np.where(self.group_dcp(count), self.dcp_size, 1).astype(np.int64)
+
     def group_block_size(self, count: int) -> np.ndarray:
         """[count] int64: each KV-cache group's block size, 0 where unknown."""
         out = np.zeros(max(count, 0), np.int64)
@@ -115,37 +119,45 @@ class DumpConfig:
 
 class KVGroup(NamedTuple):
     """One KV-cache group of dcptool.config's `kv_groups`: its name, whether DCP shards its token
-    positions across ranks (vLLM's KVCacheSpec.dcp_sharded), and its block size when known."""
+    positions across ranks (vLLM's KVCacheSpec.dcp_sharded), and its block size when known; a sliding-window
+    group's window, and the DCP size its positions are sharded over (1: replicated on every rank), when known."""
 
     name: str
     dcp: bool
     block_size: int | None = None
+    sliding_window: int | None = None
+    cp_size: int | None = None
 
     def to_json(self) -> dict:
         d = {"name": self.name, "dcp": self.dcp}
-        if self.block_size is not None:
-            d["block_size"] = self.block_size
+        for k in ("block_size", "sliding_window", "cp_size"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
         return d
 
     @classmethod
     def of(cls, g) -> KVGroup:
-        """A KVGroup from one (a dict {"name", "dcp", "block_size"?} or a tuple); ValueError if malformed."""
+        """A KVGroup from one (a dict {"name", "dcp", "block_size"?, "sliding_window"?, "cp_size"?} or a tuple);
+        ValueError if malformed."""
         if isinstance(g, KVGroup):
             return g
         if isinstance(g, dict):
-            extra = set(g) - {"name", "dcp", "block_size"}
+            extra = set(g) - set(cls._fields)
             if extra:
                 raise ValueError(f"unknown key {sorted(extra)[0]!r}")
-            name, dcp, bs = g.get("name"), g.get("dcp"), g.get("block_size")
+            name, dcp, bs, win, cp = (g.get(k) for k in cls._fields)
         else:
-            name, dcp, bs = (tuple(g) + (None, None, None))[:3]
+            name, dcp, bs, win, cp = (tuple(g) + (None,) * 5)[:5]
         if not (isinstance(name, str) and text_ok(name)):
             raise ValueError(f"name must be a string, got {name!r}")
         if type(dcp) is not bool:
             raise ValueError(f"dcp must be true or false, got {dcp!r}")
-        if bs is not None and not (type(bs) is int and 1 <= bs <= INT32_MAX):
-            raise ValueError(f"block_size must be an integer >= 1, got {bs!r}")
-        return cls(name, dcp, bs)
+        for k, v in (("block_size", bs), ("sliding_window", win), ("cp_size", cp)):
+            if v is not None and not (type(v) is int and 1 <= v <= INT32_MAX):
+                raise ValueError(f"{k} must be an integer >= 1, got {v!r}")
+        if cp is not None and not dcp and cp != 1:
+            raise ValueError(f"cp_size {cp} for a group DCP does not shard (dcp false: 1)")
+        return cls(name, dcp, bs, win, cp)
 
 
 class GraphMode(IntEnum):
@@ -409,6 +421,9 @@ def parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
                 out.append(KVGroup.of(g))
             except ValueError as e:
                 raise fail(p, "dcptool.config", f"kv_groups[{k}]: {e}") from None
+            if out[-1].dcp and out[-1].cp_size not in (None, dcp):
+                raise fail(p, "dcptool.config", f"kv_groups[{k}]: cp_size {out[-1].cp_size} of a DCP-sharded "
+                                                f"group is not dcp_size {dcp}")
         groups = tuple(out)
     tensors = c.get("attn_tensors")
     if tensors is not None:
@@ -517,7 +532,8 @@ def validate_columns(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], injected
 
 def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=None) -> None:
     """docs/format.md's rules on the values of row columns (after validate_columns(row_values=False) on the same
-    columns): no negative seq_len or global length, slot positions and KV-cache groups in range."""
+    columns): no negative seq_len, global length, chunked-context value, group length or sparse top-k value, slot
+    positions and KV-cache groups in range."""
     sl = c["rows.seq_lens"]
     step = 1 << 22
     for lo in range(0, sl.size, step):  # in chunks, so a bounded read never holds all rows at once
@@ -532,6 +548,12 @@ def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=
         if t.size and t.min() < 0:
             i = int(np.argmax(t < 0))
             raise fail(p, "rows.dcp_tot_seq_lens", f"negative length {t[i]} at row {i}")
+    for key in ("rows.ctx_chunks", "rows.group_seq_lens", "rows.sparse_topk"):
+        # chunk sizes, offsets, lengths, fingerprints, counts, state bits: none is negative
+        t = c.get(key)
+        if t is not None and t.size and t.min() < 0:
+            i = int(np.argmax(t < 0))
+            raise fail(p, key, f"negative value {t[i]} at row {i}")
     for f in WIDE:  # (rows of tuples: whole tuples per observation)
         if f.offsets in c and (bad := np.flatnonzero(np.diff(c[f.offsets]) % f.width)).size:
             raise fail(p, f.offsets, f"observation {bad[0]} holds {np.diff(c[f.offsets])[bad[0]]} values of "

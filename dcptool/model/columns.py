@@ -1,13 +1,15 @@
 """What DCP attention consumes beside the local lengths, on every rank at once: the decode path's
-dcp_query_start_loc and global companion, and the KV slot mappings, with the faults injected on them."""
+dcp_query_start_loc and global companion, the KV slot mappings and MLA's chunked-context schedule, with the faults
+injected on them."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from dcptool.dcp.reference import last_page, local_of, slot_deal
+from dcptool.dcp import chunks, topk
+from dcptool.dcp.reference import group_lens_np, last_page, local_np, local_of, slot_deal, verify_lens_np
 from dcptool.dump.schema import INT32_MAX
-from dcptool.model.config import KV_GROUPS, SimConfig
+from dcptool.model.config import SimConfig, kv_groups_of
 from dcptool.model.rows import Rows
 
 
@@ -19,6 +21,9 @@ class Columns:
         self.cfg, self.F = cfg, faults
         self.N, self.P, self.I, self.G = cfg.dcp, cfg.pcp, cfg.interleave, cfg.page_size
         self.ranks = np.arange(self.N).reshape(-1, 1)
+        self.workspace = chunks.workspace_size(cfg.max_model_len, cfg.max_num_reqs, self.G, self.N, self.I)
+        self.groups = [(g["name"], g["dcp"]) for g in kv_groups_of(cfg)]  # (name, DCP-sharded) per KV-cache group
+        self._prefix: topk.Prefix | None = None  # --features sparse: the fingerprints' prefix sums, made once
 
     def decode_path(self, b: Rows, view: np.ndarray, odd_seq: np.ndarray | None, marks: list):
         """What vLLM's FlashInfer decode path (0.30+) receives beside the local lengths, per rank ([N, ...]):
@@ -89,12 +94,12 @@ class Columns:
         base = (req + req0 if b.req is None else b.req[req]) * per_req
         sharded = np.where(owner == ranks, (base + local // B) * B + local % B, -1)  # [N, real]
         replicated = np.broadcast_to((base + p // B) * B + p % B, (N, real))
-        out = np.full((N, len(KV_GROUPS), ntp), -1, np.int64)
+        out = np.full((N, len(self.groups), ntp), -1, np.int64)
         if not _computed(role, kind):
             return pos, out
         F = self.F
-        out[:, 0, :real] = sharded
-        out[:, 1, :real] = replicated
+        for g, (_, dcp) in enumerate(self.groups):
+            out[:, g, :real] = sharded if dcp else replicated
         if "slot-wrong-group" in F:
             out[:, 1, :real] = sharded
             # what the `slots` rule can see on a rank: a token it does not own left unwritten while it writes
@@ -114,6 +119,102 @@ class Columns:
             out[:, 0, :real] = np.where(kown == ranks, base * B + klocal, -1)
             marks.append(("slot-kernel-block", np.ones(N, bool)))  # (the block sizes every rank records)
         return pos, out
+
+    def chunked_context(self, b: Rows, odd_seq: np.ndarray | None, marks: list) -> np.ndarray | list | None:
+        """The chunked-context schedule MLA's builder plans on each rank (dcp.chunks: vLLM 0.29-0.34's plan): one
+        row every rank shares, or a list of each rank's where they differ; for the prefill rows (after the decodes,
+        split_decodes_and_prefills at the spec-decode threshold 1 + K) of real requests, their computed context
+        seq_len - query_len. Applies the chunked-context faults (appending (fault, [N] ranks) to `marks` where the
+        ctx rules can see them)."""
+        N, F, nr = self.N, self.F, b.nr
+        q = np.diff(b.qsl[: nr + 1])
+        nd = int(np.argmax(q > self.cfg.decode_query_len)) if (q > self.cfg.decode_query_len).any() else nr
+        rows = np.arange(nd, nr)
+        seqs = [b.seq] * N if odd_seq is None else [b.seq] * (N - 1) + [odd_seq]
+        ctx = [(s[nd:nr] - (0 if "ctx-draft-lens" in F else q[nd:])).tolist() for s in seqs]
+        if "ctx-rank-local" in F and N > 1:
+            ctx[-1] = local_np(np.asarray(ctx[-1], np.int64), N, N - 1, self.I).tolist()
+        sched = [self._schedule(c, rows) for c in ctx]
+        V = N * self.I
+        if "ctx-draft-lens" in F:
+            marks.append(("ctx-draft-lens", np.array([s.size > 1 for s in sched])))
+        if "ctx-chunk-unaligned" in F:
+            marks.append(("ctx-chunk-unaligned", np.array([V > 1 and s.size > 1 and bool(
+                s[0] % V or (s[1:].reshape(-1, chunks.ENTRY)[:, 2] % V).any()) for s in sched])))
+        if "ctx-rank-local" in F and N > 1:
+            marks.append(("ctx-rank-local", np.arange(N) == N - 1 if not np.array_equal(sched[-1], sched[0])
+                          else np.zeros(N, bool)))
+        same = all(np.array_equal(s, sched[0]) for s in sched[1:])
+        return sched[0] if same else sched
+
+    def _schedule(self, ctx: list[int], rows: np.ndarray) -> np.ndarray:
+        if "ctx-chunk-unaligned" in self.F:
+            mx, plans = chunks.legacy_plan(ctx, self.workspace)
+            return chunks.legacy_encode(mx, plans, ctx, rows)
+        mx, plans = chunks.plan_chunks(ctx, self.workspace, self.G, self.N, self.I)
+        return chunks.encode(mx, plans, rows)
+
+    def group_lens(self, b: Rows, odd_seq: np.ndarray | None, marks: list) -> tuple:
+        """(group_seq_lens [N, groups * rows], verify_row_lens [N, tokens] or None) on every rank
+        (dcp.reference.group_lens_np and verify_lens_np): per KV-cache group the lengths its attention metadata
+        reads (the sliding-window group, replicated, the global ones), and per query token of the decode rows (before
+        the first row longer than the spec-decode threshold 1 + K) the rank-local KV length it attends to. Applies
+        swa-sharded and spec-causal-offset (appending (fault, [N] ranks) to `marks` where group-lens sees them)."""
+        N, F, nr, I_ = self.N, self.F, b.nr, self.I
+        seqs = np.broadcast_to(b.seq, (N, b.nrp)).astype(np.int64)
+        if odd_seq is not None:
+            seqs = seqs.copy()
+            seqs[N - 1] = odd_seq
+        sharded = [dcp for _, dcp in self.groups]
+        gl = group_lens_np(seqs, nr, self.ranks, N, I_, sharded)
+        if "swa-sharded" in F:
+            g = next(k for k, (name, _) in enumerate(self.groups) if name == "swa")
+            wrong = group_lens_np(seqs, nr, self.ranks, N, I_, [True] * len(sharded))
+            gl[:, g * b.nrp:(g + 1) * b.nrp] = wrong[:, g * b.nrp:(g + 1) * b.nrp]
+            marks.append(("swa-sharded", (wrong != group_lens_np(seqs, nr, self.ranks, N, I_, sharded)).any(axis=1)))
+        q = np.diff(b.qsl[: nr + 1])
+        long = q > self.cfg.decode_query_len
+        T = int(b.qsl[int(np.argmax(long)) if long.any() else nr] - b.qsl[0])
+        if T == 0:
+            return gl, None
+        verify = verify_lens_np(seqs, b.qsl, T, self.ranks, N, I_)
+        if "spec-causal-offset" in F:
+            row = np.searchsorted(b.qsl[1:] - b.qsl[0], np.arange(T), "right")
+            k = b.qsl[row + 1] - b.qsl[0] - 1 - np.arange(T)  # tokens after each one in its row
+            shifted = local_np(seqs[:, row], N, self.ranks, I_) - k
+            marks.append(("spec-causal-offset", (shifted != verify).any(axis=1)))
+            verify = shifted
+        return gl, verify
+
+    def sparse_topk(self, b: Rows, marks: list) -> np.ndarray | None:
+        """rows.sparse_topk on every rank ([N, 3 * tokens]; None for a batch without real query tokens): per query
+        token of the batch, in order, the fingerprint of its top-k set (dcp.topk's model indexer over its position + 1
+        KV positions), how many of the set's entries the rank owns, and the rank's partial result (output 0 and LSE
+        -inf where it owns none, else finite). Every rank selects the same set. Applies topk-tie-split and
+        topk-empty-nan on the last DCP rank (appending (fault, [N] ranks) to `marks` where they changed a value)."""
+        N, F, I_ = self.N, self.F, self.I
+        q = b.qsl[: b.nr + 1].astype(np.int64) - int(b.qsl[0])
+        T = int(q[-1]) if q.size else 0
+        if T <= 0:
+            return None
+        t = np.arange(T, dtype=np.int64)
+        row = np.searchsorted(q[1:], t, "right")
+        L = np.maximum(b.seq[row].astype(np.int64) - (q[row + 1] - t) + 1, 0)  # the KV positions token t attends to
+        if self._prefix is None:
+            self._prefix = topk.Prefix(self.cfg.max_model_len + 1)
+        bounds = topk.model_bounds(np.minimum(L, self.cfg.max_model_len))
+        fp = np.broadcast_to(self._prefix.fingerprint(bounds), (N, T)).copy()
+        own = topk.model_owned(bounds, self.ranks, N, I_)
+        if "topk-tie-split" in F:
+            odd = topk.model_bounds(np.minimum(L, self.cfg.max_model_len), lowest=False)
+            fp[N - 1] = self._prefix.fingerprint(odd)
+            own[N - 1] = topk.model_owned(odd, N - 1, N, I_)
+            marks.append(("topk-tie-split", (np.arange(N) == N - 1) & (fp[N - 1] != fp[0]).any()))
+        state = np.where(own == 0, topk.EMPTY_STATE, 0)
+        if "topk-empty-nan" in F:
+            state[N - 1] = np.where(own[N - 1] == 0, topk.LSE_NEG_INF | topk.NON_FINITE, 0)
+            marks.append(("topk-empty-nan", (np.arange(N) == N - 1) & (own[N - 1] == 0).any()))
+        return np.stack([fp, own, state], axis=-1).reshape(N, 3 * T)
 
     def plans(self, b: Rows, pages: bool, marks: list) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(kv_prefill_pages, kv_last_page) [N, nrp] of a build whose plan is recorded, where

@@ -40,6 +40,32 @@ _FAULT_WHAT.update({
     "slot-wrong-group": "the slot mapping localises a replicated KV-cache group (Mamba/GDN state) as DCP-sharded",
     "slot-all-ranks": "every rank writes every token of a DCP-sharded group (the non-owner mask dropped)",
 })
+# MLA's chunked prefill context (--features chunked-context): the schedule each rank plans (dcp.chunks)
+_FAULT_WHAT.update({
+    "ctx-rank-local": "the last DCP rank plans its chunked context from the context it holds itself (its share of "
+                      "each prefill's context), not the batch's: it calls other DCP KV gathers than its peers, or none",
+    "ctx-chunk-unaligned": "max_context_chunk is the workspace over the prefills with context, not rounded to the "
+                           "DCP virtual block (dcp_size x interleave): chunks split contexts inside an interleave "
+                           "block (vLLM asserted max_context_chunk % dcp_world_size == 0)",
+    "ctx-draft-lens": "the chunked context's lengths are the requests' KV lengths (seq_len, as speculative metadata "
+                      "carries them), not their computed context (seq_len - query_len)",
+})
+# a hybrid model's sliding-window KV-cache group beside the full-attention one (--features swa)
+_FAULT_WHAT.update({
+    "swa-sharded": "the sliding-window KV-cache group's attention gets this rank's DCP-local lengths, as if DCP "
+                   "sharded it: it must stay replicated (per-group DCP)",
+    "spec-causal-offset": "a speculative verify token k from its row's end attends to local(seq_len) - k of the "
+                          "rank's KV positions, not local(seq_len - k)",
+})
+# sparse MLA's top-k under DCP (--features sparse): each query token's top-k set and each rank's partial result
+_FAULT_WHAT.update({
+    "topk-tie-split": "the last DCP rank breaks the tie at the k-th top-k score another way (highest ids first), so "
+                      "it selects another set than its peers for every token whose context is longer than k",
+    "topk-empty-nan": "on the last DCP rank a sparse row of which it owns no top-k entry gives a NaN output (LSE "
+                      "-inf), not output 0",
+})
+OPT_IN |= {"ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset",
+           "topk-tie-split", "topk-empty-nan"}
 # What else a build hands attention (opt-in: --pipeline legacy models the pre-fix ordering its own faults show; these
 # are bugs of other code paths and releases).
 _HANDED = {
@@ -77,6 +103,13 @@ TRANSFER_FAULTS = ("nixl-pcp-stride", "nixl-single-source", "mooncake-group-scal
                    "lmcache-partial-store")
 OPT_IN = OPT_IN | set(TRANSFER_FAULTS)
 FAULTS: dict[str, tuple[str, str]] = {f: (RULE_OF_FAULT[f], what) for f, what in _FAULT_WHAT.items()}
+# What simulate models beyond its default engine (--features), and the faults that need each (injecting one models
+# its feature): MLA's chunked prefill context; a sliding-window KV-cache group (and the per-token causal bounds of
+# speculative verification); sparse MLA's top-k selection (dcp.topk).
+FEATURES = ("chunked-context", "swa", "sparse")
+FEATURE_OF: dict[str, str] = {"ctx-rank-local": "chunked-context", "ctx-chunk-unaligned": "chunked-context",
+                              "ctx-draft-lens": "chunked-context", "swa-sharded": "swa", "spec-causal-offset": "swa",
+                              "topk-tie-split": "sparse", "topk-empty-nan": "sparse"}
 # Where each fault really occurred, read from vLLM's released code (0.27.0-0.34.0; docs/faults.md has
 # the code paths): a release range, "main only" (on vLLM main between releases, never released), or
 # "no release" (a failure class dcptool models that no release 0.27-0.34 has).
@@ -97,6 +130,16 @@ FAULT_WHERE: dict[str, str] = {
     # 0.29-0.30's kernel localises every group (no dcp_sharded flag); vLLM #57260 reports it on a later main
     "slot-wrong-group": "0.29–0.30",
     "slot-all-ranks": "no release",
+    "ctx-rank-local": "0.27–0.29 (PCP + DCP MLA)",
+    "ctx-chunk-unaligned": "0.22–0.27",
+    "ctx-draft-lens": "no release (vllm-ascend)",
+    # 0.29-0.34 assert that DCP does not support sliding window (SlidingWindowSpec, SlidingWindowManager)
+    "swa-sharded": "no release (PR #47541)",
+    "spec-causal-offset": "no release (PR #46076 review)",
+    # vLLM 0.29-0.34 merge the ranks' candidates with a stable selector (score, then lowest id) and zero a row the
+    # merge weighs 0; ROCm/ATOM's DCP sparse path had neither before its PR #1832
+    "topk-tie-split": "no release (ROCm/ATOM before PR #1832)",
+    "topk-empty-nan": "no release (ROCm/ATOM before PR #1832)",
     # FlashAttention's build returned a fresh dcp_context_kv_lens up to 0.19 (vLLM #36070); 0.20 keeps a buffer
     "graph-addr-moved": "before 0.20",
     # vllm-ascend's per-request metadata buffers (vllm-ascend #16168), not vLLM's: no vLLM release
@@ -119,6 +162,17 @@ FAULT_WHERE: dict[str, str] = {
 # The KV-cache groups simulate's engine has (rows.slot_group indexes it): the attention KV cache, DCP-sharded, and
 # a replicated one (Mamba/GDN state as vLLM 0.31+ keeps it under DCP); both in page_size blocks.
 KV_GROUPS = (("attn", True), ("mamba", False))
+SWA_WINDOW = 4096  # --features swa: a sliding-window group of this window, replicated on every DCP rank
+
+
+def kv_groups_of(cfg: SimConfig) -> list[dict]:
+    """The KV-cache groups a run's engine has (dcptool.config's kv_groups): KV_GROUPS, and with --features swa a
+    sliding-window group, replicated (cp_size 1), as vLLM PR #47541's per-group DCP keeps it."""
+    out = [{"name": n, "dcp": dcp, "block_size": cfg.page_size} for n, dcp in KV_GROUPS]
+    if "swa" in cfg.modelled:
+        out.append({"name": "swa", "dcp": False, "block_size": cfg.page_size, "sliding_window": SWA_WINDOW,
+                    "cp_size": 1})
+    return out
 SITES = ("prepare_inputs", "pcp_partition", "attn_metadata", "ubatch", "dummy", "capture", "dflash_capture", "draft")
 PAIR_SITES = (*SITES, "transfer")  # with a KV connector (--kv-connector)
 PIPELINES = values(Pipeline)
@@ -154,6 +208,7 @@ class SimConfig:
     # The vLLM release modelled: sets the micro-batch split rule (0.34 splits a uniform decode batch on a
     # request boundary) and is recorded as the dump's engine_version; "" keeps the default (0.33's rule).
     engine_version: str = ""
+    features: tuple[str, ...] = ()  # FEATURES simulate models beyond its default engine
     # The disaggregated pair (model.pair): the KV connector that moves KV into this (decode) instance, and the
     # prefill instance's layout; 0: as the decode side's (--dcp, --interleave, --page-size; TP: its DCP size).
     kv_connector: str = "none"
@@ -169,6 +224,11 @@ class SimConfig:
         """The faults this run injects, in the fault table's order."""
         chosen = set(FAULTS) - OPT_IN if self.pipeline == "legacy" else set(self.inject)
         return tuple(f for f in FAULTS if f in chosen)
+
+    @property
+    def modelled(self) -> frozenset[str]:
+        """The features this run models: those asked for and those its faults need."""
+        return frozenset(self.features) | {FEATURE_OF[f] for f in self.faults if f in FEATURE_OF}
 
     @property
     def decode_query_len(self) -> int:
@@ -192,6 +252,8 @@ class SimConfig:
         unknown = [f for f in self.inject if f not in FAULTS]
         need(not unknown, f"--inject: unknown fault {', '.join(unknown)} (known: "
                           f"{', '.join(f'{f} [{FAULT_WHERE[f]}]' for f in FAULTS)})")
+        odd = [f for f in self.features if f not in FEATURES]
+        need(not odd, f"--features: unknown feature {', '.join(odd)} (known: {', '.join(FEATURES)})")
         need(not self.engine_version or parse_engine_version(self.engine_version) is not None,
              f"--engine-version: {self.engine_version!r}: expected a vLLM version such as 0.34.0")
         need(not (self.inject and self.pipeline == "legacy"),
@@ -230,9 +292,9 @@ class SimConfig:
         out = ["dcptool", "simulate"]
         for f in fields(self):
             v, d = getattr(self, f.name), f.default
-            if f.name == "inject":
+            if f.name in ("inject", "features"):
                 if v:
-                    out += ["--inject", ",".join(v)]
+                    out += [f"--{f.name}", ",".join(v)]
             elif v != d:
                 out += [f"--{f.name.replace('_', '-')}", str(v)]
         return shlex.join(out)
@@ -261,6 +323,13 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "rank-disagree": None,
         "slot-wrong-group": None,  # (PCP too: each PCP rank records its local tokens' slots)
         "slot-all-ranks": None,
+        "ctx-rank-local": None,
+        "ctx-chunk-unaligned": None,
+        "ctx-draft-lens": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (speculative metadata)",
+        "swa-sharded": None,
+        "spec-causal-offset": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (verify tokens)",
+        "topk-tie-split": None,
+        "topk-empty-nan": None,
         "graph-addr-moved": None if graphs else "needs --cudagraph full (a full graph replays captured addresses)",
         "buffer-undersized": None,
         "host-seq-stale": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (verify rows with drafts)",

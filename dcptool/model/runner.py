@@ -71,8 +71,11 @@ class Runner:
         self.N, self.P, self.I, self.G = cfg.dcp, cfg.pcp, cfg.interleave, cfg.page_size
         self.F = frozenset(cfg.faults) - {f for f, why in applicability(cfg).items() if why is not None}
         self.graphs = Graphs(cfg)
-        self.columns = Columns(cfg, self.F)  # the decode path's companions, the slot mappings
-        self.handed = Handed(cfg, self.F)  # the metadata tensors' addresses
+        self.columns = Columns(cfg, self.F)  # the decode path's companions, the slot mappings, the context chunks
+        self.chunked = "chunked-context" in cfg.modelled
+        self.swa = "swa" in cfg.modelled
+        self.sparse = "sparse" in cfg.modelled
+        self.handed = Handed(cfg, self.F)  # the metadata tensors' addresses, capacities, the host copies
         self.ranks = np.arange(self.N).reshape(-1, 1)
         self._fresh = 0
         self._captured: dict[tuple, set[int]] = {}
@@ -131,12 +134,15 @@ class Runner:
         dq, tot = (None, None) if not build.pages or view is None else self.columns.decode_path(b, view, odd_seq, marks)
         sl = lineage.sl
         slots = self.columns.slots(b, build.role, build.kind, 0 if sl is None else sl.req_start, marks)
+        ctx = self.columns.chunked_context(b, odd_seq, marks) if build.pages and self.chunked else None
+        gl, vl = self.columns.group_lens(b, odd_seq, marks) if build.pages and self.swa else (None, None)
+        tk = self.columns.sparse_topk(b, marks) if build.pages and self.sparse else None
         addrs, gaddrs = self.handed.addrs(procs, build.role, build.slot, build.graph, (b.ntp, nrp, build.ubatch), marks)
         r = Record(step=build.step, site=build.site, rank=range(N), num_reqs=nr, num_reqs_padded=nrp, seq_lens=b.seq,
                    dcp_local_seq_lens=view, ubatch=build.ubatch, parent=lineage.parents, query_start_loc=b.qsl,
                    num_tokens_padded=b.ntp, buffer=bufs, graph=int(build.graph), kv_pages=kv, dcp_query_start_loc=dq,
-                   dcp_tot_seq_lens=tot, attn_addrs=addrs, graph_addrs=gaddrs,
-                   attn_caps=self.handed.caps(procs, build.role, nrp, marks),
+                   dcp_tot_seq_lens=tot, ctx_chunks=ctx, group_seq_lens=gl, verify_row_lens=vl, sparse_topk=tk,
+                   attn_addrs=addrs, graph_addrs=gaddrs, attn_caps=self.handed.caps(procs, build.role, nrp, marks),
                    **dict(zip(("host_seq_lens", "host_seq_lens_after"),
                               self.handed.host_copies(b, build.role, build.kind, build.pages, marks))),
                    kv_block_sizes=self.columns.block_sizes(build.role, build.kind),

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from dcptool.dump import Record
-from dcptool.dump.observation import ROW_TABLE
+from dcptool.dump.observation import HOST_ROWS
 from dcptool.dump.transfer import TransferRecord
 from dcptool.engine.recorder.record import Recorder
-from dcptool.model.config import KV_GROUPS, PAIR_SITES, SITES, SimConfig
+from dcptool.model.config import PAIR_SITES, SITES, SimConfig, kv_groups_of
 from dcptool.model.handed import TENSORS, tensor_faults
 
 
@@ -23,8 +23,8 @@ def output_paths(cfg: SimConfig, out: Path, per_rank: bool) -> list[Path]:
     return [out.with_name(f"{out.stem}{n}{out.suffix or '.safetensors'}") for n in names]
 
 
-# the row fields after the slot entries: one row every rank shares, or [ranks, values]
-_LATE = tuple(f.name for f in ROW_TABLE[[f.section for f in ROW_TABLE].index("sgrp") + 1:])
+# the host values (the row fields after the last device one): one row every rank shares, or [ranks, values]
+_LATE = tuple(f.name for f in HOST_ROWS)
 
 
 def _of_rank(r: Record, i: int, slots: tuple | None, odd_seq: np.ndarray | None) -> Record:
@@ -32,14 +32,17 @@ def _of_rank(r: Record, i: int, slots: tuple | None, odd_seq: np.ndarray | None)
     def row(x):
         return None if x is None else x[i]
 
-    kv, last = r.kv_pages, i == len(r.rank) - 1
+    kv, last, ctx = r.kv_pages, i == len(r.rank) - 1, r.ctx_chunks
+    gl, vl = r.group_seq_lens, r.verify_row_lens
     late = {f: x if x.ndim == 1 else x[i] for f in _LATE if (x := getattr(r, f)) is not None}
     return r._replace(rank=r.rank[i], seq_lens=odd_seq if odd_seq is not None and last else r.seq_lens,
                       dcp_local_seq_lens=row(r.dcp_local_seq_lens), parent=row(r.parent), buffer=r.buffer[i],
                       kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[i],
                       dcp_query_start_loc=row(r.dcp_query_start_loc), dcp_tot_seq_lens=row(r.dcp_tot_seq_lens),
                       positions=None if slots is None else slots[0],
-                      slot_mapping=None if slots is None else slots[1][i], **late)
+                      slot_mapping=None if slots is None else slots[1][i],
+                      ctx_chunks=ctx[i] if isinstance(ctx, list) else ctx, group_seq_lens=row(gl),
+                      verify_row_lens=row(vl), sparse_topk=row(r.sparse_topk), **late)
 
 
 class Sink:
@@ -53,7 +56,7 @@ class Sink:
         sites = SITES if cfg.kv_connector == "none" else PAIR_SITES
         self._kw = dict(dcp_size=N, cp_interleave=cfg.interleave, sites=sites, pcp_size=P, page_size=cfg.page_size,
                         engine="dcptool simulate", engine_version=version, note=cfg.command(),
-                        kv_groups=[{"name": n, "dcp": dcp, "block_size": cfg.page_size} for n, dcp in KV_GROUPS],
+                        kv_groups=kv_groups_of(cfg),
                         **({"attn_tensors": TENSORS} if tensor_faults(cfg.faults) else {}))
         self.file_of = list(range(P * N)) if per_rank else [0] * (P * N)
         self.shared = not per_rank
@@ -72,9 +75,11 @@ class Sink:
         """Record one batch on every DCP rank of PCP rank p; returns the indices per rank. `r` holds per rank its
         rank (range(N)), parent and buffer (lists or None) and its rows ([N, ...]; kv_pages may be one row every
         rank shares); `slots`: (positions, slot mappings [N, groups, tokens]) or None; `odd_seq`: the last rank's
-        seq_lens where it differs from the others' (one call per rank then)."""
+        seq_lens where it differs from the others' (one call per rank then, as where ctx_chunks is a list: each rank's
+        chunked-context schedule where they differ)."""
         N = len(r.rank)
-        if odd_seq is None and self.shared:  # every rank in one file: one call records the batch on all N ranks
+        if odd_seq is None and self.shared and not isinstance(r.ctx_chunks, list):
+            # every rank in one file: one call records the batch on all N ranks
             if slots is not None:
                 r = r._replace(positions=slots[0], slot_mapping={g: slots[1][:, g] for g in range(slots[1].shape[1])})
             return self.recorders[0].record_many(r)

@@ -20,15 +20,29 @@ def test_every_check_once_with_its_rules_in_table_order():
 
 
 def test_a_sample_with_every_column_runs_every_check_at_its_dcp_size():
-    """The sample records every column but those of the rules not said when skipped (what only some engines
-    record): every other check runs, and nothing is said skipped."""
+    """The sample records every column but a feature's (MLA's chunked context, KV transfers) and what only some
+    engines record (the metadata tensors' addresses ...): it runs every other check, and replay does not say it
+    skipped those (quiet) checks."""
     p = plan(open_dumps([str(ROOT / "samples" / "legacy.safetensors")]))
-    # (the sample records no KV transfer, nor what only some engines record: rules without a reason to give, or not
-    # said, are not listed as skipped)
-    quiet = {c for c, rules in checks().items() if not rules[0].said}
-    assert p.skipped == {} and set(p.run) == set(checks()) - {"values.check_stray", "transfers.check_transfer"} - quiet
-    assert RULE["transfer"].unrecorded == "" and not p.runs("transfer")
+    quiet = {r.check for r in TABLE if r.quiet}
+    assert quiet == {"context.check_ctx_chunks", "ranks.check_ctx_agree", "ranks.check_topk_agree",
+                     "sparse.check_topk_empty", "transfers.check_transfer", "buffers.check_graph_addr",
+                     "buffers.check_capacity", "copies.check_host_copy", "plans.check_plan_pages",
+                     "blocks.check_kernel_block"}  # (the sample records no KV transfer)
+    assert p.skipped == {} and set(p.run) == set(checks()) - {"values.check_stray"} - quiet
+    assert not p.runs("transfer")
     assert p.runs("stale") and p.first("values.check_values").name == "stale" and not p.runs("stray")
+
+
+def test_a_quiet_check_runs_where_its_feature_is_recorded_and_says_so_at_dcp_size_1(tmp_path):
+    o = obs(dcp=1, view=None)
+    o.ctx_chunks = np.array([0])
+    p = plan(open_dumps([write(tmp_path / "d.safetensors", [o], dcp=1)]))
+    assert p.runs("ctx-chunks") and p.skipped["ctx-agree"] == "dcp_size is 1"
+    o = obs()
+    o.ctx_chunks = np.array([0])
+    p = plan(open_dumps([write(tmp_path / "e.safetensors", [o])]))
+    assert p.runs("ctx-chunks") and p.runs("ctx-agree")
 
 
 def test_dcp_size_1_runs_stray_and_says_which_cross_rank_checks_it_skips(tmp_path):

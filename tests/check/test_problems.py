@@ -116,6 +116,13 @@ def test_known_bugs_not_named_post_fix_or_without_version(legacy_029):
     ("stale", "parent-rows", ("ubatch",), "0.29.0", "not-affected"),
     ("stale", "parent-rows", ("ubatch",), "0.30.0.dev3", "dev"),
     ("pages", None, ("draft", "ubatch"), "0.29.0", "match"),
+    ("ctx-agree", None, ("pcp_partition",), "0.29.0", "match"),
+    ("ctx-agree", None, ("attn_metadata",), "0.30.0", "fixed"),
+    ("ctx-chunks", None, ("ubatch",), "0.27.0", "match"),
+    ("ctx-chunks", None, ("ubatch",), "0.28.0", "fixed"),
+    ("topk-agree", None, ("attn_metadata",), "0.34.0", "not-affected"),  # (ROCm/ATOM #1832: no vLLM release)
+    ("topk-agree", None, ("attn_metadata",), "0.35.0.dev2", "dev"),
+    ("topk-empty", None, ("capture",), "0.29.0", "not-affected"),
 ])
 def test_match_known_verdicts(rule, relation, sites, version, verdict):
     m = match_known(rule, relation, sites, version)
@@ -129,6 +136,13 @@ def test_match_known_verdicts(rule, relation, sites, version, verdict):
 ])
 def test_no_signature_for_other_rules(rule, relation, sites):
     assert match_known(rule, relation, sites, "0.29.0") is None
+
+
+def test_the_sparse_top_k_bugs_cite_rocm_atom_1832():
+    by_rule = {b.rule: b for b in known_bugs()}
+    for rule in ("topk-agree", "topk-empty"):
+        b = by_rule[rule]
+        assert "ROCm/ATOM PR #1832" in b.title and b.pr is None and b.main and "no vLLM release" in b.main
 
 
 def test_known_bug_file_is_well_formed():
@@ -228,6 +242,18 @@ def test_every_rule_has_a_mechanism_sentence():
         assert explain("transfer", kind, VIEW, ("transfer",)) != explain("transfer", None, VIEW, ("transfer",))
 
 
+@pytest.mark.parametrize("fault, version, bug", [("ctx-rank-local", "0.29.0", "issue53573-ctx-rank-local"),
+                                                 ("ctx-chunk-unaligned", "0.27.0", "pr41229-ctx-unaligned")])
+def test_chunked_context_problems_name_their_bug(tmp_path, fault, version, bug):
+    """simulate --inject FAULT --engine-version V: replay's problem names the vLLM bug the recorded release had."""
+    out = tmp_path / "c.safetensors"
+    simulate(SimConfig(dcp=3 if fault == "ctx-chunk-unaligned" else 4, pcp=2, steps=16, inject=(fault,),
+                       engine_version=version), out)
+    res = replay(open_dumps([str(out)]), "torch")
+    named = {p.rule: p.known.bug.id for p in res.problems if p.known is not None and p.known.named}
+    assert named == {RULE_OF_FAULT[fault]: bug}
+    line = next(p.line for p in res.problems if p.rule == RULE_OF_FAULT[fault])
+    assert f"you recorded {version}" in line
 @pytest.mark.parametrize("version, named", [("0.29.0", None), ("vllm-ascend 0.30.0rc1", "dev"),
                                             ("vllm-ascend 0.30.0", "not-affected"), (None, None)])
 def test_another_projects_bug_is_matched_only_where_the_engine_names_it(version, named):

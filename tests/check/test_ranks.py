@@ -1,5 +1,6 @@
-"""ranks.py: the rules across the ranks of one batch: rank-sum (local lengths add up) and rank-agree (what every
-rank must share), on hand-built dumps and against the rules as loops."""
+"""ranks.py: the rules across the ranks of one batch: rank-sum (local lengths add up), rank-agree (what every rank
+must share), ctx-agree (the same chunked-context schedule) and topk-agree (the same sparse top-k sets), on hand-built
+dumps and against the rules as loops."""
 
 import json
 
@@ -8,8 +9,10 @@ import pytest
 from conftest import obs, rules, run, write
 from test_decode import _batch, _dump
 
-from dcptool.check.ranks import check_rank_agree
+from dcptool.check.ranks import check_ctx_agree, check_rank_agree, check_topk_agree
 from dcptool.check.replay import replay
+from dcptool.dcp import chunks as C
+from dcptool.dcp import topk as TK
 from dcptool.dcp.reference import local_np
 from dcptool.dump import Dump, open_dumps
 
@@ -238,3 +241,128 @@ def test_rank_agree_row_compare_and_hashes_do_not_depend_on_the_chunking(rng):
     d = _dump([obs(seq=[3, 0], num_reqs=1, num_reqs_padded=2), obs(seq=[3, 1], num_reqs=1, num_reqs_padded=2)], 2)
     h = _row_hashes(d, "obs.rows", "rows.seq_lens", np.arange(2))
     assert h[0] != h[1]
+
+
+# --------------------------------------------------------------------------------------------
+# ctx-agree
+
+
+def _ctx_batches(N: int, steps: int, seed: int):
+    """steps batches of N ranks, each with one prefill row of random context after a decode row; every rank's
+    schedule vLLM's plan of the batch's context (workspace 256: long contexts take several chunks)."""
+    rng = np.random.default_rng(seed)
+    out, plans = [], []
+    for step in range(steps):
+        ctx = int(rng.choice([0, 1, 3, 127, 128, 129, 1000]))
+        o = _batch(N, 1, [9, ctx + 5], 2, [0, 1, 6], 6, 0, step=step)
+        s = C.encode(*C.plan_chunks([ctx], 256, 16, N, 1), [1])
+        for x in o:
+            x.ctx_chunks = s
+        out += o
+        plans.append(ctx)
+    return out, plans
+
+
+@pytest.mark.parametrize("N", [2, 3, 4])
+def test_ctx_agree_names_the_rank_that_plans_other_gathers(N):
+    """The schedules of one batch's ranks must be equal: a clean run is silent; a rank that planned from its own
+    share of the context (vLLM #53573's rank-local metadata) is named once per batch, with the gathers each calls;
+    a rank that called none (chunked_context None) is said to."""
+    o, ctx = _ctx_batches(N, 30, N)
+    assert check_ctx_agree(_dump(o, N)) == []
+    planted = []
+    for step, c in enumerate(ctx):
+        x = o[step * N + N - 1]
+        mine = int(local_np(np.array([c]), N, N - 1, 1)[0])
+        x.ctx_chunks = C.encode(*C.plan_chunks([mine], 256, 16, N, 1), [1])
+        if not np.array_equal(x.ctx_chunks, o[step * N].ctx_chunks):
+            planted.append((step * N + N - 1, mine))
+    got = check_ctx_agree(_dump(o, N))
+    assert [(f.index, f.detail["ranks"]) for f in got] == [(i, [N - 1]) for i, _ in planted] and planted
+    for f, (_, mine) in zip(got, planted):
+        assert ("calls no DCP KV gather" in f.text) == (mine == 0)
+        assert f.detail["gathers"] == {str(N - 1): C.gathers(o[f.index].ctx_chunks, N, 1)}
+
+
+def test_ctx_agree_compares_only_the_ranks_that_recorded_a_schedule():
+    o, _ = _ctx_batches(3, 2, 0)
+    o[1].ctx_chunks = None  # rank 1 of step 0 recorded none: unknown, not a disagreement
+    o[5].ctx_chunks = np.array([0])  # rank 2 of step 1 has no chunked context: it calls no gather
+    got = check_ctx_agree(_dump(o, 3))
+    want = [] if np.array_equal(o[3].ctx_chunks, [0]) else [(5, [2])]
+    assert [(f.index, f.detail["ranks"]) for f in got] == want
+
+
+def test_ctx_agree_in_replay(tmp_path):
+    o = _batch(2, 1, [9, 505], 2, [0, 1, 6], 6, 0, Q=[0, 1])  # a decode, then a prefill of 5 tokens on 500 of context
+    o[0].ctx_chunks = C.encode(*C.plan_chunks([500], 256, 16, 2, 1), [1])
+    o[1].ctx_chunks = np.array([0])
+    p = write(tmp_path / "c.safetensors", o)
+    res = replay(open_dumps([p]), "torch")
+    assert [(f.rule, f.obs) for f in res.findings] == [("ctx-agree", 1)]
+    assert "rank 1 calls no DCP KV gather (no chunked context); the ranks split evenly" in res.findings[0].message
+    assert "rank 0 (obs " in res.findings[0].message and "has a schedule that calls 2 DCP KV gathers of [128, 122] " \
+        "local rows" in res.findings[0].message
+
+
+# --------------------------------------------------------------------------------------------
+# topk-agree: the ranks' sparse top-k sets
+
+
+def _topk_batches(N: int, I: int, steps: int, seed: int, lowest_on=None):
+    """steps batches of N ranks: a decode row and a prefill row, every query token's top-k row recorded (dcp.topk's
+    model indexer: fingerprint, the rank's share, the state it asks for); `lowest_on`: the (step, rank) pairs whose
+    rank breaks the tie at the k-th score the other way."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for step in range(steps):
+        ctx = int(rng.choice([0, 1, 127, 128, 129, 2047, 2048, 2049, 5000]))
+        o = _batch(N, I, [int(rng.integers(1, 9000)), ctx + 5], 2, [0, 1, 6], 6, 0, step=step)
+        seq = o[0].seq_lens.astype(np.int64)
+        t = np.arange(6)
+        L = np.r_[seq[0], seq[1] - 4 + t[1:] - 1]  # each token's position + 1
+        for r, x in enumerate(o):
+            ids = TK.model_ids(TK.model_bounds(L, lowest=(step, r) not in (lowest_on or ())))
+            own = TK.owned(ids, r, N, I)
+            x.sparse_topk = np.stack([TK.fingerprint(ids), own, np.where(own == 0, TK.EMPTY_STATE, 0)], 1).ravel()
+        out += o
+    return out
+
+
+@pytest.mark.parametrize("N, I", [(2, 1), (3, 1), (4, 16)])
+def test_topk_agree_names_the_rank_that_breaks_ties_another_way(N, I):
+    """A clean run (every rank the same sets, each its own share) is silent; a rank that breaks the tie at the k-th
+    score another way is named once per batch where a token's context is longer than k (shorter ones tie nothing),
+    with its first differing token."""
+    o = _topk_batches(N, I, 30, N)
+    assert check_topk_agree(_dump(o, N, I)) == []
+    odd = {(s, N - 1) for s in range(30)}
+    o = _topk_batches(N, I, 30, N, lowest_on=odd)
+    got = check_topk_agree(_dump(o, N, I))
+    want = []
+    for s in range(30):
+        L_long = (o[s * N].seq_lens[:2] > TK.TOPK).any()
+        if L_long:
+            want.append((s * N + N - 1, [N - 1]))
+    assert [(f.index, f.detail["ranks"]) for f in got] == want and want
+    f = got[0]
+    fp = [o[f.index].sparse_topk[::3], o[f.index - 1].sparse_topk[::3]]
+    assert f.detail["tokens"] == {str(N - 1): int(np.flatnonzero(fp[0] != fp[1])[0])}
+    assert "top-k sets" in f.text and f"rank {N - 1} from query token" in f.text
+
+
+def test_topk_agree_compares_only_the_ranks_that_recorded_sets(tmp_path):
+    o = _topk_batches(3, 1, 2, 7, lowest_on={(0, 1)})
+    o[1].sparse_topk = None  # rank 1 of step 0 recorded none: unknown, not a disagreement
+    assert check_topk_agree(_dump(o, 3)) == []
+    o = _batch(2, 1, [5000, 25], 2, [0, 1, 6], 6, 0, Q=[0, 1])  # a decode on 5000 positions: its k-th score ties
+    for r, x in enumerate(o):
+        ids = TK.model_ids(TK.model_bounds(np.r_[5000, np.arange(21, 26)], lowest=r == 0))
+        x.sparse_topk = np.stack([TK.fingerprint(ids), TK.owned(ids, r, 2, 1), np.zeros(6, np.int64)], 1).ravel()
+    res = replay(open_dumps([write(tmp_path / "t.safetensors", o)]), "torch")
+    assert [(f.rule, f.obs) for f in res.findings] == [("topk-agree", 1)]
+    assert "rank 1 from query token 0 (1 of 6 tokens differ); the ranks split evenly" in res.findings[0].message
+    d1 = open_dumps([write(tmp_path / "one.safetensors", _topk_batches(1, 1, 2, 1), dcp=1)])
+    assert replay(d1, "torch").skipped.get("topk-agree") == "dcp_size is 1"
+    d0 = open_dumps([write(tmp_path / "none.safetensors", _batch(2, 1, [9, 20], 2, [0, 1, 6], 6, 0, Q=[0, 1]))])
+    assert "topk-agree" not in replay(d0, "torch").skipped  # (a feature the dump does not have)

@@ -17,8 +17,8 @@ def test_table_is_docs_rules():
 
     assert RULES == ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
                      "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree",
-                     "slots", "slot-partition", "graph-addr", "capacity", "host-copy", "plan-pages",
-                     "kernel-block", "transfer")
+                     "slots", "slot-partition", "ctx-chunks", "ctx-agree", "group-lens", "topk-agree",
+                     "topk-empty", "graph-addr", "capacity", "host-copy", "plan-pages", "kernel-block", "transfer")
     assert len({c.lower() for c in RULE_CODES.values()}) == len(RULES)
     assert {f: rule for f, (rule, _) in FAULTS.items()} == {f: r.name for r in TABLE for f in r.faults}
     assert [r.name for r in TABLE if r.severity == "warning"] == ["stray"]
@@ -58,9 +58,9 @@ def test_applies_by_dcp_size(N):
     """View rules at dcp_size > 1, stray at dcp_size 1, the rest everywhere but the cross-rank and decode rules."""
     on = {r.name for r in TABLE if R.applies(r, N)}
     view = {"missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape"}
-    sharded = {"rank-sum", "empty-mask", "tot-lens", "rank-agree"}
-    anywhere = {"ubatch-slice", "alias", "pages", "slots", "slot-partition", "graph-addr", "capacity", "host-copy",
-                "plan-pages", "kernel-block", "transfer"}
+    sharded = {"rank-sum", "empty-mask", "tot-lens", "rank-agree", "ctx-agree", "topk-agree"}
+    anywhere = {"ubatch-slice", "alias", "pages", "slots", "slot-partition", "ctx-chunks", "group-lens", "topk-empty",
+                "graph-addr", "capacity", "host-copy", "plan-pages", "kernel-block", "transfer"}
     assert on == (anywhere | {"stray"} if N == 1 else anywhere | view | sharded)
 
 
@@ -73,7 +73,8 @@ def test_what_the_guard_decides_on_the_device():
                    "pages", "empty-mask", "tot-lens", "slots", "graph-addr", "capacity", "host-copy",
                    "plan-pages", "kernel-block"]
     assert all(R.RULE[r].scope == R.OBSERVATION and R.RULE[r].severity == "error" for r in dev)
-    assert {r.name for r in TABLE if r.scope == R.RANKS} == {"rank-sum", "rank-agree", "slot-partition"}
+    assert {r.name for r in TABLE if r.scope == R.RANKS} == {"rank-sum", "rank-agree", "slot-partition", "ctx-agree",
+                                                            "topk-agree"}
 
 
 def test_skipped_order_names_every_skip_replay_can_say():
@@ -82,6 +83,6 @@ def test_skipped_order_names_every_skip_replay_can_say():
     from dcptool.check.plan import checks
 
     can = {rules[0].name for rules in checks().values()
-           if rules[0].dcp == R.SHARDED or (rules[0].needs and rules[0].unrecorded and rules[0].said)}
+           if rules[0].dcp == R.SHARDED or (rules[0].needs and not rules[0].quiet)}
     can |= {f"{r.name}/{p.name}" for r in TABLE for p in r.parts}
     assert set(R.SKIPPED_ORDER) == can and len(R.SKIPPED_ORDER) == len(can)

@@ -430,8 +430,11 @@ def _edited(cols: dict, key: str, cfg) -> dict:
     else:
         v = cols[key]
         for k in (list(range(0, v.size, max(1, v.size // 20))) + [v.size - 1])[:40]:
-            # (doubled or halved: a block size stays a multiple of its kernel block size)
-            for new in (v[k] + 1, v[k] - 1, 1 - v[k] if v.dtype.kind in "iu" else v[k], v[k] * 2, v[k] // 2):
+            # (doubled or halved: a block size stays a multiple of its kernel block size; a hash may wrap: still an
+            # edit)
+            with np.errstate(over="ignore"):
+                edits = (v[k] + 1, v[k] - 1, 1 - v[k] if v.dtype.kind in "iu" else v[k], v[k] * 2, v[k] // 2)
+            for new in edits:
                 if new != v[k]:
                     tries.append({key: np.where(np.arange(v.size) == k, new, v).astype(v.dtype)})
     for change in tries:
@@ -446,16 +449,19 @@ def _edited(cols: dict, key: str, cfg) -> dict:
 
 
 def test_diff_compares_every_column_the_format_has(tmp_path):
-    """simulate's recording has every column of dump.schema.COLUMNS; an edit in any one of them (issue 15's
-    dcp_query_start_loc and dcp_tot_seq_lens and the slot columns included) is a difference. Derived from the
+    """simulate's recording (with its features) has every column of dump.schema.COLUMNS; an edit in any one of them
+    (issue 15's dcp_query_start_loc and dcp_tot_seq_lens, the slot columns and the chunked context included) is a
+    difference. Derived from the
     format's table: a column added to the format without diff comparing it fails here."""
     from dcptool.dump import COLUMNS, write_dump
     from dcptool.dump.transfer import OFFSETS, XFER
     from dcptool.model.simulate import SimConfig, simulate
 
     a = tmp_path / "a.safetensors"
-    # (transfers too, and the columns only some engines record: simulate records them where a fault on them is on)
-    simulate(SimConfig(steps=8, max_num_reqs=64, kv_connector="nixl", prefill_dcp=4, interleave=16,
+    # (transfers too, the features, and the columns only some engines record: simulate records them where a fault
+    # on them is on)
+    simulate(SimConfig(steps=8, max_num_reqs=64, features=("chunked-context", "swa", "sparse"), kv_connector="nixl",
+                       prefill_dcp=4, interleave=16,
                        inject=("graph-addr-moved", "buffer-undersized", "host-seq-written", "flashinfer-prefill-pages",
                                "slot-kernel-block")), a)
     d = read_dump(a)

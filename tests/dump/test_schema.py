@@ -242,6 +242,19 @@ def _slot_dump(tmp_path, name="s.safetensors", config=None, **over):
     return str(path)
 
 
+def test_a_sliding_window_group_and_its_cp_size_read_back(tmp_path):
+    """kv_groups' optional sliding_window and cp_size (per-group DCP: 1 for a replicated group, dcp_size for a
+    sharded one) read back; without them a group's DCP size is still what `dcp` says."""
+    from dcptool.dump import read_dump
+
+    groups = [{"name": "attn", "dcp": True, "cp_size": 2}, {"name": "swa", "dcp": False, "block_size": 16,
+                                                               "sliding_window": 4096, "cp_size": 1},
+              {"name": "mamba", "dcp": False}]
+    d = read_dump(_slot_dump(tmp_path, config={"kv_groups": groups}))
+    assert [g.to_json() for g in d.config.kv_groups] == groups
+    assert d.config.group_cp(4).tolist() == [2, 1, 1, 2]  # (a group past the list: sharded, as vLLM's default)
+
+
 def test_slot_columns_read_back(tmp_path):
     from dcptool.dump import read_dump
 
@@ -266,8 +279,18 @@ def test_slot_columns_read_back(tmp_path):
     ({}, {"kv_groups": {"attn": True}}, "kv_groups must be a list"),
     ({}, {"kv_groups": [{"name": "a", "dcp": True, "block_size": 0}]}, "block_size must be an integer >= 1"),
     ({}, {"kv_groups": [{"name": "a", "dcp": True, "page": 16}]}, "kv_groups[0]: unknown key 'page'"),
+    ({}, {"kv_groups": [{"name": "a", "dcp": True, "sliding_window": 0}]}, "sliding_window must be an integer >= 1"),
+    ({}, {"kv_groups": [{"name": "swa", "dcp": False, "cp_size": 2}]},
+     "kv_groups[0]: cp_size 2 for a group DCP does not shard (dcp false: 1)"),
+    ({}, {"kv_groups": [{"name": "a", "dcp": True, "cp_size": 4}]},
+     "kv_groups[0]: cp_size 4 of a DCP-sharded group is not dcp_size 2"),
+    ({"rows.group_seq_lens": np.array([3, -1], "<i4"), "obs.gsl": np.array([0, 2, 2], "<i8")}, None,
+     "rows.group_seq_lens: negative value -1 at row 1"),
+    ({"rows.sparse_topk": np.array([3, 0, 3, 7, -2, 0], "<i4"), "obs.topk": np.array([0, 6, 6], "<i8")}, None,
+     "rows.sparse_topk: negative value -2 at row 4"),
 ], ids=["group-range", "group-negative", "position", "offsets", "short", "dtype", "dcp-int", "not-object",
-        "not-list", "block-size", "unknown-key"])
+        "not-list", "block-size", "unknown-key", "window", "cp-replicated", "cp-sharded", "negative-group-lens",
+        "negative-topk"])
 def test_bad_slot_columns_exit_2_with_one_line(tmp_path, over, config, message):
     from conftest import cli
 

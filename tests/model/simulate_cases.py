@@ -91,6 +91,13 @@ EXERCISE = {
     "rank-disagree": (2, 1, 1, 3, 2, "full", "mtp"),
     "slot-wrong-group": (4, 2, 1, 2, 2, "full", "mtp"),
     "slot-all-ranks": (3, 16, 1, 2, 2, "piecewise", "mtp"),
+    "ctx-rank-local": (4, 1, 2, 2, 2, "full", "mtp"),
+    "ctx-chunk-unaligned": (3, 1, 1, 2, 2, "full", "mtp"),  # (N * I = 3 divides no power-of-two workspace share)
+    "ctx-draft-lens": (4, 1, 1, 3, 1, "full", "dflash"),
+    "swa-sharded": (4, 1, 2, 2, 2, "full", "mtp"),
+    "spec-causal-offset": (4, 16, 1, 3, 2, "full", "mtp"),
+    "topk-tie-split": (4, 1, 1, 2, 2, "full", "mtp"),
+    "topk-empty-nan": (4, 16, 2, 2, 2, "full", "mtp"),
     "graph-addr-moved": (4, 1, 2, 2, 2, "full", "mtp"),
     "slot-kernel-block": (4, 16, 2, 2, 2, "full", "mtp"),
     "buffer-undersized": (4, 1, 2, 2, 2, "full", "mtp"),

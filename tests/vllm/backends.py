@@ -5,7 +5,7 @@ What needs a GPU is left out, and only that: FlashInfer's planners (`fast_plan_d
 FlashInfer JIT-compiles CUDA for) are replaced by stand-ins that keep what they were given; the trtllm-gen decode path,
 which the constructor picks on an SM100 GPU with FlashInfer's cubins, is picked by setting the two fields it sets; the
 MLA builder is made without its constructor (it allocates a DCP KV-gather workspace through the model's MLA layers)
-and given the fields its decode build reads. Every value the builders derive from the batch is vLLM's.
+and given the fields its decode and prefill builds read. Every value the builders derive from the batch is vLLM's.
 """
 
 from __future__ import annotations
@@ -90,8 +90,10 @@ def flash_attn(page_size: int, max_num_reqs: int, dcp: int, il: int, mode: str =
     return b, _group(fa.FlashAttentionBackend, spec, b)
 
 
-def mla_builder(page_size: int, dcp: int, il: int):
-    """vLLM's MLA common builder (as the Triton MLA backend has it) with the fields its decode build reads."""
+def mla_builder(page_size: int, dcp: int, il: int, workspace: int = 256):
+    """vLLM's MLA common builder (as the Triton MLA backend has it) with the fields its decode and prefill builds read:
+    a chunked-prefill workspace of `workspace` rows (the KV gather into it is the model's forward, not the build: no
+    DCP manager), and a prefill backend whose metadata hook does nothing (what it prepares is for its kernels)."""
     from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAMetadataBuilder
 
     spec = MLAAttentionSpec(block_size=page_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
@@ -101,6 +103,11 @@ def mla_builder(page_size: int, dcp: int, il: int):
     b.use_pcp, b.non_causal_multi_token_decode, b.aot_schedule = False, False, False
     b.dcp_world_size, b.cp_kv_cache_interleave_size = dcp, il
     b.dcp_local_block_size, b.dcp_virtual_block_size = il, il * dcp
+    b.chunked_prefill_workspace_size, b.dcp_manager = workspace, None
+    b.chunked_prefill_workspace = torch.empty(workspace + workspace // dcp, 8)
+    b.reorder_batch_threshold, b.q_data_type = 1, torch.bfloat16
+    b.vllm_config = SimpleNamespace(attention_config=SimpleNamespace(trtllm_ragged_backend=None))
+    b._prefill_backend = SimpleNamespace(get_name=lambda: "STUB", prepare_metadata=lambda md: None)
     return b, _group(TritonMLABackend, spec, b)
 
 

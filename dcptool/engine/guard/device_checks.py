@@ -6,9 +6,10 @@ import numpy as np
 
 from dcptool.dcp.backend import load
 from dcptool.dump import Record
-from dcptool.dump.observation import NAMES, ROW_TABLE
+from dcptool.dump.observation import NAMES
 from dcptool.engine.arguments import host_copy
-from dcptool.engine.guard.host_checks import CHECKS, HOST_CHECKS, late_bits
+from dcptool.engine.guard.host_checks import CHECKS, HOST_CHECKS, NOT_KEPT, late_bits
+from dcptool.engine.snapshot.layout import HOST_ROWS as LAYOUT_HOST_ROWS
 
 # Ring slot layout (int32 words): HEAD header words, then six sections of `cap` rows each (seq_lens, the DCP
 # view, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens) and `tcap` words of slot entries
@@ -31,13 +32,14 @@ HEAD_WORDS = {"step": 2, "site": 3, "rank": 4, "ubatch": 5, "num_reqs": 6, "num_
 ROW_SECTIONS = ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "kv_pages", "dcp_query_start_loc",
                 "dcp_tot_seq_lens")
 TOKEN_AREA = ("positions", "slot_mapping")
-# The host values (the row fields after the slot entries: addresses, ...): checked on the host as observe() is called
-# (their verdict reaches the kernel as `hbits`) and kept on the host under the launch's host index.
-HOST_ROWS = tuple(f.name for f in ROW_TABLE[[f.section for f in ROW_TABLE].index("sgrp") + 1:])
-_KEPT = (*HEAD_WORDS, *ROW_SECTIONS, *TOKEN_AREA, *HOST_ROWS)
+# The host values (the row fields after the last device section: addresses, ...): checked on the host as observe() is
+# called (their verdict reaches the kernel as `hbits`) and kept on the host under the launch's host index. NOT_KEPT:
+# the fields replay's rules read and the Guard does not check (the chunked context, ...).
+HOST_ROWS = tuple(f.name for f in LAYOUT_HOST_ROWS)
+_KEPT = (*HEAD_WORDS, *ROW_SECTIONS, *TOKEN_AREA, *HOST_ROWS, *NOT_KEPT)
 if sorted(_KEPT) != sorted(NAMES) or len(ROW_SECTIONS) != SECTIONS:
     raise ImportError("guard.device_checks: the Guard's slot keeps every field of dump.observation.FIELDS_TABLE; "
-                      f"it keeps {sorted(_KEPT)}, the table has {sorted(NAMES)}")
+                      f"it keeps {sorted(_KEPT)} and leaves out {NOT_KEPT}, the table has {sorted(NAMES)}")
 # The check kernel's arguments: the ring's and the spec's (fixed while they are), then the observation's: each scalar
 # under the kernel's short name, each row section's address and count, the slot entries.
 KERNEL_ARGS = ("ring", "state", "flag", "keep", "words", "cap", "tcap", "N", "I", "page", "step", "site", "rank",

@@ -9,16 +9,18 @@ from collections import deque
 from pathlib import Path
 
 from dcptool.dump import Record
-from dcptool.dump.observation import GROUPS, ROW_TABLE, keyword_door
+from dcptool.dump.observation import GROUPS, NAMES, ROW_TABLE, keyword_door
 from dcptool.dump.schema import KVGroup
 from dcptool.engine.arguments import buffer_id, host_copy, host_slots, scalars, tensor_type
-from dcptool.engine.guard.host_checks import Spec, first_wrong
+from dcptool.engine.guard.host_checks import NOT_KEPT, Spec, first_wrong
 from dcptool.engine.recorder.record import Recorder
 from dcptool.errors import DcptoolError
 
 ON_WRONG = ("dump", "raise", "count")
 # the row fields the host path copies as they are (the slot mapping keeps its groups)
-_ARRAYS = tuple(f.name for f in ROW_TABLE if f.argument and f.shape != GROUPS)
+_ARRAYS = tuple(f.name for f in ROW_TABLE if f.argument and f.shape != GROUPS and f.name not in NOT_KEPT)
+_LEFT_OUT = {f: None for f in NOT_KEPT}
+_NOT_KEPT_AT = tuple(NAMES.index(f) for f in NOT_KEPT)
 
 
 def _free(dir: Path, stem: str) -> Path:
@@ -125,6 +127,10 @@ class Guard:
 
     def record(self, r: Record) -> int:
         """observe() for a caller that builds the observation's Record itself (the vLLM plugin)."""
+        for k in _NOT_KEPT_AT:
+            if r[k] is not None:
+                r = r._replace(**_LEFT_OUT)
+                break
         dev = self._dev
         if self.first_rule is not None or (dev is not None and dev.flag_np[0]):
             self._poll()

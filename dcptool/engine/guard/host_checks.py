@@ -13,6 +13,11 @@ from dcptool.dcp.rules import DEVICE_CHECKS
 from dcptool.dump import Record
 from dcptool.dump.schema import GraphMode
 
+# The fields replay's rules read and the Guard's kernel does not check (the chunked context across ranks, the KV-cache
+# groups' lengths, the verify bounds, sparse MLA's top-k): the Guard neither keeps them in its slots nor writes them
+# into its dumps (Guard.record drops them), so an engine that passes them pays nothing for them under the Guard.
+NOT_KEPT = ("ctx_chunks", "group_seq_lens", "verify_row_lens", "sparse_topk")
+
 
 class Spec(NamedTuple):
     """What the checks need of the run: DCP size, interleave, page size, per KV-cache group whether DCP shards it."""

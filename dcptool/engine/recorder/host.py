@@ -16,12 +16,13 @@ from dcptool.engine.arguments import (
     per_rank,
     scalars,
 )
+from dcptool.engine.snapshot.layout import HOST_ROWS
 
 # The row fields the host copies as given, after seq_lens (the slot entries go through dump.slot_entries), with
 # their positions in the Record.
 _COPIED = tuple((R[f.name], f) for f in ROW_TABLE[1:] if f.argument and f.shape not in (TOKENS, GROUPS))
 # The row fields after the slot entries (host values: the metadata tensors' addresses, ...), copied by their rules
-_LATE = tuple((R[f.name], f) for f in ROW_TABLE[[f.section for f in ROW_TABLE].index("sgrp") + 1:])
+_LATE = tuple((R[f.name], f) for f in HOST_ROWS)
 _NO_LATE = (None,) * len(_LATE)
 
 
@@ -43,7 +44,9 @@ class HostPath:
             slots = self.slots(r.positions, r.slot_mapping)
         seq, qsl = batch_rows(r.seq_lens, vals[2], vals[3], r.query_start_loc)
         row = (seq, host_fast(r.dcp_local_seq_lens), qsl, host_fast(r.kv_pages), host_fast(r.dcp_query_start_loc),
-               nonneg(host_fast(r.dcp_tot_seq_lens), "dcp_tot_seq_lens"), *slots, *self._late(r, seq.size))
+               nonneg(host_fast(r.dcp_tot_seq_lens), "dcp_tot_seq_lens"), *slots,
+               nonneg(host_fast(r.ctx_chunks), "ctx_chunks"), nonneg(host_fast(r.group_seq_lens), "group_seq_lens"),
+               host_fast(r.verify_row_lens), nonneg(host_fast(r.sparse_topk), "sparse_topk"), *self._late(r, seq.size))
         check_shared(vals, r.site, self._site_ok, None if row[3] is None else row[3].size, seq.size,
                       self._w.config.page_size)
         return row
@@ -63,6 +66,9 @@ class HostPath:
         dcp = None if r.dcp_local_seq_lens is None else host_copy(r.dcp_local_seq_lens).reshape(k, -1)
         rows = [seq, dcp, qsl, per_rank(r.kv_pages, k), per_rank(r.dcp_query_start_loc, k),
                 nonneg(per_rank(r.dcp_tot_seq_lens, k), "dcp_tot_seq_lens"), *zip(*extras),
+                nonneg(per_rank(r.ctx_chunks, k), "ctx_chunks"),
+                nonneg(per_rank(r.group_seq_lens, k), "group_seq_lens"), per_rank(r.verify_row_lens, k),
+                nonneg(per_rank(r.sparse_topk, k), "sparse_topk"),
                 *(None if r[j] is None else copied_row(f, per_rank(r[j], k), seq.size, self._w.config, k)
                   for j, f in _LATE)]
         kv = rows[3]

@@ -216,7 +216,8 @@ class Recorder:
             slots = (device_slots(r.positions, r.slot_mapping, self._writer.config.kv_groups, _TENSOR, dev.on,
                                    self._host.groups_seen) or self._host.slots(r.positions, r.slot_mapping))
         got = self._observe_device(vals, r.site, (r.seq_lens, r.dcp_local_seq_lens, r.query_start_loc, r.kv_pages,
-                                                  r.dcp_query_start_loc, r.dcp_tot_seq_lens, *slots,
+                                                  r.dcp_query_start_loc, r.dcp_tot_seq_lens, *slots, r.ctx_chunks,
+                                                  r.group_seq_lens, r.verify_row_lens, r.sparse_topk,
                                                   *(r[k] for k in LATE_ROWS)))
         self._fast = dev.fast
         return got, None if slots is not None and type(slots[2]) is Groups else slots

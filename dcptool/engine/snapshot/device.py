@@ -34,16 +34,18 @@ _NEW = tuple.__new__
 _FAST_FIELDS = ("step", "site", "rank", "num_reqs", "num_reqs_padded", "seq_lens", "dcp_local_seq_lens", "ubatch",
                 "parent", "req_start", "tok_start", "tok_stop", "query_start_loc", "num_tokens_padded", "buffer",
                 "graph", "kv_pages", "dcp_query_start_loc", "dcp_tot_seq_lens", "positions", "slot_mapping",
-                "attn_addrs", "graph_addrs", "attn_caps", "host_seq_lens", "host_seq_lens_after",
-                "kv_prefill_pages", "kv_last_page", "kv_block_sizes")
-# The fields after slot_mapping (host values: the metadata tensors' addresses, ...): an observation that gives any
-# goes the general path, which holds them beside its slot (one that gives none pays an identity test each)
-LATE_ROWS = tuple(R[f.name] for f in HOST_ROWS)  # their Record positions, in the table's order
-_LATE_AT = LATE_ROWS[0] if LATE_ROWS else len(NAMES)
+                "ctx_chunks", "group_seq_lens", "verify_row_lens", "sparse_topk", "attn_addrs", "graph_addrs",
+                "attn_caps", "host_seq_lens", "host_seq_lens_after", "kv_prefill_pages", "kv_last_page",
+                "kv_block_sizes")
+# The fields past slot_mapping (device sections: the chunked context ...; host values: the metadata tensors'
+# addresses ...): an observation that gives any goes the general path, which takes the sections and holds the host
+# values beside its slot (one that gives none pays an identity test each)
+LATE_ROWS = tuple(R[f.name] for f in HOST_ROWS)  # the host values' Record positions, in the table's order
+_LATE_AT = R["slot_mapping"] + 1
 
 
 def _late_given(r: Record) -> bool:
-    """Any of the host values given (identity tests: an array's == would compare its elements)."""
+    """Any field past the slot mapping given (identity tests: an array's == would compare its elements)."""
     for x in r[_LATE_AT:]:
         if x is not None:
             return True
@@ -140,9 +142,10 @@ class DevicePath:
     [groups, tokens]) contiguous int32 or int64 tensors on the ring's device, or None. One launch of
     snapshot_args_kernel with the header as arguments (its program 0 writes it into the slot): no header packed on
     the CPU, no section loop, no host copy, the same checks as the general path. A tensor's get_device() equal to
-    the ring's also says it is a device tensor (-1: the CPU tests' host ring). It appends to the Recorder's writer
-    under the Recorder's lock, checks sites against the Recorder's checked names (site_ok, shared with its host
-    path) and reports what it cannot store to drop(error)."""
+    the ring's also says it is a device tensor (-1: the CPU tests' host ring). The fields past the slot mapping go
+    the general path. It appends to the Recorder's writer under its lock, checks sites against the Recorder's
+    checked names (site_ok, shared with its host path) and reports what it cannot store to drop(error).
+    """
 
     def __init__(self, writer, harvest: Harvest, lock, site_ok: set, drop, cuda_mode: str, ring_bytes: int):
         self.cuda_mode = cuda_mode  # "sync" once a ring cannot run here
@@ -167,7 +170,7 @@ class DevicePath:
     def device_tensors(self, r: Record) -> bool:
         """The record holds a tensor of the device path (seq_lens first: the engine's case at once)."""
         on, t = self.on, _TENSOR
-        return any(isinstance(x, t) and getattr(x, on) for x in (r[5], r[6], r[12], r[16], r[17], r[18], r[19]))
+        return any(isinstance(x, t) and getattr(x, on) for x in (r[5], r[6], r[12], *r[16:20], *r[21:]))
 
     def skip_capture(self) -> None:
         """An observation made inside CUDA-graph capture: not recorded, counted."""
@@ -294,19 +297,17 @@ class DevicePath:
     def observe_fast(self, r: Record) -> int | None:
         """observe() for what an engine passes each step, once the ring runs (the class says which); None: the general
         path takes it (and raises what it cannot store); -1, dropped and counted (it never raises into the engine)."""
-        if _late_given(r):  # (a host value sends the observation the general path)
-            return None
-        (step, site, rank, nr, nrp, seq, dcp, ubatch, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos,
+        (step, site, rank, nr, nrp, seq, dcp, ub, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos,
          sm) = r[:_LATE_AT]
         try:
             ring = self.ring
             did = ring.did
-            if type(seq) is not _TENSOR or seq.get_device() != did:
+            if type(seq) is not _TENSOR or seq.get_device() != did or _late_given(r):  # (past the slots: general)
                 return None
             if self.capturing():
                 self.skip_capture()
                 return -1
-            if not (type(step) is type(rank) is type(nr) is type(nrp) is type(ubatch) is int and seq.dtype is ring.i32
+            if not (type(step) is type(rank) is type(nr) is type(nrp) is type(ub) is int and seq.dtype is ring.i32
                     and seq.is_contiguous()):  # (int scalars and an int32 contiguous seq_lens; else the general path)
                 return None
             rows = total = seq.numel()  # (total: the row values the kernel copies)
@@ -344,7 +345,7 @@ class DevicePath:
                 if parent < 0:
                     parent = None
             if not (0 <= nr <= nrp <= INT32_MAX and nr <= rows and I64_MIN <= step <= I64_MAX
-                    and -1 <= ubatch <= INT32_MAX and site in self._site_ok
+                    and -1 <= ub <= INT32_MAX and site in self._site_ok
                     and (graph is None or (type(graph) is int and 0 <= graph <= 3))
                     and (buf is None or (type(buf) is int and I64_MIN <= buf <= I64_MAX))):
                 return None
@@ -384,7 +385,7 @@ class DevicePath:
                 ring.go3(raw, (total + SNAP_ARGS_BLOCK - 1) // SNAP_ARGS_BLOCK or 1, ring.base + 4 * start,
                          index & 0x7FFFFFFF, nr, nrp, modes, words, sp, rows, dp, dn, qp, qn, *rest)
                 # (a plain tuple in Scalars order: the writer reads the values by position; cheaper than a Scalars)
-                vals = (step, rank, nr, nrp, ubatch, parent, rs, ts, te, ntp, buffer if buf is None else buf, graph)
+                vals = (step, rank, nr, nrp, ub, parent, rs, ts, te, ntp, buffer if buf is None else buf, graph)
                 return self._queued(ring, raw, index, start, words, host, vals, site)
             finally:
                 self._release_lock()

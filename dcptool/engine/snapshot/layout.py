@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcptool.dump.observation import ROW_TABLE, ROWS, ROWS_PLUS_1, Field
+from dcptool.dump.observation import HOST_ROWS, ROW_TABLE, ROWS, ROWS_PLUS_1, Field
 from dcptool.engine.arguments import Groups
 
 FIXED = 8  # the fixed header words of a slot
@@ -39,11 +39,11 @@ HEAD_READ = 64  # words the descriptor kernel reads at a slot's start in one go 
 MAX_SECTIONS = (HEAD_READ - FIXED) // ENTRY  # the sections one read of the header covers
 ABSENT = (0, -1, 0)  # a header entry of an absent section (or one the host holds): address, count, mode
 
-# the slot's sections: the table's row fields up to the slot entries' KV-cache groups, in its order; the ones after
-# them are host values (the metadata tensors' addresses, ...), kept beside the slot (its host-held rows) and never in
-# its header, so that an observation without them costs what it did before they existed
-SECTIONS: tuple[Field, ...] = ROW_TABLE[:[f.section for f in ROW_TABLE].index("sgrp") + 1]
-HOST_ROWS: tuple[Field, ...] = ROW_TABLE[len(SECTIONS):]
+# the slot's sections: the table's row fields up to the last device one (past the slot entries' KV-cache groups: the
+# chunked context, the groups' lengths ...), in its order; the ones after it are host values (the metadata tensors'
+# addresses, ...), kept beside the slot (its host-held rows) and never in its header, so that an observation without
+# them costs what it did before they existed
+SECTIONS: tuple[Field, ...] = ROW_TABLE[:len(ROW_TABLE) - len(HOST_ROWS)]
 _NO_HOST_ROWS = (None,) * len(HOST_ROWS)
 # observe()'s fast path (kernels.snapshot_args_dispatch): sections 0-7 as kernel arguments; their negative-value
 # flags at bits 8 + k of its `modes` argument (bit k: int64, set per observation)

@@ -184,6 +184,7 @@ def _record_build(sig: Sig, args: tuple, kwargs: dict, kw: dict, got: dict) -> N
     if got:
         builder_kwargs(got, int(kw["seq_lens"].shape[0]), kw)
     _slot_kwargs(sig, args, kwargs, batch, kw)
+    _group_kwargs(sig, args, kwargs, kw)
     observe(**kw)
 
 
@@ -282,7 +283,42 @@ def _kv_groups(kv_cache_config, count: int) -> list[dict]:
         got = bt.kernel_block_sizes if _uses_kernel_block_sizes(type(bt)) else bt.block_sizes
         if got is not None and len(got) == count:
             sizes = [int(b) for b in got]
-    return [{"name": n, "dcp": f, **({"block_size": b} if b else {})} for n, f, b in zip(names, dcp, sizes)]
+    wins = [getattr(x, "sliding_window", None) for x in specs]
+    wins = [w if type(w) is int and w >= 1 else None for w in wins]
+    N = dcp_group()[0]
+    return [{"name": n, "dcp": f, **({"block_size": b} if b else {}), **({"sliding_window": w} if w else {}),
+             "cp_size": N if f else 1} for n, f, b, w in zip(names, dcp, sizes, wins)]
+
+
+def _group_kwargs(sig: Sig, args: tuple, kwargs: dict, kw: dict) -> None:
+    """A hybrid model's KV-cache groups (some DCP-sharded, some not): the lengths each group's metadata builder reads
+    of the build's common metadata, one row per seq_lens row each (group_seq_lens): the DCP-local lengths where
+    the builder runs DCP (its dcp_world_size > 1: vLLM 0.33+ sets 1 for a group whose spec DCP does not shard), the
+    global ones where it does not. Not recorded where a group has no builder (nothing reads its lengths) or the
+    model's groups are alike (the view is the whole story)."""
+    groups = STATE.kv_groups
+    if groups is None or len({g["dcp"] for g in groups}) < 2 or "attn_groups" not in sig.pos:
+        return
+    attn = sig.get(args, kwargs, "attn_groups")
+    seq, dcp = kw["seq_lens"], kw["dcp_local_seq_lens"]
+    builders = [getattr(a[0], "metadata_builders", [None])[0] if a else None for a in attn or ()]
+    if len(builders) != len(groups) or any(b is None for b in builders):
+        return
+    parts = [dcp if int(getattr(b, "dcp_world_size", 1)) > 1 else seq for b in builders]
+    if any(p is None or int(p.shape[0]) != int(seq.shape[0]) for p in parts):
+        return  # (a missing or odd-length view: `missing` / `shape` say so; no per-group lengths to add)
+    kw["group_seq_lens"] = _concat(parts)
+
+
+def _concat(parts: list):
+    """Host arrays or tensors end to end (a tensor stays on its device: no host sync)."""
+    if all(hasattr(p, "untyped_storage") for p in parts):
+        import torch  # (vLLM has imported it)
+
+        return torch.cat(parts)
+    import numpy as np
+
+    return np.concatenate([np.asarray(p.cpu() if hasattr(p, "cpu") else p) for p in parts])
 
 
 def _cg(sig: Sig, args: tuple, kwargs: dict) -> str | None:

@@ -130,6 +130,24 @@ def test_on_wrong_raise_and_count(tmp_path):
     assert not (tmp_path / "guard").exists()
 
 
+def test_the_fields_only_replay_decides_are_left_out(tmp_path):
+    """A field only rules across ranks read (host_checks.NOT_KEPT: the chunked-context schedule) is neither checked
+    nor kept: the Guard's dump of a wrong observation holds every other field, and not that one."""
+    from dcptool.engine.guard.host_checks import NOT_KEPT
+
+    assert NOT_KEPT == ("ctx_chunks", "group_seq_lens", "verify_row_lens", "sparse_topk")
+    g = Guard(tmp_path / "g", 2)
+    seq = np.array([8, 5], np.int32)
+    kw = dict(step=0, site="s", rank=0, seq_lens=seq, num_reqs=2, num_reqs_padded=2, ctx_chunks=np.arange(5),
+              group_seq_lens=np.arange(4), verify_row_lens=np.arange(2), sparse_topk=np.arange(6))
+    assert g.observe(**kw, dcp_local_seq_lens=np.array([4, 3], np.int32)) == 0 and g.first_rule is None
+    with pytest.warns(RuntimeWarning, match="missing"):
+        assert g.observe(**kw) == 1
+    d = read_dump(g.close())
+    assert d.n == 2 and not {"obs.ctx", "obs.gsl", "obs.vrl", "obs.topk"} & set(d.columns)
+    assert d["rows.dcp_local_seq_lens"].tolist() == [4, 3]
+
+
 def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="on_wrong"):
         Guard(tmp_path, 2, on_wrong="log")

@@ -22,11 +22,15 @@ def test_rows_are_private_int32_copies_in_row_field_order(tmp_path, n):
     rng = np.random.default_rng(n)
     rec = Recorder(tmp_path / "h.safetensors", dcp_size=2, page_size=16)
     src = _record(rng, n, kv_pages=torch.arange(n), dcp_query_start_loc=np.arange(n + 1),
-                  dcp_tot_seq_lens=list(range(n)) or np.zeros(0, int))
+                  dcp_tot_seq_lens=list(range(n)) or np.zeros(0, int), ctx_chunks=torch.arange(1 + 4 * n),
+                  group_seq_lens=np.arange(2 * n), verify_row_lens=np.arange(n) - 1,
+                  sparse_topk=torch.arange(3 * n).reshape(n, 3))
     row = rec._host.row(src, scalars(src), None)
-    assert [a.dtype for a in row[:6]] == [np.int32] * 6 and row[6:] == (None,) * (len(ROW_FIELDS) - 6)
-    for got, want in zip(row, (src.seq_lens, src.dcp_local_seq_lens, src.query_start_loc, np.arange(n),
-                               np.arange(n + 1), np.arange(n))):
+    assert [a.dtype for a in row[:6] + row[9:13]] == [np.int32] * 10 and row[6:9] == (None, None, None)
+    assert row[13:] == (None,) * (len(ROW_FIELDS) - 13)  # (the host values: none given)
+    for got, want in zip(row[:6] + row[9:13], (src.seq_lens, src.dcp_local_seq_lens, src.query_start_loc,
+                                               np.arange(n), np.arange(n + 1), np.arange(n), np.arange(1 + 4 * n),
+                                               np.arange(2 * n), np.arange(n) - 1, np.arange(3 * n))):
         assert np.array_equal(got, want)
     src.seq_lens[:] = 7  # (the engine reuses its buffers: the copy is the observation's)
     assert n == 0 or not np.array_equal(row[0], src.seq_lens)
@@ -38,6 +42,8 @@ def test_rows_are_private_int32_copies_in_row_field_order(tmp_path, n):
     (dict(num_reqs=3), "seq_lens rows"),  # more real requests than rows
     (dict(kv_pages=np.array([1])), "one value per seq_lens row"),
     (dict(dcp_tot_seq_lens=np.array([1, -2])), "negative dcp_tot_seq_lens"),
+    (dict(ctx_chunks=np.array([16, 0, 0, -1, 4])), "negative ctx_chunks"),
+    (dict(group_seq_lens=np.array([3, -1])), "negative group_seq_lens"),
     (dict(seq_lens=np.array([2**31, 1])), "fit int32"),
 ])
 def test_what_a_dump_cannot_hold_raises(tmp_path, bad, match):

@@ -262,16 +262,22 @@ def test_cuda_threads_on_their_own_streams(tmp_path):
 @hostring
 @pytest.mark.kernel
 def test_issue15_rows_through_the_ring_match_the_host_path(tmp_path):
-    """The snapshot path records the issue-15 rows as device sections, in ROW_FIELDS order."""
+    """The snapshot path records the issue-15 rows and the chunked-context schedule as device sections, in
+    ROW_FIELDS order."""
     a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16)
     b = Recorder(tmp_path / "b.safetensors", dcp_size=2, page_size=16)
     b._device.use_host_ring(4096)
     for k, kw in enumerate(_obs_stream(40, 5)):
         extra = {} if k % 3 == 0 else {"dcp_query_start_loc": torch.arange(k % 5 + 1),
                                        "dcp_tot_seq_lens": torch.full((k % 4,), k)}
+        if k % 4 == 1:
+            extra["ctx_chunks"] = torch.arange(1 + 4 * (k % 3))
+        if k % 5 == 2:
+            extra.update(group_seq_lens=torch.arange(k % 7), verify_row_lens=torch.arange(k % 3) - 1,
+                         sparse_topk=torch.arange(3 * (k % 4)).reshape(-1, 3))
         assert a.observe(**kw, **extra) == b.observe(**kw, **extra)
     ca, cb = _columns(a.close()), _columns(b.close())
-    assert {"obs.dqsl", "obs.tot"} <= set(ca) and sorted(ca) == sorted(cb)
+    assert {"obs.dqsl", "obs.tot", "obs.ctx", "obs.gsl", "obs.vrl", "obs.topk"} <= set(ca) and sorted(ca) == sorted(cb)
     for key in ca:
         assert np.array_equal(ca[key], cb[key]) or key == "obs.buffer", key
 
@@ -419,7 +425,8 @@ def test_what_the_fast_path_does_not_take_goes_the_general_way(tmp_path, monkeyp
            dict(kv_pages=torch.arange(16, dtype=torch.int32)[::2]), dict(dcp_tot_seq_lens=seq.to(torch.int16)),
            dict(positions=pos, slot_mapping={0: pos * 3}), dict(positions=pos[None], slot_mapping=pos[None]),
            dict(step=np.int64(3)), dict(graph="replay"), dict(ubatch=np.int32(0)),
-           dict(query_start_loc=torch.arange(9))]
+           dict(query_start_loc=torch.arange(9)), dict(ctx_chunks=torch.arange(5, dtype=torch.int32)),
+           dict(group_seq_lens=seq), dict(verify_row_lens=seq - 3), dict(sparse_topk=seq[:6].reshape(2, 3))]
     # (a query_start_loc that does not cover the rows stays on the fast path: not recorded, as on the host)
     for i, extra in enumerate([{}, *odd, {}, dict(query_start_loc=seq)]):
         assert a.observe(**{**kw, **extra}) == b.observe(**{**kw, **extra}) == i

@@ -30,14 +30,15 @@ from dcptool.engine.snapshot.layout import (
 
 def test_the_sections_are_the_tables_row_fields():
     assert SECTIONS + HOST_ROWS == ROW_TABLE and len(SECTIONS) <= MAX_SECTIONS
-    assert [s.section for s in SECTIONS] == ["seq", "dcp", "qsl", "kv", "dqsl", "tot", "pos", "slot", "sgrp"]
+    assert [s.section for s in SECTIONS] == ["seq", "dcp", "qsl", "kv", "dqsl", "tot", "pos", "slot", "sgrp", "ctx",
+                                             "gsl", "vrl", "topk"]
     assert not any(f.device for f in HOST_ROWS)  # (host values, held beside the slot: never in its header)
     assert (POS, SLOT, SGRP) == (6, 7, 8) and ARGS_SECTIONS == 8
     assert ARGS_NEG == (1 << 8) | (1 << 13) | (1 << 14)  # seq_lens, dcp_tot_seq_lens, positions: no negatives
     L = layout(SECTIONS)
-    assert L.nsec == 9 and L.head.size == 4 * (FIXED + ENTRY * 9) and L.plus1 == (2,) and L.sized == (3,)
-    assert L.needs == ((3, "page_size"),) and L.modes == (2, 0, 0, 0, 0, 2, 2, 0, 0)
-    assert L.ksec == 9 << 16 | ARGS_NEG and L.fast_pad == (None,) * 6
+    assert L.nsec == 13 and L.head.size == 4 * (FIXED + ENTRY * 13) and L.plus1 == (2,) and L.sized == (3,)
+    assert L.needs == ((3, "page_size"),) and L.modes == (2, 0, 0, 0, 0, 2, 2, 0, 0, 2, 2, 0, 2)
+    assert L.ksec == 13 << 16 | ARGS_NEG and L.fast_pad == (None,) * 10
 
 
 @pytest.mark.parametrize("tokens, groups", [(0, 1), (1, 1), (129, 2), (1000, 3)])
@@ -48,7 +49,7 @@ def test_a_slot_gives_its_rows_and_builds_the_slot_entries(tokens, groups):
     seq, pos = rng.integers(0, 99, 5).astype(np.int32), rng.integers(0, 99, tokens).astype(np.int32)
     sm = rng.integers(-1, 99, groups * tokens).astype(np.int32)
     k = len(SECTIONS)
-    counts = [5, -1, -1, -1, -1, -1, tokens, sm.size, -1]
+    counts = [5, -1, -1, -1, -1, -1, tokens, sm.size, -1, -1, -1, -1, -1]
     blk = np.zeros(FIXED + ENTRY * k + 5 + tokens + sm.size, np.int32)
     head_struct(k).pack_into(blk, 0, 1, 1, 5, 5, k, 0, blk.size, 0, *[x for n in counts for x in (0, n, 0)])
     blk[FIXED + ENTRY * k:] = np.concatenate([seq, pos, sm])
@@ -69,9 +70,10 @@ def test_a_slot_gives_its_rows_and_builds_the_slot_entries(tokens, groups):
 def test_a_fifth_section_is_a_table_entry_not_kernel_code(tmp_path, monkeypatch):
     """Adding a row field to the device path: one more section (here two past the table's own: one value per
     token with negatives forbidden, and one value per seq_lens row); the same kernel copies them, and their length
-    rules apply."""
-    K = len(SECTIONS)
-    monkeypatch.setattr(device, "SECTIONS", (*SECTIONS, Field("extra_tokens", TOKENS, "I32", "rows.x1", nonneg=True,
+    rules apply. (The table's last sections make room where the header has none for two more.)"""
+    base = SECTIONS[:MAX_SECTIONS - 2]
+    K = len(base)
+    monkeypatch.setattr(device, "SECTIONS", (*base, Field("extra_tokens", TOKENS, "I32", "rows.x1", nonneg=True,
                                                               device=True, section="x1"),
                                              Field("extra_rows", ROWS, "I32", "rows.x2", device=True, section="x2")))
     rec = Recorder(tmp_path / "f.safetensors", dcp_size=2)

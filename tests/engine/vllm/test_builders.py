@@ -25,7 +25,7 @@ def columns(d, i):
 
     kv = d["rows.kv_pages"][d["obs.rows"][i]:d["obs.rows"][i + 1]].tolist() if d.has("rows.kv_pages") else None
     return {"dqsl": part("obs.dqsl", "rows.dcp_query_start_loc"), "tot": part("obs.tot", "rows.dcp_tot_seq_lens"),
-            "kv": kv}
+            "kv": kv, "ctx": part("obs.ctx", "rows.ctx_chunks")}
 
 
 def test_flashinfer_and_mla_columns_go_with_their_build(tmp_path):
@@ -38,7 +38,7 @@ def test_flashinfer_and_mla_columns_go_with_their_build(tmp_path):
     assert out["results"] == [{"num_reqs": 2, "dcp": [9, 13]}] and "disabled" not in out["stderr"]
     assert set(out["used"].values()) == {"0.31-0.33"}
     # two decodes: Q = query_start_loc[:3]; the plan's pages cdiv([9, 13], 16); MLA's companion: the global lengths
-    assert d.n == 1 and columns(d, 0) == {"dqsl": [0, 1, 2], "tot": [17, 25], "kv": [1, 1]}
+    assert d.n == 1 and columns(d, 0) == {"dqsl": [0, 1, 2], "tot": [17, 25], "kv": [1, 1], "ctx": [0]}
     assert d.config.page_size == 16 and "builders: dcp_query_start_loc" in d.config.note
     p = cli("replay", "--backend", "torch", *out["files"], "--json")
     assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["findings"] == 0, p.stdout
@@ -51,8 +51,20 @@ def test_kv_pages_are_one_per_recorded_row_and_unknown_on_dcp_prefill_rows(tmp_p
     build(b, NONE, groups=[FlashInferMetadataBuilder(dcp_world_size=1, trtllm=False)])  # a replicated cache
     """)
     d = run_case(tmp_path, body)["dump"]  # no [:num_reqs] cut: the observation holds all 4 rows of seq_lens
-    assert columns(d, 0) == {"dqsl": None, "tot": None, "kv": [1, -1, -1, -1]}
+    assert columns(d, 0) == {"dqsl": None, "tot": None, "kv": [1, -1, -1, -1], "ctx": None}
     assert columns(d, 1)["kv"] == [1, 1, -1, -1]  # without DCP a prefill row's plan is checked like any other
+
+
+def test_mla_chunked_context_goes_with_its_build(tmp_path):
+    """MLA's prefill of a request with context: the chunks its metadata hands attention, at the request's row after
+    the decodes, with the max_context_chunk its plan was given; a pure-decode build records [0] (no gather)."""
+    body = with_builders("""
+    b = batch(query_start_loc_np=np.array([0, 1, 9, 9, 9], np.int32))  # a decode, then 8 tokens on 17 of context
+    build(b, NONE, groups=[MLACommonMetadataBuilder()])
+    build(batch(), NONE, groups=[MLACommonMetadataBuilder()])
+    """)
+    d = run_case(tmp_path, body, cut=CUT)["dump"]
+    assert [columns(d, i)["ctx"] for i in range(2)] == [[8192, 0, 1, 0, 17], [0]]
 
 
 def test_the_page_size_is_the_first_plans_even_after_the_recorder_exists(tmp_path):

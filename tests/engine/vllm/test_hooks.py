@@ -48,3 +48,32 @@ def test_engine_errors_propagate_unchanged(tmp_path):
     out = run_case(tmp_path, body)
     assert out["errors"] == ["the engine's own error"] and out["results"] == [{"num_reqs": 2, "dcp": [9, 13]}]
     assert "disabled" not in out["stderr"]
+
+
+def test_a_hybrid_models_group_lengths_are_what_each_groups_builder_reads(monkeypatch):
+    """group_seq_lens: per KV-cache group, the local lengths where the group's builder runs DCP, the global ones where
+    it does not; nothing where the groups are alike, a group has no builder, or the view is missing."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from dcptool.engine.vllm import hooks
+
+    def group(dcp_world_size):
+        return [SimpleNamespace(metadata_builders=[SimpleNamespace(dcp_world_size=dcp_world_size)])]
+
+    sig = hooks.Sig(lambda attn_groups, seq_lens: None)
+    monkeypatch.setattr(hooks.STATE, "kv_groups", [{"name": "a", "dcp": True}, {"name": "swa", "dcp": False}])
+    for seq, view in ((np.array([9, 5]), np.array([5, 3])), (torch.tensor([9, 5]), torch.tensor([5, 3]))):
+        kw = {"seq_lens": seq, "dcp_local_seq_lens": view}
+        hooks._group_kwargs(sig, ([group(2), group(1)], seq), {}, kw)
+        assert kw["group_seq_lens"].tolist() == [5, 3, 9, 5] and type(kw["group_seq_lens"]) is type(seq)
+    for groups, view in (([group(2), []], np.array([5, 3])), ([group(2), group(2)], None), ([group(2)], [5, 3])):
+        kw = {"seq_lens": np.array([9, 5]), "dcp_local_seq_lens": view}
+        hooks._group_kwargs(sig, (groups, None), {}, kw)
+        assert "group_seq_lens" not in kw
+    monkeypatch.setattr(hooks.STATE, "kv_groups", [{"name": "a", "dcp": True}, {"name": "b", "dcp": True}])
+    kw = {"seq_lens": np.array([9, 5]), "dcp_local_seq_lens": np.array([5, 3])}
+    hooks._group_kwargs(sig, ([group(2), group(2)], None), {}, kw)
+    assert "group_seq_lens" not in kw  # (alike groups: the view is the whole story)

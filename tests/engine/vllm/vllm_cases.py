@@ -85,7 +85,8 @@ FAKE = {
 # The attention backends' metadata builders (written as they are: no format fields), with the hooked methods' real
 # signatures and what they hand attention: FlashInfer's decode metadata (dcp_query_start_loc, 0.30+) and the page
 # counts of its plan (computed from the local lengths, as 0.30+ do; a prefill row plans its context), MLA's decode
-# metadata (dcp_tot_seq_lens = the global lengths of the decodes). Decodes come first (query length <= 1).
+# metadata (dcp_tot_seq_lens = the global lengths of the decodes) and its prefills' chunked context (one chunk a
+# request, planned with max_context_chunk 8192). Decodes come first (query length <= 1).
 BACKENDS = {
     "vllm/v1/attention/__init__.py": "",
     "vllm/v1/attention/backends/__init__.py": "",
@@ -117,11 +118,21 @@ BACKENDS = {
     "vllm/model_executor/layers/attention/mla_attention.py": """
         from types import SimpleNamespace
         import numpy as np
+        def plan_mla_context_chunks(context_lens, row_budget, max_context_chunk, split_alignment, padded_rows):
+            return [(i, n) for i, n in enumerate(context_lens) if n > 0]  # (one chunk a request, for a fake)
         class MLACommonMetadataBuilder:
             def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
                 cm = common_attn_metadata
-                nd = int((np.diff(np.asarray(cm.query_start_loc_cpu)[: cm.num_reqs + 1]) <= 1).sum())
-                return SimpleNamespace(decode=SimpleNamespace(dcp_tot_seq_lens=np.asarray(cm.seq_lens)[:nd]))
+                q = np.diff(np.asarray(cm.query_start_loc_cpu)[: cm.num_reqs + 1])
+                nd = int((q <= 1).sum())
+                ctx = (np.asarray(cm.seq_lens)[nd:cm.num_reqs] - q[nd:]).tolist()
+                cc = None
+                if max(ctx, default=0) > 0:
+                    chunks = [SimpleNamespace(request_slice=slice(i, i + 1), seq_lens=np.array([n]))
+                              for i, n in plan_mla_context_chunks(ctx, 4096, 8192, 16, None)]
+                    cc = SimpleNamespace(chunks=chunks)
+                return SimpleNamespace(num_decodes=nd, prefill=SimpleNamespace(chunked_context=cc),
+                                       decode=SimpleNamespace(dcp_tot_seq_lens=np.asarray(cm.seq_lens)[:nd]))
         """,
 }
 
