@@ -91,12 +91,24 @@ def _inputs(specs: list[str], also: list[str] | None = None) -> list[str]:
     return files
 
 
+BOUNDED_ENV = "DCPTOOL_BOUNDED"  # 1: read in bounded memory, 0: into memory, unset: as the memory available says
+
+
+def _bounded() -> bool | None:
+    """DCPTOOL_BOUNDED as open_dumps' `bounded` (for tests and benchmarks: the path without the memory it needs)."""
+    v = os.environ.get(BOUNDED_ENV, "")
+    if v not in ("", "0", "1"):
+        raise InputError(f"{BOUNDED_ENV}={v!r}: expected 1 (bounded memory), 0 (in memory) or unset (as the memory "
+                         "available says)")
+    return None if v == "" else v == "1"
+
+
 def _open(files: list[str], merge: bool, stream: bool = False):
     """The files read as one run (dump.open_dumps), refused when they look like several runs unless --merge."""
     from dcptool.dump import open_dumps
     from dcptool.dump.runs import several_runs
 
-    d = open_dumps(files, stream=stream)
+    d = open_dumps(files, bounded=_bounded(), stream=stream)
     try:
         why = None if merge else several_runs(d)
     except BaseException:
@@ -110,7 +122,7 @@ def _open(files: list[str], merge: bool, stream: bool = False):
 
 
 def _obs_index(d, spec: str) -> int:
-    """`--obs FILE:I` (as every report names an observation; `I` alone for one file): its merged position."""
+    """`--obs FILE:I` (as every report names an observation; `I` alone for one file): its position in the dump."""
     from dcptool.dump import match_file, obs_ref, parse_ref
 
     try:
@@ -229,6 +241,8 @@ def replay(
     if html is not None:
         output_target("--html", html, files, force)
     d = _open(files, merge, stream=True)  # (the scan follows the read; replay() ends it)
+    if d.bounded:  # (said before the work: a replay in bounded memory takes longer)
+        say(d.memory.reason(), "replay")
     try:
         i = _obs_index(d, obs) if obs is not None else None
     except DcptoolError:

@@ -86,3 +86,38 @@ def streamed_scan_agrees(tmp_path, monkeypatch, backend: str) -> None:
     s.finish()
     assert all(np.array_equal(x, y) for x, y in zip(as_array(got), as_array(want))) and want.obs.size
     assert np.array_equal(got.differ, want.differ)
+
+
+def rank_pair_files(tmp_path, rng, steps=60, ranks=4):
+    """A file per DCP rank, each step one batch on every rank (awkward lengths), some ranks' seq_lens with a row
+    changed or cut short: -> (paths, the pairs rank_pairs gives on the files end to end, the observations whose
+    rows differ from their pair's). A pair lies in another file: the scan compares it across files."""
+    from dcptool.check.ranks import rank_pairs
+    from dcptool.dump import DumpConfig, write_dump
+
+    lens = rng.choice([0, 1, 127, 128, 129, 300, 1031], size=steps)
+    batch = [rng.integers(0, 9, k).astype(np.int32) for k in lens]
+    paths, per_rank = [], []
+    for r in range(ranks):
+        seqs = [b.copy() for b in batch]
+        for s in seqs:
+            u = rng.random()
+            if s.size and u < 0.1:
+                s[rng.integers(0, s.size)] += 1
+            elif s.size and u < 0.15:
+                s.resize(s.size - 1, refcheck=False)
+        per_rank.append(seqs)
+        n = np.array([s.size for s in seqs], np.int64)
+        rows = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+        z = np.zeros(steps, np.int32)
+        cols = {"obs.step": np.arange(steps, dtype=np.int64), "obs.site": z, "obs.rank": z + r, "obs.ubatch": z - 1,
+                "obs.num_reqs": n.astype(np.int32), "obs.num_reqs_padded": n.astype(np.int32), "obs.rows": rows,
+                "obs.has_dcp": z.astype(np.uint8), "obs.dcp_rows": np.zeros(steps + 1, np.int64),
+                "rows.seq_lens": np.concatenate(seqs), "rows.dcp_local_seq_lens": np.zeros(0, np.int32)}
+        paths.append(str(tmp_path / f"rank{r}.00000.safetensors"))
+        write_dump(paths[-1], DumpConfig(dcp_size=ranks, cp_interleave=1, sites=("x",)), cols)
+    d = open_dumps(paths)
+    pairs = rank_pairs(d).prev
+    seqs = [s for r in per_rank for s in r]
+    want = np.flatnonzero([p >= 0 and not np.array_equal(seqs[i], seqs[p]) for i, p in enumerate(pairs.tolist())])
+    return paths, pairs, want

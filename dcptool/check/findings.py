@@ -36,7 +36,7 @@ RELATIONS = ("parent-rows", "earlier-in-step", "earlier-step", *TRANSFER_KINDS)
 @dataclass(frozen=True)
 class Finding:
     rule: str
-    index: int  # position in the merged dump (observation order)
+    index: int  # position in the dump (Dump: several files end to end)
     obs: int  # index in its file
     file: str
     step: int
@@ -91,20 +91,20 @@ _EXPLAIN = {
 
 # the integer columns besides index, rule and kind; `a0`/`a1` hold per-kind numbers for the text and detail
 # (wrong-rank: rank; wrong-interleave: interleave; shape: length, expected length; pages: global count,
-# local length; padding: num_reqs; alias: the other observation, merged index)
+# local length; padding: num_reqs; alias: the other observation, its index)
 _INT = ("row", "recorded", "expected", "wrong_rows", "source", "relation", "a0", "a1")
 _MASK = ("has_row", "has_recorded", "has_expected")
 
 
 class FindingTable(Sequence):
-    """Findings in observation order (then the rule table's order), as columns.
+    """Findings in the run's order of their observations (Dump.order_of), then the rule table's order, as columns.
 
     A Sequence of Finding: `t[k]`, iteration and slices (`t[:100]`, a table again) work as on a list, and a
     table equals a list of the same findings; a Finding and its message are made only when one is read (and
     `t[k]` keeps it, so the same object comes back). Arrays for vectorised readers: `index`, `rule_code` (into
     rules.RULES), `rule` (names), `obs`, `file_index`, `step`, `site_code` (into config.sites), `site`, `rank`,
     `ubatch`, `row`, `recorded`, `expected` (with `has_row`, `has_recorded`, `has_expected`: False where the
-    field is None), `wrong_rows`, `source` (merged index, -1 none), `relation` (into RELATIONS, -1 none),
+    field is None), `wrong_rows`, `source` (its index, -1 none), `relation` (into RELATIONS, -1 none),
     `severity_code` (1 error, 0 warning).
     """
 
@@ -143,7 +143,8 @@ class FindingTable(Sequence):
 
     @classmethod
     def concat(cls, d: Dump | None, parts: list[FindingTable]) -> FindingTable:
-        """One table of several, sorted by (observation, the rule table's order), stably (ties keep part order)."""
+        """One table of several, sorted by (observation in the run's order: Dump.order_of, the rule table's order),
+        stably (ties keep part order)."""
         if not parts:
             return cls.empty(d)
         parts = [p._compact() for p in parts]
@@ -152,7 +153,8 @@ class FindingTable(Sequence):
         for p in parts:
             stored.update({base + k: v for k, v in p._stored.items()})
             base += len(p)
-        return cls(d, cols, stored, np.lexsort((cols["rule_code"], cols["index"])))
+        at = cols["index"] if d is None else d.order_of(cols["index"])
+        return cls(d, cols, stored, np.lexsort((cols["rule_code"], at)))
 
     def _compact(self) -> FindingTable:
         """The same findings with `sel` applied to the columns (for concatenation)."""

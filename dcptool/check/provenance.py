@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcptool.dcp.reference import local_np, ranks_giving
-from dcptool.dcp.segments import join, member, mix, ragged, seg_sums
+from dcptool.dcp.segments import BULK_ROWS, join, member, mix, obs_chunks, ragged, seg_sums
 from dcptool.dump import Dump, obs_ref
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
@@ -52,7 +52,7 @@ def _strip(v: np.ndarray) -> np.ndarray:
 class Source:
     """Where a stale value came from: an observation whose expected rows the view holds."""
 
-    index: int  # position in the merged dump
+    index: int  # position in the dump
     obs: int  # index in its file
     file: str
     relation: str  # parent-rows | earlier-in-step | earlier-step
@@ -70,14 +70,10 @@ class Source:
                 "ubatch": self.ubatch, "file": self.file, "ref": self.ref}
 
 
-# Row hashing for provenance joins. A view's hash is the sum over its rows j of mix(value, j), with
-# mix(0, j) = 0: zeros add nothing, so a view and its zero-extension hash alike (replay compares
-# views with zeros past num_reqs), and a prefix hash is a cumulative sum. Two independent 64-bit
-# sums make an accidental (or crafted) collision practically impossible; every hit is confirmed
-# exactly anyway, and a failed confirmation falls back to the exact scan of that one finding.
-# The provenance searches use one 64-bit row hash: every hit is confirmed exactly and a hit that fails
-# falls back to the exact search, so a collision costs time, never a wrong answer (rank-sum, which groups by
-# hash without a fallback, keeps two).
+# Row hashing for provenance joins. A view's hash is the sum over its rows j of mix(value, j), with mix(0, j) = 0:
+# zeros add nothing, so a view and its zero-extension hash alike (replay compares views with zeros past num_reqs),
+# and a prefix hash is a cumulative sum. One 64-bit hash: every hit is confirmed exactly and a hit that fails falls
+# back to the exact search, so a collision costs time, never a wrong answer (rank-sum, without a fallback, keeps two).
 SALTS = (0,)
 LEAD_BLOCK = 1 << 16  # observations per block of lead() on a dump still being read
 
@@ -87,8 +83,9 @@ def _i64(hs: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def latest_before(c_run: np.ndarray, c_idx: np.ndarray, c_val: np.ndarray, q_run: np.ndarray, q_idx: np.ndarray,
-                  q_thr: np.ndarray) -> np.ndarray:
-    """For each query: the largest candidate index < q_idx in the same run with value < q_thr (-1 if none).
+                  q_thr: np.ndarray, c_id: np.ndarray | None = None) -> np.ndarray:
+    """For each query: the largest candidate index < q_idx in the same run with value < q_thr (-1 if none); with
+    `c_id`, that candidate's id instead of its index (the index an order key, the id an observation).
 
     All queries at once, O((c + q) log(c + q)): candidates and queries are sorted together by (run,
     index); a sparse table of range minima over the values lets every query step back over the
@@ -125,7 +122,8 @@ def latest_before(c_run: np.ndarray, c_idx: np.ndarray, c_val: np.ndarray, q_run
         cur = np.where(step, back, cur)
     ans = cur - 1
     hit = (ans >= lo) & (val[np.maximum(ans, 0)] < thr)
-    return np.where(hit, idx[order][np.maximum(ans, 0)], -1)
+    ids = idx if c_id is None else np.concatenate([np.asarray(c_id, np.int64), np.zeros(nq, np.int64)])
+    return np.where(hit, ids[order][np.maximum(ans, 0)], -1)
 
 
 # Exact comparisons of rows: every hash hit is confirmed with these
@@ -228,7 +226,8 @@ class _Search:
         return np.cumsum(nr) - nr, cs
 
     def prepare(self, wrong: np.ndarray) -> None:
-        """Rules 2-6 for all wrong observations at once (each call costs O(n log n): pass them all together)."""
+        """Rules 2-6 for all wrong observations at once (each call costs O(n log n): pass them all together), in
+        blocks of BULK_ROWS recorded rows."""
         d = self.d
         wrong = np.array([w for w in np.unique(np.asarray(wrong, np.int64)).tolist() if w not in self._prepared],
                          np.int64)
@@ -239,8 +238,13 @@ class _Search:
         wrong = wrong[d["obs.has_dcp"][wrong] == 1]
         m = np.minimum(np.diff(view)[wrong], nr[wrong])  # recorded real rows
         wrong, m = wrong[m > 0], m[m > 0]
-        if wrong.size == 0:
-            return
+        for a, b in obs_chunks(m, BULK_ROWS):  # (the search holds about 130 bytes a row of the views it explains)
+            self._prepare(wrong[a:b], m[a:b])
+
+    def _prepare(self, wrong: np.ndarray, m: np.ndarray) -> None:
+        """prepare() for wrong views `wrong` (m recorded real rows each, > 0)."""
+        d = self.d
+        nr, view = d["obs.num_reqs"].astype(np.int64), d["obs.dcp_rows"]
         rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
         seg, j, at = ragged(view[wrong], m)
         rec = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
@@ -290,7 +294,7 @@ class _Search:
         return out
 
     def _strip_lengths(self, obs: np.ndarray) -> np.ndarray:
-        """Per observation (of `obs`, all with num_reqs >= 1; indexed by merged index, 0 elsewhere): its expected
+        """Per observation (of `obs`, all with num_reqs >= 1; indexed by observation, 0 elsewhere): its expected
         real rows' length without trailing zeros. One gather each, plus the rows of the few whose last row is 0."""
         d, c = self.d, self.d.config
         nr = d["obs.num_reqs"].astype(np.int64)
@@ -408,8 +412,9 @@ class _Search:
         return kind.astype(np.int8), aux.astype(np.int64)
 
     def _search_earlier_steps(self, q, qh, cands) -> np.ndarray:
-        """Rule 6: the latest s < i of the same rank in an earlier step whose expected rows equal the
-        recorded ones up to trailing zeros. `cands`: _narrow on (rank, expected rows 0 and 1)."""
+        """Rule 6: the latest s before i (in the run's order: Dump.order_of) of the same rank in an earlier step
+        whose expected rows equal the recorded ones up to trailing zeros. `cands`: _narrow on (rank, expected rows
+        0 and 1)."""
         cand, ci, qi = cands
         if q.size == 0 or cand.size == 0:
             return np.full(q.size, -1, np.int64)
@@ -420,7 +425,8 @@ class _Search:
             full = [c[first + d["obs.num_reqs"][cand].astype(np.int64)] - c[first] for c in cs]
         ci, qi = join([ci, *_i64(full)], [qi, *_i64(qh)])
         keep = np.isin(ci, qi)
-        best = latest_before(ci[keep], cand[keep], step[cand][keep], qi, q, step[q])
+        best = latest_before(ci[keep], d.order_of(cand[keep]), step[cand][keep], qi, d.order_of(q), step[q],
+                             c_id=cand[keep])
         self._earlier.update(zip(q.tolist(), best.tolist()))
         return best
 
@@ -477,7 +483,7 @@ class Provenance(_Search):
         k = np.flatnonzero(todo)
         s = earlier[pos[k]] if k.size else np.zeros(0, np.int64)
         step = d["obs.step"]
-        cand = (s >= 0) & (s < obs[k]) & (step[np.maximum(s, 0)] < step[obs[k]])
+        cand = (s >= 0) & (d.order_of(np.maximum(s, 0)) < d.order_of(obs[k])) & (step[np.maximum(s, 0)] < step[obs[k]])
         stale = s >= 0
         ok = _zero_ext_equal(self.d, obs[k[cand]], m[k[cand]], s[cand], np.maximum(nr[s[cand]], m[k[cand]]))
         good = np.zeros(k.size, bool)
@@ -526,7 +532,9 @@ class Provenance(_Search):
     def _scan_earlier_steps(self, i: int, want: np.ndarray) -> int:
         d = self.d
         same = np.flatnonzero((d["obs.rank"] == d["obs.rank"][i]) & (d["obs.step"] < d["obs.step"][i]))
-        for s in same[same < i][::-1]:
+        at = d.order_of(same)
+        keep = at < d.order_of(i)
+        for s in same[keep][np.argsort(at[keep], kind="stable")][::-1]:  # the latest first, in the run's order
             if self._strip_equal(int(s), want):
                 return int(s)
         return -1
@@ -579,7 +587,8 @@ class Provenance(_Search):
         want = _strip(rec)
         if want.size:
             s = self._earlier.get(i, -1)
-            if s >= 0 and not (s < i and d["obs.step"][s] < d["obs.step"][i] and self._strip_equal(s, want)):
+            if s >= 0 and not (d.order_of(s) < d.order_of(i) and d["obs.step"][s] < d["obs.step"][i]
+                               and self._strip_equal(s, want)):
                 s = self._scan_earlier_steps(i, want)
             if s >= 0:
                 return "stale", self._source(s, "earlier-step"), {}

@@ -10,8 +10,7 @@ import numpy as np
 from dcptool.check.findings import FindingTable, Written
 from dcptool.check.scan import rows_differ
 from dcptool.dcp.chunks import gathers
-from dcptool.dcp.segments import group_ids, join, mix, ragged, seg_sums
-from dcptool.dcp.segments import obs_chunks as _obs_chunks
+from dcptool.dcp.segments import BULK_ROWS, group_ids, join, mix, obs_chunks, ragged, seg_sums
 from dcptool.dump import Dump
 
 
@@ -40,11 +39,35 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> FindingTable:
     found = Written(d)
     if N == 1 or wrong.size == 0:
         return found.table()
-    wrong = np.unique(np.asarray(wrong, np.int64))
+    for part, has in _step_blocks(d, np.unique(np.asarray(wrong, np.int64))):
+        _rank_sum(d, part, has, found)
+    return found.table()
+
+
+def _step_blocks(d: Dump, wrong: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`wrong`, and the observations with a view in its steps, in blocks of whole steps of about BULK_ROWS rows
+    each (rank-sum holds tens of bytes a row of the batches it adds up; a recording wrong everywhere has every
+    batch to add up)."""
+    step = d["obs.step"]
+    steps, at = np.unique(step[wrong], return_inverse=True)
+    has = np.flatnonzero(d["obs.has_dcp"] == 1)
+    has = has[np.isin(step[has], steps)]
+    hat = np.searchsorted(steps, step[has])
+    rows = np.bincount(hat, weights=d["obs.num_reqs"][has], minlength=steps.size).astype(np.int64)
+    edges = [a for a, _ in obs_chunks(rows, BULK_ROWS)][1:]  # (the first step of each block after the first)
+    parts = []
+    for x, k in ((wrong, at), (has, hat)):
+        o = np.argsort(k, kind="stable")
+        parts.append([np.sort(p) for p in np.split(x[o], np.searchsorted(k[o], edges))])
+    return list(zip(*parts))
+
+
+def _rank_sum(d: Dump, wrong: np.ndarray, has: np.ndarray, found: Written) -> None:
+    """check_rank_sum for `wrong` (unique; `has`: the observations with a view in its steps), its findings added to
+    `found`."""
+    N = d.config.dcp_size
     nr = d["obs.num_reqs"].astype(np.int64)
     key = [d["obs.step"], d["obs.site"].astype(np.int64), d["obs.ubatch"].astype(np.int64), nr]
-    has = np.flatnonzero(d["obs.has_dcp"] == 1)
-    has = has[np.isin(key[0][has], key[0][wrong])]  # (the step alone first: a sort of one column, not of four)
     ci, qi = join([k[has] for k in key], [k[wrong] for k in key])
     m = has[np.isin(ci, qi)]  # recorded with a view, in a (step, site, ubatch, num_reqs) of a wrong one
     seg, j, at = ragged(d["obs.rows"][m], nr[m])
@@ -71,7 +94,7 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> FindingTable:
     hit[sets[np.isin(m, wrong)]] = True
     full = np.flatnonzero(hit & (size >= N))  # ranks are < N (the reader checks), so size N is every rank
     if full.size == 0:
-        return found.table()
+        return
     sel = np.isin(sets, full)
     mm, ss = m[sel], sets[sel]
     order = np.lexsort((mm, ss))
@@ -102,7 +125,6 @@ def check_rank_sum(d: Dump, wrong: np.ndarray) -> FindingTable:
                f"not its seq_len {int(want[k])}")
         found.add(i, "rank-sum", msg, row=jr, recorded=int(total[k]), expected=int(want[k]), wrong_rows=int(rows.size),
                   detail={"obs": sorted(int(d.file_obs[x]) for x in group)})
-    return found.table()
 
 
 def rank_sets(d: Dump, idx: np.ndarray) -> np.ndarray:
@@ -259,7 +281,7 @@ def _row_hashes(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, step: in
     offs = d[offs_key]
     lens = np.diff(offs)[idx]
     out = np.zeros(idx.size, np.int64)
-    for lo, hi in _obs_chunks(lens, step):
+    for lo, hi in obs_chunks(lens, step):
         cnt = lens[lo:hi]
         _, j, at = ragged(offs[idx[lo:hi]], cnt)
         v = d.take(rows_key, at).astype(np.int64) + 1  # (mix hashes 0 as 0: shift so a 0 row counts)

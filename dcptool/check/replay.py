@@ -17,7 +17,7 @@ from dcptool.choices import Backend, values
 from dcptool.dcp.reference import local_np
 from dcptool.dcp.rules import DIFFER, PAIRS, PROVENANCE, RULE, RULES, SCAN, SEVERITY, VERSION, WRONG
 from dcptool.dcp.slicing import Ubatch, engine_split
-from dcptool.dump import Dump, DumpError, obs_ref
+from dcptool.dump import Dump, DumpError, MemoryPlan, obs_ref
 from dcptool.gpu.cuda import CudaError, CudaStartError
 
 __all__ = ["RULES", "SEVERITY", "Finding", "LimitError", "ReplayResult", "Source", "expected_of", "local_np", "replay",
@@ -28,7 +28,7 @@ __all__ = ["RULES", "SEVERITY", "Finding", "LimitError", "ReplayResult", "Source
 class Split:
     """`--split K`: what one micro-batch of a recorded full batch must carry."""
 
-    parent: int  # merged index
+    parent: int  # its index in the dump
     parent_obs: int
     file: str
     ubatch: int
@@ -97,10 +97,11 @@ class ReplayResult:
     splits: list[Split] = field(default_factory=list)
     rows_view: RowsView | None = None
     grid: ObsGrid | None = None
-    views: dict[int, RowsView] = field(default_factory=dict)  # merged index -> row view (for --html)
+    views: dict[int, RowsView] = field(default_factory=dict)  # index -> row view, in the run's order (for --html)
     problems: list = field(default_factory=list)  # problems.Problem: the findings grouped by root cause
     capped: int | None = None  # the size cap (bytes) the recording stopped at (dcptool.capped); None: it did not
     gpu_failed: str | None = None  # what failed on the GPU that `auto` replayed on the CPU instead; None: nothing
+    bounded: MemoryPlan | None = None  # the dump read in bounded memory, and why (dump.open_dumps); None: in memory
 
     @property
     def errors(self) -> int:
@@ -123,12 +124,15 @@ class ReplayResult:
                 "first": self.findings[0].to_json() if self.findings else None, "skipped": self.skipped,
                 "backend": self.backend, "device": self.device, "seconds": round(self.seconds, 4),
                 **({} if self.capped is None else {"capped": self.capped}),
-                **({} if self.gpu_failed is None else {"gpu_failed": self.gpu_failed})}
+                **({} if self.gpu_failed is None else {"gpu_failed": self.gpu_failed}),
+                **({} if self.bounded is None else {"memory": {
+                    "read": "bounded", "dump_bytes": self.bounded.dump_bytes, "available_bytes": self.bounded.available,
+                    "forced": self.bounded.forced}})}
 
 
 def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int | None = None,
            views: int = 0, bounded: bool = False, progress=None, engine_version: str | None = None) -> ReplayResult:
-    """Check every observation of a dump; findings in observation order, then the rule table's order.
+    """Check every observation of a dump; findings in the run's order (Dump.order_of), then the rule table's order.
 
     The checks are those of the rule table (dcp.rules) that apply to the dump (check.plan). `views` > 0 adds
     row views of the first `views` observations with findings and of the sources of their stale findings (the
@@ -159,7 +163,8 @@ def replay(d: Dump, backend: str = "auto", *, split: int | None = None, obs: int
     d.finish()  # (a streamed dump: the file validated whole before anything is reported)
     res = ReplayResult(files=d.files, config=c, observations=d.n, findings=FindingTable.concat(d, parts),
                        backend=where.backend, device=where.device, seconds=0.0, skipped=p.skipped, grid=grid,
-                       capped=next((x for x in d.capped if x is not None), None), gpu_failed=where.gpu_failed)
+                       capped=next((x for x in d.capped if x is not None), None), gpu_failed=where.gpu_failed,
+                       bounded=(d.memory or MemoryPlan(True, sum(d.sizes), None)) if d.bounded else None)
     if split is not None:
         res.splits = splits(d, split, version)
         res.findings = merge_split_findings(d, res.findings, res.splits)
@@ -357,7 +362,8 @@ def splits(d: Dump, k: int, engine_version: str | None = None) -> list[Split]:
     version = engine_version if engine_version is not None else c.engine_version
     out = []
     ntp = d["obs.num_tokens_padded"] if d.has("obs.num_tokens_padded") else None
-    for i in _splittable(d):
+    idx = _splittable(d)
+    for i in idx[np.argsort(d.order_of(idx), kind="stable")]:  # (in the run's order)
         nr, nrp = int(d["obs.num_reqs"][i]), int(d["obs.num_reqs_padded"][i])
         for u, ub in enumerate(engine_split(d.qsl_of(i), d.seq_lens_of(i), nr, nrp,
                                             None if ntp is None else int(ntp[i]), k, version)):
@@ -443,4 +449,5 @@ def finding_views(d: Dump, findings: FindingTable, limit: int) -> dict[int, Rows
             budget -= cells
             ks = mine.get(i, np.flatnonzero(index == i).tolist())
             out[i] = rows_view(d, i, [findings[k] for k in ks])
-    return dict(sorted(out.items()))
+    keys = np.array(list(out), np.int64)
+    return {int(i): out[int(i)] for i in keys[np.argsort(d.order_of(keys), kind="stable")]}

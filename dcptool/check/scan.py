@@ -16,7 +16,7 @@ from typing import TypeVar
 import numpy as np
 
 from dcptool.dcp.reference import RowStats, local_of
-from dcptool.dcp.segments import obs_chunks, ragged
+from dcptool.dcp.segments import BULK_ROWS, obs_chunks, ragged
 from dcptool.dump import Dump
 
 CHUNK_ROWS = 1 << 18  # CPU: ~1 MB of int32 per array, so the passes over a chunk stay in L2
@@ -49,8 +49,9 @@ def rows_differ(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, other: n
 class _Pairs:
     """scan(pairs=): each observation's seq_lens rows against those of pairs[i] (-1: none), exactly, in the
     chunk loop while its rows are at hand (rank-agree's comparison without a second pass over the rows).
-    A pair of different lengths differs without a read; one whose rows lie outside the chunk (a chunk's
-    edge, or members recorded far apart) is compared after the scan (rows_differ).
+    A pair of different lengths differs without a read. A pair before the chunk (another rank's file, or a
+    chunk's edge) is compared in the chunk too where the column is in memory; in a bounded dump, or on the GPU
+    (whose chunk holds only its own rows), it is kept for `settle` (the rows a host thread compares).
 
     `pairs` returns that array when first called, by the first chunk: scan() hands in an array's or a
     future's (replay computes rank_pairs on another thread while the scan sets up: buffers, pinned staging).
@@ -78,36 +79,91 @@ class _Pairs:
             self.shift = np.where(lens[other] == lens, self.rows[:-1] - self.rows[other], 0)
             self.other = other  # (last: a thread that sees `other` set finds the rest set)
 
-    def cut(self, lo: int, hi: int) -> np.ndarray:
-        """Chunk [lo, hi)'s shifts, 0 where the pair lies outside the chunk (kept for after the scan)."""
+    def cut(self, lo: int, hi: int, whole: bool = False) -> np.ndarray:
+        """Chunk [lo, hi)'s shifts; unless `whole` (every row at hand), 0 where the pair lies outside the chunk,
+        kept for settle()."""
         self._known()
         sh = self.shift[lo:hi]
+        if whole:
+            return sh
         o = self.other[lo:hi]
         away = (o < lo) | (o >= hi)
         late = np.flatnonzero(away & (sh != 0))
         if late.size:
-            self.late.append(late + lo)
+            with self.lock:
+                self.late.append(late + lo)
             sh = np.where(away, 0, sh)
         return sh
 
+    def settle(self, d: Dump) -> None:
+        """Compare the pairs kept by cut() so far (their rows are read: a pair comes before its observation)."""
+        with self.lock:
+            late, self.late = self.late, []
+        if not late:
+            return
+        late = np.sort(np.concatenate(late))
+        need = max(int(self.rows[late + 1].max()), int(self.rows[self.other[late] + 1].max()))
+        col = d["rows.seq_lens"] if d.bounded else d.upto("rows.seq_lens", need)
+        # spans of late observations (a gap of a few observations compared as 0 shifts: rows against themselves)
+        cut = np.flatnonzero(np.diff(late) > 64) + 1
+        for a, b in zip(np.r_[0, cut].tolist(), np.r_[cut, late.size].tolist()):
+            lo, hi = int(late[a]), int(late[b - 1]) + 1
+            sh = np.zeros(hi - lo, np.int64)
+            sh[late[a:b] - lo] = self.shift[late[a:b]]
+            self.found.append(shifted_differ(col, self.rows, lo, hi, sh))
+            if d.bounded:
+                d.release(0, d.n)
+
     def differ(self, d: Dump) -> np.ndarray:
         self._known()
-        late = np.concatenate(self.late) if self.late else np.zeros(0, np.int64)
-        self.found.append(late[rows_differ(d, "obs.rows", "rows.seq_lens", late, self.other[late])])
+        self.settle(d)
         return np.unique(np.concatenate(self.found))
 
 
-def _shifted_differ(seq: np.ndarray, rel: np.ndarray, sh: np.ndarray) -> np.ndarray:
-    """Observations (chunk-relative) whose rows seq[rel[k]:rel[k+1]] differ from the rows sh[k] before them."""
+RUN_ROWS = 1 << 16  # rows of a run of one shift from which it is compared as two slices (no index per row)
+BLOCK_ROWS = 1 << 22  # rows compared at a time
+
+
+def shifted_differ(col, offs: np.ndarray, lo: int, hi: int, sh: np.ndarray, at: int = 0) -> np.ndarray:
+    """Observations i of [lo, hi) whose rows [offs[i], offs[i + 1]) differ from the rows sh[i - lo] before them
+    (0: not compared), exactly; `col` holds row x at x - at (a chunk's rows, or the column). Runs of observations of
+    one shift (a rank's file against the rank before it) are compared as two slices; the rest through an index per
+    row."""
     if not sh.any():
         return np.zeros(0, np.int64)
-    dt = np.int32 if seq.size < 1 << 31 else np.int64  # (half the bytes per row on the common size)
-    src = np.repeat(sh.astype(dt), np.diff(rel))
-    np.subtract(np.arange(seq.size, dtype=dt), src, out=src)
-    bad = np.flatnonzero(np.take(seq, src) != seq)  # (np.take: twice as fast as seq[src] here)
-    if bad.size == 0:
-        return bad
-    return np.unique(np.searchsorted(rel, bad, "right") - 1)
+    edge = np.flatnonzero(np.diff(sh)) + 1
+    r0, r1 = np.r_[0, edge], np.r_[edge, sh.size]  # runs of one shift, relative to lo
+    rows = offs[lo + r1] - offs[lo + r0]
+    by_slice = (sh[r0] != 0) & (rows >= RUN_ROWS)
+    bad = []
+    for u, v in zip(r0[by_slice].tolist(), r1[by_slice].tolist()):
+        s = int(sh[u])
+        x0, x1 = int(offs[lo + u]), int(offs[lo + v])
+        for y in range(x0, x1, BLOCK_ROWS):
+            z = min(x1, y + BLOCK_ROWS)
+            ne = np.flatnonzero(np.asarray(col[y - at : z - at]) != np.asarray(col[y - s - at : z - s - at]))
+            if ne.size:
+                bad.append(ne + y)
+    rest = sh.copy()
+    for u, v in zip(r0[by_slice].tolist(), r1[by_slice].tolist()):
+        rest[u:v] = 0
+    if rest.any():
+        lens = np.diff(offs[lo : hi + 1])
+        for a, b in obs_chunks(lens, BLOCK_ROWS):
+            if not rest[a:b].any():
+                continue
+            x0, x1 = int(offs[lo + a]), int(offs[lo + b])
+            dt = np.int32 if x1 < 1 << 31 else np.int64  # (half the bytes per row on the common size)
+            src = np.repeat(rest[a:b].astype(dt), lens[a:b])
+            np.subtract(np.arange(x0 - at, x1 - at, dtype=dt), src, out=src)
+            got = np.take(col, src) if isinstance(col, np.ndarray) else col[src]  # (np.take: twice as fast as [])
+            ne = np.flatnonzero(got != np.asarray(col[x0 - at : x1 - at]))
+            if ne.size:
+                bad.append(ne + x0)
+    if not bad:
+        return np.zeros(0, np.int64)
+    pos = np.concatenate(bad)
+    return np.unique(np.searchsorted(offs, pos, "right") - 1)
 
 
 def _padded_positions(rows: np.ndarray, nr: np.ndarray, lo: int, hi: int, base: int) -> np.ndarray:
@@ -149,12 +205,18 @@ class _CpuScan:
         # (d.upto: a streamed dump is still being read; this chunk waits for its own rows only)
         seq = np.asarray(d.upto("rows.seq_lens", b)[a:b])  # read once from the map; the passes below stay in cache
         if self.pairs is not None:
-            sh = self.pairs.cut(lo, hi)
-            got = _shifted_differ(seq, rows[lo : hi + 1] - a, sh)
+            whole = not d.bounded  # (in memory: a pair in an earlier chunk, another rank's file, is read already)
+            sh = self.pairs.cut(lo, hi, whole)
+            if whole:
+                far = int(rows[self.pairs.other[lo:hi] + 1].max(initial=b))
+                got = shifted_differ(d.upto("rows.seq_lens", max(far, b)), rows, lo, hi, sh)
+            else:
+                got = shifted_differ(seq, rows, lo, hi, sh, at=a)
             if got.size:
-                self.pairs.found.append(got + lo)
-        ri = (int(self.rank[lo]) if self.one_rank else
-              np.repeat(self.rank[lo:hi].astype(np.int32), rows[lo + 1 : hi + 1] - rows[lo:hi]))
+                self.pairs.found.append(got)
+        rank = self.rank[lo:hi]
+        ri = (int(rank[0]) if self.one_rank or (rank == rank[0]).all() else  # (a rank's file: one rank a chunk)
+              np.repeat(rank.astype(np.int32), rows[lo + 1 : hi + 1] - rows[lo:hi]))
         exp = local_of(seq, ri, self.N, self.I)
         pad = _padded_positions(rows, self.nr, lo, hi, a)
         exp[pad] = 0
@@ -209,9 +271,15 @@ def _assemble(parts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]) -> Ro
 
 
 def _irregular(d: Dump, sel: np.ndarray) -> RowStats:
-    """Views whose length differs from their seq_lens rows (few; `shape` findings): row j < min(view length,
+    """Views whose length differs from their seq_lens rows (`shape` findings): row j < min(view length,
     num_reqs_padded) against local(seq_lens[j], rank) on real rows and 0 on padded ones, as check_rows (the
-    torch reference) does; numpy, so a CPU replay never imports torch."""
+    torch reference) does; numpy, so a CPU replay never imports torch. In blocks of BULK_ROWS view rows (a
+    recording whose views are mostly short holds a few bytes a row, this check tens)."""
+    lens = np.diff(d["obs.dcp_rows"])[sel]
+    return RowStats.concat([_irregular_block(d, sel[a:b]) for a, b in obs_chunks(lens, BULK_ROWS)])
+
+
+def _irregular_block(d: Dump, sel: np.ndarray) -> RowStats:
     if sel.size == 0:
         return RowStats.empty()
     c = d.config

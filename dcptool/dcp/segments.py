@@ -14,6 +14,9 @@ def ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return seg, j, np.asarray(starts, np.int64)[seg] + j
 
 
+BULK_ROWS = 1 << 20  # rows a vectorised check takes at a time: its temporaries (up to ~130 bytes a row) stay in ~130 MB
+
+
 def obs_chunks(lens: np.ndarray, step: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges of consecutive segments (observations, whole) holding about `step` elements each (one may
     hold more), covering every segment once, in order."""

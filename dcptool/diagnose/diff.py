@@ -241,7 +241,7 @@ def _first_user(s: _Side, buf: np.ndarray) -> np.ndarray:
     """
     n = s.d.n
     fi = s.d.file_index.astype(np.int64)
-    order = np.lexsort((np.arange(n), buf, fi))
+    order = np.lexsort((s.d.order_of(np.arange(n)), buf, fi))  # (first in the run's order)
     start = np.ones(n, bool)
     if n > 1:
         start[1:] = (buf[order][1:] != buf[order][:-1]) | (fi[order][1:] != fi[order][:-1])

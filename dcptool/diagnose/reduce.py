@@ -106,7 +106,9 @@ def subset(d: Dump, keep: np.ndarray, name: str = "reduced") -> Dump:
     """The observations where keep is True, as one in-memory dump: rows gathered, parents renumbered (a
     parent not kept becomes -1), vectorised over observations."""
     idx = np.flatnonzero(keep)
-    new_of = np.cumsum(keep, dtype=np.int64) - 1
+    idx = idx[np.argsort(d.order_of(idx), kind="stable")]  # (in the run's order: by step where files were read)
+    new_of = np.full(d.n, -1, np.int64)
+    new_of[idx] = np.arange(idx.size)
     cols: dict[str, np.ndarray] = {}
     for key, v in d.columns.items():
         if COLUMNS.get(key, ("", ""))[1] == "n":

@@ -3,7 +3,7 @@
 The one package both sides import: the engine writes with it, the offline checks read with it. Its public
 API is re-exported here; inside the package, modules import each other directly."""
 
-from dcptool.dump.files import read_header  # noqa: F401
+from dcptool.dump.files import MemoryPlan, memory_plan, read_header  # noqa: F401
 from dcptool.dump.info import (  # noqa: F401
     DumpInfo,
     describe,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -96,6 +97,45 @@ def available_memory() -> int | None:
     return max(free, avail)
 
 
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a set of files is read: into memory, or bounded (row columns mapped, pages dropped after each read),
+    and why: the files' bytes against the memory available (None where the OS does not say)."""
+
+    bounded: bool
+    dump_bytes: int
+    available: int | None
+    forced: bool = False  # the caller chose (bounded=True or False), not the memory available
+
+    def reason(self) -> str:
+        """Why the set is read as it is, in words (the CLI's line on stderr)."""
+        size = f"{self.dump_bytes / 1e9:.1f} GB"
+        if self.forced:
+            return f"{size} read {'in bounded memory' if self.bounded else 'into memory'}, as asked"
+        if self.available is None:
+            return f"{size} read into memory (the memory available is not known here)"
+        avail = f"{self.available / 1e9:.1f} GB"
+        if self.bounded:
+            return (f"{size} read in bounded memory: over half the memory available ({avail}); slower than in "
+                    "memory")
+        return f"{size} read into memory: up to half the memory available ({avail})"
+
+
+def memory_plan(paths: list[str | os.PathLike], bounded: bool | None = None) -> MemoryPlan:
+    """In memory when the files together take up to half the memory available now, else bounded; `bounded`
+    (True or False) decides instead."""
+    total = 0
+    for p in paths:
+        try:
+            total += os.stat(p).st_size
+        except OSError:
+            pass  # the reader reports it
+    if bounded is not None:
+        return MemoryPlan(bool(bounded), total, None, forced=True)
+    avail = available_memory()
+    return MemoryPlan(avail is not None and total > avail // 2, total, avail)
+
+
 def check_unchanged(p: str, f, before: os.stat_result) -> None:
     """DumpError if the open file f is no longer what was stat'ed as `before` (size, mtime, inode, device)."""
     after = os.fstat(f.fileno())
@@ -115,9 +155,10 @@ def read_data(p: str, f, data_start: int, size: int, before: os.stat_result) -> 
     return buf
 
 
-def pread(p: str, f, buf: np.ndarray, at: int, nbytes: int, base: int, size: int) -> None:
-    """Bytes [at, at + nbytes) of the file (of `size` bytes when opened) into buf[at - base:] (os.preadv: no
-    shared file position, and the GIL released while the kernel copies); DumpError if it ends early."""
+def pread(p: str, f, buf, at: int, nbytes: int, base: int, size: int) -> None:
+    """Bytes [at, at + nbytes) of the file (of `size` bytes when opened) into buf[at - base:] (an array or a
+    memoryview; os.preadv: no shared file position, and the GIL released while the kernel copies); DumpError if it
+    ends early."""
     view = memoryview(buf)[at - base : at - base + nbytes]
     got = 0
     while got < nbytes:

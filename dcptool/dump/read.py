@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcptool.dump import files
-from dcptool.dump.lazy import MergedRows
+from dcptool.dump.lazy import ConcatRows
 from dcptool.dump.ref import obs_ref
 from dcptool.dump.schema import (
     COLUMN_GROUPS,
@@ -25,12 +25,15 @@ from dcptool.dump.schema import (
     parse_config,
     validate_columns,
 )
-from dcptool.dump.stream import Reader, Streamed
+from dcptool.dump.stream import Reader, Source, Streamed
 
 
 @dataclass
 class Dump:
-    """Observations of one or more files, merged in the order docs/format.md gives; columns are numpy."""
+    """Observations of one or more files; columns are numpy. Several files lie end to end in the order given (file
+    f's observations, and each row column's rows, after file f - 1's), each in its own order: what the checks read.
+    The run's order (docs/format.md: by step, then file order, then order in the file; one file: its order) is what
+    reports show: order_of() gives it."""
 
     files: list[str]
     config: DumpConfig
@@ -43,8 +46,30 @@ class Dump:
     maps: dict[str, tuple] = field(default_factory=dict)  # bounded: key -> (mmap, byte offset, itemsize)
     bounded: bool = False  # scan with bounded memory (pages dropped after each chunk): a dump too big for RAM
     idents: list[tuple] = field(default_factory=list)  # (st_dev, st_ino, size, mtime_ns) of each file as read
-    row_parts: dict[str, tuple[int, int]] = field(default_factory=dict)  # see _obs_only
     reader: Reader | None = None  # read_dump(stream=True): the thread still reading the row columns
+    in_order: bool = True  # the observations are in the run's order already (one file; rolled files in step order)
+    recordings: list[int] = field(default_factory=list)  # per file: its recording (merge.recording_ids); []: its own
+    memory: files.MemoryPlan | None = None  # open_dumps: read into memory or bounded, and why
+    _seq: np.ndarray | None = field(default=None, init=False, repr=False)  # (order_of's positions, made on first use)
+
+    def recording_index(self) -> np.ndarray:
+        """[n] int64: the recording of each observation (a file, or the files a Recorder rolled one recording into:
+        what one process recorded, as the checks that follow a buffer across steps need it)."""
+        f = self.file_index.astype(np.int64)
+        return np.asarray(self.recordings, np.int64)[f] if self.recordings else f
+
+    def order_of(self, idx: np.ndarray) -> np.ndarray:
+        """Keys that sort observations idx in the run's order: idx itself where the observations are in it, else
+        their positions in it (a stable sort by step: file order and order in the file are the order here)."""
+        idx = np.asarray(idx, np.int64)
+        if self.in_order:
+            return idx
+        if self._seq is None:
+            order = np.argsort(self.columns["obs.step"], kind="stable")  # (few sorted runs: one per file)
+            seq = np.empty(order.size, np.int64)
+            seq[order] = np.arange(order.size, dtype=np.int64)
+            self._seq = seq
+        return self._seq[idx]
 
     def upto(self, key: str, n: int) -> np.ndarray:
         """self[key] when only its first n values are needed now: a streamed dump waits for those alone (the
@@ -121,7 +146,7 @@ class Dump:
         return obs_ref(self.file_of(i), int(self.file_obs[i]))
 
     def index_of(self, file: int, k: int) -> int | None:
-        """The merged position of observation `k` of file number `file`, or None when it has none."""
+        """The position here of observation `k` of file number `file`, or None when it has none."""
         hit = np.flatnonzero((self.file_index == file) & (self.file_obs == k))
         return int(hit[0]) if hit.size else None
 
@@ -155,7 +180,7 @@ class Dump:
     def release(self, lo: int, hi: int) -> None:
         """Forget the row pages of observations [lo, hi): bounded memory for scans of huge dumps."""
         for v in self.columns.values():
-            if isinstance(v, MergedRows):  # several files read lazily: each read drops its pages; unmap all too
+            if isinstance(v, ConcatRows):  # several files read lazily: each read drops its pages; unmap all too
                 v.files.clear()
         for offs, key in ((o, k) for o, ks in RAGGED.items() for k in ks):
             if key in self.maps:
@@ -194,13 +219,36 @@ def read_dump(path: str | os.PathLike, bounded: bool | None = None, stream: bool
     return got
 
 
-def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
-    """read_dump on the open file f (which a streamed read's thread closes when done)."""
+@dataclass(frozen=True)
+class Head:
+    """A dump file's header, checked (file_head): where its columns lie and what its metadata says."""
+
+    p: str
+    before: os.stat_result  # the file when its header was read (a later read must find it unchanged)
+    data_start: int
+    size: int
+    entries: dict  # key -> (dtype, shape, begin, end) in the data section (check_entries)
+    config: DumpConfig
+    injected: dict | None
+    capped: int | None
+
+    @property
+    def ident(self) -> tuple:
+        return (self.before.st_dev, self.before.st_ino, self.size, self.before.st_mtime_ns)
+
+    def per_obs(self) -> list[str]:
+        """The per-observation columns (one value per observation, or offsets) the file holds."""
+        return [k for k in self.entries if k in COLUMNS and COLUMNS[k][1] in ("n", "n+1")]
+
+    def rows(self) -> list[str]:
+        """The row columns the file holds."""
+        return [k for k in self.entries if k in COLUMNS and COLUMNS[k][1] not in ("n", "n+1")]
+
+
+def file_head(p: str, f) -> Head:
+    """The header of the open dump file f, checked: every rule of docs/format.md that the header alone decides."""
     before = os.fstat(f.fileno())
     header, data_start, size = files.header_of(p, f)
-    if bounded is None:
-        avail = files.available_memory()
-        bounded = avail is not None and size > avail // 2
     meta = header.get("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise fail(p, "__metadata__", "must map strings to strings")
@@ -222,6 +270,15 @@ def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
         if dt != COLUMNS[key][0]:
             raise fail(p, key, f"dtype must be {COLUMNS[key][0]}, got {dt}")
     check_packed(p, entries)
+    return Head(p, before, data_start, size, entries, cfg, injected, capped)
+
+
+def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
+    """read_dump on the open file f (which a streamed read's thread closes when done)."""
+    h = file_head(p, f)
+    data_start, size, entries, cfg, injected = h.data_start, h.size, h.entries, h.config, h.injected
+    if bounded is None:
+        bounded = files.memory_plan([p]).bounded
     stream = stream and not bounded and size > data_start
     try:
         if bounded and size > data_start:
@@ -232,11 +289,11 @@ def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
             base = 0
         elif stream:  # the per-observation columns now, the rows on the reader's thread
             buf, base = np.empty(size - data_start, np.uint8), data_start
-            for key, (_dt, _shape, a, b) in entries.items():
-                if key in COLUMNS and COLUMNS[key][1] in ("n", "n+1"):
-                    files.pread(p, f, buf, data_start + a, b - a, base, size)
+            for key in h.per_obs():
+                _dt, _shape, a, b = entries[key]
+                files.pread(p, f, buf, data_start + a, b - a, base, size)
         else:
-            buf, base = files.read_data(p, f, data_start, size, before), data_start
+            buf, base = files.read_data(p, f, data_start, size, h.before), data_start
     except OSError as e:
         raise fail(p, None, f"cannot read: {e.strerror or e}") from None
     cols: dict[str, np.ndarray] = {}
@@ -255,8 +312,9 @@ def _read_dump(p: str, f, bounded: bool | None, stream: bool) -> Dump:
     n = cols["obs.step"].shape[0]
     reader = None
     if stream:
-        reader = Reader(p, f, buf, base, entries, before, lambda: check_row_values(p, cfg, cols))
+        rows = {k: (data_start + entries[k][2], int(entries[k][1][0]),
+                    buf[entries[k][2] : entries[k][3]]) for k in h.rows()}
+        reader = Reader([Source(p, rows, h.before, lambda: check_row_values(p, cfg, cols), f)])
     return Dump(files=[p], config=cfg, columns=Streamed(cols, reader) if reader else cols,
                 file_index=np.zeros(n, np.int32), file_obs=np.arange(n, dtype=np.int64), injected=[injected],
-                capped=[capped], sizes=[size], maps=maps, bounded=bool(bounded), reader=reader,
-                idents=[(before.st_dev, before.st_ino, size, before.st_mtime_ns)])
+                capped=[h.capped], sizes=[size], maps=maps, bounded=bool(bounded), reader=reader, idents=[h.ident])

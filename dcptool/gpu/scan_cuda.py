@@ -216,7 +216,8 @@ def gpu_scan(d: Dump, views: bool, progress: Callable[[int], None] | None = None
     """Every observation's view (where `views`: dcp_size > 1) and page counts checked by the fused kernels, on the
     GPU where there is one (CudaScan) and under the interpreter otherwise (InterpretedScan): the observations with
     something wrong. `pairs` (the scan's pairs: cut(lo, hi) each chunk's shifts, `found` takes the differing
-    observations) asks for rank-agree's row comparison too.
+    observations, settle(d) compares on the host those whose pair lies outside their chunk) asks for rank-agree's
+    row comparison too.
 
     The GPU failing before the first chunk's result is kept (its start-up, the first chunk's copies and kernels)
     is a CudaStartError: nothing was reported yet, so a CPU scan can take the whole scan's place."""
@@ -239,6 +240,8 @@ def gpu_scan(d: Dump, views: bool, progress: Callable[[int], None] | None = None
                 d.release(lo, hi)
             if k + 1 < len(chunks):
                 run.load(k + 1)
+            if pairs is not None and not bounded:  # pairs outside their chunk (another rank's file), on the host
+                pairs.settle(d)  # while the device checks chunk k
             stats, differ = run.check(k)
             if pairs is not None and differ.size:
                 pairs.found.append(differ + lo)

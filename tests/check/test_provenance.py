@@ -372,3 +372,16 @@ def test_lead_follows_a_streamed_read(tmp_path, monkeypatch, block):
                 if one["obs.num_reqs"][i] > j else 0 for i in range(one.n)]
         assert col.tolist() == want and any(want)
     assert [x.tolist() for x in provenance.Provenance(one).lead()] == [x.tolist() for x in got]
+
+
+@pytest.mark.parametrize("bulk", [1, 7, 64])
+def test_the_search_in_blocks_of_wrong_views_agrees_with_the_naive_precedence(tmp_path, monkeypatch, bulk):
+    """prepare() searches BULK_ROWS recorded rows of wrong views at a time (a recording wrong everywhere is not
+    searched at once): blocks of one view or a few give the precedence's answers."""
+    monkeypatch.setattr(provenance, "BULK_ROWS", bulk)
+    for seed in range(8):
+        d = _coincidental_dump(tmp_path / f"d{seed}.safetensors", seed)
+        for f in replay(d, "torch").findings:
+            if f.rule in ("stale", "global", "wrong-rank", "wrong-interleave", "mismatch"):
+                got = None if f.source is None else (f.source.index, f.source.relation)
+                assert (f.rule, got, f.detail) == naive_explain(d, f.index, _recorded(d, f.index)), f.message

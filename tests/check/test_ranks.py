@@ -14,7 +14,7 @@ from dcptool.check.replay import replay
 from dcptool.dcp import chunks as C
 from dcptool.dcp import topk as TK
 from dcptool.dcp.reference import local_np
-from dcptool.dump import Dump, open_dumps
+from dcptool.dump import Dump, open_dumps, read_dump
 
 
 def test_rank_sum_at_the_observation_completing_the_set(tmp_path):
@@ -241,6 +241,26 @@ def test_rank_agree_row_compare_and_hashes_do_not_depend_on_the_chunking(rng):
     d = _dump([obs(seq=[3, 0], num_reqs=1, num_reqs_padded=2), obs(seq=[3, 1], num_reqs=1, num_reqs_padded=2)], 2)
     h = _row_hashes(d, "obs.rows", "rows.seq_lens", np.arange(2))
     assert h[0] != h[1]
+
+
+@pytest.mark.parametrize("bulk", [1, 200, 5000])
+def test_rank_sum_in_blocks_of_steps_finds_what_one_block_finds(tmp_path, monkeypatch, bulk):
+    """rank-sum adds up the batches of its wrong observations in blocks of whole steps (BULK_ROWS rows each, so a
+    recording wrong everywhere is not added up at once): any block size gives the same findings."""
+    from dcptool.check import ranks
+    from dcptool.check.scan import scan
+    from dcptool.model.simulate import SimConfig, simulate
+
+    p = tmp_path / "legacy.safetensors"
+    simulate(SimConfig(dcp=4, steps=30, pipeline="legacy", seed=5), p)
+    d = read_dump(p)
+    st = scan(d, "torch")
+    wrong = st.obs[st.n_wrong > 0]
+    want = [f.to_json() for f in ranks.check_rank_sum(d, wrong)]
+    assert want
+    monkeypatch.setattr(ranks, "BULK_ROWS", bulk)
+    assert len(ranks._step_blocks(d, np.unique(wrong))) > (1 if bulk < 5000 else 0)
+    assert [f.to_json() for f in ranks.check_rank_sum(d, wrong)] == want
 
 
 # --------------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def test_cpu_scan_of_rollover_files_read_lazily(tmp_path, monkeypatch, threads):
     from dcptool.dump import lazy
 
     monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 900)
-    monkeypatch.setattr(lazy, "_max_open_files", lambda: 2)
+    monkeypatch.setattr(lazy, "max_open_files", lambda: 2)
     paths = _rollover(tmp_path, np.random.default_rng(6), n=150, files=5, sorted_steps=False)
     want_obs, want = reference_stats(open_dumps(paths, bounded=False))
     got_obs, got = as_array(scan_mod.scan(open_dumps(paths, bounded=True), "torch", bounded=True, threads=threads))
@@ -134,3 +134,30 @@ def test_cpu_scan_default_threads_agree(tmp_path, monkeypatch):
     assert np.array_equal(many.differ, one.differ) and many.differ.size
     d, pairs, want = pair_dump(tmp_path / "d.safetensors", np.random.default_rng(2))
     assert np.array_equal(scan_mod.scan(d, "torch", pairs=pairs).differ, want)
+
+
+@pytest.mark.parametrize("run_rows", [1, 200, 1 << 16])
+@pytest.mark.parametrize("read", ["memory", "stream", "bounded"])
+def test_cpu_scan_compares_pairs_across_rank_files(tmp_path, monkeypatch, run_rows, read):
+    """Rank files end to end: each observation's pair is the one of the rank before, in another file. Compared in
+    the chunk against the column in memory (runs of one shift as two slices from RUN_ROWS rows on), or after the
+    scan in a bounded read; exactly, at any chunking."""
+    from scan_cases import rank_pair_files
+
+    monkeypatch.setattr(scan_mod, "CHUNK_ROWS", 700)
+    monkeypatch.setattr(scan_mod, "RUN_ROWS", run_rows)
+    paths, pairs, want = rank_pair_files(tmp_path, np.random.default_rng(run_rows))
+    d = open_dumps(paths, bounded=read == "bounded", stream=read == "stream")
+    got = scan_mod.scan(d, "torch", pairs=pairs, bounded=d.bounded).differ
+    d.finish()
+    assert np.array_equal(got, want) and 0 < want.size < d.n // 2
+
+
+@pytest.mark.parametrize("bulk", [1, 300])
+def test_cpu_scan_checks_irregular_views_in_blocks(tmp_path, monkeypatch, bulk):
+    """Views of another length than their batch are checked BULK_ROWS rows at a time: the same statistics."""
+    d = random_dump(tmp_path / "d.safetensors", np.random.default_rng(11), 120, 4, 2)
+    want_obs, want = reference_stats(d)
+    monkeypatch.setattr(scan_mod, "BULK_ROWS", bulk)
+    got_obs, got = as_array(scan_mod.scan(d, "torch"))
+    assert np.array_equal(got_obs, want_obs) and np.array_equal(got, want) and want_obs.size

@@ -1,5 +1,5 @@
-"""dump/lazy.py: rollover files merged lazily (row columns left in the files, read on demand) give what the
-in-memory merge gives, hold few files open, notice a replaced file, and replay in bounded memory."""
+"""dump/lazy.py: rollover files read lazily (row columns left in the files, read on demand) give what the
+in-memory read gives, hold few files open, notice a replaced file, and replay in bounded memory."""
 
 import json
 import os
@@ -23,17 +23,21 @@ def _same_dump(a, b):
 def test_lazy_merge_equals_the_in_memory_merge(tmp_path, monkeypatch, seed):
     from dcptool.check import scan as scan_mod
     from dcptool.check.replay import replay
-    from dcptool.dump.lazy import MergedRows
+    from dcptool.dump.lazy import ConcatRows
 
     rng = np.random.default_rng(seed)
     paths = rollover_files(tmp_path, rng, files=[2, 4, 7][seed % 3], sorted_steps=seed < 3)
     mem, lazy = open_dumps(paths, bounded=False), open_dumps(paths, bounded=True)
-    assert not mem.bounded and lazy.bounded and isinstance(lazy["rows.seq_lens"], MergedRows)
+    assert not mem.bounded and lazy.bounded and isinstance(lazy["rows.seq_lens"], ConcatRows)
     _same_dump(mem, lazy)
-    # against each file read alone: merged observation i is observation file_obs[i] of file file_index[i]
+    # against each file read alone: observation i is observation file_obs[i] of file file_index[i], the files end
+    # to end; order_of sorts them by step, then file, then order in the file
     alone = [read_dump(p) for p in paths]
+    assert mem.file_index.tolist() == sorted(mem.file_index.tolist())
+    assert mem.file_obs.tolist() == [k for f in alone for k in range(f.n)]
     order = sorted(range(mem.n), key=lambda i: (mem["obs.step"][i], mem.file_index[i], mem.file_obs[i]))
-    assert order == list(range(mem.n))
+    assert np.argsort(mem.order_of(np.arange(mem.n))).tolist() == order
+    assert mem.in_order == (order == list(range(mem.n)))
     for i in range(mem.n):
         f, k = alone[mem.file_index[i]], int(mem.file_obs[i])
         assert mem["obs.step"][i] == f["obs.step"][k] and mem.site_name(i) == f.site_name(k)
@@ -57,7 +61,8 @@ def test_lazy_merge_equals_the_in_memory_merge(tmp_path, monkeypatch, seed):
 
 
 def test_lazy_merge_keeps_the_order_rule_and_parents(tmp_path):
-    """docs/format.md: by step, then file order, then order within the file; parents stay within their file."""
+    """The files end to end, each in its own order; the run's order (order_of) by step, then file order, then order
+    within the file (docs/format.md); parents stay within their file."""
     a = write(tmp_path / "r0.safetensors", [obs(step=0, site="x"), obs(step=1, site="x"),
                                             obs(step=2, site="x", ubatch=0, parent=1)])
     b = write(tmp_path / "r1.safetensors",
@@ -65,20 +70,21 @@ def test_lazy_merge_keeps_the_order_rule_and_parents(tmp_path):
               + [obs(step=3, rank=1, site="y", ubatch=0, parent=0)])
     c = write(tmp_path / "r2.safetensors", [obs(step=2), obs(step=2, ubatch=0, parent=0), obs(step=0)])
     d = open_dumps([a, b, c], bounded=True)
-    assert d.bounded and d["obs.step"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
-    assert d.file_index.tolist() == [0, 1, 2, 0, 1, 1, 0, 2, 2, 1]
-    assert d.file_obs.tolist() == [0, 0, 2, 1, 1, 2, 2, 0, 1, 3]
-    assert d["obs.parent"].tolist() == [-1, -1, -1, -1, -1, -1, 3, -1, 7, 1]
-    assert [d.site_name(i) for i in (0, 1, 9)] == ["x", "y", "y"]
+    assert d.bounded and d["obs.step"].tolist() == [0, 1, 2, 0, 1, 1, 3, 2, 2, 0]
+    assert d.file_index.tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert d.file_obs.tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1, 2]
+    assert d["obs.parent"].tolist() == [-1, -1, 1, -1, -1, -1, 3, -1, 7, -1]
+    assert [d.site_name(i) for i in (0, 3, 6)] == ["x", "y", "y"]
+    assert not d.in_order and np.argsort(d.order_of(np.arange(d.n))).tolist() == [0, 3, 9, 1, 4, 5, 2, 7, 8, 6]
     _same_dump(open_dumps([a, b, c], bounded=False), d)
-    assert d.dcp_of(1).tolist() == [8, 12, 0, 0]  # rank 1's rows followed their observation, from file 1
+    assert d.dcp_of(3).tolist() == [8, 12, 0, 0]  # rank 1's rows followed their observation, from file 1
 
 
 def test_lazy_merge_holds_few_files_open(tmp_path, monkeypatch):
     """Each mapping keeps a descriptor: only a few files are mapped at a time (least recently used closed)."""
     from dcptool.check.replay import replay
 
-    monkeypatch.setattr(lazy, "_max_open_files", lambda: 4)
+    monkeypatch.setattr(lazy, "max_open_files", lambda: 4)
     paths = rollover_files(tmp_path, np.random.default_rng(5), n=300, files=12, sorted_steps=False)
     merged = open_dumps(paths, bounded=True)
     got = replay(merged, "torch", bounded=True)
@@ -179,13 +185,14 @@ def test_commands_read_rollover_files_over_the_bound_lazily(tmp_path, monkeypatc
 
     paths = rollover_files(tmp_path, np.random.default_rng(9), files=5)
     d = str(tmp_path)
-    runs = {}
+    runs, said = {}, []
 
     def parsed(out: str) -> list:
         rows = [json.loads(line) for line in out.splitlines()]
         for row in rows:
             if isinstance(row, dict):
                 row.pop("seconds", None)
+                said.append(row.pop("memory", None))
         return rows
 
     for avail in (1 << 40, 64):  # plenty of memory, then none: lazy
@@ -195,6 +202,10 @@ def test_commands_read_rollover_files_over_the_bound_lazily(tmp_path, monkeypatc
         runs[avail] = [(x.exit_code, parsed(x.stdout)) for x in r]
     assert [c for c, _ in runs[64]] == [1, 0, 0] and len(runs[64][0][1]) > 10
     assert runs[64] == runs[1 << 40]
+    # replay's summary says the bounded read (and nothing in memory); inspect and diff say nothing of it
+    bounded = {"read": "bounded", "dump_bytes": sum(os.path.getsize(p) for p in paths), "available_bytes": 64,
+               "forced": False}
+    assert [m for m in said if m is not None] == [bounded]
 
 
 def test_a_lazily_merged_file_replaced_before_its_rows_are_read_is_one_line(tmp_path, monkeypatch):
@@ -216,8 +227,10 @@ def test_a_lazily_merged_file_replaced_before_its_rows_are_read_is_one_line(tmp_
 
     monkeypatch.setattr(replay_mod, "replay", replaced_then_replay)
     r = CliRunner().invoke(app, ["replay", str(tmp_path), "--json"])
-    assert r.exit_code == 2 and r.stdout == "" and r.stderr.count("\n") == 1, (r.stdout, r.stderr)
-    assert r.stderr.startswith(f"dcptool: {paths[1]}: changed while being read"), r.stderr
+    # the bounded read is said before the work starts; the error is then one line
+    note, error = r.stderr.splitlines(keepends=True)
+    assert r.exit_code == 2 and r.stdout == "" and note.startswith("dcptool replay: ") and "bounded memory" in note
+    assert error.startswith(f"dcptool: {paths[1]}: changed while being read") and error.endswith("\n"), r.stderr
 
 
 @pytest.mark.parametrize("pipeline", ["legacy", "fixed"])

@@ -94,11 +94,11 @@ print(json.dumps(res.by_rule()), d.n, int(d["rows.seq_lens"].sum()))
     assert r.stdout.split() == ['{"missing":', "1}", "5000", str(5000 * 42)]
 
 
-def test_index_of_finds_an_observation_of_a_file_in_the_merged_run(tmp_path):
+def test_index_of_finds_an_observation_of_a_file_in_the_run(tmp_path):
     from conftest import obs, write
 
     a = write(tmp_path / "a.safetensors", [obs(step=1), obs(step=3)])
     b = write(tmp_path / "b.safetensors", [obs(step=2, rank=1)])
-    d = open_dumps([a, b])  # merged by step: a0, b0, a1
-    assert [d.index_of(0, 0), d.index_of(1, 0), d.index_of(0, 1)] == [0, 1, 2]
+    d = open_dumps([a, b])  # end to end: a0, a1, b0
+    assert [d.index_of(0, 0), d.index_of(1, 0), d.index_of(0, 1)] == [0, 2, 1]
     assert d.index_of(1, 1) is None and d.index_of(2, 0) is None

@@ -111,15 +111,16 @@ def test_rolled_files_keep_each_transfer_with_its_observation(tmp_path, rng):
 
 @pytest.mark.parametrize("bounded", [False, True])
 def test_files_merged_by_step_keep_their_transfers(tmp_path, rng, bounded):
-    """Two ranks' files interleaved by step, merged in memory or lazily (rows left in the files): each transfer's rows
-    follow its observation."""
+    """Two ranks' files interleaved by step, read together in memory or bounded (rows left in the files): each
+    transfer's rows follow its observation."""
     a = [random_transfer(rng) for _ in range(5)]
     b = [random_transfer(rng) for _ in range(5)]
     fa, fb = record(tmp_path / "a.safetensors", a, dcp=8), record(tmp_path / "b.safetensors", b, dcp=8)
     d = open_dumps([fa, fb], bounded=bounded)
+    run = np.argsort(d.order_of(np.arange(d.n)))  # the observations in the run's order (by step, then file)
     for k in range(10):
         t = (a, b)[k % 2][k // 2]
-        i = 4 * (k // 2) + 2 * (k % 2) + 1  # (step k//2: a's two observations, then b's)
+        i = run[4 * (k // 2) + 2 * (k % 2) + 1]  # (step k//2: a's two observations, then b's)
         x = d[OFFSETS["xcopy"]]
         got = np.stack([np.asarray(d[c.key][x[i]:x[i + 1]]) for c in COLUMNS_OF["xcopy"]], axis=1)
         assert np.array_equal(got, np.asarray(t["copies"]).reshape(-1, 7)), k

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import random_dump
-from scan_cases import Future, as_array, pair_dump, reference_stats, streamed_scan_agrees
+from scan_cases import Future, as_array, pair_dump, rank_pair_files, reference_stats, streamed_scan_agrees
 
 from dcptool.check import scan as scan_mod
 from dcptool.dcp import fused
@@ -382,6 +382,18 @@ def test_triton_scan_compares_pairs_exactly(tmp_path, monkeypatch, target):
     assert np.array_equal(scan_mod.scan(d, "triton", pairs=pairs).differ, want) and want.size
     # the pairs known only after the first chunks (the rest compared after the scan)
     assert np.array_equal(scan_mod.scan(d, "triton", pairs=Future(pairs)).differ, want)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("read", ["stream", "bounded"])
+def test_triton_scan_compares_pairs_across_rank_files(tmp_path, monkeypatch, read):
+    """Rank files end to end: each pair lies in another file, outside the staged chunk; the host compares it (while
+    the device checks a chunk, or after a bounded scan): the same observations differ."""
+    monkeypatch.setattr(scan_cuda, "GPU_CHUNK_ROWS", 1000)
+    monkeypatch.setattr(scan_mod, "RUN_ROWS", 200)
+    paths, pairs, want = rank_pair_files(tmp_path, np.random.default_rng(3), steps=30)
+    d = open_dumps(paths, bounded=read == "bounded", stream=read == "stream")
+    assert np.array_equal(scan_mod.scan(d, "triton", pairs=pairs, bounded=d.bounded).differ, want) and want.size
 
 
 @pytest.mark.kernel
