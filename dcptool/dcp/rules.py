@@ -196,7 +196,7 @@ RULE_ORDER = {r: i for i, r in enumerate(RULES)}
 # The order replay lists skipped checks in (the text and HTML reports' lines, the JSON summary's keys): rank-sum,
 # which dcp_size rules out, first; then the micro-batch columns' checks; then the rest in table order.
 SKIPPED_ORDER = ("rank-sum", "ubatch-slice", "stale/parent-rows", "alias", "alias/graph", "pages", "empty-mask",
-                 "tot-lens", "rank-agree", "slots", "ctx-agree", "topk-agree")
+                 "tot-lens", "rank-agree", "slots", "slot-partition", "ctx-agree", "topk-agree")
 
 
 class DeviceCheck(NamedTuple):

@@ -1,4 +1,4 @@
-"""Root causes (issue 17 items 1-2): findings grouped into problems, and known vLLM bugs named only where the
+"""Root causes: findings grouped into problems, and known vLLM bugs named only where the
 signature and the recorded version match."""
 
 from __future__ import annotations

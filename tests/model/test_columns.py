@@ -1,5 +1,5 @@
-"""columns.py (issue 15): the decode path's dcp_query_start_loc and global companion, the slot mappings (under PCP
-too: issue 26), and the faults injected on them, each found exactly where it touched."""
+"""columns.py: the decode path's dcp_query_start_loc and global companion, the slot mappings (under PCP
+too), and the faults injected on them, each found exactly where it touched."""
 
 import numpy as np
 import pytest
@@ -61,7 +61,7 @@ def test_issue15_fault_found_exactly_where_it_touched_per_rank_files_too(fault, 
 
 
 def test_slot_faults_per_rank_files_like_one_file(tmp_path):
-    """Issue 15: the slot columns go through observe() per rank as through observe_many(), and each slot fault
+    """the slot columns go through observe() per rank as through observe_many(), and each slot fault
     is found exactly where it touched in either layout; the fixed pipeline writes them and replays clean."""
     cfg = SimConfig(dcp=4, interleave=2, pcp=1, inject=("slot-wrong-group", "slot-all-ranks"), **SMALL)
     one, d1, r1 = run(cfg, tmp_path, "one.safetensors")
@@ -76,7 +76,7 @@ def test_slot_faults_per_rank_files_like_one_file(tmp_path):
 
 
 def test_pcp_local_rows_write_their_requests_slots_owned_over_dcp_only():
-    """Issue 26 item 4: under PCP a rank's batch is its local rows. A prefill's two chunks (chunks p and 2P-1-p) are two
+    """under PCP a rank's batch is its local rows. A prefill's two chunks (chunks p and 2P-1-p) are two
     rows of one request: they write into that request's blocks, at the positions the chunks cover; a decode every PCP
     rank holds writes the same slot on each. Ownership is over the DCP ranks only (vLLM's BlockTables(cp_size=
     dcp_size)), never pcp_size * dcp_size: across the DCP ranks of one PCP rank each token is written exactly once."""

@@ -1,4 +1,4 @@
-"""What vLLM's attention-metadata builders hand attention, recorded through the plugin (issue 26) and replayed: the
+"""What vLLM's attention-metadata builders hand attention, recorded through the plugin and replayed: the
 FlashInfer builder's dcp_query_start_loc (0.30+) and the page counts of its plans, the MLA common builder's
 dcp_tot_seq_lens. The builders are vLLM's own (backends.py), run by vLLM's build_attn_metadata for batches vLLM builds;
 the empty-mask, tot-lens and pages rules check their values. Post-fix releases replay clean; 0.29's FlashInfer plans
