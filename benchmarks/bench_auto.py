@@ -1,4 +1,4 @@
-"""The replay backends as users run them: one fresh `dcptool replay` process per run (issue 28 item 9).
+"""The replay backends as users run them: one fresh `dcptool replay` process per run.
 
     python benchmarks/bench_auto.py                           # 1e3, 1e5, 1e6, 3e6 observations, 3 runs each
     python benchmarks/bench_auto.py --sizes 1e3,1e5 --runs 5

@@ -1,5 +1,5 @@
-"""Provenance on the hostile case: thousands of wrong views of one rank in one step (issue 12 item 9,
-issue 16 item 1; it took 428 s at 4,000 when each finding was compared with every earlier one).
+"""Provenance on the hostile case: thousands of wrong views of one rank in one step (no
+quadratic path: docs/performance.md has what it cost when each finding was compared with every earlier one).
 
     python benchmarks/bench_provenance.py                   # 1,000 .. 16,000 wrong views
     python benchmarks/bench_provenance.py --sizes 4000 --backend torch

@@ -28,7 +28,7 @@ tensor attribute calls cost about the same there.
 compiled launcher, Triton's dispatch) timed in one run: the launch alone, Recorder.observe and the Guard's observe
 with that way, the GPU time per snapshot (bench_record_launch.py); --cuda runs it too.
 
---sets: each argument set the vLLM plugin passes (the fast-path set, + positions and slot mappings, + issue 15's
+--sets: each argument set the vLLM plugin passes (the fast-path set, + positions and slot mappings, + the decode path's
 rows, + kv_pages), decode and prefill, off / sync / device snapshot, host syncs counted (bench_record_sets.py);
 --cpu: a reduced run on the CPU (host ring, interpreted kernel), what the tests can run.
 

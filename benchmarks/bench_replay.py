@@ -2,9 +2,9 @@
 
     python benchmarks/bench_replay.py                    # 1e4, 1e5, 1e6 (dumps cached in bench-data/)
     python benchmarks/bench_replay.py --sizes 1e4,1e5 --backend torch
-    python benchmarks/bench_replay.py --sizes 1e5,1e6,dense --no-baseline-above 1e5 --phases   # issue 16's set
+    python benchmarks/bench_replay.py --sizes 1e5,1e6,dense --no-baseline-above 1e5 --phases   # performance.md
 
-`dense` is the finding-dense legacy recording of issue 16 (`simulate --dcp 8 --steps 3000 --pipeline
+`dense` is the finding-dense legacy recording (`simulate --dcp 8 --steps 3000 --pipeline
 legacy`: 99,008 observations, 138,839 findings), made once into bench-data/. `--phases` adds the time of
 each replay phase and its cost in observation-scan units (the progress bar's weights, replay.W_*).
 The peak memory of replay is also measured with tracemalloc in a run of its own (numpy's buffers are
@@ -285,7 +285,7 @@ def run_cli(path: str, backend: str) -> dict:
 
 
 def make_dense(path: Path) -> None:
-    """Issue 16's finding-dense recording: vLLM's legacy ordering, DCP 8, 3,000 steps."""
+    """The finding-dense recording: vLLM's legacy ordering, DCP 8, 3,000 steps."""
     subprocess.run([sys.executable, "-m", "dcptool", "simulate", "--dcp", "8", "--steps", "3000", "--pipeline",
                     "legacy", "-o", str(path), "--force"], check=True, capture_output=True,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})

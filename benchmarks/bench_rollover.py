@@ -6,7 +6,7 @@ Writes bench_replay's dump of --obs observations (bench-data/, reused) and the s
 into --files rollover files, then replays each way in its own child process (peak memory = VmHWM):
 - one file, read into memory (the baseline);
 - one file, bounded (mapped, pages dropped per chunk);
-- the files merged in memory (what open_dumps does with files that fit: before issue 16 item 5, always);
+- the files merged in memory (what open_dumps does with files that fit);
 - the files merged lazily (bounded: rows read from the files on demand; used when the files together
   are over half the memory available).
 Times are library calls (open + replay, torch backend), start-up excluded. Findings must be the same

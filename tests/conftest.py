@@ -341,7 +341,7 @@ def dev(request):
     return torch.device(request.param)
 
 
-# Extremes of the int32 range the reader accepts (issue 12 item 11): every backend and kernel must agree there.
+# Extremes of the int32 range the reader accepts: every backend and kernel must agree there.
 I32 = 2**31 - 1
 EXTREME_SEQ = [0, 1, 2, 15, 16, 17, 2**30, 2**30 + 1, I32 - 16, I32 - 15, I32 - 1, I32]
 

@@ -1,4 +1,4 @@
-"""The slot checks as they were before: old_* the whole-column implementation (before issue 16's chunks),
+"""The slot checks as they were before: old_* the whole-column implementation (before chunks),
 chunked_* the chunked one of main d07e667 (before the one-pass screen). The references dcptool.check.slots.check_slots /
 check_slot_partition are compared against (tests/check/test_slots.py) and timed against (benchmarks/bench_coverage.py
 --slots). Not part of the package."""

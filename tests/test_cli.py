@@ -113,7 +113,7 @@ def test_max_findings_limits_output_not_counts(tmp_path):
     p = write(tmp_path / "m.safetensors", [obs(step=i, view=None) for i in range(10)])
     r = cli("replay", p, "--json", "--max-findings", "3")
     lines = [json.loads(x) for x in r.stdout.splitlines()]
-    lines = [x for x in lines if x["type"] != "problem"]  # (issue 17: problem objects reference all 10)
+    lines = [x for x in lines if x["type"] != "problem"]  # (problem objects reference all 10)
     assert len(lines) == 4 and lines[-1]["findings"] == 10
 
 
@@ -625,7 +625,7 @@ def test_error_lines_escape_what_a_path_holds(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# issue 17: reduce and export-test (their behaviour: tests/diagnose/test_reduce.py, tests/diagnose/test_export.py)
+# reduce and export-test (their behaviour: tests/diagnose/test_reduce.py, tests/diagnose/test_export.py)
 
 
 def test_diagnosis_commands_are_listed_and_need_their_options(tmp_path):
@@ -654,7 +654,7 @@ def test_reduce_refuses_to_write_over_its_input(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Hardening III: the CLI as a newcomer meets it (issue 28 items 1, 2, 3, 6, 7)
+# Hardening III: the CLI as a newcomer meets it
 
 COMMANDS = ("replay", "diff", "inspect", "simulate", "reduce", "export-test")
 

@@ -1,4 +1,4 @@
-"""Fuzzing (issue 7): hostile and broken dumps through the reader and every command that takes a dump.
+"""Fuzzing: hostile and broken dumps through the reader and every command that takes a dump.
 
 Cases start from valid dumps (seeded random ones and the bundled samples) and mutate them:
 truncation in every region, bit flips, metadata of wrong types, huge/negative sizes and offsets,
@@ -1071,7 +1071,7 @@ def test_cli_subprocess_non_utf8_name_with_findings(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Whatever the reader accepts replays (issue 12, item 7): odd but structurally valid dumps, written
+# Whatever the reader accepts replays: odd but structurally valid dumps, written
 # through dcptool's own writer, through every command. Mutations above mostly produce files the reader
 # rejects; these are all accepted, so every check, slicer and renderer has to cope with their values.
 

@@ -1,4 +1,4 @@
-"""Bounded cost on small hostile files (issue 12 item 9; docs/limits.md).
+"""Bounded cost on small hostile files (docs/limits.md).
 
 Each file here is kilobytes to a few megabytes and once cost gigabytes or minutes. Where the old
 code blew up in memory or time, the command runs in a subprocess under a resource guard

@@ -20,7 +20,7 @@ RUNNER = CliRunner()
 def test_diff_parent_sentinel_is_not_a_real_key(tmp_path):
     """A missing parent (-1) against a parent at step -2^62, site 0, rank 0, micro-batch 0, occurrence 0:
     the 'no parent' key sentinel used to be forced into the int32 columns: numpy 2.5 raises OverflowError
-    (issue 12, diff.py:228); numpy 2.4 silently wraps it to 0, a real rank and micro-batch."""
+    (diff.py); numpy 2.4 silently wraps it to 0, a real rank and micro-batch."""
     far = -(2**62)
     common = [obs(step=far, ubatch=0), obs(step=7, parent=0)]
     a = write(tmp_path / "a.safetensors", [*common, obs(step=9)])

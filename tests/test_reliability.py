@@ -1,4 +1,4 @@
-"""Nothing lost (issue 7): the Recorder under SIGKILL and garbage values, writers on a full disk.
+"""Nothing lost: the Recorder under SIGKILL and garbage values, writers on a full disk.
 
 A recording process is killed with SIGKILL at random points (between observations, and at every
 stage of an atomic write); what remains must read and replay, hold exactly the observations of
@@ -174,7 +174,7 @@ def replay_clean(files: list[Path]) -> None:
     from dcptool.check.replay import replay
 
     res = replay(open_dumps(files), "torch")
-    # (gen's two ranks record unrelated batches at one step: rank-agree, issue 15, says so; not a damaged file)
+    # (gen's two ranks record unrelated batches at one step: rank-agree, says so; not a damaged file)
     assert {f.rule for f in res.findings} <= {"missing", "rank-agree"}
     assert sum(f.rule == "missing" for f in res.findings) == sum(
         gen(i)["dcp_local_seq_lens"] is None for i in range(res.observations))

@@ -7,7 +7,7 @@ an untouched replay takes (start-up, then the rows read while the scan follows),
 simulated run's bytes over it (the same inode, another length), or a plain truncation, in turn.
 Every run must end with exit 0 or 1 (the rewrite came after the read: the report is of the file as read) or exit 2
 and one line on stderr (the file changed while being read); anything else (134: an abort, 135: SIGBUS, a
-traceback, a second line) is counted as wrong and printed. Hardening III item 5 (issue 28); the test that runs
+traceback, a second line) is counted as wrong and printed. Hardening III item 5; the test that runs
 the same at two fixed points of the read is tests/dump/test_stream.py.
 """
 

@@ -8,9 +8,11 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from dcptool.check.findings import FindingTable
 from dcptool.check.later import value
-from dcptool.dcp.rules import RULE, SHARDED, SKIPPED_ORDER, TABLE, Rule, applies
+from dcptool.dcp.rules import RANKS, RULE, SHARDED, SKIPPED_ORDER, TABLE, Rule, applies
 from dcptool.dump import Dump
 
 
@@ -36,7 +38,8 @@ class Plan:
     named by its first rule, whose rules do not apply at this dcp_size (said for SHARDED rules only: the view rules
     and `stray` stand for each other) or whose columns are not recorded, and a rule's part (`rule/part`) whose own
     columns are not recorded while the rule's are; not a quiet check whose columns the dump does not have (a feature
-    it does not have). In SKIPPED_ORDER."""
+    it does not have); a cross-rank rule (scope RANKS) when the dump holds one rank's observations alone (one file
+    of the plugin's one-file-per-rank layout: its batches have no other rank to compare with). In SKIPPED_ORDER."""
 
     run: dict[str, tuple[Rule, ...]]
     skipped: dict[str, str]
@@ -69,7 +72,24 @@ def plan(d: Dump) -> Plan:
             skipped[first.name] = first.unrecorded
         else:
             run[check] = live
+    alone = _lone_rank(d, N)
+    if alone is not None:
+        for check, rules in tuple(run.items()):
+            across = [r for r in rules if r.scope == RANKS]
+            skipped.update({r.name: alone for r in across})
+            if len(across) == len(rules):
+                del run[check]
     return Plan(run, dict(sorted(skipped.items(), key=lambda kv: SKIPPED_ORDER.index(kv[0]))))
+
+
+def _lone_rank(d: Dump, N: int) -> str | None:
+    """Why the cross-rank rules are not checked, when the dump (dcp_size N > 1) holds one rank's observations alone."""
+    if N <= 1 or d.n == 0:
+        return None
+    held = np.flatnonzero(np.bincount(d["obs.rank"].astype(np.int64), minlength=N))
+    if len(held) > 1:
+        return None
+    return f"only rank {held[0]} of {N} is recorded here: replay the ranks' files together (a directory or a glob)"
 
 
 def run_check(d: Dump, rule: Rule, inputs: dict) -> FindingTable:

@@ -100,10 +100,12 @@ class KnownBug:
     since: str | None  # first affected release
     before: str | None  # first release without it
     main: str | None  # lived only on vLLM main (no release)
+    project: str = "vLLM"  # whose bug (vllm-ascend's: matched only where the recorded engine names it)
 
     @property
     def name(self) -> str:
-        return f"vLLM PR #{self.pr}" if self.pr is not None else f"the known vLLM bug '{self.title}'"
+        return (f"{self.project} PR #{self.pr}" if self.pr is not None
+                else f"the known {self.project} bug '{self.title}'")
 
 
 def known_bugs() -> tuple[KnownBug, ...]:
@@ -114,7 +116,8 @@ def known_bugs() -> tuple[KnownBug, ...]:
         a = b.get("affected", {})
         out.append(KnownBug(id=b["id"], title=b["title"], rule=b["rule"], relation=b.get("relation"),
                             sites=tuple(b.get("sites") or ()), pr=b.get("pr"), fixed_in=b.get("fixed_in"),
-                            since=a.get("from"), before=a.get("before"), main=a.get("main")))
+                            since=a.get("from"), before=a.get("before"), main=a.get("main"),
+                            project=b.get("project", "vLLM")))
     return tuple(out)
 
 
@@ -169,25 +172,28 @@ class BugMatch:
 
 def match_known(rule: str, relation: str | None, sites: tuple[str, ...], engine_version: str | None,
                 bugs: tuple[KnownBug, ...] | None = None) -> BugMatch | None:
-    """The known bug with this signature (rule, relation, a site it lives at) and the version's verdict;
-    None when no signature fits."""
-    for b in known_bugs() if bugs is None else bugs:
-        if b.rule != rule or (b.relation or None) != (relation or None):
-            continue
-        if b.sites and not set(sites) & set(b.sites):
-            continue
-        v = parse_version(engine_version)
-        if v is None:
-            return BugMatch(b, "no-version", None)
-        (ver, dev), rec = v, engine_version.strip()
-        if b.main is not None:  # main only: no release had it; a development build may
-            return BugMatch(b, "dev" if dev else "not-affected", rec)
-        if dev and b.before is not None and ver == _v(b.before):
-            return BugMatch(b, "dev", rec)  # a build on main before the fixing release
-        inside = (b.since is None or ver >= _v(b.since)) and (b.before is None or ver < _v(b.before))
-        return BugMatch(b, "match" if inside else ("fixed" if b.before and ver >= _v(b.before) else "not-affected"),
-                        rec)
-    return None
+    """The known bug with this signature (rule, relation, a site it lives at) and the version's verdict; of
+    several with the signature (bugs of different releases one rule catches), the first the version has, else the
+    first; None when no signature fits."""
+    found = [_verdict(b, engine_version) for b in (known_bugs() if bugs is None else bugs)
+             if b.rule == rule and (b.relation or None) == (relation or None)
+             and not (b.sites and not set(sites) & set(b.sites))
+             and (b.project == "vLLM" or b.project.lower() in (engine_version or "").lower())]
+    # (another project's bug is matched only where the recorded engine names it: its releases are not vLLM's)
+    return next((m for m in found if m.named), found[0] if found else None)
+
+
+def _verdict(b: KnownBug, engine_version: str | None) -> BugMatch:
+    v = parse_version(engine_version)
+    if v is None:
+        return BugMatch(b, "no-version", None)
+    (ver, dev), rec = v, engine_version.strip()
+    if b.main is not None:  # main only: no release had it; a development build may
+        return BugMatch(b, "dev" if dev else "not-affected", rec)
+    if dev and b.before is not None and ver == _v(b.before):
+        return BugMatch(b, "dev", rec)  # a build on main before the fixing release
+    inside = (b.since is None or ver >= _v(b.since)) and (b.before is None or ver < _v(b.before))
+    return BugMatch(b, "match" if inside else ("fixed" if b.before and ver >= _v(b.before) else "not-affected"), rec)
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,6 +252,18 @@ _WHY = {
                           "the k-th score broken another way), so their shares do not partition one set",
     ("topk-empty", None): "a rank that owns none of a query token's top-k entries gives a partial result other than "
                           "output 0 and LSE -inf (a NaN the merge's 0 weight does not cancel: 0 x NaN)",
+    ("graph-addr", None): "a full CUDA graph replays the addresses its capture baked in, but the build hands "
+                          "attention a metadata tensor allocated anew (another address): the graph reads a stale "
+                          "buffer",
+    ("capacity", None): "a per-request metadata buffer sized below the largest padded batch (max_num_seqs under a "
+                        "larger CUDA-graph capture size): views cut short, writes past its end",
+    ("host-copy", None): "the metadata builder reads a host copy of seq_lens (seq_lens_cpu) that is not the "
+                         "device's (async scheduling left it behind), or a build writes the shared copy in place",
+    ("plan-pages", None): "FlashInfer's native plans count a prefill row's pages or a row's last page from the "
+                          "global length, not the rank's local context",
+    ("kernel-block", None): "the slot mapping deals positions to the DCP ranks by the attention kernel's block where "
+                            "the KV-cache manager's differs and the interleave does not divide it: KV written on "
+                            "ranks that do not own it, past the kernel block",
     ("transfer/partial-store", None): "a connector stores one rank's shard of the KV under a key that claims the "
                                       "whole request (e.g. only rank 0 writes, as if it held the full MLA KV)",
     ("transfer/wrong-source", None): "the connector reads positions from a source worker whose shard does not hold "

@@ -10,6 +10,7 @@ form serves the CPU replay, which never pays for importing torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -52,6 +53,41 @@ def local_of(L, rank, dcp_size: int, cp_interleave, clip: Callable = _clip_np):
     out = clip(rem - rank * cp_interleave, 0, cp_interleave)  # fresh, of the full broadcast shape
     out += rounds * cp_interleave
     return out
+
+
+def slot_deal(pos, block, dcp_size: int, cp_interleave):
+    """How vLLM's slot-mapping kernel deals a KV-cache group's positions to the DCP ranks
+    (_compute_slot_mappings_kernel): by virtual blocks of `block * dcp_size` positions, I-position runs in turn
+    within each. Returns (the rank that writes each position, its position in that rank's cache), in pos's dtype
+    (numpy arrays or torch tensors). Dealt by the KV-cache manager's block (a multiple of I, which vLLM asserts)
+    this is (p // I) % N, the owner docs/dcp.md gives; by a block I does not divide, positions go elsewhere."""
+    vb = block * dcp_size
+    vo = pos % vb
+    owner = vo // cp_interleave % dcp_size
+    local = pos // vb * block + vo // (cp_interleave * dcp_size) * cp_interleave + vo % cp_interleave
+    return owner, local
+
+
+_DEAL_PERIOD_CAP = 1 << 20  # positions compared per block pair (a deal that differs does so within two virtual blocks)
+
+
+def misdealt(dealt: int, manager: int, dcp_size: int, cp_interleave: int) -> int:
+    """The first position that dealing by `dealt`-position blocks (slot_deal) sends to another rank or another
+    place in its cache than dealing by the KV-cache manager's `manager`-position blocks, or -1: none (one period
+    of both)."""
+    if dealt == manager:
+        return -1
+    p = np.arange(min(math.lcm(dealt, manager) * dcp_size, _DEAL_PERIOD_CAP), dtype=np.int64)
+    got, want = slot_deal(p, dealt, dcp_size, cp_interleave), slot_deal(p, manager, dcp_size, cp_interleave)
+    bad = np.flatnonzero((got[0] != want[0]) | (got[1] != want[1]))
+    return int(bad[0]) if bad.size else -1
+
+
+def last_page(length, page: int):
+    """FlashInfer's last-page length of a plan covering `length` tokens (_compute_flashinfer_kv_metadata): the
+    length modulo the page, a full page where the page divides a non-zero length."""
+    r = length % page
+    return np.where((r == 0) & (length != 0), page, r)
 
 
 def local_np(seq: np.ndarray, dcp_size: int, rank, cp_interleave) -> np.ndarray:

@@ -53,7 +53,8 @@ class Rule(NamedTuple):
     inputs: tuple[str, ...] = ()  # what its check takes after the dump (VERSION ... DIFFER)
     dcp: str = ANY  # ANY, SHARDED, VIEW or UNSHARDED
     scope: str = OBSERVATION  # OBSERVATION, RUN or RANKS
-    device: bool = False  # the Guard's check kernel decides it on the device, per observation (errors only)
+    device: bool = False  # the Guard decides it per observation as it is made (errors only): its check kernel on
+    #                       the device, or (the rules of host values: addresses, block sizes, capacities) its host
     faults: tuple[str, ...] = ()  # simulate's faults (docs/faults.md) that must produce it
     parts: tuple[Part, ...] = ()
     # its columns belong to a feature most engines do not have (MLA's chunked prefill context, KV transfers): a dump
@@ -151,6 +152,32 @@ TABLE = (
          "poisons the merge on every rank), or a row with entries whose LSE is -inf or not finite",
          needs=("obs.topk",), unrecorded="needs obs.topk (not recorded in this dump)", faults=("topk-empty-nan",),
          quiet=True),
+    # what else a build hands attention: the metadata tensors' addresses (a full graph reads the captured ones)
+    Rule("graph-addr", "error", "F", "buffers.check_graph_addr", "a full-graph replay whose build handed attention a "
+         "metadata tensor at another address than the graph captured (the graph reads the captured buffer, which "
+         "the build did not write: stale values)", needs=("obs.addrs", "obs.gaddrs"), device=True,
+         unrecorded="needs obs.addrs and obs.gaddrs (the metadata tensors' addresses at the build and at capture)",
+         faults=("graph-addr-moved",), quiet=True),
+    Rule("capacity", "error", "C", "buffers.check_capacity", "a build that needs more request rows "
+         "(num_reqs_padded) than the buffer behind a metadata tensor it hands attention holds (a view cut short, "
+         "writes past the buffer's end)", needs=("obs.caps",), device=True, faults=("buffer-undersized",),
+         quiet=True, unrecorded="needs obs.caps (the metadata tensors' buffer capacities)"),
+    Rule("host-copy", "error", "1", "copies.check_host_copy", "a build whose metadata builder read a host copy of "
+         "seq_lens (seq_lens_cpu) that differs from the device's on a real row (left behind by async scheduling, or "
+         "written in place by an earlier build), or that wrote the shared host copy in place",
+         needs=("obs.hseq",), device=True, faults=("host-seq-stale", "host-seq-written"), quiet=True,
+         unrecorded="needs obs.hseq (the host copy of seq_lens the build read)"),
+    Rule("plan-pages", "error", "2", "plans.check_plan_pages", "a FlashInfer native plan claiming other pages than "
+         "the rank's local length: a prefill row's page count not `cdiv(local(seq_len - query_len), page_size)` (its "
+         "local context), or a row's last-page length not that of the local length its plan covers",
+         needs=("rows.kv_prefill_pages",), device=True, faults=("flashinfer-prefill-pages",), quiet=True,
+         unrecorded="needs rows.kv_prefill_pages or rows.kv_last_page, query_start_loc and page_size"),
+    # the block sizes the slot mapping worked with (per KV-cache group: the manager's, the kernel's, the dealing one)
+    Rule("kernel-block", "error", "3", "blocks.check_kernel_block", "a DCP-sharded KV-cache group whose slot mapping "
+         "deals positions to the ranks by another block than the KV-cache manager's (the attention kernel's, which "
+         "the interleave need not divide) where that sends a position to another rank or local position",
+         needs=("obs.kvbs",), device=True, faults=("slot-kernel-block",), quiet=True,
+         unrecorded="needs obs.kvbs (the block sizes the slot mapping worked with)"),
     # a KV transfer plan (prefill/decode disaggregation): only recorded where a connector moves KV (quiet)
     Rule("transfer", "error", "D", "transfers.check_transfer", "a KV transfer plan (prefill/decode disaggregation, "
          "a keyed store) that does not move every position a destination rank must hold exactly once from a source "
@@ -169,7 +196,7 @@ RULE_ORDER = {r: i for i, r in enumerate(RULES)}
 # The order replay lists skipped checks in (the text and HTML reports' lines, the JSON summary's keys): rank-sum,
 # which dcp_size rules out, first; then the micro-batch columns' checks; then the rest in table order.
 SKIPPED_ORDER = ("rank-sum", "ubatch-slice", "stale/parent-rows", "alias", "alias/graph", "pages", "empty-mask",
-                 "tot-lens", "rank-agree", "slots", "ctx-agree", "topk-agree")
+                 "tot-lens", "rank-agree", "slots", "slot-partition", "ctx-agree", "topk-agree")
 
 
 class DeviceCheck(NamedTuple):

@@ -8,14 +8,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcptool.dump import Dump, obs_ref
+from dcptool.dump.observation import HOST_ROWS
 from dcptool.dump.transfer import OFFSETS, TABLE
 
 # Per-pair fields in report order (docs/cli.md#diff names them); config differences come first, with no key.
 CONFIG_FIELDS = ("dcp_size", "cp_interleave", "pcp_size", "page_size")
 FIELDS = ("only-in-a", "only-in-b", "has_dcp", "num_reqs", "num_reqs_padded", "seq_lens", "dcp_local_seq_lens",
           "query_start_loc", "kv_pages", "dcp_query_start_loc", "dcp_tot_seq_lens", "positions", "slot_mapping",
-          "slot_group", "ctx_chunks", "group_seq_lens", "verify_row_lens", "sparse_topk", "parent", "req_start",
-          "tok_start", "tok_stop", "num_tokens_padded", "graph", "buffer",
+          "slot_group", "ctx_chunks", "group_seq_lens", "verify_row_lens", "sparse_topk", *(f.name for f in HOST_ROWS),
+          "parent", "req_start", "tok_start", "tok_stop", "num_tokens_padded", "graph", "buffer",
           *(c.key for c in TABLE))  # then a transfer plan's columns (dump.transfer), by their keys
 _FIELD_ORDER = {f: i for i, f in enumerate(FIELDS)}
 _SCALARS = ("req_start", "tok_start", "tok_stop", "num_tokens_padded", "graph")  # obs.<name>, compared as is
@@ -30,6 +31,7 @@ ROW_FIELDS = {"seq_lens": ("obs.rows", "rows.seq_lens"),
               "slot_group": ("obs.slots", "rows.slot_group"), "ctx_chunks": ("obs.ctx", "rows.ctx_chunks"),
               "group_seq_lens": ("obs.gsl", "rows.group_seq_lens"),
               "verify_row_lens": ("obs.vrl", "rows.verify_row_lens"), **_TOPK,
+              **{f.name: (f.offsets, f.column) for f in HOST_ROWS},  # what only some engines record
               **{c.key: (OFFSETS[c.level], c.key) for c in TABLE}}  # a transfer plan's columns, level by level
 _OPTIONAL = {"query_start_loc": ("obs.qsl", "rows.query_start_loc"), "kv_pages": ("rows.kv_pages",),
              "dcp_query_start_loc": ("obs.dqsl", "rows.dcp_query_start_loc"),
@@ -38,6 +40,7 @@ _OPTIONAL = {"query_start_loc": ("obs.qsl", "rows.query_start_loc"), "kv_pages":
              "ctx_chunks": ("obs.ctx", "rows.ctx_chunks"), "group_seq_lens": ("obs.gsl", "rows.group_seq_lens"),
              "verify_row_lens": ("obs.vrl", "rows.verify_row_lens"), **_TOPK,
              "parent": ("obs.parent",), "buffer": ("obs.buffer",), "transfers": tuple(OFFSETS.values()),
+             **{f.name: (f.column,) if f.offsets == "obs.rows" else (f.offsets, f.column) for f in HOST_ROWS},
              **{s: (f"obs.{s}",) for s in _SCALARS}}
 ROW_CHUNK = 1 << 22  # rows gathered per vectorised comparison pass: bounds memory on huge dumps
 

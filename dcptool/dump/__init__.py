@@ -41,8 +41,10 @@ from dcptool.dump.schema import (  # noqa: F401
     KVGroup,
     OutputExistsError,
     WriteError,
+    addr_words,
     check_row_values,
     validate_columns,
+    word_addrs,
 )
 from dcptool.dump.write import (  # noqa: F401
     atomic_write,

@@ -88,7 +88,7 @@ def _one_run(paths: list[str], configs: list[DumpConfig]) -> tuple[DumpConfig, l
     when the files do not share what one run shares."""
     base = configs[0]
     for p, c in zip(paths[1:], configs[1:]):
-        for k in ("dcp_size", "cp_interleave", "pcp_size", "page_size", "kv_groups"):
+        for k in ("dcp_size", "cp_interleave", "pcp_size", "page_size", "kv_groups", "attn_tensors"):
             if getattr(c, k) != getattr(base, k):
                 raise DumpError(f"{p}: dcptool.config: {k} = {getattr(c, k)} but {paths[0]} "
                                 f"has {getattr(base, k)}; these files are not one run")

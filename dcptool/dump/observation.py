@@ -46,6 +46,7 @@ class Field(NamedTuple):
     needs: str | None = None  # the DumpConfig setting the field needs (else the observation is dropped)
     section: str | None = None  # a row field's short name: the writer's rows, the ring's sections (ROW_FIELDS)
     argument: bool = True  # False: derived from other fields (a column, not an observe() keyword)
+    width: int = 1  # an ANY row's values come in tuples of this many (another count drops the observation)
 
     @property
     def optional(self) -> bool:
@@ -110,12 +111,40 @@ FIELDS_TABLE: tuple[Field, ...] = (
     # its global top-k set, how many of the set's entries this rank owns, the state of the rank's partial result
     Field("sparse_topk", ANY, "I32", "rows.sparse_topk", device=True, offsets="obs.topk", nonneg=True,
           section="topk"),
+    # The per-request metadata tensors the build hands attention (dcptool.config's attn_tensors names them, in this
+    # order): each one's address (data_ptr) as two int32 words, low then high (addr_words); at a full-graph replay,
+    # the addresses the graph captured for them (it reads those, whatever the build wrote)
+    Field("attn_addrs", ANY, "I32", "rows.attn_addrs", offsets="obs.addrs", section="addr"),
+    Field("graph_addrs", ANY, "I32", "rows.graph_addrs", offsets="obs.gaddrs", section="gaddr"),
+    # ... and the request rows the buffer behind each one holds from the tensor's start (its capacity: a build
+    # needs num_reqs_padded of them; a buffer sized below the largest padded batch truncates views, writes past it)
+    Field("attn_caps", ANY, "I32", "rows.attn_caps", offsets="obs.caps", nonneg=True, section="caps"),
+    # The host copy of seq_lens the build's metadata builder read (seq_lens_cpu), as it read it and as the build left
+    # it: a copy the device's lengths have moved past (async scheduling), or one a builder wrote in place (shared
+    # with the builds after it)
+    Field("host_seq_lens", ANY, "I32", "rows.host_seq_lens", offsets="obs.hseq", section="hseq"),
+    Field("host_seq_lens_after", ANY, "I32", "rows.host_seq_lens_after", offsets="obs.hseq_after", section="hseqa"),
+    # FlashInfer's native plans beside kv_pages (its decode rows): the page counts of its prefill rows (a DCP prefill
+    # row's plan covers its local context, seq_len - query_len; -1 on decode rows and where no kernel reads them) and
+    # every planned row's last-page length (-1 where none is read)
+    Field("kv_prefill_pages", ROWS, "I32", "rows.kv_prefill_pages", offsets="obs.rows", needs="page_size",
+          section="kvpre"),
+    Field("kv_last_page", ROWS, "I32", "rows.kv_last_page", offsets="obs.rows", needs="page_size", section="klast"),
+    # Per KV-cache group (rows.slot_group's index, in order), the block sizes the build's slot mapping worked with:
+    # three words each, the KV-cache manager's block (its spec's block_size), the attention kernel's block
+    # (kernel_block_sizes) and the block whose virtual block (it times dcp_size) deals positions to the DCP ranks
+    Field("kv_block_sizes", ANY, "I32", "rows.kv_block_sizes", offsets="obs.kvbs", nonneg=True, section="kvbs",
+          width=3),
 )
 
 ARGUMENTS: tuple[Field, ...] = tuple(f for f in FIELDS_TABLE if f.argument)  # observe()'s keywords
 NAMES: tuple[str, ...] = tuple(f.name for f in ARGUMENTS)
 SCALAR_FIELDS: tuple[Field, ...] = tuple(f for f in FIELDS_TABLE if f.shape == SCALAR)
 ROW_TABLE: tuple[Field, ...] = tuple(f for f in FIELDS_TABLE if f.rows)  # the row fields, sections in this order
+# the host values: the row fields after the last device one (the metadata tensors' addresses, capacities ...), which
+# the snapshot ring holds beside its slots and the Guard checks on the host
+HOST_ROWS: tuple[Field, ...] = ROW_TABLE[max(k for k, f in enumerate(ROW_TABLE) if f.device or f.section == "sgrp")
+                                         + 1:]
 FIELDS: tuple[str, ...] = tuple(f.name for f in SCALAR_FIELDS)  # a recording's checked integers, in Scalars order
 ROW_FIELDS: tuple[str, ...] = tuple(f.section for f in ROW_TABLE)  # the writer's rows, in this order
 # Optional per-observation columns: field -> (column, numpy dtype, value written where unknown).

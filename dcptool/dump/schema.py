@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dcptool.dump import transfer
-from dcptool.dump.observation import dump_columns
+from dcptool.dump.observation import ROW_TABLE, dump_columns
 from dcptool.errors import DcptoolError
 
 FORMAT_VERSION = "1"
@@ -38,6 +38,7 @@ DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "U16": 16, "I16": 16, "F16": 16, "BF1
 REQUIRED, OPTIONAL = dump_columns()
 OPTIONAL.update(transfer.dump_columns())  # a KV transfer plan's columns (dump.transfer.TABLE)
 COLUMNS = {**REQUIRED, **OPTIONAL}
+WIDE = tuple(f for f in ROW_TABLE if f.width > 1)  # the row fields of tuples (per KV-cache group ...)
 # offsets column -> the row columns it sizes, in table order (derived: a new ragged column comes along)
 RAGGED: dict[str, tuple[str, ...]] = {}
 for _key, (_, _kind) in COLUMNS.items():
@@ -74,6 +75,7 @@ class DumpConfig:
     engine_version: str | None = None
     note: str | None = None
     kv_groups: tuple[KVGroup, ...] | None = None  # rows.slot_group indexes it; None: every group DCP-sharded
+    attn_tensors: tuple[str, ...] | None = None  # the names of the metadata tensors rows.attn_addrs lists, in order
 
     def to_json(self) -> dict:
         d = {"dcp_size": self.dcp_size, "cp_interleave": self.cp_interleave, "sites": list(self.sites)}
@@ -84,7 +86,14 @@ class DumpConfig:
                 d[k] = getattr(self, k)
         if self.kv_groups is not None:
             d["kv_groups"] = [g.to_json() for g in self.kv_groups]
+        if self.attn_tensors is not None:
+            d["attn_tensors"] = list(self.attn_tensors)
         return d
+
+    def tensor_name(self, k: int) -> str:
+        """The name of the k-th metadata tensor of rows.attn_addrs (its position where attn_tensors does not say)."""
+        t = self.attn_tensors
+        return t[k] if t is not None and 0 <= k < len(t) else f"metadata tensor {k}"
 
     def group_dcp(self, count: int) -> np.ndarray:
         """[count] bool: whether each KV-cache group is DCP-sharded (without kv_groups: all are, as vLLM
@@ -178,6 +187,18 @@ class GraphMode(IntEnum):
     def of_vllm(cls, name: str | None) -> GraphMode:
         """vLLM's runtime CUDAGraphMode name as obs.graph (a capture is marked by the caller); others eager."""
         return _VLLM.get(name, GraphMode.EAGER)
+
+
+def addr_words(addresses) -> np.ndarray:
+    """Addresses (data_ptr()s, ints) as the int32 words rows.attn_addrs / rows.graph_addrs hold them: each one's
+    two little-endian words, low then high (an int64 array viewed as int32)."""
+    return np.asarray(addresses, dtype="<i8").reshape(-1).view("<i4")
+
+
+def word_addrs(words) -> np.ndarray:
+    """addr_words' inverse: the int64 addresses of int32 words (an odd count: the last word is dropped)."""
+    w = np.ascontiguousarray(words, dtype="<i4").reshape(-1)
+    return w[: w.size // 2 * 2].view("<i8")
 
 
 _NAMES = {"eager": GraphMode.EAGER, "piecewise": GraphMode.PIECEWISE, "capture": GraphMode.FULL_CAPTURE,
@@ -404,8 +425,13 @@ def parse_config(p: str, meta: dict) -> tuple[DumpConfig, dict | None]:
                 raise fail(p, "dcptool.config", f"kv_groups[{k}]: cp_size {out[-1].cp_size} of a DCP-sharded "
                                                 f"group is not dcp_size {dcp}")
         groups = tuple(out)
+    tensors = c.get("attn_tensors")
+    if tensors is not None:
+        if not isinstance(tensors, list) or not all(isinstance(t, str) and text_ok(t) for t in tensors):
+            raise fail(p, "dcptool.config", "attn_tensors must be a list of (valid Unicode) strings")
+        tensors = tuple(tensors)
     cfg = DumpConfig(dcp_size=dcp, cp_interleave=il, sites=tuple(sites), pcp_size=pcp, page_size=page,
-                     kv_groups=groups, **strs)
+                     kv_groups=groups, attn_tensors=tensors, **strs)
     return cfg, injected
 
 
@@ -528,6 +554,13 @@ def check_row_values(p: str, cfg: DumpConfig, c: dict[str, np.ndarray], release=
         if t is not None and t.size and t.min() < 0:
             i = int(np.argmax(t < 0))
             raise fail(p, key, f"negative value {t[i]} at row {i}")
+    for f in WIDE:  # (rows of tuples: whole tuples per observation)
+        if f.offsets in c and (bad := np.flatnonzero(np.diff(c[f.offsets]) % f.width)).size:
+            raise fail(p, f.offsets, f"observation {bad[0]} holds {np.diff(c[f.offsets])[bad[0]]} values of "
+                       f"{f.column}, not whole tuples of {f.width}")
+        if f.nonneg and f.column in c and c[f.column].size and c[f.column].min() < 0:
+            i = int(np.argmax(c[f.column] < 0))
+            raise fail(p, f.column, f"negative value {c[f.column][i]} at row {i}")
     if "obs.slots" in c:
         _check_slots(p, cfg, c)
     if transfer.OFFSETS[transfer.XFER] in c:

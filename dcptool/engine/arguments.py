@@ -9,6 +9,7 @@ import sys
 import numpy as np
 
 from dcptool.dump import INT32_MAX, Record, Scalars, slot_entries
+from dcptool.dump.observation import ROWS, ROWS_PLUS_1, Field
 from dcptool.dump.schema import GraphMode, text_ok
 
 I64_MAX = 2**63 - 1
@@ -273,3 +274,22 @@ def device_slots(positions, slot_mapping, kv_groups, tensor: type, on: str, seen
         raise ValueError(f"KV-cache group {keys[0] if keys[0] < 0 else keys[-1]} out of range")
     seen(keys)
     return positions, slot, Groups(keys)
+
+
+def copied_row(f: Field, x, rows: int, config, ranks: int = 0):
+    """A row field's private host copy, checked by the field's rules (its shape against the observation's `rows`
+    seq_lens rows, the config setting it needs, whole tuples of `width`, no negative value where none may be);
+    None: not given, or (rows + 1 fields) of no use to replay. Raises what cannot be stored. `ranks` > 0: x is
+    [ranks, values] (per_rank)."""
+    a = host_fast(x) if not ranks else x
+    if a is None:
+        return None
+    n = a.shape[-1] if ranks else a.size
+    if f.shape == ROWS_PLUS_1:
+        return a if n == rows + 1 else None
+    if f.needs and getattr(config, f.needs) is None or f.shape == ROWS and n != rows:
+        raise ValueError(f"{f.name} needs {f.needs} in the config and one value per seq_lens row ({rows})"
+                         if f.needs else f"{f.name} needs one value per seq_lens row ({rows}), got {n}")
+    if n % f.width:
+        raise ValueError(f"{f.name} holds {f.width} values per entry, got {n}")
+    return nonneg(a, f.name) if f.nonneg else a

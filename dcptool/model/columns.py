@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from dcptool.dcp import chunks, topk
-from dcptool.dcp.reference import group_lens_np, local_np, verify_lens_np
+from dcptool.dcp.reference import group_lens_np, last_page, local_np, local_of, slot_deal, verify_lens_np
 from dcptool.dump.schema import INT32_MAX
 from dcptool.model.config import SimConfig, kv_groups_of
 from dcptool.model.rows import Rows
@@ -75,7 +75,7 @@ class Columns:
         PCP-gathered form (PCPManager._convert_to_gathered_slot_mappings: every PCP rank's local tokens, a
         replicated request written once, from PCP rank 0's copy, at the same slot). Simulate records each PCP
         rank's own tokens of it, those replicated tokens with the slot their copy writes."""
-        if role in ("draft", "global"):
+        if not _kernel_ran(role):
             return None
         N, I_, B = self.N, self.I, self.G
         nr, ntp = b.nr, b.ntp
@@ -90,14 +90,12 @@ class Columns:
         pos[:real] = b.seq[req] - q[req] + (np.arange(real) - b.qsl[req])
         p = pos[:real]
         ranks = self.ranks  # [N, 1]
-        vo = p % (B * N)
-        local = p // (B * N) * B + vo // (I_ * N) * I_ + vo % I_
-        owner = (p // I_) % N
+        owner, local = slot_deal(p, B, N, I_)
         base = (req + req0 if b.req is None else b.req[req]) * per_req
         sharded = np.where(owner == ranks, (base + local // B) * B + local % B, -1)  # [N, real]
         replicated = np.broadcast_to((base + p // B) * B + p % B, (N, real))
         out = np.full((N, len(self.groups), ntp), -1, np.int64)
-        if kind in ("dummy", "capture") or role in ("dummy", "dflash"):
+        if not _computed(role, kind):
             return pos, out
         F = self.F
         for g, (_, dcp) in enumerate(self.groups):
@@ -113,6 +111,13 @@ class Columns:
         if "slot-all-ranks" in F:
             out[:, 0, :real] = (base + local // B) * B + local % B  # no is_local mask: every rank writes
             marks.append(("slot-all-ranks", (owner != ranks).any(axis=1)))
+        if "slot-kernel-block" in F:
+            # vLLM 0.22-0.28: dealt by the kernel's block K, addressed in the kernel blocks the block table lists
+            # (manager block m is kernel blocks 2m, 2m + 1: slot = (2 base + p // KN) K + the dealt offset)
+            K = B // 2
+            kown, klocal = slot_deal(p, K, N, I_)
+            out[:, 0, :real] = np.where(kown == ranks, base * B + klocal, -1)
+            marks.append(("slot-kernel-block", np.ones(N, bool)))  # (the block sizes every rank records)
         return pos, out
 
     def chunked_context(self, b: Rows, odd_seq: np.ndarray | None, marks: list) -> np.ndarray | list | None:
@@ -210,3 +215,46 @@ class Columns:
             state[N - 1] = np.where(own[N - 1] == 0, topk.LSE_NEG_INF | topk.NON_FINITE, 0)
             marks.append(("topk-empty-nan", (np.arange(N) == N - 1) & (own[N - 1] == 0).any()))
         return np.stack([fp, own, state], axis=-1).reshape(N, 3 * T)
+
+    def plans(self, b: Rows, pages: bool, marks: list) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(kv_prefill_pages, kv_last_page) [N, nrp] of a build whose plan is recorded, where
+        flashinfer-prefill-pages is injected (otherwise nothing: dumps as before). vLLM 0.29's FlashInfer builder:
+        the prefill rows (past the decodes, threshold 1) claim cdiv(global seq_len, page) pages and every row's last
+        page is taken from the global length its plan covers (seq_len; a prefill row's context seq_len -
+        query_len), where the rank holds the local ones; marks the ranks where a value differs."""
+        if "flashinfer-prefill-pages" not in self.F or not pages:
+            return None, None
+        N, G, nr, nrp = self.N, self.G, b.nr, b.nrp
+        q = np.diff(b.qsl[: nr + 1]).astype(np.int64)
+        nd = int(np.argmax(q > 1)) if (q > 1).any() else nr
+        seq = np.asarray(b.seq[:nr], np.int64)
+        covered = seq.copy()
+        covered[nd:] -= q[nd:]
+        local = local_of(np.broadcast_to(covered, (N, nr)).copy(), self.ranks, N, self.I)
+        pre = np.full((N, nrp), -1, np.int64)
+        pre[:, nd:nr] = -(-seq[nd:] // G)
+        last = np.full((N, nrp), -1, np.int64)
+        last[:, :nr] = last_page(covered, G)
+        marks.append(("flashinfer-prefill-pages", (pre[:, nd:nr] != -(-local[:, nd:] // G)).any(axis=1)
+                      | (last[:, :nr] != last_page(local, G)).any(axis=1)))
+        return pre, last
+
+    def block_sizes(self, role: str, kind: str) -> np.ndarray | None:
+        """The block sizes a build's slot mapping worked with (rows.kv_block_sizes: per KV-cache group the
+        manager's, the attention kernel's and the one it deals positions by), where the slot mapping kernel ran and
+        a fault on them is injected (otherwise nothing is recorded: dumps as before). The attention group's kernel
+        block is half the manager's under slot-kernel-block (the backend split it), which the slot mapping deals by."""
+        if "slot-kernel-block" not in self.F or not _computed(role, kind):
+            return None
+        B = self.G
+        return np.array([B, B // 2, B // 2, B, B, B], np.int32)
+
+
+def _kernel_ran(role: str) -> bool:
+    """simulate records the slot mappings of the build (not a draft's, nor the global batch of a PCP step)."""
+    return role not in ("draft", "global")
+
+
+def _computed(role: str, kind: str) -> bool:
+    """The slot-mapping kernel computed the build's mappings (dummy runs and capture write PAD_SLOT_ID only)."""
+    return _kernel_ran(role) and kind not in ("dummy", "capture") and role not in ("dummy", "dflash")

@@ -7,6 +7,7 @@ import shlex
 from dataclasses import dataclass, fields
 
 from dcptool.choices import CudaGraph, KVConnector, KVShards, Pipeline, SpecMethod, spoken, values
+from dcptool.dcp.reference import misdealt
 from dcptool.dcp.rules import RULE_OF_FAULT
 from dcptool.dcp.slicing import parse_engine_version
 from dcptool.errors import DcptoolError
@@ -65,6 +66,26 @@ _FAULT_WHAT.update({
 })
 OPT_IN |= {"ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset",
            "topk-tie-split", "topk-empty-nan"}
+# What else a build hands attention (opt-in: --pipeline legacy models the pre-fix ordering its own faults show; these
+# are bugs of other code paths and releases).
+_HANDED = {
+    "graph-addr-moved": "a per-request metadata tensor (FlashAttention's dcp_context_kv_lens) allocated anew at each "
+                        "build: a full-graph replay's build hands attention another address than the graph captured",
+    "buffer-undersized": "the attention builder's per-request buffer (dcp_context_kv_lens) holds one request row "
+                         "fewer than the largest padded batch (sized by max_num_seqs below the graph-mode maximum)",
+    "host-seq-stale": "under async scheduling with drafts, the metadata builder reads a host copy of seq_lens that "
+                      "counts every draft of the last verify as accepted (the device's lengths do not)",
+    "host-seq-written": "the metadata builder subtracts its prefill rows' query lengths from the shared host copy of "
+                        "seq_lens in place",
+    "flashinfer-prefill-pages": "FlashInfer's native prefill plans count pages from the global seq_lens and every "
+                                "plan's last page from the global length it covers, for a local (shorter) context",
+    "slot-kernel-block": "the slot mapping deals a DCP-sharded group's positions to the ranks by the attention "
+                         "kernel's block (half the KV-cache manager's, as FlashInfer MLA splits 128 into 64) instead "
+                         "of the manager's",
+}
+_FAULT_WHAT.update(_HANDED)
+OPT_IN = OPT_IN | set(_HANDED)
+HANDED = frozenset(_HANDED)  # (simulate records the columns they need only where one of them is injected)
 # what a KV connector moves between a prefill and a decode instance (--kv-connector): the pair model, model.pair
 _FAULT_WHAT.update({
     "nixl-pcp-stride": "NIXL matches the prefill side's KV shards by DCP rank alone (stride dcp_size) while its PCP "
@@ -119,6 +140,18 @@ FAULT_WHERE: dict[str, str] = {
     # merge weighs 0; ROCm/ATOM's DCP sparse path had neither before its PR #1832
     "topk-tie-split": "no release (ROCm/ATOM before PR #1832)",
     "topk-empty-nan": "no release (ROCm/ATOM before PR #1832)",
+    # FlashAttention's build returned a fresh dcp_context_kv_lens up to 0.19 (vLLM #36070); 0.20 keeps a buffer
+    "graph-addr-moved": "before 0.20",
+    # vllm-ascend's per-request metadata buffers (vllm-ascend #16168), not vLLM's: no vLLM release
+    "buffer-undersized": "vllm-ascend only",
+    # FlashAttention's DCP path read seq_lens_cpu up to 0.11 (vLLM #29449, 0.11.2 the oldest read); 0.12 the device's
+    "host-seq-stale": "before 0.12",
+    # FlashInfer's DCP path wrote common_attn_metadata.seq_lens_cpu in place, 0.11.2 (oldest read)-0.29 (vLLM #48003)
+    "host-seq-written": "0.11–0.29",
+    # the prefill half of vLLM #48003: 0.29's plans (0.27-0.29, as flashinfer-global-pages)
+    "flashinfer-prefill-pages": "0.27–0.29",
+    # model runner V2's slot mapping dealt by kernel_block_sizes up to 0.28 (vLLM #51031); 0.29 by the manager's
+    "slot-kernel-block": "before 0.29",
     # the connectors' releases (docs/faults.md, "KV transfers")
     "nixl-pcp-stride": "no release (vLLM PR #38433 in review)",
     "nixl-single-source": "0.30 (NIXL)",
@@ -297,6 +330,15 @@ def applicability(cfg: SimConfig) -> dict[str, str | None]:
         "spec-causal-offset": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (verify tokens)",
         "topk-tie-split": None,
         "topk-empty-nan": None,
+        "graph-addr-moved": None if graphs else "needs --cudagraph full (a full graph replays captured addresses)",
+        "buffer-undersized": None,
+        "host-seq-stale": None if cfg.spec_tokens > 0 else "needs --spec-tokens > 0 (verify rows with drafts)",
+        "host-seq-written": None,
+        "flashinfer-prefill-pages": None,
+        "slot-kernel-block": None if cfg.page_size % 2 == 0 and misdealt(cfg.page_size // 2, cfg.page_size, cfg.dcp,
+                                                                          cfg.interleave) >= 0 else
+        "needs an even --page-size whose half (the attention kernel's block) --interleave does not divide (e.g. "
+        "--interleave equal to --page-size)",
     }
     why.update(pair_applicability(cfg))
     if cfg.dcp == 1:  # vLLM passes None everywhere: nothing DCP-specific can go wrong

@@ -22,6 +22,7 @@ from dcptool.dump.schema import GraphMode
 from dcptool.model.columns import Columns
 from dcptool.model.config import SimConfig, applicability
 from dcptool.model.graphs import DBO_PREFILL_TOKENS, Desc, Graphs
+from dcptool.model.handed import Handed
 from dcptool.model.rows import Rows, dummy_rows, make_rows
 from dcptool.model.sink import Sink
 from dcptool.model.workload import Batch
@@ -74,6 +75,7 @@ class Runner:
         self.chunked = "chunked-context" in cfg.modelled
         self.swa = "swa" in cfg.modelled
         self.sparse = "sparse" in cfg.modelled
+        self.handed = Handed(cfg, self.F)  # the metadata tensors' addresses, capacities, the host copies
         self.ranks = np.arange(self.N).reshape(-1, 1)
         self._fresh = 0
         self._captured: dict[tuple, set[int]] = {}
@@ -135,12 +137,17 @@ class Runner:
         ctx = self.columns.chunked_context(b, odd_seq, marks) if build.pages and self.chunked else None
         gl, vl = self.columns.group_lens(b, odd_seq, marks) if build.pages and self.swa else (None, None)
         tk = self.columns.sparse_topk(b, marks) if build.pages and self.sparse else None
+        addrs, gaddrs = self.handed.addrs(procs, build.role, build.slot, build.graph, (b.ntp, nrp, build.ubatch), marks)
         r = Record(step=build.step, site=build.site, rank=range(N), num_reqs=nr, num_reqs_padded=nrp, seq_lens=b.seq,
                    dcp_local_seq_lens=view, ubatch=build.ubatch, parent=lineage.parents, query_start_loc=b.qsl,
                    num_tokens_padded=b.ntp, buffer=bufs, graph=int(build.graph), kv_pages=kv, dcp_query_start_loc=dq,
                    dcp_tot_seq_lens=tot, ctx_chunks=ctx, group_seq_lens=gl, verify_row_lens=vl, sparse_topk=tk,
-                   **({} if sl is None else dict(req_start=sl.req_start,
-                                                                        tok_start=sl.tok_start, tok_stop=sl.tok_stop)))
+                   attn_addrs=addrs, graph_addrs=gaddrs, attn_caps=self.handed.caps(procs, build.role, nrp, marks),
+                   **dict(zip(("host_seq_lens", "host_seq_lens_after"),
+                              self.handed.host_copies(b, build.role, build.kind, build.pages, marks))),
+                   kv_block_sizes=self.columns.block_sizes(build.role, build.kind),
+                   **dict(zip(("kv_prefill_pages", "kv_last_page"), self.columns.plans(b, build.pages, marks))),
+                   **({} if sl is None else dict(req_start=sl.req_start, tok_start=sl.tok_start, tok_stop=sl.tok_stop)))
         idxs = sink.record(p, r, slots, odd_seq)
         self._mark(procs, idxs, bufs, build, nrp, fresh, marks)
         return idxs, view

@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 
 from dcptool.dump import Record
+from dcptool.dump.observation import HOST_ROWS
 from dcptool.dump.transfer import TransferRecord
 from dcptool.engine.recorder.record import Recorder
 from dcptool.model.config import PAIR_SITES, SITES, SimConfig, kv_groups_of
+from dcptool.model.handed import TENSORS, tensor_faults
 
 
 def output_paths(cfg: SimConfig, out: Path, per_rank: bool) -> list[Path]:
@@ -21,6 +23,10 @@ def output_paths(cfg: SimConfig, out: Path, per_rank: bool) -> list[Path]:
     return [out.with_name(f"{out.stem}{n}{out.suffix or '.safetensors'}") for n in names]
 
 
+# the host values (the row fields after the last device one): one row every rank shares, or [ranks, values]
+_LATE = tuple(f.name for f in HOST_ROWS)
+
+
 def _of_rank(r: Record, i: int, slots: tuple | None, odd_seq: np.ndarray | None) -> Record:
     """Rank i's observation of a batch record that holds every rank's (Sink.record)."""
     def row(x):
@@ -28,6 +34,7 @@ def _of_rank(r: Record, i: int, slots: tuple | None, odd_seq: np.ndarray | None)
 
     kv, last, ctx = r.kv_pages, i == len(r.rank) - 1, r.ctx_chunks
     gl, vl = r.group_seq_lens, r.verify_row_lens
+    late = {f: x if x.ndim == 1 else x[i] for f in _LATE if (x := getattr(r, f)) is not None}
     return r._replace(rank=r.rank[i], seq_lens=odd_seq if odd_seq is not None and last else r.seq_lens,
                       dcp_local_seq_lens=row(r.dcp_local_seq_lens), parent=row(r.parent), buffer=r.buffer[i],
                       kv_pages=None if kv is None else kv if kv.ndim == 1 else kv[i],
@@ -35,7 +42,7 @@ def _of_rank(r: Record, i: int, slots: tuple | None, odd_seq: np.ndarray | None)
                       positions=None if slots is None else slots[0],
                       slot_mapping=None if slots is None else slots[1][i],
                       ctx_chunks=ctx[i] if isinstance(ctx, list) else ctx, group_seq_lens=row(gl),
-                      verify_row_lens=row(vl), sparse_topk=row(r.sparse_topk))
+                      verify_row_lens=row(vl), sparse_topk=row(r.sparse_topk), **late)
 
 
 class Sink:
@@ -49,7 +56,8 @@ class Sink:
         sites = SITES if cfg.kv_connector == "none" else PAIR_SITES
         self._kw = dict(dcp_size=N, cp_interleave=cfg.interleave, sites=sites, pcp_size=P, page_size=cfg.page_size,
                         engine="dcptool simulate", engine_version=version, note=cfg.command(),
-                        kv_groups=kv_groups_of(cfg))
+                        kv_groups=kv_groups_of(cfg),
+                        **({"attn_tensors": TENSORS} if tensor_faults(cfg.faults) else {}))
         self.file_of = list(range(P * N)) if per_rank else [0] * (P * N)
         self.shared = not per_rank
         self.recorders: list[Recorder] = []

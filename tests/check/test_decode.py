@@ -47,7 +47,7 @@ def _em(d):
 
 
 def test_empty_mask_worked_example_eager_n2_i16():
-    """Issue 15, computed by vLLM 0.33.0 and 0.34.0: N=2, I=16, eager, seq_lens [7,40,16,17]."""
+    """Computed by vLLM 0.33.0 and 0.34.0: N=2, I=16, eager, seq_lens [7,40,16,17]."""
     o = _batch(2, 16, [7, 40, 16, 17], 4, [0, 1, 2, 3, 4], 4, 0)
     assert o[0].dcp_query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert [x.dcp_local_seq_lens.tolist() for x in o] == [[7, 24, 16, 16], [0, 16, 0, 1]]
@@ -72,7 +72,7 @@ def test_empty_mask_worked_example_eager_n2_i16():
 
 
 def test_empty_mask_worked_example_full_graph_n4_i4():
-    """Issue 15: N=4, I=4, FULL graph, seq_lens [5,20,3] padded to 4 requests / 4 tokens."""
+    """N=4, I=4, FULL graph, seq_lens [5,20,3] padded to 4 requests / 4 tokens."""
     o = _batch(4, 4, [5, 20, 3], 4, [0, 1, 2, 3, 3], 4, 3)
     assert o[0].dcp_query_start_loc.tolist() == [0, 1, 2, 3, 3]  # num_decodes 4: the padded row is a decode
     assert [x.dcp_local_seq_lens.tolist() for x in o] == [[4, 8, 3, 0], [1, 4, 0, 0], [0, 4, 0, 0], [0, 4, 0, 0]]

@@ -20,12 +20,15 @@ def test_every_check_once_with_its_rules_in_table_order():
 
 
 def test_a_sample_with_every_column_runs_every_check_at_its_dcp_size():
-    """The sample records every column but a feature's (MLA's chunked context, KV transfers): it runs every other
-    check, and replay does not say it skipped the feature's (quiet) checks."""
+    """The sample records every column but a feature's (MLA's chunked context, KV transfers) and what only some
+    engines record (the metadata tensors' addresses ...): it runs every other check, and replay does not say it
+    skipped those (quiet) checks."""
     p = plan(open_dumps([str(ROOT / "samples" / "legacy.safetensors")]))
     quiet = {r.check for r in TABLE if r.quiet}
     assert quiet == {"context.check_ctx_chunks", "ranks.check_ctx_agree", "ranks.check_topk_agree",
-                     "sparse.check_topk_empty", "transfers.check_transfer"}  # (the sample records no KV transfer)
+                     "sparse.check_topk_empty", "transfers.check_transfer", "buffers.check_graph_addr",
+                     "buffers.check_capacity", "copies.check_host_copy", "plans.check_plan_pages",
+                     "blocks.check_kernel_block"}  # (the sample records no KV transfer)
     assert p.skipped == {} and set(p.run) == set(checks()) - {"values.check_stray"} - quiet
     assert not p.runs("transfer")
     assert p.runs("stale") and p.first("values.check_values").name == "stale" and not p.runs("stray")
@@ -36,9 +39,10 @@ def test_a_quiet_check_runs_where_its_feature_is_recorded_and_says_so_at_dcp_siz
     o.ctx_chunks = np.array([0])
     p = plan(open_dumps([write(tmp_path / "d.safetensors", [o], dcp=1)]))
     assert p.runs("ctx-chunks") and p.skipped["ctx-agree"] == "dcp_size is 1"
-    o = obs()
-    o.ctx_chunks = np.array([0])
-    p = plan(open_dumps([write(tmp_path / "e.safetensors", [o])]))
+    both = [obs(rank=r) for r in (0, 1)]
+    for o in both:
+        o.ctx_chunks = np.array([0])
+    p = plan(open_dumps([write(tmp_path / "e.safetensors", both)]))
     assert p.runs("ctx-chunks") and p.runs("ctx-agree")
 
 
@@ -75,3 +79,30 @@ def test_run_check_calls_the_named_check_with_the_rows_inputs(tmp_path, lazy):
     t = run_check(d, RULE["ubatch-slice"], {VERSION: version})
     assert t.rule.tolist() == ["ubatch-slice"] and t.index.tolist() == [1]
     assert np.array_equal(run_check(d, RULE["missing"], {}).index, np.zeros(0, np.int64))
+
+
+@pytest.mark.parametrize("ranks,alone", [((1,), 1), ((0, 1), None), ((2,), 2), ((0, 3), None)])
+def test_one_ranks_file_alone_says_the_cross_rank_rules_were_not_checked(tmp_path, ranks, alone):
+    """One file of the plugin's layout (one rank of dcp_size N): rank-sum and rank-agree are not run and say why;
+    slot-partition, which shares its check with the per-rank `slots`, is named while `slots` runs. Two ranks: run."""
+    n = 4
+    o = [obs(rank=r, dcp=n, seq=(37, 129, 0, 0)) for r in ranks]
+    p = plan(open_dumps([write(tmp_path / "d.safetensors", o, dcp=n)]))
+    across = ("rank-sum", "rank-agree", "slot-partition")
+    if alone is None:
+        assert not set(across) & set(p.skipped) and p.runs("rank-sum") and p.runs("rank-agree")
+        return
+    why = f"only rank {alone} of {n} is recorded here: replay the ranks' files together (a directory or a glob)"
+    assert [p.skipped.get(r) for r in across] == [why, why, None]  # (slots: this dump records no slot columns)
+    assert not p.runs("rank-sum") and not p.runs("rank-agree") and p.runs("stale")
+
+
+def test_a_rank_file_of_a_simulated_run_alone_and_all_together(tmp_path):
+    from dcptool.model.config import SimConfig
+    from dcptool.model.simulate import simulate
+
+    simulate(SimConfig(steps=3, dcp=4), tmp_path / "run.safetensors", per_rank=True)
+    files = sorted(str(f) for f in tmp_path.glob("run.rank*.safetensors"))
+    alone = plan(open_dumps(files[2:3]))
+    assert alone.skipped["slot-partition"].startswith("only rank 2 of 4") and alone.runs("slots")
+    assert "rank-sum" in alone.skipped and not any(k in plan(open_dumps(files)).skipped for k in alone.skipped)

@@ -1,4 +1,4 @@
-"""Root causes (issue 17 items 1-2): findings grouped into problems, and known vLLM bugs named only where the
+"""Root causes: findings grouped into problems, and known vLLM bugs named only where the
 signature and the recorded version match."""
 
 from __future__ import annotations
@@ -254,3 +254,13 @@ def test_chunked_context_problems_name_their_bug(tmp_path, fault, version, bug):
     assert named == {RULE_OF_FAULT[fault]: bug}
     line = next(p.line for p in res.problems if p.rule == RULE_OF_FAULT[fault])
     assert f"you recorded {version}" in line
+@pytest.mark.parametrize("version, named", [("0.29.0", None), ("vllm-ascend 0.30.0rc1", "dev"),
+                                            ("vllm-ascend 0.30.0", "not-affected"), (None, None)])
+def test_another_projects_bug_is_matched_only_where_the_engine_names_it(version, named):
+    """vllm-ascend #16168's signature (capacity) names vllm-ascend's PR, and only for an engine that says it is
+    vllm-ascend (its releases are not vLLM's); a vLLM or unnamed engine gets no known bug for it."""
+    m = match_known("capacity", None, ("capture",), version)
+    if named is None:
+        assert m is None
+        return
+    assert m.verdict == named and m.bug.name == "vllm-ascend PR #16168" and m.bug.project == "vllm-ascend"

@@ -1,5 +1,5 @@
 """Provenance (docs/replay.md): the precedence on hand-built dumps; the bulk search agrees with a naive reading of the
-precedence; keys cannot collide (issue 12 item 12); no quadratic path (issue 12 item 9, issue 16 item 1).
+precedence; keys cannot collide; no quadratic path.
 
 The naive reference below is the rule text as loops, on purpose: it is the spec the vectorised
 joins (hashes, latest_before) must reproduce exactly, including "most recent first"."""
@@ -254,7 +254,7 @@ def test_latest_before_against_brute_force():
 
 
 # --------------------------------------------------------------------------------------------
-# Keys that cannot collide (issue 12 item 12)
+# Keys that cannot collide
 
 
 def test_rank_and_step_keys_do_not_collide(tmp_path):

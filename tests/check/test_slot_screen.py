@@ -8,7 +8,7 @@ from test_slots import KV2, KV3, random_slot_dump, run_slots, slot_batch
 from dcptool.dump import open_dumps
 from dcptool.dump.schema import KVGroup
 
-# issue 16 (performance): a screen of cheap whole-chunk passes picks the runs that can have a finding; only
+# A screen of cheap whole-chunk passes picks the runs that can have a finding; only
 # their observations get the exact work, only sets with such a member slot-partition's second read
 
 KV_ODD = (KVGroup("attn", True, 24), KVGroup("mamba", False, 12), KVGroup("big", True, 1 << 14))  # (no lo16)

@@ -8,7 +8,7 @@ from conftest import obs, run, write
 from dcptool.dump import open_dumps
 from dcptool.dump.schema import KVGroup
 
-# issue 15 item 3: slots and slot-partition (vLLM's rule: tests/vllm/test_vllm_slots.py checks it against
+# slots and slot-partition (vLLM's rule: tests/vllm/test_vllm_slots.py checks it against
 # vLLM's own kernel; here a numpy model of it builds the dumps)
 
 KV2 = ({"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False, "block_size": 16})
@@ -168,7 +168,7 @@ def test_slots_skipped_without_columns_and_group_defaults(tmp_path):
     assert {f.detail["kind"] for f in res.findings if f.rule == "slots"} == {"non-owner"}  # group 1 looks sharded
 
 
-# issue 16: the slot checks in chunks (SLOT_CHUNK entries; whole rank-sets for slot-partition) give the same
+# the slot checks in chunks (SLOT_CHUNK entries; whole rank-sets for slot-partition) give the same
 # findings as the whole-column implementation they replaced (tests/slot_reference.py), on seeded random dumps
 
 KV3 = (KVGroup("attn", True, 16), KVGroup("mamba", False, 16), KVGroup("big", True, 32))
@@ -436,7 +436,7 @@ def test_slot_rules_make_one_pass_for_both(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# issue 26 item 4: the slot rules on PCP dumps. simulate records each PCP rank's local tokens with the slot each
+# the slot rules on PCP dumps. simulate records each PCP rank's local tokens with the slot each
 # writes, owned over the DCP ranks only as vLLM 0.29-0.34 own them (tests/vllm/test_vllm_pcp_slots.py checks that
 # against vLLM's PCP manager); the rules need no PCP rank: a PCP rank's builds are sets of N DCP ranks like any other.
 

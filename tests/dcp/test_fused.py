@@ -56,7 +56,7 @@ def test_auto_backend_uses_triton_on_cuda():
 
 
 # --------------------------------------------------------------------------------------------
-# Extremes of the int32 range the reader accepts (issue 12 item 11): the backends must agree.
+# Extremes of the int32 range the reader accepts: the backends must agree.
 
 
 def _extreme_case(N: int, I: int, page: int):

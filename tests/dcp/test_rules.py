@@ -18,7 +18,7 @@ def test_table_is_docs_rules():
     assert RULES == ("missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
                      "stray", "ubatch-slice", "alias", "rank-sum", "pages", "empty-mask", "tot-lens", "rank-agree",
                      "slots", "slot-partition", "ctx-chunks", "ctx-agree", "group-lens", "topk-agree",
-                     "topk-empty", "transfer")
+                     "topk-empty", "graph-addr", "capacity", "host-copy", "plan-pages", "kernel-block", "transfer")
     assert len({c.lower() for c in RULE_CODES.values()}) == len(RULES)
     assert {f: rule for f, (rule, _) in FAULTS.items()} == {f: r.name for r in TABLE for f in r.faults}
     assert [r.name for r in TABLE if r.severity == "warning"] == ["stray"]
@@ -60,15 +60,18 @@ def test_applies_by_dcp_size(N):
     view = {"missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape"}
     sharded = {"rank-sum", "empty-mask", "tot-lens", "rank-agree", "ctx-agree", "topk-agree"}
     anywhere = {"ubatch-slice", "alias", "pages", "slots", "slot-partition", "ctx-chunks", "group-lens", "topk-empty",
-                "transfer"}
+                "graph-addr", "capacity", "host-copy", "plan-pages", "kernel-block", "transfer"}
     assert on == (anywhere | {"stray"} if N == 1 else anywhere | view | sharded)
 
 
 def test_what_the_guard_decides_on_the_device():
-    """The Guard's kernel checks one observation's errors: the view rules, pages, the decode inputs, slots."""
+    """The Guard checks one observation's errors: the view rules, pages, the decode inputs, slots (its kernel), the
+    metadata tensors' addresses and buffer capacities, the host copy of seq_lens, the slot mapping's block sizes (its
+    host)."""
     dev = [r.name for r in TABLE if r.device]
     assert dev == ["missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch", "padding", "shape",
-                   "pages", "empty-mask", "tot-lens", "slots"]
+                   "pages", "empty-mask", "tot-lens", "slots", "graph-addr", "capacity", "host-copy",
+                   "plan-pages", "kernel-block"]
     assert all(R.RULE[r].scope == R.OBSERVATION and R.RULE[r].severity == "error" for r in dev)
     assert {r.name for r in TABLE if r.scope == R.RANKS} == {"rank-sum", "rank-agree", "slot-partition", "ctx-agree",
                                                             "topk-agree"}

@@ -450,7 +450,7 @@ def _edited(cols: dict, key: str, cfg) -> dict:
 
 def test_diff_compares_every_column_the_format_has(tmp_path):
     """simulate's recording (with its features) has every column of dump.schema.COLUMNS; an edit in any one of them
-    (issue 15's dcp_query_start_loc and dcp_tot_seq_lens, the slot columns and the chunked context included) is a
+    (dcp_query_start_loc and dcp_tot_seq_lens, the slot columns and the chunked context included) is a
     difference. Derived from the
     format's table: a column added to the format without diff comparing it fails here."""
     from dcptool.dump import COLUMNS, write_dump
@@ -458,8 +458,12 @@ def test_diff_compares_every_column_the_format_has(tmp_path):
     from dcptool.model.simulate import SimConfig, simulate
 
     a = tmp_path / "a.safetensors"
+    # (transfers too, the features, and the columns only some engines record: simulate records them where a fault
+    # on them is on)
     simulate(SimConfig(steps=8, max_num_reqs=64, features=("chunked-context", "swa", "sparse"), kv_connector="nixl",
-                       prefill_dcp=4), a)  # (transfers too)
+                       prefill_dcp=4, interleave=16,
+                       inject=("graph-addr-moved", "buffer-undersized", "host-seq-written", "flashinfer-prefill-pages",
+                               "slot-kernel-block")), a)
     d = read_dump(a)
     assert set(d.columns) == set(COLUMNS)  # the recording covers the whole format
     cols = {k: np.array(v) for k, v in d.columns.items()}
@@ -476,7 +480,7 @@ def test_diff_compares_every_column_the_format_has(tmp_path):
                                           ("rows.positions", "positions"), ("rows.slot_mapping", "slot_mapping"),
                                           ("rows.slot_group", "slot_group")])
 def test_issue15_columns_are_row_fields(tmp_path, column, field):
-    """An edited value of issue 15's row columns is named by its field, its row and both values, in text and JSON."""
+    """An edited value of row columns is named by its field, its row and both values, in text and JSON."""
     from dcptool.dump import write_dump
     from dcptool.model.simulate import SimConfig, simulate
 

@@ -1,4 +1,4 @@
-"""`dcptool export-test` (issue 17 item 4): the generated pytest file passes against dcptool's reference and
+"""`dcptool export-test`: the generated pytest file passes against dcptool's reference and
 fails when an expected value is changed."""
 
 from __future__ import annotations

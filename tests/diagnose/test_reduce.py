@@ -1,4 +1,4 @@
-"""`dcptool reduce` (issue 17 item 3): ddmin over steps, observations and rows; parents renumbered."""
+"""`dcptool reduce`: ddmin over steps, observations and rows; parents renumbered."""
 
 from __future__ import annotations
 

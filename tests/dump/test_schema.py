@@ -167,7 +167,7 @@ def test_injected_metadata(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# issue 15: obs.dqsl / obs.tot (optional, with their row columns)
+# obs.dqsl / obs.tot (optional, with their row columns)
 
 
 def _issue15_dump(path, cols_change):
@@ -217,7 +217,7 @@ def test_issue15_columns_good_file_reads_and_inspect_lists_them(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# issue 15 item 3: the slot columns and kv_groups (a bad one: exit 2, one line naming file and key)
+# the slot columns and kv_groups (a bad one: exit 2, one line naming file and key)
 
 
 def _slot_dump(tmp_path, name="s.safetensors", config=None, **over):

@@ -98,6 +98,12 @@ EXERCISE = {
     "spec-causal-offset": (4, 16, 1, 3, 2, "full", "mtp"),
     "topk-tie-split": (4, 1, 1, 2, 2, "full", "mtp"),
     "topk-empty-nan": (4, 16, 2, 2, 2, "full", "mtp"),
+    "graph-addr-moved": (4, 1, 2, 2, 2, "full", "mtp"),
+    "slot-kernel-block": (4, 16, 2, 2, 2, "full", "mtp"),
+    "buffer-undersized": (4, 1, 2, 2, 2, "full", "mtp"),
+    "host-seq-stale": (4, 1, 2, 2, 2, "full", "mtp"),
+    "host-seq-written": (4, 1, 2, 2, 2, "full", "mtp"),
+    "flashinfer-prefill-pages": (4, 1, 2, 2, 2, "full", "mtp"),
 }
 
 # The transfer faults: where each touches transfers (a decode side with DCP 4 and full graphs, and the prefill

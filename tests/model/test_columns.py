@@ -1,5 +1,5 @@
-"""columns.py (issue 15): the decode path's dcp_query_start_loc and global companion, the slot mappings (under PCP
-too: issue 26), and the faults injected on them, each found exactly where it touched."""
+"""columns.py: the decode path's dcp_query_start_loc and global companion, the slot mappings (under PCP
+too), and the faults injected on them, each found exactly where it touched."""
 
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ from dcptool.check.replay import replay
 from dcptool.dcp.slicing import pcp_partition
 from dcptool.dump import open_dumps
 from dcptool.model.columns import Columns
-from dcptool.model.config import OPT_IN, applicability
+from dcptool.model.config import HANDED, OPT_IN, applicability
 from dcptool.model.rows import make_rows
 from dcptool.model.simulate import FAULTS, SimConfig, simulate
 
@@ -34,7 +34,7 @@ def test_issue15_faults_are_opt_in_not_legacy_and_fixed_records_the_decode_path(
 
     assert OPT_IN == {"dcp-qsl-local", "tot-local", "rank-disagree", "slot-wrong-group", "slot-all-ranks",
                       "ctx-rank-local", "ctx-chunk-unaligned", "ctx-draft-lens", "swa-sharded", "spec-causal-offset",
-                      "topk-tie-split", "topk-empty-nan", *TRANSFER_FAULTS}
+                      "topk-tie-split", "topk-empty-nan", *TRANSFER_FAULTS} | HANDED
     assert OPT_IN <= set(FAULTS)
     assert not OPT_IN & set(config_of(MATRIX[2], 1, pipeline="legacy").faults)
     res, d, rr = run(config_of(MATRIX[5], 1), tmp_path)
@@ -61,7 +61,7 @@ def test_issue15_fault_found_exactly_where_it_touched_per_rank_files_too(fault, 
 
 
 def test_slot_faults_per_rank_files_like_one_file(tmp_path):
-    """Issue 15: the slot columns go through observe() per rank as through observe_many(), and each slot fault
+    """the slot columns go through observe() per rank as through observe_many(), and each slot fault
     is found exactly where it touched in either layout; the fixed pipeline writes them and replays clean."""
     cfg = SimConfig(dcp=4, interleave=2, pcp=1, inject=("slot-wrong-group", "slot-all-ranks"), **SMALL)
     one, d1, r1 = run(cfg, tmp_path, "one.safetensors")
@@ -76,7 +76,7 @@ def test_slot_faults_per_rank_files_like_one_file(tmp_path):
 
 
 def test_pcp_local_rows_write_their_requests_slots_owned_over_dcp_only():
-    """Issue 26 item 4: under PCP a rank's batch is its local rows. A prefill's two chunks (chunks p and 2P-1-p) are two
+    """under PCP a rank's batch is its local rows. A prefill's two chunks (chunks p and 2P-1-p) are two
     rows of one request: they write into that request's blocks, at the positions the chunks cover; a decode every PCP
     rank holds writes the same slot on each. Ownership is over the DCP ranks only (vLLM's BlockTables(cp_size=
     dcp_size)), never pcp_size * dcp_size: across the DCP ranks of one PCP rank each token is written exactly once."""
@@ -228,3 +228,65 @@ def test_a_fault_models_the_feature_it_needs_and_features_are_checked():
     assert SimConfig(inject=("topk-empty-nan",)).modelled == {"sparse"}
     with pytest.raises(SimError, match="--features: unknown feature bogus"):
         SimConfig(features=("bogus",)).validate()
+
+
+# vLLM #51031 on --dcp 4 with full graphs: with and without PCP 2, micro-batches, MTP and DFlash; and the matrix's
+# rows whose interleave (16, the page size) the kernel's half block does not take
+KERNEL_BLOCK_ROWS = [(4, 16, 1, 2, 1, "full", "mtp"), (4, 16, 2, 2, 2, "full", "mtp"),
+                     (4, 16, 1, 3, 2, "full", "dflash"), (4, 16, 2, 0, 2, "full", "mtp")] + [
+    r for r in MATRIX if r[0] > 1 and r[1] == 16]
+
+
+@pytest.mark.parametrize("row", KERNEL_BLOCK_ROWS, ids=[f"N{r[0]}-I{r[1]}-P{r[2]}-K{r[3]}-U{r[4]}-{r[5]}-{r[6]}"
+                                                        for r in KERNEL_BLOCK_ROWS])
+def test_slot_kernel_block_is_found_exactly_where_it_touched(row, tmp_path):
+    """slot-kernel-block (vLLM 0.22-0.28's slot kernel, dealing by the kernel's half block): every build whose slot
+    mapping the kernel computed records the block sizes and is found by kernel-block, at every rank; the slots its
+    deal moves are `slots` findings at those builds only; nothing else anywhere."""
+    cfg = config_of(row, 11, inject=("slot-kernel-block",), steps=8)
+    res, d, rr = run(cfg, tmp_path)
+    rep = res.faults["slot-kernel-block"]
+    assert rep.applicable and rep.count > 0
+    verify(res, d, rr)
+    assert "kernel-block" in rr.by_rule() and set(rr.by_rule()) <= {"kernel-block", "slots", "slot-partition"}
+    recorded = np.flatnonzero(np.diff(d["obs.kvbs"]) > 0)
+    assert sorted(rep.touched[res.files[0]]) == recorded.tolist()
+    assert {d.site_name(i) for i in recorded} <= {"attn_metadata", "pcp_partition", "ubatch"}
+    kvbs = d["rows.kv_block_sizes"].reshape(-1, 6)
+    assert (kvbs == [16, 8, 8, 16, 16, 16]).all()
+
+
+def test_slot_kernel_block_needs_an_interleave_the_half_block_does_not_take(tmp_path):
+    """Dealing by the kernel's block moves positions only where the interleave does not divide it: interleave 1 or
+    8 under 16-token pages is not the bug (not applicable, nothing recorded), 16 is; per-rank files as one."""
+    why = applicability(config_of((4, 8, 1, 0, 1, "full", "mtp"), 1))["slot-kernel-block"]
+    assert why is not None and "--interleave" in why
+    res, d, rr = run(config_of((4, 1, 1, 0, 1, "full", "mtp"), 1, inject=("slot-kernel-block",)), tmp_path)
+    assert not res.faults["slot-kernel-block"].applicable and rr.findings == [] and not d.has("obs.kvbs")
+    row = EXERCISE["slot-kernel-block"]
+    one = run(config_of(row, 3, inject=("slot-kernel-block",)), tmp_path, "one.safetensors")
+    res = simulate(config_of(row, 3, inject=("slot-kernel-block",)), tmp_path / "pr.safetensors", per_rank=True)
+    d = open_dumps(res.files)
+    rr = replay(d, "torch")
+    verify(res, d, rr)
+    assert rr.by_rule() == one[2].by_rule()
+
+
+PLAN_ROWS = [(4, 1, 1, 2, 1, "full", "mtp"), (4, 1, 2, 2, 2, "full", "mtp"), (4, 16, 1, 3, 2, "full", "dflash"),
+             (4, 1, 2, 0, 2, "full", "mtp"), (8, 16, 2, 0, 1, "none", "mtp")]
+
+
+@pytest.mark.parametrize("row", PLAN_ROWS, ids=[f"N{r[0]}-I{r[1]}-P{r[2]}-K{r[3]}-U{r[4]}-{r[5]}-{r[6]}"
+                                                for r in PLAN_ROWS])
+def test_flashinfer_prefill_pages_is_found_exactly_where_it_touched(row, tmp_path):
+    """The prefill half of vLLM #48003: the plans' prefill counts and last pages of the global lengths, recorded at
+    every build whose plan is recorded; plan-pages exactly at the ranks where a value differs from the local
+    context's, nothing else anywhere; the columns hold -1 on the rows they do not claim."""
+    cfg = config_of(row, 19, inject=("flashinfer-prefill-pages",), steps=8)
+    res, d, rr = run(cfg, tmp_path)
+    rep = res.faults["flashinfer-prefill-pages"]
+    assert rep.applicable and rep.count > 0
+    verify(res, d, rr)
+    assert set(rr.by_rule()) == {"plan-pages"}
+    pre, last = d["rows.kv_prefill_pages"], d["rows.kv_last_page"]
+    assert (pre >= -1).all() and (last >= -1).all() and (pre >= 0).any() and (last >= 0).any()

@@ -20,7 +20,7 @@ def test_matrix_fixed_clean_each_fault_exact_legacy_all(row, tmp_path):
     res, d, rr = run(legacy, tmp_path, "legacy.safetensors")
     verify(res, d, rr)
     why = applicability(legacy)
-    # (issue 15's faults are opt-in: --inject only, not the pre-fix ordering legacy models)
+    # (the decode-path and slot faults are opt-in: --inject only, not the pre-fix ordering legacy models)
     assert {f for f, r in res.faults.items() if r.applicable} == {f for f, w in why.items() if w is None} - OPT_IN
     for fault in FAULTS:
         if why[fault] is None:

@@ -38,7 +38,7 @@ def test_cli_json_table():
 
 
 def test_cli_done_when_pcp_legacy_then_replay(tmp_path):
-    """Issue 4: simulate --dcp 4 --pcp 2 --pipeline legacy -o x && replay x reports missing, stale,
+    """simulate --dcp 4 --pcp 2 --pipeline legacy -o x && replay x reports missing, stale,
     shape, alias, padding and pages, each at observations simulate says it touched."""
     x = tmp_path / "x.safetensors"
     p = cli_subprocess("simulate", "--dcp", "4", "--pcp", "2", "--pipeline", "legacy", "-o", x)  # smoke
@@ -50,7 +50,7 @@ def test_cli_done_when_pcp_legacy_then_replay(tmp_path):
     assert {"missing", "stale", "shape", "alias", "padding", "pages"} <= set(summary["by_rule"])
     injected = read_dump(x).injected[0]
     touched = set().union(*map(set, injected.values()))
-    found = [o for o in objs if o["type"] == "finding"]  # (issue 17: problem objects come too)
+    found = [o for o in objs if o["type"] == "finding"]  # (problem objects come too)
     for f in found:
         if f["rule"] == "rank-sum":
             assert set(f["detail"]["obs"]) & touched
@@ -111,7 +111,7 @@ def test_samples_are_small_replayable_and_regenerate_byte_identical(tmp_path):
     for cmd in cmds:
         out = Path(cmd[cmd.index("-o") + 1])
         sample = ROOT / out
-        assert sample.stat().st_size < 3_000_000  # (1 MB before PCP dumps carried slot columns: issue 26)
+        assert sample.stat().st_size < 3_000_000  # (1 MB before PCP dumps carried slot columns)
         cmd = [str(tmp_path / out.name) if c == str(out) else c for c in cmd]
         p = cli(*cmd, cwd=ROOT)
         assert p.returncode == 0, p.stderr

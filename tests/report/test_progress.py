@@ -35,7 +35,7 @@ def test_cli_json_has_no_progress_output(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Phases and the timer (issue 16 item 4): a fake clock and a hand-fired timer, no timed tests
+# Phases and the timer: a fake clock and a hand-fired timer, no timed tests
 
 
 class FakeTimer:

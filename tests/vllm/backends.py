@@ -74,6 +74,22 @@ def flashinfer(page_size: int, max_num_reqs: int, dcp: int, il: int, *, trtllm_d
     return b, _group(fi.FlashInferBackend, spec, b)
 
 
+def flash_attn(page_size: int, max_num_reqs: int, dcp: int, il: int, mode: str = "none"):
+    """FlashAttentionMetadataBuilder, made by vLLM's constructor for this rank (it reads the DCP group), in an
+    attention group; FlashAttention's scheduler (FA3's, a GPU's) is off, as vLLM has it without the extension."""
+    from vllm.v1.attention.backends import flash_attn as fa
+
+    spec = FullAttentionSpec(block_size=page_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    cfg = _config(None, mode, max_num_reqs, il, dcp)
+    cfg.model_config.rswa_window, cfg.model_config.is_mm_prefix_lm = None, False
+    cfg.model_config.hf_config = SimpleNamespace(model_type="llama")
+    cfg.kernel_config = SimpleNamespace(enable_jit_warmup=False)
+    cfg.attention_config.flash_attn_max_num_splits_for_cuda_graph = 32
+    with set_current_vllm_config(VllmConfig()):
+        b = fa.FlashAttentionMetadataBuilder(spec, [LAYER], cfg, E.CPU)
+    return b, _group(fa.FlashAttentionBackend, spec, b)
+
+
 def mla_builder(page_size: int, dcp: int, il: int, workspace: int = 256):
     """vLLM's MLA common builder (as the Triton MLA backend has it) with the fields its decode and prefill builds read:
     a chunked-prefill workspace of `workspace` rows (the KV gather into it is the model's forward, not the build: no

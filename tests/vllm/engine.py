@@ -289,7 +289,7 @@ def run_ranks(dcp: int, drive, out_dir, monkeypatch) -> list:
 
 
 # --------------------------------------------------------------------------------------------
-# Slot mappings (issue 15): vLLM's BlockTables.compute_slot_mappings and its Triton kernel on CPU
+# Slot mappings: vLLM's BlockTables.compute_slot_mappings and its Triton kernel on CPU
 
 # 0.31+ take which KV-cache groups DCP shards (KVCacheSpec.dcp_sharded); 0.29-0.30 localise every group
 HAS_DCP_SHARDED = "dcp_sharded" in inspect.signature(BlockTables.__init__).parameters

@@ -1,4 +1,4 @@
-"""What vLLM's attention-metadata builders hand attention, recorded through the plugin (issue 26) and replayed: the
+"""What vLLM's attention-metadata builders hand attention, recorded through the plugin and replayed: the
 FlashInfer builder's dcp_query_start_loc (0.30+) and the page counts of its plans, the MLA common builder's
 dcp_tot_seq_lens. The builders are vLLM's own (backends.py), run by vLLM's build_attn_metadata for batches vLLM builds;
 the empty-mask, tot-lens and pages rules check their values. Post-fix releases replay clean; 0.29's FlashInfer plans
@@ -12,6 +12,7 @@ from vllm.v1.attention.backends import flashinfer as fi
 from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
 
 from dcptool.check.replay import local_np, replay
+from dcptool.dcp.reference import last_page
 from dcptool.dump import open_dumps
 from dcptool.engine import vllm as plugin
 
@@ -58,15 +59,28 @@ def test_the_builders_are_hooked_with_the_releases_table(tmp_path, monkeypatch):
 
 DECODES = ([1, 1, 1, 1, 1], [40, 33, 7, 1000, 64])
 MIXED = ([1, 1, 1, 9, 16], [40, 17, 2, 100, 2048])  # three decodes, then two prefills (decodes first, as reordered)
+
+
+def _random_batch(seed: int):
+    """Seeded decodes then prefills (contexts of awkward sizes: a fresh prefill's 0, 1, 127-129, 1000+)."""
+    rng = np.random.default_rng(seed)
+    nd, npf = int(rng.integers(0, 4)), int(rng.integers(1, 4))
+    q = [1] * nd + [int(x) for x in rng.integers(2, 40, npf)]
+    ctx = rng.choice([0, 1, 127, 128, 129, 1000, 1500], nd + npf)
+    return q, [int(c) + x for c, x in zip(ctx, q)]
+
+
 FI_CASES = [  # (batch, dcp, interleave, page size, trtllm-gen decode)
     (DECODES, 2, 1, 16, True), (DECODES, 2, 1, 16, False), (MIXED, 2, 1, 16, True), (MIXED, 4, 16, 64, False),
     (DECODES, 4, 8, 32, False), (MIXED, 3, 1, 16, True),
-]
+] + [(_random_batch(k), *c) for k, c in enumerate([(2, 1, 16, False), (4, 8, 32, True), (3, 1, 16, False),
+                                                    (4, 16, 64, False), (2, 1, 16, True)])]
 
 
 @pytest.mark.parametrize("batch,dcp,il,page,trtllm", FI_CASES,
-                         ids=[f"{'decode' if c[0] is DECODES else 'mixed'}-N{c[1]}-I{c[2]}-P{c[3]}-"
-                              f"{'trtllm' if c[4] else 'native'}" for c in FI_CASES])
+                         ids=[f"{'decode' if c[0] is DECODES else 'mixed' if c[0] is MIXED else f'random{k}'}-"
+                              f"N{c[1]}-I{c[2]}-P{c[3]}-{'trtllm' if c[4] else 'native'}"
+                              for k, c in enumerate(FI_CASES)])
 def test_flashinfer_columns_are_vllms_and_replay(tmp_path, monkeypatch, batch, dcp, il, page, trtllm):
     q, s = batch
     built = []
@@ -75,12 +89,15 @@ def test_flashinfer_columns_are_vllms_and_replay(tmp_path, monkeypatch, batch, d
         b, g = B.flashinfer(page, 16, dcp, il, trtllm_decode=trtllm)
         plans = B.Plans(monkeypatch, b)
         _, md = step(q, s, dcp, rank, il, g)
-        built.append((md, np.diff(b.paged_kv_indptr.np[: len(q) + 1]) if plans.decode or plans.prefill else None))
+        planned = plans.decode or plans.prefill
+        built.append((md, np.diff(b.paged_kv_indptr.np[: len(q) + 1]) if planned else None,
+                      b.paged_kv_last_page_len.np[: len(q)].copy() if planned else None))
 
     d, res = run(dcp, drive, tmp_path, monkeypatch)
     nd = sum(1 for x in q if x == 1)
     assert d.n == dcp and d.config.page_size == (page if built[0][1] is not None else None)
-    for i, (md, pages) in enumerate(built):
+    misplanned = set()  # the ranks whose builder planned a read prefill count or last page off the local length
+    for i, (md, pages, lasts) in enumerate(built):
         assert md.num_decodes == nd
         dqsl = getattr(md.decode, "dcp_query_start_loc", None)
         if trtllm and B.HAS_DCP_QSL:  # the Q mask_dcp_empty_shards_ gets: query_start_loc[:num_decodes + 1]
@@ -91,22 +108,50 @@ def test_flashinfer_columns_are_vllms_and_replay(tmp_path, monkeypatch, batch, d
         if pages is None:  # trtllm-gen decode of a pure-decode batch plans no pages
             assert not d.has("rows.kv_pages")
             continue
-        kv = d["rows.kv_pages"][d["obs.rows"][i]:d["obs.rows"][i + 1]]
-        assert kv[:nd].tolist() == pages[:nd].tolist()  # the plan's own paged_kv_indptr
-        assert (kv[nd:] == -1).all()  # DCP prefill rows plan their local context only
-        local = local_np(np.asarray(s), dcp, int(d["obs.rank"][i]), il)
+        rows = slice(d["obs.rows"][i], d["obs.rows"][i + 1])
+        kv, pre, last = (d[c][rows] for c in ("rows.kv_pages", "rows.kv_prefill_pages", "rows.kv_last_page"))
+        native = type(md.decode).__name__ == "FIDecode"  # (trtllm-gen decode does not read the native plan)
+        read = np.r_[np.full(nd, native), np.full(len(q) - nd, type(md.prefill).__name__ == "FIPrefill")]
+        assert kv[:nd].tolist() == (pages[:nd].tolist() if native else [-1] * nd)  # the plan's own indptr
+        assert (kv[nd:] == -1).all() and (pre[:nd] == -1).all()  # DCP prefill rows: their own field
+        assert pre[nd:].tolist() == np.where(read[nd:], pages[nd:], -1).tolist()
+        assert last.tolist() == np.where(read, lasts, -1).tolist()  # the builder's paged_kv_last_page_len
+        rank = int(d["obs.rank"][i])
+        local = local_np(np.asarray(s), dcp, rank, il)
         want = -(-np.asarray(s if GLOBAL_PAGES else local) // page)
-        assert kv[:nd].tolist() == want[:nd].tolist()
+        assert kv[:nd].tolist() == np.where(read[:nd], want[:nd], -1).tolist()
+        ctx = local_np(np.asarray(s) - np.asarray(q) * (np.arange(len(q)) >= nd), dcp, rank, il)
+        wrong = ((read[nd:] & (pages[nd:] != -(-ctx[nd:] // page))).any()
+                 or (read & (lasts != last_page(ctx, page))).any())
+        if wrong:
+            misplanned.add(rank)
+    assert sorted({f.rank for f in res.findings if f.rule == "plan-pages"}) == sorted(misplanned), messages(res)
+    assert not misplanned or GLOBAL_PAGES  # (post-fix releases plan the local context)
     ran = {"pages": d.has("rows.kv_pages"), "empty-mask": trtllm and B.HAS_DCP_QSL}
     assert [r for r, on in ran.items() if on and r in res.skipped] == [], res.skipped
+    # the host copy of seq_lens the builder read is recorded where it reads a shared one (0.29's seq_lens_cpu,
+    # 0.33+'s exact upper bound; 0.30-0.32 read a fresh seq_lens.cpu()); 0.29's builder subtracts the prefill rows'
+    # query lengths from the shared copy in place (PR #48003's second half): host-copy at every rank of a batch with
+    # prefills, nowhere else
+    assert d.has("obs.hseq") or not (GLOBAL_PAGES or E.VERSION >= "0.33")
+    written = sorted(f.rank for f in res.findings if f.rule == "host-copy")
+    assert written == (list(range(dcp)) if GLOBAL_PAGES and nd < len(q) else []), messages(res)
+    assert all(f.detail["kind"] == "written-in-place" for f in res.findings if f.rule == "host-copy")
+    pages = [f for f in res.findings if f.rule not in ("host-copy", "plan-pages")]
     if not GLOBAL_PAGES or built[0][1] is None:
-        assert res.findings == [], messages(res)
+        assert pages == [], messages(res)
         return
-    # 0.29: the plans claim cdiv(global, page) pages on a rank that holds cdiv(local, page): PR #48003
+    # 0.29: the plans claim cdiv(global, page) pages on a rank that holds cdiv(local, page): PR #48003 (decode rows
+    # where the native decode kernel reads them)
     dec = np.asarray(s[:nd])
-    want = [r for r in range(dcp) if (-(-dec // page) != -(-local_np(dec, dcp, r, il) // page)).any()]
-    assert {f.rule for f in res.findings} == {"pages"} and sorted(f.rank for f in res.findings) == want, messages(res)
-    assert {(p.known.bug.id, p.known.verdict) for p in res.problems} == {("pr48003-flashinfer-global-pages", "match")}
+    want = [r for r in range(dcp) if (-(-dec // page) != -(-local_np(dec, dcp, r, il) // page)).any()
+            and type(built[0][0].decode).__name__ == "FIDecode"]
+    assert {f.rule for f in pages} <= {"pages"} and sorted(f.rank for f in pages) == want, messages(res)
+    known = {(p.known.bug.id, p.known.verdict) for p in res.problems}
+    assert (("pr48003-flashinfer-global-pages", "match") in known) == bool(want)
+    assert known <= {("pr48003-flashinfer-global-pages", "match"), ("pr48003-host-written", "match"),
+                     ("pr48003-flashinfer-prefill-plans", "match")}
+    assert (("pr48003-host-written", "match") in known) == bool(written)
 
 
 @pytest.mark.parametrize("trtllm", [True, False], ids=["trtllm", "native"])
@@ -124,7 +169,9 @@ def test_flashinfer_full_graph_padded_batch_replays_clean(tmp_path, monkeypatch,
         assert d["rows.dcp_query_start_loc"].tolist() == [0, 1, 2, 3, 3] * 2
     if not trtllm:  # local lengths [9, 13, 2] and [9, 13, 1]: one page of 16 each (0.29: the global 18, 26, 3)
         assert d["rows.kv_pages"].tolist() == ([2, 2, 1, 0] if GLOBAL_PAGES else [1, 1, 1, 0]) * 2
-    assert [f.rule for f in res.findings] == (["pages"] * 2 if GLOBAL_PAGES and not trtllm else []), messages(res)
+    # (0.29: the decode rows' counts and last pages of the global lengths, on each rank)
+    want = ["pages", "plan-pages"] * 2 if GLOBAL_PAGES and not trtllm else []
+    assert sorted(f.rule for f in res.findings) == sorted(want), messages(res)
 
 
 def test_flashinfer_capture_records_the_builders_columns(tmp_path, monkeypatch):
@@ -153,8 +200,8 @@ def test_flashinfer_plans_from_global_lengths_are_found(tmp_path, monkeypatch):
         step(*DECODES, 2, rank, 1, g)
 
     d, res = run(2, drive, tmp_path, monkeypatch)
-    assert {f.rule for f in res.findings} == {"pages"}, messages(res)
-    f = res.findings[0]
+    assert {f.rule for f in res.findings} == {"pages", "plan-pages"}, messages(res)  # (counts and last pages)
+    f = next(f for f in res.findings if f.rule == "pages")
     assert f.recorded == -(-40 // 16) and f.expected == -(-20 // 16)
 
 
@@ -184,10 +231,13 @@ def test_flashinfer_in_micro_batches(tmp_path, monkeypatch):
     # each micro-batch's own decodes: the first holds the three, the second none (the rest of a prefill)
     dq = np.diff(d["obs.dqsl"])
     assert [dq[d["obs.ubatch"] == u].tolist() for u in (-1, 0, 1)] == [[0, 0], [4, 4], [0, 0]]
-    kv = [d["rows.kv_pages"][d["obs.rows"][i]:d["obs.rows"][i + 1]].tolist() for i in range(3)]
-    # rank 0: the parent has no builder; micro-batch 0 plans its decodes' local pages (20, 9, 1 of 16) and the
-    # context of its two prefill rows (not checked); micro-batch 1 is the rest of the last prefill
-    assert d.seq_lens_of(1).tolist() == [40, 17, 2, 100, 2034] and kv == [[-1] * 5, [2, 1, 1, -1, -1], [-1]]
+    kv, pre = ([d[c][d["obs.rows"][i]:d["obs.rows"][i + 1]].tolist() for i in range(3)]
+               for c in ("rows.kv_pages", "rows.kv_prefill_pages"))
+    # rank 0: the parent has no builder; micro-batch 0 plans its decodes' local pages (20, 9, 1 of 16), which the
+    # trtllm-gen decode does not read (-1), and the local context of its two prefill rows (local of 100 - 9 and
+    # 2034 - 9 at rank 0 of 2: 46 and 1013 tokens, 3 and 64 pages); micro-batch 1 is the rest of the last prefill
+    assert d.seq_lens_of(1).tolist() == [40, 17, 2, 100, 2034] and kv == [[-1] * 5, [-1] * 5, [-1]]
+    assert pre[1] == [-1, -1, -1, 3, 64]
     assert res.findings == [], messages(res)
 
 

@@ -84,7 +84,8 @@ def test_the_plugin_records_the_mla_builders_chunked_context(tmp_path, monkeypat
 
     d = open_dumps(E.run_ranks(dcp, drive, tmp_path, monkeypatch))
     want = C.encode(*C.plan_chunks([591, 2032, 0], 256 * dcp, 16, dcp, il), [2, 3, 4]).tolist()
-    got = [d["rows.ctx_chunks"][d["obs.ctx"][i]:d["obs.ctx"][i + 1]].tolist() for i in range(d.n)]
+    run = np.argsort(d.order_of(np.arange(d.n)))  # the run's order: by step, then rank file
+    got = [d["rows.ctx_chunks"][d["obs.ctx"][i]:d["obs.ctx"][i + 1]].tolist() for i in run]
     assert got == [want] * dcp + [[0]] * dcp  # (by step: every rank's mixed batch, then every rank's decodes)
     assert len(built[0].prefill.chunked_context.chunks) == len(C.gathers(want, dcp, il)) > 1
     res = replay(d, "torch")

@@ -1,5 +1,5 @@
 """`dcptool export-test` against the installed vLLM (`make test-vllm`): the generated regression test calls
-vLLM's own get_dcp_local_seq_lens, passes, and fails when an expected value is changed (issue 17 item 4)."""
+vLLM's own get_dcp_local_seq_lens, passes, and fails when an expected value is changed."""
 
 import importlib.util
 

@@ -1,4 +1,4 @@
-"""Issue 26 item 4: simulate's slot columns under PCP against vLLM's own PCP slot mapping. vLLM computes the global
+"""simulate's slot columns under PCP against vLLM's own PCP slot mapping. vLLM computes the global
 batch's slot mapping (BlockTables.compute_slot_mappings, its Triton kernel in the interpreter) with DCP-only ownership
 (cp_size = dcp_size) and hands attention the PCP-gathered form (PCPManager._convert_to_gathered_slot_mappings after
 partition_batch): every PCP rank's local tokens, a replicated request written once, from PCP rank 0's copy. Each PCP

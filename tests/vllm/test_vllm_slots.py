@@ -1,4 +1,4 @@
-"""Issue 15's `slots` and `slot-partition` against vLLM's own slot mapping (BlockTables.compute_slot_mappings and
+"""`slots` and `slot-partition` against vLLM's own slot mapping (BlockTables.compute_slot_mappings and
 its Triton kernel, run in the interpreter): on seeded random batches of awkward sizes, every rank's slot mapping
 as vLLM computes it, recorded with dcptool's Recorder, replays clean; the ownership and local-offset formulas
 dcptool checks are the kernel's, entry by entry; and a wrong claim about a group is found."""

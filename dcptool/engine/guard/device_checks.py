@@ -8,17 +8,20 @@ from dcptool.dcp.backend import load
 from dcptool.dump import Record
 from dcptool.dump.observation import NAMES
 from dcptool.engine.arguments import host_copy
-from dcptool.engine.guard.host_checks import CHECKS, NOT_KEPT
+from dcptool.engine.guard.host_checks import CHECKS, HOST_CHECKS, NOT_KEPT, late_bits
+from dcptool.engine.snapshot.layout import HOST_ROWS as LAYOUT_HOST_ROWS
 
 # Ring slot layout (int32 words): HEAD header words, then six sections of `cap` rows each (seq_lens, the DCP
 # view, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens) and `tcap` words of slot entries
 # (positions, then slot_mapping [groups, tokens]). Header: 0 index + 1 (0: never written), 1 rule bits, 2 step,
 # 3 site id, 4 rank, 5 ubatch, 6 num_reqs, 7 num_reqs_padded, 8 parent, 9 req_start, 10 tok_start, 11 tok_stop,
 # 12 num_tokens_padded, 13 graph, 14-15 buffer (low, high), 16-23 counts (the six sections, tokens, groups;
-# -1 absent), 24 kept (0: larger than the slot, checked but not kept).
+# -1 absent), 24 kept (0: larger than the slot, checked but not kept), 25 the launch's host index (its host values
+# are kept on the host under it: GuardDevice.extras).
 HEAD = 32
 W_COUNTS = 16
 W_KEPT = 24
+W_HOST = 25
 SECTIONS = 6
 # What a kept slot holds of each field of the observation (dump.observation.FIELDS_TABLE): a scalar at its header
 # word (the site as its id, the buffer as two words, low and high), a row field as its section, the slot entries in
@@ -29,27 +32,36 @@ HEAD_WORDS = {"step": 2, "site": 3, "rank": 4, "ubatch": 5, "num_reqs": 6, "num_
 ROW_SECTIONS = ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "kv_pages", "dcp_query_start_loc",
                 "dcp_tot_seq_lens")
 TOKEN_AREA = ("positions", "slot_mapping")
-if (sorted((*HEAD_WORDS, *ROW_SECTIONS, *TOKEN_AREA, *NOT_KEPT)) != sorted(NAMES)
-        or len(ROW_SECTIONS) != SECTIONS):
+# The host values (the row fields after the last device section: addresses, ...): checked on the host as observe() is
+# called (their verdict reaches the kernel as `hbits`) and kept on the host under the launch's host index. NOT_KEPT:
+# the fields replay's rules read and the Guard does not check (the chunked context, ...).
+HOST_ROWS = tuple(f.name for f in LAYOUT_HOST_ROWS)
+_KEPT = (*HEAD_WORDS, *ROW_SECTIONS, *TOKEN_AREA, *HOST_ROWS, *NOT_KEPT)
+if sorted(_KEPT) != sorted(NAMES) or len(ROW_SECTIONS) != SECTIONS:
     raise ImportError("guard.device_checks: the Guard's slot keeps every field of dump.observation.FIELDS_TABLE; "
-                      f"it keeps {sorted((*HEAD_WORDS, *ROW_SECTIONS, *TOKEN_AREA))} and leaves out {NOT_KEPT}, "
-                      f"the table has {sorted(NAMES)}")
+                      f"it keeps {sorted(_KEPT)} and leaves out {NOT_KEPT}, the table has {sorted(NAMES)}")
 # The check kernel's arguments: the ring's and the spec's (fixed while they are), then the observation's: each scalar
 # under the kernel's short name, each row section's address and count, the slot entries.
 KERNEL_ARGS = ("ring", "state", "flag", "keep", "words", "cap", "tcap", "N", "I", "page", "step", "site", "rank",
                "ubatch", "nr", "nrp", "parent", "req_start", "tok_start", "tok_stop", "ntp", "graph", "buf_lo",
                "buf_hi", "seq_p", "n_seq", "dcp_p", "n_dcp", "qsl_p", "n_qsl", "kv_p", "n_kv", "dq_p", "n_dq",
-               "tot_p", "n_tot", "pos_p", "n_pos", "map_p", "n_groups", "shard_mask", "wide", "map_stride")
+               "tot_p", "n_tot", "pos_p", "n_pos", "map_p", "n_groups", "shard_mask", "wide", "map_stride", "hbits",
+               "hidx")
 GUARD_BLOCK = 1024  # rows a block: one pass of loads for up to 1,024 requests
 GUARD_BLOCK_INTERPRETED = 256  # under Triton's interpreter (device_checks_tl.py says why)
 GUARD_WARPS = 8  # (4 rows a thread)
-# One bit per check of the Guard (host_checks.CHECKS: the rule table's names and order); the kernel sets each by its
-# name (device_checks_tl), the first set in table order is the one reported
+# One bit per check of the Guard (host_checks.CHECKS: the rule table's names and order); the kernel sets each of its
+# own by its name (device_checks_tl), the host those of the host values (HOST_CHECKS: launched as `hbits`), the first
+# set in table order is the one reported
 BIT = {name: 1 << k for k, name in enumerate(CHECKS)}
 KERNEL_CHECKS = ("missing", "values", "padding", "shape", "pages", "empty-mask", "tot-lens", "slots")
-if set(KERNEL_CHECKS) != set(CHECKS):
+if set(KERNEL_CHECKS) | set(HOST_CHECKS) != set(CHECKS) or len(CHECKS) > 31:
     raise ImportError(f"guard.device_checks: the rule table's device checks are {list(CHECKS)}; the check kernel "
-                      f"decides {list(KERNEL_CHECKS)}")
+                      f"decides {list(KERNEL_CHECKS)} and the host {list(HOST_CHECKS)} (at most 31: one word)")
+EXTRAS_KEPT = 4  # host values kept: the last EXTRAS_KEPT * keep launches' and those of captured launches'
+_HOST_AT = NAMES.index(HOST_ROWS[0]) if HOST_ROWS else len(NAMES)  # the host values' place in a Record (the last)
+if NAMES[_HOST_AT:] != HOST_ROWS:
+    raise ImportError("guard.device_checks: the host values are the Record's last fields")
 _TL = "dcptool.engine.guard.device_checks_tl"
 _NONE = -1  # a scalar not given
 _HOST_IN_CAPTURE = -2  # _sec's count of a host array met inside capture (not read)
@@ -109,7 +121,7 @@ class _Probe:
         (sq, dc, qs, pos, sm), nil = self.held, self.state.data_ptr()
         self.args = (self.ring.data_ptr(), nil, self.flag.data_ptr(), 2, words, cap, tcap, 2, 1, 0, 12345, 0, 1, -1,
                      4, 4, -1, -1, -1, -1, -1, 2, 77, 0, sq.data_ptr(), 4, dc.data_ptr(), 4, qs.data_ptr(), 5, nil,
-                     -1, nil, -1, nil, -1, pos.data_ptr(), 4, sm.data_ptr(), 2, 3, 3, 6)
+                     -1, nil, -1, nil, -1, pos.data_ptr(), 4, sm.data_ptr(), 2, 3, 3, 6, 0, 0)
         self.want = None
 
 
@@ -171,6 +183,9 @@ class GuardDevice:
         self._nil = self.state.data_ptr()  # the address an absent section is launched with (never read)
         self._fixed: tuple = ()  # the launch's leading arguments, fixed while the ring and the spec are (_refix)
         self._masks: dict[int, int] = {}  # groups -> the sharded-group bit mask under this spec
+        self.hidx = 0  # the next launch's host index
+        self.extras: dict[int, tuple] = {}  # host index -> the launch's host values (HOST_ROWS), where it had any
+        self.pinned: set[int] = set()  # the host indices of launches captured in a graph (replayed: kept for good)
         self.spec = spec
 
     @property
@@ -300,11 +315,25 @@ class GuardDevice:
             m = self._masks[groups] = sum(1 << g for g in range(groups) if sh is None or g >= len(sh) or sh[g])
         return m
 
+    def _keep_host(self, r, hidx: int) -> None:
+        """The launch's host values (HOST_ROWS, host copies) under its host index, where it has any; those of the
+        last EXTRAS_KEPT * keep launches and of every captured one are kept."""
+        late = r[_HOST_AT:]
+        self.extras[hidx] = tuple(None if x is None else host_copy(x) for x in late)
+        if self.capturing():
+            self.pinned.add(hidx)
+        if len(self.extras) > 2 * EXTRAS_KEPT * self.keep + len(self.pinned):
+            old = hidx - EXTRAS_KEPT * self.keep
+            for k in [k for k in self.extras if k < old and k not in self.pinned]:
+                del self.extras[k]
+
     def launch(self, vals, r) -> bool:
         """One check-and-keep launch on the current stream; nothing read back. False: skipped (_fit). No torch
         op on the engine's tensors where they are int32 contiguous on the device (slot entries: int64 too).
-        vals: the record's Scalars (checked)."""
-        (_, site, _, _, _, seq_lens, dcp, _, _, _, _, _, qsl, _, _, _, kv, dqsl, tot, positions, slot_mapping, *_) = r
+        vals: the record's Scalars (checked). The host values are checked here (host_checks.late_bits: one
+        comparison when there are none) and their verdict launched as `hbits`."""
+        (_, site, _, _, _, seq_lens, dcp, _, _, _, _, _, qsl, _, _, _, kv, dqsl, tot, positions, slot_mapping,
+         *_) = r
         sid = self.sites.get(site)
         if sid is None:
             sid = self.sites[site] = len(self.site_names)
@@ -336,13 +365,19 @@ class GuardDevice:
                 return False
         if not self.frozen and self.capturing():
             self.frozen = True
+        hidx = self.hidx
+        self.hidx = (hidx + 1) & 0x7FFFFFFF  # (a header word)
+        hbits = 0
+        if any(x is not None for x in r[_HOST_AT:]):
+            hbits = late_bits(self._spec, r, BIT)
+            self._keep_host(r, hidx)
         step, rank, nr, nrp, ubatch, parent, rs, ts, te, ntp, buf, graph = vals  # (Scalars order)
         buf = _NONE if buf is None else buf
         self.go(self.raw(self.did), 1, *self._fixed, step, sid, rank, ubatch, nr, nrp,
                 _NONE if parent is None else parent, _NONE if rs is None else rs, _NONE if ts is None else ts,
                 _NONE if te is None else te, _NONE if ntp is None else ntp, _NONE if graph is None else graph,
                 (buf & 0xFFFFFFFF) - ((buf & 0x80000000) << 1), buf >> 32, sp, ns, dp, nd, qp, nq, kp, nk, yp, ny,
-                tp, nt, pp, max(npos, 0), mp, groups, mask, wide, stride)
+                tp, nt, pp, max(npos, 0), mp, groups, mask, wide, stride, hbits, hidx)
         return True
 
     def wrong_seen(self) -> bool:
@@ -391,6 +426,7 @@ class GuardDevice:
         kw.update(site=self.site_names[int(w[HEAD_WORDS["site"]])],
                   buffer=opt((int(w[b + 1]) << 32) | (int(w[b]) & 0xFFFFFFFF)))
         kw.update((f, sec(k)) for k, f in enumerate(ROW_SECTIONS))
+        kw.update(zip(HOST_ROWS, self.extras.get(int(w[W_HOST]), ())))
         tok, groups = cnt[6], cnt[7]
         if groups > 0:
             base = HEAD + SECTIONS * cap

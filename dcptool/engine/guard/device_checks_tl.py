@@ -13,6 +13,7 @@ from dcptool.engine.guard.device_checks import (
     KERNEL_ARGS,
     SECTIONS,
     W_COUNTS,
+    W_HOST,
     W_KEPT,
 )
 
@@ -29,6 +30,7 @@ _HEAD = tl.constexpr(HEAD)
 _SECTIONS = tl.constexpr(SECTIONS)
 _W_COUNTS = tl.constexpr(W_COUNTS)
 _W_KEPT = tl.constexpr(W_KEPT)
+_W_HOST = tl.constexpr(W_HOST)
 
 
 @triton.jit(do_not_specialize=_ARGS)
@@ -39,7 +41,8 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
                  buf_lo: tl.int32, buf_hi: tl.int32, seq_p: tl.int64, n_seq: tl.int32, dcp_p: tl.int64,
                  n_dcp: tl.int32, qsl_p: tl.int64, n_qsl: tl.int32, kv_p: tl.int64, n_kv: tl.int32, dq_p: tl.int64,
                  n_dq: tl.int32, tot_p: tl.int64, n_tot: tl.int32, pos_p: tl.int64, n_pos: tl.int32,
-                 map_p: tl.int64, n_groups: tl.int32, shard_mask: tl.int32, wide: tl.int32, map_stride: tl.int32):
+                 map_p: tl.int64, n_groups: tl.int32, shard_mask: tl.int32, wide: tl.int32, map_stride: tl.int32,
+                 hbits: tl.int32, hidx: tl.int32):
     # One program: the observation's index from the device counter (state[0], so every replay of a captured
     # launch gets its own), the checks of engine.guard.host_checks on the rows as attention was handed them, the
     # observation into ring slot index % keep (its header, then each section's rows) unless the ring is frozen at
@@ -49,7 +52,8 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
     # is an integer argument (the launcher's C entry takes the arguments as they are: launch.py); the rows are
     # checked and kept in one pass (each block of every section loaded once: one round trip to memory per block,
     # not one per section). wide: bit 0 positions int64, bit 1 the slot mapping int64 (vLLM's, narrowed here:
-    # no conversion launched on the host); map_stride: the slot mapping's row stride in elements.
+    # no conversion launched on the host); map_stride: the slot mapping's row stride in elements. hbits: the rule
+    # bits of the observation's host values, decided on the host (ORed in); hidx: its host index (header word 25).
     st = state.to(tl.pointer_type(tl.int32))
     idx = tl.atomic_add(st, 1, sem="relaxed")  # (an index only: no fence before the loads)
     stop = tl.load(st + 1, volatile=True)
@@ -59,7 +63,7 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
     kvp = kv_p.to(tl.pointer_type(tl.int32))
     dqp = dq_p.to(tl.pointer_type(tl.int32))
     totp = tot_p.to(tl.pointer_type(tl.int32))
-    bits = nr * 0
+    bits = hbits
     bits = bits | tl.where((n_dcp < 0) & (N > 1), _MISSING, 0)
     bits = bits | tl.where((n_dcp >= 0) & (n_dcp != nrp), _SHAPE, 0)
     bits = bits | tl.where((n_dq > 0) & (N > 1) & (n_qsl > 0) & (n_dq > n_qsl), _EMPTY, 0)
@@ -153,7 +157,7 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
     c = hl - _W_COUNTS
     hv = tl.where(c == 0, n_seq, tl.where(c == 1, n_dcp, tl.where(c == 2, n_qsl, tl.where(c == 3, n_kv, hv))))
     hv = tl.where(c == 4, n_dq, tl.where(c == 5, n_tot, tl.where(c == 6, n_pos, tl.where(c == 7, n_groups, hv))))
-    hv = tl.where(hl == _W_KEPT, fits.to(tl.int32), hv)
+    hv = tl.where(hl == _W_KEPT, fits.to(tl.int32), tl.where(hl == _W_HOST, hidx, hv))
     tl.store(slot + hl, hv, mask=hl < tl.where(live, _HEAD, 0))
     if bits != 0:
         if live:

@@ -104,6 +104,13 @@ class Guard:
             self._set_spec(self._spec._replace(page_size=page_size))
         return self._spec.page_size
 
+    def set_attn_tensors(self, names) -> tuple:
+        """Name the metadata tensors rows.attn_addrs lists (the dump's config) if none were; returns the names in
+        use."""
+        if self._kw.get("attn_tensors") is None:
+            self._kw["attn_tensors"] = tuple(names)
+        return self._kw["attn_tensors"]
+
     def _set_spec(self, spec) -> None:
         self._spec = spec
         if self._dev is not None:  # (launches captured before keep what they were captured with)
@@ -161,9 +168,8 @@ class Guard:
         kept = r._replace(buffer=buffer, slot_mapping=sm, **copies)
         slots = ((None,) * 3 if r.positions is None and r.slot_mapping is None
                  else host_slots(kept.positions, sm, self._ngroups))
-        rule = first_wrong(self._spec, int(r.rank), int(r.num_reqs), int(r.num_reqs_padded), kept.seq_lens,
-                           kept.dcp_local_seq_lens, kept.query_start_loc, kept.kv_pages, kept.dcp_query_start_loc,
-                           kept.dcp_tot_seq_lens, slots)
+        rule = first_wrong(self._spec, kept._replace(rank=int(r.rank), num_reqs=int(r.num_reqs),
+                                                     num_reqs_padded=int(r.num_reqs_padded)), slots)
         return kept, rule
 
     def _observe_device(self, r: Record) -> int:

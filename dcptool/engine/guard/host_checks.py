@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import NamedTuple
 
 import numpy as np
 
-from dcptool.dcp.reference import local_np
+from dcptool.dcp.reference import last_page, local_np, misdealt
 from dcptool.dcp.rules import DEVICE_CHECKS
+from dcptool.dump import Record
+from dcptool.dump.schema import GraphMode
 
 # The fields replay's rules read and the Guard's kernel does not check (the chunked context across ranks, the KV-cache
 # groups' lengths, the verify bounds, sparse MLA's top-k): the Guard neither keeps them in its slots nor writes them
@@ -27,6 +31,9 @@ class Spec(NamedTuple):
 # The Guard's checks, named, ordered and chosen by the rule table: the errors among its device checks (a warning
 # never makes an observation wrong). The kernel (device_checks) decides the same ones.
 CHECKS = tuple(c.name for c in DEVICE_CHECKS if c.severity == "error")
+# ... of which the checks of the host values (the row fields after the slot entries: host integers such as the
+# metadata tensors' addresses), decided on the host on either path (late_bits gives the kernel their verdict)
+HOST_CHECKS = ("graph-addr", "capacity", "host-copy", "plan-pages", "kernel-block")
 
 
 class _Obs(NamedTuple):
@@ -44,6 +51,7 @@ class _Obs(NamedTuple):
     tot: np.ndarray | None
     slots: tuple
     local: np.ndarray
+    r: Record  # the observation (its host values)
 
 
 def _aligned(o: _Obs) -> bool:
@@ -88,19 +96,108 @@ _CHECK = {
     "slots": lambda o: o.slots[0] is not None and o.slots[0].size > 0 and _slots_wrong(o.s, o.rank, o.nr, o.qsl,
                                                                                        *o.slots),
 }
+# The checks of the host values (HOST_CHECKS): graph-addr (a full-graph replay whose build handed attention a metadata
+# tensor at another address than the graph captured), capacity (a build needing more request rows than the buffer
+# behind one holds), host-copy (the host copy of seq_lens a build read is not the device's, or the build wrote it in
+# place; inside CUDA-graph capture the first half is not decided: comparing with a device seq_lens waits for it),
+# plan-pages (a native plan's prefill page count or last-page length not the local length's; the same wait for a
+# device seq_lens or query_start_loc), kernel-block (a DCP-sharded group's slot mapping dealing
+# positions to the ranks by another block than the KV-cache manager's where that moves a position).
+_HOST = {
+    "graph-addr": lambda s, r: _graph(r.graph) == GraphMode.FULL_REPLAY and r.attn_addrs is not None
+    and r.graph_addrs is not None and not np.array_equal(np.asarray(r.attn_addrs), np.asarray(r.graph_addrs)),
+    "capacity": lambda s, r: r.attn_caps is not None and bool(np.any(np.asarray(r.attn_caps) < r.num_reqs_padded)),
+    "host-copy": lambda s, r: r.host_seq_lens is not None and _host_copy_wrong(r),
+    "plan-pages": lambda s, r: (r.kv_prefill_pages is not None or r.kv_last_page is not None) and _plan_wrong(s, r),
+    "kernel-block": lambda s, r: r.kv_block_sizes is not None and _misdealt(s, np.asarray(r.kv_block_sizes)),
+}
+_CHECK.update((name, lambda o, f=f: f(o.s, o.r)) for name, f in _HOST.items())
+if set(_HOST) != set(HOST_CHECKS):
+    raise ImportError("guard.host_checks: HOST_CHECKS names the checks of the host values")
 if set(_CHECK) != set(CHECKS):
     raise ImportError(f"guard.host_checks: the rule table's device checks are {list(CHECKS)}; the host path decides "
                       f"{list(_CHECK)}")
 
 
-def first_wrong(s: Spec, rank: int, num_reqs: int, num_reqs_padded: int, seq: np.ndarray, dcp: np.ndarray | None,
-                qsl: np.ndarray | None, kv_pages: np.ndarray | None, dqsl: np.ndarray | None,
-                tot: np.ndarray | None, slots: tuple) -> str | None:
-    """The first of the Guard's checks (CHECKS, the rule table's order) one observation breaks, or None; host
-    arrays, real rows first."""
-    local = local_np(seq[:num_reqs].astype(np.int64), s.dcp_size, rank, s.cp_interleave)
-    o = _Obs(s, rank, num_reqs, num_reqs_padded, seq, dcp, qsl, kv_pages, dqsl, tot, slots, local)
+def _host_copy_wrong(r: Record) -> bool:
+    """host-copy on one observation: its real rows of rows.host_seq_lens against seq_lens (a host array only) and
+    against rows.host_seq_lens_after."""
+    host, nr = np.asarray(r.host_seq_lens), int(r.num_reqs)
+    after = r.host_seq_lens_after
+    if after is not None:
+        k = min(nr, host.size, len(after))
+        if not np.array_equal(host[:k], np.asarray(after)[:k]):
+            return True
+    seq = _host_of(r.seq_lens)
+    if seq is None:
+        return False
+    k = min(nr, host.size, seq.size)
+    return not np.array_equal(host[:k], seq[:k])
+
+
+def _host_of(t) -> np.ndarray | None:
+    """seq_lens on the host: a host array as it is, a device tensor copied (the stream waited for) except while a
+    CUDA graph is being captured, where nothing may wait (None: the stale half is not decided there)."""
+    if isinstance(t, np.ndarray):
+        return t
+    if not getattr(t, "is_cuda", False):
+        return np.asarray(t)
+    torch = sys.modules["torch"]
+    return None if torch.cuda.is_current_stream_capturing() else t.cpu().numpy()
+
+
+def _plan_wrong(s: Spec, r: Record) -> bool:
+    """plan-pages on one observation (its real rows; -1: not recorded)."""
+    seq, qsl, nr = _host_of(r.seq_lens), _host_of(r.query_start_loc), int(r.num_reqs)
+    if seq is None or qsl is None or qsl.size < nr + 1 or not s.page_size or nr == 0:
+        return False
+    none = np.full(nr, -1)
+    pre = none if r.kv_prefill_pages is None else np.asarray(r.kv_prefill_pages, np.int64)[:nr]
+    last = none if r.kv_last_page is None else np.asarray(r.kv_last_page, np.int64)[:nr]
+    covered = np.where(pre >= 0, seq[:nr] - np.diff(qsl[:nr + 1]), seq[:nr]).astype(np.int64)
+    local = local_np(np.maximum(covered, 0), s.dcp_size, r.rank, s.cp_interleave)
+    page = s.page_size
+    return bool(np.any((pre >= 0) & (pre != -(-local // page))) or np.any((last >= 0) & (last != last_page(local,
+                                                                                                          page))))
+
+
+def _misdealt(s: Spec, sizes: np.ndarray) -> bool:
+    """kernel-block on one observation's rows.kv_block_sizes (three per group: manager, kernel, dealt by)."""
+    if s.dcp_size == 1 or sizes.size < 3:
+        return False
+    v = sizes.astype(np.int64).reshape(-1, 3)
+    for g, (mgr, _, dealt) in enumerate(v.tolist()):
+        sharded = s.sharded is None or g >= len(s.sharded) or s.sharded[g]
+        if sharded and dealt != mgr and mgr > 0 and dealt > 0 and _deal_moves(dealt, mgr, s.dcp_size,
+                                                                               s.cp_interleave):
+            return True
+    return False
+
+
+@functools.cache
+def _deal_moves(dealt: int, manager: int, dcp_size: int, cp_interleave: int) -> bool:
+    return misdealt(dealt, manager, dcp_size, cp_interleave) >= 0
+
+
+def _graph(g) -> int | None:
+    return GraphMode.parse(g) if isinstance(g, str) else g
+
+
+def first_wrong(s: Spec, r: Record, slots: tuple) -> str | None:
+    """The first of the Guard's checks (CHECKS, the rule table's order) one observation breaks, or None; `r` holds
+    host arrays (the Guard's copies) and ints, `slots` its slot entries (dump.slot_entries' three arrays, or three
+    None); real rows first."""
+    seq, nr = r.seq_lens, r.num_reqs
+    local = local_np(seq[:nr].astype(np.int64), s.dcp_size, r.rank, s.cp_interleave)
+    o = _Obs(s, r.rank, nr, r.num_reqs_padded, seq, r.dcp_local_seq_lens, r.query_start_loc, r.kv_pages,
+             r.dcp_query_start_loc, r.dcp_tot_seq_lens, slots, local, r)
     return next((name for name in CHECKS if _CHECK[name](o)), None)
+
+
+def late_bits(s: Spec, r: Record, bits: dict) -> int:
+    """The kernel's rule bits (`bits`: check -> bit) of the host values' checks an observation breaks: the Guard's
+    device path decides them on the host, as observe() is called (the values are host integers)."""
+    return sum(bits[name] for name, f in _HOST.items() if f(s, r))
 
 
 def _slots_wrong(s: Spec, rank: int, nr: int, qsl, pos: np.ndarray, slot: np.ndarray, grp: np.ndarray) -> bool:

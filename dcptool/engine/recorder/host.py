@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dcptool.dump import Record, Scalars
-from dcptool.dump.observation import GROUPS, ROW_TABLE, ROWS, ROWS_PLUS_1, TOKENS, Field, R
+from dcptool.dump.observation import GROUPS, ROW_TABLE, TOKENS, R
 from dcptool.engine.arguments import (
     NO_SLOTS,
     batch_rows,
     check_shared,
+    copied_row,
     host_copy,
     host_fast,
     host_slots,
@@ -15,10 +16,14 @@ from dcptool.engine.arguments import (
     per_rank,
     scalars,
 )
+from dcptool.engine.snapshot.layout import HOST_ROWS
 
 # The row fields the host copies as given, after seq_lens (the slot entries go through dump.slot_entries), with
 # their positions in the Record.
 _COPIED = tuple((R[f.name], f) for f in ROW_TABLE[1:] if f.argument and f.shape not in (TOKENS, GROUPS))
+# The row fields after the slot entries (host values: the metadata tensors' addresses, ...), copied by their rules
+_LATE = tuple((R[f.name], f) for f in HOST_ROWS)
+_NO_LATE = (None,) * len(_LATE)
 
 
 class HostPath:
@@ -41,7 +46,7 @@ class HostPath:
         row = (seq, host_fast(r.dcp_local_seq_lens), qsl, host_fast(r.kv_pages), host_fast(r.dcp_query_start_loc),
                nonneg(host_fast(r.dcp_tot_seq_lens), "dcp_tot_seq_lens"), *slots,
                nonneg(host_fast(r.ctx_chunks), "ctx_chunks"), nonneg(host_fast(r.group_seq_lens), "group_seq_lens"),
-               host_fast(r.verify_row_lens), nonneg(host_fast(r.sparse_topk), "sparse_topk"))
+               host_fast(r.verify_row_lens), nonneg(host_fast(r.sparse_topk), "sparse_topk"), *self._late(r, seq.size))
         check_shared(vals, r.site, self._site_ok, None if row[3] is None else row[3].size, seq.size,
                       self._w.config.page_size)
         return row
@@ -63,11 +68,19 @@ class HostPath:
                 nonneg(per_rank(r.dcp_tot_seq_lens, k), "dcp_tot_seq_lens"), *zip(*extras),
                 nonneg(per_rank(r.ctx_chunks, k), "ctx_chunks"),
                 nonneg(per_rank(r.group_seq_lens, k), "group_seq_lens"), per_rank(r.verify_row_lens, k),
-                nonneg(per_rank(r.sparse_topk, k), "sparse_topk")]
+                nonneg(per_rank(r.sparse_topk, k), "sparse_topk"),
+                *(None if r[j] is None else copied_row(f, per_rank(r[j], k), seq.size, self._w.config, k)
+                  for j, f in _LATE)]
         kv = rows[3]
         check_shared(common, r.site, self._site_ok, None if kv is None else kv.shape[1], seq.size,
                       self._w.config.page_size)
         return common, rows
+
+    def _late(self, r: Record, rows: int) -> tuple:
+        """The row fields after the slot entries, copied and checked (none given: one comparison)."""
+        if all(r[j] is None for j, _ in _LATE):
+            return _NO_LATE
+        return tuple(copied_row(f, r[j], rows, self._w.config) for j, f in _LATE)
 
     def slots(self, positions, slot_mapping) -> tuple:
         """arguments.host_slots for this recording's KV-cache groups; notes the highest group recorded."""
@@ -88,18 +101,3 @@ class HostPath:
 def of_rank(rows: list, i: int) -> tuple:
     """Rank i's rows of HostPath.many()'s (seq_lens and query_start_loc shared)."""
     return tuple(x if j in (0, 2) else None if x is None else x[i] for j, x in enumerate(rows))
-
-
-def _copied(f: Field, x, rows: int, config):
-    """A row field's private host copy, checked by the field's rules (its shape against the observation's `rows`
-    seq_lens rows, the config setting it needs, no negative value where none may be); None: not given, or (rows
-    + 1 fields) of no use to replay. Raises what cannot be stored."""
-    a = host_fast(x)
-    if a is None:
-        return None
-    if f.shape == ROWS_PLUS_1:
-        return a if a.size == rows + 1 else None
-    if f.needs and getattr(config, f.needs) is None or f.shape == ROWS and a.size != rows:
-        raise ValueError(f"{f.name} needs {f.needs} in the config and one value per seq_lens row ({rows})"
-                         if f.needs else f"{f.name} needs one value per seq_lens row ({rows}), got {a.size}")
-    return nonneg(a, f.name) if f.nonneg else a

@@ -28,7 +28,7 @@ from dcptool.engine.arguments import (
 from dcptool.engine.recorder.host import HostPath, of_rank
 from dcptool.engine.recorder.settings import Options, settings
 from dcptool.engine.recorder.writer import Writer
-from dcptool.engine.snapshot.device import DevicePath
+from dcptool.engine.snapshot.device import LATE_ROWS, DevicePath
 from dcptool.engine.snapshot.device import find_torch as _device_torch
 from dcptool.engine.snapshot.harvest import Harvest
 
@@ -217,7 +217,8 @@ class Recorder:
                                    self._host.groups_seen) or self._host.slots(r.positions, r.slot_mapping))
         got = self._observe_device(vals, r.site, (r.seq_lens, r.dcp_local_seq_lens, r.query_start_loc, r.kv_pages,
                                                   r.dcp_query_start_loc, r.dcp_tot_seq_lens, *slots, r.ctx_chunks,
-                                                  r.group_seq_lens, r.verify_row_lens, r.sparse_topk))
+                                                  r.group_seq_lens, r.verify_row_lens, r.sparse_topk,
+                                                  *(r[k] for k in LATE_ROWS)))
         self._fast = dev.fast
         return got, None if slots is not None and type(slots[2]) is Groups else slots
 

@@ -51,6 +51,8 @@ def settings(dcp_size: int | None, cp_interleave: int, config: DumpConfig | None
         cfg["sites"] = tuple(cfg["sites"])
     if cfg.get("kv_groups") is not None:
         cfg["kv_groups"] = tuple(KVGroup.of(g) for g in cfg["kv_groups"])
+    if cfg.get("attn_tensors") is not None:
+        cfg["attn_tensors"] = tuple(cfg["attn_tensors"])
     if config is None:
         if dcp_size is None:
             raise TypeError("Recorder() missing required argument: 'dcp_size' (or config=)")

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 
 from dcptool.dump import INT32_MAX, Record, Scalars
-from dcptool.dump.observation import NAMES
+from dcptool.dump.observation import NAMES, R
 from dcptool.engine.arguments import (
     I64_MAX,
     I64_MIN,
@@ -16,6 +16,7 @@ from dcptool.engine.arguments import (
     NoTensor,
     check_own,
     check_vals,
+    copied_row,
     host_fast,
     int32_copy,
     narrowed,
@@ -24,7 +25,7 @@ from dcptool.engine.arguments import (
 from dcptool.engine.snapshot.arm import arm
 from dcptool.engine.snapshot.harvest import Harvest
 from dcptool.engine.snapshot.kernels import SNAP_ARGS_BLOCK
-from dcptool.engine.snapshot.layout import ABSENT, SECTIONS, SGRP, host_rules, layout
+from dcptool.engine.snapshot.layout import ABSENT, ARGS_SECTIONS, HOST_ROWS, SECTIONS, SGRP, host_rules, layout
 from dcptool.engine.snapshot.ring import FENCE_EVERY, Slot, SnapshotRing
 
 _NEW = tuple.__new__
@@ -33,8 +34,25 @@ _NEW = tuple.__new__
 _FAST_FIELDS = ("step", "site", "rank", "num_reqs", "num_reqs_padded", "seq_lens", "dcp_local_seq_lens", "ubatch",
                 "parent", "req_start", "tok_start", "tok_stop", "query_start_loc", "num_tokens_padded", "buffer",
                 "graph", "kv_pages", "dcp_query_start_loc", "dcp_tot_seq_lens", "positions", "slot_mapping",
-                "ctx_chunks", "group_seq_lens", "verify_row_lens", "sparse_topk")
-if NAMES != _FAST_FIELDS:
+                "ctx_chunks", "group_seq_lens", "verify_row_lens", "sparse_topk", "attn_addrs", "graph_addrs",
+                "attn_caps", "host_seq_lens", "host_seq_lens_after", "kv_prefill_pages", "kv_last_page",
+                "kv_block_sizes")
+# The fields past slot_mapping (device sections: the chunked context ...; host values: the metadata tensors'
+# addresses ...): an observation that gives any goes the general path, which takes the sections and holds the host
+# values beside its slot (one that gives none pays an identity test each)
+LATE_ROWS = tuple(R[f.name] for f in HOST_ROWS)  # the host values' Record positions, in the table's order
+_LATE_AT = R["slot_mapping"] + 1
+
+
+def _late_given(r: Record) -> bool:
+    """Any field past the slot mapping given (identity tests: an array's == would compare its elements)."""
+    for x in r[_LATE_AT:]:
+        if x is not None:
+            return True
+    return False
+
+
+if NAMES != _FAST_FIELDS or SECTIONS[ARGS_SECTIONS].section != "sgrp":
     raise ImportError("snapshot.device: observe_fast unpacks the Record as _FAST_FIELDS; the table's fields changed")
 _TENSOR: type = NoTensor  # torch.Tensor once torch is imported (the Recorder's find_torch says when)
 
@@ -87,6 +105,13 @@ def _later_sections(ring: SnapshotRing, config, rows: int, kv, dq, tot, pos, sm)
         if not groups or (config.kv_groups is not None and groups > len(config.kv_groups)):
             return None
     return out, n_all, wide, groups
+
+
+def _held(host: list | None, late: tuple, rows: int, config) -> list | None:
+    """The host-held sections (None: none) with the HOST_ROWS' host copies after them, where any is given."""
+    if all(x is None for x in late):
+        return host
+    return [*(host or (None,) * len(SECTIONS)), *(copied_row(f, x, rows, config) for f, x in zip(HOST_ROWS, late))]
 
 
 _GROUPS: dict[tuple[int, int], tuple] = {}  # (sections, groups) -> the host-held sections with only the groups
@@ -153,11 +178,10 @@ class DevicePath:
             self.skipped_capture += 1
 
     def observe_device(self, vals: Scalars, site: str, srcs: tuple) -> int | None:
-        """Snapshot the observation's device tensors in one launch; None: take the host path instead.
-
-        The header's section entries are collected here (_entries), checked by the sections' rules
+        """Snapshot the observation's device tensors in one launch (None: take the host path); `srcs`: the sections'
+        values, then the HOST_ROWS' (held beside the slot). The header's entries are collected (_entries), checked
         (_length_rules), and written with the rest of the header into the slot just before the launch."""
-        got = self._entries(srcs)
+        got = self._entries(srcs[:self._nsec])
         if got is None:
             return None
         ent, host, words, device, keep = got
@@ -166,6 +190,7 @@ class DevicePath:
         if rows < nr or not 0 <= nr <= nrp:
             raise ValueError(f"num_reqs {nr}, num_reqs_padded {nrp}, {rows} seq_lens rows")
         words = self._length_rules(ent, host, rows, words)
+        host = _held(host, srcs[self._nsec:], rows, self._w.config)
         check_vals(vals, site, self._site_ok)
         words &= ~7
         w = self._w
@@ -272,12 +297,12 @@ class DevicePath:
     def observe_fast(self, r: Record) -> int | None:
         """observe() for what an engine passes each step, once the ring runs (the class says which); None: the general
         path takes it (and raises what it cannot store); -1, dropped and counted (it never raises into the engine)."""
-        (step, site, rank, nr, nrp, seq, dcp, ub, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos, sm,
-         cx, gl, vl, tk) = r
+        (step, site, rank, nr, nrp, seq, dcp, ub, parent, rs, ts, te, qsl, ntp, buf, graph, kv, dq, tot, pos,
+         sm) = r[:_LATE_AT]
         try:
             ring = self.ring
             did = ring.did
-            if type(seq) is not _TENSOR or seq.get_device() != did:
+            if type(seq) is not _TENSOR or seq.get_device() != did or _late_given(r):  # (past the slots: general)
                 return None
             if self.capturing():
                 self.skip_capture()
@@ -321,7 +346,6 @@ class DevicePath:
                     parent = None
             if not (0 <= nr <= nrp <= INT32_MAX and nr <= rows and I64_MIN <= step <= I64_MAX
                     and -1 <= ub <= INT32_MAX and site in self._site_ok
-                    and cx is None and gl is None and vl is None and tk is None  # (past the slots: general path)
                     and (graph is None or (type(graph) is int and 0 <= graph <= 3))
                     and (buf is None or (type(buf) is int and I64_MIN <= buf <= I64_MAX))):
                 return None

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcptool.dump.observation import ROW_TABLE, ROWS, ROWS_PLUS_1, Field
+from dcptool.dump.observation import HOST_ROWS, ROW_TABLE, ROWS, ROWS_PLUS_1, Field
 from dcptool.engine.arguments import Groups
 
 FIXED = 8  # the fixed header words of a slot
@@ -39,16 +39,23 @@ HEAD_READ = 64  # words the descriptor kernel reads at a slot's start in one go 
 MAX_SECTIONS = (HEAD_READ - FIXED) // ENTRY  # the sections one read of the header covers
 ABSENT = (0, -1, 0)  # a header entry of an absent section (or one the host holds): address, count, mode
 
-SECTIONS: tuple[Field, ...] = ROW_TABLE  # the slot's sections, in the table's order
+# the slot's sections: the table's row fields up to the last device one (past the slot entries' KV-cache groups: the
+# chunked context, the groups' lengths ...), in its order; the ones after it are host values (the metadata tensors'
+# addresses, ...), kept beside the slot (its host-held rows) and never in its header, so that an observation without
+# them costs what it did before they existed
+SECTIONS: tuple[Field, ...] = ROW_TABLE[:len(ROW_TABLE) - len(HOST_ROWS)]
+_NO_HOST_ROWS = (None,) * len(HOST_ROWS)
 # observe()'s fast path (kernels.snapshot_args_dispatch): sections 0-7 as kernel arguments; their negative-value
 # flags at bits 8 + k of its `modes` argument (bit k: int64, set per observation)
 ARGS_SECTIONS = 8
 ARGS_NEG = sum(1 << (8 + k) for k, s in enumerate(SECTIONS[:ARGS_SECTIONS]) if s.nonneg)
 # the slot entries' sections: positions, the slot mapping rows, their KV-cache groups (always the host's)
 POS, SLOT, SGRP = (next(k for k, s in enumerate(SECTIONS) if s.section == name) for name in ("pos", "slot", "sgrp"))
-if len(SECTIONS) > MAX_SECTIONS or not all(s.device for s in SECTIONS[:ARGS_SECTIONS]) or SECTIONS[SGRP].device:
+if (len(SECTIONS) > MAX_SECTIONS or not all(s.device for s in SECTIONS[:ARGS_SECTIONS]) or SECTIONS[SGRP].device
+        or any(f.device for f in HOST_ROWS)):
     raise ImportError(f"snapshot layout: {len(SECTIONS)} sections (at most {MAX_SECTIONS}), the fast path's "
-                      f"{ARGS_SECTIONS} first ones device sections, the KV-cache groups the host's")
+                      f"{ARGS_SECTIONS} first ones device sections, the KV-cache groups and the row fields after "
+                      "them the host's")
 
 
 def head_struct(k: int) -> struct.Struct:
@@ -106,7 +113,8 @@ def host_rules(rules: tuple, config, ent: list, host: list, rows: int, words: in
 
 def slot_rows(blk: np.ndarray, o: int, host: list | None) -> tuple:
     """A harvested slot's rows, from word o of blk (a private copy of the ring): one entry per section in SECTIONS
-    order, a view of the copy, a host array, or None."""
+    order, a view of the copy, a host array, or None; then the HOST_ROWS the host holds past the sections (None
+    each where it holds none)."""
     k = int(blk[o + 4])
     counts = blk[o + FIXED:o + FIXED + ENTRY * k].reshape(k, ENTRY)[:, 2].tolist()
     p = o + FIXED + ENTRY * k
@@ -122,4 +130,6 @@ def slot_rows(blk: np.ndarray, o: int, host: list | None) -> tuple:
         pos = out[POS]
         out[POS] = np.tile(pos, len(g))
         out[SGRP] = np.repeat(np.array(g, np.int32), pos.size)
-    return tuple(out)
+    if host is not None and len(host) > k:
+        return (*out, *host[k:])
+    return (*out, *_NO_HOST_ROWS)

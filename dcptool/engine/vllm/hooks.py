@@ -78,6 +78,9 @@ def learn(obj) -> None:
     bt = obj if hasattr(obj, "slot_mappings") else getattr(obj, "block_tables", None)
     if bt is not None and hasattr(bt, "slot_mappings") and hasattr(bt, "block_sizes"):
         STATE.block_tables = bt
+    kb = getattr(obj, "kernel_block_sizes", None)
+    if obj is not bt and isinstance(kb, list) and all(isinstance(x, int) for x in kb):
+        STATE.kernel_block_sizes = kb
 
 
 def _consumed(fn) -> frozenset[str]:
@@ -210,6 +213,32 @@ def _slot_kwargs(sig: Sig, args: tuple, kwargs: dict, batch, kw: dict) -> None:
         STATE.skipped["slot mappings of other KV-cache groups than the first build's"] += 1
         return
     kw.update(positions=pos[:t], slot_mapping=sm)
+    sizes = _block_sizes(int(sm.shape[0]))
+    if sizes is not None:
+        kw["kv_block_sizes"] = sizes
+
+
+def _block_sizes(count: int):
+    """rows.kv_block_sizes of the runner's BlockTables (per KV-cache group: the manager's block, the attention
+    kernel's, and the one the slot-mapping kernel deals positions by, `block_sizes_tensor`: the kernel's on
+    0.22-0.28, the manager's since 0.29), read once per tables object (one copy of a small device tensor); None
+    where the tables do not say or list another number of groups."""
+    bt = STATE.block_tables
+    if bt is None:
+        return None
+    if STATE.block_sizes[0] is bt:
+        return STATE.block_sizes[1]
+    manager = list(getattr(bt, "block_sizes", None) or ())
+    kernel = getattr(bt, "kernel_block_sizes", None) or STATE.kernel_block_sizes or manager
+    dealt_t = getattr(bt, "block_sizes_tensor", None)
+    dealt = [int(x) for x in dealt_t.tolist()] if dealt_t is not None else manager
+    got = None
+    if len(manager) == len(kernel) == len(dealt) == count:
+        import numpy as np  # (the Recorder has imported it by now)
+
+        got = np.array([manager, list(kernel), dealt], np.int32).T.reshape(-1)
+    STATE.block_sizes = (bt, got)
+    return got
 
 
 @functools.cache

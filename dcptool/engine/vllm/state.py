@@ -33,8 +33,12 @@ class _State:
     rank = None
     interleave: int | None = None
     block_tables = None  # the runner's BlockTables, once seen (the slot mappings' KV-cache groups)
+    kernel_block_sizes: list | None = None  # the runner's attention kernel block per group (0.32+: not the tables')
+    block_sizes: tuple = (None, None)  # (the BlockTables, rows.kv_block_sizes of its slot mappings): read once
     kv_groups: list | None = None  # the groups the recorder's config names (set with the first slot mapping)
     page_size: int | None = None  # the FlashInfer plans' page size, once a builder planned pages (the config's)
+    attn_tensors: tuple | None = None  # the metadata tensors whose addresses the recording holds (the config's)
+    captured: dict = {}  # a full graph's key -> the addresses its capture's build handed attention
     skipped: Counter = Counter()
     tables: list = []  # candidate hook tables, best first (set by register())
     modules: frozenset = frozenset()  # the modules any of them hooks
@@ -181,10 +185,10 @@ def recorder():
         log.warning("dcptool: %s already holds dumps named %s.*; this run replaces them (all of them, when it "
                     "writes its first file), record into an empty directory to keep them", out, path.stem)
     # force: an engine is not stopped for an old recording (the Recorder would refuse it otherwise)
-    STATE.recorder = Recorder(path, dcp_size, il, sites=sites, pcp_size=pcp, page_size=STATE.page_size, engine="vllm",
-                           engine_version=vllm.__version__, rollover=roll, force=True,
-                           max_bytes=max(1, int(float(cap) * 1e9)) if cap else None,
-                           note=f"dcptool.engine.vllm, pid {os.getpid()}; {sites_note(vllm.__version__)}")
+    STATE.recorder = Recorder(path, dcp_size, il, sites=sites, pcp_size=pcp, page_size=STATE.page_size,
+                              attn_tensors=STATE.attn_tensors, engine="vllm", engine_version=vllm.__version__,
+                              rollover=roll, force=True, max_bytes=max(1, int(float(cap) * 1e9)) if cap else None,
+                              note=f"dcptool.engine.vllm, pid {os.getpid()}; {sites_note(vllm.__version__)}")
     STATE.rank = rank
     if not STATE.atexit:
         STATE.atexit = True
@@ -208,6 +212,20 @@ def set_page_size(page: int) -> bool:
         return (STATE.page_size if rec is None else rec.config.page_size) == page
 
 
+def set_attn_tensors(names: tuple) -> bool:
+    """Make `names` the recording's attn_tensors (the config names what rows.attn_addrs lists), as set_page_size does
+    the page size; False where the recording already names others (one backend's tensors per recording)."""
+    with STATE.lock:
+        if STATE.attn_tensors is None:
+            STATE.attn_tensors = tuple(names)
+        rec = STATE.recorder
+        if rec is not None and STATE.guarding:
+            return rec.set_attn_tensors(STATE.attn_tensors) == tuple(names)
+        if rec is not None and rec.config.attn_tensors is None and not rec.files:
+            rec.config = dataclasses.replace(rec.config, attn_tensors=STATE.attn_tensors)
+        return (STATE.attn_tensors if rec is None else rec.config.attn_tensors) == tuple(names)
+
+
 def _guard(dcp_size: int, rank: int, il: int, pcp: int, sites, version: str):
     """DCPTOOL_GUARD: a Guard (engine.guard) checks every build, inside CUDA-graph capture too (its kernel is
     captured), and writes the last builds as a dump on the first wrong one."""
@@ -215,7 +233,7 @@ def _guard(dcp_size: int, rank: int, il: int, pcp: int, sites, version: str):
 
     note = f"dcptool.engine.vllm Guard, pid {os.getpid()}, DCP rank {rank}; {sites_note(version)}"
     STATE.recorder = Guard(os.environ[ENV_GUARD], dcp_size, il, sites=sites, pcp_size=pcp, page_size=STATE.page_size,
-                        engine="vllm", engine_version=version, note=note)
+                           attn_tensors=STATE.attn_tensors, engine="vllm", engine_version=version, note=note)
     STATE.guarding = True
     STATE.rank = rank
     if not STATE.atexit:
@@ -285,7 +303,11 @@ def close() -> list[Path]:
         STATE.step = -1
         STATE.interleave = None
         STATE.block_tables = None
+        STATE.kernel_block_sizes = None
+        STATE.block_sizes = (None, None)
         STATE.kv_groups = None
         STATE.page_size = None
+        STATE.attn_tensors = None
+        STATE.captured = {}
         STATE.skipped.clear()
         return files

@@ -7,7 +7,14 @@ import re
 import sys
 from dataclasses import dataclass
 
-from dcptool.engine.vllm.builders import wrap_ctx_plan, wrap_flashinfer, wrap_mla, wrap_plan, wrap_verify
+from dcptool.engine.vllm.builders import (
+    wrap_ctx_plan,
+    wrap_flash_attn,
+    wrap_flashinfer,
+    wrap_mla,
+    wrap_plan,
+    wrap_verify,
+)
 from dcptool.engine.vllm.connectors import NIXL, wrap_nixl_read
 from dcptool.engine.vllm.hooks import (
     PREPARE,
@@ -42,9 +49,11 @@ class Table:
     # the slot columns (build_attn_metadata's slot_mappings, every release) and how groups are sharded
     slots: str = "slot mappings per KV-cache group, each group's sharding from its spec (dcp_sharded)"
     # what the attention-metadata builders hand attention (builders)
-    builders: str = ("dcp_query_start_loc (FlashInfer's trtllm-gen/XQA decode), kv_pages (FlashInfer's native plans; "
-                     "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode), ctx_chunks (MLA's chunked prefill "
-                     "context), verify_row_lens (AITER MLA's verify rows)")
+    builders: str = ("dcp_query_start_loc (FlashInfer's trtllm-gen/XQA decode), kv_pages, kv_prefill_pages and "
+                     "kv_last_page (FlashInfer's native plans: decode rows, DCP prefill rows, last pages, where a "
+                     "kernel reads them), dcp_tot_seq_lens (MLA's decode), ctx_chunks (MLA's chunked prefill "
+                     "context), verify_row_lens (AITER MLA's verify rows), attn_addrs (FlashAttention's "
+                     "dcp_context_kv_lens and seq_lens, at capture and replay)")
 
 
 def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: tuple[str, tuple[str, ...]],
@@ -76,6 +85,7 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
         # (a ROCm module: hooked where vLLM imports it)
         "vllm.v1.attention.backends.mla.rocm_aiter_mla": [
             ("AiterMLAHelper.dcp_local_verify_row_lens", wrap_verify, ("tot_seq_lens", "qlen"))],
+        "vllm.v1.attention.backends.flash_attn": [("FlashAttentionMetadataBuilder.build", wrap_flash_attn, _BUILD)],
         # NIXL's pull plans (KV transfers; engine.vllm.connectors): 0.29-0.34 plan DCP-aware reads here
         NIXL: [("NixlPullConnectorWorker._read_blocks_for_req", wrap_nixl_read, ("req_id", "meta"))],
     }
@@ -97,10 +107,11 @@ def _hooks(*, ubatch_idx: bool, ubatch_prepare: tuple[str, ...] | None, draft: t
 #  0.34  UBatchRunner.prepare(..., batch_desc, dp_sync_state, for_capture).
 _DRAFT = ("_build_attn_metadata", ("num_reqs", "batch_desc"))
 _NO_UBATCH = "ubatch: this release has no model-runner-V2 micro-batching (vllm/v1/worker/gpu/ubatch_utils.py)"
-_BUILDERS_029 = ("kv_pages (FlashInfer's native plans, counted before DCP localises the lengths: replay's pages; "
-                 "-1 on DCP prefill rows), dcp_tot_seq_lens (MLA's decode), ctx_chunks (MLA's chunked prefill context, "
-                 "planned from the batch it is handed: under PCP the rank's own); no dcp_query_start_loc: this "
-                 "release's FlashInfer decode metadata has none")
+_BUILDERS_029 = ("kv_pages, kv_prefill_pages and kv_last_page (FlashInfer's native plans, counted before DCP "
+                 "localises the lengths: replay's pages and plan-pages), dcp_tot_seq_lens (MLA's decode), ctx_chunks "
+                 "(MLA's chunked prefill context, planned from the batch it is handed: under PCP the rank's own), "
+                 "attn_addrs (FlashAttention's dcp_context_kv_lens and seq_lens, at capture and replay); no "
+                 "dcp_query_start_loc: this release's FlashInfer decode metadata has none")
 _ALL_SHARDED = ("slot mappings per KV-cache group, each group's sharding from its spec's kind; this release's "
                 "slot-mapping kernel has no dcp_sharded flag and localises every group (replay: slots on a "
                 "replicated group)")

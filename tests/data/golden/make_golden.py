@@ -1,5 +1,5 @@
 """Golden replay outputs (text, JSON Lines, HTML) of the samples and a few dumps built here, as replay wrote them
-before findings became columnar (issue 16 item 2): made by main a364428, which built a Finding object per finding.
+when it built one Finding object per finding: the columnar findings keep them byte for byte.
 
     python tests/data/golden/make_golden.py dumps     # (re)build the dumps this directory holds
     python tests/data/golden/make_golden.py outputs [DIR]  # (re)write golden.json (sha256 of each output) from

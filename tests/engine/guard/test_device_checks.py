@@ -3,6 +3,7 @@ GPU): slots sized from the first observation and grown for a larger one, the fla
 a larger observation once a graph holds the ring, a captured observation before the ring exists."""
 
 import contextlib
+import warnings
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import torch
 from conftest import hostring
 
 from dcptool.dcp.reference import local_np
-from dcptool.dump import read_dump
+from dcptool.dump import addr_words, read_dump
 from dcptool.engine.guard.guard import Guard
 
 pytestmark = pytest.mark.kernel
@@ -20,9 +21,9 @@ def _dev() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _obs(step, rows, wrong=False, rank=1):
+def _obs(step, rows, wrong=False, rank=1, il=1):
     seq = torch.arange(1, rows + 1, dtype=torch.int32) * 7
-    dcp = torch.from_numpy(local_np(seq.numpy().astype(np.int64), 2, rank, 1).astype(np.int32))
+    dcp = torch.from_numpy(local_np(seq.numpy().astype(np.int64), 2, rank, il).astype(np.int32))
     if wrong:
         dcp[-1] += 1
     return dict(step=step, site="attn", rank=rank, seq_lens=seq.to(_dev()), num_reqs=rows, num_reqs_padded=rows,
@@ -140,6 +141,126 @@ def test_every_replay_of_a_captured_launch_gets_its_own_index_and_slot(tmp_path)
         path = g.close()
     d = read_dump(path)
     assert d.n == 7 and d["obs.step"].tolist() == [0] + [1] * 6 and g.count == 8 and g.wrong == 2
+
+
+def _words(*ptrs) -> np.ndarray:
+    return addr_words(list(ptrs))
+
+
+@pytest.mark.parametrize("moved_at", [None, 0, 3])
+def test_an_address_that_moved_is_caught_at_the_replay_that_reads_it(tmp_path, moved_at):
+    """A graph captures a build's metadata tensors at their addresses (the capture's launch is kept, with its host
+    values); each later step builds eagerly, then replays the graph: the step whose build hands attention another
+    address than the graph captured is flagged (graph-addr) at its own observation, as replay flags it, and
+    nothing before it; a run whose addresses never move stays silent. (The capture stands in on the CPU.)"""
+    g = Guard(tmp_path / "g", 2, 1, keep=8, kernel=True, attn_tensors=["dcp_context_kv_lens", "seq_lens"])
+    o = _obs(0, 6)
+    g.observe(**o)  # eager: the ring
+    cap = g._dev.kernel = _Capture(g._dev.kernel)
+    g._dev.go = g._dev.dispatch
+    g._dev.capturing, cap.on = (lambda: True), True
+    captured = _words(0x7F0000001000, 0x7F0000002000)
+    assert g.observe(**dict(o, step=1, graph=2, attn_addrs=captured)) == 1  # the graph's capture
+    g._dev.capturing, cap.on = (lambda: False), False
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(2, 8):
+            built = (captured if moved_at is None or step - 2 < moved_at else
+                     _words(0x7F0000009000 + step, 0x7F0000002000))
+            g.observe(**dict(o, step=step, graph=3, attn_addrs=built, graph_addrs=captured))  # the step's build
+            cap.replay()  # the graph reads what it captured
+            _settle()
+            assert g._dev.wrong_seen() == (moved_at is not None and step - 2 >= moved_at)
+        path = g.close()
+    if moved_at is None:
+        assert path is None and g.wrong == 0 and not said
+        return
+    assert len(said) == 1 and f"(graph-addr) at step {2 + moved_at}" in str(said[0].message)
+    d = read_dump(path)
+    last = d.n - 1
+    assert d["obs.step"][last] == 2 + moved_at and d["obs.graph"][last] == 3
+    from dcptool.check.replay import replay
+
+    got = [f for f in replay(d, "torch").findings if f.rule == "graph-addr"]
+    assert [f.obs for f in got] == [last] and "dcp_context_kv_lens" in got[0].message
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to verify on the H200)")
+def test_a_moved_address_in_a_real_cuda_graph_is_caught_at_its_replay(tmp_path):
+    """vLLM's FULL graphs: a builder that allocates its per-request tensor anew at each build (the pre-fix
+    FlashAttention) hands the step's build another address than the graph captured; the Guard flags the first such
+    step, eagerly, before its replay, and the captured launch's replays stay checked in their own slots."""
+    g = Guard(tmp_path / "g", 2, 1, keep=16, attn_tensors=["dcp_context_kv_lens"])
+    o = _obs(0, 6)
+    g.observe(**o)
+    torch.cuda.synchronize()
+    held = [torch.zeros(6, dtype=torch.int32, device="cuda")]
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        g.observe(**dict(o, step=1, graph=2, attn_addrs=_words(held[0].data_ptr())))
+    captured = _words(held[0].data_ptr())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(2, 6):
+            if step == 4:
+                held.append(torch.zeros(6, dtype=torch.int32, device="cuda"))  # (the old one alive: a new address)
+            g.observe(**dict(o, step=step, graph=3, attn_addrs=_words(held[-1].data_ptr()), graph_addrs=captured))
+            cg.replay()
+            torch.cuda.synchronize()
+            assert g._dev.wrong_seen() == (step >= 4)
+        path = g.close()
+    assert len(said) == 1 and "(graph-addr) at step 4" in str(said[0].message)
+    d = read_dump(path)
+    assert d["obs.step"][d.n - 1] == 4
+
+
+# The host-value rules, each as (Guard arguments, the view's interleave, host values that pass, ones that break):
+# vLLM #51031's block sizes (manager 16, kernel 8, interleave 16: dealt by the manager's block / by the kernel's),
+# vllm-ascend #16168's capacity (a buffer holding the 6 padded requests / one row short)
+HOST_RULES = {
+    "kernel-block": (dict(cp_interleave=16, kv_groups=[{"name": "attn", "dcp": True}]), 16,
+                     dict(kv_block_sizes=np.array([16, 8, 16], np.int32)),
+                     dict(kv_block_sizes=np.array([16, 8, 8], np.int32))),
+    "capacity": (dict(attn_tensors=["dcp_context_kv_lens"]), 1,
+                 dict(attn_addrs=addr_words([0x7F0000001000]), attn_caps=np.array([6], np.int32)),
+                 dict(attn_addrs=addr_words([0x7F0000001000]), attn_caps=np.array([5], np.int32))),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to verify on the H200)")
+@pytest.mark.parametrize("in_graph", [False, True])
+@pytest.mark.parametrize("rule", sorted(HOST_RULES))
+def test_a_host_value_rule_is_caught_eager_and_in_a_real_cuda_graph(tmp_path, rule, in_graph):
+    """Each rule of host values, broken in one build, is flagged under its name eagerly and, captured in a FULL
+    graph, at the replay that runs it (the verdict rides in the captured launch); the same build right stays
+    silent; the Guard's dump replays to the rule."""
+    kw, il, right, broken = HOST_RULES[rule]
+    for host, wrong in ((right, False), (broken, True)):
+        g = Guard(tmp_path / f"g{wrong}{in_graph}", 2, kw.get("cp_interleave", 1), keep=16,
+                  **{k: v for k, v in kw.items() if k != "cp_interleave"})
+        o = _obs(0, 6, il=il)
+        g.observe(**o)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            if in_graph:
+                cg = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(cg):
+                    g.observe(**dict(o, step=1, graph=2, **host))
+                cg.replay()
+            else:
+                g.observe(**dict(o, step=1, **host))
+            torch.cuda.synchronize()
+            assert g._dev.wrong_seen() == wrong
+            path = g.close()
+        assert (path is not None) == wrong and (len(said) == 1) == wrong
+        if wrong:
+            assert f"({rule})" in str(said[0].message)
+            from dcptool.check.replay import replay
+
+            assert rule in {f.rule for f in replay(read_dump(path), "torch").findings}
 
 
 @pytest.mark.cuda

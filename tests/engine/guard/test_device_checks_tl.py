@@ -143,13 +143,16 @@ def test_each_device_rule_is_reported_under_the_tables_name(tmp_path, name):
     kw = dict(step=0, site="s", rank=1, seq_lens=t(c["seq"]), num_reqs=3, num_reqs_padded=4,
               dcp_local_seq_lens=t(c["dcp"]), query_start_loc=t(c["qsl"]), kv_pages=t(c["kv"]),
               dcp_query_start_loc=t(c.get("dqsl")), dcp_tot_seq_lens=t(c.get("tot")))
+    # the host values (graph, addresses ...) go to observe() as they are
+    kw.update((k, v) for k, v in c.items() if k not in ("seq", "dcp", "qsl", "kv", "dqsl", "tot", "slots", "spec"))
     pos, slot, grp = c.get("slots", (None,) * 3)
     if pos is not None:
         kw.update(positions=t(pos[grp == 0]), slot_mapping={g: t(slot[grp == g]) for g in (0, 1)})
     groups = [{"name": "attn", "dcp": True}, {"name": "mamba", "dcp": False}]
     seen = []
     for kernel in (False, True):
-        g = Guard(tmp_path / str(kernel), 2, 1, page_size=4, kv_groups=groups, on_wrong="count", kernel=kernel)
+        g = Guard(tmp_path / str(kernel), 2, c["spec"].cp_interleave if "spec" in c else 1, page_size=4,
+                  kv_groups=groups, on_wrong="count", kernel=kernel)
         g.observe(**(_on(_dev(), kw) if kernel else kw))
         g.close()
         seen.append((g.first_rule, g.wrong))

@@ -17,15 +17,17 @@ from simulate_cases import EXERCISE, config_of  # noqa: E402
 from dcptool.check.replay import replay  # noqa: E402
 from dcptool.dcp.rules import RULE_OF_FAULT  # noqa: E402
 from dcptool.dump import open_dumps, read_dump  # noqa: E402
+from dcptool.dump.observation import ROW_TABLE  # noqa: E402
 from dcptool.engine.guard.guard import Guard, GuardError  # noqa: E402
 from dcptool.engine.recorder.record import Recorder  # noqa: E402
 from dcptool.model.simulate import simulate  # noqa: E402
 
 # The rules replay reports from one observation alone (not alias, rank-sum, rank-agree, ubatch-slice: groups).
-PER_OBS_RULES = {"missing", "stale", "padding", "shape", "pages", "empty-mask", "tot-lens", "slots"}
+PER_OBS_RULES = {"missing", "stale", "padding", "shape", "pages", "empty-mask", "tot-lens", "slots", "graph-addr"}
 # slot-all-ranks' rule (slot-partition) is a group rule, but each rank's non-owner writes are `slots` per observation
 PER_OBS_FAULTS = [f for f, r in RULE_OF_FAULT.items() if r in PER_OBS_RULES] + ["slot-all-ranks"]
 _SCALARS = ("ubatch", "parent", "req_start", "tok_start", "tok_stop", "num_tokens_padded", "buffer", "graph")
+LATE_ROWS = ROW_TABLE[[f.section for f in ROW_TABLE].index("sgrp") + 1:]  # the host values' row fields
 
 
 def observations(d, tensors: bool):
@@ -52,6 +54,9 @@ def observations(d, tensors: bool):
             g0 = grp == grp[0]
             kw["positions"] = arr(pos[g0])
             kw["slot_mapping"] = {int(g): arr(sl[grp == g]) for g in np.unique(grp)}
+        for f in LATE_ROWS:  # (the host values: numpy arrays, as an engine passes them)
+            if f.column in c and c[f.offsets][i + 1] > c[f.offsets][i]:
+                kw[f.name] = np.array(c[f.column][c[f.offsets][i]:c[f.offsets][i + 1]])
         yield kw
 
 
@@ -59,7 +64,8 @@ def guard_of(d, tmp_path, **kw) -> Guard:
     c = d.config
     return Guard(tmp_path / "guard", c.dcp_size, c.cp_interleave, sites=c.sites, pcp_size=c.pcp_size,
                  page_size=c.page_size, engine=c.engine, engine_version=c.engine_version,
-                 kv_groups=[{"name": g.name, "dcp": g.dcp, "block_size": g.block_size} for g in c.kv_groups], **kw)
+                 kv_groups=[{"name": g.name, "dcp": g.dcp, "block_size": g.block_size} for g in c.kv_groups],
+                 attn_tensors=c.attn_tensors, **kw)
 
 
 def run_sim(tmp_path, fault: str | None):

@@ -8,21 +8,25 @@ import pytest
 
 from dcptool.dcp.reference import local_np
 from dcptool.dcp.rules import DEVICE_CHECKS, RULE, TABLE
+from dcptool.dump import Record, addr_words
 from dcptool.engine.guard.host_checks import CHECKS, Spec, first_wrong
 
 SPEC = Spec(dcp_size=2, cp_interleave=1, page_size=4, sharded=(True, False))
 NONE = (None, None, None)
 
 
-def _case(rank=1, nr=3, nrp=4):
+def _case(rank=1, nr=3, nrp=4, il=None):
+    """(seq, dcp, kv) right at SPEC; with `il`, a dict of them right at that interleave."""
     seq = np.array([5, 9, 2, 0], np.int32)
-    dcp = np.append(local_np(seq[:nr].astype(np.int64), 2, rank, 1), [0] * (nrp - nr)).astype(np.int32)
+    dcp = np.append(local_np(seq[:nr].astype(np.int64), 2, rank, il or 1), [0] * (nrp - nr)).astype(np.int32)
     kv = np.append(-(-dcp[:nr] // 4), [0]).astype(np.int32)
-    return seq, dcp, kv
+    return (seq, dcp, kv) if il is None else dict(seq=seq, dcp=dcp, kv=kv)
 
 
-def _check(seq, dcp, qsl=None, kv=None, dqsl=None, tot=None, slots=NONE, nr=3, nrp=4, spec=SPEC, rank=1):
-    return first_wrong(spec, rank, nr, nrp, seq, dcp, qsl, kv, dqsl, tot, slots)
+def _check(seq, dcp, qsl=None, kv=None, dqsl=None, tot=None, slots=NONE, nr=3, nrp=4, spec=SPEC, rank=1, **host):
+    r = Record(step=0, site="s", rank=rank, num_reqs=nr, num_reqs_padded=nrp, seq_lens=seq, dcp_local_seq_lens=dcp,
+               query_start_loc=qsl, kv_pages=kv, dcp_query_start_loc=dqsl, dcp_tot_seq_lens=tot, **host)
+    return first_wrong(spec, r, slots)
 
 
 def test_a_right_observation_passes():
@@ -41,6 +45,20 @@ BREAK = {
     "empty-mask": lambda c: c.update(dqsl=np.array([0, 1, 1], np.int32)),
     "tot-lens": lambda c: c.update(tot=np.array([2, 4], np.int32)),
     "slots": lambda c: c.update(slots=_slots(1, [[5, 0, -1, 1], [0, 1, 2, 3]])),
+    # a full-graph replay whose build hands attention a tensor the graph did not capture (the host values)
+    "graph-addr": lambda c: c.update(graph=3, attn_addrs=addr_words([0x7F10, 0x7F20]),
+                                     graph_addrs=addr_words([0x7F00, 0x7F20])),
+    # a metadata tensor's buffer one request row short of num_reqs_padded (4) (the host values)
+    "capacity": lambda c: c.update(attn_caps=np.array([4, 3], np.int32)),
+    # the host copy of seq_lens the build read: a real row one ahead of the device's (the host values)
+    "host-copy": lambda c: c.update(host_seq_lens=np.array([5, 10, 2, 0], np.int32)),
+    # a prefill row's plan (row 1: query 2, context 7, local 3 at rank 1 of 2: one page of 4) claiming the global 3
+    "plan-pages": lambda c: c.update(kv_prefill_pages=np.array([-1, 3, -1, -1], np.int32),
+                                     qsl=np.array([0, 1, 3, 4, 4], np.int32)),
+    # the sharded group's slot mapping deals by a block (2, the kernel's) the interleave (4) does not divide: the
+    # host values, under an interleave of 4 (the view and the pages follow it)
+    "kernel-block": lambda c: c.update(_case(il=4), spec=SPEC._replace(cp_interleave=4),
+                                       kv_block_sizes=np.array([4, 2, 2, 4, 4, 4], np.int32)),
 }
 
 
@@ -85,6 +103,15 @@ def test_the_host_path_refuses_a_table_it_does_not_decide(monkeypatch, drop):
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
+@pytest.mark.parametrize("graph, moved", [(3, False), (2, True), (0, True), ("replay", True), ("replay", False)])
+def test_graph_addr_only_at_a_replay_whose_tensor_moved(graph, moved):
+    seq, dcp, _ = _case()
+    cap = addr_words([0x7F00, 0x7F20])
+    got = _check(seq, dcp, graph=graph, attn_addrs=addr_words([0x7F10 if moved else 0x7F00, 0x7F20]), graph_addrs=cap)
+    assert got == ("graph-addr" if moved and graph in (3, "replay") else None)
+    assert _check(seq, dcp, graph=3, attn_addrs=cap) is None  # (a replay of no recorded capture: not checked)
+
+
 def test_values_only_where_the_view_is_aligned_and_missing_only_under_dcp():
     seq, dcp, _ = _case()
     assert _check(seq[:3], dcp, nrp=4) is None  # (a view longer than seq_lens: not compared, right length)
@@ -119,3 +146,11 @@ def test_padded_tokens_write_nothing():
     qsl = np.array([0, 1, 2, 3, 3], np.int32)  # 3 real tokens of 4
     assert _check(seq, dcp, qsl, slots=_slots(1, [[-1, 0, -1, -1], [0, 1, 2, -1]])) is None
     assert _check(seq, dcp, qsl, slots=_slots(1, [[-1, 0, -1, 1], [0, 1, 2, -1]])) == "slots"
+
+
+def test_host_copy_stale_or_written_in_place_and_a_faithful_copy_passes():
+    seq, dcp, _ = _case()
+    assert _check(seq, dcp, host_seq_lens=seq.copy(), host_seq_lens_after=seq.copy()) is None
+    assert _check(seq, dcp, host_seq_lens=np.array([5, 9, 2, 7], np.int32)) is None  # (a padded row)
+    assert _check(seq, dcp, host_seq_lens=seq.copy(), host_seq_lens_after=np.array([5, 9, 1, 0], np.int32)) == \
+        "host-copy"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from dcptool.dump import Record, read_dump
+from dcptool.dump import ROW_FIELDS, Record, read_dump
 from dcptool.engine.arguments import scalars
 from dcptool.engine.recorder.host import of_rank
 from dcptool.engine.recorder.record import Recorder
@@ -26,10 +26,11 @@ def test_rows_are_private_int32_copies_in_row_field_order(tmp_path, n):
                   group_seq_lens=np.arange(2 * n), verify_row_lens=np.arange(n) - 1,
                   sparse_topk=torch.arange(3 * n).reshape(n, 3))
     row = rec._host.row(src, scalars(src), None)
-    assert [a.dtype for a in row[:6] + row[9:]] == [np.int32] * 10 and row[6:9] == (None, None, None)
-    for got, want in zip(row[:6] + row[9:], (src.seq_lens, src.dcp_local_seq_lens, src.query_start_loc,
-                                             np.arange(n), np.arange(n + 1), np.arange(n), np.arange(1 + 4 * n),
-                                             np.arange(2 * n), np.arange(n) - 1, np.arange(3 * n))):
+    assert [a.dtype for a in row[:6] + row[9:13]] == [np.int32] * 10 and row[6:9] == (None, None, None)
+    assert row[13:] == (None,) * (len(ROW_FIELDS) - 13)  # (the host values: none given)
+    for got, want in zip(row[:6] + row[9:13], (src.seq_lens, src.dcp_local_seq_lens, src.query_start_loc,
+                                               np.arange(n), np.arange(n + 1), np.arange(n), np.arange(1 + 4 * n),
+                                               np.arange(2 * n), np.arange(n) - 1, np.arange(3 * n))):
         assert np.array_equal(got, want)
     src.seq_lens[:] = 7  # (the engine reuses its buffers: the copy is the observation's)
     assert n == 0 or not np.array_equal(row[0], src.seq_lens)

@@ -1,5 +1,5 @@
 """The Recorder (record.py, docs/recording.md): private copies at once, never raising into the engine, thread-safe;
-issue 15's rows and slot keywords through observe() and observe_many()."""
+the decode-path rows and slot keywords through observe() and observe_many()."""
 
 import warnings
 
@@ -112,7 +112,7 @@ def test_nothing_is_recorded_inside_cuda_graph_capture(tmp_path):
     assert rec.skipped_capture == 1 and rec.dropped == 0 and read_dump(tmp_path / "c.safetensors").n == 1
 
 
-# issue 15: dcp_query_start_loc and dcp_tot_seq_lens (host path)
+# dcp_query_start_loc and dcp_tot_seq_lens (host path)
 
 
 def test_issue15_rows_round_trip_observe_and_observe_many(tmp_path):
@@ -147,7 +147,7 @@ def test_issue15_rows_absent_when_never_given_and_bad_ones_dropped(tmp_path):
     assert d.n == 1 and not d.has("obs.dqsl") and not d.has("obs.tot")
 
 
-# issue 15 item 3: positions= and slot_mapping= (host path, CUDA tensors too for now), kv_groups=
+# positions= and slot_mapping= (host path, CUDA tensors too for now), kv_groups=
 
 KV = [{"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False}]
 

@@ -52,7 +52,7 @@ def test_recorder_writes_the_columns_pack_writes(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# No silent loss (issue 12 item 5): one recording per path, threads, scalars that are not integers
+# No silent loss: one recording per path, threads, scalars that are not integers
 
 CHILD = """
 import sys, warnings
@@ -166,7 +166,7 @@ def test_rollover_waits_for_the_slots_of_its_file(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# The size cap (issue 26 item 5): max_bytes=, DCPTOOL_RECORD_MAX_GB in the plugin
+# The size cap: max_bytes=, DCPTOOL_RECORD_MAX_GB in the plugin
 
 
 def _observe_n(rec, n: int, start: int = 0) -> list[int]:

@@ -12,7 +12,7 @@ from dcptool.engine.recorder.record import Recorder
 from dcptool.engine.snapshot.device import DevicePath
 
 # --------------------------------------------------------------------------------------------
-# The device snapshot (issue 13 item 4), on the CPU: the ring's logic with host tensors standing in for CUDA ones
+# The device snapshot, on the CPU: the ring's logic with host tensors standing in for CUDA ones
 # and the kernel under the Triton interpreter (the CUDA tests below use the real thing)
 
 
@@ -159,7 +159,7 @@ def test_cuda_snapshot_carries_issue15_rows_like_the_synchronous_copy(tmp_path):
 @cuda
 def test_cuda_every_section_the_plugin_passes_goes_without_a_host_sync(tmp_path):
     """The vLLM plugin's full argument set (the fast-path set, buffer=, positions + [groups, tokens] int64 slot
-    mappings, issue 15's rows, kv_pages) under torch.cuda.set_sync_debug_mode("error"): no call waits for the
+    mappings, rows, kv_pages) under torch.cuda.set_sync_debug_mode("error"): no call waits for the
     stream, and the file equals cuda_mode="sync"'s."""
     kv = [{"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False}]
     a = Recorder(tmp_path / "a.safetensors", dcp_size=2, page_size=16, cuda_mode="sync", kv_groups=kv)

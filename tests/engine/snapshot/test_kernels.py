@@ -83,7 +83,7 @@ def test_snapshot_flags_values_int32_cannot_hold_and_forbidden_negatives():
 
 
 # --------------------------------------------------------------------------------------------
-# observe()'s fast path (issue 13 item 4): the engine's call, the header as kernel arguments
+# observe()'s fast path: the engine's call, the header as kernel arguments
 
 def _launch_args(secs: list, seqno: int = 41, nr: int = 3, nrp: int = 5, pad: int = 64):
     """snapshot_args_kernel on up to eight sections (tensors, or None: absent) into a fresh ring filled with -7, as

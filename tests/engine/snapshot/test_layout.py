@@ -16,6 +16,7 @@ from dcptool.engine.snapshot.layout import (
     ARGS_SECTIONS,
     ENTRY,
     FIXED,
+    HOST_ROWS,
     MAX_SECTIONS,
     POS,
     SECTIONS,
@@ -28,9 +29,10 @@ from dcptool.engine.snapshot.layout import (
 
 
 def test_the_sections_are_the_tables_row_fields():
-    assert SECTIONS == ROW_TABLE and len(SECTIONS) <= MAX_SECTIONS
+    assert SECTIONS + HOST_ROWS == ROW_TABLE and len(SECTIONS) <= MAX_SECTIONS
     assert [s.section for s in SECTIONS] == ["seq", "dcp", "qsl", "kv", "dqsl", "tot", "pos", "slot", "sgrp", "ctx",
                                              "gsl", "vrl", "topk"]
+    assert not any(f.device for f in HOST_ROWS)  # (host values, held beside the slot: never in its header)
     assert (POS, SLOT, SGRP) == (6, 7, 8) and ARGS_SECTIONS == 8
     assert ARGS_NEG == (1 << 8) | (1 << 13) | (1 << 14)  # seq_lens, dcp_tot_seq_lens, positions: no negatives
     L = layout(SECTIONS)
@@ -58,6 +60,9 @@ def test_a_slot_gives_its_rows_and_builds_the_slot_entries(tokens, groups):
     assert np.array_equal(rows[0], seq) and rows[1] is None and np.array_equal(rows[2], host[2])
     assert np.array_equal(rows[POS], np.tile(pos, groups)) and np.array_equal(rows[SLOT], sm)
     assert rows[SGRP].tolist() == np.repeat(np.arange(groups), tokens).tolist()
+    assert rows[k:] == (None,) * len(HOST_ROWS)  # (the host values: none held)
+    held = slot_rows(blk, 0, [*host, *(np.arange(j + 1, dtype=np.int32) for j in range(len(HOST_ROWS)))])
+    assert [x.tolist() for x in held[k:]] == [list(range(j + 1)) for j in range(len(HOST_ROWS))]
 
 
 @hostring
@@ -90,7 +95,7 @@ def test_a_fifth_section_is_a_table_entry_not_kernel_code(tmp_path, monkeypatch)
     assert rec.dropped == 1  # the negative value, found at harvest
     first, blk, lo = rec._harvest.landed.runs[0]
     rows = slot_rows(blk, 0, None)
-    assert first == 0 and len(rows) == K + 2 and rows[1] is None and rows[3] is None
+    assert first == 0 and len(rows) == K + 2 + len(HOST_ROWS) and rows[1] is None and rows[3] is None
     assert all(r is None for r in rows[4:K])
     assert rows[0].tolist() == [5, 9, 0] and rows[2].tolist() == [0, 1, 2, 2]
     assert rows[K].tolist() == list(range(0, 33, 3)) and rows[K + 1].tolist() == [7, 8, 9]
