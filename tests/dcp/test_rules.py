@@ -78,11 +78,12 @@ def test_what_the_guard_decides_on_the_device():
 
 
 def test_skipped_order_names_every_skip_replay_can_say():
-    """Each check replay may skip (named by its first rule: a SHARDED one at dcp_size 1, one needing columns) and
-    each part has its place in SKIPPED_ORDER, once."""
+    """Each check replay may skip (named by its first rule: a SHARDED one at dcp_size 1, one needing columns), each
+    part, and each cross-rank rule (one rank's file alone) has its place in SKIPPED_ORDER, once."""
     from dcptool.check.plan import checks
 
     can = {rules[0].name for rules in checks().values()
            if rules[0].dcp == R.SHARDED or (rules[0].needs and not rules[0].quiet)}
     can |= {f"{r.name}/{p.name}" for r in TABLE for p in r.parts}
+    can |= {r.name for r in TABLE if r.scope == R.RANKS}
     assert set(R.SKIPPED_ORDER) == can and len(R.SKIPPED_ORDER) == len(can)
