@@ -116,8 +116,8 @@ class MemoryPlan:
             return f"{size} read into memory (the memory available is not known here)"
         avail = f"{self.available / 1e9:.1f} GB"
         if self.bounded:
-            return (f"{size} read in bounded memory: over half the memory available ({avail}); slower than in "
-                    "memory")
+            return (f"{size} read in bounded memory: over half the memory available ({avail}); "
+                    "DCPTOOL_BOUNDED=0 reads it into memory")
         return f"{size} read into memory: up to half the memory available ({avail})"
 
 

@@ -273,7 +273,7 @@ def test_the_read_in_bounded_memory_is_chosen_from_the_memory_available_and_said
     assert fit.stderr == "" and mem is None and no.stderr == "" and n_mem is None
     assert over_mem == {"read": "bounded", "dump_bytes": total, "available_bytes": 2 * total - 2, "forced": False}
     assert over.stderr == (f"dcptool replay: {total / 1e9:.1f} GB read in bounded memory: over half the memory "
-                           f"available ({(2 * total - 2) / 1e9:.1f} GB); slower than in memory\n")
+                           f"available ({(2 * total - 2) / 1e9:.1f} GB); DCPTOOL_BOUNDED=0 reads it into memory\n")
     assert f_mem == {"read": "bounded", "dump_bytes": total, "available_bytes": None, "forced": True}
     assert forced.stderr == f"dcptool replay: {total / 1e9:.1f} GB read in bounded memory, as asked\n"
     assert lines == over_lines == f_lines == n_lines and fit.returncode == over.returncode == 1
