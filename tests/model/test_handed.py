@@ -14,6 +14,21 @@ from dcptool.model.handed import TENSORS, Handed
 FULL_ROWS = [r for r in MATRIX if r[5] == "full" and r[0] > 1]
 
 
+def _ids(rows: list[tuple]) -> list[str]:
+    return [f"N{r[0]}-I{r[1]}-P{r[2]}-K{r[3]}-U{r[4]}-{r[5]}-{r[6]}" for r in rows]
+
+
+def _found_only(cfg: SimConfig, fault: str, rule: str, tmp_path):
+    """Simulate cfg with `fault`, replay it: the fault applied, every observation it touched found (verify), and no
+    rule but `rule`. Returns the simulation, the dump, the replay and the fault's report."""
+    res, d, rr = run(cfg, tmp_path)
+    rep = res.faults[fault]
+    assert rep.applicable and rep.count > 0
+    verify(res, d, rr)
+    assert set(rr.by_rule()) == {rule}
+    return res, d, rr, rep
+
+
 def test_without_a_fault_on_them_nothing_is_recorded(tmp_path):
     res, d, rr = run(config_of(MATRIX[2], 3), tmp_path)
     assert not d.has("obs.addrs") and not d.has("obs.gaddrs") and d.config.attn_tensors is None
@@ -44,14 +59,11 @@ def test_the_fault_moves_the_tensor_at_every_build_and_touches_the_replays():
     assert len(TENSORS) == a.size
 
 
-@pytest.mark.parametrize("row", FULL_ROWS, ids=[f"N{r[0]}-I{r[1]}-P{r[2]}-K{r[3]}-U{r[4]}-{r[6]}" for r in FULL_ROWS])
+@pytest.mark.parametrize("row", FULL_ROWS, ids=_ids(FULL_ROWS))
 def test_graph_addr_moved_is_found_exactly_where_it_touched(row, tmp_path):
     cfg = config_of(row, 7, inject=("graph-addr-moved",), steps=10)
-    res, d, rr = run(cfg, tmp_path)
-    rep = res.faults["graph-addr-moved"]
-    assert rep.applicable and rep.count > 0
-    verify(res, d, rr)
-    assert set(rr.by_rule()) == {"graph-addr"} and d.config.attn_tensors == TENSORS
+    res, d, rr, rep = _found_only(cfg, "graph-addr-moved", "graph-addr", tmp_path)
+    assert d.config.attn_tensors == TENSORS
     replays = np.flatnonzero((d["obs.graph"] == 3) & (np.diff(d["obs.gaddrs"]) > 0))
     assert sorted(rep.touched[res.files[0]]) == replays.tolist()
 
@@ -76,18 +88,14 @@ BUFFER_ROWS = [(4, 1, 1, 2, 1, "full", "mtp"), (4, 1, 2, 2, 2, "full", "mtp"), (
                (4, 1, 2, 0, 2, "full", "mtp"), (2, 1, 1, 0, 1, "none", "mtp")]
 
 
-@pytest.mark.parametrize("row", BUFFER_ROWS, ids=[f"N{r[0]}-I{r[1]}-P{r[2]}-K{r[3]}-U{r[4]}-{r[5]}-{r[6]}"
-                                                  for r in BUFFER_ROWS])
+@pytest.mark.parametrize("row", BUFFER_ROWS, ids=_ids(BUFFER_ROWS))
 def test_buffer_undersized_is_found_exactly_at_the_builds_that_need_the_missing_row(row, tmp_path):
     """The builder's buffer one row short of max_num_reqs: capacity at exactly the builds padded to max_num_reqs
     requests (the largest full graph's capture and replays, a full eager batch), every rank; the addresses are
     recorded with it (persistent buffers: graph-addr silent); nothing else anywhere."""
     cfg = config_of(row, 13, inject=("buffer-undersized",), steps=10)
-    res, d, rr = run(cfg, tmp_path)
-    rep = res.faults["buffer-undersized"]
-    assert rep.applicable and rep.count > 0
-    verify(res, d, rr)
-    assert set(rr.by_rule()) == {"capacity"} and d.config.attn_tensors == TENSORS
+    res, d, rr, rep = _found_only(cfg, "buffer-undersized", "capacity", tmp_path)
+    assert d.config.attn_tensors == TENSORS
     caps = np.flatnonzero(np.diff(d["obs.caps"]) > 0)
     need = caps[d["obs.num_reqs_padded"][caps] > cfg.max_num_reqs - 1]
     assert sorted(rep.touched[res.files[0]]) == need.tolist()
@@ -101,22 +109,17 @@ COPY_ROWS = [(4, 1, 1, 2, 1, "full", "mtp"), (4, 1, 2, 2, 2, "full", "mtp"), (4,
 
 
 @pytest.mark.parametrize("fault", ["host-seq-stale", "host-seq-written"])
-@pytest.mark.parametrize("row", COPY_ROWS, ids=[f"N{r[0]}-I{r[1]}-P{r[2]}-K{r[3]}-U{r[4]}-{r[5]}-{r[6]}"
-                                                for r in COPY_ROWS])
+@pytest.mark.parametrize("row", COPY_ROWS, ids=_ids(COPY_ROWS))
 def test_host_copy_faults_are_found_exactly_where_they_touched(row, fault, tmp_path):
     """The host copy of seq_lens recorded at every real step's attention build, drafts' too (not dummy runs or
-    capture): the
-    stale copy at the builds with verify rows (drafts), the in-place write at the builds with prefill rows; host-copy
-    exactly there, every rank; nothing else anywhere; the copy equals the device's elsewhere."""
+    capture): the stale copy at the builds with verify rows (drafts), the in-place write at the builds with prefill
+    rows; host-copy exactly there, every rank; nothing else anywhere; the copy equals the device's elsewhere."""
     cfg = config_of(row, 17, inject=(fault,), steps=10)
-    res, d, rr = run(cfg, tmp_path)
-    rep = res.faults[fault]
-    if fault == "host-seq-stale" and row[3] == 0:
-        assert not rep.applicable and rr.findings == [] and not d.has("obs.hseq")
+    if fault == "host-seq-stale" and row[3] == 0:  # (no draft tokens: no verify rows to be stale for)
+        res, d, rr = run(cfg, tmp_path)
+        assert not res.faults[fault].applicable and rr.findings == [] and not d.has("obs.hseq")
         return
-    assert rep.applicable and rep.count > 0
-    verify(res, d, rr)
-    assert set(rr.by_rule()) == {"host-copy"}
+    res, d, rr, rep = _found_only(cfg, fault, "host-copy", tmp_path)
     assert {f.detail["kind"] for f in rr.findings} == {"stale" if fault == "host-seq-stale" else "written-in-place"}
     recorded = np.flatnonzero(np.diff(d["obs.hseq"]) > 0)
     assert {d.site_name(i) for i in recorded} <= {"attn_metadata", "pcp_partition", "ubatch", "draft"}
