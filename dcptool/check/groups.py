@@ -7,7 +7,7 @@ import numpy as np
 
 from dcptool.check.findings import FindingTable, Written
 from dcptool.dcp.reference import local_of
-from dcptool.dcp.segments import ragged
+from dcptool.dcp.segments import first_per_segment, ragged
 from dcptool.dump import Dump
 
 
@@ -67,8 +67,8 @@ def _groups(d: Dump, first: dict) -> None:
     want = np.where(sharded, loc, seq)
     got = d["rows.group_seq_lens"][at].astype(np.int64)
     wrong = np.flatnonzero(got != want)
-    nbad = np.bincount(seg[wrong], minlength=ok.size)
-    for w in wrong[np.r_[True, seg[wrong][1:] != seg[wrong][:-1]]].tolist() if wrong.size else []:
+    firsts, nbad = first_per_segment(seg, wrong, ok.size)
+    for w in firsts.tolist():
         i, grp = int(ok[seg[w]]), int(g[w])
         name = cfg.kv_groups[grp].name if cfg.kv_groups is not None else f"group {grp}"
         if not sharded[w] and got[w] == loc[w]:
@@ -127,8 +127,8 @@ def _verify(d: Dump, first: dict) -> None:
     wrong = np.flatnonzero(got != want)
     if wrong.size == 0:
         return
-    nbad = np.bincount(seg[wrong], minlength=ok.size)
-    for w in wrong[np.r_[True, seg[wrong][1:] != seg[wrong][:-1]]].tolist():
+    firsts, nbad = first_per_segment(seg, wrong, ok.size)
+    for w in firsts.tolist():
         i, k = int(i_obs[w]), int(end[w] - t[w] - 1)  # k: tokens after this one in its row
         shifted = int(local_of(seq[w], rank[w], N, I_)) - k
         why = (f" = local(seq_len {int(seq[w])}) - {k}: the causal offset taken after the shard mapping; it must be "

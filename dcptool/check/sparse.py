@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from dcptool.check.findings import FindingTable, Written
-from dcptool.dcp.segments import ragged
+from dcptool.dcp.segments import first_per_segment, ragged
 from dcptool.dcp.topk import EMPTY_STATE, state_problem
 from dcptool.dump import Dump
 
@@ -46,8 +46,8 @@ def check_topk_empty(d: Dump) -> FindingTable:
     wrong = np.flatnonzero(prob != "")
     if wrong.size == 0:
         return found.table()
-    nbad = np.bincount(seg[wrong], minlength=ok.size)
-    for w in wrong[np.r_[True, seg[wrong][1:] != seg[wrong][:-1]]].tolist():
+    firsts, nbad = first_per_segment(seg, wrong, ok.size)
+    for w in firsts.tolist():
         i, p, s = int(ok[seg[w]]), str(prob[w]), int(state[w])
         n = int(nbad[seg[w]])
         exp = f", expected {_state_text(EMPTY_STATE)}" if p == "empty" else ""

@@ -14,6 +14,13 @@ def ragged(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return seg, j, np.asarray(starts, np.int64)[seg] + j
 
 
+def first_per_segment(seg: np.ndarray, hits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """hits: ascending element indices (into seg, itself ascending) -> (the first hit of each segment that has one,
+    the number of hits of each of the n segments)."""
+    s = seg[hits]
+    return hits[np.r_[True, s[1:] != s[:-1]]] if hits.size else hits, np.bincount(s, minlength=n)
+
+
 BULK_ROWS = 1 << 20  # rows a vectorised check takes at a time: its temporaries (up to ~130 bytes a row) stay in ~130 MB
 
 

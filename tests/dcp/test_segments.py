@@ -138,3 +138,18 @@ def test_obs_chunks_cover_every_segment_once_in_order(seed, step):
         assert lens[lo : hi - 1].sum() < max(step, 1)
     if step >= lens.sum() > 0:
         assert len(chunks) <= 2
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 1000])
+def test_first_per_segment_against_a_loop(n):
+    """The first hit of each segment that has one, and every segment's hit count (none: 0), as a loop finds them."""
+    rng = np.random.default_rng(n)
+    counts = rng.integers(0, 5, n)
+    seg, _, _ = segments.ragged(np.zeros(n, np.int64), counts)
+    hits = np.flatnonzero(rng.random(seg.size) < 0.3)
+    firsts, nhit = segments.first_per_segment(seg, hits, n)
+    want_first, want_n = {}, np.zeros(n, np.int64)
+    for h in hits.tolist():
+        want_first.setdefault(int(seg[h]), h)
+        want_n[seg[h]] += 1
+    assert firsts.tolist() == list(want_first.values()) and nhit.tolist() == want_n.tolist()
