@@ -1,6 +1,6 @@
-"""benchmarks/bench_guard.py --smoke: the GPU benchmark's code paths on the CPU (the kernel under the interpreter), every
-shape (decode 256 and 1,024 requests, prefill 8,192 tokens, scaled down) with every keyword the vLLM plugin hands the
-Guard."""
+"""benchmarks/bench_guard.py --smoke: the GPU benchmark's code paths on the CPU (the kernel under the interpreter),
+every shape (decode 256 and 1,024 requests, prefill 8,192 tokens, scaled down) with every keyword the vLLM plugin
+hands the Guard."""
 
 import os
 import subprocess
@@ -47,8 +47,8 @@ def test_smoke_runs_every_shape_clean_and_prints_the_table():
     assert "clean runs: every build counted, none wrong, none dropped, nothing written: True" in out
     assert "a wrong view, eager (decode256): 1 warning, 1 dump of 5 observations, replay: mismatch\n" in out
     # a check of the host values "Coverage II" added runs on every build
-    assert "a wrong host copy of seq_lens, eager (decode256): 1 warning, 1 dump of 5 observations, replay: host-copy\n" \
-        in out
+    host = "a wrong host copy of seq_lens, eager (decode256): 1 warning, 1 dump of 5 observations, replay: host-copy\n"
+    assert host in out
     assert out.count("kernel vs host path: same") == 2 and "DIFFERENT" not in out
 
 
