@@ -41,12 +41,14 @@ CAPACITY = 4096  # request rows the engine's persistent metadata buffers hold (a
 
 
 class Shape(NamedTuple):
-    """A batch: `decodes` decode rows first (one query token each, as vLLM orders them), then prefill rows with these
-    query lengths over these contexts (chunked prefill and prefix-cache hits)."""
+    """A batch: `decodes` decode rows first (as vLLM orders them; `decode_q` query tokens each: more than one are
+    speculative decoding's verify tokens), then prefill rows with these query lengths over these contexts (chunked
+    prefill and prefix-cache hits)."""
 
     decodes: int
     prefill_q: tuple[int, ...] = ()
     prefill_ctx: tuple[int, ...] = ()
+    decode_q: int = 1
 
 
 # 8 prompts whose query lengths sum to 8,192 tokens (one max_num_batched_tokens step), half of them behind a context
@@ -84,7 +86,7 @@ class Engine:
         self.b = torch.randn(dim, dim, dtype=dtype, device=dev)
         self.c = torch.empty_like(self.a)
         self.nd = shape.decodes
-        q = np.array([1] * shape.decodes + list(shape.prefill_q), np.int64)
+        q = np.array([shape.decode_q] * shape.decodes + list(shape.prefill_q), np.int64)
         ctx = np.concatenate([rng.integers(1, 1 << 17, shape.decodes), np.array(shape.prefill_ctx, np.int64)])
         self.rows, self.tokens = int(q.size), int(q.sum())
         self.q = q
