@@ -27,8 +27,10 @@ script runs and stays clean with every field, not what anything costs.
 
 --python: the Python part of one eager observe() on the device path (the fast path's keywords, 256 rows), the launch
 replaced by a stand-in (CPU tensors: no GPU needed), µs per observe, best of 9 x 50,000; and the same for the
-dcptool of git revision --before (default: the Guard before its launch went through launch.py), in a subprocess.
-A GPU adds the launch itself (the launcher's C entry: a few µs) to the eager figure.
+dcptool of git revision --before (default: the Guard before its launch went through launch.py), in a subprocess;
+then the same for a build as the plugin hands it (Guard.record) with the fast keywords and with --fields' (best of 9 x
+2,000, this checkout). A GPU adds the launch itself (the launcher's C entry: a few µs) to the eager figure, and the
+host checks' waits for a device seq_lens (host-copy, plan-pages) where --fields passes the host values.
 """
 
 from __future__ import annotations
@@ -239,6 +241,25 @@ def python_cost() -> float:
     return t * 1e6
 
 
+def python_fields(fields: str, n: int = 2000) -> float:
+    """µs of Python per eager build as the plugin hands it (Guard.record of a Record with the keywords of `fields`,
+    decode256's 256 rows, CPU tensors), the launch a stand-in: best of 9 x n (this checkout only)."""
+    import timeit
+
+    from dcptool.engine.guard.device_checks import GuardDevice
+
+    e = ge.Engine(torch.device("cpu"), ge.SHAPES["decode256"], 8, torch.float32, fields, matmuls=0)
+    e.update()
+    with tempfile.TemporaryDirectory() as t:
+        g = Guard(t, ge.N, ge.INTERLEAVE, kernel=True, on_wrong="count", **ge.guard_config())
+        g._dev = dev = GuardDevice(torch, e.seq.device, g.keep, g._spec, None, None)
+        dev.go = lambda *a: None
+        took = min(timeit.repeat(lambda: e.observe(g, 1), number=n, repeat=9)) / n
+        if g.dropped or g.first_rule is not None:
+            raise RuntimeError(f"observe() dropped {g.dropped}, found {g.first_rule}")
+    return took * 1e6
+
+
 def python_before(rev: str) -> float | None:
     """python_cost() against the dcptool of git revision rev (git archive into a temporary directory); None when
     it cannot run there."""
@@ -295,6 +316,9 @@ def main() -> None:
         now, before = python_cost(), python_before(a.before)
         was = "n/a" if before is None else f"{before:.2f} µs (without the launch it made through Triton's dispatch)"
         print(f"Python per eager observe(), launch a stand-in: now {now:.2f} µs; {a.before}: {was}")
+        for f in dict.fromkeys(("fast", a.fields)):
+            print(f"Python per eager build as the plugin hands it (Guard.record), --fields {f} "
+                  f"({len(ge.FIELDS[f])} keywords), 256 rows, launch a stand-in: {python_fields(f):.1f} µs")
         return
     shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
     bad = [s for s in shapes if s not in ge.SHAPES]

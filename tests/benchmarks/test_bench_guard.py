@@ -3,6 +3,7 @@ every shape (decode 256 and 1,024 requests, prefill 8,192 tokens, scaled down) w
 hands the Guard."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,14 @@ def test_smoke_of_one_shape_with_the_fast_path_keywords():
     assert p.returncode == 0, p.stderr[-3000:]
     assert [k.split(" (")[0] for k in _table(p.stdout, "shape / mode")] == ["prefill8192"] * 2
     assert "fields fast (3 keywords a build)" in p.stdout and "a wrong host copy" not in p.stdout
+
+
+def test_python_mode_measures_the_fast_keywords_and_a_backend_s():
+    p = run("--python", "--fields", "flashinfer")
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = re.findall(r"--fields (\w+) \((\d+) keywords\), 256 rows, launch a stand-in: ([\d.]+) µs", p.stdout)
+    assert [(f, int(n)) for f, n, _ in got] == [("fast", 3), ("flashinfer", 15)] and all(float(u) > 0 for *_, u in got)
+    assert re.search(r"Python per eager observe\(\), launch a stand-in: now [\d.]+ µs", p.stdout)
 
 
 def test_an_unknown_shape_is_refused_in_one_line():
