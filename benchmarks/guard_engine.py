@@ -14,7 +14,8 @@ _slot_kwargs / _group_kwargs and builders.builder_kwargs fill it), by where it c
   buffers' capacities (attn_caps), at a full-graph replay the addresses the capture baked in (graph_addrs).
 - MLA: its decode's global dcp_tot_seq_lens (device), its chunked prefill context (ctx_chunks, numpy int64).
 No backend hands all of them: `--fields all` passes the union (every check of the Guard runs on every build), one
-backend's name that backend's set, `fast` the three row keywords of the fast path alone. Every value is right (a clean
+backend's name that backend's set, `device` the device tensors alone (every check of the kernel, no host value),
+`fast` the three row keywords of the fast path alone. Every value is right (a clean
 run writes nothing, replay of its dump finds nothing): the loop keeps the device buffers and their host mirror in step.
 """
 
@@ -66,6 +67,10 @@ BACKENDS = {"flashinfer": ("dcp_query_start_loc", "kv_pages", "kv_prefill_pages"
             "flash_attn": ("attn_addrs", "graph_addrs", "attn_caps"),
             "mla": ("dcp_tot_seq_lens", "ctx_chunks")}
 FIELDS = {"all": COMMON + sum(BACKENDS.values(), ()), **{k: COMMON + v for k, v in BACKENDS.items()},
+          # the device tensors alone (every check of the kernel, none of the host values'; a hybrid's per-group lengths
+          # left out: the Guard drops them)
+          "device": ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "num_tokens_padded", "graph", "positions",
+                     "slot_mapping", "dcp_query_start_loc", "dcp_tot_seq_lens"),
           "fast": ("seq_lens", "dcp_local_seq_lens", "query_start_loc")}
 
 

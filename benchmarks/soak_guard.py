@@ -2,28 +2,32 @@
 graph, then a fault planted near the end, caught and dumped.
 
     python benchmarks/soak_guard.py [--builds 1000000] [--fault-at BUILDS-1000] [--keep 64] [--per-step 8]
-                                    [--shape decode256] [--fields all] [--samples 64]         (a GPU: the table)
-    python benchmarks/soak_guard.py --smoke       (CPU: 2,000 builds eager under Triton's interpreter, the fault at
-                                                   1,500, keep 16; the graph column says capture needs CUDA)
+                                    [--shape decode256] [--fields device] [--modes eager,graph] [--samples 64]
+    python benchmarks/soak_guard.py --fields all --builds 200000          (a GPU: every host value too, fewer builds)
+    python benchmarks/soak_guard.py --smoke [--fields all]   (CPU: 2,000 builds eager under Triton's interpreter, the
+                                                              fault at 1,500, keep 16, 4 a step; graph: needs CUDA)
 
 Each step refreshes the batch's metadata buffers and their host mirror (guard_engine.Engine, no matmuls: the soak
 proves properties, bench_guard.py times them) and hands the Guard --per-step builds with the keywords of --fields, as
-the vLLM plugin hands them (Guard.record). Eager: --builds builds, each observed from the host, step = the build's
-index. Graph: one step run eagerly (the ring allocated, the kernel compiled), one step captured (graph=FULL_CAPTURE),
-replayed until --builds builds were checked; the device counter counts every replay's builds. In both, over the
-clean builds before the fault: host RSS (/proc/self/statm) and the device's memory_allocated / memory_reserved,
-sampled --samples times, flat (the last quarter's highest sample at most the first quarter's plus a tolerance: host
-4 MiB, allocated 0, reserved 2 MiB: one segment of the caching allocator); host synchronisations counted
-(torch.cuda.set_sync_debug_mode("warn"), counted as warned); nothing written (the Guard's directory absent or empty,
-no dump). Then the fault: the DCP view one row off at build --fault-at (eager: that build alone; graph: the replay
-holding it, so the first build of that replay, --fault-at rounded down to a multiple of --per-step, is the first
-wrong one), the run goes on to --builds. The Guard must name that build and rule, and its dump, read back with
-read_dump, must hold the last --keep builds in order, the fault last (each observation's seq_lens and, eager, its
-step are those of its build), and replay of the dump must report the fault's rule (mismatch) and nothing else.
+the vLLM plugin hands them (Guard.record). The default, `device`, is every device tensor the plugin passes (every
+check of the kernel); `all` adds the host values (the host checks of addresses, capacities, host copies, plans and
+block sizes: their Python costs several times the rest a build, hence fewer builds in the same time). Eager: --builds
+builds, each observed from the host, step = the build's index. Graph: one step run eagerly (the ring allocated, the
+kernel compiled), one step captured (graph=FULL_CAPTURE), replayed until --builds builds were checked; the device
+counter counts every replay's builds. In both, over the clean builds before the fault: host RSS (/proc/self/statm)
+and the device's memory_allocated / memory_reserved, sampled --samples times, flat (the last quarter's highest sample
+at most the first quarter's plus a tolerance: host 4 MiB, allocated 0, reserved 2 MiB: one segment of the caching
+allocator); host synchronisations counted (torch.cuda.set_sync_debug_mode("warn"), counted as warned); nothing
+written (the Guard's directory absent or empty, no dump). Then the fault: the DCP view one row off at build
+--fault-at (eager: that build alone; graph: the replay holding it, so the first build of that replay, --fault-at
+rounded down to a multiple of --per-step, is the first wrong one), the run goes on to --builds. The Guard must name
+that build and rule, and its dump, read back with read_dump, must hold the last --keep builds in order, the fault
+last (each observation's seq_lens and, eager, its step are those of its build), and replay of the dump must report
+the fault's rule (mismatch) and nothing else.
 
-Prints one table (a row per property, a column per mode) and exits 1 if any property fails (0: all hold).
-Time: on a GPU the eager loop is bound by the host (the Python of observe() and of the step's refresh); the table's
-builds/s row says what it was, so --builds can be chosen for another budget.
+Prints one table (a row per property, a column per mode) and exits 1 if any property fails (0: all hold). The
+eager loop is bound by the host (observe()'s Python and the step's refresh): each mode's line as it ends, and the
+table's builds/s row, say what it ran at, so --builds can be chosen for another budget.
 """
 
 from __future__ import annotations
@@ -234,7 +238,8 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=64, help="the Guard's flight recorder: builds a dump holds")
     ap.add_argument("--per-step", type=int, default=8, help="builds a step (a replay of the captured graph)")
     ap.add_argument("--shape", default="decode256", choices=list(ge.SHAPES))
-    ap.add_argument("--fields", default="all", choices=list(ge.FIELDS), help="the keywords each build passes")
+    ap.add_argument("--fields", default="device", choices=list(ge.FIELDS), help="the keywords each build passes")
+    ap.add_argument("--modes", default="eager,graph", help="comma-separated, of eager, graph")
     ap.add_argument("--samples", type=int, default=64, help="memory samples over the clean builds")
     ap.add_argument("--smoke", action="store_true", help="CPU: 2,000 builds, the fault at 1,500, keep 16")
     a = ap.parse_args()
@@ -247,9 +252,14 @@ def main() -> None:
         ap.error("--builds must be a multiple of --per-step (both >= 1), --keep >= 1")
     if not (a.keep + 2 * a.per_step <= a.fault_at < a.builds):
         ap.error(f"--fault-at must leave --keep builds and two steps before it and be below --builds: {a.fault_at}")
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"eager", "graph"}:
+        ap.error(f"--modes: {a.modes!r}: choose among eager, graph")
     if steps >= ge.SPAN - (1 << 17):
         ap.error(f"--builds / --per-step = {steps:,} steps: the lengths would outgrow a request's slots ({ge.SPAN})")
     a.cuda = torch.cuda.is_available() and not a.smoke
+    if not a.cuda and "eager" not in modes:
+        ap.error("--modes: a graph needs CUDA (--smoke runs the eager mode on the CPU)")
     dev = torch.device("cuda" if a.cuda else "cpu")
     sizes = ge.SHAPES if a.cuda else ge.SMOKE
     e = ge.Engine(dev, sizes[a.shape], 8, torch.float32, a.fields, matmuls=0)
@@ -264,9 +274,14 @@ def main() -> None:
         e.update()
         e.observe(warm, 0)
         warm.close()
-        results: dict = {"eager": soak_eager(e, dev, tmp, a)}
-        print(f"eager: {a.builds:,} builds done", flush=True)
-        results["graph"] = soak_graph(e, dev, tmp, a) if a.cuda else None
+        results: dict = {}
+        for m in modes:
+            if m == "graph" and not a.cuda:
+                results[m] = None
+                continue
+            results[m] = r = (soak_eager if m == "eager" else soak_graph)(e, dev, tmp, a)
+            print(f"{m}: {r['count']:,} builds checked, the clean {r['clean']:,} in {r['seconds']:.1f} s "
+                  f"({r['clean'] / r['seconds']:,.0f} builds/s), {r['syncs']:,} host syncs", flush=True)
         ok = table(results, a)
     print("every property holds" if ok else "a property FAILED")
     sys.exit(0 if ok else 1)

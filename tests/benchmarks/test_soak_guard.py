@@ -17,10 +17,11 @@ MIB = 1 << 20
 
 @pytest.mark.kernel
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU: soak_guard.py runs for real there")
-def test_smoke_holds_every_property():
+def test_smoke_with_every_field_holds_every_property():
     env = {k: v for k, v in os.environ.items() if not k.startswith("DCPTOOL_")}
     env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak_guard.py"), "--smoke"], capture_output=True,
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak_guard.py"), "--smoke", "--fields", "all"],
+                       capture_output=True,
                        text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = _rows(p.stdout)
@@ -33,8 +34,16 @@ def test_smoke_holds_every_property():
     assert eager["replay of the dump (want: mismatch alone)"] == "mismatch ✓"
     assert eager["host RSS, first → last quarter's highest (MiB; tolerance 4.0)"].endswith(" ✓")
     assert "FAIL" not in p.stdout and p.stdout.rstrip().endswith("every property holds")
+    assert "fields all, 2,000 builds a mode, 4 a step, keep 16" in p.stdout
+    assert "eager: 2,000 builds checked, the clean 1,500 in " in p.stdout
     # the one warning: the dump, named
     assert p.stderr.count("dcptool Guard: wrong DCP metadata (values) at step 1500: the last 16 observations") == 1
+
+
+def test_a_graph_alone_on_the_cpu_is_refused_in_one_line():
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak_guard.py"), "--smoke", "--modes", "graph"],
+                       capture_output=True, text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), timeout=600)
+    assert p.returncode == 2 and "--modes: a graph needs CUDA" in p.stderr and "Traceback" not in p.stderr
 
 
 def _run(**changes) -> dict:
