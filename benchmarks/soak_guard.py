@@ -281,7 +281,8 @@ def main() -> None:
                 continue
             results[m] = r = (soak_eager if m == "eager" else soak_graph)(e, dev, tmp, a)
             print(f"{m}: {r['count']:,} builds checked, the clean {r['clean']:,} in {r['seconds']:.1f} s "
-                  f"({r['clean'] / r['seconds']:,.0f} builds/s), {r['syncs']:,} host syncs", flush=True)
+                  f"({r['clean'] / r['seconds']:,.0f} builds/s), host syncs: "
+                  f"{format(r['syncs'], ',') if a.cuda else 'n/a (CPU)'}", flush=True)
         ok = table(results, a)
     print("every property holds" if ok else "a property FAILED")
     sys.exit(0 if ok else 1)
