@@ -132,7 +132,7 @@ class Engine:
         if self.faultable:
             self.dcp[3:4].add_(self.fault)
         self.seq_np += 1
-        if len(self.fields) > 3:
+        if "positions" in self.fields or "group_seq_lens" in self.fields:
             start = self.seq.to(torch.int64) - self.qlen
             torch.add(start[self.tok_req], self.tok_off, out=self.positions)
             # the sharded group: the positions vLLM's slot-mapping kernel deals to this rank, at their place in its
@@ -146,6 +146,19 @@ class Engine:
 
     def _kwargs(self) -> dict:
         """The build's keywords (this step's values), those of the chosen fields."""
+        nd = self.nd
+        every = dict(
+            seq_lens=self.seq, dcp_local_seq_lens=self.dcp, query_start_loc=self.qsl, num_tokens_padded=self.tokens,
+            graph=int(GraphMode.FULL_REPLAY), positions=self.positions, slot_mapping=self.slots,
+            group_seq_lens=self.gsl, dcp_query_start_loc=self.qsl[:nd + 1] if nd else None,
+            dcp_tot_seq_lens=self.seq[:nd] if nd else None)
+        if len(self.fields) > len(set(self.fields) & set(every)):
+            every.update(self._host_values())
+        return {k: every[k] for k in self.fields}
+
+    def _host_values(self) -> dict:
+        """The builders' host arrays of this step: FlashInfer's plans and host copies, FlashAttention's addresses
+        and capacities, MLA's chunked context, the block sizes."""
         seq, nd, r = self.seq_np, self.nd, self.rows
         covered = (seq - self.q).astype(np.int64)
         covered[:nd] = seq[:nd]
@@ -158,18 +171,13 @@ class Engine:
             v = N * INTERLEAVE
             ctx = [-(-int(covered[nd:].max()) // v) * v] + [x for k in range(nd, r) if covered[k]
                                                              for x in (0, k, 0, int(covered[k]))]
-        every = dict(
-            seq_lens=self.seq, dcp_local_seq_lens=self.dcp, query_start_loc=self.qsl, num_tokens_padded=self.tokens,
-            graph=int(GraphMode.FULL_REPLAY), positions=self.positions, slot_mapping=self.slots,
-            kv_block_sizes=np.full(3 * len(KV_GROUPS), PAGE, np.int32), group_seq_lens=self.gsl,
-            dcp_query_start_loc=self.qsl[:nd + 1] if nd else None,
+        return dict(
+            kv_block_sizes=np.full(3 * len(KV_GROUPS), PAGE, np.int32),
             kv_pages=np.where(decode, pages, -1).astype(np.int32),
             kv_prefill_pages=np.where(decode, -1, pages).astype(np.int32),
             kv_last_page=last_page(local, PAGE).astype(np.int32), host_seq_lens=seq.copy(),
             host_seq_lens_after=seq.copy(), attn_addrs=words, graph_addrs=words.copy(),
-            attn_caps=np.full(2, CAPACITY, np.int32), dcp_tot_seq_lens=self.seq[:nd] if nd else None,
-            ctx_chunks=np.asarray(ctx, np.int64))
-        return {k: every[k] for k in self.fields}
+            attn_caps=np.full(2, CAPACITY, np.int32), ctx_chunks=np.asarray(ctx, np.int64))
 
     def captured(self) -> None:
         """The keywords of a build inside CUDA-graph capture: graph FULL_CAPTURE, no captured addresses to compare."""
