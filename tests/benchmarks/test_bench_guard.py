@@ -47,7 +47,7 @@ def test_smoke_runs_every_shape_clean_and_prints_the_table():
         assert f"the builds of {s}, recorded and replayed: 4 builds, 0 dropped, no finding" in out
     assert "clean runs: every build counted, none wrong, none dropped, nothing written: True" in out
     assert "a wrong view, eager (decode256): 1 warning, 1 dump of 5 observations, replay: mismatch\n" in out
-    # a check of the host values "Coverage II" added runs on every build
+    # a check of the host values runs on every build
     host = "a wrong host copy of seq_lens, eager (decode256): 1 warning, 1 dump of 5 observations, replay: host-copy\n"
     assert host in out
     assert out.count("kernel vs host path: same") == 2 and "DIFFERENT" not in out
