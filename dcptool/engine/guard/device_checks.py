@@ -8,8 +8,9 @@ from dcptool.dcp.backend import load
 from dcptool.dump import Record
 from dcptool.dump.observation import NAMES
 from dcptool.engine.arguments import host_copy
-from dcptool.engine.guard.host_checks import CHECKS, HOST_CHECKS, NOT_KEPT, late_bits
+from dcptool.engine.guard.host_checks import CHECKS, DEVICE_HALVES, HOST_CHECKS, NOT_KEPT, late_bits
 from dcptool.engine.snapshot.layout import HOST_ROWS as LAYOUT_HOST_ROWS
+from dcptool.engine.snapshot.ring import FENCE_EVERY, SnapshotRing
 
 # Ring slot layout (int32 words): HEAD header words, then six sections of `cap` rows each (seq_lens, the DCP
 # view, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens) and `tcap` words of slot entries
@@ -33,7 +34,9 @@ ROW_SECTIONS = ("seq_lens", "dcp_local_seq_lens", "query_start_loc", "kv_pages",
                 "dcp_tot_seq_lens")
 TOKEN_AREA = ("positions", "slot_mapping")
 # The host values (the row fields after the last device section: addresses, ...): checked on the host as observe() is
-# called (their verdict reaches the kernel as `hbits`) and kept on the host under the launch's host index. NOT_KEPT:
+# called where they need nothing of the device (their verdict reaches the kernel as `hbits`), by the kernel where they
+# are compared with the device's seq_lens and query_start_loc (DEVICE_HALVES: handed to it in a slot of the host-values
+# ring, HostValues), and kept on the host under the launch's host index. NOT_KEPT:
 # the fields replay's rules read and the Guard does not check (the chunked context, ...).
 HOST_ROWS = tuple(f.name for f in LAYOUT_HOST_ROWS)
 # ... of which those every replay of a captured launch shares (what the graph itself reads: the metadata tensors'
@@ -51,20 +54,24 @@ if sorted(_KEPT) != sorted(NAMES) or len(ROW_SECTIONS) != SECTIONS or not set(GR
 KERNEL_ARGS = ("ring", "state", "flag", "keep", "words", "cap", "tcap", "N", "I", "page", "step", "site", "rank",
                "ubatch", "nr", "nrp", "parent", "req_start", "tok_start", "tok_stop", "ntp", "graph", "buf_lo",
                "buf_hi", "seq_p", "n_seq", "dcp_p", "n_dcp", "qsl_p", "n_qsl", "kv_p", "n_kv", "dq_p", "n_dq",
-               "tot_p", "n_tot", "pos_p", "n_pos", "map_p", "n_groups", "shard_mask", "wide", "map_stride", "hbits",
-               "hidx")
+               "tot_p", "n_tot", "pos_p", "n_pos", "map_p", "n_groups", "shard_mask", "wide", "map_stride", "hv_p",
+               "n_hs", "n_pre", "n_last", "hbits", "hidx")
 GUARD_BLOCK = 1024  # rows a block: one pass of loads for up to 1,024 requests
 GUARD_BLOCK_INTERPRETED = 256  # under Triton's interpreter (device_checks_tl.py says why)
 GUARD_WARPS = 8  # (4 rows a thread)
 # One bit per check of the Guard (host_checks.CHECKS: the rule table's names and order); the kernel sets each of its
-# own by its name (device_checks_tl), the host those of the host values (HOST_CHECKS: launched as `hbits`), the first
-# set in table order is the one reported
+# own by its name (device_checks_tl) and those of DEVICE_HALVES, the host those of the host values (HOST_CHECKS:
+# launched as `hbits`), the first set in table order is the one reported
 BIT = {name: 1 << k for k, name in enumerate(CHECKS)}
 KERNEL_CHECKS = ("missing", "values", "padding", "shape", "pages", "empty-mask", "tot-lens", "slots")
-if set(KERNEL_CHECKS) | set(HOST_CHECKS) != set(CHECKS) or len(CHECKS) > 31:
+if set(KERNEL_CHECKS) | set(HOST_CHECKS) != set(CHECKS) or len(CHECKS) > 31 or not set(DEVICE_HALVES) <= set(
+        HOST_CHECKS):
     raise ImportError(f"guard.device_checks: the rule table's device checks are {list(CHECKS)}; the check kernel "
                       f"decides {list(KERNEL_CHECKS)} and the host {list(HOST_CHECKS)} (at most 31: one word)")
 EXTRAS_KEPT = 4  # host values kept: the last EXTRAS_KEPT * keep launches' and those of captured launches'
+# The host-values ring (int32 words of pinned host memory, made at the first build that passes any): 3 int64 values a
+# request row, so about 170 builds of 1,024 requests in flight before a build finds it full
+HOST_VALUE_WORDS = 1 << 20
 _HOST_AT = NAMES.index(HOST_ROWS[0]) if HOST_ROWS else len(NAMES)  # the host values' place in a Record (the last)
 if NAMES[_HOST_AT:] != HOST_ROWS:
     raise ImportError("guard.device_checks: the host values are the Record's last fields")
@@ -109,8 +116,8 @@ def _launcher(dev: GuardDevice) -> tuple:
 class _Probe:
     """The known launch _launcher checks each way with: a 2-slot ring of its own, an unaligned seq_lens view, a
     DCP view two rows wrong (the values bit), query_start_loc, int64 positions and a strided int64 slot mapping of
-    two sharded groups, the second written at every position (the slots bit): every argument, the int64 reads
-    and the row stride exercised."""
+    two sharded groups, the second written at every position (the slots bit), a right host copy of seq_lens in
+    host memory: every argument, the int64 reads and the row stride exercised."""
 
     def __init__(self, dev: GuardDevice):
         t, d = dev.torch, dev.device
@@ -121,13 +128,15 @@ class _Probe:
         self.state = t.zeros(4, dtype=t.int32, device=d)
         self.flag = t.zeros(2, dtype=t.int32, pin_memory=True)
         seq = (t.arange(1, 6, dtype=t.int32, device=d) * 5)[1:]  # 10, 15, 20, 25 (a view, 4 bytes in)
+        self.host = t.tensor([10, 15, 20, 25], dtype=t.int64, pin_memory=dev.cuda)  # (its host copy, right)
         self.held = [seq, t.tensor([5, 8, 10, 13], dtype=t.int32, device=d),  # rank 1 of 2: 5, 7, 10, 12
                      t.tensor([0, 1, 2, 3, 4], dtype=t.int32, device=d), t.arange(4, dtype=t.int64, device=d),
                      t.tensor([[-1, 7, -1, 9, 0, 0], [3, 4, 5, 6, 0, 0]], dtype=t.int64, device=d)]
         (sq, dc, qs, pos, sm), nil = self.held, self.state.data_ptr()
         self.args = (self.ring.data_ptr(), nil, self.flag.data_ptr(), 2, words, cap, tcap, 2, 1, 0, 12345, 0, 1, -1,
                      4, 4, -1, -1, -1, -1, -1, 2, 77, 0, sq.data_ptr(), 4, dc.data_ptr(), 4, qs.data_ptr(), 5, nil,
-                     -1, nil, -1, nil, -1, pos.data_ptr(), 4, sm.data_ptr(), 2, 3, 3, 6, 0, 0)
+                     -1, nil, -1, nil, -1, pos.data_ptr(), 4, sm.data_ptr(), 2, 3, 3, 6, self.host.data_ptr(), 4, -1,
+                     -1, 0, 0)
         self.want = None
 
 
@@ -149,6 +158,67 @@ def _probe_check(p: _Probe, go):
     elif not np.array_equal(have, p.want):
         raise RuntimeError("guard kernel self-check: this launch wrote other words than Triton's dispatch")
     return got
+
+
+class HostValues:
+    """The host values the kernel compares with the device's seq_lens and query_start_loc (DEVICE_HALVES: the host
+    copy of seq_lens a build read, FlashInfer's prefill page counts and last pages; each on the build's first
+    num_reqs rows), handed to the launch without a wait: written as int64 into a slot of a snapshot ring (the
+    Recorder's: host memory, pinned on a GPU, that the kernel reads through its device address; slots fenced by CUDA
+    events), the slot's address and the three counts (-1: not given) among the launch's arguments.
+
+    No write overtakes the read: a slot's words are written only once alloc() hands them out, alloc() hands out only
+    words no slot in `pending` holds, and a slot is queued in `pending` after its launch (launched()) and leaves it
+    only when the fence recorded after that launch, on every stream that launched since the fence before, has
+    completed (finished(wait=False)): the launch that read the slot ran. A full ring is never waited for: the build's
+    DEVICE_HALVES are left undecided (`full` counts those builds), as inside capture; slots of ended launches are
+    collected at each fence and when the ring is full."""
+
+    def __init__(self, device: int | None, words: int = HOST_VALUE_WORDS):
+        self.ring = SnapshotRing(words, device)
+        self.full = 0
+
+    def post(self, nr: int, arrays: tuple) -> tuple | None:
+        """(the slot's address, its start and words, or 0 and 0 where nothing is written; then the counts of
+        `arrays`' values written, -1 for one not given); None: the ring is full."""
+        ns = tuple(-1 if a is None else min(len(a), nr) for a in arrays)
+        n = sum(k for k in ns if k > 0)
+        ring = self.ring
+        if n == 0:
+            return ring.base, 0, 0, *ns
+        need = 2 * n + 1  # (a word to align the int64 values: the buffer itself is aligned)
+        start = ring.alloc(need)
+        if start is None:
+            ring.fence()
+            self._collect()
+            start = ring.alloc(need)
+            if start is None:
+                self.full += 1
+                return None
+        at = start + (start & 1)
+        v = ring.np[at:at + 2 * n].view(np.int64)
+        o = 0
+        for a, k in zip(arrays, ns):
+            if k > 0:
+                v[o:o + k] = a[:k]
+                o += k
+        return ring.base + 4 * at, start, need, *ns
+
+    def launched(self, raw: int, start: int, need: int) -> None:
+        """The launch that reads the slot at `start` is queued on stream `raw`: the slot stays until it ran."""
+        ring = self.ring
+        if raw not in ring.streams:
+            ring.stream(raw)
+        ring.pending.append((-1, start, need, None))
+        ring.unfenced += 1
+        ring.unfenced_words += need
+        if ring.unfenced >= FENCE_EVERY or ring.unfenced_words >= ring.fence_words:
+            ring.fence()
+            self._collect()
+
+    def _collect(self) -> None:
+        for _ in self.ring.finished(wait=False):
+            pass
 
 
 class GuardDevice:
@@ -187,11 +257,13 @@ class GuardDevice:
         self.raw = torch._C._cuda_getCurrentRawStream if self.cuda else (lambda d: 0)
         self._tensor, self._i32t, self._i64t = torch.Tensor, torch.int32, torch.int64
         self._nil = self.state.data_ptr()  # the address an absent section is launched with (never read)
+        self._no_hv = (self._nil, -1, -1, -1)  # the host-values arguments of a launch handed none
         self._fixed: tuple = ()  # the launch's leading arguments, fixed while the ring and the spec are (_refix)
         self._masks: dict[int, int] = {}  # groups -> the sharded-group bit mask under this spec
         self.hidx = 0  # the next launch's host index
         self.extras: dict[int, tuple] = {}  # host index -> the launch's host values (HOST_ROWS), where it had any
         self.pinned: set[int] = set()  # the host indices of launches captured in a graph (replayed: kept for good)
+        self.host_values: HostValues | None = None  # made at the first build that passes any of DEVICE_HALVES' values
         self.spec = spec
 
     @property
@@ -373,20 +445,36 @@ class GuardDevice:
             self.frozen = True
         hidx = self.hidx
         self.hidx = (hidx + 1) & 0x7FFFFFFF  # (a header word)
-        hbits = 0
+        step, rank, nr, nrp, ubatch, parent, rs, ts, te, ntp, buf, graph = vals  # (Scalars order)
+        hbits, hv = 0, None
         if any(x is not None for x in r[_HOST_AT:]):
             if self.capturing():
                 r = r._replace(**_CAPTURED_BUILD_ONLY)
             hbits = late_bits(self._spec, r, BIT)
             self._keep_host(r, hidx)
-        step, rank, nr, nrp, ubatch, parent, rs, ts, te, ntp, buf, graph = vals  # (Scalars order)
+            hv = self._post(r, nr)
         buf = _NONE if buf is None else buf
-        self.go(self.raw(self.did), 1, *self._fixed, step, sid, rank, ubatch, nr, nrp,
+        raw = self.raw(self.did)
+        self.go(raw, 1, *self._fixed, step, sid, rank, ubatch, nr, nrp,
                 _NONE if parent is None else parent, _NONE if rs is None else rs, _NONE if ts is None else ts,
                 _NONE if te is None else te, _NONE if ntp is None else ntp, _NONE if graph is None else graph,
                 (buf & 0xFFFFFFFF) - ((buf & 0x80000000) << 1), buf >> 32, sp, ns, dp, nd, qp, nq, kp, nk, yp, ny,
-                tp, nt, pp, max(npos, 0), mp, groups, mask, wide, stride, hbits, hidx)
+                tp, nt, pp, max(npos, 0), mp, groups, mask, wide, stride, *(self._no_hv if hv is None else
+                                                                          (hv[0], *hv[3:])), hbits, hidx)
+        if hv is not None and hv[2]:
+            self.host_values.launched(raw, hv[1], hv[2])
         return True
+
+    def _post(self, r, nr: int) -> tuple | None:
+        """DEVICE_HALVES' host values into a slot of the host-values ring (HostValues.post), where the build passes
+        any (none inside capture: _CAPTURED_BUILD_ONLY); None: none, or the ring is full."""
+        arrays = (r.host_seq_lens, r.kv_prefill_pages, r.kv_last_page)
+        if arrays[0] is None and arrays[1] is None and arrays[2] is None:
+            return None
+        hv = self.host_values
+        if hv is None:
+            hv = self.host_values = HostValues(self.did if self.cuda else None)
+        return hv.post(nr, arrays)
 
     def wrong_seen(self) -> bool:
         """The flag, read from host memory without a sync (the kernel's write lands there)."""

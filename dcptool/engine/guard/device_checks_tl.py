@@ -7,6 +7,7 @@ from dcptool.dcp.backend import interpreted
 from dcptool.dcp.kernel_tl import local_of
 from dcptool.engine.guard.device_checks import (
     BIT,
+    DEVICE_HALVES,
     GUARD_BLOCK,
     GUARD_BLOCK_INTERPRETED,
     HEAD,
@@ -25,6 +26,7 @@ _BLOCK = tl.constexpr(GUARD_BLOCK_INTERPRETED if interpreted() else GUARD_BLOCK)
 # each check's bit, by the name the rule table gives it (device_checks.KERNEL_CHECKS)
 _MISSING, _VALUES, _PADDING, _SHAPE = (tl.constexpr(BIT[n]) for n in ("missing", "values", "padding", "shape"))
 _PAGES, _EMPTY, _TOT, _SLOTS = (tl.constexpr(BIT[n]) for n in ("pages", "empty-mask", "tot-lens", "slots"))
+_HOST_COPY, _PLAN = (tl.constexpr(BIT[n]) for n in DEVICE_HALVES)
 _NBITS = tl.constexpr(triton.next_power_of_2(len(BIT)))
 _HEAD = tl.constexpr(HEAD)
 _SECTIONS = tl.constexpr(SECTIONS)
@@ -42,7 +44,7 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
                  n_dcp: tl.int32, qsl_p: tl.int64, n_qsl: tl.int32, kv_p: tl.int64, n_kv: tl.int32, dq_p: tl.int64,
                  n_dq: tl.int32, tot_p: tl.int64, n_tot: tl.int32, pos_p: tl.int64, n_pos: tl.int32,
                  map_p: tl.int64, n_groups: tl.int32, shard_mask: tl.int32, wide: tl.int32, map_stride: tl.int32,
-                 hbits: tl.int32, hidx: tl.int32):
+                 hv_p: tl.int64, n_hs: tl.int32, n_pre: tl.int32, n_last: tl.int32, hbits: tl.int32, hidx: tl.int32):
     # One program: the observation's index from the device counter (state[0], so every replay of a captured
     # launch gets its own), the checks of engine.guard.host_checks on the rows as attention was handed them, the
     # observation into ring slot index % keep (its header, then each section's rows) unless the ring is frozen at
@@ -54,6 +56,9 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
     # not one per section). wide: bit 0 positions int64, bit 1 the slot mapping int64 (vLLM's, narrowed here:
     # no conversion launched on the host); map_stride: the slot mapping's row stride in elements. hbits: the rule
     # bits of the observation's host values, decided on the host (ORed in); hidx: its host index (header word 25).
+    # hv_p: int64 host values in host memory (device_checks.HostValues), n_hs of the host copy of seq_lens, then
+    # n_pre prefill page counts and n_last last pages (each -1: not given; a row past them: not recorded), compared
+    # here with seq_lens and query_start_loc as host_checks compares them (host-copy's stale half, plan-pages).
     st = state.to(tl.pointer_type(tl.int32))
     idx = tl.atomic_add(st, 1, sem="relaxed")  # (an index only: no fence before the loads)
     stop = tl.load(st + 1, volatile=True)
@@ -63,6 +68,12 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
     kvp = kv_p.to(tl.pointer_type(tl.int32))
     dqp = dq_p.to(tl.pointer_type(tl.int32))
     totp = tot_p.to(tl.pointer_type(tl.int32))
+    hsp = hv_p.to(tl.pointer_type(tl.int64))
+    prep = hsp + tl.maximum(n_hs, 0)
+    lastp = prep + tl.maximum(n_pre, 0)
+    # plan-pages on the real rows where a plan is given, a page size set and query_start_loc holds num_reqs + 1 rows
+    plan = (page > 0) & (nr > 0) & (n_qsl >= nr + 1) & ((n_pre >= 0) | (n_last >= 0))
+    pg = tl.maximum(page, 1)
     bits = hbits
     bits = bits | tl.where((n_dcp < 0) & (N > 1), _MISSING, 0)
     bits = bits | tl.where((n_dcp >= 0) & (n_dcp != nrp), _SHAPE, 0)
@@ -75,6 +86,7 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
     keepit = live & fits
     slot = ring.to(tl.pointer_type(tl.int32)) + (idx % keep).to(tl.int64) * words
     rows = tl.maximum(tl.maximum(tl.maximum(n_seq, n_dcp), tl.maximum(n_qsl, n_kv)), tl.maximum(n_dq, n_tot))
+    rows = tl.maximum(rows, tl.maximum(n_hs, tl.maximum(n_pre, n_last)))
     acc = tl.zeros([_BLOCK], tl.int32)
     for off in range(0, rows, _BLOCK):
         j = off + tl.arange(0, _BLOCK)
@@ -100,6 +112,21 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
                              _PAGES, 0)
         acc = acc | tl.where((N > 1) & (n_qsl > 0) & mdq & mq & (dq != qv), _EMPTY, 0)
         acc = acc | tl.where((N > 1) & real & mt & (tv != seq), _TOT, 0)
+        hm = j < tl.minimum(nr, n_hs)  # (load masks as index bounds: the interpreter's masks must be bool)
+        hs = tl.load(hsp + j, mask=hm, other=0)
+        acc = acc | tl.where(hm & ms & (hs != seq.to(tl.int64)), _HOST_COPY, 0)
+        pn = tl.where(plan, nr, 0)
+        pm = j < pn
+        pre = tl.load(prep + j, mask=j < tl.minimum(pn, n_pre), other=-1)
+        last = tl.load(lastp + j, mask=j < tl.minimum(pn, n_last), other=-1)
+        qn = tl.load(qslp + j + 1, mask=j < tl.minimum(pn, n_qsl - 1), other=0)  # (the row's query: qsl[j+1] - qsl[j])
+        seq64 = seq.to(tl.int64)
+        cov = tl.maximum(tl.where(pre >= 0, seq64 - (qn - qv).to(tl.int64), seq64), 0)  # what the plan covers
+        lc = local_of(cov, wide64 + rank, (wide64 + N) * I, I)
+        lp = lc % pg
+        lp = tl.where((lp == 0) & (lc != 0), pg, lp)  # (FlashInfer's last page: reference.last_page)
+        acc = acc | tl.where(pm & (((pre >= 0) & (pre != (lc + pg - 1) // pg)) | ((last >= 0) & (last != lp))),
+                             _PLAN, 0)
         tl.store(slot + _HEAD + j, seq, mask=j < tl.where(keepit, n_seq, 0))
         tl.store(slot + _HEAD + cap + j, dv, mask=j < tl.where(keepit, n_dcp, 0))
         tl.store(slot + _HEAD + 2 * cap + j, qv, mask=j < tl.where(keepit, n_qsl, 0))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -32,8 +31,11 @@ class Spec(NamedTuple):
 # never makes an observation wrong). The kernel (device_checks) decides the same ones.
 CHECKS = tuple(c.name for c in DEVICE_CHECKS if c.severity == "error")
 # ... of which the checks of the host values (the row fields after the slot entries: host integers such as the
-# metadata tensors' addresses), decided on the host on either path (late_bits gives the kernel their verdict)
+# metadata tensors' addresses). On the device path the host decides those that read host values alone (late_bits gives
+# the kernel their verdict); the kernel decides the comparisons of host values with the device's seq_lens and
+# query_start_loc (DEVICE_HALVES: host-copy's stale half, plan-pages), from the host values its launch is handed
 HOST_CHECKS = ("graph-addr", "capacity", "host-copy", "plan-pages", "kernel-block")
+DEVICE_HALVES = ("host-copy", "plan-pages")
 
 
 class _Obs(NamedTuple):
@@ -99,10 +101,10 @@ _CHECK = {
 # The checks of the host values (HOST_CHECKS): graph-addr (a full-graph replay whose build handed attention a metadata
 # tensor at another address than the graph captured), capacity (a build needing more request rows than the buffer
 # behind one holds), host-copy (the host copy of seq_lens a build read is not the device's, or the build wrote it in
-# place; inside CUDA-graph capture the first half is not decided: comparing with a device seq_lens waits for it),
-# plan-pages (a native plan's prefill page count or last-page length not the local length's; the same wait for a
-# device seq_lens or query_start_loc), kernel-block (a DCP-sharded group's slot mapping dealing
-# positions to the ranks by another block than the KV-cache manager's where that moves a position).
+# place), plan-pages (a native plan's prefill page count or last-page length not the local length's; -1: not recorded,
+# as is a row past the plan's values), kernel-block (a DCP-sharded group's slot mapping dealing positions to the ranks
+# by another block than the KV-cache manager's where that moves a position). Host arrays here (the host path's
+# copies); the device path's kernel decides the halves that read seq_lens and query_start_loc (DEVICE_HALVES).
 _HOST = {
     "graph-addr": lambda s, r: _graph(r.graph) == GraphMode.FULL_REPLAY and r.attn_addrs is not None
     and r.graph_addrs is not None and not np.array_equal(np.asarray(r.attn_addrs), np.asarray(r.graph_addrs)),
@@ -120,40 +122,38 @@ if set(_CHECK) != set(CHECKS):
 
 
 def _host_copy_wrong(r: Record) -> bool:
-    """host-copy on one observation: its real rows of rows.host_seq_lens against seq_lens (a host array only) and
-    against rows.host_seq_lens_after."""
-    host, nr = np.asarray(r.host_seq_lens), int(r.num_reqs)
-    after = r.host_seq_lens_after
-    if after is not None:
-        k = min(nr, host.size, len(after))
-        if not np.array_equal(host[:k], np.asarray(after)[:k]):
-            return True
-    seq = _host_of(r.seq_lens)
-    if seq is None:
-        return False
-    k = min(nr, host.size, seq.size)
+    """host-copy on one observation: its real rows of rows.host_seq_lens against seq_lens and against
+    rows.host_seq_lens_after (host arrays)."""
+    if _written_in_place(r):
+        return True
+    host, seq = np.asarray(r.host_seq_lens), np.asarray(r.seq_lens)
+    k = min(int(r.num_reqs), host.size, seq.size)
     return not np.array_equal(host[:k], seq[:k])
 
 
-def _host_of(t) -> np.ndarray | None:
-    """seq_lens on the host: a host array as it is, a device tensor copied (the stream waited for) except while a
-    CUDA graph is being captured, where nothing may wait (None: the stale half is not decided there)."""
-    if isinstance(t, np.ndarray):
-        return t
-    if not getattr(t, "is_cuda", False):
-        return np.asarray(t)
-    torch = sys.modules["torch"]
-    return None if torch.cuda.is_current_stream_capturing() else t.cpu().numpy()
+def _written_in_place(r: Record) -> bool:
+    """host-copy's half of host values alone: the host copy of seq_lens a build read is not the one it left."""
+    after = r.host_seq_lens_after
+    if after is None:
+        return False
+    host = np.asarray(r.host_seq_lens)
+    k = min(int(r.num_reqs), host.size, len(after))
+    return not np.array_equal(host[:k], np.asarray(after)[:k])
+
+
+def plan_rows(x, nr: int) -> np.ndarray:
+    """A plan's values on the first `nr` rows, int64 (-1: not recorded, as is a row past its values)."""
+    a = np.full(nr, -1, np.int64) if x is None else np.asarray(x, np.int64)[:nr]
+    return a if a.size == nr else np.concatenate([a, np.full(nr - a.size, -1, np.int64)])
 
 
 def _plan_wrong(s: Spec, r: Record) -> bool:
     """plan-pages on one observation (its real rows; -1: not recorded)."""
-    seq, qsl, nr = _host_of(r.seq_lens), _host_of(r.query_start_loc), int(r.num_reqs)
-    if seq is None or qsl is None or qsl.size < nr + 1 or not s.page_size or nr == 0:
+    seq, qsl, nr = r.seq_lens, r.query_start_loc, int(r.num_reqs)
+    if seq is None or qsl is None or np.size(qsl) < nr + 1 or not s.page_size or nr == 0:
         return False
-    none = np.full(nr, -1)
-    pre = none if r.kv_prefill_pages is None else np.asarray(r.kv_prefill_pages, np.int64)[:nr]
-    last = none if r.kv_last_page is None else np.asarray(r.kv_last_page, np.int64)[:nr]
+    seq, qsl = np.asarray(seq), np.asarray(qsl)
+    pre, last = plan_rows(r.kv_prefill_pages, nr), plan_rows(r.kv_last_page, nr)
     covered = np.where(pre >= 0, seq[:nr] - np.diff(qsl[:nr + 1]), seq[:nr]).astype(np.int64)
     local = local_np(np.maximum(covered, 0), s.dcp_size, r.rank, s.cp_interleave)
     page = s.page_size
@@ -194,10 +194,16 @@ def first_wrong(s: Spec, r: Record, slots: tuple) -> str | None:
     return next((name for name in CHECKS if _CHECK[name](o)), None)
 
 
+# What the host decides of the host values' checks on the device path (the kernel: DEVICE_HALVES' comparisons)
+_HOST_ALONE = {**_HOST, "host-copy": lambda s, r: r.host_seq_lens is not None and _written_in_place(r),
+               "plan-pages": lambda s, r: False}
+
+
 def late_bits(s: Spec, r: Record, bits: dict) -> int:
-    """The kernel's rule bits (`bits`: check -> bit) of the host values' checks an observation breaks: the Guard's
-    device path decides them on the host, as observe() is called (the values are host integers)."""
-    return sum(bits[name] for name, f in _HOST.items() if f(s, r))
+    """The kernel's rule bits (`bits`: check -> bit) of the host values' checks an observation breaks on host values
+    alone: the Guard's device path decides them on the host as observe() is called, and hands the kernel the host
+    values DEVICE_HALVES compare with the device's seq_lens and query_start_loc (nothing of the device read here)."""
+    return sum(bits[name] for name, f in _HOST_ALONE.items() if f(s, r))
 
 
 def _slots_wrong(s: Spec, rank: int, nr: int, qsl, pos: np.ndarray, slot: np.ndarray, grp: np.ndarray) -> bool:
