@@ -157,3 +157,82 @@ def test_each_device_rule_is_reported_under_the_tables_name(tmp_path, name):
         g.close()
         seen.append((g.first_rule, g.wrong))
     assert seen == [(name, 1), (name, 1)]
+
+
+def _host_value_build(rng, nr: int, page: int, rank: int, il: int, wrong_host: bool, wrong_plan: bool) -> dict:
+    """A random build with the host values of host-copy and plan-pages (numpy, as the plugin passes them) and right
+    device tensors: decodes (query 1) then prefills over contexts of awkward lengths, FlashInfer's plans from the
+    formula (a decode row's prefill count -1), some entries -1 (not recorded), padded rows behind; then, at random,
+    a few values moved (the host copy, a page count, a last page: mostly wrong, sometimes moved to where they stay
+    right; wrong_host / wrong_plan: one real row's host copy / a recorded plan value one off), a plan shorter than
+    num_reqs, query_start_loc too short, to be judged as the host path judges them."""
+    from dcptool.dcp.reference import last_page, local_np
+
+    nrp = nr + int(rng.integers(0, 3))
+    q = np.where(rng.random(nr) < 0.5, 1, rng.integers(1, 300, nr))
+    ctx = rng.choice([0, 1, 15, 16, 17, 127, 128, 129, 1000, 4097, 65536], nr)
+    seq = np.zeros(nrp, np.int64)
+    seq[:nr] = ctx + q
+    qsl = np.concatenate([[0], np.cumsum(q), np.full(nrp - nr, q.sum())]).astype(np.int64)
+    local = local_np(seq[:nr] - q, 2, rank, il)
+    pre = np.where((q > 1) & (rng.random(nr) > 0.1), -(-local // page), -1)  # (-1: a decode row, or not recorded)
+    last = last_page(local_np(np.where(pre >= 0, seq[:nr] - q, seq[:nr]), 2, rank, il), page)  # (what pre covers)
+    last[rng.random(nr) < 0.1] = -1
+    host = seq.copy()
+    if nr and wrong_host:
+        host[int(rng.integers(0, nr))] += 1
+    recorded = np.flatnonzero(np.concatenate([pre, last]) >= 0)
+    if wrong_plan and recorded.size:
+        k = int(rng.choice(recorded))
+        (pre if k < nr else last)[k % nr] += 1
+    for a, p in ((host, 0.2), (pre, 0.2), (last, 0.2)):
+        if nr and rng.random() < p:
+            a[rng.integers(0, nr, int(rng.integers(1, 3)))] += rng.choice([-1, 1, page, 0])
+    if nr and rng.random() < 0.1:  # a build that writes its host copy in place
+        kw_after = host.copy()
+        kw_after[int(rng.integers(0, nr))] += 1
+    else:
+        kw_after = host.copy()
+    if rng.random() < 0.15:
+        pre = pre[:max(nr - 3, 0)]
+    if rng.random() < 0.1:
+        qsl = qsl[:nr]
+    t = lambda a: torch.from_numpy(np.asarray(a, np.int32))  # noqa: E731
+    return dict(step=0, site="s", rank=rank, num_reqs=nr, num_reqs_padded=nrp, seq_lens=t(seq),
+                dcp_local_seq_lens=t(np.append(local_np(seq[:nr], 2, rank, il), np.zeros(nrp - nr))),
+                query_start_loc=t(qsl), host_seq_lens=host.astype(np.int32), host_seq_lens_after=kw_after,
+                kv_prefill_pages=pre.astype(np.int32), kv_last_page=last.astype(np.int32))
+
+
+@pytest.mark.parametrize("nr", [0, 1, 127, 128, 129, 1000, 1300])
+def test_host_copy_and_plan_pages_are_decided_by_the_kernel_as_the_host_path_decides_them(tmp_path, nr):
+    """Seeded random builds of every size, each with the host values of host-copy and plan-pages in turn (the host
+    copy alone, the plans alone, both): the kernel's rule bits for the two checks (handed the host values in the
+    host-values ring, compared with the device's seq_lens and query_start_loc) are those the numpy reference gives,
+    with right values, moved ones, -1 entries, short plans, a short query_start_loc, pages of 1 and 16."""
+    from dcptool.engine.guard.device_checks import BIT
+
+    rng = np.random.default_rng(nr + 39)
+    verdicts = set()
+    for case in range(8):
+        page, rank, il = int(rng.choice([1, 16])), int(rng.integers(0, 2)), int(rng.choice([1, 2]))
+        kw = _host_value_build(rng, nr, page, rank, il, case % 2 == 1, case % 4 >= 2)
+        for left_out in (("kv_prefill_pages", "kv_last_page"), ("host_seq_lens", "host_seq_lens_after"), ()):
+            b = {k: v for k, v in kw.items() if k not in left_out}
+            host = Guard(tmp_path / "h", 2, il, page_size=page, on_wrong="count")
+            host.observe(**b)
+            host.close()
+            dev = Guard(tmp_path / "d", 2, il, page_size=page, on_wrong="count", kernel=True)
+            dev.observe(**_on(_dev(), b))
+            kept, _, _ = dev._dev.kept()
+            dev.close()
+            bits = kept[-1][1]
+            want = {host.first_rule} - {None}
+            got = {n for n in ("host-copy", "plan-pages") if bits & BIT[n]}
+            assert (dev.first_rule, dev.dropped, host.dropped) == (host.first_rule, 0, 0), (case, left_out)
+            assert bits & ~(BIT["host-copy"] | BIT["plan-pages"]) == 0
+            assert got == want if left_out else got >= want  # (both: the host path names the first the table lists)
+            verdicts.add((left_out[1:], tuple(sorted(got))))
+    if nr:  # (the seeds give right and wrong builds of each)
+        assert {(("kv_last_page",), ()), (("kv_last_page",), ("host-copy",)), (("host_seq_lens_after",), ()),
+                (("host_seq_lens_after",), ("plan-pages",))} <= verdicts, verdicts
