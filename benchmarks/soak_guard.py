@@ -17,7 +17,9 @@ kernel compiled), one step captured (graph=FULL_CAPTURE), replayed until --build
 counter counts every replay's builds. In both, over the clean builds before the fault: host RSS (/proc/self/statm)
 and the device's memory_allocated / memory_reserved, sampled --samples times, flat (the last quarter's highest sample
 at most the first quarter's plus a tolerance: host 4 MiB, allocated 0, reserved 2 MiB: one segment of the caching
-allocator); host synchronisations counted (torch.cuda.set_sync_debug_mode("warn"), counted as warned); nothing
+allocator); host synchronisations counted (torch.cuda.set_sync_debug_mode("warn"), counted as warned); no build
+whose host values (--fields all: the host copy of seq_lens, FlashInfer's plans) found the Guard's host-values ring
+full (their device comparisons then left undecided: Guard.host_undecided); nothing
 written (the Guard's directory absent or empty, no dump). Then the fault: the DCP view one row off at build
 --fault-at (eager: that build alone; graph: the replay holding it, so the first build of that replay, --fault-at
 rounded down to a multiple of --per-step, is the first wrong one), the run goes on to --builds. The Guard must name
@@ -175,7 +177,8 @@ def _verdict(g: Guard, e: ge.Engine, r: dict) -> dict:
     """Close the Guard; its counts, its first wrong build and rule, and its dump read back: the last `keep` builds
     in order, the fault last (seq_lens[0] of build b is the base's + 1 + b // per; eager, step b), replay's rules."""
     path = g.close()
-    r.update(count=g.count, dropped=g.dropped, first=(g.first_index, g.first_rule), path=path)
+    r.update(count=g.count, dropped=g.dropped, first=(g.first_index, g.first_rule), path=path,
+             undecided=g.host_undecided)
     if path is None:
         return dict(r, kept=0, in_order=False, rules=[])
     d = read_dump(path)
@@ -215,6 +218,8 @@ def table(results: dict, a) -> bool:
                  if a.cuda or name == "host RSS" else ("n/a (CPU)", None)))
     row("host syncs over the clean builds", each(lambda r: (str(r["syncs"]), r["syncs"] == 0) if a.cuda
                                                  else ("n/a (CPU)", None)))
+    row("builds whose host values found no room (host-copy / plan-pages undecided)", each(
+        lambda r: (f"{r['undecided']:,}", r["undecided"] == 0)))
     row("nothing written before the fault", each(lambda r: ("nothing" if not r["written"] else "WRITTEN",
                                                             not r["written"])))
     row("first wrong build, rule (want: the fault's)", each(lambda r: (

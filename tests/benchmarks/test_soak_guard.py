@@ -29,6 +29,7 @@ def test_smoke_with_every_field_holds_every_property():
     eager = {k: v[0] for k, v in rows.items()}
     assert eager["builds checked (the Guard's count)"] == "2,000 of 2,000 ✓"
     assert eager["nothing written before the fault"] == "nothing ✓"
+    assert eager["builds whose host values found no room (host-copy / plan-pages undecided)"] == "0 ✓"
     assert eager["first wrong build, rule (want: the fault's)"] == "1,500, values (fault at 1,500) ✓"
     assert eager["dump: builds kept, in order, the fault last"] == "16 of keep 16, in order ✓"
     assert eager["replay of the dump (want: mismatch alone)"] == "mismatch ✓"
@@ -50,7 +51,7 @@ def _run(**changes) -> dict:
     """A run as soak_eager returns it, every property holding, with `changes`."""
     r = dict(builds=2000, clean=1500, seconds=1.0, syncs=0, mem=[(100 * MIB, 10 * MIB, 20 * MIB)] * 16,
              written=False, fault=1500, per=4, steps=True, count=2000, dropped=0, first=(1500, "values"), path=None,
-             kept=16, in_order=True, rules=["mismatch"])
+             kept=16, in_order=True, rules=["mismatch"], undecided=0)
     return dict(r, **changes)
 
 
@@ -78,6 +79,7 @@ def test_a_run_that_holds_passes(changes, capsys):
     ({"mem": _grow(1, 512)}, "device allocated"),
     ({"mem": _grow(2, MIB)}, "device reserved"),
     ({"syncs": 3}, "host syncs"),
+    ({"undecided": 2}, "builds whose host values found no room"),
     ({"written": True}, "nothing written"),
     ({"first": (1501, "values")}, "first wrong build"),
     ({"first": (1500, "padding")}, "first wrong build"),

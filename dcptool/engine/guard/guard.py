@@ -51,9 +51,11 @@ class Guard:
     CPU tensors with `kernel=True`, under the Triton interpreter) take one launch of the check kernel
     (device_checks): the device ring keeps the last `keep`, a wrong one sets a flag in pinned host memory and
     freezes the ring; observe() reads the flag without a sync and, once set, waits for the stream and writes the
-    dump. The index observe() returns counts the host's calls (a captured launch replayed by a graph has its own
-    index on the device, not one the host saw). Slots: max_rows / max_tokens, or sized from the first observation
-    (device_checks.GuardDevice says what a larger one does).
+    dump. The host values checked against the device's seq_lens and query_start_loc (the host copy of seq_lens,
+    FlashInfer's plans) reach the kernel through host memory it reads, no wait (`host_undecided` counts the builds
+    that found no room). The index observe() returns counts the host's calls (a captured launch replayed by a graph
+    has its own index on the device, not one the host saw). Slots: max_rows / max_tokens, or sized from the first
+    observation (device_checks.GuardDevice says what a larger one does).
     """
 
     def __init__(self, dir: str | os.PathLike, dcp_size: int, cp_interleave: int = 1, keep: int = 64,
@@ -88,6 +90,14 @@ class Guard:
         self._sizes = (max_rows, max_tokens)
         self._kernel = kernel  # None: CUDA tensors take the kernel; True: CPU tensors too (the Triton interpreter)
         self._tensor = tensor_type()
+
+    @property
+    def host_undecided(self) -> int:
+        """Device builds whose host copy of seq_lens and FlashInfer plans the kernel could not be handed (the
+        host-values ring full: never waited for): their host-copy against the device's seq_lens and their plan-pages
+        were not decided (device_checks.HostValues)."""
+        hv = None if self._dev is None else self._dev.host_values
+        return 0 if hv is None else hv.full
 
     def set_kv_groups(self, kv_groups) -> None:
         """Name the KV-cache groups (and whether DCP shards each), as Recorder.set_kv_groups: for the slot checks

@@ -435,3 +435,141 @@ def test_the_launcher_check_takes_the_first_way_that_writes_what_the_dispatch_do
     assert go == dev.dispatch and how.startswith("Triton's compiled launcher (the launcher's C entry: RuntimeError")
     assert "cuda.core: RuntimeError('not available here')" in how
     assert D._CHECKED[0] == (go, how)
+
+
+def _engine(dev: str, fields: str = "all"):
+    """benchmarks/guard_engine's batch (decode256's 256 rows) with the keywords the vLLM plugin passes (`all`: every
+    field, the host values included) and the plugin's Guard settings."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+    import guard_engine as ge
+
+    e = ge.Engine(torch.device(dev), ge.SHAPES["decode256"], 8, torch.float32, fields, matmuls=0)
+    e.update()
+    return e, ge
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records each call that brings one of `watched`'s tensors (a view of one counts) to the host: .cpu(), .item(),
+    .tolist(), .numpy(), np.asarray's __array__, a conversion to a Python number, .to() the CPU, a copy_ out of it."""
+
+    READS = {torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__,
+             torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.__bool__, torch.Tensor.__float__}
+
+    def __init__(self, watched):
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in watched}
+        self.seen: list[str] = []
+
+    def _watched(self, x) -> bool:
+        return isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in self.storages
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        to_cpu = func is torch.Tensor.to and any(
+            (isinstance(a, torch.device) and a.type == "cpu") or a == "cpu" for a in (*args[1:], kwargs.get("device"))
+            if isinstance(a, (str, torch.device)))
+        out_of = func is torch.Tensor.copy_ and len(args) > 1 and self._watched(args[1]) and not self._watched(args[0])
+        if (func in self.READS or to_cpu) and args and self._watched(args[0]) or out_of:
+            self.seen.append(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fields", ["all", "flashinfer"])
+def test_observe_never_brings_a_device_tensor_to_the_host(tmp_path, fields):
+    """Every field the plugin passes, host values included: observe() on the device path reads none of the engine's
+    device tensors on the host (on a GPU each such read waits for the stream). The host-value checks that compare
+    with the device's seq_lens and query_start_loc are the kernel's. (CPU tensors stand in for the device's; the
+    launch is a stand-in: what the Python does is the question.) The recorder of reads is itself checked on a read."""
+    from dcptool.engine.guard.device_checks import GuardDevice
+
+    e, ge = _engine("cpu", fields)
+    watched = [v for v in e.kv.values() if isinstance(v, torch.Tensor)]
+    assert {"seq_lens", "query_start_loc", "host_seq_lens", "kv_prefill_pages", "kv_last_page"} <= set(e.kv)
+    g = Guard(tmp_path, ge.N, ge.INTERLEAVE, kernel=True, on_wrong="count", **ge.guard_config())
+    g._dev = dev = GuardDevice(torch, e.seq.device, g.keep, g._spec, None, None)
+    launched = []
+    dev.go = lambda *a: launched.append(a)
+    with _HostReads(watched) as reads:
+        for s in range(3):
+            assert e.observe(g, s) == s
+    assert reads.seen == [] and len(launched) == 3 and g.dropped == 0
+    args = dict(zip(("raw", "grid", *__import__("dcptool.engine.guard.device_checks", fromlist=["KERNEL_ARGS"])
+                     .KERNEL_ARGS), launched[-1]))
+    assert (args["n_hs"], args["n_pre"], args["n_last"]) == (256, 256, 256)  # (the host values handed over)
+    with _HostReads(watched) as reads:
+        np.asarray(e.kv["seq_lens"])  # (what the host path of these checks did)
+        e.kv["query_start_loc"][:3].tolist()
+    assert reads.seen == ["__array__", "tolist"]
+
+
+def test_a_full_host_values_ring_is_never_waited_for_and_no_slot_is_overwritten_before_its_launch_ran(tmp_path,
+                                                                                                      monkeypatch):
+    """The host-values ring (the snapshot ring's host stand-in, its fences held as a GPU that lags holds them): slots
+    are handed out until it is full; a build that finds it full is checked without its host values (a wrong host
+    copy there is not decided, and counted in host_undecided), nothing waits, and the slots of launches not known to
+    have run keep their words. Once the fences complete, the next build collects their slots and is decided."""
+    from dcptool.engine.guard.device_checks import HostValues
+    from dcptool.engine.snapshot.ring import HostEvent
+
+    g = Guard(tmp_path / "g", 2, 1, keep=8, kernel=True, on_wrong="count", page_size=4)
+    o = _obs(0, 10)
+    host = o["seq_lens"].cpu().numpy()
+    g.observe(**o)
+    g._dev.host_values = hv = HostValues(None, 63)  # (21 words a build of 10 rows' host copy: three fit)
+    monkeypatch.setattr(HostEvent, "hold", True)
+    waits = HostEvent.waits
+    for s in (1, 2, 3):
+        g.observe(**dict(o, step=s, host_seq_lens=host + 0))
+    held = hv.ring.np[:63].copy()
+    wrong = host.copy()
+    wrong[4] += 1
+    assert g.observe(**dict(o, step=4, host_seq_lens=wrong)) == 4  # (the ring full: checked, its host copy not)
+    _settle()
+    assert (g.host_undecided, g._dev.wrong_seen(), len(hv.ring.pending)) == (1, False, 3)
+    assert np.array_equal(hv.ring.np[:63], held) and HostEvent.waits == waits
+    monkeypatch.setattr(HostEvent, "hold", False)  # (the launches ran)
+    assert g.observe(**dict(o, step=5, host_seq_lens=wrong)) == 5
+    g.close()
+    assert (g.first_rule, g.first_index, g.host_undecided, HostEvent.waits) == ("host-copy", 5, 1, waits)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to verify on the H200)")
+@pytest.mark.parametrize("fields", ["all", "flashinfer"])
+def test_on_a_gpu_every_field_is_checked_with_no_host_sync(tmp_path, fields):
+    """Eager builds with every field the plugin passes (the host copy of seq_lens and FlashInfer's plans included):
+    no host synchronisation in observe() (torch.cuda.set_sync_debug_mode("error") raises on one), every build
+    checked, none wrong; then a host copy one row ahead and a prefill plan one page off, each caught by the kernel
+    under its own name, with no sync either."""
+    e, ge = _engine("cuda", fields)
+    g = Guard(tmp_path / "g", ge.N, ge.INTERLEAVE, on_wrong="count", **ge.guard_config())
+    e.observe(g, 0)  # (the first: the ring allocated, the launch checked once: it waits)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in range(1, 200):
+            if s % 4 == 0:
+                e.update()
+            assert e.observe(g, s) == s
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert not g._dev.wrong_seen() and (g.dropped, g.host_undecided) == (0, 0)
+    assert g.close() is None and (g.count, g.wrong) == (200, 0)
+    for field, row, rule in (("host_seq_lens", 7, "host-copy"), ("kv_last_page", 3, "plan-pages")):
+        g = Guard(tmp_path / rule, ge.N, ge.INTERLEAVE, on_wrong="count", **ge.guard_config())
+        e.observe(g, 0)
+        torch.cuda.synchronize()
+        e.kv[field] = e.kv[field].copy()
+        e.kv[field][row] += 1
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            e.observe(g, 1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        e.update()
+        g.close()
+        assert (g.first_rule, g.first_index) == (rule, 1)
