@@ -29,8 +29,9 @@ script runs and stays clean with every field, not what anything costs.
 replaced by a stand-in (CPU tensors: no GPU needed), µs per observe, best of 9 x 50,000; and the same for the
 dcptool of git revision --before (default: the Guard before its launch went through launch.py), in a subprocess;
 then the same for a build as the plugin hands it (Guard.record) with the fast keywords and with --fields' (best of 9 x
-2,000, this checkout). A GPU adds the launch itself (the launcher's C entry: a few µs) to the eager figure, and the
-host checks' waits for a device seq_lens (host-copy, plan-pages) where --fields passes the host values.
+2,000, this checkout and --before's dcptool with this checkout's guard_engine). A GPU adds the launch itself (the
+launcher's C entry: a few µs) to the eager figure; nothing of the device is read back (the host copy of seq_lens and
+FlashInfer's plans reach the kernel through host memory it reads).
 """
 
 from __future__ import annotations
@@ -260,9 +261,9 @@ def python_fields(fields: str, n: int = 2000) -> float:
     return took * 1e6
 
 
-def python_before(rev: str) -> float | None:
-    """python_cost() against the dcptool of git revision rev (git archive into a temporary directory); None when
-    it cannot run there."""
+def python_before(rev: str, fields: str | None = None) -> float | None:
+    """python_cost() (or, given `fields`, python_fields(fields) with this checkout's guard_engine) against the
+    dcptool of git revision rev (git archive into a temporary directory); None when it cannot run there."""
     import inspect
     import os
     import subprocess
@@ -274,8 +275,11 @@ def python_before(rev: str) -> float | None:
             return None
         subprocess.run(["tar", "-x", "-C", t], input=arch.stdout, check=True)
         code = "from __future__ import annotations\n" + inspect.getsource(python_cost) + "print(python_cost())\n"
+        if fields is not None:
+            code = ("import tempfile\nimport torch\nimport guard_engine as ge\nfrom dcptool.engine.guard.guard import "
+                    "Guard\n" + inspect.getsource(python_fields) + f"print(python_fields({fields!r}))\n")
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=t,  # (not this tree's)
-                           env={**os.environ, "PYTHONPATH": t})
+                           env={**os.environ, "PYTHONPATH": f"{t}{os.pathsep}{ROOT / 'benchmarks'}"})
         if p.returncode:
             print(f"(revision {rev} did not run: {p.stderr.strip().splitlines()[-1:]})")
             return None
@@ -317,8 +321,10 @@ def main() -> None:
         was = "n/a" if before is None else f"{before:.2f} µs (without the launch it made through Triton's dispatch)"
         print(f"Python per eager observe(), launch a stand-in: now {now:.2f} µs; {a.before}: {was}")
         for f in dict.fromkeys(("fast", a.fields)):
+            was = python_before(a.before, f)
             print(f"Python per eager build as the plugin hands it (Guard.record), --fields {f} "
-                  f"({len(ge.FIELDS[f])} keywords), 256 rows, launch a stand-in: {python_fields(f):.1f} µs")
+                  f"({len(ge.FIELDS[f])} keywords), 256 rows, launch a stand-in: now {python_fields(f):.1f} µs; "
+                  f"{a.before}: {'n/a' if was is None else f'{was:.1f} µs'}")
         return
     shapes = [s.strip() for s in a.shapes.split(",") if s.strip()]
     bad = [s for s in shapes if s not in ge.SHAPES]
