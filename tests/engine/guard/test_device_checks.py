@@ -483,7 +483,7 @@ def test_observe_never_brings_a_device_tensor_to_the_host(tmp_path, fields):
     device tensors on the host (on a GPU each such read waits for the stream). The host-value checks that compare
     with the device's seq_lens and query_start_loc are the kernel's. (CPU tensors stand in for the device's; the
     launch is a stand-in: what the Python does is the question.) The recorder of reads is itself checked on a read."""
-    from dcptool.engine.guard.device_checks import GuardDevice
+    from dcptool.engine.guard.device_checks import KERNEL_ARGS, GuardDevice
 
     e, ge = _engine("cpu", fields)
     watched = [v for v in e.kv.values() if isinstance(v, torch.Tensor)]
@@ -496,8 +496,7 @@ def test_observe_never_brings_a_device_tensor_to_the_host(tmp_path, fields):
         for s in range(3):
             assert e.observe(g, s) == s
     assert reads.seen == [] and len(launched) == 3 and g.dropped == 0
-    args = dict(zip(("raw", "grid", *__import__("dcptool.engine.guard.device_checks", fromlist=["KERNEL_ARGS"])
-                     .KERNEL_ARGS), launched[-1]))
+    args = dict(zip(("raw", "grid", *KERNEL_ARGS), launched[-1]))
     assert (args["n_hs"], args["n_pre"], args["n_last"]) == (256, 256, 256)  # (the host values handed over)
     with _HostReads(watched) as reads:
         np.asarray(e.kv["seq_lens"])  # (what the host path of these checks did)
