@@ -141,7 +141,7 @@ def _written_in_place(r: Record) -> bool:
     return not np.array_equal(host[:k], np.asarray(after)[:k])
 
 
-def plan_rows(x, nr: int) -> np.ndarray:
+def _plan_rows(x, nr: int) -> np.ndarray:
     """A plan's values on the first `nr` rows, int64 (-1: not recorded, as is a row past its values)."""
     a = np.full(nr, -1, np.int64) if x is None else np.asarray(x, np.int64)[:nr]
     return a if a.size == nr else np.concatenate([a, np.full(nr - a.size, -1, np.int64)])
@@ -153,7 +153,7 @@ def _plan_wrong(s: Spec, r: Record) -> bool:
     if seq is None or qsl is None or np.size(qsl) < nr + 1 or not s.page_size or nr == 0:
         return False
     seq, qsl = np.asarray(seq), np.asarray(qsl)
-    pre, last = plan_rows(r.kv_prefill_pages, nr), plan_rows(r.kv_last_page, nr)
+    pre, last = _plan_rows(r.kv_prefill_pages, nr), _plan_rows(r.kv_last_page, nr)
     covered = np.where(pre >= 0, seq[:nr] - np.diff(qsl[:nr + 1]), seq[:nr]).astype(np.int64)
     local = local_np(np.maximum(covered, 0), s.dcp_size, r.rank, s.cp_interleave)
     page = s.page_size
