@@ -172,18 +172,25 @@ class HostValues:
     only when the fence recorded after that launch, on every stream that launched since the fence before, has
     completed (finished(wait=False)): the launch that read the slot ran. A full ring is never waited for: the build's
     DEVICE_HALVES are left undecided (`full` counts those builds), as inside capture; slots of ended launches are
-    collected at each fence and when the ring is full."""
+    collected at each fence and when the ring is full. The ring is made at the first build that passes any of the
+    values (outside capture: a captured build passes none, _CAPTURED_BUILD_ONLY)."""
 
     def __init__(self, device: int | None, words: int = HOST_VALUE_WORDS):
-        self.ring = SnapshotRing(words, device)
+        self.device, self.words = device, words
+        self.ring: SnapshotRing | None = None
         self.full = 0
 
-    def post(self, nr: int, arrays: tuple) -> tuple | None:
-        """(the slot's address, its start and words, or 0 and 0 where nothing is written; then the counts of
-        `arrays`' values written, -1 for one not given); None: the ring is full."""
+    def post(self, r: Record, nr: int) -> tuple | None:
+        """None where the build passes none of the values or the ring is full; else the slot's address, its start
+        and words (0 and 0: nothing written), then the counts of the three written (-1: not given)."""
+        arrays = (r.host_seq_lens, r.kv_prefill_pages, r.kv_last_page)
+        if arrays[0] is None and arrays[1] is None and arrays[2] is None:
+            return None
         ns = tuple(-1 if a is None else min(len(a), nr) for a in arrays)
         n = sum(k for k in ns if k > 0)
         ring = self.ring
+        if ring is None:
+            ring = self.ring = SnapshotRing(self.words, self.device)
         if n == 0:
             return ring.base, 0, 0, *ns
         need = 2 * n + 1  # (a word to align the int64 values: the buffer itself is aligned)
@@ -263,7 +270,7 @@ class GuardDevice:
         self.hidx = 0  # the next launch's host index
         self.extras: dict[int, tuple] = {}  # host index -> the launch's host values (HOST_ROWS), where it had any
         self.pinned: set[int] = set()  # the host indices of launches captured in a graph (replayed: kept for good)
-        self.host_values: HostValues | None = None  # made at the first build that passes any of DEVICE_HALVES' values
+        self.host_values = HostValues(self.did if self.cuda else None)  # (DEVICE_HALVES' host values to the kernel)
         self.spec = spec
 
     @property
@@ -452,7 +459,7 @@ class GuardDevice:
                 r = r._replace(**_CAPTURED_BUILD_ONLY)
             hbits = late_bits(self._spec, r, BIT)
             self._keep_host(r, hidx)
-            hv = self._post(r, nr)
+            hv = self.host_values.post(r, nr)
         buf = _NONE if buf is None else buf
         raw = self.raw(self.did)
         self.go(raw, 1, *self._fixed, step, sid, rank, ubatch, nr, nrp,
@@ -464,17 +471,6 @@ class GuardDevice:
         if hv is not None and hv[2]:
             self.host_values.launched(raw, hv[1], hv[2])
         return True
-
-    def _post(self, r, nr: int) -> tuple | None:
-        """DEVICE_HALVES' host values into a slot of the host-values ring (HostValues.post), where the build passes
-        any (none inside capture: _CAPTURED_BUILD_ONLY); None: none, or the ring is full."""
-        arrays = (r.host_seq_lens, r.kv_prefill_pages, r.kv_last_page)
-        if arrays[0] is None and arrays[1] is None and arrays[2] is None:
-            return None
-        hv = self.host_values
-        if hv is None:
-            hv = self.host_values = HostValues(self.did if self.cuda else None)
-        return hv.post(nr, arrays)
 
     def wrong_seen(self) -> bool:
         """The flag, read from host memory without a sync (the kernel's write lands there)."""

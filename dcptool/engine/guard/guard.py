@@ -96,8 +96,7 @@ class Guard:
         """Device builds whose host copy of seq_lens and FlashInfer plans the kernel could not be handed (the
         host-values ring full: never waited for): their host-copy against the device's seq_lens and their plan-pages
         were not decided (device_checks.HostValues)."""
-        hv = None if self._dev is None else self._dev.host_values
-        return 0 if hv is None else hv.full
+        return 0 if self._dev is None else self._dev.host_values.full
 
     def set_kv_groups(self, kv_groups) -> None:
         """Name the KV-cache groups (and whether DCP shards each), as Recorder.set_kv_groups: for the slot checks
