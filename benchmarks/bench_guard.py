@@ -27,11 +27,11 @@ script runs and stays clean with every field, not what anything costs.
 
 --python: the Python part of one eager observe() on the device path (the fast path's keywords, 256 rows), the launch
 replaced by a stand-in (CPU tensors: no GPU needed), µs per observe, best of 9 x 50,000; and the same for the
-dcptool of git revision --before (default: the Guard before its launch went through launch.py), in a subprocess;
-then the same for a build as the plugin hands it (Guard.record) with the fast keywords and with --fields' (best of 9 x
-2,000, this checkout and --before's dcptool with this checkout's guard_engine). A GPU adds the launch itself (the
-launcher's C entry: a few µs) to the eager figure; nothing of the device is read back (the host copy of seq_lens and
-FlashInfer's plans reach the kernel through host memory it reads).
+dcptool of git revision --before (default: the Guard before the kernel decided host-copy and plan-pages), in a
+subprocess; then the same for a build as the plugin hands it (Guard.record) with the fast keywords and with --fields'
+(best of 9 x 2,000, this checkout and --before's dcptool with this checkout's guard_engine). A GPU adds the launch
+itself (the launcher's C entry: a few µs) to the eager figure; nothing of the device is read back (the host copy of
+seq_lens and FlashInfer's plans reach the kernel through host memory it reads).
 """
 
 from __future__ import annotations
@@ -206,7 +206,9 @@ def faults(dev, tmp: Path, which: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-BEFORE = "7f80754"  # the Guard launching through Triton's dispatch with tensor arguments (82.5 µs on the H200)
+# the Guard deciding host-copy and plan-pages on the host, reading the device's seq_lens and query_start_loc (the
+# revisions before the guard package no longer run python_cost: their modules moved)
+BEFORE = "6889c30"
 
 
 def python_cost() -> float:
@@ -318,7 +320,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.python:
         now, before = python_cost(), python_before(a.before)
-        was = "n/a" if before is None else f"{before:.2f} µs (without the launch it made through Triton's dispatch)"
+        was = "n/a" if before is None else f"{before:.2f} µs"
         print(f"Python per eager observe(), launch a stand-in: now {now:.2f} µs; {a.before}: {was}")
         for f in dict.fromkeys(("fast", a.fields)):
             was = python_before(a.before, f)
