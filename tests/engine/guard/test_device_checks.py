@@ -541,29 +541,32 @@ def test_a_full_host_values_ring_is_never_waited_for_and_no_slot_is_overwritten_
 def test_on_a_gpu_every_field_is_checked_with_no_host_sync(tmp_path, fields):
     """Eager builds with every field the plugin passes (the host copy of seq_lens and FlashInfer's plans included):
     no host synchronisation in observe() (torch.cuda.set_sync_debug_mode("error") raises on one), every build
-    checked, none wrong; then a host copy one row ahead and a prefill plan one page off, each caught by the kernel
-    under its own name, with no sync either."""
+    checked, none wrong, none dropped (a sync raising inside observe() would be dropped); then a host copy one row
+    ahead and a last page one off, each caught by the kernel under its own name, with no sync either."""
     e, ge = _engine("cuda", fields)
     g = Guard(tmp_path / "g", ge.N, ge.INTERLEAVE, on_wrong="count", **ge.guard_config())
     e.observe(g, 0)  # (the first: the ring allocated, the launch checked once: it waits)
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for s in range(1, 200):
-            if s % 4 == 0:
-                e.update()
+    for s in range(1, 200):
+        if s % 4 == 0:
+            e.update()  # (the engine's step: not the Guard's to answer for)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
             assert e.observe(g, s) == s
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert not g._dev.wrong_seen() and (g.dropped, g.host_undecided) == (0, 0)
     assert g.close() is None and (g.count, g.wrong) == (200, 0)
-    for field, row, rule in (("host_seq_lens", 7, "host-copy"), ("kv_last_page", 3, "plan-pages")):
+    # (the host copy stale, as read and as left: the kernel's half of host-copy, not the host's in-place half)
+    for moved, row, rule in ((("host_seq_lens", "host_seq_lens_after"), 7, "host-copy"),
+                             (("kv_last_page",), 3, "plan-pages")):
         g = Guard(tmp_path / rule, ge.N, ge.INTERLEAVE, on_wrong="count", **ge.guard_config())
         e.observe(g, 0)
         torch.cuda.synchronize()
-        e.kv[field] = e.kv[field].copy()
-        e.kv[field][row] += 1
+        for field in moved:
+            e.kv[field] = e.kv[field].copy()
+            e.kv[field][row] += 1
         torch.cuda.set_sync_debug_mode("error")
         try:
             e.observe(g, 1)
@@ -571,4 +574,4 @@ def test_on_a_gpu_every_field_is_checked_with_no_host_sync(tmp_path, fields):
             torch.cuda.set_sync_debug_mode("default")
         e.update()
         g.close()
-        assert (g.first_rule, g.first_index) == (rule, 1)
+        assert (g.first_rule, g.first_index, g.dropped) == (rule, 1, 0)
