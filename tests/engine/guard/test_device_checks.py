@@ -575,3 +575,21 @@ def test_on_a_gpu_every_field_is_checked_with_no_host_sync(tmp_path, fields):
         e.update()
         g.close()
         assert (g.first_rule, g.first_index, g.dropped) == (rule, 1, 0)
+
+
+@pytest.mark.parametrize("moved, rule", [((), None), (("host_seq_lens", "host_seq_lens_after"), "host-copy"),
+                                         (("host_seq_lens_after",), "host-copy"), (("kv_last_page",), "plan-pages"),
+                                         (("kv_prefill_pages",), "plan-pages")])
+def test_every_field_through_the_kernel_catches_a_stale_host_copy_and_a_wrong_plan(tmp_path, moved, rule):
+    """The plugin's every field through the interpreted kernel (CPU tensors standing in for the device's), row 5 of
+    the fields `moved` one up: clean as given; the host copy stale as read and as left (the kernel's half of
+    host-copy) or written in place (the host's half), a last page one off, a decode row's prefill count (-1: not
+    recorded) made 0 (a count its context does not have) are caught under their names."""
+    e, ge = _engine("cpu", "all")
+    g = Guard(tmp_path, ge.N, ge.INTERLEAVE, kernel=True, on_wrong="count", **ge.guard_config())
+    for field in moved:
+        e.kv[field] = e.kv[field].copy()
+        e.kv[field][5] += 1
+    e.observe(g, 0)
+    g.close()
+    assert (g.first_rule, g.dropped, g.host_undecided) == (rule, 0, 0)
