@@ -9,7 +9,7 @@ import numpy as np
 
 from dcptool.check.view_rows import parent_rows, zero_ext_equal
 from dcptool.dcp.reference import local_np, ranks_giving
-from dcptool.dcp.segments import BULK_ROWS, join, member, mix, obs_chunks, ragged, seg_sums
+from dcptool.dcp.segments import BULK_ROWS, KeyIndex, join, member, mix, obs_chunks, ragged, seg_sums
 from dcptool.dump import Dump, obs_ref
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
@@ -47,6 +47,22 @@ def _other_rank(seq: np.ndarray, rec: np.ndarray, N: int, il: int, rank: int) ->
 def _strip(v: np.ndarray) -> np.ndarray:
     nz = np.flatnonzero(v)
     return v[: nz[-1] + 1] if nz.size else v[:0]
+
+
+def _strip_lengths(d: Dump, obs: np.ndarray) -> np.ndarray:
+    """Per observation of `obs` (each with num_reqs >= 1): its expected real rows' length without trailing
+    zeros. One gather each, plus the rows of the few whose last row is 0."""
+    c = d.config
+    nr, rows, rank = d["obs.num_reqs"][obs].astype(np.int64), d["obs.rows"][obs], d["obs.rank"][obs]
+    out = nr.copy()
+    z = np.flatnonzero(local_np(d.take("rows.seq_lens", rows + nr - 1), c.dcp_size, rank, c.cp_interleave) == 0)
+    if z.size:
+        seg, j, at = ragged(rows[z], nr[z])
+        e = local_np(d.take("rows.seq_lens", at), c.dcp_size, rank[z][seg], c.cp_interleave)
+        ln = np.zeros(z.size, np.int64)
+        np.maximum.at(ln, seg, np.where(e != 0, j + 1, 0))
+        out[z] = ln
+    return out
 
 
 @dataclass(frozen=True)
@@ -125,6 +141,57 @@ def latest_before(c_run: np.ndarray, c_idx: np.ndarray, c_val: np.ndarray, q_run
     hit = (ans >= lo) & (val[np.maximum(ans, 0)] < thr)
     ids = idx if c_id is None else np.concatenate([np.asarray(c_id, np.int64), np.zeros(nq, np.int64)])
     return np.where(hit, ids[order][np.maximum(ans, 0)], -1)
+
+
+class _Keys:
+    """One prepare call's search keys: the whole columns read once, the wrong views' first recorded rows, and per
+    search the candidates that share a key with some wrong view, indexed once (segments.KeyIndex) when a block
+    first needs them, so a block's lookup costs its own views and candidates, not a pass over every observation."""
+
+    def __init__(self, search: _Search, wrong: np.ndarray, m: np.ndarray):
+        d = search.d
+        self.d, self.wrong, self.m = d, wrong, m  # wrong views (sorted), their recorded real rows (> 0)
+        self.rank, self.step = d["obs.rank"].astype(np.int64), d["obs.step"]
+        self.real = d["obs.num_reqs"] >= 1  # (only these are sources)
+        self.e0, self.e1 = search.lead()
+        at = d["obs.dcp_rows"][wrong]
+        self.r0 = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
+        self.r1 = np.where(m > 1, d.take("rows.dcp_local_seq_lens", at + (m > 1)).astype(np.int64), 0)
+        # len(strip(recorded rows)): m unless the last is 0 (then from the rows of those few)
+        self.ls = m.copy()
+        z = np.flatnonzero(d.take("rows.dcp_local_seq_lens", at + m - 1) == 0)
+        if z.size:
+            seg, j, rows = ragged(at[z], m[z])
+            ls = np.zeros(z.size, np.int64)
+            np.maximum.at(ls, seg, np.where(d.take("rows.dcp_local_seq_lens", rows) != 0, j + 1, 0))
+            self.ls[z] = ls
+        self._index: dict[str, KeyIndex] = {}
+
+    def in_step(self, pos: np.ndarray) -> np.ndarray:
+        """The observations (ascending, num_reqs >= 1) whose (rank, step, first expected row) is the (rank, step,
+        first recorded row) of one of the wrong views at positions pos."""
+        return self._lookup("in-step", [self.rank, self.step, self.e0],
+                            [self.rank[self.wrong], self.step[self.wrong], self.r0], pos)
+
+    def earlier(self, pos: np.ndarray) -> np.ndarray:
+        """The same for the key (rank, expected rows 0 and 1, length of the expected real rows without trailing
+        zeros) and (rank, recorded rows 0 and 1 (0 past the view), length of the recorded ones without them)."""
+        return self._lookup("earlier", [self.rank, self.e0, self.e1], [self.rank[self.wrong], self.r0, self.r1], pos,
+                            (lambda rows: _strip_lengths(self.d, rows), self.ls))
+
+    def _lookup(self, name: str, cols: list[np.ndarray], q_key: list[np.ndarray], pos: np.ndarray,
+                more: tuple | None = None) -> np.ndarray:
+        """`more`: one more key column, (its values at given candidates, the queries' values), for the candidates
+        the columns leave (it is computed, not a column)."""
+        if pos.size == 0:
+            return np.zeros(0, np.int64)
+        if name not in self._index:
+            rows = np.flatnonzero(member(cols, q_key) & self.real)  # (one pass over the columns: no sort of all)
+            c_key = [col[rows] for col in cols]
+            if more is not None:
+                c_key, q_key = [*c_key, more[0](rows)], [*q_key, more[1]]
+            self._index[name] = KeyIndex(c_key, q_key, rows)
+        return self._index[name].rows_of(pos)
 
 
 class _Search:
@@ -208,26 +275,25 @@ class _Search:
         wrong = wrong[d["obs.has_dcp"][wrong] == 1]
         m = np.minimum(np.diff(view)[wrong], nr[wrong])  # recorded real rows
         wrong, m = wrong[m > 0], m[m > 0]
+        if wrong.size == 0:
+            return
+        keys = _Keys(self, wrong, m)
         for a, b in obs_chunks(m, BULK_ROWS):  # (the search holds about 130 bytes a row of the views it explains)
-            self._prepare(wrong[a:b], m[a:b])
+            self._prepare(keys, a, b)
         self._hashed = self._no_hashes()
 
-    def _prepare(self, wrong: np.ndarray, m: np.ndarray) -> None:
-        """prepare() for wrong views `wrong` (m recorded real rows each, > 0)."""
+    def _prepare(self, keys: _Keys, a: int, b: int) -> None:
+        """prepare() for the wrong views at positions [a, b) of `keys` (m recorded real rows each, > 0)."""
         d = self.d
         self._hashed = self._no_hashes()
-        nr, view = d["obs.num_reqs"].astype(np.int64), d["obs.dcp_rows"]
-        rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
-        seg, j, at = ragged(view[wrong], m)
+        wrong, m, rank, step = keys.wrong[a:b], keys.m[a:b], keys.rank, keys.step
+        seg, j, at = ragged(d["obs.dcp_rows"][wrong], m)
         rec = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
-        starts = np.cumsum(m) - m
-        r0 = rec[starts]
-        r1 = np.where(m > 1, rec[np.minimum(starts + 1, rec.size - 1)], 0)
-        e0, e1 = self.lead()
+        r0, r1 = keys.r0[a:b], keys.r1[a:b]
+        e0, e1 = keys.e0, keys.e1
         n = wrong.size
         in_step, earlier = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
         vkind, vaux = np.zeros(n, np.int8), np.zeros(n, np.int64)
-        real = nr >= 1  # the candidates (not gathered: member on the whole columns costs three gathers less)
 
         def sub(keep: np.ndarray):
             if keep.all():  # (no copies of the rows)
@@ -242,8 +308,8 @@ class _Search:
         # a pre-fix recording are stale copies of their parent or of an earlier batch of the step
         todo = ~self._parent_hits(wrong, m)  # 1. (exact, no search)
         q, mq, sq, jq, rq, r0q, _ = sub(todo)  # 2. earlier in the step
-        c = np.flatnonzero(member([rank, step, e0], [rank[q], step[q], r0q]) & real)  # (no sort of all candidates)
-        cands = self._narrow(c, [rank, step, e0], [rank[q], step[q], r0q], [(c, q)])
+        c = keys.in_step(a + np.flatnonzero(todo))
+        cands = self._narrow(c, [rank[c], step[c], e0[c]], [rank[q], step[q], r0q], [(c, q)])
         in_step[todo] = self._search_in_step(q, mq, hashes(cands, jq, rq, mq), cands)
         hit = np.flatnonzero(in_step >= 0)
         todo[hit[zero_ext_equal(self.d, wrong[hit], m[hit], in_step[hit], m[hit])]] = False
@@ -252,9 +318,9 @@ class _Search:
         todo &= (vkind == 0) & (np.bincount(seg, weights=rec != 0, minlength=n) > 0)  # 6. needs strip(rec) non-empty
         if todo.any():
             q, mq, sq, jq, rq, r0q, r1q = sub(todo)
-            ls = np.maximum.reduceat(np.where(rq != 0, jq + 1, 0), np.cumsum(mq) - mq)  # len(strip(rec))
-            c = np.flatnonzero(member([rank, e0, e1], [rank[q], r0q, r1q]) & real)
-            key = self._narrow(c, [rank, e0, e1, self._strip_lengths(c)], [rank[q], r0q, r1q, ls],
+            pos = a + np.flatnonzero(todo)
+            c = keys.earlier(pos)
+            key = self._narrow(c, [rank[c], e0[c], e1[c], _strip_lengths(d, c)], [rank[q], r0q, r1q, keys.ls[pos]],
                                [(d.order_of(c), d.order_of(q)), (step[c], step[q])])
             earlier[todo] = self._search_earlier_steps(q, hashes(key, jq, rq, mq), key)
         # the answers as arrays too, for explain_many (wrong is sorted)
@@ -270,32 +336,14 @@ class _Search:
             out[k] = parent_rows(self.d, q[k], m[k], p[k], rs[k])
         return out
 
-    def _strip_lengths(self, obs: np.ndarray) -> np.ndarray:
-        """Per observation (of `obs`, all with num_reqs >= 1; indexed by observation, 0 elsewhere): its expected
-        real rows' length without trailing zeros. One gather each, plus the rows of the few whose last row is 0."""
-        d, c = self.d, self.d.config
-        nr = d["obs.num_reqs"].astype(np.int64)
-        out = np.zeros(d.n, np.int64)
-        last = local_np(d.take("rows.seq_lens", d["obs.rows"][obs] + nr[obs] - 1), c.dcp_size, d["obs.rank"][obs],
-                        c.cp_interleave)
-        out[obs] = nr[obs]
-        z = obs[last == 0]
-        if z.size:
-            seg, j, at = ragged(d["obs.rows"][z], nr[z])
-            e = local_np(d.take("rows.seq_lens", at), c.dcp_size, d["obs.rank"][z][seg], c.cp_interleave)
-            ln = np.zeros(z.size, np.int64)
-            np.maximum.at(ln, seg, np.where(e != 0, j + 1, 0))
-            out[z] = ln
-        return out
-
     @staticmethod
     def _narrow(cand: np.ndarray, c_key: list[np.ndarray], q_key: list[np.ndarray],
                 before: list[tuple[np.ndarray, np.ndarray]]):
-        """The candidates whose key (columns of c_key at cand) some query has, and the query ids of that key:
+        """The candidates whose key (columns c_key, at cand) some query has, and the query ids of that key:
         (candidates, their key ids, the queries' key ids). `before`: pairs (the candidates' values, at cand; the
         queries'): a candidate stays only where its value is below the largest query value of its key in each (the
         searches cite only earlier observations: the others could never be cited, and are not hashed)."""
-        ci, qi = join([k[cand] for k in c_key], q_key)
+        ci, qi = join(c_key, q_key)
         keep = np.isin(ci, qi)
         for col, qv in before:
             last = np.full(int(max(ci.max(initial=-1), qi.max(initial=-1))) + 1, np.iinfo(np.int64).min)

@@ -152,3 +152,26 @@ def member(c_key: list[np.ndarray], q_key: list[np.ndarray]) -> np.ndarray:
     out = np.zeros(n, bool)
     out[keep] = u[at] == kc
     return out
+
+
+class KeyIndex:
+    """Candidates sorted once by the key of each, for many lookups by small sets of query keys (blocks of one
+    search): each lookup costs its queries and the candidates it finds, where `member` per block would pass over
+    every candidate again. The query keys every lookup may ask are given up front (a lookup names them by
+    position), so keys are compared in one id space, exactly (no packing)."""
+
+    def __init__(self, c_key: list[np.ndarray], q_key: list[np.ndarray], rows: np.ndarray | None = None):
+        """c_key: the candidates' key columns (at `rows`, the ids a lookup returns: 0..n-1 when None); q_key: every
+        query key, by position."""
+        n = c_key[0].size
+        rows = np.arange(n, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+        ci, self._qi = join(c_key, q_key)
+        order = np.argsort(ci, kind="stable")
+        self._ci, self._rows = ci[order], rows[order]
+
+    def rows_of(self, queries: np.ndarray) -> np.ndarray:
+        """The candidates (ascending) whose key one of the queries (positions into q_key) has."""
+        u = np.unique(self._qi[np.asarray(queries, np.int64)])
+        lo = np.searchsorted(self._ci, u, "left")
+        _, _, at = ragged(lo, np.searchsorted(self._ci, u, "right") - lo)
+        return np.sort(self._rows[at])
