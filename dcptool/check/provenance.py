@@ -154,6 +154,7 @@ class _Keys:
         self.rank, self.step = d["obs.rank"].astype(np.int64), d["obs.step"]
         self.real = d["obs.num_reqs"] >= 1  # (only these are sources)
         self.e0, self.e1 = search.lead()
+        self.q_rank, self.q_step = self.rank[wrong], self.step[wrong]
         at = d["obs.dcp_rows"][wrong]
         self.r0 = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
         self.r1 = np.where(m > 1, d.take("rows.dcp_local_seq_lens", at + (m > 1)).astype(np.int64), 0)
@@ -170,13 +171,12 @@ class _Keys:
     def in_step(self, pos: np.ndarray) -> np.ndarray:
         """The observations (ascending, num_reqs >= 1) whose (rank, step, first expected row) is the (rank, step,
         first recorded row) of one of the wrong views at positions pos."""
-        return self._lookup("in-step", [self.rank, self.step, self.e0],
-                            [self.rank[self.wrong], self.step[self.wrong], self.r0], pos)
+        return self._lookup("in-step", [self.rank, self.step, self.e0], [self.q_rank, self.q_step, self.r0], pos)
 
     def earlier(self, pos: np.ndarray) -> np.ndarray:
         """The same for the key (rank, expected rows 0 and 1, length of the expected real rows without trailing
         zeros) and (rank, recorded rows 0 and 1 (0 past the view), length of the recorded ones without them)."""
-        return self._lookup("earlier", [self.rank, self.e0, self.e1], [self.rank[self.wrong], self.r0, self.r1], pos,
+        return self._lookup("earlier", [self.rank, self.e0, self.e1], [self.q_rank, self.r0, self.r1], pos,
                             (lambda rows: _strip_lengths(self.d, rows), self.ls))
 
     def _lookup(self, name: str, cols: list[np.ndarray], q_key: list[np.ndarray], pos: np.ndarray,
