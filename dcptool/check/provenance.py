@@ -9,7 +9,7 @@ import numpy as np
 
 from dcptool.check.view_rows import parent_rows, zero_ext_equal
 from dcptool.dcp.reference import local_np, ranks_giving
-from dcptool.dcp.segments import BULK_ROWS, KeyIndex, join, member, mix, obs_chunks, ragged, seg_sums
+from dcptool.dcp.segments import BULK_ROWS, KeyIndex, join, latest_before, member, mix, obs_chunks, ragged, seg_sums
 from dcptool.dump import Dump, obs_ref
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
@@ -58,10 +58,16 @@ def _strip_lengths(d: Dump, obs: np.ndarray) -> np.ndarray:
     z = np.flatnonzero(local_np(d.take("rows.seq_lens", rows + nr - 1), c.dcp_size, rank, c.cp_interleave) == 0)
     if z.size:
         seg, j, at = ragged(rows[z], nr[z])
-        e = local_np(d.take("rows.seq_lens", at), c.dcp_size, rank[z][seg], c.cp_interleave)
-        ln = np.zeros(z.size, np.int64)
-        np.maximum.at(ln, seg, np.where(e != 0, j + 1, 0))
-        out[z] = ln
+        out[z] = _stripped(seg, j, local_np(d.take("rows.seq_lens", at), c.dcp_size, rank[z][seg], c.cp_interleave),
+                           z.size)
+    return out
+
+
+def _stripped(seg: np.ndarray, j: np.ndarray, v: np.ndarray, n: int) -> np.ndarray:
+    """Per segment of n (element k: segment seg[k], index j[k] in it, value v[k]): its length without trailing
+    zeros."""
+    out = np.zeros(n, np.int64)
+    np.maximum.at(out, seg, np.where(v != 0, j + 1, 0))
     return out
 
 
@@ -99,50 +105,6 @@ def _i64(hs: list[np.ndarray]) -> list[np.ndarray]:
     return [h.view(np.int64) for h in hs]
 
 
-def latest_before(c_run: np.ndarray, c_idx: np.ndarray, c_val: np.ndarray, q_run: np.ndarray, q_idx: np.ndarray,
-                  q_thr: np.ndarray, c_id: np.ndarray | None = None) -> np.ndarray:
-    """For each query: the largest candidate index < q_idx in the same run with value < q_thr (-1 if none); with
-    `c_id`, that candidate's id instead of its index (the index an order key, the id an observation).
-
-    All queries at once, O((c + q) log(c + q)): candidates and queries are sorted together by (run,
-    index); a sparse table of range minima over the values lets every query step back over the
-    longest stretch of candidates whose values are all >= its threshold, by binary lifting.
-    """
-    nc, nq = c_run.size, q_run.size
-    if nq == 0 or nc == 0:
-        return np.full(nq, -1, np.int64)
-    run = np.concatenate([c_run, q_run]).astype(np.int64)
-    idx = np.concatenate([c_idx, q_idx]).astype(np.int64)
-    is_c = np.concatenate([np.ones(nc, np.int8), np.zeros(nq, np.int8)])  # at equal index a query sorts first
-    order = np.lexsort((is_c, idx, run))
-    big = np.iinfo(np.int64).max
-    val = np.concatenate([np.asarray(c_val, np.int64), np.full(nq, big, np.int64)])[order]
-    n = order.size
-    rs = run[order]
-    first = np.ones(n, bool)
-    first[1:] = rs[1:] != rs[:-1]
-    start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
-    where = np.empty(n, np.int64)
-    where[order] = np.arange(n)
-    qpos = where[nc:]
-    levels = [val]  # levels[k][p] = min(val[p : p + 2**k])
-    while (1 << len(levels)) <= n:
-        prev, h = levels[-1], 1 << (len(levels) - 1)
-        nxt = prev.copy()
-        np.minimum(prev[:-h], prev[h:], out=nxt[:-h])
-        levels.append(nxt)
-    cur, lo, thr = qpos.copy(), start[qpos], np.asarray(q_thr, np.int64)
-    for k in range(len(levels) - 1, -1, -1):
-        back = cur - (1 << k)
-        ok = back >= lo
-        step = ok & (levels[k][np.maximum(back, 0)] >= thr)
-        cur = np.where(step, back, cur)
-    ans = cur - 1
-    hit = (ans >= lo) & (val[np.maximum(ans, 0)] < thr)
-    ids = idx if c_id is None else np.concatenate([np.asarray(c_id, np.int64), np.zeros(nq, np.int64)])
-    return np.where(hit, ids[order][np.maximum(ans, 0)], -1)
-
-
 class _Keys:
     """One prepare call's search keys: the whole columns read once, the wrong views' first recorded rows, and per
     search the candidates that share a key with some wrong view, indexed once (segments.KeyIndex) when a block
@@ -163,9 +125,7 @@ class _Keys:
         z = np.flatnonzero(d.take("rows.dcp_local_seq_lens", at + m - 1) == 0)
         if z.size:
             seg, j, rows = ragged(at[z], m[z])
-            ls = np.zeros(z.size, np.int64)
-            np.maximum.at(ls, seg, np.where(d.take("rows.dcp_local_seq_lens", rows) != 0, j + 1, 0))
-            self.ls[z] = ls
+            self.ls[z] = _stripped(seg, j, d.take("rows.dcp_local_seq_lens", rows), z.size)
         self._index: dict[str, KeyIndex] = {}
 
     def in_step(self, pos: np.ndarray) -> np.ndarray:
