@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcptool.check.view_rows import parent_rows, zero_ext_equal
+from dcptool.check.view_rows import parent_rows, recorded_rows, zero_ext_equal
 from dcptool.dcp.reference import local_np, ranks_giving
 from dcptool.dcp.segments import BULK_ROWS, KeyIndex, join, latest_before, member, mix, obs_chunks, ragged, seg_sums
 from dcptool.dump import Dump, obs_ref
@@ -243,46 +243,44 @@ class _Search:
         self._hashed = self._no_hashes()
 
     def _prepare(self, keys: _Keys, a: int, b: int) -> None:
-        """prepare() for the wrong views at positions [a, b) of `keys` (m recorded real rows each, > 0)."""
+        """prepare() for the wrong views at positions [a, b) of `keys` (m recorded real rows each, > 0). A view's
+        rows are read only where a rule tests them: its first rows for the value rules (a wrong view fails at one
+        of its first rows), all of them to hash it only where a search has a candidate for its key."""
         d = self.d
         self._hashed = self._no_hashes()
         wrong, m, rank, step = keys.wrong[a:b], keys.m[a:b], keys.rank, keys.step
-        seg, j, at = ragged(d["obs.dcp_rows"][wrong], m)
-        rec = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
-        r0, r1 = keys.r0[a:b], keys.r1[a:b]
-        e0, e1 = keys.e0, keys.e1
+        r0, r1, e0, e1 = keys.r0[a:b], keys.r1[a:b], keys.e0, keys.e1
         n = wrong.size
         in_step, earlier = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
         vkind, vaux = np.zeros(n, np.int8), np.zeros(n, np.int64)
 
-        def sub(keep: np.ndarray):
-            if keep.all():  # (no copies of the rows)
-                return wrong, m, seg, j, rec, r0, r1
-            rows = keep[seg]
-            return wrong[keep], m[keep], (np.cumsum(keep) - 1)[seg[rows]], j[rows], rec[rows], r0[keep], r1[keep]
-
-        def hashes(cands, jq, rq, mq):  # the views' row hashes, only where a search has candidates to match
-            return [seg_sums(mix(rq, jq, s), mq) for s in SALTS] if cands[0].size else None
+        def hashes(cands, q, mq):  # the row hashes of the views q whose key has a candidate (0 for the others)
+            k = np.flatnonzero(np.isin(cands[2], cands[1]))
+            out = [np.zeros(q.size, np.uint64) for _ in SALTS]
+            if k.size:
+                _, j, rec = recorded_rows(d, q[k], mq[k], mq[k])
+                for h, salt in zip(out, SALTS):
+                    h[k] = seg_sums(mix(rec, j, salt), mq[k])
+            return out
 
         # docs/replay.md's precedence, each search only for the views no earlier rule explains: most wrong views of
         # a pre-fix recording are stale copies of their parent or of an earlier batch of the step
         todo = ~self._parent_hits(wrong, m)  # 1. (exact, no search)
-        q, mq, sq, jq, rq, r0q, _ = sub(todo)  # 2. earlier in the step
+        q, mq = wrong[todo], m[todo]  # 2. earlier in the step
         c = keys.in_step(a + np.flatnonzero(todo))
-        cands = self._narrow(c, [rank[c], step[c], e0[c]], [rank[q], step[q], r0q], [(c, q)])
-        in_step[todo] = self._search_in_step(q, mq, hashes(cands, jq, rq, mq), cands)
+        cands = self._narrow(c, [rank[c], step[c], e0[c]], [rank[q], step[q], r0[todo]], [(c, q)])
+        in_step[todo] = self._search_in_step(q, mq, hashes(cands, q, mq), cands)
         hit = np.flatnonzero(in_step >= 0)
         todo[hit[zero_ext_equal(self.d, wrong[hit], m[hit], in_step[hit], m[hit])]] = False
-        q, mq, sq, jq, rq, _, _ = sub(todo)  # 3-5. the values
-        vkind[todo], vaux[todo] = self._by_values(q, mq, sq, rq)
-        todo &= (vkind == 0) & (np.bincount(seg, weights=rec != 0, minlength=n) > 0)  # 6. needs strip(rec) non-empty
+        vkind[todo], vaux[todo] = self._by_values(wrong[todo], m[todo])  # 3-5. the values
+        todo &= (vkind == 0) & (keys.ls[a:b] > 0)  # 6. needs strip(rec) non-empty
         if todo.any():
-            q, mq, sq, jq, rq, r0q, r1q = sub(todo)
-            pos = a + np.flatnonzero(todo)
+            q, mq, pos = wrong[todo], m[todo], a + np.flatnonzero(todo)
             c = keys.earlier(pos)
-            key = self._narrow(c, [rank[c], e0[c], e1[c], _strip_lengths(d, c)], [rank[q], r0q, r1q, keys.ls[pos]],
+            key = self._narrow(c, [rank[c], e0[c], e1[c], _strip_lengths(d, c)],
+                               [rank[q], r0[todo], r1[todo], keys.ls[pos]],
                                [(d.order_of(c), d.order_of(q)), (step[c], step[q])])
-            earlier[todo] = self._search_earlier_steps(q, hashes(key, jq, rq, mq), key)
+            earlier[todo] = self._search_earlier_steps(q, hashes(key, q, mq), key)
         # the answers as arrays too, for explain_many (wrong is sorted)
         self._bulk.append((wrong, in_step, vkind, vaux, earlier))
 
@@ -354,58 +352,61 @@ class _Search:
         self._in_step.update(zip(q.tolist(), best.tolist()))
         return best
 
-    def _by_values(self, q, m, seg, rec) -> tuple[np.ndarray, np.ndarray]:
+    def _by_values(self, q, m) -> tuple[np.ndarray, np.ndarray]:
         """Rules 3-5 for all wrong views at once (row-wise, then one reduction per observation): the
         global lengths; another rank (the interval argument of _other_rank); another interleave."""
         d, c = self.d, self.d.config
         N, il = c.dcp_size, c.cp_interleave
         rank = d["obs.rank"][q].astype(np.int64)
-        starts = np.cumsum(m) - m
-        shift = d["obs.rows"][q].astype(np.int64) - starts  # view row `at` lies over seq_lens row at + shift[seg[at]]
+        seq0, rec0 = d["obs.rows"][q].astype(np.int64), d["obs.dcp_rows"][q].astype(np.int64)
 
-        def L(at):  # the global lengths under rows `at` (read for the rows tested only)
-            return d.take("rows.seq_lens", at + shift[seg[at]]).astype(np.int64)
+        def L(v, r):  # the global lengths under rows r of views v (read for the rows tested only)
+            return d.take("rows.seq_lens", seq0[v] + r).astype(np.int64)
+
+        def R(v, r):  # the recorded rows r of views v
+            return d.take("rows.dcp_local_seq_lens", rec0[v] + r).astype(np.int64)
 
         def every_row(test, views: np.ndarray) -> np.ndarray:
-            """Views (a mask) that pass test(rows, views k, each view's first element in rows) on every prefix of
-            their rows, tried on growing prefixes (1 row, then the next 4, 16, ...), each on the views still
-            passing: a wrong view fails at one of its first rows, and the rest of its rows are not looked at (a
-            first-row test alone let a third of them through). The test must fail a view for good once it fails."""
+            """Views (a mask) that pass test(views v and rows r of each element, views k, each view's first element)
+            on every prefix of their rows, tried on growing prefixes (1 row, then the next 4, 16, ...), each on the
+            views still passing: a wrong view fails at one of its first rows, and the rest of its rows are not
+            read (a first-row test alone let a third of them through). The test must fail a view for good once it
+            fails."""
             views = views.copy()
             k = np.flatnonzero(views & (m > 0))
             lo, width = 0, 1
             while k.size:
                 hi = np.minimum(m[k], lo + width)
                 n = hi - lo
-                _, _, at = ragged(starts[k] + lo, n)
-                ok = test(at, k, np.cumsum(n) - n)
+                seg, j, _ = ragged(np.zeros(k.size, np.int64), n)
+                ok = test(k[seg], lo + j, k, np.cumsum(n) - n)
                 views[k[~ok]] = False
                 k = k[ok & (hi < m[k])]
                 lo, width = lo + width, width * 4
             return views
 
         def rows(f):  # every row of the block passes f
-            return lambda at, k, first: np.logical_and.reduceat(f(at), first)
+            return lambda v, r, k, first: np.logical_and.reduceat(f(v, r), first)
 
         a, b = np.zeros(q.size, np.int64), np.full(q.size, N, np.int64)
 
-        def other_rank(at, k, first):
+        def other_rank(v, r, k, first):
             """The ranks giving every row so far are [a, b) (reference.ranks_giving's intervals, intersected);
             the view passes while that holds a rank other than its own (the interval only shrinks)."""
-            lo, hi, ok = ranks_giving(L(at), rec[at], N, il)
+            lo, hi, ok = ranks_giving(L(v, r), R(v, r), N, il)
             a[k] = np.maximum(a[k], np.maximum.reduceat(lo, first))
             b[k] = np.minimum(b[k], np.minimum.reduceat(hi, first))
             return np.logical_and.reduceat(ok, first) & (a[k] < b[k]) & ((a[k] != rank[k]) | (a[k] + 1 < b[k]))
 
         alive = np.ones(q.size, bool)
-        glob = every_row(rows(lambda at: rec[at] == L(at)), alive)
+        glob = every_row(rows(lambda v, r: R(v, r) == L(v, r)), alive)
         other = np.where(every_row(other_rank, alive), np.where(a != rank, a, a + 1), -1)
         extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
         ils = [x for x in INTERLEAVES + extra if x != il]
         inter = np.full(q.size, -1, np.int64)
         todo = ~glob & (other < 0)  # (global and wrong-rank come first)
         for x in ils:  # the first interleave that fits wins
-            hit = every_row(rows(lambda at, x=x: local_np(L(at), N, rank[seg[at]], x) == rec[at]), todo)
+            hit = every_row(rows(lambda v, r, x=x: local_np(L(v, r), N, rank[v], x) == R(v, r)), todo)
             inter[hit] = x
             todo &= ~hit
         kind = np.where(glob, GLOBAL, np.where(other >= 0, WRONG_RANK, np.where(inter >= 0, WRONG_INTERLEAVE, 0)))
