@@ -238,7 +238,7 @@ class _Search:
         if wrong.size == 0:
             return
         keys = _Keys(self, wrong, m)
-        for a, b in obs_chunks(m, BULK_ROWS):  # (the search holds about 130 bytes a row of the views it explains)
+        for a, b in obs_chunks(m, BULK_ROWS):  # (a block reads at most its BULK_ROWS rows at once)
             self._prepare(keys, a, b)
         self._hashed = self._no_hashes()
 
