@@ -29,8 +29,9 @@ compiled launcher, Triton's dispatch) timed in one run: the launch alone, Record
 with that way, the GPU time per snapshot (bench_record_launch.py); --cuda runs it too.
 
 --sets: each argument set the vLLM plugin passes (the fast-path set, + positions and slot mappings, + the decode path's
-rows, + kv_pages), decode and prefill, off / sync / device snapshot, host syncs counted (bench_record_sets.py);
---cpu: a reduced run on the CPU (host ring, interpreted kernel), what the tests can run.
+rows, + kv_pages, (e) every field as the plugin passes them with a NIXL transfer plan recorded each step), decode and
+prefill, off / sync / device snapshot / the floor (an empty launch per observe), host syncs counted, CPU per transfer
+(bench_record_sets.py); --cpu: a reduced run on the CPU (host ring, interpreted kernel), what the tests can run.
 
 Both loops call Recorder.observe with the keywords the vLLM plugin's _observe passes (the plugin gives
 query_start_loc as numpy; both forms take the fast path).

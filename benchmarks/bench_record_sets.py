@@ -7,7 +7,14 @@
 The argument sets (dcptool/engine/vllm/state.py `observe`, hooks.py `_slot_kwargs`: the plugin passes
 positions and the [groups, tokens] slot mappings of build_attn_metadata, int64 as vLLM holds them):
 (a) the fast-path set: seq_lens, dcp_local_seq_lens, query_start_loc; (b) + positions + slot_mapping, 1 KV-cache
-group and 2; (c) + dcp_query_start_loc + dcp_tot_seq_lens; (d) + kv_pages. Two workloads: a decode step of 256
+group and 2; (c) + dcp_query_start_loc + dcp_tot_seq_lens; (d) + kv_pages; (e) everything the plugin passes the
+Recorder for one build, in the forms it passes them (guard_engine.Engine's keywords, fields `all`: the host values of
+FlashInfer's plans, the host copies of seq_lens, the block sizes, FlashAttention's addresses and capacities, MLA's
+chunked context, a hybrid's per-group lengths; query_start_loc and the page counts as numpy arrays, the plugin's
+Recorder form), and each step one KV transfer plan recorded as the plugin records NIXL's (connectors.nixl_transfer of
+the pull worker's ReadSpecs, Recorder.record_transfer): a request arriving with an 8,192-token prompt, 256 blocks a
+DCP rank, read from the prefill's rank of the same shard; its CPU µs (plan made and recorded) in its own column, and
+a line saying whether replay of a recording of the set finds anything (it must not). Two workloads: a decode step of 256
 requests and 768 tokens (3 query tokens a request: speculative decoding), and an 8,192-token prefill step of 16
 requests. Each step: an in-place update of the metadata buffers, 3 queued bf16 4096x4096 matmuls (CPU: 256x256
 float32) and 4 observes; recording off, cuda_mode="sync" (the baseline: .to("cpu") per tensor) and the device
@@ -32,10 +39,55 @@ import torch
 from dcptool import Recorder  # noqa: E402
 
 WORKLOADS = {"decode 256 req x 768 tok": (256, 768), "prefill 16 req x 8192 tok": (16, 8192)}
-SETS = ("a", "b1", "b2", "c", "d")
+SETS = ("a", "b1", "b2", "c", "d", "e")
 SET_NAMES = {"a": "(a) seq_lens, dcp_local_seq_lens, query_start_loc", "b1": "(b) + positions + slot_mapping, 1 group",
              "b2": "(b) + positions + slot_mapping, 2 groups", "c": "(c) (b, 1 group) + dcp_query_start_loc + "
-             "dcp_tot_seq_lens", "d": "(d) (c) + kv_pages"}
+             "dcp_tot_seq_lens", "d": "(d) (c) + kv_pages",
+             "e": "(e) the plugin's every field, as it passes them, + a NIXL transfer plan a step"}
+PROMPT = 8192  # the tokens of the request whose KV each step of set (e) pulls
+BLOCK = 16  # its block (NIXL under DCP: the interleave is the block size)
+
+
+class MLAAttentionSpec:  # (named as vLLM's: connectors reads a group's kind from its spec's class names)
+    pass
+
+
+def nixl_plan(step: int, rank: int = 0, dcp: int = 2):
+    """One request's pull as NIXL's worker plans it on DCP rank `rank` (what wraps _read_blocks_for_req sees) and the
+    plugin records it: connectors.nixl_transfer of the handshake's layouts (a prefill of TP `dcp`, DCP `dcp`, this
+    side DCP `dcp`, 16-token blocks), the scheduler's block tables and the ReadSpecs posted (the rank's 256 blocks of
+    the prompt, from the prefill worker holding the same shard)."""
+    from types import SimpleNamespace as NS
+
+    from dcptool.engine.vllm.connectors import nixl_transfer
+    from dcptool.engine.vllm.state import STATE
+
+    if STATE.interleave is None:
+        STATE.interleave = BLOCK  # (what the plugin reads from the worker's vllm_config as it records)
+    info = NS(remote_tp_size=dcp, remote_dcp_size=dcp, remote_block_size=BLOCK, remote_physical_blocks_per_logical=1)
+    worker = NS(transfer_topo=NS(get_engine_info=lambda e: info), block_size=BLOCK,
+                _physical_blocks_per_logical_kv_block=1, world_size=dcp, dcp_size=dcp, dcp_rank=rank, pcp_size=1,
+                _group_spec_types=(MLAAttentionSpec,), _dcp_replicated_groups=set(), region_group_ids=None,
+                kv_cache_config=NS(transfer_groups=[NS(kv_cache_spec=NS(sliding_window=None))]),
+                dst_region_group_ids={"prefill": None})
+    n = PROMPT // (BLOCK * dcp)
+    remote, local = [list(range(1000 + n * step, 1000 + n * (step + 1)))], [list(range(n * step, n * (step + 1)))]
+    meta = NS(remote=NS(engine_id="prefill", num_tokens=PROMPT, block_ids=remote), local_block_ids=local,
+              local_num_computed_blocks=(0,))
+    reads = [NS(remote_rank=rank, local_block_ids=local, remote_block_ids=remote, block_ids_by_region=False)]
+    return nixl_transfer(worker, f"req-{step}", meta, (remote, local), reads, step)
+
+
+def _plugin_arguments(reqs: int, toks: int, dev: torch.device) -> tuple[dict, torch.Tensor]:
+    """Set (e): guard_engine.Engine's keywords for this workload (every field), in the plugin's Recorder form."""
+    from guard_engine import Engine, Shape
+
+    q = toks // reqs
+    shape = Shape(reqs, decode_q=q) if q <= 4 else Shape(0, (q,) * reqs, (0,) * reqs)
+    e = Engine(dev, shape, 8, torch.float32, "all", matmuls=0)
+    e.update()
+    kw = dict(e.kv, query_start_loc=e.qsl.cpu().numpy())  # (the Recorder is handed query_start_loc_np)
+    return kw, e.seq
 
 
 def _arguments(kind: str, reqs: int, toks: int, dev: torch.device, rng) -> tuple[dict, torch.Tensor]:
@@ -43,6 +95,8 @@ def _arguments(kind: str, reqs: int, toks: int, dev: torch.device, rng) -> tuple
     def t(a, dtype):
         return torch.from_numpy(np.asarray(a)).to(dtype).to(dev)
 
+    if kind == "e":
+        return _plugin_arguments(reqs, toks, dev)
     seq = t(rng.integers(1, 1 << 17, reqs), torch.int32)
     kw = dict(seq_lens=seq, dcp_local_seq_lens=(seq // 2).to(torch.int32),
               query_start_loc=t(np.linspace(0, toks, reqs + 1).astype(np.int64), torch.int32))
@@ -60,19 +114,23 @@ def _arguments(kind: str, reqs: int, toks: int, dev: torch.device, rng) -> tuple
 
 
 def _recorder(path: Path, mode: str, cpu: bool) -> Recorder:
+    from dcptool.engine.vllm.builders import FLASH_ATTN_TENSORS
+
     kv = [{"name": "attn", "dcp": True, "block_size": 16}, {"name": "mamba", "dcp": False}]
-    rec = Recorder(path, dcp_size=2, page_size=16, kv_groups=kv, cuda_mode=mode, force=True)
+    rec = Recorder(path, dcp_size=2, page_size=16, kv_groups=kv, cuda_mode=mode, force=True,
+                   attn_tensors=FLASH_ATTN_TENSORS)
     if cpu and mode == "async":
         rec._device.use_host_ring(1 << 20)  # host tensors through the ring and the interpreted kernel
     return rec
 
 
 def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, path: Path, cpu: bool,
-          run_ahead: bool = False) -> dict:
+          run_ahead: bool = False, transfers: bool = False) -> dict:
     """One run: per-step seconds, CPU seconds per observe, syncs in observe() (warnings), ring waits, host slot
     copies, recorded, dropped. Each step ends waiting for its work, as an engine waits for the sampled tokens
     (run_ahead: it does not, and the CPU queues steps until a queue is full: the launch queue, or the ring, whose
-    wait then counts in observe()'s time)."""
+    wait then counts in observe()'s time). transfers: a recording (sync, async) records a NIXL plan each step
+    (nixl_plan; CPU seconds per transfer, made and recorded, its syncs counted with observe()'s)."""
     rec = None if mode is None else _recorder(path, "async" if mode == "floor" else mode, cpu)
     copies = [0]
     observe = None if rec is None else rec.observe
@@ -87,7 +145,8 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
         rec.observe(step=0, site="attn_metadata", rank=0, num_reqs=seq.numel(), num_reqs_padded=seq.numel(), **kw)
         if mode == "floor":
             observe = _empty_launch(rec, seq)
-    spent = 0.0
+    spent = moved = 0.0
+    transfers = transfers and mode in ("sync", "async")
     debug = (lambda mode: None) if cpu else torch.cuda.set_sync_debug_mode
     sampled = None if cpu else torch.cuda.Event()
     if not cpu:
@@ -103,6 +162,10 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
                 observe(step=s, site="attn_metadata", rank=0, num_reqs=seq.numel(), num_reqs_padded=seq.numel(),
                         **kw)
                 spent += time.perf_counter() - t
+                if last and transfers:
+                    t = time.perf_counter()
+                    rec.record_transfer(nixl_plan(s))
+                    moved += time.perf_counter() - t
                 debug("default")
             if last and sampled is not None and not run_ahead:
                 sampled.record()  # the engine waits for the step's sampled tokens before it schedules the next
@@ -111,7 +174,8 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
             torch.cuda.synchronize()
         per = (time.perf_counter() - t0) / steps
     syncs = sum("synchroniz" in str(w.message) for w in caught)
-    out = dict(step=per, cpu=spent / (4 * steps), syncs=syncs, copies=copies[0], n=0, dropped=0, waits=0)
+    out = dict(step=per, cpu=spent / (4 * steps), syncs=syncs, copies=copies[0], n=0, dropped=0, waits=0,
+               transfer=moved / steps)
     if mode == "floor":
         rec.discard()  # (its launches wrote over the first observation's slot)
     elif rec is not None:
@@ -192,8 +256,9 @@ def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool, run_ahead: bool = Fa
     print(f"argument sets on {name}: {steps} steps x {reps} runs a cell, off / sync / async interleaved, 4 observes "
           f"a step, {how}")
     print("| workload | argument set | recording | ms/step | vs off | CPU µs/observe | host syncs in observe "
-          "| ring waits | host slot copies | recorded | GPU µs/snapshot |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ring waits | host slot copies | recorded | GPU µs/snapshot | CPU µs/transfer |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    replayed = []
     for wname, (reqs, toks) in workloads.items():
         for kind in SETS:
             kw, seq = _arguments(kind, reqs, toks, dev, rng)
@@ -204,7 +269,8 @@ def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool, run_ahead: bool = Fa
             for _ in range(reps):
                 for mode in res:
                     seq.copy_(base)
-                    res[mode].append(_loop(kw, seq, mode, steps, mm, tmp / f"{kind}.safetensors", cpu, run_ahead))
+                    res[mode].append(_loop(kw, seq, mode, steps, mm, tmp / f"{kind}.safetensors", cpu, run_ahead,
+                                           kind == "e"))
             gpu = "-" if cpu else f"{_gpu_per_snapshot(kw, seq, tmp / 'g.safetensors'):.2f}"
             off = float(np.median([r["step"] for r in res[None]]))
             for mode, label in ((None, "off"), ("sync", "sync (baseline)"), ("async", "device snapshot"),
@@ -219,8 +285,31 @@ def bench_sets(steps: int, reps: int, tmp: Path, cpu: bool, run_ahead: bool = Fa
                                                    if any(r["dropped"] for r in rs) else ""))
                 copies = "-" if mode in (None, "floor") else str(max(r["copies"] for r in rs))
                 waits = "-" if mode != "async" else str(max(r["waits"] for r in rs))
+                moved = (f"{np.median([r['transfer'] for r in rs]) * 1e6:.1f}" if kind == "e" and mode in
+                         ("sync", "async") else "-")
                 print(f"| {wname} | {SET_NAMES[kind]} | {label} | {m * 1e3:.3f} | {vs} | {us} | {syncs} | {waits} "
-                      f"| {copies} | {rec} | {gpu if mode == 'async' else '-'} |")
+                      f"| {copies} | {rec} | {gpu if mode == 'async' else '-'} | {moved} |")
+            if kind == "e":
+                seq.copy_(base)  # (the values the set's other fields were made for)
+                replayed.append(f"set (e), {wname}: {_replayed(kw, seq, tmp / 'replayed.safetensors')}")
+    print("\n".join(replayed))
+
+
+def _replayed(kw: dict, seq: torch.Tensor, path: Path) -> str:
+    """Two steps of a set recorded (cuda_mode "sync": every field as observe() took it), its transfer plans too,
+    replayed: what replay finds (the set's values are right: nothing)."""
+    from dcptool.check.replay import replay
+    from dcptool.dump import read_dump
+
+    rec = _recorder(path, "sync", True)
+    for s in range(2):
+        for _ in range(4):
+            rec.observe(step=s, site="attn_metadata", rank=0, num_reqs=seq.numel(), num_reqs_padded=seq.numel(), **kw)
+        rec.record_transfer(nixl_plan(s))
+    files = rec.close()
+    found = sorted({f.rule for f in replay(read_dump(files[0]), "torch").findings})
+    return (f"{len(rec)} observations ({rec.dropped} dropped), 2 of them transfers, recorded and replayed: "
+            + (f"FINDINGS: {', '.join(found)}" if found else "no finding"))
 
 
 def stand_in_launches(ring, on_fast=None) -> None:

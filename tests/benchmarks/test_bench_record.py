@@ -1,5 +1,6 @@
-"""benchmarks/bench_record.py --sets --cpu: the H200 table's code paths on the CPU (the kernel under the interpreter),
-the floor row (an empty launch per observe) among them."""
+"""benchmarks/bench_record.py --sets --cpu: the GPU table's code paths on the CPU (the kernel under the interpreter),
+the floor row (an empty launch per observe) among them, and set (e): every field the vLLM plugin passes the Recorder,
+with a NIXL transfer plan recorded each step."""
 
 import os
 import subprocess
@@ -22,11 +23,20 @@ def test_sets_smoke_prints_every_set_with_its_floor():
     assert "another Recorder" not in p.stderr  # (each run's Recorder frees its name: closed or discarded)
     rows = [line.split(" | ") for line in p.stdout.splitlines() if line.startswith("| ") and " tok | " in line]
     labels = ("off", "sync (baseline)", "device snapshot", "floor: an empty launch per observe")
-    assert len(rows) == 2 * 5 * len(labels)  # 2 workloads x 5 sets x (off, sync, snapshot, floor)
-    assert [r[2] for r in rows] == list(labels) * 10
+    assert len(rows) == 2 * 6 * len(labels)  # 2 workloads x 6 sets x (off, sync, snapshot, floor)
+    assert [r[2] for r in rows] == list(labels) * 12
+    assert [r[1][:3] for r in rows[::4]] == ["(a)", "(b)", "(b)", "(c)", "(d)", "(e)"] * 2
     for r in rows:
         assert float(r[3]) > 0  # ms/step
         if r[2] == "device snapshot":
             assert r[8] == "0" and int(r[9].replace(",", "")) > 0  # no host slot copy; recorded
         if r[2] == "floor: an empty launch per observe":
             assert float(r[5]) > 0 and r[9] == "-"  # CPU per launch measured; nothing recorded
+        recording = r[2] in ("sync (baseline)", "device snapshot")
+        if r[1].startswith("(e)") and recording:  # a transfer plan made and recorded each step, timed apart
+            assert float(r[11].rstrip(" |")) > 0 and int(r[9].replace(",", "")) == 4 * 4 + 1 + 4  # 4 steps + warm
+        else:
+            assert r[11].rstrip(" |") == "-"
+    for w in ("decode 256 req x 768 tok", "prefill 16 req x 8192 tok"):  # the set's values are right by every rule
+        assert (f"set (e), {w}: 10 observations (0 dropped), 2 of them transfers, recorded and replayed: no finding"
+                in p.stdout)

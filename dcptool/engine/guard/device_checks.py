@@ -36,8 +36,14 @@ TOKEN_AREA = ("positions", "slot_mapping")
 # called (their verdict reaches the kernel as `hbits`) and kept on the host under the launch's host index. NOT_KEPT:
 # the fields replay's rules read and the Guard does not check (the chunked context, ...).
 HOST_ROWS = tuple(f.name for f in LAYOUT_HOST_ROWS)
+# ... of which those every replay of a captured launch shares (what the graph itself reads: the metadata tensors'
+# addresses and their buffers' capacities, the block sizes its slot mapping was dealt by). The others describe the
+# captured build alone (the host copy of seq_lens it read, its FlashInfer plans): no replay runs on them (each later
+# step's build passes its own, checked eagerly), so a captured launch is checked and kept without them.
+GRAPH_HOST_ROWS = ("attn_addrs", "graph_addrs", "attn_caps", "kv_block_sizes")
+_CAPTURED_BUILD_ONLY = dict.fromkeys(f for f in HOST_ROWS if f not in GRAPH_HOST_ROWS)
 _KEPT = (*HEAD_WORDS, *ROW_SECTIONS, *TOKEN_AREA, *HOST_ROWS, *NOT_KEPT)
-if sorted(_KEPT) != sorted(NAMES) or len(ROW_SECTIONS) != SECTIONS:
+if sorted(_KEPT) != sorted(NAMES) or len(ROW_SECTIONS) != SECTIONS or not set(GRAPH_HOST_ROWS) <= set(HOST_ROWS):
     raise ImportError("guard.device_checks: the Guard's slot keeps every field of dump.observation.FIELDS_TABLE; "
                       f"it keeps {sorted(_KEPT)} and leaves out {NOT_KEPT}, the table has {sorted(NAMES)}")
 # The check kernel's arguments: the ring's and the spec's (fixed while they are), then the observation's: each scalar
@@ -369,6 +375,8 @@ class GuardDevice:
         self.hidx = (hidx + 1) & 0x7FFFFFFF  # (a header word)
         hbits = 0
         if any(x is not None for x in r[_HOST_AT:]):
+            if self.capturing():
+                r = r._replace(**_CAPTURED_BUILD_ONLY)
             hbits = late_bits(self._spec, r, BIT)
             self._keep_host(r, hidx)
         step, rank, nr, nrp, ubatch, parent, rs, ts, te, ntp, buf, graph = vals  # (Scalars order)

@@ -143,6 +143,52 @@ def test_every_replay_of_a_captured_launch_gets_its_own_index_and_slot(tmp_path)
     assert d.n == 7 and d["obs.step"].tolist() == [0] + [1] * 6 and g.count == 8 and g.wrong == 2
 
 
+@pytest.mark.parametrize("per_build", [False, True])
+def test_a_replayed_launch_is_dumped_with_the_host_values_of_its_graph_not_of_the_capture_s_build(tmp_path,
+                                                                                                  per_build):
+    """A captured launch keeps the host values every replay shares (the addresses the graph reads, the buffers'
+    capacities, the block sizes), not those of the build that was captured (the host copy of seq_lens it read, its
+    FlashInfer plans): the replays run on later lengths, and a dump pairing them with the capture's copies would
+    have replay report host-copy and plan-pages on builds that were right. A graph whose buffer goes wrong at a
+    replay dumps the replays with its addresses and capacities, and replay names the wrong view alone."""
+    names = ["dcp_context_kv_lens", "seq_lens"]
+    g = Guard(tmp_path / "g", 2, 1, keep=8, kernel=True, page_size=4, attn_tensors=names)
+    o = _obs(0, 6)
+    g.observe(**o)  # eager: the ring
+    cap = g._dev.kernel = _Capture(g._dev.kernel)
+    g._dev.go = g._dev.dispatch
+    host = o["seq_lens"].cpu().numpy()
+    local = local_np(host.astype(np.int64), 2, 1, 1)
+    shared = dict(attn_addrs=_words(0x7F0000001000, 0x7F0000002000), attn_caps=np.array([64, 64], np.int32),
+                  kv_block_sizes=np.array([4, 4, 4], np.int32))
+    build = dict(host_seq_lens=host.copy(), host_seq_lens_after=host.copy(),
+                 kv_prefill_pages=np.full(6, -1, np.int32), kv_last_page=np.where(local % 4, local % 4, 4))
+    g._dev.capturing, cap.on = (lambda: True), True
+    g.observe(**dict(o, step=1, graph=2, query_start_loc=torch.arange(7, dtype=torch.int32).to(_dev()), **shared,
+                     **(build if per_build else {})))
+    g._dev.capturing, cap.on = (lambda: False), False
+    for k in range(4):
+        o["seq_lens"] += 3  # the engine's lengths move on: the replays read them, and a view made from them
+        o["dcp_local_seq_lens"].copy_(torch.from_numpy(local_np(o["seq_lens"].cpu().numpy().astype(np.int64), 2, 1,
+                                                                1).astype(np.int32)).to(_dev()))
+        if k == 3:
+            o["dcp_local_seq_lens"][2] += 1
+        cap.replay()
+    with pytest.warns(RuntimeWarning, match=r"\(values\) at step 1"):
+        path = g.close()
+    d = read_dump(path)
+    assert d.n == 5 and d["obs.step"].tolist() == [0, 1, 1, 1, 1]
+    from dcptool.check.replay import replay
+
+    assert {f.rule for f in replay(d, "torch").findings} == {"mismatch"}
+    c = d.columns
+    for f, want in shared.items():  # every replay carries the graph's own
+        rows = c[f"rows.{f}"].reshape(-1, want.size)
+        assert rows.shape[0] == 4 and (rows == want).all()
+    for f in build:
+        assert f"rows.{f}" not in c or c[f"rows.{f}"].size == 0
+
+
 def _words(*ptrs) -> np.ndarray:
     return addr_words(list(ptrs))
 
