@@ -50,24 +50,21 @@ def _strip(v: np.ndarray) -> np.ndarray:
 
 
 def _strip_lengths(d: Dump, obs: np.ndarray) -> np.ndarray:
-    """Per observation of `obs` (each with num_reqs >= 1): its expected real rows' length without trailing
-    zeros. One gather each, plus the rows of the few whose last row is 0."""
-    c = d.config
-    nr, rows, rank = d["obs.num_reqs"][obs].astype(np.int64), d["obs.rows"][obs], d["obs.rank"][obs]
-    out = nr.copy()
-    z = np.flatnonzero(local_np(d.take("rows.seq_lens", rows + nr - 1), c.dcp_size, rank, c.cp_interleave) == 0)
+    """Per observation of `obs` (each with num_reqs >= 1): its expected real rows' length without trailing zeros."""
+    c, rank = d.config, d["obs.rank"][obs]
+    return _stripped(d["obs.rows"][obs], d["obs.num_reqs"][obs].astype(np.int64),
+                     lambda at, s: local_np(d.take("rows.seq_lens", at), c.dcp_size, rank[s], c.cp_interleave))
+
+
+def _stripped(starts: np.ndarray, counts: np.ndarray, value) -> np.ndarray:
+    """Per segment (rows [start, start + count), count >= 1): its length without trailing zeros; value(rows,
+    segments) reads rows. One read each, plus the rows of the few whose last row is 0."""
+    out = counts.copy()
+    z = np.flatnonzero(value(starts + counts - 1, np.arange(counts.size)) == 0)
     if z.size:
-        seg, j, at = ragged(rows[z], nr[z])
-        out[z] = _stripped(seg, j, local_np(d.take("rows.seq_lens", at), c.dcp_size, rank[z][seg], c.cp_interleave),
-                           z.size)
-    return out
-
-
-def _stripped(seg: np.ndarray, j: np.ndarray, v: np.ndarray, n: int) -> np.ndarray:
-    """Per segment of n (element k: segment seg[k], index j[k] in it, value v[k]): its length without trailing
-    zeros."""
-    out = np.zeros(n, np.int64)
-    np.maximum.at(out, seg, np.where(v != 0, j + 1, 0))
+        seg, j, at = ragged(starts[z], counts[z])
+        out[z] = 0
+        np.maximum.at(out, z[seg], np.where(value(at, z[seg]) != 0, j + 1, 0))
     return out
 
 
@@ -120,12 +117,7 @@ class _Keys:
         at = d["obs.dcp_rows"][wrong]
         self.r0 = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
         self.r1 = np.where(m > 1, d.take("rows.dcp_local_seq_lens", at + (m > 1)).astype(np.int64), 0)
-        # len(strip(recorded rows)): m unless the last is 0 (then from the rows of those few)
-        self.ls = m.copy()
-        z = np.flatnonzero(d.take("rows.dcp_local_seq_lens", at + m - 1) == 0)
-        if z.size:
-            seg, j, rows = ragged(at[z], m[z])
-            self.ls[z] = _stripped(seg, j, d.take("rows.dcp_local_seq_lens", rows), z.size)
+        self.ls = _stripped(at, m, lambda rows, _: d.take("rows.dcp_local_seq_lens", rows))  # len(strip(rec))
         self._index: dict[str, KeyIndex] = {}
 
     def in_step(self, pos: np.ndarray) -> np.ndarray:
