@@ -39,9 +39,10 @@ PEAK = ("import atexit, runpy, sys; atexit.register(lambda: sys.stderr.write(nex
         "run_name='__main__')")
 
 
-def child(cmd: list[str], env: dict, out) -> tuple[float, float, int, float]:
+def child(cmd: list[str], env: dict, out, cwd: str | None = None) -> tuple[float, float, int, float]:
     """(seconds, peak MB, exit code, CPU seconds) of one process (`dcptool ARGS` when cmd starts with "dcptool",
-    else cmd); stdout to `out` (a file, or DEVNULL). The CPU seconds (user + system, every thread) move less than
+    else cmd) run in `cwd` (a dcptool's checkout: the working directory comes first on a child's sys.path, before
+    PYTHONPATH); stdout to `out` (a file, or DEVNULL). The CPU seconds (user + system, every thread) move less than
     the wall time on a machine shared with other work."""
     import resource
     import tempfile
@@ -51,8 +52,7 @@ def child(cmd: list[str], env: dict, out) -> tuple[float, float, int, float]:
         cmd = [sys.executable, "-c", PEAK, *cmd[1:]]
     with tempfile.TemporaryFile() as err:
         t, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-        # (run from the checkout timed: the working directory comes first on a child's sys.path, before PYTHONPATH)
-        code = subprocess.run(cmd, stdout=out, stderr=err, env=env, cwd=env.get("PYTHONPATH")).returncode
+        code = subprocess.run(cmd, stdout=out, stderr=err, env=env, cwd=cwd).returncode
         sec, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN)
         err.seek(0)
         text = err.read().decode(errors="replace")
@@ -80,7 +80,8 @@ def keys(path: str) -> list[tuple]:
 
 
 def env_for(code: str, bounded: bool = False) -> dict:
-    e = {**os.environ, "PYTHONPATH": code}
+    # the checkout timed first; what the caller's PYTHONPATH adds (packages installed beside the image's) after it
+    e = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (code, os.environ.get("PYTHONPATH"))))}
     e.pop("DCPTOOL_BOUNDED", None)
     if bounded:
         e["DCPTOOL_BOUNDED"] = "1"
@@ -114,14 +115,14 @@ def measure(args, n: int, wrong: float, codes: dict[str, tuple[str, bool]]) -> l
                     continue
                 if what == "start":
                     cmd = ["dcptool", "replay", *tiny, "--json", "--backend", args.backend]
-                    got.setdefault("start", []).append(child(cmd, env_for(str(ROOT)), subprocess.DEVNULL))
+                    got.setdefault("start", []).append(child(cmd, env_for(str(ROOT)), subprocess.DEVNULL, str(ROOT)))
                     continue
                 code, bounded = codes[what]
                 cmd = ["dcptool", "replay", *paths, "--backend", args.backend]
                 cmd += ["--json"] if fmt == "json" else []
                 out = Path(args.data) / f"out-{what}-{fmt}.txt"
                 with open(out, "w") as fh:
-                    got.setdefault(f"{what}/{fmt}", []).append(child(cmd, env_for(code, bounded), fh))
+                    got.setdefault(f"{what}/{fmt}", []).append(child(cmd, env_for(code, bounded), fh, code))
                 if fmt == "json" and r == 0:
                     found[what] = keys(str(out))
         for k, v in found.items():  # every code and layout: the same findings, in the same order

@@ -211,14 +211,17 @@ def sync(dev: torch.device) -> None:
 
 class SyncCount:
     """Host synchronisations torch reports (set_sync_debug_mode "warn") while it is entered, counted as they are
-    warned (none kept: a soak's millions would fill memory); 0 off CUDA."""
+    warned (none kept: a soak's millions would fill memory, only where the first came from); 0 off CUDA."""
 
     def __init__(self, dev: torch.device):
         self.on = dev.type == "cuda"
         self.n = 0
+        self.first = ""  # the file:line of the first synchronisation ("" while none)
 
-    def _count(self, message, *a, **k) -> None:
-        self.n += "synchroniz" in str(message)
+    def _count(self, message, category=None, filename="", lineno=0, *a, **k) -> None:
+        if "synchroniz" in str(message):
+            self.n += 1
+            self.first = self.first or f"{filename}:{lineno}"
 
     def __enter__(self):
         if self.on:

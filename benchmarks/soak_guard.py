@@ -127,8 +127,8 @@ def soak_eager(e: ge.Engine, dev, tmp: Path, a) -> dict:
             else:
                 e.observe(g, b)
             b += 1
-    return _verdict(g, e, dict(builds=b, clean=a.fault_at, seconds=took, syncs=sc.n, mem=mem, written=written,
-                               fault=a.fault_at, per=per, steps=True))
+    return _verdict(g, e, dict(builds=b, clean=a.fault_at, seconds=took, syncs=sc.n, sync_at=sc.first, mem=mem,
+                               written=written, fault=a.fault_at, per=per, steps=True))
 
 
 def soak_graph(e: ge.Engine, dev, tmp: Path, a) -> dict:
@@ -169,7 +169,8 @@ def soak_graph(e: ge.Engine, dev, tmp: Path, a) -> dict:
         cg.replay()
     e.faultable = False
     return _verdict(g, e, dict(builds=per * (replays + 1), clean=(fault_replay + 1) * per, seconds=took,
-                               syncs=sc.n, mem=mem, written=written, fault=(fault_replay + 1) * per, per=per,
+                               syncs=sc.n, sync_at=sc.first, mem=mem, written=written,
+                               fault=(fault_replay + 1) * per, per=per,
                                steps=False))
 
 
@@ -287,7 +288,8 @@ def main() -> None:
             results[m] = r = (soak_eager if m == "eager" else soak_graph)(e, dev, tmp, a)
             print(f"{m}: {r['count']:,} builds checked, the clean {r['clean']:,} in {r['seconds']:.1f} s "
                   f"({r['clean'] / r['seconds']:,.0f} builds/s), host syncs: "
-                  f"{format(r['syncs'], ',') if a.cuda else 'n/a (CPU)'}", flush=True)
+                  f"{format(r['syncs'], ',') if a.cuda else 'n/a (CPU)'}"
+                  + (f" (the first at {r['sync_at']})" if r.get("sync_at") else ""), flush=True)
         ok = table(results, a)
     print("every property holds" if ok else "a property FAILED")
     sys.exit(0 if ok else 1)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcptool.check.view_rows import parent_rows, zero_ext_equal
+from dcptool.check.view_rows import parent_rows, recorded_rows, zero_ext_equal
 from dcptool.dcp.reference import local_np, ranks_giving
-from dcptool.dcp.segments import BULK_ROWS, join, member, mix, obs_chunks, ragged, seg_sums
+from dcptool.dcp.segments import BULK_ROWS, KeyIndex, join, latest_before, member, mix, obs_chunks, ragged, seg_sums
 from dcptool.dump import Dump, obs_ref
 
 INTERLEAVES = tuple(2**k for k in range(11))  # 1..1024, wrong-interleave candidates
@@ -49,6 +49,25 @@ def _strip(v: np.ndarray) -> np.ndarray:
     return v[: nz[-1] + 1] if nz.size else v[:0]
 
 
+def _strip_lengths(d: Dump, obs: np.ndarray) -> np.ndarray:
+    """Per observation of `obs` (each with num_reqs >= 1): its expected real rows' length without trailing zeros."""
+    c, rank = d.config, d["obs.rank"][obs]
+    return _stripped(d["obs.rows"][obs], d["obs.num_reqs"][obs].astype(np.int64),
+                     lambda at, s: local_np(d.take("rows.seq_lens", at), c.dcp_size, rank[s], c.cp_interleave))
+
+
+def _stripped(starts: np.ndarray, counts: np.ndarray, value) -> np.ndarray:
+    """Per segment (rows [start, start + count), count >= 1): its length without trailing zeros; value(rows,
+    segments) reads rows. One read each, plus the rows of the few whose last row is 0."""
+    out = counts.copy()
+    z = np.flatnonzero(value(starts + counts - 1, np.arange(counts.size)) == 0)
+    if z.size:
+        seg, j, at = ragged(starts[z], counts[z])
+        out[z] = 0
+        np.maximum.at(out, z[seg], np.where(value(at, z[seg]) != 0, j + 1, 0))
+    return out
+
+
 @dataclass(frozen=True)
 class Source:
     """Where a stale value came from: an observation whose expected rows the view holds."""
@@ -83,48 +102,48 @@ def _i64(hs: list[np.ndarray]) -> list[np.ndarray]:
     return [h.view(np.int64) for h in hs]
 
 
-def latest_before(c_run: np.ndarray, c_idx: np.ndarray, c_val: np.ndarray, q_run: np.ndarray, q_idx: np.ndarray,
-                  q_thr: np.ndarray, c_id: np.ndarray | None = None) -> np.ndarray:
-    """For each query: the largest candidate index < q_idx in the same run with value < q_thr (-1 if none); with
-    `c_id`, that candidate's id instead of its index (the index an order key, the id an observation).
+class _Keys:
+    """One prepare call's search keys: the whole columns read once, the wrong views' first recorded rows, and per
+    search the candidates that share a key with some wrong view, indexed once (segments.KeyIndex) when a block
+    first needs them, so a block's lookup costs its own views and candidates, not a pass over every observation."""
 
-    All queries at once, O((c + q) log(c + q)): candidates and queries are sorted together by (run,
-    index); a sparse table of range minima over the values lets every query step back over the
-    longest stretch of candidates whose values are all >= its threshold, by binary lifting.
-    """
-    nc, nq = c_run.size, q_run.size
-    if nq == 0 or nc == 0:
-        return np.full(nq, -1, np.int64)
-    run = np.concatenate([c_run, q_run]).astype(np.int64)
-    idx = np.concatenate([c_idx, q_idx]).astype(np.int64)
-    is_c = np.concatenate([np.ones(nc, np.int8), np.zeros(nq, np.int8)])  # at equal index a query sorts first
-    order = np.lexsort((is_c, idx, run))
-    big = np.iinfo(np.int64).max
-    val = np.concatenate([np.asarray(c_val, np.int64), np.full(nq, big, np.int64)])[order]
-    n = order.size
-    rs = run[order]
-    first = np.ones(n, bool)
-    first[1:] = rs[1:] != rs[:-1]
-    start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
-    where = np.empty(n, np.int64)
-    where[order] = np.arange(n)
-    qpos = where[nc:]
-    levels = [val]  # levels[k][p] = min(val[p : p + 2**k])
-    while (1 << len(levels)) <= n:
-        prev, h = levels[-1], 1 << (len(levels) - 1)
-        nxt = prev.copy()
-        np.minimum(prev[:-h], prev[h:], out=nxt[:-h])
-        levels.append(nxt)
-    cur, lo, thr = qpos.copy(), start[qpos], np.asarray(q_thr, np.int64)
-    for k in range(len(levels) - 1, -1, -1):
-        back = cur - (1 << k)
-        ok = back >= lo
-        step = ok & (levels[k][np.maximum(back, 0)] >= thr)
-        cur = np.where(step, back, cur)
-    ans = cur - 1
-    hit = (ans >= lo) & (val[np.maximum(ans, 0)] < thr)
-    ids = idx if c_id is None else np.concatenate([np.asarray(c_id, np.int64), np.zeros(nq, np.int64)])
-    return np.where(hit, ids[order][np.maximum(ans, 0)], -1)
+    def __init__(self, search: _Search, wrong: np.ndarray, m: np.ndarray):
+        d = search.d
+        self.d, self.wrong, self.m = d, wrong, m  # wrong views (sorted), their recorded real rows (> 0)
+        self.rank, self.step = d["obs.rank"].astype(np.int64), d["obs.step"]
+        self.real = d["obs.num_reqs"] >= 1  # (only these are sources)
+        self.e0, self.e1 = search.lead()
+        self.q_rank, self.q_step = self.rank[wrong], self.step[wrong]
+        at = d["obs.dcp_rows"][wrong]
+        self.r0 = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
+        self.r1 = np.where(m > 1, d.take("rows.dcp_local_seq_lens", at + (m > 1)).astype(np.int64), 0)
+        self.ls = _stripped(at, m, lambda rows, _: d.take("rows.dcp_local_seq_lens", rows))  # len(strip(rec))
+        self._index: dict[str, KeyIndex] = {}
+
+    def in_step(self, pos: np.ndarray) -> np.ndarray:
+        """The observations (ascending, num_reqs >= 1) whose (rank, step, first expected row) is the (rank, step,
+        first recorded row) of one of the wrong views at positions pos."""
+        return self._lookup("in-step", [self.rank, self.step, self.e0], [self.q_rank, self.q_step, self.r0], pos)
+
+    def earlier(self, pos: np.ndarray) -> np.ndarray:
+        """The same for the key (rank, expected rows 0 and 1, length of the expected real rows without trailing
+        zeros) and (rank, recorded rows 0 and 1 (0 past the view), length of the recorded ones without them)."""
+        return self._lookup("earlier", [self.rank, self.e0, self.e1], [self.q_rank, self.r0, self.r1], pos,
+                            (lambda rows: _strip_lengths(self.d, rows), self.ls))
+
+    def _lookup(self, name: str, cols: list[np.ndarray], q_key: list[np.ndarray], pos: np.ndarray,
+                more: tuple | None = None) -> np.ndarray:
+        """`more`: one more key column, (its values at given candidates, the queries' values), for the candidates
+        the columns leave (it is computed, not a column)."""
+        if pos.size == 0:
+            return np.zeros(0, np.int64)
+        if name not in self._index:
+            rows = np.flatnonzero(member(cols, q_key) & self.real)  # (one pass over the columns: no sort of all)
+            c_key = [col[rows] for col in cols]
+            if more is not None:
+                c_key, q_key = [*c_key, more[0](rows)], [*q_key, more[1]]
+            self._index[name] = KeyIndex(c_key, q_key, rows)
+        return self._index[name].rows_of(pos)
 
 
 class _Search:
@@ -208,55 +227,52 @@ class _Search:
         wrong = wrong[d["obs.has_dcp"][wrong] == 1]
         m = np.minimum(np.diff(view)[wrong], nr[wrong])  # recorded real rows
         wrong, m = wrong[m > 0], m[m > 0]
-        for a, b in obs_chunks(m, BULK_ROWS):  # (the search holds about 130 bytes a row of the views it explains)
-            self._prepare(wrong[a:b], m[a:b])
+        if wrong.size == 0:
+            return
+        keys = _Keys(self, wrong, m)
+        for a, b in obs_chunks(m, BULK_ROWS):  # (a block reads at most its BULK_ROWS rows at once)
+            self._prepare(keys, a, b)
         self._hashed = self._no_hashes()
 
-    def _prepare(self, wrong: np.ndarray, m: np.ndarray) -> None:
-        """prepare() for wrong views `wrong` (m recorded real rows each, > 0)."""
+    def _prepare(self, keys: _Keys, a: int, b: int) -> None:
+        """prepare() for the wrong views at positions [a, b) of `keys` (m recorded real rows each, > 0). A view's
+        rows are read only where a rule tests them: its first rows for the value rules (a wrong view fails at one
+        of its first rows), all of them to hash it only where a search has a candidate for its key."""
         d = self.d
         self._hashed = self._no_hashes()
-        nr, view = d["obs.num_reqs"].astype(np.int64), d["obs.dcp_rows"]
-        rank, step = d["obs.rank"].astype(np.int64), d["obs.step"]
-        seg, j, at = ragged(view[wrong], m)
-        rec = d.take("rows.dcp_local_seq_lens", at).astype(np.int64)
-        starts = np.cumsum(m) - m
-        r0 = rec[starts]
-        r1 = np.where(m > 1, rec[np.minimum(starts + 1, rec.size - 1)], 0)
-        e0, e1 = self.lead()
+        wrong, m, rank, step = keys.wrong[a:b], keys.m[a:b], keys.rank, keys.step
+        r0, r1, e0, e1 = keys.r0[a:b], keys.r1[a:b], keys.e0, keys.e1
         n = wrong.size
         in_step, earlier = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
         vkind, vaux = np.zeros(n, np.int8), np.zeros(n, np.int64)
-        real = nr >= 1  # the candidates (not gathered: member on the whole columns costs three gathers less)
 
-        def sub(keep: np.ndarray):
-            if keep.all():  # (no copies of the rows)
-                return wrong, m, seg, j, rec, r0, r1
-            rows = keep[seg]
-            return wrong[keep], m[keep], (np.cumsum(keep) - 1)[seg[rows]], j[rows], rec[rows], r0[keep], r1[keep]
-
-        def hashes(cands, jq, rq, mq):  # the views' row hashes, only where a search has candidates to match
-            return [seg_sums(mix(rq, jq, s), mq) for s in SALTS] if cands[0].size else None
+        def hashes(cands, q, mq):  # the row hashes of the views q whose key has a candidate (0 for the others)
+            k = np.flatnonzero(np.isin(cands[2], cands[1]))
+            out = [np.zeros(q.size, np.uint64) for _ in SALTS]
+            if k.size:
+                _, j, rec = recorded_rows(d, q[k], mq[k], mq[k])
+                for h, salt in zip(out, SALTS):
+                    h[k] = seg_sums(mix(rec, j, salt), mq[k])
+            return out
 
         # docs/replay.md's precedence, each search only for the views no earlier rule explains: most wrong views of
         # a pre-fix recording are stale copies of their parent or of an earlier batch of the step
         todo = ~self._parent_hits(wrong, m)  # 1. (exact, no search)
-        q, mq, sq, jq, rq, r0q, _ = sub(todo)  # 2. earlier in the step
-        c = np.flatnonzero(member([rank, step, e0], [rank[q], step[q], r0q]) & real)  # (no sort of all candidates)
-        cands = self._narrow(c, [rank, step, e0], [rank[q], step[q], r0q], [(c, q)])
-        in_step[todo] = self._search_in_step(q, mq, hashes(cands, jq, rq, mq), cands)
+        q, mq = wrong[todo], m[todo]  # 2. earlier in the step
+        c = keys.in_step(a + np.flatnonzero(todo))
+        cands = self._narrow(c, [rank[c], step[c], e0[c]], [rank[q], step[q], r0[todo]], [(c, q)])
+        in_step[todo] = self._search_in_step(q, mq, hashes(cands, q, mq), cands)
         hit = np.flatnonzero(in_step >= 0)
         todo[hit[zero_ext_equal(self.d, wrong[hit], m[hit], in_step[hit], m[hit])]] = False
-        q, mq, sq, jq, rq, _, _ = sub(todo)  # 3-5. the values
-        vkind[todo], vaux[todo] = self._by_values(q, mq, sq, rq)
-        todo &= (vkind == 0) & (np.bincount(seg, weights=rec != 0, minlength=n) > 0)  # 6. needs strip(rec) non-empty
+        vkind[todo], vaux[todo] = self._by_values(wrong[todo], m[todo])  # 3-5. the values
+        todo &= (vkind == 0) & (keys.ls[a:b] > 0)  # 6. needs strip(rec) non-empty
         if todo.any():
-            q, mq, sq, jq, rq, r0q, r1q = sub(todo)
-            ls = np.maximum.reduceat(np.where(rq != 0, jq + 1, 0), np.cumsum(mq) - mq)  # len(strip(rec))
-            c = np.flatnonzero(member([rank, e0, e1], [rank[q], r0q, r1q]) & real)
-            key = self._narrow(c, [rank, e0, e1, self._strip_lengths(c)], [rank[q], r0q, r1q, ls],
+            q, mq, pos = wrong[todo], m[todo], a + np.flatnonzero(todo)
+            c = keys.earlier(pos)
+            key = self._narrow(c, [rank[c], e0[c], e1[c], _strip_lengths(d, c)],
+                               [rank[q], r0[todo], r1[todo], keys.ls[pos]],
                                [(d.order_of(c), d.order_of(q)), (step[c], step[q])])
-            earlier[todo] = self._search_earlier_steps(q, hashes(key, jq, rq, mq), key)
+            earlier[todo] = self._search_earlier_steps(q, hashes(key, q, mq), key)
         # the answers as arrays too, for explain_many (wrong is sorted)
         self._bulk.append((wrong, in_step, vkind, vaux, earlier))
 
@@ -270,32 +286,14 @@ class _Search:
             out[k] = parent_rows(self.d, q[k], m[k], p[k], rs[k])
         return out
 
-    def _strip_lengths(self, obs: np.ndarray) -> np.ndarray:
-        """Per observation (of `obs`, all with num_reqs >= 1; indexed by observation, 0 elsewhere): its expected
-        real rows' length without trailing zeros. One gather each, plus the rows of the few whose last row is 0."""
-        d, c = self.d, self.d.config
-        nr = d["obs.num_reqs"].astype(np.int64)
-        out = np.zeros(d.n, np.int64)
-        last = local_np(d.take("rows.seq_lens", d["obs.rows"][obs] + nr[obs] - 1), c.dcp_size, d["obs.rank"][obs],
-                        c.cp_interleave)
-        out[obs] = nr[obs]
-        z = obs[last == 0]
-        if z.size:
-            seg, j, at = ragged(d["obs.rows"][z], nr[z])
-            e = local_np(d.take("rows.seq_lens", at), c.dcp_size, d["obs.rank"][z][seg], c.cp_interleave)
-            ln = np.zeros(z.size, np.int64)
-            np.maximum.at(ln, seg, np.where(e != 0, j + 1, 0))
-            out[z] = ln
-        return out
-
     @staticmethod
     def _narrow(cand: np.ndarray, c_key: list[np.ndarray], q_key: list[np.ndarray],
                 before: list[tuple[np.ndarray, np.ndarray]]):
-        """The candidates whose key (columns of c_key at cand) some query has, and the query ids of that key:
+        """The candidates whose key (columns c_key, at cand) some query has, and the query ids of that key:
         (candidates, their key ids, the queries' key ids). `before`: pairs (the candidates' values, at cand; the
         queries'): a candidate stays only where its value is below the largest query value of its key in each (the
         searches cite only earlier observations: the others could never be cited, and are not hashed)."""
-        ci, qi = join([k[cand] for k in c_key], q_key)
+        ci, qi = join(c_key, q_key)
         keep = np.isin(ci, qi)
         for col, qv in before:
             last = np.full(int(max(ci.max(initial=-1), qi.max(initial=-1))) + 1, np.iinfo(np.int64).min)
@@ -346,58 +344,61 @@ class _Search:
         self._in_step.update(zip(q.tolist(), best.tolist()))
         return best
 
-    def _by_values(self, q, m, seg, rec) -> tuple[np.ndarray, np.ndarray]:
+    def _by_values(self, q, m) -> tuple[np.ndarray, np.ndarray]:
         """Rules 3-5 for all wrong views at once (row-wise, then one reduction per observation): the
         global lengths; another rank (the interval argument of _other_rank); another interleave."""
         d, c = self.d, self.d.config
         N, il = c.dcp_size, c.cp_interleave
         rank = d["obs.rank"][q].astype(np.int64)
-        starts = np.cumsum(m) - m
-        shift = d["obs.rows"][q].astype(np.int64) - starts  # view row `at` lies over seq_lens row at + shift[seg[at]]
+        seq0, rec0 = d["obs.rows"][q].astype(np.int64), d["obs.dcp_rows"][q].astype(np.int64)
 
-        def L(at):  # the global lengths under rows `at` (read for the rows tested only)
-            return d.take("rows.seq_lens", at + shift[seg[at]]).astype(np.int64)
+        def L(v, r):  # the global lengths under rows r of views v (read for the rows tested only)
+            return d.take("rows.seq_lens", seq0[v] + r).astype(np.int64)
+
+        def R(v, r):  # the recorded rows r of views v
+            return d.take("rows.dcp_local_seq_lens", rec0[v] + r).astype(np.int64)
 
         def every_row(test, views: np.ndarray) -> np.ndarray:
-            """Views (a mask) that pass test(rows, views k, each view's first element in rows) on every prefix of
-            their rows, tried on growing prefixes (1 row, then the next 4, 16, ...), each on the views still
-            passing: a wrong view fails at one of its first rows, and the rest of its rows are not looked at (a
-            first-row test alone let a third of them through). The test must fail a view for good once it fails."""
+            """Views (a mask) that pass test(views v and rows r of each element, views k, each view's first element)
+            on every prefix of their rows, tried on growing prefixes (1 row, then the next 4, 16, ...), each on the
+            views still passing: a wrong view fails at one of its first rows, and the rest of its rows are not
+            read (a first-row test alone let a third of them through). The test must fail a view for good once it
+            fails."""
             views = views.copy()
             k = np.flatnonzero(views & (m > 0))
             lo, width = 0, 1
             while k.size:
                 hi = np.minimum(m[k], lo + width)
                 n = hi - lo
-                _, _, at = ragged(starts[k] + lo, n)
-                ok = test(at, k, np.cumsum(n) - n)
+                seg, j, _ = ragged(np.zeros(k.size, np.int64), n)
+                ok = test(k[seg], lo + j, k, np.cumsum(n) - n)
                 views[k[~ok]] = False
                 k = k[ok & (hi < m[k])]
                 lo, width = lo + width, width * 4
             return views
 
         def rows(f):  # every row of the block passes f
-            return lambda at, k, first: np.logical_and.reduceat(f(at), first)
+            return lambda v, r, k, first: np.logical_and.reduceat(f(v, r), first)
 
         a, b = np.zeros(q.size, np.int64), np.full(q.size, N, np.int64)
 
-        def other_rank(at, k, first):
+        def other_rank(v, r, k, first):
             """The ranks giving every row so far are [a, b) (reference.ranks_giving's intervals, intersected);
             the view passes while that holds a rank other than its own (the interval only shrinks)."""
-            lo, hi, ok = ranks_giving(L(at), rec[at], N, il)
+            lo, hi, ok = ranks_giving(L(v, r), R(v, r), N, il)
             a[k] = np.maximum(a[k], np.maximum.reduceat(lo, first))
             b[k] = np.minimum(b[k], np.minimum.reduceat(hi, first))
             return np.logical_and.reduceat(ok, first) & (a[k] < b[k]) & ((a[k] != rank[k]) | (a[k] + 1 < b[k]))
 
         alive = np.ones(q.size, bool)
-        glob = every_row(rows(lambda at: rec[at] == L(at)), alive)
+        glob = every_row(rows(lambda v, r: R(v, r) == L(v, r)), alive)
         other = np.where(every_row(other_rank, alive), np.where(a != rank, a, a + 1), -1)
         extra = (c.page_size,) if c.page_size and c.page_size not in INTERLEAVES else ()
         ils = [x for x in INTERLEAVES + extra if x != il]
         inter = np.full(q.size, -1, np.int64)
         todo = ~glob & (other < 0)  # (global and wrong-rank come first)
         for x in ils:  # the first interleave that fits wins
-            hit = every_row(rows(lambda at, x=x: local_np(L(at), N, rank[seg[at]], x) == rec[at]), todo)
+            hit = every_row(rows(lambda v, r, x=x: local_np(L(v, r), N, rank[v], x) == R(v, r)), todo)
             inter[hit] = x
             todo &= ~hit
         kind = np.where(glob, GLOBAL, np.where(other >= 0, WRONG_RANK, np.where(inter >= 0, WRONG_INTERLEAVE, 0)))

@@ -6,22 +6,9 @@ from __future__ import annotations
 import torch
 
 from dcptool.dcp.backend import interpreted, load
+from dcptool.dcp.fused_spec import CHECK_WARPS, FUSED_BLOCK, FUSED_WARPS, TL, fused_limits
 from dcptool.dcp.kernel import INT32_MAX
 from dcptool.dcp.reference import RowStats
-
-TL = "dcptool.dcp.fused_tl"
-FUSED_BLOCK = 256  # rows per inner step of the fused whole-dump kernels (observations hold ~64-512 rows)
-FUSED_WARPS = 2  # their flag pass's warps
-CHECK_WARPS = 4  # the exact pass's on the flagged few (Triton's default)
-
-
-def fused_limits(dcp_size: int, cp_interleave: int, page_size: int) -> None:
-    """Refuse a layout the fused kernels cannot check: they compute in int32 (ranks < N, so rank * I < N * I),
-    the reader's bounds."""
-    if dcp_size < 1 or cp_interleave < 1 or page_size < 1 or dcp_size * cp_interleave > 2**31 - 1 \
-            or page_size > 2**31 - 1:
-        raise ValueError(f"need 1 <= dcp_size * cp_interleave <= 2**31-1 and 1 <= page_size <= 2**31-1, got "
-                         f"{dcp_size}, {cp_interleave}, {page_size}")
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:

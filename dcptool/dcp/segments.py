@@ -152,3 +152,70 @@ def member(c_key: list[np.ndarray], q_key: list[np.ndarray]) -> np.ndarray:
     out = np.zeros(n, bool)
     out[keep] = u[at] == kc
     return out
+
+
+def latest_before(c_run: np.ndarray, c_idx: np.ndarray, c_val: np.ndarray, q_run: np.ndarray, q_idx: np.ndarray,
+                  q_thr: np.ndarray, c_id: np.ndarray | None = None) -> np.ndarray:
+    """For each query: the largest candidate index < q_idx in the same run with value < q_thr (-1 if none); with
+    `c_id`, that candidate's id instead of its index (the index an order key, the id an observation).
+
+    All queries at once, O((c + q) log(c + q)): candidates and queries are sorted together by (run,
+    index); a sparse table of range minima over the values lets every query step back over the
+    longest stretch of candidates whose values are all >= its threshold, by binary lifting.
+    """
+    nc, nq = c_run.size, q_run.size
+    if nq == 0 or nc == 0:
+        return np.full(nq, -1, np.int64)
+    run = np.concatenate([c_run, q_run]).astype(np.int64)
+    idx = np.concatenate([c_idx, q_idx]).astype(np.int64)
+    is_c = np.concatenate([np.ones(nc, np.int8), np.zeros(nq, np.int8)])  # at equal index a query sorts first
+    order = np.lexsort((is_c, idx, run))
+    big = np.iinfo(np.int64).max
+    val = np.concatenate([np.asarray(c_val, np.int64), np.full(nq, big, np.int64)])[order]
+    n = order.size
+    rs = run[order]
+    first = np.ones(n, bool)
+    first[1:] = rs[1:] != rs[:-1]
+    start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+    where = np.empty(n, np.int64)
+    where[order] = np.arange(n)
+    qpos = where[nc:]
+    levels = [val]  # levels[k][p] = min(val[p : p + 2**k])
+    while (1 << len(levels)) <= n:
+        prev, h = levels[-1], 1 << (len(levels) - 1)
+        nxt = prev.copy()
+        np.minimum(prev[:-h], prev[h:], out=nxt[:-h])
+        levels.append(nxt)
+    cur, lo, thr = qpos.copy(), start[qpos], np.asarray(q_thr, np.int64)
+    for k in range(len(levels) - 1, -1, -1):
+        back = cur - (1 << k)
+        ok = back >= lo
+        step = ok & (levels[k][np.maximum(back, 0)] >= thr)
+        cur = np.where(step, back, cur)
+    ans = cur - 1
+    hit = (ans >= lo) & (val[np.maximum(ans, 0)] < thr)
+    ids = idx if c_id is None else np.concatenate([np.asarray(c_id, np.int64), np.zeros(nq, np.int64)])
+    return np.where(hit, ids[order][np.maximum(ans, 0)], -1)
+
+
+class KeyIndex:
+    """Candidates sorted once by the key of each, for many lookups by small sets of query keys (blocks of one
+    search): each lookup costs its queries and the candidates it finds, where `member` per block would pass over
+    every candidate again. The query keys every lookup may ask are given up front (a lookup names them by
+    position), so keys are compared in one id space, exactly (no packing)."""
+
+    def __init__(self, c_key: list[np.ndarray], q_key: list[np.ndarray], rows: np.ndarray | None = None):
+        """c_key: the candidates' key columns (at `rows`, the ids a lookup returns: 0..n-1 when None); q_key: every
+        query key, by position."""
+        n = c_key[0].size
+        rows = np.arange(n, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+        ci, self._qi = join(c_key, q_key)
+        order = np.argsort(ci, kind="stable")
+        self._ci, self._rows = ci[order], rows[order]
+
+    def rows_of(self, queries: np.ndarray) -> np.ndarray:
+        """The candidates (ascending) whose key one of the queries (positions into q_key) has."""
+        u = np.unique(self._qi[np.asarray(queries, np.int64)])
+        lo = np.searchsorted(self._ci, u, "left")
+        _, _, at = ragged(lo, np.searchsorted(self._ci, u, "right") - lo)
+        return np.sort(self._rows[at])

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dcptool.dcp.backend import interpreted
-from dcptool.dcp.fused import CHECK_WARPS, FUSED_BLOCK, FUSED_WARPS, TL, fused_limits
+from dcptool.dcp.fused_spec import CHECK_WARPS, FUSED_BLOCK, FUSED_WARPS, TL, fused_limits
 from dcptool.dcp.reference import RowStats
 from dcptool.dcp.segments import obs_chunks
 from dcptool.dump import Dump

@@ -1,6 +1,7 @@
 """benchmarks/bench_layout.py and layout_data.py: the plugin's layout made in parallel byte for byte as made one file
 at a time, and a small run of the benchmark: every layout and path measured, with the same findings."""
 
+import os
 import re
 import subprocess
 import sys
@@ -26,10 +27,12 @@ def test_layouts_made_in_parallel_are_the_files_made_one_at_a_time(tmp_path, n, 
 
 
 def test_a_small_run_measures_every_layout_and_finds_the_same(tmp_path):
+    # a PYTHONPATH of several entries, as on a machine with packages installed beside its image's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path / "site")])}
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_layout.py"), "--obs", "2000", "--ranks", "2",
                         "--layouts", "one,rank3", "--wrong", "0.01,1", "--formats", "json", "--runs", "1",
                         "--bounded", "--backend", "torch", "--jobs", "2", "--data", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [r.split(" | ") for r in p.stdout.splitlines() if re.match(r"\| 2,000 ", r)]
     assert [(r[1], r[2], r[3]) for r in rows] == [("0.01", "one", "1"), ("0.01", "rank3", "6"), ("1", "one", "1"),

@@ -152,14 +152,15 @@ def _recorded(d: Dump, i: int) -> np.ndarray:
     return np.asarray(v[: min(v.size, int(d["obs.num_reqs"][i]))], np.int64)
 
 
-def _coincidental_dump(path, seed: int, max_rows: int = 4) -> Dump:
+def _coincidental_dump(path, seed: int, max_rows: int = 4, n: int | None = None) -> Dump:
     """Small values, few steps and ranks: views that copy other observations' rows (prefixes, zero
     extensions, other ranks), global lengths and random rows, so every relation is exercised. Views of
-    up to `max_rows` real rows."""
+    up to `max_rows` real rows; 5-49 observations in 4 steps, or `n` in n / 8 steps."""
     rng = np.random.default_rng(seed)
     N, il = int(rng.choice([2, 3, 4])), int(rng.choice([1, 2]))
-    n = int(rng.integers(5, 50))
-    steps = rng.integers(0, 4, n).astype(np.int64)
+    drawn = int(rng.integers(5, 50))
+    steps = rng.integers(0, 4 if n is None else max(4, n // 8), drawn if n is None else n).astype(np.int64)
+    n = drawn if n is None else n
     if rng.random() < 0.7:
         steps.sort()  # mostly in step order; sometimes not (one file need not be)
     rank = rng.integers(0, N, n).astype(np.int32)
@@ -389,3 +390,63 @@ def test_the_search_in_blocks_of_wrong_views_agrees_with_the_naive_precedence(tm
             if f.rule in ("stale", "global", "wrong-rank", "wrong-interleave", "mismatch"):
                 got = None if f.source is None else (f.source.index, f.source.relation)
                 assert (f.rule, got, f.detail) == naive_explain(d, f.index, _recorded(d, f.index)), f.message
+
+
+def _value_answers(d: Dump) -> list[tuple]:
+    return [(f.index, f.rule, None if f.source is None else (f.source.index, f.source.relation), f.detail)
+            for f in replay(d, "torch").findings
+            if f.rule in ("stale", "global", "wrong-rank", "wrong-interleave", "mismatch")]
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 129, 1000])
+@pytest.mark.parametrize("seed", range(3))
+def test_blocks_find_the_sources_one_search_finds(tmp_path, monkeypatch, n, seed):
+    """Each block of wrong views looks up its own candidates in the keys indexed once for all (segments.KeyIndex):
+    blocks of a few rows give the answers of one block of them all (where the lookup is every candidate the
+    old whole-column pass found), on dumps of up to 1,000 observations over n / 8 steps."""
+    d = _coincidental_dump(tmp_path / "d.safetensors", seed, max_rows=6, n=n)
+    whole = _value_answers(d)
+    assert whole or n == 1
+    for bulk in (1, 7, 64):
+        monkeypatch.setattr(provenance, "BULK_ROWS", bulk)
+        assert _value_answers(open_dumps([tmp_path / "d.safetensors"])) == whole
+
+
+def _far_sources(noise: int, seed: int) -> list:
+    """Rank 0 of DCP 2: step 0 holds two clean observations (A on rank 0 and rank 1, whose rank-1 rows no view
+    holds); steps 1..noise one wrong view each (random rows: mismatches, many blocks); the last step a clean B,
+    then views holding B's expected rows (earlier-in-step, a clean source), A's rank-0 expected rows with zeros
+    after them (earlier-step, a clean source in a step no wrong view is in), and step 1's expected rows
+    (earlier-step, a source itself wrong, in the first block)."""
+    rng = np.random.default_rng(seed)
+    a, b = np.array([301, 77, 40, 0], np.int32), np.array([520, 33, 9, 0], np.int32)
+    first = rng.integers(200, 900, 4).astype(np.int32)
+    out = [obs(step=0, rank=0, seq=a, num_reqs=3), obs(step=0, rank=1, seq=a, num_reqs=3)]
+    for k in range(1, noise + 1):
+        seq = first if k == 1 else rng.integers(200, 900, 4).astype(np.int32)
+        out.append(obs(step=k, rank=0, seq=seq, num_reqs=4, num_reqs_padded=4,
+                       view=rng.integers(1000, 2000, 4).astype(np.int32)))
+    last = noise + 1
+    own = rng.integers(200, 900, 4).astype(np.int32)
+    out += [obs(step=last, rank=0, seq=b, num_reqs=3),
+            obs(step=last, rank=0, seq=own, num_reqs=2, view=expected_view(b, 2, 4, 2, 0)),
+            obs(step=last, rank=0, seq=own, num_reqs=4, num_reqs_padded=4, view=expected_view(a, 3, 4, 2, 0)),
+            obs(step=last, rank=0, seq=own, num_reqs=4, num_reqs_padded=4, view=expected_view(first, 4, 4, 2, 0))]
+    return out
+
+
+@pytest.mark.parametrize("bulk", [1, 4, 64, 1 << 20])
+@pytest.mark.parametrize("noise", [0, 1, 127, 128, 129, 1000])
+def test_a_source_outside_every_block_is_still_cited(tmp_path, monkeypatch, bulk, noise):
+    """A block's candidates are narrowed by its views' keys, not by the steps or observations the blocks hold:
+    a view whose source is clean (never a wrong view), in a step no wrong view is in, or a wrong view of the
+    first block, is explained as one search over every observation explains it (the naive precedence)."""
+    monkeypatch.setattr(provenance, "BULK_ROWS", bulk)
+    d = open_dumps([write(tmp_path / "d.safetensors", _far_sources(noise, noise + bulk))])
+    got = _value_answers(d)
+    for i, rule, src, detail in got:
+        assert (rule, src, detail) == naive_explain(d, i, _recorded(d, i))
+    b = noise + 2  # the last step's clean observation
+    third = (b + 3, "stale", (2, "earlier-step"), {}) if noise else (b + 3, "mismatch", None, {})
+    assert got[-3:] == [(b + 1, "stale", (b, "earlier-in-step"), {}), (b + 2, "stale", (0, "earlier-step"), {}), third]
+    assert [r for _, r, _, _ in got[:-3]] == ["mismatch"] * noise

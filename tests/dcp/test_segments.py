@@ -153,3 +153,29 @@ def test_first_per_segment_against_a_loop(n):
         want_first.setdefault(int(seg[h]), h)
         want_n[seg[h]] += 1
     assert firsts.tolist() == list(want_first.values()) and nhit.tolist() == want_n.tolist()
+
+
+@pytest.mark.parametrize("nc,nq", [(0, 0), (0, 5), (5, 0), (1, 1), (127, 3), (128, 128), (129, 1), (1000, 37),
+                                   (5000, 4000)])
+@pytest.mark.parametrize("spread", [3, 1000, 2**40], ids=["few-keys", "mid", "wide"])
+@pytest.mark.parametrize("seed", range(3))
+def test_key_index_lookups_agree_with_a_set(nc, nq, spread, seed):
+    """Each lookup by a subset of the queries (every subset an index sees in one prepare: the whole, blocks,
+    single ones, none) returns exactly the candidates whose key one of them has, ascending, each once."""
+    rng = np.random.default_rng(seed)
+    c_key = [rng.integers(-spread, spread, nc) for _ in range(3)]
+    q_key = [rng.integers(-spread, spread, nq) for _ in range(3)]
+    if nc and nq:
+        k = rng.integers(0, nc, min(nc, nq))
+        for qc, cc in zip(q_key, c_key):
+            qc[: k.size] = cc[k]
+    rows = np.sort(rng.choice(10 * nc + 1, nc, replace=False)).astype(np.int64)  # ids other than 0..n-1
+    for given in (None, rows):
+        index = segments.KeyIndex(c_key, q_key, given)
+        ids = np.arange(nc) if given is None else rows
+        subsets = [np.arange(nq), np.zeros(0, np.int64), *np.array_split(rng.permutation(nq), 5)]
+        subsets += [np.array([i]) for i in rng.integers(0, nq, min(nq, 4))]
+        for pos in subsets:
+            want = ids[_naive(c_key, [k[pos] for k in q_key])]
+            got = index.rows_of(pos)
+            assert got.dtype == np.int64 and got.tolist() == want.tolist()

@@ -416,7 +416,7 @@ def test_a_cached_kernel_launched_with_typed_arguments_equals_numpy(seed, tmp_pa
     seq = rng.integers(0, 3, int(rows[-1])).astype(np.int32)
     other = np.array([rng.choice(np.flatnonzero(lens == v)) for v in lens])
     shift = np.where(rng.random(300) < 0.9, rows[:-1] - rows[other], 0).astype(np.int64)
-    want = scan_mod._shifted_differ(seq, rows, shift)
+    want = scan_mod.shifted_differ(seq, rows, 0, 300, shift)
     g = cuda.gpu()
     g.bind()
     kernels = []

@@ -482,6 +482,17 @@ def test_cuda_scan_of_a_streamed_read(tmp_path, monkeypatch):
     streamed_scan_agrees(tmp_path, monkeypatch, "triton")
 
 
+def test_the_gpu_scan_modules_import_no_torch():
+    """What a fresh GPU replay loads (the CLI, replay, every module of dcptool.gpu) imports no torch: checked here
+    without a GPU, where the test below cannot run."""
+    code = ("import importlib, pkgutil, sys, dcptool.gpu as g\n"
+            "for m in pkgutil.iter_modules(g.__path__): importlib.import_module('dcptool.gpu.' + m.name)\n"
+            "import dcptool.check.replay, dcptool.check.scan, dcptool.cli\n"
+            "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('torch.')))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (p.returncode, p.stdout.strip()) == (0, "[]"), p.stderr[-2000:] or p.stdout[:400]
+
+
 @pytest.mark.cuda
 @gpu
 @pytest.mark.parametrize("backend", ["triton", "auto"])
