@@ -359,10 +359,10 @@ def bench_sets_python(n: int, reps: int, tmp: Path) -> None:
         recs, res = {}, {"fast": [], "general": []}
         for way in res:
             rec = _recorder(tmp / f"py-{kind}-{way}.safetensors", "async", True)
-            fast = rec._fast
+            fast = rec._device.fast  # (the Recorder takes it up at its first device observation)
             stand_in_launches(rec._device.ring)
             if way == "general":
-                rec._fast = None  # (observe() then takes the general device path, as every set but (a) did)
+                rec._fast = rec._device.fast = None  # (observe() then takes the general device path always)
             recs[way] = rec
             assert fast is not None
         for _ in range(max(1, n // block) * reps):
