@@ -146,10 +146,14 @@ def _copies(worker, engine, reads, r_kernel: int, l_kernel: int, rdcp: int):
     if not parts:
         return np.zeros((0, 7), np.int64)
     out = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    if out.shape[0] > 1:  # each pair once, in the order first posted
-        _, first = np.unique(out, axis=0, return_index=True)
-        if first.size < out.shape[0]:
-            out = out[np.sort(first)]
+    if out.shape[0] > 1:  # each pair once, its first (a stable sort: the first of equal rows comes first)
+        order = np.lexsort(out.T[::-1])
+        s = out[order]
+        again = (s[1:] == s[:-1]).all(axis=1)
+        if again.any():
+            keep = np.ones(out.shape[0], bool)
+            keep[order[1:][again]] = False
+            out = out[keep]
     return out
 
 
