@@ -40,3 +40,19 @@ def test_sets_smoke_prints_every_set_with_its_floor():
     for w in ("decode 256 req x 768 tok", "prefill 16 req x 8192 tok"):  # the set's values are right by every rule
         assert (f"set (e), {w}: 10 observations (0 dropped), 2 of them transfers, recorded and replayed: no finding"
                 in p.stdout)
+
+
+@pytest.mark.parametrize("workload", ["decode 256 req x 768 tok", "prefill 16 req x 8192 tok"])
+def test_set_e_at_full_size_replays_with_no_finding(workload, tmp_path):
+    """Set (e) at the GPU table's sizes (the smoke run's decode workload has no speculative tokens): the decode step's 3
+    query tokens a request are prefill rows to FlashInfer's split at threshold 1, so its dcp_query_start_loc and
+    page counts are those of a batch without FlashInfer decode rows; replay of a recording finds nothing."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_record_sets import WORKLOADS, _arguments, _replayed
+
+    reqs, toks = WORKLOADS[workload]
+    kw, seq = _arguments("e", reqs, toks, torch.device("cpu"), None)
+    got = _replayed(kw, seq, tmp_path / "e.safetensors")
+    assert got.endswith("recorded and replayed: no finding") and "(0 dropped)" in got, got
