@@ -5,6 +5,7 @@
     python benchmarks/bench_record.py --cuda-python [--before REV]
     python benchmarks/bench_record.py --launch [--obs 20000] [--reps 5]
     python benchmarks/bench_record.py --sets [--cpu] [--steps 200] [--reps 3]
+    python benchmarks/bench_record.py --sets --python [--before-sets REV] [--obs 2000] [--reps 3]
 
 Baselines in the same run: for the Recorder, the bare host copies any recorder must make (three
 numpy copies of the same arrays) — the ratio is the Recorder's overhead over that floor; for
@@ -258,12 +259,17 @@ def main() -> None:
     ap.add_argument("--run-ahead", action="store_true", help="with --sets: no wait at the end of each step")
     ap.add_argument("--python", action="store_true", help="with --sets: observe()'s Python per set, fast path vs "
                     "general path (no GPU)")
+    ap.add_argument("--before-sets", default=None, help="with --sets --python: this checkout against git revision "
+                    "REV, interleaved in one run")
     args = ap.parse_args()
     if args.sets and args.python:
-        from bench_record_sets import bench_sets_python
+        from bench_record_sets import bench_sets_python, bench_sets_python_vs
 
         with tempfile.TemporaryDirectory() as d:
-            bench_sets_python(args.obs, args.reps, Path(d))
+            if args.before_sets:
+                bench_sets_python_vs(args.obs, args.reps, args.before_sets, Path(d))
+            else:
+                bench_sets_python(args.obs, args.reps, Path(d))
         return
     if args.sets:
         from bench_record_sets import bench_sets
