@@ -32,7 +32,9 @@ with that way, the GPU time per snapshot (bench_record_launch.py); --cuda runs i
 --sets: each argument set the vLLM plugin passes (the fast-path set, + positions and slot mappings, + the decode path's
 rows, + kv_pages, (e) every field as the plugin passes them with a NIXL transfer plan recorded each step), decode and
 prefill, off / sync / device snapshot / the floor (an empty launch per observe), host syncs counted, CPU per transfer
-(bench_record_sets.py); --cpu: a reduced run on the CPU (host ring, interpreted kernel), what the tests can run.
+(bench_record_sets.py); --cpu: a reduced run on the CPU (host ring, interpreted kernel), what the tests can run;
+--python (no GPU): observe()'s Python per set (the launch a stand-in) and set (e)'s transfer in parts (the plan made,
+recorded, both); --before-sets REV: the same for git revision REV's dcptool, interleaved in one run.
 
 Both loops call Recorder.observe with the keywords the vLLM plugin's _observe passes (the plugin gives
 query_start_loc as numpy; both forms take the fast path).

@@ -56,3 +56,19 @@ def test_set_e_at_full_size_replays_with_no_finding(workload, tmp_path):
     kw, seq = _arguments("e", reqs, toks, torch.device("cpu"), None)
     got = _replayed(kw, seq, tmp_path / "e.safetensors")
     assert got.endswith("recorded and replayed: no finding") and "(0 dropped)" in got, got
+
+
+def test_sets_python_prints_every_set_and_the_transfer_parts():
+    """--sets --python (observe()'s Python per set, the launch a stand-in) runs every set, (e) included, and times
+    the transfer's parts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DCPTOOL_")}
+    env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_record.py"), "--sets", "--python", "--obs",
+                        "500", "--reps", "1"], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [line.strip("| ").split(" | ") for line in p.stdout.splitlines() if line.startswith("| (")]
+    assert [r[0][:3] for r in rows] == ["(a)", "(b)", "(b)", "(c)", "(d)", "(e)"]
+    assert all(float(v) > 0 for r in rows for v in r[1:3])
+    parts = [line.strip("| ").split(" | ") for line in p.stdout.splitlines()
+             if line.startswith(("| the plan", "| recorded", "| both"))]
+    assert len(parts) == 3 and all(float(v) > 0 for _, v in parts)
