@@ -413,11 +413,11 @@ def bench_sets_python_vs(n: int, reps: int, before: str, tmp: Path) -> None:
     import subprocess
     import sys
 
-    from bench_record_python import _tree
+    from bench_record_python import revision_tree
 
     root = Path(__file__).resolve().parents[1]
     trees = {"now": root}
-    if _tree(before, tmp / "before") is not None:
+    if revision_tree(before, tmp / "before") is not None:
         shutil.copytree(root / "benchmarks", tmp / "before" / "benchmarks")
         trees[f"before ({before})"] = tmp / "before"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DCPTOOL_")}
