@@ -47,6 +47,10 @@ SET_NAMES = {"a": "(a) seq_lens, dcp_local_seq_lens, query_start_loc", "b1": "(b
 PROMPT = 8192  # the tokens of the request whose KV each step of set (e) pulls
 BLOCK = 16  # its block (NIXL under DCP: the interleave is the block size)
 
+# what torch warns of each synchronising operation under set_sync_debug_mode("warn"); its first call in a process
+# also warns that the mode is a prototype ("Synchronization debug mode ..."), which is not a synchronisation
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
 
 class MLAAttentionSpec:  # (named as vLLM's: connectors reads a group's kind from its spec's class names)
     pass
@@ -173,7 +177,7 @@ def _loop(kw: dict, seq: torch.Tensor, mode: str | None, steps: int, mm: tuple, 
         if not cpu:
             torch.cuda.synchronize()
         per = (time.perf_counter() - t0) / steps
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    syncs = sum(SYNC_WARNING in str(w.message) for w in caught)
     out = dict(step=per, cpu=spent / (4 * steps), syncs=syncs, copies=copies[0], n=0, dropped=0, waits=0,
                transfer=moved / steps)
     if mode == "floor":

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from bench_record_sets import SYNC_WARNING
 
 from dcptool.dcp.reference import dcp_local_seq_lens, last_page, local_np, slot_deal
 from dcptool.dump import Record
@@ -224,7 +225,7 @@ class SyncCount:
         self.first = ""  # the file:line of the first synchronisation ("" while none)
 
     def _count(self, message, category=None, filename="", lineno=0, *a, **k) -> None:
-        if "synchroniz" in str(message):
+        if SYNC_WARNING in str(message):
             self.n += 1
             self.first = self.first or f"{filename}:{lineno}"
 

@@ -107,6 +107,27 @@ def out_of_memory(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
+def interpreter_failed(e: BaseException) -> bool:
+    """Triton's interpreter (`--backend triton` on the CPU, or TRITON_INTERPRET=1) failed inside a kernel: some
+    triton and numpy pairs cannot run it (triton 3.6's interpreter under numpy 2.5 converts a loaded loop bound with
+    int()), which no input of dcptool's causes and the torch backend does not meet."""
+    return type(e).__name__ == "InterpreterError" and type(e).__module__.startswith("triton")
+
+
+def interpreter_line(e: BaseException) -> str:
+    from importlib.metadata import version
+
+    def v(name: str) -> str:
+        try:
+            return version(name)
+        except Exception:
+            return "?"
+
+    msg = " ".join(str(e).split()) or "(no message)"
+    return (f"--backend triton: Triton's interpreter failed here (triton {v('triton')}, numpy {v('numpy')}): {msg}; "
+            "use --backend torch (the same checks on the CPU)")
+
+
 def _size(n: float) -> str:
     """Bytes in binary units, as numpy and torch name a failed allocation: `512 bytes`, `2.2 GiB`."""
     for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
@@ -294,6 +315,9 @@ class Guarded(TyperGroup):
             elif out_of_memory(e):  # bad input in a way: more than this process may hold
                 _traceback(e)
                 say(memory_line(e, ctx.invoked_subcommand))
+            elif interpreter_failed(e):
+                _traceback(e)
+                say(interpreter_line(e), ctx.invoked_subcommand)
             else:
                 _internal(e)
             code = INTERNAL

@@ -3,6 +3,7 @@ CliRunner (conftest.cli); real processes (conftest.cli_subprocess) for a smoke t
 process is what is tested: pipes, signals, /dev/full, what `--help` imports."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -117,6 +118,32 @@ def test_max_findings_limits_output_not_counts(tmp_path):
     assert len(lines) == 4 and lines[-1]["findings"] == 10
 
 
+def _interpreter_broken() -> bool:
+    """The triton and numpy pair whose interpreter cannot run a loop bounded by a loaded value (seen on the GPU
+    machine's image: triton 3.6, numpy 2.5). (Versions from the metadata: importing triton here would decide the
+    interpreter for this process.)"""
+    from importlib.metadata import version
+
+    return version("triton").startswith("3.6.") and np.__version__.startswith("2.5.")
+
+
+def test_a_failing_interpreter_is_one_line_naming_what_to_use(tmp_path):
+    """Triton's interpreter failing inside a kernel (some triton and numpy pairs) is said in one line with the
+    versions and --backend torch, exit 2, never "internal error": the real InterpreterError, raised where the scan
+    runs, in a process of its own (TRITON_INTERPRET=1 before triton is imported)."""
+    p = write(tmp_path / "t.safetensors", [obs(step=i) for i in range(3)])
+    code = ("import sys\nfrom triton.runtime.interpreter import InterpreterError\nfrom dcptool.check import scan\n"
+            "def broken(*a, **k):\n"
+            "    raise InterpreterError(\"TypeError('only 0-dimensional arrays can be converted')\")\n"
+            "scan.scan = broken\nsys.argv = ['dcptool', 'replay', sys.argv[1], '--backend', 'triton']\n"
+            "from dcptool.cli import main\nmain()")
+    r = subprocess.run([sys.executable, "-c", code, p], capture_output=True, text=True,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert (r.returncode, r.stdout, r.stderr.count("\n")) == (2, "", 1), r.stderr
+    assert r.stderr.startswith("dcptool replay: --backend triton: Triton's interpreter failed here (triton ") and \
+        r.stderr.rstrip().endswith("use --backend torch (the same checks on the CPU)"), r.stderr
+
+
 @pytest.mark.parametrize("interpret", ["", "0", "1"])
 def test_triton_backend_without_gpu_is_refused_unless_the_interpreter_is_asked_for(tmp_path, interpret):
     """--backend triton without a GPU would run Triton's interpreter, ~100x slower than torch: one line saying what to
@@ -128,6 +155,11 @@ def test_triton_backend_without_gpu_is_refused_unless_the_interpreter_is_asked_f
     if not cuda.available() and interpret != "1":
         assert (r.returncode, r.stdout) == (2, "") and r.stderr.count("\n") == 1, r.stderr
         assert r.stderr.startswith("dcptool replay: --backend: triton: no GPU here") and "--backend torch" in r.stderr
+        return
+    if interpret == "1" and _interpreter_broken():
+        # triton 3.6's interpreter under numpy 2.5 (the GPU machine's image) cannot run the kernels: one line, exit 2
+        assert (r.returncode, r.stdout, r.stderr.count("\n")) == (2, "", 1), r.stderr
+        assert r.stderr.startswith("dcptool replay: --backend triton: Triton's interpreter failed here"), r.stderr
         return
     summary = json.loads(r.stdout.splitlines()[-1])
     assert r.returncode == 1 and summary["backend"] == "triton" and summary["by_rule"] == {"mismatch": 1}

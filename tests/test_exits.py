@@ -85,3 +85,28 @@ def test_usage_line_is_one_line_naming_the_command_and_the_option():
     top = exits.usage_line(importlib.import_module(typer.BadParameter.__module__).UsageError("No such command 'x'.",
                                                                                               ctx=ctx), ctx)
     assert top.command is None and top.message.startswith("x: no such command (the commands: replay, diff")
+
+
+
+# Triton's InterpreterError as the check sees it (its class name and module): importing triton here would decide
+# the interpreter for every later test of this process (tests/test_cli.py raises the real one in a process of its own)
+_InterpreterError = type("InterpreterError", (Exception,), {"__module__": "triton.runtime.errors"})
+
+
+@pytest.mark.parametrize("e, want", [
+    (_InterpreterError("TypeError('only 0-dimensional arrays can be converted to Python scalars')"), True),
+    (RuntimeError("InterpreterError"), False),  # the name in a message is not the interpreter failing
+    (type("InterpreterError", (Exception,), {})("x"), False),  # nor a class of that name outside triton
+    (TypeError("only 0-dimensional arrays"), False),
+])
+def test_only_tritons_interpreter_error_is_said_as_the_interpreter_failing(e, want):
+    assert exits.interpreter_failed(e) is want
+
+
+def test_the_interpreter_line_names_the_versions_the_error_and_what_to_use():
+    from importlib.metadata import version
+
+    line = exits.interpreter_line(_InterpreterError("TypeError('only 0-dimensional\n arrays')"))
+    assert line == (f"--backend triton: Triton's interpreter failed here (triton {version('triton')}, numpy "
+                    f"{version('numpy')}): TypeError('only 0-dimensional arrays'); use --backend torch (the same "
+                    "checks on the CPU)")

@@ -103,3 +103,17 @@ def _rows(out: str) -> dict[str, list[str]]:
     """The property table: its rows by property, each the cells of the modes (eager, graph)."""
     lines = [line.strip().strip("|").split("|") for line in out.splitlines() if line.startswith("| ")]
     return {c[0].strip(): [x.strip() for x in c[1:]] for c in lines[1:] if c[0].strip() != "property"}
+
+
+@pytest.mark.parametrize("message, counted", [
+    ("called a synchronizing CUDA operation", 1),
+    ("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations", 0),
+    ("an unrelated warning", 0),
+])
+def test_a_sync_is_counted_and_the_modes_prototype_warning_is_not(message, counted):
+    import guard_engine as ge
+    import torch
+
+    sc = ge.SyncCount(torch.device("cpu"))
+    sc._count(message, UserWarning, "/x/y.py", 7)
+    assert (sc.n, sc.first) == (counted, "/x/y.py:7" if counted else "")
