@@ -5,6 +5,7 @@
     python benchmarks/bench_record.py --cuda-python [--before REV]
     python benchmarks/bench_record.py --launch [--obs 20000] [--reps 5]
     python benchmarks/bench_record.py --sets [--cpu] [--steps 200] [--reps 3]
+    python benchmarks/bench_record.py --sets --python [--before-sets REV] [--obs 2000] [--reps 3]
 
 Baselines in the same run: for the Recorder, the bare host copies any recorder must make (three
 numpy copies of the same arrays) — the ratio is the Recorder's overhead over that floor; for
@@ -31,7 +32,9 @@ with that way, the GPU time per snapshot (bench_record_launch.py); --cuda runs i
 --sets: each argument set the vLLM plugin passes (the fast-path set, + positions and slot mappings, + the decode path's
 rows, + kv_pages, (e) every field as the plugin passes them with a NIXL transfer plan recorded each step), decode and
 prefill, off / sync / device snapshot / the floor (an empty launch per observe), host syncs counted, CPU per transfer
-(bench_record_sets.py); --cpu: a reduced run on the CPU (host ring, interpreted kernel), what the tests can run.
+(bench_record_sets.py); --cpu: a reduced run on the CPU (host ring, interpreted kernel), what the tests can run;
+--python (no GPU): observe()'s Python per set (the launch a stand-in) and set (e)'s transfer in parts (the plan made,
+recorded, both); --before-sets REV: the same for git revision REV's dcptool, interleaved in one run.
 
 Both loops call Recorder.observe with the keywords the vLLM plugin's _observe passes (the plugin gives
 query_start_loc as numpy; both forms take the fast path).
@@ -258,12 +261,17 @@ def main() -> None:
     ap.add_argument("--run-ahead", action="store_true", help="with --sets: no wait at the end of each step")
     ap.add_argument("--python", action="store_true", help="with --sets: observe()'s Python per set, fast path vs "
                     "general path (no GPU)")
+    ap.add_argument("--before-sets", default=None, help="with --sets --python: this checkout against git revision "
+                    "REV, interleaved in one run")
     args = ap.parse_args()
     if args.sets and args.python:
-        from bench_record_sets import bench_sets_python
+        from bench_record_sets import bench_sets_python, bench_sets_python_vs
 
         with tempfile.TemporaryDirectory() as d:
-            bench_sets_python(args.obs, args.reps, Path(d))
+            if args.before_sets:
+                bench_sets_python_vs(args.obs, args.reps, args.before_sets, Path(d))
+            else:
+                bench_sets_python(args.obs, args.reps, Path(d))
         return
     if args.sets:
         from bench_record_sets import bench_sets

@@ -81,7 +81,7 @@ def time_now() -> float:
     return time.process_time()
 
 
-def _tree(rev: str, into: Path) -> Path | None:
+def revision_tree(rev: str, into: Path) -> Path | None:
     """Revision rev's dcptool package (and benchmarks, which its worker does not use) under `into`; None if git
     cannot give it."""
     got = subprocess.run(["git", "archive", rev, "dcptool"], cwd=ROOT, capture_output=True)
@@ -124,7 +124,7 @@ def bench(n: int, reps: int, before: str | None) -> None:
     block, rounds = 1000, max(1, n // 5000) * reps
     trees = {"now": ROOT}
     with tempfile.TemporaryDirectory() as d:
-        if before and _tree(before, Path(d)) is not None:
+        if before and revision_tree(before, Path(d)) is not None:
             trees[f"before ({before})"] = Path(d)
         res: dict = {k: {f: ([], []) for f in FORMS} for k in trees}
         for _ in range(rounds):  # interleaved: each round one process per revision, 5 blocks each

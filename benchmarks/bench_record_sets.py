@@ -363,10 +363,10 @@ def bench_sets_python(n: int, reps: int, tmp: Path) -> None:
         recs, res = {}, {"fast": [], "general": []}
         for way in res:
             rec = _recorder(tmp / f"py-{kind}-{way}.safetensors", "async", True)
-            fast = rec._fast
+            fast = rec._device.fast  # (the Recorder takes it up at its first device observation)
             stand_in_launches(rec._device.ring)
             if way == "general":
-                rec._fast = None  # (observe() then takes the general device path, as every set but (a) did)
+                rec._fast = rec._device.fast = None  # (observe() then takes the general device path always)
             recs[way] = rec
             assert fast is not None
         for _ in range(max(1, n // block) * reps):
@@ -380,3 +380,71 @@ def bench_sets_python(n: int, reps: int, tmp: Path) -> None:
             rec.discard()
         f, g = (min(res[w]) * 1e6 for w in ("fast", "general"))
         print(f"| {SET_NAMES[kind]} | {f:.2f} | {g:.2f} | {f / g:.2f} |")
+    bench_transfer_python(max(1, n // block) * reps, tmp)
+
+
+def bench_transfer_python(blocks: int, tmp: Path, block: int = 100) -> None:
+    """Set (e)'s transfer per step in parts (CPU time, best of `blocks` interleaved blocks of `block`): the NIXL plan
+    made (nixl_plan: connectors.nixl_transfer of 256 blocks a DCP rank), Recorder.record_transfer of plans made
+    ahead, and both, as the --sets loop times them."""
+    rec = _recorder(tmp / "py-transfer.safetensors", "async", True)
+    plans = [nixl_plan(i) for i in range(block)]
+    parts = {"the plan made (connectors.nixl_transfer)": lambda i: nixl_plan(i),
+             "recorded (Recorder.record_transfer)": lambda i: rec.record_transfer(plans[i]),
+             "both (the --sets column)": lambda i: rec.record_transfer(nixl_plan(i))}
+    res: dict = {k: [] for k in parts}
+    for _ in range(blocks):
+        for name, fn in parts.items():
+            t0 = time.process_time()
+            for i in range(block):
+                fn(i)
+            res[name].append((time.process_time() - t0) / block)
+    assert rec.dropped == 0, rec.dropped
+    rec.discard()
+    print(f"\nset (e)'s transfer per step ({PROMPT:,}-token prompt, {PROMPT // (BLOCK * 2)} blocks a DCP rank; best of "
+          f"{blocks} interleaved blocks of {block}):")
+    print("| part | CPU µs/transfer |")
+    print("|---|---|")
+    for name, t in res.items():
+        print(f"| {name} | {min(t) * 1e6:.1f} |")
+
+
+def bench_sets_python_vs(n: int, reps: int, before: str, tmp: Path) -> None:
+    """--sets --python for this checkout and git revision `before` (its dcptool package, these benchmarks) in one run:
+    each revision's run in a process of its own, `reps` rounds interleaved, the best of each row over the rounds."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from bench_record_python import revision_tree
+
+    root = Path(__file__).resolve().parents[1]
+    trees = {"now": root}
+    if revision_tree(before, tmp / "before") is not None:
+        shutil.copytree(root / "benchmarks", tmp / "before" / "benchmarks")
+        trees[f"before ({before})"] = tmp / "before"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DCPTOOL_")}
+    best: dict = {}
+    for _ in range(reps):
+        for name, tree in trees.items():
+            p = subprocess.run([sys.executable, str(tree / "benchmarks" / "bench_record.py"), "--sets", "--python",
+                                "--obs", str(n), "--reps", "1"], capture_output=True, text=True, cwd=tree,
+                               env={**env, "PYTHONPATH": str(tree), "CUDA_VISIBLE_DEVICES": ""})
+            if p.returncode:
+                raise RuntimeError(p.stderr[-3000:])
+            for line in p.stdout.splitlines():
+                cells = [c.strip() for c in line.strip("| ").split(" | ")]
+                if line.startswith("| ") and not line.startswith("| argument") and not line.startswith("| part"):
+                    vals = [float(c) for c in cells[1:3 if cells[0].startswith("(") else 2]]
+                    got = best.setdefault((name, cells[0]), vals)
+                    best[name, cells[0]] = [min(a, b) for a, b in zip(got, vals)]
+    rows = list(dict.fromkeys(k for _, k in best))
+    names = list(trees)
+    print(f"observe()'s Python per set and the transfer's parts, {' / '.join(names)} (CPU µs; best of {reps} "
+          f"interleaved rounds, {n:,} observations a set a round; host ring, stand-in launches):")
+    print("| row | " + " | ".join(f"{k} fast path | {k} general path" for k in names) + " |")
+    print("|---|" + "---|---|" * len(names))
+    for r in rows:
+        print(f"| {r} | " + " | ".join(" | ".join(f"{v:.1f}" for v in best.get((k, r), [])) + (
+            " | -" if not r.startswith("(") else "") for k in names) + " |")

@@ -93,6 +93,9 @@ class Engine:
         self.c = torch.empty_like(self.a)
         self.nd = shape.decodes
         q = np.array([shape.decode_q] * shape.decodes + list(shape.prefill_q), np.int64)
+        # FlashInfer's decode rows under DCP: the leading rows of one query token (split_decodes_and_prefills at
+        # threshold 1); MLA's are the decode rows at the spec-decode threshold 1 + K (self.nd)
+        self.fi_nd = int(np.argmax(q > 1)) if (q > 1).any() else int(q.size)
         ctx = np.concatenate([rng.integers(1, 1 << 17, shape.decodes), np.array(shape.prefill_ctx, np.int64)])
         self.rows, self.tokens = int(q.size), int(q.sum())
         self.q = q
@@ -147,11 +150,11 @@ class Engine:
 
     def _kwargs(self) -> dict:
         """The build's keywords (this step's values), those of the chosen fields."""
-        nd = self.nd
+        nd, fi = self.nd, self.fi_nd
         every = dict(
             seq_lens=self.seq, dcp_local_seq_lens=self.dcp, query_start_loc=self.qsl, num_tokens_padded=self.tokens,
             graph=int(GraphMode.FULL_REPLAY), positions=self.positions, slot_mapping=self.slots,
-            group_seq_lens=self.gsl, dcp_query_start_loc=self.qsl[:nd + 1] if nd else None,
+            group_seq_lens=self.gsl, dcp_query_start_loc=self.qsl[:fi + 1] if fi else None,
             dcp_tot_seq_lens=self.seq[:nd] if nd else None)
         if len(self.fields) > len(set(self.fields) & set(every)):
             every.update(self._host_values())
@@ -160,11 +163,13 @@ class Engine:
     def _host_values(self) -> dict:
         """The builders' host arrays of this step: FlashInfer's plans and host copies, FlashAttention's addresses
         and capacities, MLA's chunked context, the block sizes."""
-        seq, nd, r = self.seq_np, self.nd, self.rows
-        covered = (seq - self.q).astype(np.int64)
+        seq, nd, r, fi = self.seq_np, self.nd, self.rows, self.fi_nd
+        covered = (seq - self.q).astype(np.int64)  # (MLA's computed context: past its decode rows)
         covered[:nd] = seq[:nd]
-        local = local_np(covered, N, RANK, INTERLEAVE)
-        decode = np.arange(r) < nd
+        flash = (seq - self.q).astype(np.int64)  # (FlashInfer's plans: its decode rows' whole length)
+        flash[:fi] = seq[:fi]
+        local = local_np(flash, N, RANK, INTERLEAVE)
+        decode = np.arange(r) < fi
         pages = -(-local // PAGE)
         words = addr_words((self.ctx_kv.data_ptr(), self.seq_buf.data_ptr()))
         ctx = [0]

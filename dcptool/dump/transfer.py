@@ -257,6 +257,23 @@ def _table(ids: list[np.ndarray]) -> np.ndarray:
     return np.stack([np.repeat(np.arange(len(ids)), [a.size for a in ids]), np.concatenate(ids)], axis=1)
 
 
+# Each level's columns' bounds in TABLE's order: levels_of checks a record's [rows, columns] at once.
+_LOW = {lv: np.array([c.low for c in COLUMNS_OF[lv]], np.int64) for lv in LEVELS}
+_HIGH = {lv: np.array([c.high for c in COLUMNS_OF[lv]], np.int64) for lv in LEVELS}
+_AT = {c.key: (c.level, k) for lv in LEVELS for k, c in enumerate(COLUMNS_OF[lv])}
+
+
+class _LevelColumns:
+    """A record's rows per level read as first_bad's columns (key -> a column of its level), cut as asked."""
+
+    def __init__(self, levels: dict[str, np.ndarray]):
+        self._levels = levels
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        lv, k = _AT[key]
+        return self._levels[lv][:, k]
+
+
 def levels_of(t: TransferRecord) -> dict[str, np.ndarray]:
     """The record's rows per level ([rows, columns] int64, TABLE's order), checked as a reader checks a file
     (first_bad); ValueError for what a dump cannot hold."""
@@ -278,8 +295,10 @@ def levels_of(t: TransferRecord) -> dict[str, np.ndarray]:
             *(int(getattr(src, f)) for f in SIDE_FIELDS), *(int(getattr(dst, f)) for f in SIDE_FIELDS)]
     out = {XFER: np.array([xfer], np.int64), XGRP: grp, XSRC: _table(src_ids), XDST: _table(dst_ids),
            XCOPY: copies}
-    bad = first_bad({c.key: out[c.level][:, k] for lv in LEVELS for k, c in enumerate(COLUMNS_OF[lv])},
-                    {OFFSETS[lv]: np.array([0, out[lv].shape[0]]) for lv in LEVELS})
+    cols = _LevelColumns(out)
+    offsets = {OFFSETS[lv]: np.array([0, out[lv].shape[0]]) for lv in LEVELS}
+    ranged = all(not m.size or not ((m < _LOW[lv]) | (m > _HIGH[lv])).any() for lv, m in out.items())
+    bad = _inconsistent(cols, offsets) if ranged else first_bad(cols, offsets)
     if bad is not None:
         raise ValueError(f"{bad[0]}: {bad[1]}")
     return out
@@ -324,7 +343,12 @@ def first_bad(c: Mapping[str, np.ndarray], offsets: Mapping[str, np.ndarray]) ->
         if v.size and (v.min() < col.low or v.max() > col.high):
             i = int(np.argmax((v < col.low) | (v > col.high)))
             return col.key, f"value {v[i]} at row {i} outside [{col.low}, {col.high}]"
-    per = {lv: np.diff(offsets[OFFSETS[lv]]) for lv in LEVELS}
+    return _inconsistent(c, offsets)
+
+
+def _inconsistent(c: Mapping[str, np.ndarray], offsets: Mapping[str, np.ndarray]) -> tuple[str, str] | None:
+    """first_bad's checks past the columns' ranges (every value in range)."""
+    per = {lv: offsets[OFFSETS[lv]][1:] - offsets[OFFSETS[lv]][:-1] for lv in LEVELS}  # (np.diff's Python costs more)
     if per[XFER].size and per[XFER].max() > 1:
         return OFFSETS[XFER], f"observation {int(np.argmax(per[XFER] > 1))} holds more than one transfer"
     for lv in LEVELS[1:]:

@@ -18,6 +18,7 @@ from dcptool.dump.transfer import (
     LEVELS,
     OFFSETS,
     TABLE,
+    XCOPY,
     GroupPlan,
     Side,
     TransferRecord,
@@ -177,3 +178,30 @@ def test_a_file_with_some_transfer_columns_and_not_all_is_refused(tmp_path):
     for key in ("obs.xcopy", "xgrp.window"):
         with pytest.raises(DumpError, match="missing"):
             read_dump(_rewrite(src, tmp_path / "bad.safetensors", key, drop=True))
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 1000])
+def test_levels_of_names_the_value_the_reader_s_check_names(n):
+    """A seeded plan of n copies with one value out of range in a column (or none): levels_of's error is first_bad's
+    over the record's columns, as a reader checks them."""
+    from dcptool.dump.transfer import first_bad
+
+    rng = np.random.default_rng(n)
+    ok = np.stack([np.zeros(n), np.ones(n), rng.integers(0, 99, n), np.zeros(n), rng.integers(0, 99, n), np.zeros(n),
+                   np.full(n, 16)], axis=1).astype(np.int64)
+    cases = [None] + [(k, v) for k, v in ((1, -1), (2, -3), (4, 2**31), (6, 0))] if n else [None]
+    for case in cases:
+        copies = ok.copy()
+        if case is not None:
+            copies[rng.integers(0, n), case[0]] = case[1]
+        t = TransferRecord(step=0, rank=1, request="r", src=dict(dcp=2), dst=dict(dcp=2), seq_len=40,
+                           groups=[MLA], copies=copies)
+        rows = {**levels_of(t._replace(copies=ok)), XCOPY: copies}
+        want = first_bad({c.key: rows[lv][:, k] for lv in LEVELS for k, c in enumerate(COLUMNS_OF[lv])},
+                         {OFFSETS[lv]: np.array([0, len(rows[lv])]) for lv in LEVELS})
+        if case is None:
+            assert levels_of(t)[XCOPY].tolist() == copies.tolist() and want is None
+            continue
+        assert want is not None and want[0] == COLUMNS_OF[XCOPY][case[0]].key
+        with pytest.raises(ValueError, match=re.escape(f"{want[0]}: {want[1]}")):
+            levels_of(t)

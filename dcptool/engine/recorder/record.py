@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import warnings
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from dcptool.dump import DumpConfig, Record, Scalars, check_config
-from dcptool.dump.observation import keyword_door
+from dcptool.dump.observation import R, keyword_door
 from dcptool.dump.schema import KVGroup
 from dcptool.dump.transfer import TransferRecord, levels_of, transfer_door
 from dcptool.engine.arguments import (
@@ -33,6 +34,8 @@ from dcptool.engine.snapshot.device import find_torch as _device_torch
 from dcptool.engine.snapshot.harvest import Harvest
 
 _NEW = tuple.__new__
+_BUF = R["buffer"]  # (the Record's buffer position)
+_late_rows = operator.itemgetter(*LATE_ROWS)  # the host values past the sections, in HOST_ROWS order
 _EMPTY = np.zeros(0, np.int32)  # a transfer observation's rows: none (every observation rule holds for it)
 _TENSOR: type = NoTensor  # torch.Tensor once torch is imported (the engine package does not import it)
 
@@ -196,7 +199,7 @@ class Recorder:
                 dev.skip_capture()
                 return -1
             if r.buffer is None and dcp is not None:
-                r = r._replace(buffer=buffer_id(dcp))
+                r = _NEW(Record, (*r[:_BUF], buffer_id(dcp), *r[_BUF + 1:]))  # (cheaper than _replace)
             vals = scalars(r)
             if dev.cuda_mode == "async":
                 got, slots = self._snapshot(r, vals, slots)
@@ -218,7 +221,7 @@ class Recorder:
         got = self._observe_device(vals, r.site, (r.seq_lens, r.dcp_local_seq_lens, r.query_start_loc, r.kv_pages,
                                                   r.dcp_query_start_loc, r.dcp_tot_seq_lens, *slots, r.ctx_chunks,
                                                   r.group_seq_lens, r.verify_row_lens, r.sparse_topk,
-                                                  *(r[k] for k in LATE_ROWS)))
+                                                  *_late_rows(r)))
         self._fast = dev.fast
         return got, None if slots is not None and type(slots[2]) is Groups else slots
 

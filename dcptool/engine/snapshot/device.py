@@ -217,7 +217,7 @@ class DevicePath:
         absent section or one the host holds; the host-held sections or None; the slot's words so far; the device
         index; the converted copies, kept alive until the launch is queued); None: tensors on two devices."""
         on = self.on
-        i32 = TORCH.int32
+        i32, i64 = TORCH.int32, TORCH.int64
         modes = self._modes
         ent: list = []
         host = None
@@ -233,9 +233,10 @@ class DevicePath:
                     if device != -2:
                         return None  # tensors on two devices: the host path copies them
                     device = d
-                if x.dtype is i32 and x.is_contiguous():  # (contiguous: its values are numel() words at data_ptr)
+                dt = x.dtype
+                if (dt is i32 or dt is i64) and x.is_contiguous():  # (contiguous: numel() values at data_ptr)
                     n = x.numel()
-                    ent += (x.data_ptr(), n, modes[k])
+                    ent += (x.data_ptr(), n, modes[k] | (dt is i64))  # (int64: narrowed's wide bit)
                 else:
                     x, wide = narrowed(x)
                     keep = [x] if keep is None else [*keep, x]

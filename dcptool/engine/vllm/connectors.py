@@ -78,8 +78,6 @@ def nixl_transfer(worker, req_id: str, meta, tables, reads, step: int):
     """The transfer NIXL planned for one request on this decode worker (dump.transfer.TransferRecord): `tables` are
     the remote's and this worker's logical block ids per group as the scheduler handed them, `reads` the ReadSpecs
     posted (kernel block ids per group; per memory region where `block_ids_by_region`)."""
-    import numpy as np
-
     from dcptool.dump.transfer import GroupPlan, Side, TransferRecord
 
     engine = meta.remote.engine_id
@@ -110,7 +108,7 @@ def nixl_transfer(worker, req_id: str, meta, tables, reads, step: int):
     num_tokens = getattr(meta.remote, "num_tokens", None)
     return TransferRecord(step=step, rank=int(worker.dcp_rank), request=str(req_id), source=str(engine), src=src,
                           dst=dst, groups=groups, seq_len=-1 if num_tokens is None else int(num_tokens),
-                          dst_rank=int(worker.dcp_rank), copies=np.array(copies, np.int64).reshape(-1, 7))
+                          dst_rank=int(worker.dcp_rank), copies=copies)
 
 
 def _regions(worker, engine) -> tuple[list[int], list[int]]:
@@ -119,29 +117,44 @@ def _regions(worker, engine) -> tuple[list[int], list[int]]:
     return list(getattr(worker, "region_group_ids", None) or remote), remote
 
 
-def _copies(worker, engine, reads, r_kernel: int, l_kernel: int, rdcp: int) -> list[tuple]:
-    """The ReadSpecs as copies (group, source worker, source kernel id, offset, destination kernel id, offset,
-    slots). Local ids in the remote's finer units (block_size_ratio > 1: NIXL's mapped sub-blocks) are split into
-    their kernel block and offset; a region's reads belong to the region's group (a shared region's are left out),
-    each pair once."""
+def _copies(worker, engine, reads, r_kernel: int, l_kernel: int, rdcp: int):
+    """The ReadSpecs as copies [k, 7] int64 (group, source worker, source kernel id, offset, destination kernel id,
+    offset, slots), in the order posted. Local ids in the remote's finer units (block_size_ratio > 1: NIXL's mapped
+    sub-blocks) are split into their kernel block and offset; a region's reads belong to the region's group (a
+    shared region's are left out), each pair once (its first). One array op per group list, none per block."""
+    import numpy as np
+
     ratio = max(1, l_kernel // r_kernel)
     regions = _regions(worker, engine)[0]
-    out = {}
+    parts = []
     for spec in reads:
         by_region = bool(getattr(spec, "block_ids_by_region", False))
+        rr = spec.remote_rank % rdcp
         for k, (rids, lids) in enumerate(zip(spec.remote_block_ids, spec.local_block_ids)):
             g = regions[k] if by_region and regions is not None else k
             if g < 0:
                 continue
-            mamba = _kind(worker._group_spec_types[g]) == "mamba"
-            for rid, lid in zip(rids, lids):
-                if mamba or ratio == 1:
-                    c = (g, spec.remote_rank % rdcp, int(rid), 0, int(lid), 0, min(r_kernel, l_kernel))
-                else:
-                    c = (g, spec.remote_rank % rdcp, int(rid), 0, int(lid) // ratio, int(lid) % ratio * r_kernel,
-                         r_kernel)
-                out.setdefault(c, None)
-    return list(out)
+            rid, lid = np.asarray(rids, np.int64).reshape(-1), np.asarray(lids, np.int64).reshape(-1)
+            n = min(rid.size, lid.size)  # (pairs, as zip makes them)
+            c = np.empty((n, 7), np.int64)
+            c[:, 0], c[:, 1], c[:, 2], c[:, 3] = g, rr, rid[:n], 0
+            if ratio == 1 or _kind(worker._group_spec_types[g]) == "mamba":
+                c[:, 4], c[:, 5], c[:, 6] = lid[:n], 0, min(r_kernel, l_kernel)
+            else:
+                c[:, 4], c[:, 5], c[:, 6] = lid[:n] // ratio, lid[:n] % ratio * r_kernel, r_kernel
+            parts.append(c)
+    if not parts:
+        return np.zeros((0, 7), np.int64)
+    out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if out.shape[0] > 1:  # each pair once, its first (a stable sort: the first of equal rows comes first)
+        order = np.lexsort(out.T[::-1])
+        s = out[order]
+        again = (s[1:] == s[:-1]).all(axis=1)
+        if again.any():
+            keep = np.ones(out.shape[0], bool)
+            keep[order[1:][again]] = False
+            out = out[keep]
+    return out
 
 
 def lmcache_store(*, step: int, rank: int, request, engine, block_ids, block_size: int, tokens: tuple[int, int],

@@ -133,3 +133,42 @@ def test_a_nixl_module_the_plugin_cannot_hook_loses_its_transfers_not_the_record
     finally:
         st.tables, st.active = saved
     assert NIXL in tables.OPTIONAL and np.all([NIXL in t.hooks for t in tables.TABLES])
+
+
+def reference_copies(w, reads, r_kernel, l_kernel, rdcp):
+    """The copies, pair by pair, as the definition reads (each pair once, the first kept)."""
+    ratio, out = max(1, l_kernel // r_kernel), {}
+    for s in reads:
+        for k, (rids, lids) in enumerate(zip(s.remote_block_ids, s.local_block_ids)):
+            g = w.region_group_ids[k] if s.block_ids_by_region else k
+            if g < 0:
+                continue
+            mamba = w._group_spec_types[g] is MambaSpec
+            for rid, lid in zip(rids, lids):
+                c = ((g, s.remote_rank % rdcp, int(rid), 0, int(lid), 0, min(r_kernel, l_kernel)) if mamba or ratio == 1
+                     else (g, s.remote_rank % rdcp, int(rid), 0, int(lid) // ratio, int(lid) % ratio * r_kernel,
+                           r_kernel))
+                out.setdefault(c, None)
+    return [list(c) for c in out]
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 1000])
+@pytest.mark.parametrize("remote_kernel", [16, 8])
+def test_nixl_copies_are_each_posted_pair_once_in_order(n, remote_kernel, monkeypatch):
+    """Seeded reads over an attention and a mamba group and a shared region (-1), lists of unequal lengths (zip's
+    pairs), pairs repeated across ReadSpecs and within one: the copies are the pair-by-pair reference's."""
+    monkeypatch.setattr(state.STATE, "interleave", 16)
+    rng = np.random.default_rng(n * 7 + remote_kernel)
+    w = fake_worker(kernel=16, remote_kernel=remote_kernel, remote_phys=16 // remote_kernel,
+                    kinds=(MLAAttentionSpec, MambaSpec), regions=[0, 1, -1], remote_regions=[0, 1, -1])
+
+    def ids(k):
+        return rng.integers(0, max(4, n // 2), k).tolist()  # (small ranges: repeated pairs)
+
+    reads = [spec(r, [ids(n), ids(n + 1), ids(n)], [ids(n), ids(max(n - 1, 0)), ids(n)], by_region=True)
+             for r in (1, 3)] + [spec(1, [ids(n), ids(n)], [ids(n), ids(n)])]
+    reads.append(reads[0])
+    t = nixl_transfer(w, "req", meta([ids(3), ids(3)], [ids(3), ids(3)], computed=(0, 0)),
+                      ([ids(3), ids(3)], [ids(3), ids(3)]), reads, 0)
+    assert t.copies.dtype == np.int64 and t.copies.shape[1] == 7
+    assert t.copies.tolist() == reference_copies(w, reads, remote_kernel, 16, 2)
