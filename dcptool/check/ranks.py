@@ -275,16 +275,18 @@ def _reference_text(ref: str, sizes: np.ndarray, top: int) -> str:
     return f"{ref} and the largest group ({top} of {sizes.size} ranks) have"
 
 
-def _row_hashes(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, step: int = 1 << 16) -> np.ndarray:
+def _row_hashes(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, step: int = 1 << 16,
+                stride: int = 1) -> np.ndarray:
     """A 64-bit hash of the rows of each observation in idx (value and position; a 0 hashes like any
-    value), in chunks of about `step` rows so a huge dump is hashed in bounded memory."""
+    value), every `stride`-th row from its first, in chunks of about `step` rows so a huge dump is hashed in
+    bounded memory."""
     offs = d[offs_key]
-    lens = np.diff(offs)[idx]
+    lens = np.diff(offs)[idx] // stride
     out = np.zeros(idx.size, np.int64)
     for lo, hi in obs_chunks(lens, step):
         cnt = lens[lo:hi]
         _, j, at = ragged(offs[idx[lo:hi]], cnt)
-        v = d.take(rows_key, at).astype(np.int64) + 1  # (mix hashes 0 as 0: shift so a 0 row counts)
+        v = d.take(rows_key, at + (stride - 1) * j).astype(np.int64) + 1  # (mix hashes 0 as 0: shift so 0 counts)
         out[lo:hi] = seg_sums(mix(v, j, 0), cnt).view(np.int64)
         if d.bounded:
             d.release(0, d.n)
@@ -382,18 +384,6 @@ def _gather_text(g: list[int]) -> str:
     return f"calls {len(g)} DCP KV gather{'s' if len(g) > 1 else ''} of [{rows}] local rows"
 
 
-def _fp_hashes(d: Dump, idx: np.ndarray) -> np.ndarray:
-    """A 64-bit hash of each observation's top-k fingerprints (every third value of rows.sparse_topk: the owned
-    counts and states after them differ between ranks by design)."""
-    off = d["obs.topk"]
-    cnt = np.diff(off)[idx] // 3
-    _, j, at = ragged(off[idx], cnt)
-    v = d.take("rows.sparse_topk", at + 2 * j).astype(np.int64) + 1
-    if d.bounded:
-        d.release(0, d.n)
-    return seg_sums(mix(v, j, 0), cnt).view(np.int64)
-
-
 def check_topk_agree(d: Dump, pairs: RankSets | None = None) -> FindingTable:
     """The ranks of one batch (rank-agree's sets) must select the same top-k set for every query token of a sparse
     MLA layer: each attends to the entries of that set it owns, so the partition between ranks is exact only when
@@ -409,7 +399,9 @@ def check_topk_agree(d: Dump, pairs: RankSets | None = None) -> FindingTable:
     lens = np.diff(off)
     idx = np.flatnonzero(lens >= 3)
     rank = d["obs.rank"]
-    for sp in _split_sets(d, sets, idx, [lens[idx], _fp_hashes(d, idx)]):
+    # compared: the fingerprints, every third value (the owned counts and states after them differ between ranks)
+    fps = _row_hashes(d, "obs.topk", "rows.sparse_topk", idx, stride=3)
+    for sp in _split_sets(d, sets, idx, [lens[idx], fps]):
         ref = d["rows.sparse_topk"][off[sp.ref]:off[sp.ref + 1]][::3]
         parts, first = [], {}
         for i in sp.odd:
