@@ -229,17 +229,25 @@ class _Votes:
         self.tup = group_ids([sm] + [c for f in names for c in cols[f]])  # one id per (set, values)
         self.count = np.bincount(self.tup)
         self.rank = d["obs.rank"][m].astype(np.int64)
-        order = np.lexsort((m, self.rank, -self.count[self.tup], sm))
-        first = np.ones(m.size, bool)
-        first[1:] = sm[order][1:] != sm[order][:-1]
-        self.ref = np.empty(int(sm.max()) + 1, np.int64)
-        self.ref[sm[order][first]] = order[first]  # a position in m
+        self.ref = _set_refs(sm, self.tup, self.count, self.rank, m)  # a position in m
         self.odd = self.tup != self.tup[self.ref[sm]]
         refk = self.ref[sm]  # each member's first field that differs from its set's reference (names order)
         diff = np.stack([np.any([c != c[refk] for c in cols[f]], axis=0) for f in names])  # [fields, members]
         self.first_f = np.argmax(diff, axis=0)
         self.by_set = np.argsort(sm, kind="stable")  # members grouped by set (positions in m stay in order)
         self.sm_sorted = sm[self.by_set]
+
+
+def _set_refs(sets: np.ndarray, tup: np.ndarray, count: np.ndarray, rank: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Each set's reference member (a position in the members' arrays, indexed by set): the one whose values most
+    members share, then the lowest rank, then the earliest observation (`ids`). rank-agree, ctx-agree and
+    topk-agree name their references by this one rule."""
+    order = np.lexsort((ids, rank, -count[tup], sets))
+    lead = np.ones(sets.size, bool)
+    lead[1:] = sets[order][1:] != sets[order][:-1]
+    ref = np.empty(int(sets.max()) + 1, np.int64)
+    ref[sets[order][lead]] = order[lead]
+    return ref
 
 
 def _add_disagreement(found: Written, d: Dump, v: _Votes, members: np.ndarray, r0: int) -> None:
@@ -329,11 +337,7 @@ def _split_sets(d: Dump, sets: np.ndarray, idx: np.ndarray, keys: list[np.ndarra
     idx, s, tup = idx[m], s[m], tup[m]
     count = np.bincount(tup)
     rank = d["obs.rank"][idx].astype(np.int64)
-    order = np.lexsort((idx, rank, -count[tup], s))
-    lead = np.ones(idx.size, bool)
-    lead[1:] = s[order][1:] != s[order][:-1]
-    ref = np.empty(int(s.max()) + 1, np.int64)
-    ref[s[order][lead]] = order[lead]
+    ref = _set_refs(s, tup, count, rank, idx)
     out = []
     by_set = np.argsort(s, kind="stable")
     bounds = np.flatnonzero(np.r_[True, s[by_set][1:] != s[by_set][:-1], True])
