@@ -30,18 +30,10 @@ app = typer.Typer(cls=Guarded, no_args_is_help=True, pretty_exceptions_enable=Fa
 def versions() -> list[str]:
     """What `dcptool --version` prints: dcptool's version, torch's and triton's (from their metadata: neither
     is imported) and the dump format versions this dcptool reads."""
-    from importlib.metadata import PackageNotFoundError, version
-
     from dcptool import __version__
     from dcptool.dump.schema import FORMAT_VERSION
 
-    def of(dist: str) -> str:
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            return "not installed"
-
-    return [f"dcptool {__version__}", f"torch {of('torch')}", f"triton {of('triton')}",
+    return [f"dcptool {__version__}", f"torch {exits.installed('torch')}", f"triton {exits.installed('triton')}",
             f"reads dump format {FORMAT_VERSION}"]
 
 

@@ -114,18 +114,20 @@ def interpreter_failed(e: BaseException) -> bool:
     return type(e).__name__ == "InterpreterError" and type(e).__module__.startswith("triton")
 
 
+def installed(dist: str) -> str:
+    """A distribution's version from its metadata (nothing imported), or "not installed"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def interpreter_line(e: BaseException) -> str:
-    from importlib.metadata import version
-
-    def v(name: str) -> str:
-        try:
-            return version(name)
-        except Exception:
-            return "?"
-
     msg = " ".join(str(e).split()) or "(no message)"
-    return (f"--backend triton: Triton's interpreter failed here (triton {v('triton')}, numpy {v('numpy')}): {msg}; "
-            "use --backend torch (the same checks on the CPU)")
+    return (f"--backend triton: Triton's interpreter failed here (triton {installed('triton')}, numpy "
+            f"{installed('numpy')}): {msg}; use --backend torch (the same checks on the CPU)")
 
 
 def _size(n: float) -> str:

@@ -110,3 +110,10 @@ def test_the_interpreter_line_names_the_versions_the_error_and_what_to_use():
     assert line == (f"--backend triton: Triton's interpreter failed here (triton {version('triton')}, numpy "
                     f"{version('numpy')}): TypeError('only 0-dimensional arrays'); use --backend torch (the same "
                     "checks on the CPU)")
+
+
+def test_installed_reads_the_metadata_or_says_not_installed():
+    import numpy
+
+    assert exits.installed("numpy") == numpy.__version__
+    assert exits.installed("no-such-distribution-dcptool") == "not installed"

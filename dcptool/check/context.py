@@ -9,7 +9,7 @@ import numpy as np
 
 from dcptool.check.findings import FindingTable, Written
 from dcptool.dcp.chunks import ENTRY
-from dcptool.dcp.segments import group_ids, ragged
+from dcptool.dcp.segments import first_per_segment, group_ids, ragged
 from dcptool.dump import Dump
 
 
@@ -29,10 +29,9 @@ class _First:
     def entries(self, hits: np.ndarray, kind: str, make: Callable[[int], tuple]) -> None:
         """Entries `hits` have problem `kind`; make(e) -> (text, row, recorded, expected) for the observation's first
         such entry e."""
-        seen: dict[int, int] = {}
-        for e in hits.tolist():
-            seen.setdefault(int(self.eseg[e]), e)
-        for k, e in seen.items():
+        firsts, _ = first_per_segment(self.eseg, np.sort(hits), int(self.eseg.max(initial=-1)) + 1)
+        for e in firsts.tolist():
+            k = int(self.eseg[e])
             if k not in self.got:
                 self.got[k] = (kind, *make(e))
 

@@ -229,17 +229,25 @@ class _Votes:
         self.tup = group_ids([sm] + [c for f in names for c in cols[f]])  # one id per (set, values)
         self.count = np.bincount(self.tup)
         self.rank = d["obs.rank"][m].astype(np.int64)
-        order = np.lexsort((m, self.rank, -self.count[self.tup], sm))
-        first = np.ones(m.size, bool)
-        first[1:] = sm[order][1:] != sm[order][:-1]
-        self.ref = np.empty(int(sm.max()) + 1, np.int64)
-        self.ref[sm[order][first]] = order[first]  # a position in m
+        self.ref = _set_refs(sm, self.tup, self.count, self.rank, m)  # a position in m
         self.odd = self.tup != self.tup[self.ref[sm]]
         refk = self.ref[sm]  # each member's first field that differs from its set's reference (names order)
         diff = np.stack([np.any([c != c[refk] for c in cols[f]], axis=0) for f in names])  # [fields, members]
         self.first_f = np.argmax(diff, axis=0)
         self.by_set = np.argsort(sm, kind="stable")  # members grouped by set (positions in m stay in order)
         self.sm_sorted = sm[self.by_set]
+
+
+def _set_refs(sets: np.ndarray, tup: np.ndarray, count: np.ndarray, rank: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Each set's reference member (a position in the members' arrays, indexed by set): the one whose values most
+    members share, then the lowest rank, then the earliest observation (`ids`). rank-agree, ctx-agree and
+    topk-agree name their references by this one rule."""
+    order = np.lexsort((ids, rank, -count[tup], sets))
+    lead = np.ones(sets.size, bool)
+    lead[1:] = sets[order][1:] != sets[order][:-1]
+    ref = np.empty(int(sets.max()) + 1, np.int64)
+    ref[sets[order][lead]] = order[lead]
+    return ref
 
 
 def _add_disagreement(found: Written, d: Dump, v: _Votes, members: np.ndarray, r0: int) -> None:
@@ -275,16 +283,18 @@ def _reference_text(ref: str, sizes: np.ndarray, top: int) -> str:
     return f"{ref} and the largest group ({top} of {sizes.size} ranks) have"
 
 
-def _row_hashes(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, step: int = 1 << 16) -> np.ndarray:
+def _row_hashes(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, step: int = 1 << 16,
+                stride: int = 1) -> np.ndarray:
     """A 64-bit hash of the rows of each observation in idx (value and position; a 0 hashes like any
-    value), in chunks of about `step` rows so a huge dump is hashed in bounded memory."""
+    value), every `stride`-th row from its first, in chunks of about `step` rows so a huge dump is hashed in
+    bounded memory."""
     offs = d[offs_key]
-    lens = np.diff(offs)[idx]
+    lens = np.diff(offs)[idx] // stride
     out = np.zeros(idx.size, np.int64)
     for lo, hi in obs_chunks(lens, step):
         cnt = lens[lo:hi]
         _, j, at = ragged(offs[idx[lo:hi]], cnt)
-        v = d.take(rows_key, at).astype(np.int64) + 1  # (mix hashes 0 as 0: shift so a 0 row counts)
+        v = d.take(rows_key, at + (stride - 1) * j).astype(np.int64) + 1  # (mix hashes 0 as 0: shift so 0 counts)
         out[lo:hi] = seg_sums(mix(v, j, 0), cnt).view(np.int64)
         if d.bounded:
             d.release(0, d.n)
@@ -327,11 +337,7 @@ def _split_sets(d: Dump, sets: np.ndarray, idx: np.ndarray, keys: list[np.ndarra
     idx, s, tup = idx[m], s[m], tup[m]
     count = np.bincount(tup)
     rank = d["obs.rank"][idx].astype(np.int64)
-    order = np.lexsort((idx, rank, -count[tup], s))
-    lead = np.ones(idx.size, bool)
-    lead[1:] = s[order][1:] != s[order][:-1]
-    ref = np.empty(int(s.max()) + 1, np.int64)
-    ref[s[order][lead]] = order[lead]
+    ref = _set_refs(s, tup, count, rank, idx)
     out = []
     by_set = np.argsort(s, kind="stable")
     bounds = np.flatnonzero(np.r_[True, s[by_set][1:] != s[by_set][:-1], True])
@@ -382,18 +388,6 @@ def _gather_text(g: list[int]) -> str:
     return f"calls {len(g)} DCP KV gather{'s' if len(g) > 1 else ''} of [{rows}] local rows"
 
 
-def _fp_hashes(d: Dump, idx: np.ndarray) -> np.ndarray:
-    """A 64-bit hash of each observation's top-k fingerprints (every third value of rows.sparse_topk: the owned
-    counts and states after them differ between ranks by design)."""
-    off = d["obs.topk"]
-    cnt = np.diff(off)[idx] // 3
-    _, j, at = ragged(off[idx], cnt)
-    v = d.take("rows.sparse_topk", at + 2 * j).astype(np.int64) + 1
-    if d.bounded:
-        d.release(0, d.n)
-    return seg_sums(mix(v, j, 0), cnt).view(np.int64)
-
-
 def check_topk_agree(d: Dump, pairs: RankSets | None = None) -> FindingTable:
     """The ranks of one batch (rank-agree's sets) must select the same top-k set for every query token of a sparse
     MLA layer: each attends to the entries of that set it owns, so the partition between ranks is exact only when
@@ -409,7 +403,9 @@ def check_topk_agree(d: Dump, pairs: RankSets | None = None) -> FindingTable:
     lens = np.diff(off)
     idx = np.flatnonzero(lens >= 3)
     rank = d["obs.rank"]
-    for sp in _split_sets(d, sets, idx, [lens[idx], _fp_hashes(d, idx)]):
+    # compared: the fingerprints, every third value (the owned counts and states after them differ between ranks)
+    fps = _row_hashes(d, "obs.topk", "rows.sparse_topk", idx, stride=3)
+    for sp in _split_sets(d, sets, idx, [lens[idx], fps]):
         ref = d["rows.sparse_topk"][off[sp.ref]:off[sp.ref + 1]][::3]
         parts, first = [], {}
         for i in sp.odd:

@@ -139,6 +139,7 @@ def _read(paths: list[str], stream: bool) -> Dump:
     row values), each row column into one array, file f's part read straight from file f (on a thread of its
     own: the Reader, which validates each file's row values once its rows are in)."""
     heads, obs, kept = [], [], []  # kept: the files held open for the reader (the first few; the rest reopened)
+    cap = lazy.max_open_files()
     try:
         for p in paths:
             p = str(p)
@@ -150,7 +151,7 @@ def _read(paths: list[str], stream: bool) -> Dump:
             h = file_head(p, f)
             heads.append(h)
             obs.append(_obs_columns(h, f))
-            if len(kept) > lazy.max_open_files():
+            if len(kept) > cap:
                 kept.pop().close()
                 kept.append(None)
         return _read_rows(heads, obs, kept, stream)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from dcptool.dcp import chunks, topk
-from dcptool.dcp.reference import group_lens_np, last_page, local_np, local_of, slot_deal, verify_lens_np
+from dcptool.dcp.reference import group_lens_np, last_page, local_np, slot_deal, verify_lens_np
 from dcptool.dump.schema import INT32_MAX
 from dcptool.model.config import SimConfig, kv_groups_of
-from dcptool.model.rows import Rows
+from dcptool.model.rows import Rows, num_decodes
 
 
 class Columns:
@@ -33,7 +33,7 @@ class Columns:
         (dcp-qsl-local, tot-local)."""
         N, F = self.N, self.F
         ql = np.diff(b.qsl)
-        nd = int(np.argmax(ql > 1)) if (ql > 1).any() else b.nrp
+        nd = num_decodes(ql, 1, b.nrp)
         if nd == 0:
             return None, None
         q = b.qsl[: nd + 1]
@@ -128,7 +128,7 @@ class Columns:
         ctx rules can see them)."""
         N, F, nr = self.N, self.F, b.nr
         q = np.diff(b.qsl[: nr + 1])
-        nd = int(np.argmax(q > self.cfg.decode_query_len)) if (q > self.cfg.decode_query_len).any() else nr
+        nd = num_decodes(q, self.cfg.decode_query_len, nr)
         rows = np.arange(nd, nr)
         seqs = [b.seq] * N if odd_seq is None else [b.seq] * (N - 1) + [odd_seq]
         ctx = [(s[nd:nr] - (0 if "ctx-draft-lens" in F else q[nd:])).tolist() for s in seqs]
@@ -169,12 +169,12 @@ class Columns:
         gl = group_lens_np(seqs, nr, self.ranks, N, I_, sharded)
         if "swa-sharded" in F:
             g = next(k for k, (name, _) in enumerate(self.groups) if name == "swa")
-            wrong = group_lens_np(seqs, nr, self.ranks, N, I_, [True] * len(sharded))
-            gl[:, g * b.nrp:(g + 1) * b.nrp] = wrong[:, g * b.nrp:(g + 1) * b.nrp]
-            marks.append(("swa-sharded", (wrong != group_lens_np(seqs, nr, self.ranks, N, I_, sharded)).any(axis=1)))
+            s = slice(g * b.nrp, (g + 1) * b.nrp)
+            wrong = group_lens_np(seqs, nr, self.ranks, N, I_, [True])  # the swa group dealt as sharded: [N, nrp]
+            marks.append(("swa-sharded", (wrong != gl[:, s]).any(axis=1)))
+            gl[:, s] = wrong
         q = np.diff(b.qsl[: nr + 1])
-        long = q > self.cfg.decode_query_len
-        T = int(b.qsl[int(np.argmax(long)) if long.any() else nr] - b.qsl[0])
+        T = int(b.qsl[num_decodes(q, self.cfg.decode_query_len, nr)] - b.qsl[0])
         if T == 0:
             return gl, None
         verify = verify_lens_np(seqs, b.qsl, T, self.ranks, N, I_)
@@ -226,11 +226,11 @@ class Columns:
             return None, None
         N, G, nr, nrp = self.N, self.G, b.nr, b.nrp
         q = np.diff(b.qsl[: nr + 1]).astype(np.int64)
-        nd = int(np.argmax(q > 1)) if (q > 1).any() else nr
+        nd = num_decodes(q, 1, nr)
         seq = np.asarray(b.seq[:nr], np.int64)
         covered = seq.copy()
         covered[nd:] -= q[nd:]
-        local = local_of(np.broadcast_to(covered, (N, nr)).copy(), self.ranks, N, self.I)
+        local = local_np(covered, N, self.ranks, self.I)
         pre = np.full((N, nrp), -1, np.int64)
         pre[:, nd:nr] = -(-seq[nd:] // G)
         last = np.full((N, nrp), -1, np.int64)

@@ -8,7 +8,7 @@ import numpy as np
 
 from dcptool.dump.schema import GraphMode, addr_words
 from dcptool.model.config import SimConfig
-from dcptool.model.rows import Rows
+from dcptool.model.rows import Rows, num_decodes
 
 # The per-request metadata tensors simulate's attention builds hand attention (FlashAttention's DCP path): the
 # builder's local context lengths and the batch's seq_lens (dcptool.config's attn_tensors)
@@ -109,7 +109,7 @@ class Handed:
             marks.append(("host-seq-stale", np.full(N, verify.size > 0)))
         after = host
         if "host-seq-written" in self.F:
-            nd = int(np.argmax(q > 1)) if (q > 1).any() else nr
+            nd = num_decodes(q, 1, nr)
             after = host.copy()
             after[nd:nr] -= q[nd:]
             marks.append(("host-seq-written", np.full(N, nd < nr)))

@@ -24,6 +24,13 @@ class Rows:
         return int(self.seq.size)
 
 
+def num_decodes(query_lens: np.ndarray, threshold: int, n: int) -> int:
+    """The rows before the first whose query is longer than `threshold` (vLLM's split_decodes_and_prefills: decodes
+    first), or `n` where no row is."""
+    long = np.flatnonzero(np.asarray(query_lens) > threshold)
+    return int(long[0]) if long.size else n
+
+
 def make_rows(query_lens: np.ndarray, seq_lens: np.ndarray, nrp: int, ntp: int, req: np.ndarray | None = None) -> Rows:
     """The rows of a batch padded to `nrp` requests (padded seq_lens 0) and at least `ntp` tokens; `req`: the global
     batch row of each real row (Rows.req)."""

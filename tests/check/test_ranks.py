@@ -371,6 +371,20 @@ def test_topk_agree_names_the_rank_that_breaks_ties_another_way(N, I):
     assert "top-k sets" in f.text and f"rank {N - 1} from query token" in f.text
 
 
+@pytest.mark.parametrize("rows", [1, 5, 127])
+def test_topk_agree_hashes_the_fingerprints_in_chunks_as_in_one(monkeypatch, rows):
+    """The fingerprints (every third value) are hashed a chunk of observations at a time: chunks of a few rows
+    find what one chunk finds."""
+    from dcptool.check import ranks
+    from dcptool.dcp import segments
+
+    o = _topk_batches(4, 16, 30, 4, lowest_on={(s, 3) for s in range(0, 30, 3)})
+    whole = check_topk_agree(_dump(o, 4, 16))
+    monkeypatch.setattr(ranks, "obs_chunks", lambda lens, step: segments.obs_chunks(lens, rows))
+    got = check_topk_agree(_dump(o, 4, 16))
+    assert [(f.index, f.detail) for f in got] == [(f.index, f.detail) for f in whole] and whole
+
+
 def test_topk_agree_compares_only_the_ranks_that_recorded_sets(tmp_path):
     o = _topk_batches(3, 1, 2, 7, lowest_on={(0, 1)})
     o[1].sparse_topk = None  # rank 1 of step 0 recorded none: unknown, not a disagreement

@@ -30,11 +30,10 @@ class Spec(NamedTuple):
 # The Guard's checks, named, ordered and chosen by the rule table: the errors among its device checks (a warning
 # never makes an observation wrong). The kernel (device_checks) decides the same ones.
 CHECKS = tuple(c.name for c in DEVICE_CHECKS if c.severity == "error")
-# ... of which the checks of the host values (the row fields after the slot entries: host integers such as the
-# metadata tensors' addresses). On the device path the host decides those that read host values alone (late_bits gives
-# the kernel their verdict); the kernel decides the comparisons of host values with the device's seq_lens and
+# Of the checks of the host values (HOST_CHECKS, below: the row fields after the slot entries, host integers such as
+# the metadata tensors' addresses), on the device path the host decides those that read host values alone (late_bits
+# gives the kernel their verdict); the kernel decides the comparisons of host values with the device's seq_lens and
 # query_start_loc (DEVICE_HALVES: host-copy's stale half, plan-pages), from the host values its launch is handed
-HOST_CHECKS = ("graph-addr", "capacity", "host-copy", "plan-pages", "kernel-block")
 DEVICE_HALVES = ("host-copy", "plan-pages")
 
 
@@ -113,9 +112,8 @@ _HOST = {
     "plan-pages": lambda s, r: (r.kv_prefill_pages is not None or r.kv_last_page is not None) and _plan_wrong(s, r),
     "kernel-block": lambda s, r: r.kv_block_sizes is not None and _misdealt(s, np.asarray(r.kv_block_sizes)),
 }
+HOST_CHECKS = tuple(_HOST)  # the checks of the host values, by name
 _CHECK.update((name, lambda o, f=f: f(o.s, o.r)) for name, f in _HOST.items())
-if set(_HOST) != set(HOST_CHECKS):
-    raise ImportError("guard.host_checks: HOST_CHECKS names the checks of the host values")
 if set(_CHECK) != set(CHECKS):
     raise ImportError(f"guard.host_checks: the rule table's device checks are {list(CHECKS)}; the host path decides "
                       f"{list(_CHECK)}")

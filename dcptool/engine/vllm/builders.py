@@ -97,11 +97,11 @@ def _take_flashinfer(builder, res, got: dict, sig, args: tuple, kwargs: dict) ->
 
     native_decode = type(getattr(res, "decode", None)).__name__ != "FlashInferTrtllmAPIDecode"
     native_prefill = type(getattr(res, "prefill", None)).__name__ != "TRTLLMPrefill"
-    read = np.zeros(counts.size, bool)
-    read[:nd], read[nd:] = native_decode, native_prefill
-    decode = np.where(read & (np.arange(counts.size) < nd), counts, -1).astype(np.int32)
+    dec = np.arange(counts.size) < nd
+    read = np.where(dec, native_decode, native_prefill)
     if int(getattr(builder, "dcp_world_size", 1)) > 1:
-        got["kv_plans"] = (np.where(read & (np.arange(counts.size) >= nd), counts, -1).astype(np.int32),
+        decode = np.where(read & dec, counts, -1).astype(np.int32)
+        got["kv_plans"] = (np.where(read & ~dec, counts, -1).astype(np.int32),
                            None if last is None else np.where(read, last, -1).astype(np.int32))
     else:
         decode = np.where(read, counts, -1).astype(np.int32)
