@@ -57,8 +57,12 @@ KERNEL_ARGS = ("ring", "state", "flag", "keep", "words", "cap", "tcap", "N", "I"
                "tot_p", "n_tot", "pos_p", "n_pos", "map_p", "n_groups", "shard_mask", "wide", "map_stride", "hv_p",
                "n_hs", "n_pre", "n_last", "hbits", "hidx")
 GUARD_BLOCK = 1024  # rows a block: one pass of loads for up to 1,024 requests
-GUARD_BLOCK_INTERPRETED = 256  # under Triton's interpreter (device_checks_tl.py says why)
+GUARD_BLOCK_INTERPRETED = 256  # (rows or tokens) under Triton's interpreter (device_checks_tl.py says why)
 GUARD_WARPS = 8  # (4 rows a thread)
+# The slot mapping's groups checked in one pass over the tokens ([groups, tokens] tiles; more groups: another pass),
+# and the tokens a block of that pass (vLLM's models have one KV-cache group, hybrids two or three)
+GUARD_GROUPS = 2
+GUARD_TOKEN_BLOCK = 2048
 # One bit per check of the Guard (host_checks.CHECKS: the rule table's names and order); the kernel sets each of its
 # own by its name (device_checks_tl) and those of DEVICE_HALVES, the host those of the host values (HOST_CHECKS:
 # launched as `hbits`), the first set in table order is the one reported
@@ -388,7 +392,9 @@ class GuardDevice:
                 if keys != list(range(len(keys))):
                     raise ValueError("slot_mapping's groups must be 0..G-1 on the device path")
                 sm = self.torch.stack([self._i32(sm[g]) for g in keys])
-            sm = self._i32(sm).reshape(-1, n_pos)
+            else:  # [groups, tokens], or flat: groups of n_pos tokens (with no token: one empty group)
+                g = sm.shape[0] if getattr(sm, "ndim", 1) == 2 else -1 if n_pos else 1
+                sm = self._i32(sm).reshape(g, n_pos)
             held.append(sm)
         return pp, n_pos, sm.data_ptr() or self._nil, sm.shape[0], wide, sm.stride(0)
 

@@ -10,6 +10,8 @@ from dcptool.engine.guard.device_checks import (
     DEVICE_HALVES,
     GUARD_BLOCK,
     GUARD_BLOCK_INTERPRETED,
+    GUARD_GROUPS,
+    GUARD_TOKEN_BLOCK,
     HEAD,
     KERNEL_ARGS,
     SECTIONS,
@@ -23,6 +25,8 @@ _ARGS = list(KERNEL_ARGS)
 # (the GPU's time grows with the loops' trips, one round trip to memory each: 1,024 rows in one; the interpreter's
 # with the block's size too, past a few hundred lanes: the CPU tests' blocks are smaller)
 _BLOCK = tl.constexpr(GUARD_BLOCK_INTERPRETED if interpreted() else GUARD_BLOCK)
+_TBLOCK = tl.constexpr(GUARD_BLOCK_INTERPRETED if interpreted() else GUARD_TOKEN_BLOCK)
+_GROUPS = tl.constexpr(GUARD_GROUPS)
 # each check's bit, by the name the rule table gives it (device_checks.KERNEL_CHECKS)
 _MISSING, _VALUES, _PADDING, _SHAPE = (tl.constexpr(BIT[n]) for n in ("missing", "values", "padding", "shape"))
 _PAGES, _EMPTY, _TOT, _SLOTS = (tl.constexpr(BIT[n]) for n in ("pages", "empty-mask", "tot-lens", "slots"))
@@ -87,6 +91,9 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
     slot = ring.to(tl.pointer_type(tl.int32)) + (idx % keep).to(tl.int64) * words
     rows = tl.maximum(tl.maximum(tl.maximum(n_seq, n_dcp), tl.maximum(n_qsl, n_kv)), tl.maximum(n_dq, n_tot))
     rows = tl.maximum(rows, tl.maximum(n_hs, tl.maximum(n_pre, n_last)))
+    # the real tokens' count (qsl[nr]) for the slots: loaded now, so its round trip overlaps the rows'
+    q = tl.load(qslp + nr + tl.arange(0, 2), mask=tl.arange(0, 2) < tl.where((n_groups > 0) & (nr < n_qsl), 1, 0),
+                other=0)
     acc = tl.zeros([_BLOCK], tl.int32)
     for off in range(0, rows, _BLOCK):
         j = off + tl.arange(0, _BLOCK)
@@ -135,41 +142,45 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
         tl.store(slot + _HEAD + 5 * cap + j, tv, mask=j < tl.where(keepit, n_tot, 0))
     if n_groups > 0:
         # slots: n_pos tokens, n_groups rows of slot_mapping ([groups, tokens], rows map_stride apart); the real
-        # tokens are qsl[nr]; kept as positions then the groups' rows back to back
-        q = tl.load(qslp + nr + tl.arange(0, 2), mask=tl.arange(0, 2) < tl.where(nr < n_qsl, 1, 0), other=0)
+        # tokens are qsl[nr] (q: loaded before the rows' loop); kept as positions then the groups' rows back to back.
+        # One pass over the tokens for _GROUPS groups at once ([groups, tokens] tiles: one round trip to memory a
+        # block for all of them); a missing entry of this rank's is wrong only in a group the rank writes in, so
+        # both are gathered per group and met after the pass.
         real_t = tl.where(n_qsl > nr, tl.sum(q, axis=0), n_pos)
         out = slot + _HEAD + _SECTIONS * cap
         kept_t = tl.where(keepit, n_pos, 0)  # (store masks as index bounds: the interpreter's masks must be bool)
         pos_wide = (wide & 1) != 0  # (int64 sources narrowed as they are read)
         map_wide = (wide & 2) != 0
-        for g in range(0, n_groups):
-            sharded = (shard_mask >> g) & 1
-            mp = map_p + map_stride.to(tl.int64) * g * (4 + 4 * map_wide)  # (bytes)
-            writes = rank * 0
-            for off in range(0, n_pos, _BLOCK):  # does this rank write anything in the group?
-                t = off + tl.arange(0, _BLOCK)
-                if map_wide:
-                    s = tl.load(mp.to(tl.pointer_type(tl.int64)) + t, mask=t < n_pos, other=-1).to(tl.int32)
-                else:
-                    s = tl.load(mp.to(tl.pointer_type(tl.int32)) + t, mask=t < n_pos, other=-1)
-                writes = writes | tl.max(((t < real_t) & (s >= 0)).to(tl.int32), axis=0)
-            for off in range(0, n_pos, _BLOCK):
-                t = off + tl.arange(0, _BLOCK)
+        gl = tl.arange(0, _GROUPS)
+        for g0 in range(0, n_groups, _GROUPS):
+            g = g0 + gl
+            gm = g < n_groups
+            sharded = ((shard_mask >> g) & 1)[:, None] != 0
+            row = (map_stride.to(tl.int64) * g)[:, None]
+            writes = tl.zeros([_GROUPS], tl.int32)
+            missing = tl.zeros([_GROUPS], tl.int32)
+            for off in range(0, n_pos, _TBLOCK):
+                t = off + tl.arange(0, _TBLOCK)
                 m = t < n_pos
                 if pos_wide:
                     p = tl.load(pos_p.to(tl.pointer_type(tl.int64)) + t, mask=m, other=0).to(tl.int32)
                 else:
                     p = tl.load(pos_p.to(tl.pointer_type(tl.int32)) + t, mask=m, other=0)
+                m2 = gm[:, None] & m[None, :]
                 if map_wide:
-                    s = tl.load(mp.to(tl.pointer_type(tl.int64)) + t, mask=m, other=-1).to(tl.int32)
+                    s = tl.load(map_p.to(tl.pointer_type(tl.int64)) + row + t[None, :], mask=m2, other=-1)
+                    s = s.to(tl.int32)
                 else:
-                    s = tl.load(mp.to(tl.pointer_type(tl.int32)) + t, mask=m, other=-1)
-                mine = ((p // I) % N == rank) | (sharded == 0)
-                rt = t < real_t
-                bad = (~rt & (s != -1)) | (s < -1) | (rt & (((s >= 0) & ~mine) | ((s == -1) & mine & (writes != 0))))
-                acc = acc | tl.where(m & bad, _SLOTS, 0)
-                tl.store(out + t, p, mask=t < tl.where(g == 0, kept_t, 0))
-                tl.store(out + n_pos * (g + 1) + t, s, mask=t < kept_t)
+                    s = tl.load(map_p.to(tl.pointer_type(tl.int32)) + row + t[None, :], mask=m2, other=-1)
+                mine = (((p // I) % N == rank)[None, :]) | ~sharded
+                rt = (t < real_t)[None, :]
+                bad = (~rt & (s != -1)) | (s < -1) | (rt & (s >= 0) & ~mine)
+                acc = acc | tl.where(tl.max((m2 & bad).to(tl.int32), axis=0) != 0, _SLOTS, 0)
+                writes = writes | tl.max((m2 & rt & (s >= 0)).to(tl.int32), axis=1)
+                missing = missing | tl.max((m2 & rt & (s == -1) & mine).to(tl.int32), axis=1)
+                tl.store(out + t, p, mask=t < tl.where(g0 == 0, kept_t, 0))
+                tl.store(out + (n_pos * (g + 1))[:, None] + t[None, :], s, mask=gm[:, None] & (t < kept_t)[None, :])
+            acc = acc | tl.where(tl.max(writes & missing, axis=0) != 0, _SLOTS, 0)
     # the rows' rule bits ORed (a max would keep only the highest of bits set in different rows): which of the
     # bits any row set (one max over [rows, bits]), then summed back (two reductions the interpreter does in numpy)
     k8 = tl.arange(0, _NBITS)

@@ -236,3 +236,76 @@ def test_host_copy_and_plan_pages_are_decided_by_the_kernel_as_the_host_path_dec
     if nr:  # (the seeds give right and wrong builds of each)
         assert {(("kv_last_page",), ()), (("kv_last_page",), ("host-copy",)), (("host_seq_lens_after",), ()),
                 (("host_seq_lens_after",), ("plan-pages",))} <= verdicts, verdicts
+
+
+def _slot_build(rng, n_tok: int, n_groups: int, rank: int, il: int, wrong: str | None) -> tuple[dict, list]:
+    """A random build's slot entries for n_groups KV-cache groups (some sharded, some replicated): right as vLLM
+    deals them (this rank's positions get a slot, the others -1; padded tokens -1), then `wrong`: an entry of another
+    rank's, a missing one of this rank's (wrong only in a group the rank writes in), a padded token with a slot, a
+    value below -1."""
+    N = 2
+    real = int(rng.integers(0, n_tok + 1)) if n_tok else 0
+    nr = int(rng.integers(1, 5))
+    qsl = np.sort(rng.integers(0, real + 1, nr + 1))
+    qsl[0], qsl[-1] = 0, real
+    pos = rng.integers(0, 5000, n_tok)
+    sharded = [bool(rng.random() < 0.7) for _ in range(n_groups)]
+    mine = (pos // il) % N == rank
+    maps = {}
+    for g in range(n_groups):
+        own = mine if sharded[g] else np.ones(n_tok, bool)
+        s = np.where(own, rng.integers(0, 10 ** 6, n_tok), -1)
+        s[real:] = -1
+        maps[g] = s
+    if wrong and n_tok:
+        g = int(rng.integers(0, n_groups))
+        s = maps[g]
+        t = int(rng.integers(0, n_tok))
+        if wrong == "other-rank" and real and sharded[g] and (~mine[:real]).any():
+            s[int(rng.choice(np.flatnonzero(~mine[:real])))] = 7
+        elif wrong == "missing" and real and mine[:real].any():
+            s[int(rng.choice(np.flatnonzero(mine[:real] | (not sharded[g]))))] = -1
+        elif wrong == "padded" and real < n_tok:
+            s[int(rng.integers(real, n_tok))] = 3
+        elif wrong == "below":
+            s[t] = -2
+    t32 = lambda a: torch.from_numpy(np.asarray(a, np.int32))  # noqa: E731
+    from dcptool.dcp.reference import local_np
+
+    seq = rng.integers(1, 300, nr)
+    kw = dict(step=0, site="s", rank=rank, num_reqs=nr, num_reqs_padded=nr, seq_lens=t32(seq),
+              dcp_local_seq_lens=t32(local_np(seq, N, rank, il)), query_start_loc=t32(qsl), positions=t32(pos),
+              slot_mapping={g: t32(m) for g, m in maps.items()})
+    groups = [{"name": f"g{g}", "dcp": sh} for g, sh in enumerate(sharded)]
+    return kw, groups
+
+
+@pytest.mark.parametrize("n_tok", [0, 1, 127, 128, 129, 1000, 1300])
+def test_slot_ownership_is_decided_by_the_kernel_as_the_host_path_decides_it(tmp_path, n_tok):
+    """Seeded random builds of every token count (blocks of the token pass: one, several, a partial one), 1 to 5
+    KV-cache groups (the kernel takes them two at a time), sharded and replicated, right and with one entry moved:
+    the kernel's slots bit is the numpy reference's verdict, and the entries it keeps are those handed to it."""
+    from dcptool.engine.guard.device_checks import BIT
+
+    rng = np.random.default_rng(n_tok + 40)
+    verdicts = set()
+    for case in range(10):
+        n_groups, rank, il = int(rng.integers(1, 6)), int(rng.integers(0, 2)), int(rng.choice([1, 2]))
+        wrong = [None, "other-rank", "missing", "padded", "below"][case % 5]
+        kw, groups = _slot_build(rng, n_tok, n_groups, rank, il, wrong)
+        seen = []
+        for kernel in (False, True):
+            g = Guard(tmp_path / f"{case}{kernel}", 2, il, kv_groups=groups, on_wrong="count", kernel=kernel)
+            g.observe(**(_on(_dev(), kw) if kernel else kw))
+            if kernel:
+                kept, _, _ = g._dev.kept()
+                bits, rec = kept[-1][1:]
+            g.close()
+            seen.append(g.first_rule)
+        assert seen[0] == seen[1], (case, wrong, n_groups)
+        want = np.stack([kw["slot_mapping"][k].numpy() for k in range(n_groups)])
+        assert np.array_equal(rec.positions, kw["positions"].numpy()) and np.array_equal(rec.slot_mapping, want)
+        assert bits & ~BIT["slots"] == 0 and bool(bits) == (seen[0] == "slots")
+        verdicts.add(seen[0])
+    if n_tok > 1:
+        assert verdicts == {None, "slots"}, verdicts
