@@ -175,7 +175,7 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
                 mine = (((p // I) % N == rank)[None, :]) | ~sharded
                 rt = (t < real_t)[None, :]
                 bad = (~rt & (s != -1)) | (s < -1) | (rt & (s >= 0) & ~mine)
-                acc = acc | tl.where(tl.max((m2 & bad).to(tl.int32), axis=0) != 0, _SLOTS, 0)
+                acc = acc | tl.where(tl.max(tl.max((m2 & bad).to(tl.int32), axis=1), axis=0) != 0, _SLOTS, 0)
                 writes = writes | tl.max((m2 & rt & (s >= 0)).to(tl.int32), axis=1)
                 missing = missing | tl.max((m2 & rt & (s == -1) & mine).to(tl.int32), axis=1)
                 tl.store(out + t, p, mask=t < tl.where(g0 == 0, kept_t, 0))
