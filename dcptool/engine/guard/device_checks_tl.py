@@ -110,30 +110,35 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
         kv = tl.load(kvp + j, mask=mk, other=-1)
         dq = tl.load(dqp + j, mask=mdq, other=0)
         tv = tl.load(totp + j, mask=mt, other=0)
-        wide64 = tl.zeros_like(seq).to(tl.int64)
-        local = local_of(seq.to(tl.int64), wide64 + rank, (wide64 + N) * I, I)
-        acc = acc | tl.where(aligned & real & ms & (dv.to(tl.int64) != local), _VALUES, 0)
+        # the formula in int32 (seq_lens are int32 and every term is at most seq: no overflow; int32 divisions are a
+        # fraction of int64's on a GPU); the plans' in int64 (what they cover is computed from int64 host values)
+        zero = tl.zeros_like(seq)
+        local = local_of(seq, zero + rank, (zero + N) * I, I)
+        acc = acc | tl.where(aligned & real & ms & (dv != local), _VALUES, 0)
         acc = acc | tl.where(aligned & (j >= nr) & (j < nrp) & md & (dv != 0), _PADDING, 0)
-        kv64 = kv.to(tl.int64)
-        acc = acc | tl.where((page > 0) & real & (kv64 >= 0) & (kv64 != (local + page - 1) // tl.maximum(page, 1)),
-                             _PAGES, 0)
+        # (int64 divisions are long instruction sequences on a GPU: the pages' and the plans' run only where given)
+        if (page > 0) & (n_kv > 0):
+            acc = acc | tl.where(real & (kv >= 0) & (kv != (local + page - 1) // tl.maximum(page, 1)), _PAGES, 0)
         acc = acc | tl.where((N > 1) & (n_qsl > 0) & mdq & mq & (dq != qv), _EMPTY, 0)
         acc = acc | tl.where((N > 1) & real & mt & (tv != seq), _TOT, 0)
         hm = j < tl.minimum(nr, n_hs)  # (load masks as index bounds: the interpreter's masks must be bool)
         hs = tl.load(hsp + j, mask=hm, other=0)
         acc = acc | tl.where(hm & ms & (hs != seq.to(tl.int64)), _HOST_COPY, 0)
-        pn = tl.where(plan, nr, 0)
-        pm = j < pn
-        pre = tl.load(prep + j, mask=j < tl.minimum(pn, n_pre), other=-1)
-        last = tl.load(lastp + j, mask=j < tl.minimum(pn, n_last), other=-1)
-        qn = tl.load(qslp + j + 1, mask=j < tl.minimum(pn, n_qsl - 1), other=0)  # (the row's query: qsl[j+1] - qsl[j])
-        seq64 = seq.to(tl.int64)
-        cov = tl.maximum(tl.where(pre >= 0, seq64 - (qn - qv).to(tl.int64), seq64), 0)  # what the plan covers
-        lc = local_of(cov, wide64 + rank, (wide64 + N) * I, I)
-        lp = lc % pg
-        lp = tl.where((lp == 0) & (lc != 0), pg, lp)  # (FlashInfer's last page: reference.last_page)
-        acc = acc | tl.where(pm & (((pre >= 0) & (pre != (lc + pg - 1) // pg)) | ((last >= 0) & (last != lp))),
-                             _PLAN, 0)
+        if plan:
+            pn = nr
+            pm = j < pn
+            pre = tl.load(prep + j, mask=j < tl.minimum(pn, n_pre), other=-1)
+            last = tl.load(lastp + j, mask=j < tl.minimum(pn, n_last), other=-1)
+            # (the row's query: qsl[j+1] - qsl[j])
+            qn = tl.load(qslp + j + 1, mask=j < tl.minimum(pn, n_qsl - 1), other=0)
+            seq64 = seq.to(tl.int64)
+            cov = tl.maximum(tl.where(pre >= 0, seq64 - (qn - qv).to(tl.int64), seq64), 0)  # what the plan covers
+            wide64 = zero.to(tl.int64)
+            lc = local_of(cov, wide64 + rank, (wide64 + N) * I, I)
+            lp = lc % pg
+            lp = tl.where((lp == 0) & (lc != 0), pg, lp)  # (FlashInfer's last page: reference.last_page)
+            acc = acc | tl.where(pm & (((pre >= 0) & (pre != (lc + pg - 1) // pg)) | ((last >= 0) & (last != lp))),
+                                 _PLAN, 0)
         tl.store(slot + _HEAD + j, seq, mask=j < tl.where(keepit, n_seq, 0))
         tl.store(slot + _HEAD + cap + j, dv, mask=j < tl.where(keepit, n_dcp, 0))
         tl.store(slot + _HEAD + 2 * cap + j, qv, mask=j < tl.where(keepit, n_qsl, 0))

@@ -504,6 +504,7 @@ def test_observe_never_brings_a_device_tensor_to_the_host(tmp_path, fields):
     assert reads.seen == ["__array__", "tolist"]
 
 
+@hostring  # (its fences are the host ring's stand-ins, held by the test; a GPU's are CUDA events)
 def test_a_full_host_values_ring_is_never_waited_for_and_no_slot_is_overwritten_before_its_launch_ran(tmp_path,
                                                                                                       monkeypatch):
     """The host-values ring (the snapshot ring's host stand-in, its fences held as a GPU that lags holds them): slots
@@ -581,11 +582,11 @@ def test_on_a_gpu_every_field_is_checked_with_no_host_sync(tmp_path, fields):
                                          (("host_seq_lens_after",), "host-copy"), (("kv_last_page",), "plan-pages"),
                                          (("kv_prefill_pages",), "plan-pages")])
 def test_every_field_through_the_kernel_catches_a_stale_host_copy_and_a_wrong_plan(tmp_path, moved, rule):
-    """The plugin's every field through the interpreted kernel (CPU tensors standing in for the device's), row 5 of
-    the fields `moved` one up: clean as given; the host copy stale as read and as left (the kernel's half of
+    """The plugin's every field through the kernel (interpreted on CPU tensors; on a GPU compiled, on its tensors),
+    row 5 of the fields `moved` one up: clean as given; the host copy stale as read and as left (the kernel's half of
     host-copy) or written in place (the host's half), a last page one off, a decode row's prefill count (-1: not
     recorded) made 0 (a count its context does not have) are caught under their names."""
-    e, ge = _engine("cpu", "all")
+    e, ge = _engine(_dev(), "all")
     g = Guard(tmp_path, ge.N, ge.INTERLEAVE, kernel=True, on_wrong="count", **ge.guard_config())
     for field in moved:
         e.kv[field] = e.kv[field].copy()
@@ -593,3 +594,17 @@ def test_every_field_through_the_kernel_catches_a_stale_host_copy_and_a_wrong_pl
     e.observe(g, 0)
     g.close()
     assert (g.first_rule, g.dropped, g.host_undecided) == (rule, 0, 0)
+
+
+def test_cpu_tensors_never_reach_a_compiled_kernel(tmp_path, monkeypatch):
+    """kernel=True with CPU tensors where Triton is not interpreted (a GPU machine): the compiled kernel would read
+    host memory at device addresses (an illegal address that ends the process); the build is dropped and counted
+    instead, and the engine goes on."""
+    from dcptool.engine.guard import device_checks
+
+    monkeypatch.setattr(device_checks, "interpreted", lambda: False)
+    g = Guard(tmp_path, 2, 1, kernel=True, on_wrong="count")
+    assert g.observe(**dict(_obs(0, 10), seq_lens=_obs(0, 10)["seq_lens"].cpu(),
+                            dcp_local_seq_lens=_obs(0, 10)["dcp_local_seq_lens"].cpu())) == -1
+    g.close()
+    assert (g.dropped, g.count) == (1, 0)
