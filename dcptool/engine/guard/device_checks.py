@@ -80,6 +80,8 @@ _HOST_AT = NAMES.index(HOST_ROWS[0]) if HOST_ROWS else len(NAMES)  # the host va
 if NAMES[_HOST_AT:] != HOST_ROWS:
     raise ImportError("guard.device_checks: the host values are the Record's last fields")
 _TL = "dcptool.engine.guard.device_checks_tl"
+_CPU_COMPILED = ("the Guard's check kernel takes CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1); "
+                 "on a GPU machine pass the engine's CUDA tensors")
 _NONE = -1  # a scalar not given
 _HOST_IN_CAPTURE = -2  # _sec's count of a host array met inside capture (not read)
 
@@ -297,8 +299,7 @@ class GuardDevice:
         """One launch through Triton's dispatch, on the current stream (raw: that stream), on `grid` programs (1);
         returns the compiled kernel (the launcher's C entry is then called with the same arguments: _launcher)."""
         if not self.cuda and not interpreted():  # (a compiled kernel would read host memory at device addresses)
-            raise ValueError("the Guard's check kernel takes CPU tensors only under Triton's interpreter "
-                             "(TRITON_INTERPRET=1); on a GPU machine pass the engine's CUDA tensors")
+            raise ValueError(_CPU_COMPILED)
         return self.kernel[(grid,)](*args, num_warps=GUARD_WARPS)
 
     def _words(self) -> int:
@@ -396,8 +397,7 @@ class GuardDevice:
                     raise ValueError("slot_mapping's groups must be 0..G-1 on the device path")
                 sm = self.torch.stack([self._i32(sm[g]) for g in keys])
             else:  # [groups, tokens], or flat: groups of n_pos tokens (with no token: one empty group)
-                g = sm.shape[0] if getattr(sm, "ndim", 1) == 2 else -1 if n_pos else 1
-                sm = self._i32(sm).reshape(g, n_pos)
+                sm = self._i32(sm).reshape(sm.shape[0] if getattr(sm, "ndim", 1) == 2 else -1 if n_pos else 1, n_pos)
             held.append(sm)
         return pp, n_pos, sm.data_ptr() or self._nil, sm.shape[0], wide, sm.stride(0)
 
