@@ -364,3 +364,27 @@ def pytest_terminal_summary(terminalreporter) -> None:
 # a GPU compiles it (there the CUDA tests cover the same ground with real launches).
 hostring = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                               reason="interpreter-only (CPU); the CUDA tests cover this on a GPU")
+
+
+_COMPILE = """
+import importlib, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+fn = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
+ann = fn.fn.__annotations__
+sig = {a: "i32" if "int32" in str(ann.get(a, "")) else "i64" for a in fn.arg_names}
+k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={}), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": int(sys.argv[3])})
+print(len(k.asm["ptx"]), len(k.asm["cubin"]))
+"""
+
+
+def compiled_for_a_gpu(module: str, kernel: str, warps: int, cache: Path) -> subprocess.CompletedProcess:
+    """A Triton kernel of integer arguments (addresses and counts) compiled as a GPU compiles it (Triton's front end
+    with the GPU's block sizes, then ptxas for sm_90) in a process without the interpreter, on any machine: stdout
+    the PTX's and the cubin's sizes. The kernel tests run the interpreter's smaller blocks, so a shape that does not
+    broadcast at the GPU's sizes passes them and fails only on the GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parents[1]), TRITON_CACHE_DIR=str(cache))
+    return subprocess.run([sys.executable, "-c", _COMPILE, module, kernel, str(warps)], env=env, capture_output=True,
+                          text=True, timeout=300)
