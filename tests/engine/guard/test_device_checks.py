@@ -478,13 +478,16 @@ class _HostReads(torch.overrides.TorchFunctionMode):
 
 
 @pytest.mark.parametrize("fields", ["all", "flashinfer"])
-def test_observe_never_brings_a_device_tensor_to_the_host(tmp_path, fields):
+def test_observe_never_brings_a_device_tensor_to_the_host(tmp_path, monkeypatch, fields):
     """Every field the plugin passes, host values included: observe() on the device path reads none of the engine's
     device tensors on the host (on a GPU each such read waits for the stream). The host-value checks that compare
     with the device's seq_lens and query_start_loc are the kernel's. (CPU tensors stand in for the device's; the
-    launch is a stand-in: what the Python does is the question.) The recorder of reads is itself checked on a read."""
+    launch is a stand-in: what the Python does is the question, so they take the device path on a GPU machine too.)
+    The recorder of reads is itself checked on a read."""
+    import dcptool.engine.guard.guard as guard
     from dcptool.engine.guard.device_checks import KERNEL_ARGS, GuardDevice
 
+    monkeypatch.setattr(guard, "_compiled_on_a_gpu", lambda: False)
     e, ge = _engine("cpu", fields)
     watched = [v for v in e.kv.values() if isinstance(v, torch.Tensor)]
     assert {"seq_lens", "query_start_loc", "host_seq_lens", "kv_prefill_pages", "kv_last_page"} <= set(e.kv)
