@@ -116,7 +116,7 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
         local = local_of(seq, zero + rank, (zero + N) * I, I)
         acc = acc | tl.where(aligned & real & ms & (dv != local), _VALUES, 0)
         acc = acc | tl.where(aligned & (j >= nr) & (j < nrp) & md & (dv != 0), _PADDING, 0)
-        # (int64 divisions are long instruction sequences on a GPU: the pages' and the plans' run only where given)
+        # (divisions are long instruction sequences on a GPU: the pages' and the plans' run only where given)
         if (page > 0) & (n_kv > 0):
             acc = acc | tl.where(real & (kv >= 0) & (kv != (local + page - 1) // tl.maximum(page, 1)), _PAGES, 0)
         acc = acc | tl.where((N > 1) & (n_qsl > 0) & mdq & mq & (dq != qv), _EMPTY, 0)
@@ -124,13 +124,12 @@ def guard_kernel(ring: tl.int64, state: tl.int64, flag: tl.int64, keep: tl.int32
         hm = j < tl.minimum(nr, n_hs)  # (load masks as index bounds: the interpreter's masks must be bool)
         hs = tl.load(hsp + j, mask=hm, other=0)
         acc = acc | tl.where(hm & ms & (hs != seq.to(tl.int64)), _HOST_COPY, 0)
-        if plan:
-            pn = nr
-            pm = j < pn
-            pre = tl.load(prep + j, mask=j < tl.minimum(pn, n_pre), other=-1)
-            last = tl.load(lastp + j, mask=j < tl.minimum(pn, n_last), other=-1)
+        if plan:  # (on the real rows)
+            pm = j < nr
+            pre = tl.load(prep + j, mask=j < tl.minimum(nr, n_pre), other=-1)
+            last = tl.load(lastp + j, mask=j < tl.minimum(nr, n_last), other=-1)
             # (the row's query: qsl[j+1] - qsl[j])
-            qn = tl.load(qslp + j + 1, mask=j < tl.minimum(pn, n_qsl - 1), other=0)
+            qn = tl.load(qslp + j + 1, mask=j < tl.minimum(nr, n_qsl - 1), other=0)
             seq64 = seq.to(tl.int64)
             cov = tl.maximum(tl.where(pre >= 0, seq64 - (qn - qv).to(tl.int64), seq64), 0)  # what the plan covers
             wide64 = zero.to(tl.int64)
