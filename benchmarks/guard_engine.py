@@ -164,8 +164,7 @@ class Engine:
         """The builders' host arrays of this step: FlashInfer's plans and host copies, FlashAttention's addresses
         and capacities, MLA's chunked context, the block sizes."""
         seq, nd, r, fi = self.seq_np, self.nd, self.rows, self.fi_nd
-        covered = (seq - self.q).astype(np.int64)  # (MLA's computed context: past its decode rows)
-        covered[:nd] = seq[:nd]
+        covered = (seq - self.q).astype(np.int64)  # (MLA's computed context: its rows past the decode rows are read)
         flash = (seq - self.q).astype(np.int64)  # (FlashInfer's plans: its decode rows' whole length)
         flash[:fi] = seq[:fi]
         local = local_np(flash, N, RANK, INTERLEAVE)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcptool.dcp.backend import interpreted, load
+from dcptool.dcp.backend import load
 from dcptool.dump import Record
 from dcptool.dump.observation import NAMES
 from dcptool.engine.arguments import host_copy
@@ -80,8 +80,6 @@ _HOST_AT = NAMES.index(HOST_ROWS[0]) if HOST_ROWS else len(NAMES)  # the host va
 if NAMES[_HOST_AT:] != HOST_ROWS:
     raise ImportError("guard.device_checks: the host values are the Record's last fields")
 _TL = "dcptool.engine.guard.device_checks_tl"
-_CPU_COMPILED = ("the Guard's check kernel takes CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1); "
-                 "on a GPU machine pass the engine's CUDA tensors")
 _NONE = -1  # a scalar not given
 _HOST_IN_CAPTURE = -2  # _sec's count of a host array met inside capture (not read)
 
@@ -324,8 +322,6 @@ class GuardDevice:
     def dispatch(self, raw: int, grid: int, *args):
         """One launch through Triton's dispatch, on the current stream (raw: that stream), on `grid` programs (1);
         returns the compiled kernel (the launcher's C entry is then called with the same arguments: _launcher)."""
-        if not self.cuda and not interpreted():  # (a compiled kernel would read host memory at device addresses)
-            raise ValueError(_CPU_COMPILED)
         return self.kernel[(grid,)](*args, num_warps=GUARD_WARPS)
 
     def _words(self) -> int:

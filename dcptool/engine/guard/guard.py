@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 from collections import deque
 from pathlib import Path
 
+from dcptool.dcp.backend import interpreted
 from dcptool.dump import Record
 from dcptool.dump.observation import GROUPS, NAMES, ROW_TABLE, keyword_door
 from dcptool.dump.schema import KVGroup
@@ -88,7 +90,10 @@ class Guard:
         self._read = False  # the device ring was read (after the flag)
         self.closed = False
         self._sizes = (max_rows, max_tokens)
-        self._kernel = kernel  # None: CUDA tensors take the kernel; True: CPU tensors too (the Triton interpreter)
+        # None: CUDA tensors take the kernel; True: CPU tensors too, which only Triton's interpreter can run the kernel
+        # on (compiled, it would read host memory at device addresses): on a GPU machine without it they take the
+        # host path
+        self._kernel = None if kernel and _compiled_on_a_gpu() else kernel
         self._tensor = tensor_type()
 
     @property
@@ -276,3 +281,8 @@ class Guard:
         self._poll()
         return self.dumped
 
+
+def _compiled_on_a_gpu() -> bool:
+    """Triton compiles the check kernel for a GPU here (torch sees one and the interpreter is off)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available() and not interpreted()

@@ -197,3 +197,21 @@ def test_a_dump_never_replaces_another_nor_breaks_the_engine(tmp_path, where):
     name = f"guard.{os.getpid()}.rank1.step3"
     assert g.dumped.name == (f"{name}.1.safetensors" if where == "taken" else f"{name}.safetensors")
     assert sorted(p.name for p in out.iterdir()) == sorted({f"{name}.safetensors", g.dumped.name})
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_kernel_true_with_cpu_tensors_on_a_gpu_machine_takes_the_host_path(tmp_path, monkeypatch, compiled):
+    """kernel=True sends CPU tensors to the check kernel where Triton's interpreter runs it; where it is compiled for a
+    GPU (it would read host memory at device addresses: an illegal address that ends the process) they take the
+    host path: checked, none dropped, the wrong view named."""
+    import dcptool.engine.guard.guard as guard
+
+    monkeypatch.setattr(guard, "_compiled_on_a_gpu", lambda: compiled)
+    g = Guard(tmp_path, 2, 1, kernel=True, on_wrong="count")
+    assert (g._kernel is None) == compiled
+    if compiled:
+        seq = torch.tensor([8, 5, 3], dtype=torch.int32)
+        g.observe(step=0, site="s", rank=0, seq_lens=seq, num_reqs=3, num_reqs_padded=3,
+                  dcp_local_seq_lens=torch.tensor([4, 3, 1], dtype=torch.int32))  # (rank 0 of 2: 4, 3, 2)
+        g.close()
+        assert (g.count, g.dropped, g.first_rule, g._dev) == (1, 0, "values", None)
