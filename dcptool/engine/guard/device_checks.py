@@ -177,34 +177,38 @@ class HostValues:
     completed (finished(wait=False)): the launch that read the slot ran. A full ring is never waited for: the build's
     DEVICE_HALVES are left undecided (`full` counts those builds), as inside capture; slots of ended launches are
     collected at each fence and when the ring is full. The ring is made at the first build that passes any of the
-    values (outside capture: a captured build passes none, _CAPTURED_BUILD_ONLY)."""
+    values (outside capture: a captured build passes none, _CAPTURED_BUILD_ONLY) or a row section as a host array
+    (numpy: FlashInfer's page counts), which the same slot carries as int32 (post's `secs`)."""
 
     def __init__(self, device: int | None, words: int = HOST_VALUE_WORDS):
         self.device, self.words = device, words
         self.ring: SnapshotRing | None = None
         self.full = 0
 
-    def post(self, r: Record, nr: int) -> tuple | None:
-        """None where the build passes none of the values or the ring is full; else the slot's address, its start
-        and words (0 and 0: nothing written), then the counts of the three written (-1: not given)."""
-        arrays = (r.host_seq_lens, r.kv_prefill_pages, r.kv_last_page)
-        if arrays[0] is None and arrays[1] is None and arrays[2] is None:
+    def post(self, r: Record | None, nr: int, secs: tuple = ()) -> tuple | None:
+        """None where the build passes none of the values and no `secs`, or the ring is full; else the slot's
+        address, its start and words (0 and 0: nothing written), the counts of the three written (-1: not given;
+        all -1 for r None), then the addresses of `secs` (host arrays among the row sections, written as int32 after
+        the values: the kernel reads them through the ring's device address, no pinned copy launched per array)."""
+        arrays = (None,) * 3 if r is None else (r.host_seq_lens, r.kv_prefill_pages, r.kv_last_page)
+        if arrays[0] is None and arrays[1] is None and arrays[2] is None and not secs:
             return None
         ns = tuple(-1 if a is None else min(len(a), nr) for a in arrays)
         n = sum(k for k in ns if k > 0)
+        m = sum(len(a) for a in secs)
         ring = self.ring
         if ring is None:
             ring = self.ring = SnapshotRing(self.words, self.device)
-        if n == 0:
-            return ring.base, 0, 0, *ns
-        need = 2 * n + 1  # (a word to align the int64 values: the buffer itself is aligned)
+        if n == 0 and m == 0:
+            return ring.base, 0, 0, *ns, *(ring.base,) * len(secs)
+        need = 2 * n + 1 + m  # (a word to align the int64 values: the buffer itself is aligned)
         start = ring.alloc(need)
         if start is None:
             ring.fence()
             self._collect()
             start = ring.alloc(need)
             if start is None:
-                self.full += 1
+                self.full += r is not None
                 return None
         at = start + (start & 1)
         v = ring.np[at:at + 2 * n].view(np.int64)
@@ -213,7 +217,29 @@ class HostValues:
             if k > 0:
                 v[o:o + k] = a[:k]
                 o += k
-        return ring.base + 4 * at, start, need, *ns
+        at += 2 * n
+        out = []
+        for a in secs:
+            k = len(a)
+            ring.np[at:at + k] = a  # (int32, as GuardDevice._i32 narrows)
+            out.append(ring.base + 4 * at)
+            at += k
+        return ring.base + 4 * (start + (start & 1)), start, need, *ns, *out
+
+    def place(self, r: Record | None, nr: int, at, rows: tuple, ps: list, held: list, copy, nil: int) -> tuple:
+        """post() for a launch: its host values (r None: none) and its row sections `at` (indices into `rows`, host
+        arrays) in one slot; (post's tuple or None, `ps` with the sections' addresses). A full ring: those sections
+        copied with `copy` (kept in `held` until the launch), the host values left undecided."""
+        hv = self.post(r, nr, tuple(rows[k] for k in at))
+        got = hv[6:] if hv is not None else [copy(rows[k]) for k in at]
+        if hv is None and at:
+            held += got
+            got = [x.data_ptr() or nil for x in got]
+        for k, a in zip(at, got):
+            ps[k] = a
+        if r is None:
+            hv = None if hv is None or not hv[2] else (nil, hv[1], hv[2], -1, -1, -1)
+        return hv, ps
 
     def launched(self, raw: int, start: int, need: int) -> None:
         """The launch that reads the slot at `start` is queued on stream `raw`: the slot stays until it ran."""
@@ -348,14 +374,17 @@ class GuardDevice:
 
     def _sec(self, x, held: list) -> tuple[int, int]:
         """(address, count) of a row section (count -1: absent, _HOST_IN_CAPTURE: a host array inside capture,
-        not read). An int32 contiguous tensor on the device is launched as it is; anything else is copied first
-        (_i32; `held` keeps the copy until the launch)."""
+        not read; address None: a host array, which launch() places in the host-values slot). An int32 contiguous
+        tensor on the device is launched as it is; another tensor on it is copied first (_i32; `held` keeps the copy
+        until the launch)."""
         if x is None:
             return self._nil, -1
         if not (type(x) is self._tensor and x.get_device() == self.did and x.dtype is self._i32t
                 and x.is_contiguous()):
             if self._in_capture(x):
                 return self._nil, _HOST_IN_CAPTURE
+            if type(x) is not self._tensor or x.get_device() != self.did:  # (a host array: launch() places it)
+                return None, len(x)
             x = self._i32(x)
             held.append(x)
         return x.data_ptr() or self._nil, x.numel()  # (an empty tensor's address may be 0: never read)
@@ -436,6 +465,9 @@ class GuardDevice:
         kp, nk = sec(kv, held)
         yp, ny = sec(dqsl, held)
         tp, nt = sec(tot, held)
+        at = ()  # host arrays among them (address None): written into the host-values slot (post)
+        if sp is None or dp is None or qp is None or kp is None or yp is None or tp is None:
+            at = [k for k, a in enumerate((sp, dp, qp, kp, yp, tp)) if a is None]
         if min(nd, nq, nk, ny, nt) == _HOST_IN_CAPTURE:  # (host arrays inside capture: those checks left out)
             if nd == _HOST_IN_CAPTURE:
                 return False  # (without its view nothing of it can be checked: skipped, as before the ring)
@@ -458,13 +490,15 @@ class GuardDevice:
         hidx = self.hidx
         self.hidx = (hidx + 1) & 0x7FFFFFFF  # (a header word)
         step, rank, nr, nrp, ubatch, parent, rs, ts, te, ntp, buf, graph = vals  # (Scalars order)
-        hbits, hv = 0, None
-        if any(x is not None for x in r[_HOST_AT:]):
+        hbits, hv, late = 0, None, any(x is not None for x in r[_HOST_AT:])
+        if late:
             if self.capturing():
                 r = r._replace(**_CAPTURED_BUILD_ONLY)
             hbits = late_bits(self._spec, r, BIT)
             self._keep_host(r, hidx)
-            hv = self.host_values.post(r, nr)
+        if late or at:
+            hv, (sp, dp, qp, kp, yp, tp) = self.host_values.place(r if late else None, nr, at, (
+                seq_lens, dcp, qsl, kv, dqsl, tot), [sp, dp, qp, kp, yp, tp], held, self._i32, nil)
         buf = _NONE if buf is None else buf
         raw = self.raw(self.did)
         self.go(raw, 1, *self._fixed, step, sid, rank, ubatch, nr, nrp,
@@ -472,7 +506,7 @@ class GuardDevice:
                 _NONE if te is None else te, _NONE if ntp is None else ntp, _NONE if graph is None else graph,
                 (buf & 0xFFFFFFFF) - ((buf & 0x80000000) << 1), buf >> 32, sp, ns, dp, nd, qp, nq, kp, nk, yp, ny,
                 tp, nt, pp, max(npos, 0), mp, groups, mask, wide, stride, *(self._no_hv if hv is None else
-                                                                          (hv[0], *hv[3:])), hbits, hidx)
+                                                                          (hv[0], *hv[3:6])), hbits, hidx)
         if hv is not None and hv[2]:
             self.host_values.launched(raw, hv[1], hv[2])
         return True
@@ -496,7 +530,7 @@ class GuardDevice:
         for i in range(max(0, last - self.keep + 1), last + 1):
             w = ring[i % self.keep]
             if w[0] == i + 1:
-                out.append((i, int(w[1]), self._decode(w) if w[W_KEPT] else None))
+                out.append((i, int(w[1]), _decode(w, self.cap, self.site_names, self.extras) if w[W_KEPT] else None))
         return out, count, wrong
 
     def counts(self) -> tuple[int, int]:
@@ -506,27 +540,26 @@ class GuardDevice:
         count, _, wrong = (int(v) for v in self.state[:3].cpu().tolist())
         return count, wrong
 
-    def _decode(self, w: np.ndarray) -> Record:
-        """A slot back to the observation's Record (host arrays)."""
-        cap = self.cap
-        cnt = w[W_COUNTS:W_COUNTS + 8].tolist()
 
-        def sec(k):
-            return None if cnt[k] < 0 else w[HEAD + k * cap:HEAD + k * cap + cnt[k]].copy()
+def _decode(w: np.ndarray, cap: int, site_names: list[str], extras: dict) -> Record:
+    """A slot of the Guard's ring (`cap` rows a section) back to the observation's Record (host arrays)."""
+    cnt = w[W_COUNTS:W_COUNTS + 8].tolist()
 
-        def opt(v):
-            return None if v == _NONE else int(v)
+    def sec(k):
+        return None if cnt[k] < 0 else w[HEAD + k * cap:HEAD + k * cap + cnt[k]].copy()
 
-        required = ("step", "rank", "ubatch", "num_reqs", "num_reqs_padded")  # (never _NONE)
-        kw = {f: int(w[k]) if f in required else opt(w[k]) for f, k in HEAD_WORDS.items()}
-        b = HEAD_WORDS["buffer"]
-        kw.update(site=self.site_names[int(w[HEAD_WORDS["site"]])],
-                  buffer=opt((int(w[b + 1]) << 32) | (int(w[b]) & 0xFFFFFFFF)))
-        kw.update((f, sec(k)) for k, f in enumerate(ROW_SECTIONS))
-        kw.update(zip(HOST_ROWS, self.extras.get(int(w[W_HOST]), ())))
-        tok, groups = cnt[6], cnt[7]
-        if groups > 0:
-            base = HEAD + SECTIONS * cap
-            kw["positions"] = w[base:base + tok].copy()
-            kw["slot_mapping"] = w[base + tok:base + tok * (groups + 1)].reshape(groups, tok).copy()
-        return Record(**kw)
+    def opt(v):
+        return None if v == _NONE else int(v)
+
+    required = ("step", "rank", "ubatch", "num_reqs", "num_reqs_padded")  # (never _NONE)
+    kw = {f: int(w[k]) if f in required else opt(w[k]) for f, k in HEAD_WORDS.items()}
+    b = HEAD_WORDS["buffer"]
+    kw.update(site=site_names[int(w[HEAD_WORDS["site"]])], buffer=opt((int(w[b + 1]) << 32) | (int(w[b]) & 0xFFFFFFFF)))
+    kw.update((f, sec(k)) for k, f in enumerate(ROW_SECTIONS))
+    kw.update(zip(HOST_ROWS, extras.get(int(w[W_HOST]), ())))
+    tok, groups = cnt[6], cnt[7]
+    if groups > 0:
+        base = HEAD + SECTIONS * cap
+        kw["positions"] = w[base:base + tok].copy()
+        kw["slot_mapping"] = w[base + tok:base + tok * (groups + 1)].reshape(groups, tok).copy()
+    return Record(**kw)

@@ -597,3 +597,32 @@ def test_every_field_through_the_kernel_catches_a_stale_host_copy_and_a_wrong_pl
     e.observe(g, 0)
     g.close()
     assert (g.first_rule, g.dropped, g.host_undecided) == (rule, 0, 0)
+@pytest.mark.parametrize("room", [True, False])
+@pytest.mark.parametrize("moved", [None, "query_start_loc", "kv_pages"])
+def test_host_row_sections_go_through_the_host_values_slot_and_are_checked(tmp_path, monkeypatch, room, moved):
+    """Row sections handed as numpy (FlashInfer's page counts, as the plugin passes them; query_start_loc, as
+    another engine might) are written into the build's host-values slot, which the kernel reads through its device
+    address: no copy of them made (on a GPU, a pinned copy and a copy launched per array), the host path's verdict
+    (right; the real tokens one short; a page count one off). A full ring: copied as before, the same verdict."""
+    from dcptool.engine.guard.device_checks import GuardDevice, HostValues
+
+    e, ge = _engine(_dev(), "all")
+    e.kv["query_start_loc"] = e.kv["query_start_loc"].cpu().numpy().copy()
+    if moved is not None:
+        e.kv[moved] = np.array(e.kv[moved])
+        e.kv[moved][-1 if moved == "query_start_loc" else 5] -= 1
+    assert isinstance(e.kv["kv_pages"], np.ndarray)
+    seen, copies = [], []
+    real = GuardDevice._i32
+    monkeypatch.setattr(GuardDevice, "_i32", lambda self, x: copies.append(type(x)) or real(self, x))
+    for kernel in (False, True):
+        g = Guard(tmp_path / str(kernel), ge.N, ge.INTERLEAVE, kernel=kernel, on_wrong="count", **ge.guard_config())
+        e.observe(g, 0)  # (the ring made)
+        if kernel and not room:
+            g._dev.host_values = HostValues(g._dev.host_values.device, 16)  # (too small for this build's values)
+        copies.clear()
+        e.observe(g, 1)
+        g.close()
+        seen.append((g.first_rule, g.dropped))
+    assert [c for c in copies if c is np.ndarray] == ([] if room else [np.ndarray, np.ndarray])
+    assert seen[0] == seen[1] and (seen[0][0] is None) == (moved is None) and seen[0][1] == 0, seen
