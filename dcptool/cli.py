@@ -233,9 +233,6 @@ def replay(
     if html is not None:
         output_target("--html", html, files, force)
     d = _open(files, merge, stream=True)  # (the scan follows the read; replay() ends it)
-    from dcptool.check.scan import start_gpu_soon
-
-    start_gpu_soon(backend, d.n)  # (its start-up beside the imports below and the replay's set-up)
     if d.bounded:  # (said before the work: a replay in bounded memory takes longer)
         say(d.memory.reason(), "replay")
     try:

@@ -304,12 +304,12 @@ def resolve_backend(name: str, observations: int | None = None) -> tuple[str, st
     cost more than it saves), without asking for a GPU. The GPU is asked of the CUDA driver (gpu.cuda.available:
     its bindings, no context started), not torch (seconds to import): neither backend's replay imports torch
     outside the interpreter."""
-    from dcptool.check.scan import on_cpu
+    from dcptool.check.scan import GPU_MIN_OBS
     from dcptool.gpu import cuda
 
     if name not in values(Backend):
         raise ValueError(f"unknown backend {name!r} (auto, triton or torch)")
-    if on_cpu(name, observations):
+    if name == "torch" or (name == "auto" and observations is not None and observations < GPU_MIN_OBS):
         return "torch", "cpu"
     gpu = cuda.available()
     if name == "auto":

@@ -29,22 +29,6 @@ GPU_MIN_OBS = 500_000
 T = TypeVar("T")
 
 
-def on_cpu(backend: str, observations: int | None) -> bool:
-    """The scan of `observations` stays on the CPU without asking for a GPU: torch, or auto below GPU_MIN_OBS."""
-    return backend == "torch" or (backend == "auto" and observations is not None and observations < GPU_MIN_OBS)
-
-
-def start_gpu_soon(backend: str, observations: int) -> None:
-    """Where `backend` may scan `observations` on a GPU, start the GPU now on a thread (gpu.cuda.start_soon), so that
-    a fresh process's start-up overlaps the read and the imports before the scan instead of delaying the scan (a
-    start that fails, or finds no GPU, leaves the scan to decide as before)."""
-    from dcptool.dcp.backend import interpreted
-    from dcptool.gpu import cuda
-
-    if not on_cpu(backend, observations) and not interpreted():
-        cuda.start_soon()
-
-
 def rows_differ(d: Dump, offs_key: str, rows_key: str, idx: np.ndarray, other: np.ndarray,
                 step: int = 1 << 16) -> np.ndarray:
     """For each observation idx[k]: its rows differ from observation other[k]'s (length or any value); exact,

@@ -11,7 +11,6 @@ failure is one CudaError naming the call.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import importlib.util
@@ -108,28 +107,13 @@ _gpus: list[Gpu] = []  # the process's one Gpu, once started
 
 
 def gpu() -> Gpu:
-    """Device 0 with its primary context, started once per process (thread-safe: a start under way, start_soon's,
-    is waited for)."""
+    """Device 0 with its primary context, started once per process (thread-safe)."""
     with _lock:
         if not _gpus:
             if not available():
                 raise CudaError("no CUDA device")
             _gpus.append(Gpu(0))
         return _gpus[0]
-
-
-def start_soon() -> None:
-    """Start device 0 (gpu()) on a thread of its own, for a caller that will want it shortly: the driver, cuda-core's
-    import and the primary context (0.3-0.45 s in a fresh process on an H100 host) come up while the caller reads and
-    imports, and its gpu() waits for what is left. A failure is not kept: the caller's gpu() meets it again and
-    raises it there."""
-    if not _gpus:
-        threading.Thread(target=_start_quietly, daemon=True, name="dcptool-gpu-start").start()
-
-
-def _start_quietly() -> None:
-    with contextlib.suppress(Exception):  # (gpu() raises it again where it is wanted)
-        gpu()
 
 
 class Gpu:

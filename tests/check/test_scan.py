@@ -66,28 +66,6 @@ def test_below_the_crossover_auto_never_asks_the_driver(monkeypatch):
         resolve_backend("auto", scan_mod.GPU_MIN_OBS)
 
 
-@pytest.mark.parametrize("interp", [False, True])
-@pytest.mark.parametrize("backend", ["torch", "auto", "triton"])
-@pytest.mark.parametrize("below", [0, 1, None])  # observations: 0, GPU_MIN_OBS - 1, GPU_MIN_OBS
-def test_the_gpu_is_started_early_exactly_where_the_scan_may_take_it(monkeypatch, interp, backend, below):
-    """start_gpu_soon starts the GPU (cuda.start_soon) where resolve_backend would ask the driver for it: triton, or
-    auto from GPU_MIN_OBS observations; never for torch, a small auto replay or under Triton's interpreter."""
-    from dcptool.check.replay import resolve_backend
-
-    n = scan_mod.GPU_MIN_OBS - 1 if below == 1 else 0 if below == 0 else scan_mod.GPU_MIN_OBS
-    started, asked = [], []
-    monkeypatch.setattr(cuda_mod, "start_soon", lambda: started.append(1))
-    monkeypatch.setattr(cuda_mod, "available", lambda: asked.append(1) or True)
-    if interp:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    else:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    scan_mod.start_gpu_soon(backend, n)
-    resolve_backend(backend, n)
-    assert started == ([] if interp else asked)
-    assert bool(asked) == (backend == "triton" or (backend == "auto" and below is None))
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_scan_of_rollover_files_read_lazily(tmp_path, monkeypatch, threads):
     """The CPU scan over lazily merged files (interleaved; few files mapped at once; two threads sharing them)."""

@@ -158,54 +158,6 @@ def test_a_gpu_that_fails_to_start_is_one_line(tmp_path, monkeypatch, backend):
     assert "backend torch on cpu" in text.stdout
 
 
-@pytest.mark.parametrize("fails", [False, True])
-def test_start_soon_starts_the_gpu_once_on_a_thread_of_its_own(monkeypatch, fails):
-    """start_soon makes the process's Gpu on a thread of its own; the caller's gpu() waits for that start instead of
-    making a second one. A start that failed is not kept: the caller's gpu() starts again and raises the error."""
-    entered, go, made = threading.Event(), threading.Event(), []
-
-    class Slow:
-        def __init__(self, ordinal):
-            made.append(threading.current_thread().name)
-            entered.set()
-            assert go.wait(60)
-            if fails:
-                raise cuda.CudaError("CUDA device start-up failed: CUDA_ERROR_UNKNOWN")
-
-    monkeypatch.setattr(cuda, "available", lambda: True)
-    monkeypatch.setattr(cuda, "Gpu", Slow)
-    monkeypatch.setattr(cuda, "_gpus", [])
-    cuda.start_soon()
-    assert entered.wait(60)  # (the start holds the lock: the gpu() below waits for it)
-    go.set()
-    if fails:
-        with pytest.raises(cuda.CudaError, match="start-up failed"):
-            cuda.gpu()
-        assert made == ["dcptool-gpu-start", threading.current_thread().name]
-        return
-    g = cuda.gpu()
-    assert isinstance(g, Slow) and cuda.gpu() is g and made == ["dcptool-gpu-start"]
-    cuda.start_soon()  # (started: nothing more is made)
-    assert cuda.gpu() is g and made == ["dcptool-gpu-start"]
-
-
-def test_replay_starts_the_gpu_as_soon_as_the_dump_is_open(tmp_path, monkeypatch):
-    """`dcptool replay` hands start_gpu_soon the backend it was given and the dump's observations, before the replay
-    itself (whose scan then finds the GPU started)."""
-    from dcptool.check import replay as replay_mod
-    from dcptool.check import scan as scan_mod
-
-    random_dump(tmp_path / "d.safetensors", np.random.default_rng(2), 40, 4, 1)
-    calls = []
-    real = replay_mod.replay
-    monkeypatch.setattr(scan_mod, "start_gpu_soon", lambda b, n: calls.append(("start", b, n)))
-    monkeypatch.setattr(replay_mod, "replay", lambda d, b, **k: calls.append(("replay", b, d.n)) or real(d, b, **k))
-    for backend in ("torch", "auto"):
-        calls.clear()
-        r = cli("replay", tmp_path / "d.safetensors", "--backend", backend, "--json")
-        assert r.returncode in (0, 1) and calls == [("start", backend, 40), ("replay", backend, 40)], r.stderr
-
-
 class _Device:
     """cuda.core.Device's stand-in: one object per thread (as cuda-core makes them), whose allocations, streams and
     events are refused until its context is current on that thread."""
