@@ -260,8 +260,8 @@ def replay(
     code = 1 if res.errors or (strict and res.warnings) else 0
     exits.verdict(code)
     if json_out:
-        for line in report.replay_json_lines(res, max_findings):
-            sys.stdout.write(line + "\n")
+        for chunk in report.replay_json_text(res, max_findings):
+            sys.stdout.write(chunk)
     else:
         from dcptool.report import screen
 

@@ -317,7 +317,7 @@ def _boom(*a, **k):
 
 @pytest.mark.parametrize("args,target", [
     (["replay", "DUMP"], "dcptool.check.replay.replay"),
-    (["replay", "DUMP", "--json"], "dcptool.report.text.replay_json_lines"),
+    (["replay", "DUMP", "--json"], "dcptool.report.text.replay_json_text"),
     (["diff", "DUMP", "DUMP"], "dcptool.diagnose.diff.diff"),
     (["inspect", "DUMP"], "dcptool.dump.describe"),
     (["inspect", "DUMP"], "dcptool.report.text.render_inspect"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
@@ -23,7 +24,7 @@ import numpy as np
 from dcptool.check.provenance import Source
 from dcptool.dcp.kv_transfer import KINDS as TRANSFER_KINDS
 from dcptool.dcp.rules import RULES, SEVERITY
-from dcptool.dump.ref import obs_ref
+from dcptool.dump.ref import obs_ref, obs_refs
 
 if TYPE_CHECKING:
     from dcptool.dump import Dump
@@ -81,11 +82,13 @@ class Finding:
 # are rendered when read (render_texts) from the columns and the dump.
 STORED, VALUE, MISSING, PADDING, SHAPE, STRAY, PAGES, ALIAS_UB, ALIAS_GRAPH = range(9)
 
+# stale: why, by relation ({0} the source's reference, {1} its site, {2} its step: positional, so that map() formats
+# a column of them)
 _EXPLAIN = {
-    "parent-rows": "copied from the parent batch (obs {ref}, {site}); recompute from the micro-batch's own seq_lens",
-    "earlier-in-step": "derived from an earlier batch of this step (obs {ref}, {site}), e.g. the global batch "
+    "parent-rows": "copied from the parent batch (obs {0}, {1}); recompute from the micro-batch's own seq_lens",
+    "earlier-in-step": "derived from an earlier batch of this step (obs {0}, {1}), e.g. the global batch "
                        "before the PCP partition; compute it from the final batch",
-    "earlier-step": "left over from step {step} (obs {ref}, {site}); the buffer was not refreshed "
+    "earlier-step": "left over from step {2} (obs {0}, {1}); the buffer was not refreshed "
                     "(e.g. baked into a CUDA graph)",
 }
 
@@ -94,6 +97,44 @@ _EXPLAIN = {
 # local length; padding: num_reqs; alias: the other observation, its index)
 _INT = ("row", "recorded", "expected", "wrong_rows", "source", "relation", "a0", "a1")
 _MASK = ("has_row", "has_recorded", "has_expected")
+
+# A finding's JSON line (Finding.to_json as json.dumps writes it) and its source's, as %-formats of their fields: the
+# rule's "rule" and "severity", "obs", the file's "file" and "ref" up to the index, the index, ... the message's where
+# (step, site, rank, micro-batch) and text as they go inside its JSON string
+_LINE = ('{"type": "finding", %s, "obs": %d, %s%d", "step": %d, "site": %s, "rank": %d, "ubatch": %d, "row": %s, '
+         '"recorded": %s, "expected": %s, "wrong_rows": %d, "source": %s, "detail": %s, '
+         '"message": "step %d %s rank %d%s: %s"}')
+_SOURCE = '{"obs": %d, "relation": "%s", "step": %d, "site": %s, "ubatch": %d, "file": %s, "ref": %s:%d"}'
+
+
+def _where_ubatch(ub: np.ndarray) -> list[str]:
+    """The micro-batch part of Finding.where for each ubatch: " ubatch U", "" for the full batch (-1)."""
+    out = np.full(ub.size, "", object)
+    at = np.flatnonzero(ub >= 0)
+    out[at] = list(map(" ubatch %d".__mod__, ub[at].tolist()))
+    return out.tolist()
+
+
+def _escaped(texts: list[str], kind: np.ndarray, code: np.ndarray) -> list[str]:
+    """Texts as they go inside a JSON string: escaped (the json module's encoder, without the quotes) where a text
+    holds strings from the dump (a check's own text, stale's and alias's references and sites); the others are
+    dcptool's words and numbers, which JSON writes as they are."""
+    out = np.array(texts, object) if texts else np.zeros(0, object)
+    at = np.flatnonzero((kind == STORED) | (kind == ALIAS_UB) | (kind == ALIAS_GRAPH)
+                        | ((kind == VALUE) & (code == RULES.index("stale"))))
+    if at.size:
+        out[at] = list(map(_INSIDE, map(encode_basestring_ascii, out[at].tolist())))
+    return out.tolist()
+
+
+_INSIDE = operator.itemgetter(slice(1, -1))  # a JSON string without its quotes
+
+
+def _or_null(v: np.ndarray, has: np.ndarray) -> list:
+    """A column's JSON values: each number, "null" where `has` is False (the field is None)."""
+    out = v.astype(object)
+    out[~has] = "null"
+    return out.tolist()
 
 
 class FindingTable(Sequence):
@@ -267,58 +308,61 @@ class FindingTable(Sequence):
 
     # ----- JSON Lines, streamed from the columns
 
-    def json_lines(self, block: int = 8192) -> Iterator[str]:
-        """Each finding as its JSON line (as json.dumps(Finding.to_json()) writes it), from the columns, a block
-        of findings at a time: the texts of a block are rendered together (render_texts), the numbers read as
-        lists, and the JSON strings of names and messages made by the json module's own C encoder."""
+    def json_lines(self, block: int = 16384) -> Iterator[str]:
+        """Each finding as its JSON line (as json.dumps(Finding.to_json()) writes it), from the columns: json_blocks."""
+        for lines in self.json_blocks(block):
+            yield from lines
+
+    def json_blocks(self, block: int = 16384) -> Iterator[list[str]]:
+        """The JSON lines of a block of findings at a time (a list each): the texts of a block rendered together
+        (render_texts), the columns read as lists, and each line one %-format of them (_LINE) applied by map's C
+        loop, no bytecode per finding. Names, files and texts from the dump are JSON strings made by the json
+        module's own C encoder; the texts dcptool writes from numbers alone go in as they are (nothing to escape)."""
         d = self.d
         c = self._cols
         enc = encode_basestring_ascii  # json.dumps(str) without the encoder object per call
-        rule_j = [enc(r) for r in RULES]
-        sev_j = [enc(SEVERITY[r]) for r in RULES]
-        files, files_j = d.files, [enc(f) for f in d.files]
+        head = [f'"rule": {enc(r)}, "severity": {enc(SEVERITY[r])}' for r in RULES]
+        # "file" and "ref" (enc(obs_ref(file, obs))): enc escapes each character alone, so the reference's JSON is
+        # the file's without its closing quote, then ":I" and the quote (neither needs escaping)
+        files = [f'"file": {enc(f)}, "ref": {enc(f)[:-1]}:' for f in d.files]
         sites_j = [enc(s) for s in d.config.sites]
-        sites = d.config.sites
+        sites_in = [s[1:-1] for s in sites_j]  # (inside the message's JSON string)
         every = self._rows()
         for lo in range(0, every.size, block):
             rows = every[lo : lo + block]
             idx = c["index"][rows]
             fobs, fidx = d.file_obs[idx].tolist(), d.file_index[idx].tolist()
             step, site = d["obs.step"][idx].tolist(), d["obs.site"][idx].tolist()
-            rank, ub = d["obs.rank"][idx].tolist(), d["obs.ubatch"][idx].tolist()
-            code = c["rule_code"][rows].tolist()
-            vals = [[str(v) if h else "null" for v, h in zip(c[f][rows].tolist(), c[m][rows].tolist())]
-                    for f, m in zip(("row", "recorded", "expected"), _MASK)]
-            wrong = c["wrong_rows"][rows].tolist()
-            srcs = self._source_json(rows)
+            rank, ub = d["obs.rank"][idx], d["obs.ubatch"][idx]
+            code = c["rule_code"][rows]
             texts, details = render_texts(self, rows)
-            for k in range(rows.size):
-                u = ub[k]
-                where = f"step {step[k]} {sites[site[k]]} rank {rank[k]}" + (f" ubatch {u}" if u >= 0 else "")
-                yield (f'{{"type": "finding", "rule": {rule_j[code[k]]}, "severity": {sev_j[code[k]]}, '
-                       f'"obs": {fobs[k]}, "file": {files_j[fidx[k]]}, "ref": {enc(obs_ref(files[fidx[k]], fobs[k]))}, '
-                       f'"step": {step[k]}, '
-                       f'"site": {sites_j[site[k]]}, "rank": {rank[k]}, "ubatch": {u}, "row": {vals[0][k]}, '
-                       f'"recorded": {vals[1][k]}, "expected": {vals[2][k]}, "wrong_rows": {wrong[k]}, '
-                       f'"source": {srcs.get(k, "null")}, "detail": {details[k]}, '
-                       f'"message": {enc(where + ": " + texts[k])}}}')
+            where_ub = _where_ubatch(ub)
+            rank, ub = rank.tolist(), ub.tolist()
+            yield list(map(_LINE.__mod__, zip(
+                map(head.__getitem__, code.tolist()), fobs, map(files.__getitem__, fidx), fobs, step,
+                map(sites_j.__getitem__, site), rank, ub,
+                *(_or_null(c[f][rows], c[m][rows]) for f, m in zip(("row", "recorded", "expected"), _MASK)),
+                c["wrong_rows"][rows].tolist(), self._source_json(rows), details, step,
+                map(sites_in.__getitem__, site), rank, where_ub, _escaped(texts, c["kind"][rows], code))))
 
-    def _source_json(self, rows: np.ndarray) -> dict[int, str]:
-        """The JSON of the sources of column rows `rows` that have one, by position in `rows`."""
+    def _source_json(self, rows: np.ndarray) -> list[str]:
+        """The JSON of the sources of column rows `rows` ("null" where none), in the order of `rows`."""
         d = self.d
         src = self._cols["source"][rows]
+        out = np.full(rows.size, "null", object)
         at = np.flatnonzero(src >= 0)
-        if at.size == 0:
-            return {}
-        s = src[at]
-        rel = self._cols["relation"][rows][at].tolist()
-        obs, step, ub = d.file_obs[s].tolist(), d["obs.step"][s].tolist(), d["obs.ubatch"][s].tolist()
-        site, fidx = d["obs.site"][s].tolist(), d.file_index[s].tolist()
-        enc = encode_basestring_ascii
-        return {k: f'{{"obs": {obs[n]}, "relation": "{RELATIONS[rel[n]]}", "step": {step[n]}, '
-                   f'"site": {enc(d.config.sites[site[n]])}, "ubatch": {ub[n]}, "file": {enc(d.files[fidx[n]])}, '
-                   f'"ref": {enc(obs_ref(d.files[fidx[n]], obs[n]))}}}'
-                for n, k in enumerate(at.tolist())}
+        if at.size:
+            s = src[at]
+            enc = encode_basestring_ascii
+            files_j = [enc(f) for f in d.files]
+            fidx = d.file_index[s].tolist()
+            obs = d.file_obs[s].tolist()
+            out[at] = list(map(_SOURCE.__mod__, zip(
+                obs, map(RELATIONS.__getitem__, self._cols["relation"][rows][at].tolist()), d["obs.step"][s].tolist(),
+                map([enc(x) for x in d.config.sites].__getitem__, d["obs.site"][s].tolist()),
+                d["obs.ubatch"][s].tolist(), map(files_j.__getitem__, fidx), map([f[:-1] for f in files_j].__getitem__,
+                                                                                 fidx), obs)))
+        return out.tolist()
 
     # ----- counts
 
@@ -386,103 +430,103 @@ class Written:
 
 
 def render_texts(t: FindingTable, rows: np.ndarray) -> tuple[list[str], list[str]]:
-    """The texts and the JSON of the details of many column rows at once (the JSON Lines writer): the columns
-    are read as lists once, then one f-string per finding, the same ones render_text writes."""
+    """The texts and the JSON of the details of many column rows at once (the JSON Lines writer, one finding read
+    alone): by kind (and rule), one %-format (or str.format) of the columns applied by map's C loop, no bytecode
+    per finding but for the checks' own written texts (STORED)."""
     c, d = t._cols, t.d
     cfg = d.config
     n = rows.size
-    texts: list[str] = [""] * n
-    details: list[str] = ["{}"] * n
+    texts = np.full(n, "", object)
+    details = np.full(n, "{}", object)
     kind = c["kind"][rows]
     for kd in np.unique(kind).tolist():
         at = np.flatnonzero(kind == kd)
         r = rows[at]
-        pos = at.tolist()
-        if kd == STORED:
-            for k, rr in zip(pos, r.tolist()):
-                texts[k], det = t._stored[rr]
-                details[k] = json.dumps(det)
+        if kd == STORED:  # (the checks that find few)
+            written = [t._stored[x] for x in r.tolist()]
+            texts[at] = [x for x, _ in written]
+            details[at] = [json.dumps(x) for _, x in written]
             continue
-        row, rec, exp, wr, a0, a1 = (c[x][r].tolist() for x in ("row", "recorded", "expected", "wrong_rows", "a0",
-                                                                 "a1"))
+        row, rec, exp, wr, a0, a1 = (c[x][r] for x in ("row", "recorded", "expected", "wrong_rows", "a0", "a1"))
         if kd == MISSING:
-            msg = (f"dcp_local_seq_lens is None with dcp_size {cfg.dcp_size}; attention metadata would fail "
-                   "with 'NoneType' object is not subscriptable")
-            for k in pos:
-                texts[k] = msg
+            texts[at] = (f"dcp_local_seq_lens is None with dcp_size {cfg.dcp_size}; attention metadata would fail "
+                         "with 'NoneType' object is not subscriptable")
         elif kd in (ALIAS_UB, ALIAS_GRAPH):
-            tx, dj, _ = _alias_texts(d, c["index"][r], c["a0"][r], kd)
-            for m, k in enumerate(pos):
-                texts[k], details[k] = tx[m], dj[m]
+            texts[at], details[at] = _alias_texts(d, c["index"][r], a0, kd)
         elif kd == STRAY:
-            for k in pos:
-                texts[k] = "a DCP view is present with dcp_size 1; the engine should pass None"
+            texts[at] = "a DCP view is present with dcp_size 1; the engine should pass None"
         elif kd == SHAPE:
-            for m, k in enumerate(pos):
-                texts[k] = f"DCP view has {a0[m]} rows, must have num_reqs_padded = {a1[m]}"
-                details[k] = f'{{"length": {a0[m]}, "expected_length": {a1[m]}}}'
+            _fill(texts, at, "DCP view has %d rows, must have num_reqs_padded = %d", a0, a1)
+            _fill(details, at, '{"length": %d, "expected_length": %d}', a0, a1)
         elif kd == PADDING:
-            for m, k in enumerate(pos):
-                texts[k] = (f"padded row {row[m]} holds {rec[m]}, must be 0 "
-                            f"({wr[m]} bad padded row(s); rows >= num_reqs {a0[m]})")
+            _fill(texts, at, "padded row %d holds %d, must be 0 (%d bad padded row(s); rows >= num_reqs %d)", row,
+                  rec, wr, a0)
         elif kd == PAGES:
-            page = cfg.page_size
-            glob_why = " = the global count: page counts were computed from the global length"
-            for m, k in enumerate(pos):
-                why = glob_why if rec[m] == a0[m] else ""
-                texts[k] = (f"attention plan claims {rec[m]} pages for row {row[m]}{why}; this rank owns {exp[m]} "
-                            f"(cdiv(local {a1[m]}, {page}))")
-                details[k] = f'{{"claimed": {rec[m]}, "allowed": {exp[m]}, "global": {a0[m]}}}'
+            why = np.where(rec == a0, " = the global count: page counts were computed from the global length", "")
+            _fill(texts, at, "attention plan claims %d pages for row %d%s; this rank owns %d (cdiv(local %d, %s))",
+                  rec, row, why, exp, a1, np.full(at.size, cfg.page_size, object))
+            _fill(details, at, '{"claimed": %d, "allowed": %d, "global": %d}', rec, exp, a0)
         else:  # VALUE
-            code = c["rule_code"][r].tolist()
-            src = c["source"][r]
+            _value_texts(d, c, r, at, texts, details)
+    return texts.tolist(), details.tolist()
+
+
+def _fill(out: np.ndarray, at: np.ndarray, fmt: str, *cols: np.ndarray) -> None:
+    """out[at] = fmt % (cols[0][m], cols[1][m], ...) for each m, by map's C loop."""
+    out[at] = list(map(fmt.__mod__, zip(*(x.tolist() for x in cols))))
+
+
+def _value_texts(d, c: dict[str, np.ndarray], r: np.ndarray, at: np.ndarray, texts: np.ndarray,
+                 details: np.ndarray) -> None:
+    """The VALUE findings' texts (column rows `r`, at positions `at`): the wrong row, after what each rule says."""
+    cfg = d.config
+    row, rec, exp, wr = (c[x][r] for x in ("row", "recorded", "expected", "wrong_rows"))
+    rws = np.empty(at.size, object)
+    rws[:] = list(map("row %d is %d, expected %d (%d wrong row%s)".__mod__, zip(
+        row.tolist(), rec.tolist(), exp.tolist(), wr.tolist(), np.where(wr > 1, "s", "").tolist())))
+    code, a0 = c["rule_code"][r], c["a0"][r]
+    for k in np.unique(code).tolist():
+        m = np.flatnonzero(code == k)
+        rule = RULES[k]
+        if rule == "stale":
+            src, rel = c["source"][r][m], c["relation"][r][m]
+            s = np.where(src >= 0, src, 0)  # (a stale finding has a source; none would read the first observation)
             has = src >= 0
-            s_obs = np.zeros(r.size, np.int64)
-            s_step = np.zeros(r.size, np.int64)
-            s_site = np.zeros(r.size, np.int64)
-            s_file = np.zeros(r.size, np.int64)
-            s_obs[has], s_step[has] = d.file_obs[src[has]], d["obs.step"][src[has]]
-            s_site[has], s_file[has] = d["obs.site"][src[has]], d.file_index[src[has]]
-            s_obs, s_step, s_site, s_file = s_obs.tolist(), s_step.tolist(), s_site.tolist(), s_file.tolist()
-            rel = c["relation"][r].tolist()
-            for m, k in enumerate(pos):
-                w = wr[m]
-                rws = f"row {row[m]} is {rec[m]}, expected {exp[m]} ({w} wrong row{'s' if w > 1 else ''})"
-                rule = RULES[code[m]]
-                if rule == "stale":
-                    why = _EXPLAIN[RELATIONS[rel[m]]].format(ref=obs_ref(d.files[s_file[m]], s_obs[m]),
-                                                             site=cfg.sites[s_site[m]], step=s_step[m])
-                    texts[k] = f"stale DCP view, {why}; {rws}"
-                elif rule == "global":
-                    texts[k] = f"DCP view holds the global seq_lens, not this rank's local lengths; {rws}"
-                elif rule == "wrong-rank":
-                    texts[k] = f"DCP view holds rank {a0[m]}'s local lengths; pass this rank's dcp_rank; {rws}"
-                    details[k] = f'{{"rank": {a0[m]}}}'
-                elif rule == "wrong-interleave":
-                    texts[k] = (f"DCP view was computed with interleave {a0[m]}, the dump's is "
-                                f"{cfg.cp_interleave} (check cp_kv_cache_interleave_size); {rws}")
-                    details[k] = f'{{"interleave": {a0[m]}}}'
-                else:
-                    texts[k] = rws
-    return texts, details
+            s_obs, s_file = np.where(has, d.file_obs[s], 0), np.where(has, d.file_index[s], 0)
+            s_step, s_site = np.where(has, d["obs.step"][s], 0), np.where(has, d["obs.site"][s], 0)
+            refs = np.array(obs_refs(d.files, s_file.tolist(), s_obs.tolist()), object)
+            for x in np.unique(rel).tolist():
+                e = np.flatnonzero(rel == x)
+                texts[at[m[e]]] = list(map(("stale DCP view, " + _EXPLAIN[RELATIONS[x]] + "; {3}").format, refs[e],
+                                           map(cfg.sites.__getitem__, s_site[e].tolist()), s_step[e].tolist(),
+                                           rws[m[e]]))
+        elif rule == "global":
+            _fill(texts, at[m], "DCP view holds the global seq_lens, not this rank's local lengths; %s", rws[m])
+        elif rule == "wrong-rank":
+            _fill(texts, at[m], "DCP view holds rank %d's local lengths; pass this rank's dcp_rank; %s", a0[m], rws[m])
+            _fill(details, at[m], '{"rank": %d}', a0[m])
+        elif rule == "wrong-interleave":
+            _fill(texts, at[m], "DCP view was computed with interleave %d, the dump's is %s (check "
+                                "cp_kv_cache_interleave_size); %s", a0[m], np.full(m.size, cfg.cp_interleave, object),
+                  rws[m])
+            _fill(details, at[m], '{"interleave": %d}', a0[m])
+        else:
+            texts[at[m]] = rws[m]
 
 
-def _alias_texts(d, i: np.ndarray, j: np.ndarray, kind: int) -> tuple[list[str], list[str], list[dict]]:
+def _alias_texts(d, i: np.ndarray, j: np.ndarray, kind: int) -> tuple[list[str], list[str]]:
     """alias: observations i and the other observation j (the micro-batch sharing the buffer, or the capture):
-    (texts, details as JSON, details)."""
+    (texts, details as JSON)."""
     buf = d["obs.buffer"]
     bi, bj, oj = buf[i].tolist(), buf[j].tolist(), d.file_obs[j].tolist()
-    rj = [obs_ref(d.files[f], o) for f, o in zip(d.file_index[j].tolist(), oj)]  # the other one's reference
-    enc = encode_basestring_ascii
+    rj = obs_refs(d.files, d.file_index[j].tolist(), oj)  # the other one's reference
+    rj_j = list(map(encode_basestring_ascii, rj))
     if kind == ALIAS_UB:
         ui, uj = d["obs.ubatch"][i].tolist(), d["obs.ubatch"][j].tolist()
-        texts = [f"micro-batch {a} reads the same DCP buffer as micro-batch {b} (obs {o}); each micro-batch "
-                 "needs its own buffer" for a, b, o in zip(ui, uj, rj)]
-        dets = [{"buffer": a, "other_obs": o, "other_ref": r} for a, o, r in zip(bi, oj, rj)]
-        return texts, [f'{{"buffer": {a}, "other_obs": {o}, "other_ref": {enc(r)}}}'
-                       for a, o, r in zip(bi, oj, rj)], dets
-    texts = [f"full-graph replay reads DCP buffer {a:#x} but the graph was captured on {b:#x} (obs {o}); the "
-             "replay sees stale values" for a, b, o in zip(bi, bj, rj)]
-    dets = [{"buffer": a, "captured": b, "capture_obs": o, "capture_ref": r} for a, b, o, r in zip(bi, bj, oj, rj)]
-    return texts, [f'{{"buffer": {a}, "captured": {b}, "capture_obs": {o}, "capture_ref": {enc(r)}}}'
-                   for a, b, o, r in zip(bi, bj, oj, rj)], dets
+        return (list(map("micro-batch %d reads the same DCP buffer as micro-batch %d (obs %s); each micro-batch needs "
+                         "its own buffer".__mod__, zip(ui, uj, rj))),
+                list(map('{"buffer": %d, "other_obs": %d, "other_ref": %s}'.__mod__, zip(bi, oj, rj_j))))
+    return (list(map("full-graph replay reads DCP buffer %#x but the graph was captured on %#x (obs %s); the replay "
+                     "sees stale values".__mod__, zip(bi, bj, rj))),
+            list(map('{"buffer": %d, "captured": %d, "capture_obs": %d, "capture_ref": %s}'.__mod__,
+                     zip(bi, bj, oj, rj_j))))

@@ -36,6 +36,9 @@ SITE_BOUND = frozenset({"missing", "stale", "global", "mismatch", "shape", "ubat
 # Main rules: a wrong or absent view. Side rules: consequences that join the main problem of the same
 # observation (shape of another length, e.g. a global-length view) or the same batch (rank-sum).
 MAIN = frozenset({"missing", "stale", "global", "wrong-rank", "wrong-interleave", "mismatch"})
+# the same by rule code (position in rules.RULES): grouping reads the findings' codes, never an array of names
+IS_SITE_BOUND = np.array([r in SITE_BOUND for r in RULES], bool)
+IS_MAIN = np.array([r in MAIN for r in RULES], bool)
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ def _keys(t: FindingTable) -> _Keys:
 
 def row_patterns(d: Dump, fa: _Keys) -> np.ndarray:
     """Each finding's row pattern (VIEW, REAL_ROWS, STRADDLE, PADDED, CUT, LENGTH), vectorised."""
-    rule = np.asarray(RULES)[fa.rule] if fa.n else np.zeros(0, "<U1")
+    code = RULES.index
     nr = d["obs.num_reqs"][fa.index].astype(np.int64)
     nrp = d["obs.num_reqs_padded"][fa.index].astype(np.int64)
     out = np.full(fa.n, VIEW, np.int8)
@@ -80,10 +83,10 @@ def row_patterns(d: Dump, fa: _Keys) -> np.ndarray:
     out[rows] = REAL_ROWS
     # a micro-batch whose one wrong row is its last real row: the request cut by the split (its tokens after
     # the split belong to the next micro-batch, so its length here is shorter than the parent's)
-    out[rows & (fa.ubatch >= 0) & (fa.wrong_rows == 1) & (fa.row == nr - 1) & np.isin(rule, sorted(MAIN))] = STRADDLE
-    out[rule == "padding"] = PADDED
-    out[rule == "transfer"] = PLAN
-    shape = rule == "shape"
+    out[rows & (fa.ubatch >= 0) & (fa.wrong_rows == 1) & (fa.row == nr - 1) & IS_MAIN[fa.rule]] = STRADDLE
+    out[fa.rule == code("padding")] = PADDED
+    out[fa.rule == code("transfer")] = PLAN
+    shape = fa.rule == code("shape")
     out[shape] = np.where((fa.length[shape] == nr[shape]) & (nr[shape] < nrp[shape]), CUT, LENGTH)
     return out
 
@@ -317,8 +320,19 @@ class Steps:
         return {"first": self.first, "last": self.last, "count": self.count, "period": self.period}
 
 
+def _distinct(x: np.ndarray) -> np.ndarray:
+    """np.unique(x) of integers, by counting where their range is small (a million of them: a hash or a sort costs
+    tens of times more)."""
+    if x.size == 0:
+        return np.unique(x)
+    lo, hi = int(x.min()), int(x.max())
+    if hi - lo > 16 * x.size + (1 << 16):  # (the counts: 8 bytes a value of the range)
+        return np.unique(x)
+    return (np.flatnonzero(np.bincount(x.astype(np.int64) - lo, minlength=hi - lo + 1)) + lo).astype(x.dtype)
+
+
 def _steps(steps: np.ndarray) -> Steps:
-    u = np.unique(steps)
+    u = _distinct(steps)
     gaps = np.unique(np.diff(u))
     return Steps(int(u[0]), int(u[-1]), int(u.size), int(gaps[0]) if gaps.size == 1 else None)
 
@@ -410,15 +424,14 @@ def problems(d: Dump, findings: FindingTable, engine_version: str | None = None)
     by = np.argsort(final, kind="stable")  # positions of each group, ascending
     bounds = np.searchsorted(final[by], live)
     ends = np.searchsorted(final[by], live, side="right")
-    return [_problem(num, fa, pattern, by[a:b], by[a:b][gid[by[a:b]] == g], findings, version)
+    return [_problem(num, fa, pattern, by[a:b], gid[by[a:b]] == g, findings, version)
             for num, (g, a, b) in enumerate(zip(live.tolist(), bounds.tolist(), ends.tolist()), 1)]
 
 
 def _key_groups(fa: _Keys, pattern: np.ndarray) -> np.ndarray:
     """Each finding's group of its own key (rule, relation, site where SITE_BOUND, row pattern). The straddling
     row is how a copied parent row usually shows, not another mechanism: one key with real rows."""
-    rule = np.asarray(RULES)[fa.rule]
-    site_key = np.where(np.isin(rule, sorted(SITE_BOUND)), fa.site, -1).astype(np.int64)
+    site_key = np.where(IS_SITE_BOUND[fa.rule], fa.site, -1).astype(np.int64)
     key_pattern = np.where(pattern == STRADDLE, REAL_ROWS, pattern).astype(np.int64)
     order, g_sorted = _runs([key_pattern, site_key, fa.relation.astype(np.int64), fa.rule.astype(np.int64)])
     gid = np.empty(fa.n, np.int64)
@@ -430,16 +443,15 @@ def _side_owners(fa: _Keys, pattern: np.ndarray, gid: np.ndarray) -> np.ndarray:
     """The main group a side finding joins (-1: none): a main finding's at the same observation (shape of another
     length, rank-sum), else for rank-sum, which is reported where the set of ranks completes, a main finding's of
     the same batch (step, site, ubatch)."""
-    rule = np.asarray(RULES)[fa.rule]
-    main = np.isin(rule, sorted(MAIN))
-    side_sum = rule == "rank-sum"
+    main = IS_MAIN[fa.rule]
+    side_sum = fa.rule == RULES.index("rank-sum")
     owner = np.full(fa.n, -1, np.int64)
     if not main.any():
         return owner
     mi = np.flatnonzero(main)
     mo = np.argsort(fa.index[mi], kind="stable")
     keys, grp = fa.index[mi][mo], gid[mi][mo]
-    s = np.flatnonzero(((rule == "shape") & (pattern == LENGTH)) | side_sum)
+    s = np.flatnonzero(((fa.rule == RULES.index("shape")) & (pattern == LENGTH)) | side_sum)
     k = np.searchsorted(keys, fa.index[s])
     hit = (k < keys.size) & (keys[np.minimum(k, keys.size - 1)] == fa.index[s])
     owner[s[hit]] = grp[k[hit]]
@@ -457,20 +469,19 @@ def _side_owners(fa: _Keys, pattern: np.ndarray, gid: np.ndarray) -> np.ndarray:
     return owner
 
 
-def _problem(num: int, fa: _Keys, pattern: np.ndarray, members: np.ndarray, own: np.ndarray, findings: FindingTable,
-             version: str | None) -> Problem:
-    """Problem `num`: its findings (`members`, ascending positions), of them its own key's (`own`) and the side
-    findings that joined it."""
-    rules = np.asarray(RULES)
+def _problem(num: int, fa: _Keys, pattern: np.ndarray, members: np.ndarray, is_own: np.ndarray,
+             findings: FindingTable, version: str | None) -> Problem:
+    """Problem `num`: its findings (`members`, ascending positions), of them its own key's (where `is_own`) and the
+    side findings that joined it."""
+    own, side_idx = members[is_own], members[~is_own]
     rep = own[0] if own.size else members[0]
-    r_name = str(rules[fa.rule[rep]])
+    r_name = RULES[int(fa.rule[rep])]
     rel = RELATIONS[int(fa.relation[rep])] or None
-    s_names = tuple(fa.sites[i] for i in np.unique(fa.site[own]).tolist())
-    side_idx = np.setdiff1d(members, own, assume_unique=True)
+    s_names = tuple(fa.sites[i] for i in _distinct(fa.site[own]).tolist())
     side = {}
     if side_idx.size:
-        rs, cnt = np.unique(fa.rule[side_idx], return_counts=True)
-        side = {str(rules[x]): int(c) for x, c in zip(rs.tolist(), cnt.tolist())}
+        cnt = np.bincount(fa.rule[side_idx], minlength=len(RULES))
+        side = {RULES[x]: int(cnt[x]) for x in np.flatnonzero(cnt).tolist()}
     pat = int(pattern[rep])
     straddle = int((pattern[own] == STRADDLE).sum())
     if pat in (REAL_ROWS, STRADDLE):
@@ -478,7 +489,7 @@ def _problem(num: int, fa: _Keys, pattern: np.ndarray, members: np.ndarray, own:
     pat_text = PATTERNS[pat] if pat != REAL_ROWS or not straddle else \
         f"real rows; in {straddle} only the row straddling the micro-batch split"
     return Problem(number=num, rule=r_name, relation=rel, pattern=pat_text, sites=s_names, count=int(own.size),
-                   side=side, findings=members.astype(np.int64), observations=int(np.unique(fa.index[members]).size),
-                   steps=_steps(fa.step[own]), ranks=tuple(np.unique(fa.rank[own]).tolist()), first=findings[int(rep)],
+                   side=side, findings=members.astype(np.int64), observations=int(_distinct(fa.index[members]).size),
+                   steps=_steps(fa.step[own]), ranks=tuple(_distinct(fa.rank[own]).tolist()), first=findings[int(rep)],
                    explanation=explain(r_name, rel, pat, s_names, bool(fa.claimed_global[own].all())),
                    known=match_known(r_name, rel, s_names, version))

@@ -4,11 +4,17 @@ files"), FILE as the reader was given it. The one form every report prints and `
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 
 def obs_ref(file: str, obs: int) -> str:
     """The reference of observation `obs` (its index in `file`)."""
     return f"{file}:{obs}"
+
+
+def obs_refs(files: Sequence[str], file_index: list[int], obs: list[int]) -> list[str]:
+    """obs_ref of many observations (`file_index` into `files`, `obs` in its file), formatted by map's C loop."""
+    return list(map("%s:%d".__mod__, zip(map(files.__getitem__, file_index), obs)))
 
 
 def parse_ref(spec: str) -> tuple[str | None, int]:

@@ -370,15 +370,24 @@ def render_rows_view(v, console: Console, findings: bool = True) -> None:
         say(console, (f.rule, severity_style(f.severity)), literal(f" {f.message}"))
 
 
-def replay_json_lines(res, max_findings: int | None = None) -> Iterator[str]:
-    for s in res.splits:
-        yield json.dumps(s.to_json())
+def replay_json_text(res, max_findings: int | None = None) -> Iterator[str]:
+    """`replay --json`: its JSON Lines in chunks, each whole lines ending in a newline (a block of findings a chunk,
+    streamed from the table's columns with no Finding objects: one write each, not one a finding)."""
+    head = [json.dumps(s.to_json()) for s in res.splits]
     if res.rows_view is not None:
-        yield json.dumps(res.rows_view.to_json())
+        head.append(json.dumps(res.rows_view.to_json()))
+    if head:
+        yield "\n".join(head) + "\n"
     shown = res.findings if max_findings is None else res.findings[:max_findings]
-    yield from shown.json_lines()  # streamed from the table's columns, no Finding objects
-    yield from problem_json_lines(getattr(res, "problems", []))
-    yield json.dumps(res.summary_json())
+    for lines in shown.json_blocks():
+        yield "\n".join(lines) + "\n"
+    yield "\n".join([*problem_json_lines(getattr(res, "problems", [])), json.dumps(res.summary_json())]) + "\n"
+
+
+def replay_json_lines(res, max_findings: int | None = None) -> Iterator[str]:
+    """`replay --json`'s lines one by one (replay_json_text's chunks cut at their newlines: a JSON line has none)."""
+    for chunk in replay_json_text(res, max_findings):
+        yield from chunk[:-1].split("\n")
 
 
 def render_inspect(info, console: Console) -> None:
