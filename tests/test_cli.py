@@ -151,7 +151,10 @@ def test_triton_backend_without_gpu_is_refused_unless_the_interpreter_is_asked_f
     from dcptool.gpu import cuda
 
     p = write(tmp_path / "t.safetensors", [obs(step=i) for i in range(3)] + [obs(step=3, view=[9, 14, 0, 0])])
-    r = cli("replay", p, "--backend", "triton", "--json", env={"TRITON_INTERPRET": interpret})
+    # (the interpreter asked for: a fresh process, as a user's; Triton decides it once per process, and a test before
+    # this one in the same worker may have imported triton without it)
+    run = cli_subprocess if interpret == "1" else cli
+    r = run("replay", p, "--backend", "triton", "--json", env={"TRITON_INTERPRET": interpret})
     if not cuda.available() and interpret != "1":
         assert (r.returncode, r.stdout) == (2, "") and r.stderr.count("\n") == 1, r.stderr
         assert r.stderr.startswith("dcptool replay: --backend: triton: no GPU here") and "--backend torch" in r.stderr

@@ -20,6 +20,7 @@ import numpy as np
 from dcptool.check.findings import PAGES, SHAPE, Finding, FindingTable
 from dcptool.check.findings import RELATIONS as FINDING_RELATIONS
 from dcptool.dcp.rules import RULES
+from dcptool.dcp.segments import distinct
 from dcptool.dump import Dump
 
 RELATIONS = ("", *FINDING_RELATIONS)
@@ -320,19 +321,8 @@ class Steps:
         return {"first": self.first, "last": self.last, "count": self.count, "period": self.period}
 
 
-def _distinct(x: np.ndarray) -> np.ndarray:
-    """np.unique(x) of integers, by counting where their range is small (a million of them: a hash or a sort costs
-    tens of times more)."""
-    if x.size == 0:
-        return np.unique(x)
-    lo, hi = int(x.min()), int(x.max())
-    if hi - lo > 16 * x.size + (1 << 16):  # (the counts: 8 bytes a value of the range)
-        return np.unique(x)
-    return (np.flatnonzero(np.bincount(x.astype(np.int64) - lo, minlength=hi - lo + 1)) + lo).astype(x.dtype)
-
-
 def _steps(steps: np.ndarray) -> Steps:
-    u = _distinct(steps)
+    u = distinct(steps)
     gaps = np.unique(np.diff(u))
     return Steps(int(u[0]), int(u[-1]), int(u.size), int(gaps[0]) if gaps.size == 1 else None)
 
@@ -477,7 +467,7 @@ def _problem(num: int, fa: _Keys, pattern: np.ndarray, members: np.ndarray, is_o
     rep = own[0] if own.size else members[0]
     r_name = RULES[int(fa.rule[rep])]
     rel = RELATIONS[int(fa.relation[rep])] or None
-    s_names = tuple(fa.sites[i] for i in _distinct(fa.site[own]).tolist())
+    s_names = tuple(fa.sites[i] for i in distinct(fa.site[own]).tolist())
     side = {}
     if side_idx.size:
         cnt = np.bincount(fa.rule[side_idx], minlength=len(RULES))
@@ -489,7 +479,7 @@ def _problem(num: int, fa: _Keys, pattern: np.ndarray, members: np.ndarray, is_o
     pat_text = PATTERNS[pat] if pat != REAL_ROWS or not straddle else \
         f"real rows; in {straddle} only the row straddling the micro-batch split"
     return Problem(number=num, rule=r_name, relation=rel, pattern=pat_text, sites=s_names, count=int(own.size),
-                   side=side, findings=members.astype(np.int64), observations=int(_distinct(fa.index[members]).size),
-                   steps=_steps(fa.step[own]), ranks=tuple(_distinct(fa.rank[own]).tolist()), first=findings[int(rep)],
+                   side=side, findings=members.astype(np.int64), observations=int(distinct(fa.index[members]).size),
+                   steps=_steps(fa.step[own]), ranks=tuple(distinct(fa.rank[own]).tolist()), first=findings[int(rep)],
                    explanation=explain(r_name, rel, pat, s_names, bool(fa.claimed_global[own].all())),
                    known=match_known(r_name, rel, s_names, version))

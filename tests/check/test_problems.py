@@ -264,18 +264,3 @@ def test_another_projects_bug_is_matched_only_where_the_engine_names_it(version,
         assert m is None
         return
     assert m.verdict == named and m.bug.name == "vllm-ascend PR #16168" and m.bug.project == "vllm-ascend"
-
-
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("n,spread", [(0, 1), (1, 1), (50, 3), (1000, 10**3), (1000, 10**9), (200_000, 10**6)])
-@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64])
-def test_distinct_is_np_unique(seed, n, spread, dtype):
-    """Grouping's distinct values (counted where their range is small, else np.unique) are np.unique's, in value,
-    order and dtype, for ranges narrow and wide, negative values included."""
-    from dcptool.check.problems import _distinct
-
-    rng = np.random.default_rng(seed)
-    hi = min(spread, np.iinfo(dtype).max)
-    x = rng.integers(-hi // 2, hi, n).astype(dtype)
-    got, want = _distinct(x), np.unique(x)
-    assert got.dtype == want.dtype and got.tolist() == want.tolist()

@@ -179,3 +179,16 @@ def test_key_index_lookups_agree_with_a_set(nc, nq, spread, seed):
             want = ids[_naive(c_key, [k[pos] for k in q_key])]
             got = index.rows_of(pos)
             assert got.dtype == np.int64 and got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n,spread", [(0, 1), (1, 1), (50, 3), (1000, 10**3), (1000, 10**9), (200_000, 10**6)])
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64])
+def test_distinct_is_np_unique(seed, n, spread, dtype):
+    """distinct (problems' distinct steps, ranks, sites and observations: counted where their range is small, else
+    np.unique) is np.unique, in value, order and dtype, for ranges narrow and wide, negative values included."""
+    rng = np.random.default_rng(seed)
+    hi = min(spread, np.iinfo(dtype).max)
+    x = rng.integers(-hi // 2, hi, n).astype(dtype)
+    got, want = segments.distinct(x), np.unique(x)
+    assert got.dtype == want.dtype and got.tolist() == want.tolist()
