@@ -7,7 +7,7 @@ import numpy as np
 from dcptool.dcp.backend import load
 from dcptool.dump import Record
 from dcptool.dump.observation import NAMES
-from dcptool.engine.arguments import host_copy
+from dcptool.engine.arguments import host_copy, host_fast
 from dcptool.engine.guard.host_checks import CHECKS, DEVICE_HALVES, HOST_CHECKS, NOT_KEPT, late_bits
 from dcptool.engine.snapshot.layout import HOST_ROWS as LAYOUT_HOST_ROWS
 from dcptool.engine.snapshot.ring import FENCE_EVERY, SnapshotRing
@@ -438,7 +438,7 @@ class GuardDevice:
         """The launch's host values (HOST_ROWS, host copies) under its host index, where it has any; those of the
         last EXTRAS_KEPT * keep launches and of every captured one are kept."""
         late = r[_HOST_AT:]
-        self.extras[hidx] = tuple(None if x is None else host_copy(x) for x in late)
+        self.extras[hidx] = tuple(map(host_fast, late))
         if self.capturing():
             self.pinned.add(hidx)
         if len(self.extras) > 2 * EXTRAS_KEPT * self.keep + len(self.pinned):

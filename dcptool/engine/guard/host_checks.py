@@ -106,8 +106,9 @@ _CHECK = {
 # copies); the device path's kernel decides the halves that read seq_lens and query_start_loc (DEVICE_HALVES).
 _HOST = {
     "graph-addr": lambda s, r: _graph(r.graph) == GraphMode.FULL_REPLAY and r.attn_addrs is not None
-    and r.graph_addrs is not None and not np.array_equal(np.asarray(r.attn_addrs), np.asarray(r.graph_addrs)),
-    "capacity": lambda s, r: r.attn_caps is not None and bool(np.any(np.asarray(r.attn_caps) < r.num_reqs_padded)),
+    and r.graph_addrs is not None and not _equal(r.attn_addrs, r.graph_addrs),
+    "capacity": lambda s, r: r.attn_caps is not None and any(c < r.num_reqs_padded
+                                                             for c in np.asarray(r.attn_caps).ravel().tolist()),
     "host-copy": lambda s, r: r.host_seq_lens is not None and _host_copy_wrong(r),
     "plan-pages": lambda s, r: (r.kv_prefill_pages is not None or r.kv_last_page is not None) and _plan_wrong(s, r),
     "kernel-block": lambda s, r: r.kv_block_sizes is not None and _misdealt(s, np.asarray(r.kv_block_sizes)),
@@ -136,7 +137,16 @@ def _written_in_place(r: Record) -> bool:
         return False
     host = np.asarray(r.host_seq_lens)
     k = min(int(r.num_reqs), host.size, len(after))
-    return not np.array_equal(host[:k], np.asarray(after)[:k])
+    return not _equal(host[:k], np.asarray(after)[:k])
+
+
+def _equal(a, b) -> bool:
+    """np.array_equal of two integer arrays (or sequences); those of one dtype and shape compared as bytes (a few
+    values an observation, eagerly: array_equal's dispatch is most of its cost)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype == b.dtype and a.dtype.kind in "iub":
+        return a.shape == b.shape and a.tobytes() == b.tobytes()
+    return bool(np.array_equal(a, b))
 
 
 def _plan_rows(x, nr: int) -> np.ndarray:
@@ -163,8 +173,10 @@ def _misdealt(s: Spec, sizes: np.ndarray) -> bool:
     """kernel-block on one observation's rows.kv_block_sizes (three per group: manager, kernel, dealt by)."""
     if s.dcp_size == 1 or sizes.size < 3:
         return False
-    v = sizes.astype(np.int64).reshape(-1, 3)
-    for g, (mgr, _, dealt) in enumerate(v.tolist()):
+    v = sizes.ravel().tolist()
+    if len(v) % 3:
+        raise ValueError(f"kv_block_sizes: {len(v)} values; three a KV-cache group (manager, kernel, dealt by)")
+    for g, (mgr, _, dealt) in enumerate(zip(v[0::3], v[1::3], v[2::3])):
         sharded = s.sharded is None or g >= len(s.sharded) or s.sharded[g]
         if sharded and dealt != mgr and mgr > 0 and dealt > 0 and _deal_moves(dealt, mgr, s.dcp_size,
                                                                                s.cp_interleave):

@@ -154,3 +154,36 @@ def test_host_copy_stale_or_written_in_place_and_a_faithful_copy_passes():
     assert _check(seq, dcp, host_seq_lens=np.array([5, 9, 2, 7], np.int32)) is None  # (a padded row)
     assert _check(seq, dcp, host_seq_lens=seq.copy(), host_seq_lens_after=np.array([5, 9, 1, 0], np.int32)) == \
         "host-copy"
+
+
+def _as(rng, a: np.ndarray):
+    """a as the engine may hand it: int32 or int64 numpy, or a list."""
+    return [a.astype(np.int32), a.astype(np.int64), a.tolist()][int(rng.integers(3))]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_host_values_get_the_verdicts_of_array_equal_and_any(seed):
+    """graph-addr, capacity and host-copy's written-in-place half on host values of either integer width or lists,
+    equal or with one value or the length changed: the verdicts np.array_equal and np.any give (the host-alone
+    checks compare them as bytes where they can)."""
+    rng = np.random.default_rng(seed)
+    seq, dcp, _ = _case()
+    for _ in range(20):
+        words = rng.integers(0, 1 << 30, int(rng.integers(1, 5)))
+        other = words.copy()
+        change = int(rng.integers(3))
+        if change == 1:
+            other[int(rng.integers(other.size))] += 1
+        elif change == 2:
+            other = np.append(other, 7)
+        a, b = _as(rng, words), _as(rng, other)
+        want = not np.array_equal(np.asarray(a), np.asarray(b))
+        assert (_check(seq, dcp, graph=3, attn_addrs=a, graph_addrs=b) == "graph-addr") is want
+        caps = _as(rng, rng.integers(2, 7, int(rng.integers(1, 4))))
+        assert (_check(seq, dcp, attn_caps=caps) == "capacity") is bool(np.any(np.asarray(caps) < 4))
+        after = seq.copy()
+        if change:
+            after[int(rng.integers(3))] += 1
+        host, after = _as(rng, seq), _as(rng, after)
+        want = not np.array_equal(np.asarray(host)[:3], np.asarray(after)[:3])
+        assert (_check(seq, dcp, host_seq_lens=host, host_seq_lens_after=after) == "host-copy") is want
