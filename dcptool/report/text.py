@@ -384,12 +384,6 @@ def replay_json_text(res, max_findings: int | None = None) -> Iterator[str]:
     yield "\n".join([*problem_json_lines(getattr(res, "problems", [])), json.dumps(res.summary_json())]) + "\n"
 
 
-def replay_json_lines(res, max_findings: int | None = None) -> Iterator[str]:
-    """`replay --json`'s lines one by one (replay_json_text's chunks cut at their newlines: a JSON line has none)."""
-    for chunk in replay_json_text(res, max_findings):
-        yield from chunk[:-1].split("\n")
-
-
 def render_inspect(info, console: Console) -> None:
     c = info.config
     say(console, (literal(", ".join(info.files)), "bold"), f"  ({info.bytes:,} bytes, format {info.format})")

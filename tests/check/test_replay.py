@@ -132,7 +132,7 @@ def test_replay_says_when_the_recording_stopped_at_its_size_cap(tmp_path, capped
     from rich.console import Console
 
     from dcptool.engine.recorder.record import Recorder
-    from dcptool.report.text import render_replay, replay_json_lines
+    from dcptool.report.text import render_replay, replay_json_text
 
     rec = Recorder(tmp_path / "run.safetensors", dcp_size=2, rollover=10, max_bytes=2500 if capped else None)
     seq = np.arange(1, 65, dtype=np.int32)
@@ -143,7 +143,7 @@ def test_replay_says_when_the_recording_stopped_at_its_size_cap(tmp_path, capped
     res = replay(open_dumps([str(f) for f in rec.close()]))
     out = StringIO()
     render_replay(res, Console(file=out, width=200))
-    summary = json.loads(list(replay_json_lines(res))[-1])
+    summary = json.loads("".join(replay_json_text(res)).splitlines()[-1])
     assert res.capped == (2500 if capped else None) and summary.get("capped") == res.capped
     assert ("stopped at its size cap of 2,500 bytes" in out.getvalue()) == capped
 
