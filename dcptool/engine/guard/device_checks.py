@@ -10,7 +10,7 @@ from dcptool.dump.observation import NAMES
 from dcptool.engine.arguments import host_copy, host_fast
 from dcptool.engine.guard.host_checks import CHECKS, DEVICE_HALVES, HOST_CHECKS, NOT_KEPT, late_bits
 from dcptool.engine.snapshot.layout import HOST_ROWS as LAYOUT_HOST_ROWS
-from dcptool.engine.snapshot.ring import FENCE_EVERY, SnapshotRing
+from dcptool.engine.snapshot.ring import SnapshotRing
 
 # Ring slot layout (int32 words): HEAD header words, then six sections of `cap` rows each (seq_lens, the DCP
 # view, query_start_loc, kv_pages, dcp_query_start_loc, dcp_tot_seq_lens) and `tcap` words of slot entries
@@ -243,14 +243,7 @@ class HostValues:
 
     def launched(self, raw: int, start: int, need: int) -> None:
         """The launch that reads the slot at `start` is queued on stream `raw`: the slot stays until it ran."""
-        ring = self.ring
-        if raw not in ring.streams:
-            ring.stream(raw)
-        ring.pending.append((-1, start, need, None))
-        ring.unfenced += 1
-        ring.unfenced_words += need
-        if ring.unfenced >= FENCE_EVERY or ring.unfenced_words >= ring.fence_words:
-            ring.fence()
+        if self.ring.queued(raw, (-1, start, need, None)):
             self._collect()
 
     def _collect(self) -> None:

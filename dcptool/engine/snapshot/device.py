@@ -26,7 +26,7 @@ from dcptool.engine.snapshot.arm import arm
 from dcptool.engine.snapshot.harvest import Harvest
 from dcptool.engine.snapshot.kernels import SNAP_ARGS_BLOCK
 from dcptool.engine.snapshot.layout import ABSENT, ARGS_SECTIONS, HOST_ROWS, SECTIONS, SGRP, host_rules, layout
-from dcptool.engine.snapshot.ring import FENCE_EVERY, Slot, SnapshotRing
+from dcptool.engine.snapshot.ring import Slot, SnapshotRing
 
 _NEW = tuple.__new__
 # observe_fast unpacks the record in this order (a new field of the table: read it there, and decline it while the
@@ -283,15 +283,10 @@ class DevicePath:
     def _queued(self, ring: SnapshotRing, raw: int, index: int, start: int, words: int, host, vals, site: str) -> int:
         """Under the lock, once a snapshot is launched (either path): keep its slot as the observation's row, and
         fence every FENCE_EVERY launches (collecting the slots finished by then)."""
-        if raw not in ring.streams:
-            ring.stream(raw)
         slot = _NEW(Slot, (index, start, words, host))
-        ring.pending.append(slot)
-        ring.unfenced += 1
-        ring.unfenced_words += words
+        fenced = ring.queued(raw, slot)
         self._append(vals, site, slot)
-        if ring.unfenced >= FENCE_EVERY or ring.unfenced_words >= ring.fence_words:
-            ring.fence()
+        if fenced:
             self._harvest.harvest(wait=False)
         return index
 

@@ -115,6 +115,20 @@ class SnapshotRing:
         self.fences.append((evs, self.unfenced))
         self.unfenced = self.unfenced_words = 0
 
+    def queued(self, raw: int, slot: tuple) -> bool:
+        """The launch that reads `slot` ((index, start, words, host)) is queued on stream `raw`: the slot stays in
+        flight until a fence recorded after it has completed. True: a fence was recorded now (every FENCE_EVERY
+        launches, and every fence_words words): the caller collects what finished by then."""
+        if raw not in self.streams:
+            self.stream(raw)
+        self.pending.append(slot)
+        self.unfenced += 1
+        self.unfenced_words += slot[2]
+        if self.unfenced >= FENCE_EVERY or self.unfenced_words >= self.fence_words:
+            self.fence()
+            return True
+        return False
+
     def finished(self, *, wait: bool, one: bool = False):
         """The slots of each fence whose launches are done, oldest first, one list a fence (wait: fence and wait
         for all in flight; one: only the oldest fence's, waiting for it if need be)."""
