@@ -127,7 +127,7 @@ def _host_copy_wrong(r: Record) -> bool:
         return True
     host, seq = np.asarray(r.host_seq_lens), np.asarray(r.seq_lens)
     k = min(int(r.num_reqs), host.size, seq.size)
-    return not np.array_equal(host[:k], seq[:k])
+    return not _equal(host[:k], seq[:k])
 
 
 def _written_in_place(r: Record) -> bool:
