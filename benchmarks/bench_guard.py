@@ -270,12 +270,11 @@ def python_before(rev: str, fields: str | None = None) -> float | None:
     import os
     import subprocess
 
+    from bench_record_python import revision_tree
+
     with tempfile.TemporaryDirectory() as t:
-        arch = subprocess.run(["git", "archive", rev, "dcptool"], cwd=ROOT, capture_output=True)
-        if arch.returncode:
-            print(f"(revision {rev}: {arch.stderr.decode().strip()})")
+        if revision_tree(rev, Path(t)) is None:
             return None
-        subprocess.run(["tar", "-x", "-C", t], input=arch.stdout, check=True)
         code = "from __future__ import annotations\n" + inspect.getsource(python_cost) + "print(python_cost())\n"
         if fields is not None:
             code = ("import tempfile\nimport torch\nimport guard_engine as ge\nfrom dcptool.engine.guard.guard import "

@@ -34,7 +34,6 @@ from dcptool.dcp.reference import dcp_local_seq_lens, last_page, local_np, slot_
 from dcptool.dump import Record
 from dcptool.dump.schema import GraphMode, addr_words
 from dcptool.engine.vllm.builders import FLASH_ATTN_TENSORS
-from dcptool.model.rows import num_decodes
 
 N, RANK, INTERLEAVE, PAGE = 2, 0, 1, 16  # DCP 2, this rank 0, interleave 1, FlashInfer's page of 16 tokens
 KV_GROUPS = ({"name": "FullAttentionSpec", "dcp": True, "block_size": PAGE, "cp_size": N},
@@ -96,7 +95,9 @@ class Engine:
         q = np.array([shape.decode_q] * shape.decodes + list(shape.prefill_q), np.int64)
         # FlashInfer's decode rows under DCP: the leading rows of one query token (split_decodes_and_prefills at
         # threshold 1); MLA's are the decode rows at the spec-decode threshold 1 + K (self.nd)
-        self.fi_nd = num_decodes(q, 1, int(q.size))
+        # (model.rows.num_decodes' rule, written out: bench_guard --python --before runs this module against older
+        # dcptool packages, which lack it)
+        self.fi_nd = int(np.argmax(q > 1)) if (q > 1).any() else int(q.size)
         ctx = np.concatenate([rng.integers(1, 1 << 17, shape.decodes), np.array(shape.prefill_ctx, np.int64)])
         self.rows, self.tokens = int(q.size), int(q.sum())
         self.q = q
